@@ -1,0 +1,42 @@
+"""shardkit: pack image folders into WebDataset-compatible shards and stream them to PyTorch.
+
+`import shardkit` stays light: the packer and the index load without torch, and
+StreamingDataset (which needs torch) is imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, SourceError
+from .index import Index, ShardInfo
+from .pack import pack
+from .verify import build_index, verify
+
+if TYPE_CHECKING:
+    from .dataset import StreamingDataset
+
+__all__ = [
+    "CorruptShardError",
+    "DatasetNotFoundError",
+    "Index",
+    "IndexVersionError",
+    "ShardInfo",
+    "ShardkitError",
+    "SourceError",
+    "StreamingDataset",
+    "build_index",
+    "pack",
+    "verify",
+]
+__version__ = "0.1.0"
+
+_LAZY = {"StreamingDataset": "dataset"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'shardkit' has no attribute {name!r}")

@@ -1,0 +1,191 @@
+"""`shardkit` command line: thin click wrappers over the Python API.
+
+Exit codes: 0 success, 1 a shardkit error (bad input, corrupt shard; the message names it),
+2 a usage error (click's convention).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from .errors import ShardkitError
+from .units import format_size, parse_size
+
+
+def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn ShardkitError (and a few OS errors) into a one-line message and exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ShardkitError as e:
+            raise click.ClickException(str(e)) from None
+        except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
+            raise click.ClickException(f"{e.filename}: {e.strerror}") from None
+
+    return wrapper
+
+
+def _storage_options(pairs: tuple[str, ...]) -> dict[str, Any] | None:
+    """-o key=value pairs; values are JSON when they parse (numbers, true, {...}), else strings."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected key=value, got {pair!r}", param_hint="-o")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out or None
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+storage_option = click.option(
+    "-o", "--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
+    help="fsspec storage option, repeatable (e.g. -o endpoint_url=http://127.0.0.1:9000).",
+)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="shardkit")
+def main() -> None:
+    """Pack image folders into WebDataset-compatible shards and inspect them."""
+
+
+@main.command()
+@click.argument("src")
+@click.argument("dest")
+@click.option("--format", "fmt", type=click.Choice(["tar"]), default="tar", show_default=True,
+              help="Output format.")
+@click.option("--max-count", type=click.IntRange(min=1), help="At most this many samples per shard.")
+@click.option("--max-size", default="256MB", show_default=True, callback=_size,
+              help="At most this many bytes per shard (256MB, 1GiB, ...).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Processes writing shards in parallel.  [default: CPU count]")
+@click.option("--shuffle/--no-shuffle", default=True, show_default=True,
+              help="Shuffle samples across shards (recommended for training).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the pack-time shuffle.")
+@click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
+              help="Skip unusable files (listed in the index) or stop at the first one.")
+@click.option("--resize", type=click.IntRange(min=1), metavar="PX",
+              help="Shrink each image so its shorter side is at most PX, re-encoded as JPEG.")
+@click.option("--quality", type=click.IntRange(1, 100), metavar="Q",
+              help="Re-encode images as JPEG at this quality (default 90 with --resize).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+@storage_option
+@_errors_to_exit
+def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | None, workers: int | None,
+         shuffle: bool, seed: int, on_error: str, resize: int | None, quality: int | None, quiet: bool,
+         storage_options: tuple[str, ...]) -> None:
+    """Pack the image folder SRC (SRC/<class>/<image>) into shards under DEST.
+
+    Deterministic and safe to rerun: after an interruption the same command keeps the
+    finished shards and writes the rest. index.json is written last.
+    """
+    from .pack import pack as run_pack
+
+    start = time.perf_counter()
+    idx = run_pack(src, dest, format=fmt, max_count=max_count, max_size=max_size, workers=workers,
+                   shuffle=shuffle, seed=seed, on_error=on_error, resize=resize, quality=quality,
+                   progress=None if not quiet else False, storage_options=_storage_options(storage_options))
+    if quiet:
+        return
+    took = time.perf_counter() - start
+    click.echo(f"packed {idx.samples} samples into {len(idx.shards)} shards ({format_size(idx.bytes)}) "
+               f"in {took:.1f} s: {idx.samples / took:.0f} img/s, {idx.bytes / took / 1e6:.0f} MB/s")
+    if idx.skipped:
+        click.echo(f"skipped {len(idx.skipped)} files:", err=True)
+        for s in idx.skipped[:10]:
+            click.echo(f"  {s.path}: {s.reason}", err=True)
+        if len(idx.skipped) > 10:
+            click.echo(f"  ... and {len(idx.skipped) - 10} more (shardkit info --json {dest})", err=True)
+
+
+@main.command()
+@click.argument("url")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole index as JSON.")
+@storage_option
+@_errors_to_exit
+def info(url: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
+    """Summarise the dataset at URL from its index.json."""
+    from . import index
+
+    idx = index.load(url, _storage_options(storage_options))
+    if as_json:
+        click.echo(idx.to_json(), nl=False)
+        return
+    counts = [s.samples for s in idx.shards]
+    click.echo(f"dataset:  {url}")
+    click.echo(f"format:   {idx.kind}, fields {', '.join(idx.fields)}")
+    click.echo(f"samples:  {idx.samples}")
+    click.echo(f"shards:   {len(idx.shards)} ({min(counts, default=0)}-{max(counts, default=0)} samples each)")
+    click.echo(f"bytes:    {format_size(idx.bytes)}")
+    names = ", ".join(idx.classes[:8]) + (", ..." if len(idx.classes) > 8 else "")
+    click.echo(f"classes:  {len(idx.classes)}" + (f" ({names})" if idx.classes else ""))
+    click.echo(f"skipped:  {len(idx.skipped)} files")
+    for s in idx.skipped[:10]:
+        click.echo(f"  {s.path}: {s.reason}")
+
+
+@main.command()
+@click.argument("url")
+@click.option("-q", "--quiet", is_flag=True, help="Print problems only.")
+@storage_option
+@_errors_to_exit
+def verify(url: str, quiet: bool, storage_options: tuple[str, ...]) -> None:
+    """Re-read every shard and check size, sha256, sample count and offsets against the index.
+
+    Exits 1 naming every bad shard.
+    """
+    from .verify import verify as run_verify
+
+    def report(info: Any, problem: str | None) -> None:
+        if not quiet and problem is None:
+            click.echo(f"ok   {info.name} ({info.samples} samples)")
+
+    problems = run_verify(url, _storage_options(storage_options), on_shard=report)
+    for p in problems:
+        click.echo(f"BAD  {p}", err=True)
+    if problems:
+        raise click.ClickException(f"{len(problems)} bad shard(s) in {url}")
+    if not quiet:
+        click.echo("all shards match the index")
+
+
+@main.command("index")
+@click.argument("url")
+@click.option("--force", is_flag=True, help="Overwrite an existing index.json.")
+@storage_option
+@_errors_to_exit
+def index_cmd(url: str, force: bool, storage_options: tuple[str, ...]) -> None:
+    """Write index.json for .tar shards made by another tool (webdataset, plain tar)."""
+    from . import index, storage
+    from .verify import build_index
+
+    opts = _storage_options(storage_options)
+    if storage.exists(storage.join(url, index.INDEX_NAME), opts) and not force:
+        raise click.ClickException(f"{storage.join(url, index.INDEX_NAME)} exists (use --force to rebuild)")
+    idx = build_index(url, opts)
+    index.save(idx, url, opts)
+    click.echo(f"indexed {idx.samples} samples in {len(idx.shards)} shards ({format_size(idx.bytes)})")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""WebDataset-compatible tar shards: a deterministic writer and a streaming reader.
+
+Both work on plain binary file objects (never on paths or URLs), so they are testable on
+io.BytesIO and storage stays in storage.py. Headers are POSIX ustar with every variable
+field fixed (mtime 0, uid/gid 0, no user names, mode 0644): the same samples give the same
+bytes. The reader also understands what other writers emit: pax extended headers (Python's
+tarfile default, used by webdataset's ShardWriter), GNU long names, directories.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from ..errors import CorruptShardError
+
+BLOCK = 512
+RECORD = 20 * BLOCK  # GNU tar and Python's tarfile pad archives to 10 KiB records
+
+_EMPTY = bytes(BLOCK)
+_USTAR_MAGIC = b"ustar\x0000"
+
+
+def _octal(value: int, width: int) -> bytes:
+    return b"%0*o\x00" % (width - 1, value)
+
+
+def header(name: str, size: int) -> bytes:
+    """A ustar header for a regular file: deterministic, 512 bytes."""
+    raw = name.encode("utf-8")
+    if len(raw) > 100:
+        raise ValueError(f"tar member name longer than 100 bytes: {name!r}")
+    if size >= 8**11:
+        raise ValueError(f"tar member larger than 8 GiB: {name!r}")
+    head = bytearray(BLOCK)
+    head[0 : len(raw)] = raw
+    head[100:108] = _octal(0o644, 8)  # mode
+    head[108:116] = _octal(0, 8)  # uid
+    head[116:124] = _octal(0, 8)  # gid
+    head[124:136] = _octal(size, 12)
+    head[136:148] = _octal(0, 12)  # mtime
+    head[148:156] = b" " * 8  # checksum placeholder
+    head[156:157] = b"0"  # regular file
+    head[257:265] = _USTAR_MAGIC
+    head[148:156] = b"%06o\x00 " % sum(head)
+    return bytes(head)
+
+
+def _padding(size: int) -> int:
+    return -size % BLOCK
+
+
+class TarWriter:
+    """Writes samples as adjacent `KEY.EXT` members and hashes the bytes as they go out.
+
+    `offsets` holds the byte offset of every sample's first header plus the end of the
+    last sample, so a reader can fetch sample i as bytes [offsets[i], offsets[i+1]).
+    """
+
+    def __init__(self, fileobj: BinaryIO):
+        self._f = fileobj
+        self._sha = hashlib.sha256()
+        self.offsets: list[int] = [0]
+        self.size = 0
+
+    def _write(self, data: bytes) -> None:
+        self._f.write(data)
+        self._sha.update(data)
+        self.size += len(data)
+
+    def write(self, key: str, fields: Mapping[str, bytes]) -> None:
+        """Add one sample; fields are written in sorted order of their extension."""
+        if "." in key or "/" in key or not key:
+            raise ValueError(f"sample key must be non-empty with no '.' or '/': {key!r}")
+        for ext in sorted(fields):
+            data = fields[ext]
+            self._write(header(f"{key}.{ext}", len(data)))
+            self._write(data)
+            pad = _padding(len(data))
+            if pad:
+                self._write(_EMPTY[:pad])
+        self.offsets.append(self.size)
+
+    def close(self) -> str:
+        """Write the end-of-archive blocks and record padding; return the sha256 hex digest."""
+        end = self.size + 2 * BLOCK
+        self._write(bytes(2 * BLOCK + (-end % RECORD)))
+        return self._sha.hexdigest()
+
+
+def _parse_octal(field: bytes, where: str) -> int:
+    digits = field.rstrip(b"\x00 ").lstrip(b" ")
+    if field[:1] == b"\x80":  # GNU base-256 for sizes >= 8 GiB
+        return int.from_bytes(field[1:], "big")
+    try:
+        return int(digits or b"0", 8)
+    except ValueError:
+        raise CorruptShardError(f"{where}: bad number in tar header") from None
+
+
+def _check_header(head: bytes, where: str) -> None:
+    stored = _parse_octal(head[148:156], where)
+    actual = sum(head[:148]) + 8 * 32 + sum(head[156:])
+    if stored != actual:
+        raise CorruptShardError(f"{where}: tar header checksum mismatch (not a tar file, or corrupt)")
+
+
+def _pax_path(data: bytes) -> str | None:
+    """The `path` record of a pax extended header, if any ("LEN path=VALUE\\n" records)."""
+    pos = 0
+    while pos < len(data):
+        space = data.find(b" ", pos)
+        if space < 0:
+            break
+        length = int(data[pos:space])
+        record = data[space + 1 : pos + length - 1]
+        key, _, value = record.partition(b"=")
+        if key == b"path":
+            return value.decode("utf-8")
+        pos += length
+    return None
+
+
+def iter_members(f: BinaryIO, where: str, limit: int | None = None) -> Iterator[tuple[int, int, str, bytes]]:
+    """Yield (start, end, name, data) for every regular file from the current position of `f`.
+
+    [start, end) is the member's byte span, pax or long-name headers included, relative to
+    the starting position.
+
+    Stops at the end-of-archive block, at EOF, or after `limit` bytes (a sample range).
+    `where` names the shard in error messages. A member cut short raises CorruptShardError.
+    """
+    consumed = 0
+    start = 0
+    long_name: str | None = None
+    while limit is None or consumed < limit:
+        head = f.read(BLOCK)
+        if not head or head == _EMPTY:
+            return
+        member = f"{where} at byte {consumed}"
+        if len(head) < BLOCK:
+            raise CorruptShardError(f"{member}: truncated tar header")
+        _check_header(head, member)
+        size = _parse_octal(head[124:136], member)
+        kind = head[156:157]
+        padded = size + _padding(size)
+        data = f.read(padded)
+        if len(data) < padded:
+            name = long_name or head[:100].split(b"\x00", 1)[0].decode("utf-8", "replace")
+            raise CorruptShardError(f"{where}: member {name!r} truncated ({len(data)} of {size} bytes)")
+        consumed += BLOCK + padded
+        data = data[:size]
+        if kind == b"L":  # GNU long name for the next member
+            long_name = data.rstrip(b"\x00").decode("utf-8")
+            continue
+        if kind == b"x":  # pax extended header for the next member
+            long_name = _pax_path(data) or long_name
+            continue
+        if kind == b"g":  # pax global header: nothing we use
+            start = consumed
+            continue
+        name = long_name
+        long_name = None
+        if name is None:
+            name = head[:100].split(b"\x00", 1)[0].decode("utf-8")
+            prefix = head[345:500].split(b"\x00", 1)[0].decode("utf-8")
+            if prefix and head[257:262] == b"ustar":
+                name = f"{prefix}/{name}"
+        if kind in (b"0", b"\x00", b"7"):  # regular file (and contiguous file)
+            yield start, consumed, name, data
+        start = consumed
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """WebDataset's rule: KEY.EXT splits at the first dot of the base name."""
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot < 0:
+        return name, ""
+    return name[:dot], name[dot + 1 :]
+
+
+def iter_samples(
+    f: BinaryIO, where: str, limit: int | None = None
+) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """Group adjacent members with the same key into (key, {ext: bytes}) samples."""
+    key: str | None = None
+    fields: dict[str, bytes] = {}
+    for _, _, name, data in iter_members(f, where, limit):
+        k, ext = split_name(name)
+        if k != key:
+            if key is not None and fields:
+                yield key, fields
+            key, fields = k, {}
+        if ext:
+            fields[ext] = data
+    if key is not None and fields:
+        yield key, fields
+
+
+@dataclass
+class Scan:
+    """What a full read of a shard learns: sample keys, offsets (plus the end of the last
+    sample) and the field names seen."""
+
+    keys: list[str] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    fields: set[str] = field(default_factory=set)
+
+
+def scan(f: BinaryIO, where: str) -> Scan:
+    """Scan a shard written by any tool. Reads it once, start to end."""
+    out = Scan()
+    end = 0
+    for start, stop, name, _ in iter_members(f, where):
+        key, ext = split_name(name)
+        if not out.keys or out.keys[-1] != key:
+            out.keys.append(key)
+            out.offsets.append(start)
+        out.fields.add(ext)
+        end = stop
+    out.offsets.append(end)
+    return out

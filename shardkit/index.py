@@ -1,0 +1,145 @@
+"""index.json: the manifest a reader needs before it touches a shard.
+
+It lists every shard with its sample count, byte size, sha256 and per-sample byte offsets,
+plus totals, field names, class names and the files the packer skipped. Versioned: a reader
+refuses an index from a newer format loudly instead of misreading it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from . import storage
+from .errors import CorruptShardError, DatasetNotFoundError, IndexVersionError
+from .storage import StorageOptions
+
+INDEX_NAME = "index.json"
+FORMAT = "shardkit"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard. `offsets` has samples + 1 entries: sample i is bytes [offsets[i], offsets[i+1])."""
+
+    name: str
+    samples: int
+    bytes: int
+    sha256: str | None = None
+    offsets: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.offsets is not None and len(self.offsets) != self.samples + 1:
+            raise CorruptShardError(
+                f"{self.name}: index lists {len(self.offsets)} offsets for {self.samples} samples"
+            )
+
+    def to_json(self) -> dict:
+        out: dict = {"name": self.name, "samples": self.samples, "bytes": self.bytes}
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
+        if self.offsets is not None:
+            out["offsets"] = list(self.offsets)
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict) -> ShardInfo:
+        offsets = d.get("offsets")
+        return cls(
+            name=d["name"],
+            samples=int(d["samples"]),
+            bytes=int(d["bytes"]),
+            sha256=d.get("sha256"),
+            offsets=tuple(offsets) if offsets is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A source file the packer could not use, and why."""
+
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Index:
+    shards: tuple[ShardInfo, ...]
+    kind: str = "tar"
+    fields: tuple[str, ...] = ()
+    classes: tuple[str, ...] = ()
+    skipped: tuple[Skipped, ...] = ()
+    plan: str | None = None  # fingerprint of the pack plan: a rerun with the same plan is a no-op
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    def to_json(self) -> str:
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "kind": self.kind,
+            "samples": self.samples,
+            "bytes": self.bytes,
+            "fields": list(self.fields),
+            "classes": list(self.classes),
+            "plan": self.plan,
+            "skipped": [{"path": s.path, "reason": s.reason} for s in self.skipped],
+            **self.extra,
+            "shards": [s.to_json() for s in self.shards],
+        }
+        return json.dumps(doc, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str = INDEX_NAME) -> Index:
+        try:
+            doc = json.loads(text)
+        except ValueError as e:
+            raise CorruptShardError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise CorruptShardError(f"{where}: not a shardkit index")
+        version = doc.get("version")
+        if version != VERSION:
+            raise IndexVersionError(
+                f"{where}: index version {version!r}, this shardkit reads version {VERSION}; upgrade shardkit"
+            )
+        known = {"format", "version", "kind", "samples", "bytes", "fields", "classes", "plan", "skipped", "shards"}
+        try:
+            index = cls(
+                shards=tuple(ShardInfo.from_json(s) for s in doc["shards"]),
+                kind=doc.get("kind", "tar"),
+                fields=tuple(doc.get("fields", ())),
+                classes=tuple(doc.get("classes", ())),
+                skipped=tuple(Skipped(s["path"], s["reason"]) for s in doc.get("skipped", ())),
+                plan=doc.get("plan"),
+                extra={k: v for k, v in doc.items() if k not in known},
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, CorruptShardError):
+                raise
+            raise CorruptShardError(f"{where}: malformed index ({type(e).__name__}: {e})") from None
+        if doc.get("samples") is not None and doc["samples"] != index.samples:
+            raise CorruptShardError(f"{where}: total {doc['samples']} samples but shards add up to {index.samples}")
+        return index
+
+
+def load(url: str, storage_options: StorageOptions | None = None) -> Index:
+    """Read DATASET/index.json."""
+    where = storage.join(url, INDEX_NAME)
+    try:
+        text = storage.read_bytes(where, storage_options)
+    except FileNotFoundError:
+        raise DatasetNotFoundError(f"{where}: no such index (not a shardkit dataset?)") from None
+    return Index.from_json(text, where)
+
+
+def save(index: Index, url: str, storage_options: StorageOptions | None = None) -> None:
+    """Write DATASET/index.json atomically."""
+    storage.write_bytes_atomic(storage.join(url, INDEX_NAME), index.to_json().encode(), storage_options)

@@ -1,0 +1,166 @@
+"""The only module that talks to storage. Local paths take a direct os path (fast, no
+fsspec overhead); everything else goes through fsspec with the caller's storage options
+passed through unchanged."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+from .errors import ShardkitError
+
+StorageOptions = dict[str, Any]
+
+_INSTALL_HINTS = {
+    "s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs",
+}
+
+
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def local_path(url: str) -> str:
+    return url[len("file://"):] if url.startswith("file://") else url
+
+
+def join(base: str, *names: str) -> str:
+    """Join path parts with '/', for local paths and URLs alike."""
+    out = base.rstrip("/") if base not in ("/", "") else base
+    for name in names:
+        out = f"{out}/{name}" if out and not out.endswith("/") else f"{out}{name}"
+    return out
+
+
+def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple[Any, str]:
+    """(fsspec filesystem, path within it). Missing backends get an install hint."""
+    import fsspec.core
+
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as e:
+        proto = url.split("://", 1)[0]
+        extra = _INSTALL_HINTS.get(proto)
+        hint = f"pip install 'shardkit[{extra}]'" if extra else f"install the fsspec backend for {proto}://"
+        raise ShardkitError(f"{url}: {proto}:// support is not installed ({hint})") from e
+
+
+def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes:
+    if is_local(url):
+        with open(local_path(url), "rb") as f:
+            return f.read()
+    fs, path = filesystem(url, storage_options)
+    return fs.cat_file(path)
+
+
+def open_read(url: str, storage_options: StorageOptions | None = None) -> BinaryIO:
+    """A binary file for sequential reading."""
+    if is_local(url):
+        return open(local_path(url), "rb", buffering=1 << 20)
+    fs, path = filesystem(url, storage_options)
+    return fs.open(path, "rb", block_size=8 << 20)
+
+
+def exists(url: str, storage_options: StorageOptions | None = None) -> bool:
+    if is_local(url):
+        return os.path.exists(local_path(url))
+    fs, path = filesystem(url, storage_options)
+    return fs.exists(path)
+
+
+def size(url: str, storage_options: StorageOptions | None = None) -> int | None:
+    """Size in bytes, or None if the object does not exist."""
+    if is_local(url):
+        try:
+            return os.stat(local_path(url)).st_size
+        except FileNotFoundError:
+            return None
+    fs, path = filesystem(url, storage_options)
+    try:
+        return fs.size(path)
+    except FileNotFoundError:
+        return None
+
+
+def listdir(url: str, storage_options: StorageOptions | None = None) -> list[str]:
+    """Base names directly under a directory or prefix; [] if it does not exist."""
+    if is_local(url):
+        try:
+            return sorted(os.listdir(local_path(url)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+    fs, path = filesystem(url, storage_options)
+    try:
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def remove(url: str, storage_options: StorageOptions | None = None) -> None:
+    if is_local(url):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(local_path(url))
+        return
+    fs, path = filesystem(url, storage_options)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(path)
+
+
+def makedirs(url: str, storage_options: StorageOptions | None = None) -> None:
+    if is_local(url):
+        os.makedirs(local_path(url), exist_ok=True)
+    else:
+        fs, path = filesystem(url, storage_options)
+        fs.makedirs(path, exist_ok=True)
+
+
+TMP_MARK = ".tmp-"
+
+
+@contextlib.contextmanager
+def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> Iterator[BinaryIO]:
+    """A file that appears under `url` only once it is complete.
+
+    Locally: write `url.tmp-<random>`, fsync, rename into place; on error the temporary file
+    is removed. On object stores an upload becomes visible only when it completes, so the
+    object is written in place and an error aborts the upload.
+    """
+    if is_local(url):
+        path = local_path(url)
+        tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+        try:
+            with open(tmp, "wb", buffering=1 << 20) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+            raise
+        return
+    fs, path = filesystem(url, storage_options)
+    f = fs.open(path, "wb")
+    try:
+        yield f
+    except BaseException:
+        discard = getattr(f, "discard", None)
+        if discard is not None:
+            discard()
+        raise
+    f.close()
+
+
+def write_bytes_atomic(url: str, data: bytes, storage_options: StorageOptions | None = None) -> None:
+    with atomic_writer(url, storage_options) as f:
+        f.write(data)
+
+
+def remove_dir(url: str, storage_options: StorageOptions | None = None) -> None:
+    """Remove an empty directory (a no-op on object stores, which have none)."""
+    if is_local(url):
+        with contextlib.suppress(FileNotFoundError, OSError):
+            os.rmdir(local_path(url))
