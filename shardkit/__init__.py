@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 from .errors import CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, SourceError
 from .index import Index, ShardInfo
 from .pack import pack
-from .verify import build_index, verify
+from .sources import build_index
+from .verify import verify
 
 if TYPE_CHECKING:
     from .dataset import StreamingDataset

@@ -177,12 +177,12 @@ def verify(url: str, quiet: bool, storage_options: tuple[str, ...]) -> None:
 def index_cmd(url: str, force: bool, storage_options: tuple[str, ...]) -> None:
     """Write index.json for .tar shards made by another tool (webdataset, plain tar)."""
     from . import index, storage
-    from .verify import build_index
+    from .sources import build_index, shard_urls
 
     opts = _storage_options(storage_options)
     if storage.exists(storage.join(url, index.INDEX_NAME), opts) and not force:
         raise click.ClickException(f"{storage.join(url, index.INDEX_NAME)} exists (use --force to rebuild)")
-    idx = build_index(url, opts)
+    idx = build_index(shard_urls(url, opts), opts)
     index.save(idx, url, opts)
     click.echo(f"indexed {idx.samples} samples in {len(idx.shards)} shards ({format_size(idx.bytes)})")
 

@@ -145,13 +145,12 @@ def iter_members(f: BinaryIO, where: str, limit: int | None = None) -> Iterator[
         _check_header(head, member)
         size = _parse_octal(head[124:136], member)
         kind = head[156:157]
-        padded = size + _padding(size)
-        data = f.read(padded)
-        if len(data) < padded:
+        pad = _padding(size)
+        data = f.read(size)
+        if len(data) < size or (pad and len(f.read(pad)) < pad):
             name = long_name or head[:100].split(b"\x00", 1)[0].decode("utf-8", "replace")
             raise CorruptShardError(f"{where}: member {name!r} truncated ({len(data)} of {size} bytes)")
-        consumed += BLOCK + padded
-        data = data[:size]
+        consumed += BLOCK + size + pad
         if kind == b"L":  # GNU long name for the next member
             long_name = data.rstrip(b"\x00").decode("utf-8")
             continue

@@ -1,0 +1,392 @@
+"""StreamingDataset: a torch IterableDataset over shards, split across DDP ranks and
+DataLoader workers, every rank yielding exactly the same number of samples.
+
+The dataset object is cheap to build and to pickle: it holds the index as numpy arrays.
+Everything else (open files, the worker's plan) is made inside `__iter__`, in the worker.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch.utils.data
+
+from . import partition, storage
+from .decode import decoder
+from .errors import CorruptShardError, ShardkitError
+from .formats.tar import iter_samples
+from .index import Index
+from .partition import Layout, Progress
+from .sources import resolve
+from .storage import StorageOptions
+
+STATE_MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
+MAX_WORKERS = 256  # slots in the shared per-worker counters
+_STATS = ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped")
+
+
+class _Shared:
+    """Counters in shared memory, one writer per slot, no locks, nothing waits on them.
+
+    - the epoch set by `set_epoch` in the main process, seen by workers (persistent or not);
+    - passes per worker since then, so an epoch is never silently repeated;
+    - per-worker statistics for `stats()`.
+    """
+
+    def __init__(self) -> None:
+        self.epoch = multiprocessing.RawArray("q", 1 + MAX_WORKERS)
+        self.stats = multiprocessing.RawArray("d", MAX_WORKERS * len(_STATS))
+
+    def start_pass(self, worker_id: int) -> tuple[int, int]:
+        """(epoch, passes since set_epoch) for a new pass of this worker."""
+        passes = self.epoch[1 + worker_id]
+        self.epoch[1 + worker_id] = passes + 1
+        return self.epoch[0] + passes, passes
+
+    def resumed(self, worker_id: int, epoch: int) -> None:
+        """A worker restored mid-`epoch`: its next pass reads epoch + 1."""
+        self.epoch[0] = epoch
+        self.epoch[1 + worker_id] = 1
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch[0] = epoch
+        for w in range(MAX_WORKERS):
+            self.epoch[1 + w] = 0
+
+    def add(self, worker_id: int, values: Sequence[float]) -> None:
+        base = worker_id * len(_STATS)
+        for i, v in enumerate(values):
+            self.stats[base + i] += v
+
+
+class StreamingDataset(torch.utils.data.IterableDataset):
+    """Stream samples from tar shards (a dataset folder with index.json, a brace pattern
+    such as ``shards-{000000..000009}.tar``, or a list of shard paths or URLs).
+
+    Yields WebDataset-style dicts: ``__key__``, ``__url__`` and one entry per field,
+    images decoded as `decode` says ("raw" bytes, "pil", "rgb8" HWC uint8 numpy, "tensor"
+    CHW uint8 torch), ``cls`` as int, ``json`` as dict. `transform(sample)` runs in the
+    worker and its result is what the DataLoader receives.
+
+    Every rank yields ``len(ds)`` samples per epoch. With ``remainder="repeat"`` (default)
+    the last few samples that don't divide evenly are topped up by repeating samples from
+    the start of the epoch's order, so none is ever left out; ``"drop"`` leaves a few out.
+    With ``shuffle=True`` the order depends only on (seed, epoch) and the layout (world size,
+    num_workers); call ``set_epoch`` each epoch, or let each pass advance the epoch by one.
+    """
+
+    def __init__(
+        self,
+        source: str | Sequence[str],
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        decode: str = "raw",
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        remainder: str = "repeat",
+        shuffle_window: int = 1024,
+        block: int = 64,
+        on_error: str = "raise",
+        storage_options: StorageOptions | None = None,
+    ):
+        super().__init__()
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+        if remainder not in partition.REMAINDERS:
+            raise ValueError(f"remainder must be one of {partition.REMAINDERS}, not {remainder!r}")
+        if block < 1 or shuffle_window < 1:
+            raise ValueError("block and shuffle_window must be at least 1")
+        decoder(decode)  # validate early, in the main process
+        self.urls, self.index = resolve(source, storage_options)
+        self.shuffle, self.seed, self.decode, self.transform = shuffle, seed, decode, transform
+        self.remainder, self.shuffle_window, self.block, self.on_error = remainder, shuffle_window, block, on_error
+        self.storage_options = storage_options
+        self._rank_arg, self._world_arg = rank, world_size
+        self._world: tuple[int, int] | None = None
+        counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
+        self._counts = counts
+        self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        offsets = [s.offsets for s in self.index.shards]
+        if any(o is None for o in offsets):
+            raise ShardkitError(f"{source!r}: index lacks sample offsets; rebuild it with `shardkit index`")
+        self._starts = np.concatenate([np.asarray(o[:-1], dtype=np.int64) for o in offsets] or [np.empty(0, np.int64)])
+        self._ends = np.concatenate([np.asarray(o[1:], dtype=np.int64) for o in offsets] or [np.empty(0, np.int64)])
+        self._shared = _Shared()
+        self._resume: dict[str, Any] | None = None
+
+    # ---------------------------------------------------------------- layout
+
+    def _rank_world(self) -> tuple[int, int]:
+        if self._world is None:
+            return partition.world(self._rank_arg, self._world_arg)
+        return self._world
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled for spawned workers: pin the rank seen by the main process, because a
+        # spawned worker has no process group of its own.
+        state = self.__dict__.copy()
+        state["_world"] = self._rank_world()
+        return state
+
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch (the same on every rank)."""
+        return partition.per_rank(int(self._counts.sum()), self._rank_world()[1], self.remainder)
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return self.index.classes
+
+    @property
+    def epoch(self) -> int:
+        return int(self._shared.epoch[0])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch `epoch` for the next pass (reaches persistent workers too)."""
+        self._shared.set_epoch(epoch)
+
+    # ---------------------------------------------------------------- resume
+
+    def state_dict(self) -> dict[str, Any]:
+        """Dataset-level state: the epoch. Mid-epoch progress lives in the worker iterators
+        (what StatefulDataLoader saves) or comes from `resume_state` for a plain DataLoader."""
+        return {STATE_MARK: 1, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a StatefulDataLoader state dict, from `resume_state(...)`, or from
+        `state_dict()` (epoch only).
+
+        Progress of a whole loader may be loaded under any world size and num_workers: the
+        samples that epoch has not yet delivered are split across the new layout. Call it
+        in the main process before iterating; the resume applies to the first pass of the
+        saved epoch.
+        """
+        found = _find_states(state)
+        workers = [s for s in found if "worker" in s]
+        if not found:
+            raise ValueError("not a shardkit state dict")
+        if torch.utils.data.get_worker_info() is not None:
+            return  # inside a worker the iterator restores itself; the dataset has nothing to add
+        if not workers:
+            self._shared.set_epoch(int(found[0]["epoch"]))
+            return
+        first = workers[0]
+        if any(s["epoch"] != first["epoch"] or s["num_workers"] != first["num_workers"] for s in workers):
+            raise ValueError("state dict mixes workers of different epochs or layouts")
+        yielded = [0] * int(first["num_workers"])
+        for s in workers:
+            yielded[int(s["worker"])] = int(s["yielded"])
+        progress = Progress(int(first["world_size"]), int(first["num_workers"]), tuple(yielded))
+        self._resume = {"epoch": int(first["epoch"]), "history": [*first.get("history", []), progress.to_json()]}
+        self._shared.set_epoch(int(first["epoch"]))
+
+    def resume_state(self, *, epoch: int, samples_seen: int, batch_size: int, num_workers: int,
+                     world_size: int | None = None, drop_last: bool = False) -> dict[str, Any]:
+        """A state for `load_state_dict` after a plain torch DataLoader handed out
+        `samples_seen` samples (per rank) of `epoch` with these settings."""
+        world = world_size or self._rank_world()[1]
+        rank_total = partition.per_rank(int(self._counts.sum()), world, self.remainder)
+        workers = max(num_workers, 1)
+        sizes = [b - a for a, b in (partition.worker_bounds(rank_total, workers, w) for w in range(workers))]
+        yielded = partition.yielded_after(sizes, batch_size, samples_seen, drop_last)
+        return {STATE_MARK: 1, "epoch": epoch, "world_size": world, "num_workers": workers, "history": [],
+                "workers": [{"worker": w, "yielded": k} for w, k in enumerate(yielded)]}
+
+    # ---------------------------------------------------------------- iteration
+
+    def __iter__(self) -> Iterator[Any]:
+        rank, world = self._rank_world()
+        worker_id, num_workers = partition.worker()
+        if num_workers > MAX_WORKERS:
+            raise ValueError(f"at most {MAX_WORKERS} DataLoader workers are supported")
+        return _WorkerStream(self, rank, world, worker_id, num_workers)
+
+    def stats(self) -> dict[str, float]:
+        """What all workers of this rank did so far: samples, bytes, seconds spent reading
+        (waiting for data), decoding and in the transform, skipped samples."""
+        arr = np.frombuffer(self._shared.stats, dtype=np.float64).reshape(MAX_WORKERS, len(_STATS))
+        total = dict(zip(_STATS, arr.sum(axis=0).tolist()))
+        busy = total["read_s"] + total["decode_s"] + total["transform_s"]
+        total["read_fraction"] = total["read_s"] / busy if busy else 0.0
+        return total
+
+
+def _find_states(state: Any) -> list[dict[str, Any]]:
+    """Our state dicts anywhere inside `state` (e.g. a StatefulDataLoader state dict)."""
+    if isinstance(state, dict):
+        if state.get(STATE_MARK) == 1:
+            if "workers" in state:  # resume_state(): one dict for all workers
+                return [{**state, **w} for w in state["workers"]]
+            return [state]
+        return [s for v in state.values() for s in _find_states(v)]
+    if isinstance(state, (list, tuple)):
+        return [s for v in state for s in _find_states(v)]
+    return []
+
+
+class _LocalShards:
+    """pread of sample byte ranges from local shard files, one descriptor per shard."""
+
+    def __init__(self, urls: Sequence[str]):
+        self._paths = [storage.local_path(u) for u in urls]
+        self._fds: dict[int, int] = {}
+
+    def read(self, shard: int, start: int, stop: int) -> bytes:
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = self._fds[shard] = os.open(self._paths[shard], os.O_RDONLY)
+        data = os.pread(fd, stop - start, start)
+        if len(data) < stop - start:
+            raise CorruptShardError(f"{self._paths[shard]}: truncated at byte {start + len(data)}, index expects {stop}")
+        return data
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class _RemoteShards:
+    """Ranged reads through fsspec (S3, GCS, HTTP, ...)."""
+
+    def __init__(self, urls: Sequence[str], storage_options: StorageOptions | None):
+        self._urls = list(urls)
+        self._opts = storage_options
+        self._paths: dict[int, tuple[Any, str]] = {}
+
+    def read(self, shard: int, start: int, stop: int) -> bytes:
+        if shard not in self._paths:
+            self._paths[shard] = storage.filesystem(self._urls[shard], self._opts)
+        fs, path = self._paths[shard]
+        data = fs.cat_file(path, start=start, end=stop)
+        if len(data) < stop - start:
+            raise CorruptShardError(f"{self._urls[shard]}: truncated at byte {start + len(data)}, index expects {stop}")
+        return data
+
+    def close(self) -> None:
+        pass
+
+
+class _WorkerStream:
+    """One pass of one worker. Stateful (torchdata's protocol): `state_dict()` says how
+    many samples this worker has yielded; `load_state_dict()` before the first sample
+    skips exactly those."""
+
+    def __init__(self, ds: StreamingDataset, rank: int, world: int, worker_id: int, num_workers: int):
+        self.ds, self.rank, self.world, self.worker_id, self.num_workers = ds, rank, world, worker_id, num_workers
+        self.epoch, passes = ds._shared.start_pass(worker_id)
+        resume = ds._resume
+        # a loaded resume point applies to the first pass of its epoch only
+        resuming = resume is not None and passes == 0 and resume["epoch"] == self.epoch
+        self.history = list(resume["history"]) if resuming else []
+        self.skip = 0
+        self.yielded = 0
+        self._gen: Iterator[Any] | None = None
+
+    def __iter__(self) -> _WorkerStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self._gen is None:
+            self._gen = self._generate()
+        item = next(self._gen)
+        self.yielded += 1
+        return item
+
+    def state_dict(self) -> dict[str, Any]:
+        return {STATE_MARK: 1, "epoch": self.epoch, "world_size": self.world, "num_workers": self.num_workers,
+                "worker": self.worker_id, "yielded": self.skip + self.yielded, "history": self.history}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._gen is not None:
+            raise RuntimeError("load_state_dict must come before the first sample")
+        same = state["world_size"] == self.world and state["num_workers"] == self.num_workers
+        if not same or state["worker"] != self.worker_id:
+            raise ValueError(
+                "this worker state is for another layout; load the whole loader state with "
+                "StreamingDataset.load_state_dict to resume under a new world size or num_workers"
+            )
+        self.epoch, self.history, self.skip = int(state["epoch"]), list(state["history"]), int(state["yielded"])
+        self.ds._shared.resumed(self.worker_id, self.epoch)
+
+    def _plan(self) -> np.ndarray:
+        ds = self.ds
+        sequence = partition.global_sequence(ds._counts, seed=ds.seed, epoch=self.epoch, shuffle=ds.shuffle, block=ds.block)
+
+        def layout(world: int, workers: int, segment: int) -> Layout:
+            return Layout(world, workers, ds.seed, self.epoch, ds.shuffle, ds.shuffle_window, ds.remainder, segment)
+
+        for segment, done in enumerate(self.history):
+            p = Progress.from_json(done)
+            sequence = partition.remaining(sequence, layout(p.world_size, p.num_workers, segment), p)
+        here = layout(self.world, self.num_workers, len(self.history))
+        return partition.worker_stream(sequence, here, self.rank, self.worker_id)[self.skip :]
+
+    def _generate(self) -> Iterator[Any]:
+        ds = self.ds
+        ids = self._plan()
+        shard_of = np.searchsorted(ds._first, ids, side="right") - 1
+        starts, ends = ds._starts[ids], ds._ends[ids]
+        reader = _LocalShards(ds.urls) if storage.is_local(ds.urls[0]) else _RemoteShards(ds.urls, ds.storage_options)
+        decode = decoder(ds.decode)
+        transform = ds.transform
+        stats = [0.0] * len(_STATS)
+        pending = 0  # skipped samples still to be replaced, so the rank's count stays exact
+        last_good: Any = None
+        try:
+            for chunk in range(0, len(ids), 256):
+                sl = slice(chunk, chunk + 256)
+                for shard, start, end in zip(shard_of[sl].tolist(), starts[sl].tolist(), ends[sl].tolist()):
+                    t0 = time.perf_counter()
+                    url = ds.urls[shard]
+                    data = reader.read(shard, start, end)
+                    t1 = time.perf_counter()
+                    try:
+                        sample = _parse(data, url, start)
+                        sample = decode(sample)
+                        t2 = time.perf_counter()
+                        item = transform(sample) if transform is not None else sample
+                    except Exception as e:  # noqa: BLE001 - reported with the shard and member named
+                        if ds.on_error == "raise":
+                            if isinstance(e, ShardkitError):
+                                raise
+                            raise CorruptShardError(f"{url}: sample at byte {start}: {type(e).__name__}: {e}") from e
+                        stats[5] += 1
+                        pending += 1
+                        continue
+                    t3 = time.perf_counter()
+                    stats[0] += 1
+                    stats[1] += end - start
+                    stats[2] += t1 - t0
+                    stats[3] += t2 - t1
+                    stats[4] += t3 - t2
+                    for _ in range(pending):
+                        yield item
+                    pending = 0
+                    last_good = item
+                    yield item
+                ds._shared.add(self.worker_id, stats)
+                stats = [0.0] * len(_STATS)
+            if pending and last_good is not None:
+                for _ in range(pending):
+                    yield last_good
+        finally:
+            ds._shared.add(self.worker_id, stats)
+            reader.close()
+
+
+def _parse(data: bytes, url: str, start: int) -> dict[str, Any]:
+    samples = list(iter_samples(io.BytesIO(data), f"{url} (sample at byte {start})"))
+    if len(samples) != 1:
+        raise CorruptShardError(f"{url}: bytes {start}+{len(data)} hold {len(samples)} samples, index expects 1")
+    key, fields = samples[0]
+    sample: dict[str, Any] = {"__key__": key, "__url__": url}
+    sample.update(fields)
+    return sample

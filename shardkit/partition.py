@@ -1,0 +1,169 @@
+"""Who reads which sample, in which order: plain arithmetic on sample counts.
+
+An epoch's order is a pure function of (seed, epoch, shard sample counts) and the layout
+(world size W, workers per rank N). Every worker computes its own part; nothing is shared
+or negotiated between processes.
+
+1. Global sequence: samples are grouped in blocks of `block` consecutive samples of one
+   shard; with shuffle the blocks are permuted by (seed, epoch). Blocks keep reads
+   sequential inside a shard while neighbouring blocks come from unrelated shards.
+2. Ranks: the sequence is padded by repeating its start ("repeat", the default: every
+   sample is seen, a few twice) or truncated ("drop") to W * R samples, and rank r takes
+   the r-th run of R. Every rank gets exactly R samples, so DDP never waits on a rank.
+3. Workers: a rank's run is cut into N contiguous parts whose sizes depend only on (R, N),
+   so every rank has the same per-worker sizes and hence the same number of batches.
+4. Within a worker, with shuffle, each window of `window` samples is permuted.
+
+Resume: a worker's stream is known in advance, so "k samples yielded" identifies exactly
+which samples it delivered. A checkpoint records the layout and each worker's count
+(`Progress`); the samples not yet delivered form the sequence of a new segment that any
+layout can split again (elastic resume).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+REMAINDERS = ("repeat", "drop")
+
+
+def world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """(rank, world size): explicit arguments, else torch.distributed when initialised,
+    else the RANK / WORLD_SIZE environment variables, else (0, 1)."""
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None:
+            raise ValueError("pass both rank and world_size, or neither")
+    else:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    return rank, world_size
+
+
+def worker() -> tuple[int, int]:
+    """(worker id, number of workers) of the current DataLoader worker; (0, 1) in the main process."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng([k & 0xFFFFFFFF for k in key])
+
+
+def global_sequence(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bool, block: int) -> np.ndarray:
+    """Global sample ids (0..T-1, shard by shard) in the epoch's order."""
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    if not shuffle or total == 0:
+        return np.arange(total, dtype=np.int64)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    # blocks: (start id, length), `block` samples at a time within each shard
+    nblocks = -(-counts // block)
+    starts = np.repeat(first, nblocks) + block * (np.arange(nblocks.sum()) - np.repeat(np.cumsum(nblocks) - nblocks, nblocks))
+    ends = np.minimum(starts + block, np.repeat(first + counts, nblocks))
+    order = _rng(seed, epoch, 0x5EED).permutation(len(starts))
+    starts, lengths = starts[order], (ends - starts)[order]
+    # ids = start of own block + position inside it
+    return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total, dtype=np.int64)
+
+
+def per_rank(total: int, world_size: int, remainder: str) -> int:
+    """Samples every rank yields in an epoch of `total` samples."""
+    if remainder not in REMAINDERS:
+        raise ValueError(f"remainder must be one of {REMAINDERS}, not {remainder!r}")
+    if total == 0:
+        return 0
+    return -(-total // world_size) if remainder == "repeat" else total // world_size
+
+
+def worker_bounds(rank_total: int, num_workers: int, worker_id: int) -> tuple[int, int]:
+    """[start, stop) of a worker's part of its rank's run; sizes differ by at most one."""
+    base, extra = divmod(rank_total, num_workers)
+    start = worker_id * base + min(worker_id, extra)
+    return start, start + base + (worker_id < extra)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything besides (rank, worker) that shapes a worker's stream."""
+
+    world_size: int
+    num_workers: int
+    seed: int
+    epoch: int
+    shuffle: bool
+    window: int
+    remainder: str
+    segment: int = 0  # 0 for a fresh epoch; n after n elastic resumes inside it
+
+
+def worker_stream(sequence: np.ndarray, layout: Layout, rank: int, worker_id: int) -> np.ndarray:
+    """The ids worker `worker_id` of rank `rank` yields, in order."""
+    r = per_rank(len(sequence), layout.world_size, layout.remainder)
+    lo, hi = worker_bounds(r, layout.num_workers, worker_id)
+    positions = np.arange(rank * r + lo, rank * r + hi, dtype=np.int64)
+    ids = sequence[positions % len(sequence)] if len(sequence) else positions
+    if layout.shuffle and layout.window > 1 and len(ids) > 1:
+        rng = _rng(layout.seed, layout.epoch, layout.segment, rank, worker_id, layout.world_size, layout.num_workers)
+        for start in range(0, len(ids), layout.window):
+            rng.shuffle(ids[start : start + layout.window])
+    return ids
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a layout got through a segment: samples yielded by each worker, identical on
+    every rank (DDP ranks step in lockstep, so a checkpoint of one rank describes all)."""
+
+    world_size: int
+    num_workers: int
+    yielded: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"world_size": self.world_size, "num_workers": self.num_workers, "yielded": list(self.yielded)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Progress:
+        p = cls(int(d["world_size"]), int(d["num_workers"]), tuple(int(k) for k in d["yielded"]))
+        if len(p.yielded) != p.num_workers:
+            raise ValueError(f"progress lists {len(p.yielded)} worker counts for {p.num_workers} workers")
+        return p
+
+
+def remaining(sequence: np.ndarray, layout: Layout, progress: Progress) -> np.ndarray:
+    """The samples of `sequence` that `progress` under `layout` has not yet delivered, in
+    sequence order (ids already delivered are removed even where padding repeated them)."""
+    seen = [
+        worker_stream(sequence, layout, rank, w)[: progress.yielded[w]]
+        for rank in range(layout.world_size)
+        for w in range(layout.num_workers)
+    ]
+    done = np.concatenate(seen) if seen else np.empty(0, dtype=np.int64)
+    return sequence[~np.isin(sequence, done)]
+
+
+def yielded_after(counts: Sequence[int], batch_size: int, samples_seen: int, drop_last: bool = False) -> tuple[int, ...]:
+    """Per-worker samples a torch DataLoader has taken after it handed out `samples_seen`
+    samples: batches come from workers in turn, an exhausted worker drops out of the turn."""
+    left = [c // batch_size if drop_last else -(-c // batch_size) for c in counts]
+    taken = [0] * len(counts)
+    seen = 0
+    while seen < samples_seen and any(left):
+        for w, c in enumerate(counts):
+            if left[w] and seen < samples_seen:
+                n = min(batch_size, c - taken[w])
+                taken[w] += n
+                seen += n
+                left[w] -= 1
+    return tuple(taken)

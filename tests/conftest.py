@@ -1,0 +1,74 @@
+"""Shared fixtures: small generated image folders and packed datasets."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read by gcsfs at import
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+CLASSES = ("circle", "square", "triangle")
+
+
+def draw(path: Path, label: int, seed: int, size: tuple[int, int] = (48, 40), fmt: str = "JPEG") -> None:
+    """A small PIL drawing whose shape depends on the class: real, decodable images."""
+    rng = np.random.default_rng(seed)
+    img = Image.new("RGB", size, tuple(int(c) for c in rng.integers(0, 255, 3)))
+    d = ImageDraw.Draw(img)
+    box = [int(v) for v in (rng.integers(0, 10), rng.integers(0, 10), size[0] - 5, size[1] - 5)]
+    fill = tuple(int(c) for c in rng.integers(0, 255, 3))
+    if label == 0:
+        d.ellipse(box, fill=fill)
+    elif label == 1:
+        d.rectangle(box, fill=fill)
+    else:
+        d.polygon([(box[0], box[3]), (box[2], box[3]), ((box[0] + box[2]) // 2, box[1])], fill=fill)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path, fmt, **({"quality": 85} if fmt == "JPEG" else {}))
+
+
+def make_folder(root: Path, per_class: int = 10, classes: tuple[str, ...] = CLASSES) -> Path:
+    for label, name in enumerate(classes):
+        for i in range(per_class):
+            draw(root / name / f"img_{i:04d}.jpg", label, seed=label * 100_000 + i)
+    return root
+
+
+@pytest.fixture
+def photos(tmp_path: Path) -> Path:
+    """An ImageFolder tree: 3 classes x 10 JPEGs."""
+    return make_folder(tmp_path / "photos")
+
+
+@pytest.fixture(scope="session")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A packed dataset shared by read-only tests: 3 classes x 40 images in shards of 7."""
+    import shardkit
+
+    root = tmp_path_factory.mktemp("packed")
+    src = make_folder(root / "photos", per_class=40)
+    shardkit.pack(str(src), str(root / "shards"), max_count=7, workers=1, progress=False)
+    return root / "shards"
+
+
+def webdataset_samples(urls: list[str]) -> list[dict]:
+    """Read shards with the webdataset library (which leaves its files to the garbage
+    collector: collect them here, where their ResourceWarning is expected)."""
+    import gc
+    import warnings
+
+    import webdataset as wds
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        samples = list(wds.WebDataset(urls, shardshuffle=False, empty_check=False))
+        gc.collect()
+    return samples

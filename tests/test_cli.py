@@ -1,0 +1,101 @@
+"""The `shardkit` command line, through click's CliRunner."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import shardkit
+from shardkit.cli import main
+
+
+@pytest.fixture
+def run():  # type: ignore[no-untyped-def]
+    runner = CliRunner()
+
+    def invoke(*args: str):  # type: ignore[no-untyped-def]
+        return runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    return invoke
+
+
+def test_pack_info_verify(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "out"
+    result = run("pack", photos, out, "--max-count", "8", "--workers", "2")
+    assert result.exit_code == 0, result.output
+    assert "packed 30 samples into 4 shards" in result.output
+    result = run("info", out)
+    assert result.exit_code == 0
+    assert "samples:  30" in result.output and "classes:  3 (circle, square, triangle)" in result.output
+    doc = json.loads(run("info", out, "--json").output)
+    assert doc["samples"] == 30 and len(doc["shards"]) == 4
+    result = run("verify", out)
+    assert result.exit_code == 0 and "all shards match the index" in result.output
+
+
+def test_verify_fails_naming_the_shard(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "out"
+    run("pack", photos, out, "--max-count", "8", "-q")
+    shard = out / "shard-000003.tar"
+    shard.write_bytes(shard.read_bytes()[:-1024] + bytes(1024 - 1) + b"\x01")
+    result = run("verify", out, "-q")
+    assert result.exit_code == 1
+    assert "shard-000003.tar: sha256 mismatch" in result.output
+
+
+def test_skipped_files_are_reported(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (photos / "circle" / "bad.jpg").write_bytes(b"nope")
+    result = run("pack", photos, tmp_path / "out")
+    assert result.exit_code == 0
+    assert "skipped 1 files:" in result.output and "circle/bad.jpg: not an image file" in result.output
+    assert "skipped:  1 files" in run("info", tmp_path / "out").output
+
+
+def test_on_error_fail_exits_nonzero(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (photos / "circle" / "bad.jpg").write_bytes(b"nope")
+    result = run("pack", photos, tmp_path / "out", "--on-error", "fail")
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1].endswith("circle/bad.jpg: not an image file")
+
+
+@pytest.mark.parametrize("args, code, text", [
+    (["pack", "/nonexistent/photos", "/tmp/x"], 1, "Error: /nonexistent/photos: no such folder"),
+    (["pack", ".", "/tmp/x", "--max-size", "lots"], 2, "not a size"),
+    (["info", "/nonexistent/shards"], 1, "no such index"),
+    (["pack", ".", "/tmp/x", "-o", "novalue"], 2, "expected key=value"),
+])
+def test_errors_are_one_line(run, args, code: int, text: str) -> None:  # type: ignore[no-untyped-def]
+    result = run(*args)
+    assert result.exit_code == code
+    assert text in result.output
+    assert "Traceback" not in result.output
+
+
+def test_index_command_for_foreign_shards(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import webdataset as wds
+
+    (tmp_path / "wds").mkdir()
+    with wds.ShardWriter(str(tmp_path / "wds" / "part-%06d.tar"), maxcount=3, verbose=0) as sink:
+        for i in range(7):
+            sink.write({"__key__": f"k{i}", "jpg": b"x" * 10, "cls": b"1"})
+    result = run("index", tmp_path / "wds")
+    assert result.exit_code == 0 and "indexed 7 samples in 3 shards" in result.output
+    assert run("index", tmp_path / "wds").exit_code == 1  # exists: needs --force
+    assert run("verify", tmp_path / "wds", "-q").exit_code == 0
+
+
+def test_cli_and_packer_do_not_import_torch() -> None:
+    code = "import sys, shardkit.cli, shardkit.pack; print(sorted(m for m in ('torch', 'lmdb') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_public_names_sorted_and_importable() -> None:
+    assert shardkit.__all__ == sorted(shardkit.__all__)
+    for name in shardkit.__all__:
+        assert getattr(shardkit, name) is not None

@@ -1,0 +1,271 @@
+"""The packer: round trip, WebDataset compatibility, determinism, crash safety, bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+import shardkit
+from shardkit.errors import SourceError
+from shardkit.formats.tar import iter_samples
+
+from conftest import draw, make_folder, webdataset_samples
+
+
+def read_shards(dest: Path) -> dict[str, dict[str, bytes]]:
+    idx = json.loads((dest / "index.json").read_text())
+    out = {}
+    for s in idx["shards"]:
+        with open(dest / s["name"], "rb") as f:
+            for key, fields in iter_samples(f, s["name"]):
+                assert key not in out
+                out[key] = fields
+    return out
+
+
+def tree_bytes(dest: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(dest.iterdir()) if p.is_file()}
+
+
+def test_round_trip_every_sample(photos: Path, tmp_path: Path) -> None:
+    idx = shardkit.pack(str(photos), str(tmp_path / "out"), max_count=4, workers=2, progress=False)
+    samples = read_shards(tmp_path / "out")
+    assert idx.samples == len(samples) == 30
+    assert idx.classes == ("circle", "square", "triangle")
+    assert idx.fields == ("cls", "jpg", "json")
+    for key, fields in samples.items():
+        assert "." not in key
+        meta = json.loads(fields["json"])
+        assert fields["jpg"] == (photos / meta["path"]).read_bytes()
+        assert int(fields["cls"]) == idx.classes.index(meta["class"])
+        assert meta["path"].split("/")[0] == meta["class"]
+    assert [s.samples for s in idx.shards] == [4] * 7 + [2]
+
+
+def test_index_records_counts_offsets_and_checksums(photos: Path, tmp_path: Path) -> None:
+    import hashlib
+
+    shardkit.pack(str(photos), str(tmp_path / "out"), max_count=8, workers=1, progress=False)
+    doc = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert doc["format"] == "shardkit" and doc["version"] == 1 and doc["samples"] == 30
+    for s in doc["shards"]:
+        data = (tmp_path / "out" / s["name"]).read_bytes()
+        assert s["bytes"] == len(data)
+        assert s["sha256"] == hashlib.sha256(data).hexdigest()
+        assert len(s["offsets"]) == s["samples"] + 1
+        for a, b in zip(s["offsets"], s["offsets"][1:]):
+            assert len(list(iter_samples(io.BytesIO(data[a:b]), s["name"]))) == 1
+
+
+def test_webdataset_and_tar_read_the_output(photos: Path, tmp_path: Path) -> None:
+    idx = shardkit.pack(str(photos), str(tmp_path / "out"), max_count=7, workers=2, progress=False)
+    ours = read_shards(tmp_path / "out")
+    urls = [str(tmp_path / "out" / s.name) for s in idx.shards]
+    seen = {}
+    for sample in webdataset_samples(urls):
+        seen[sample["__key__"]] = {k: v for k, v in sample.items() if not k.startswith("__")}
+    assert seen == ours
+    listing = subprocess.run(["tar", "tvf", urls[0]], capture_output=True, text=True, check=True).stdout.split("\n")
+    names = [line.split()[-1] for line in listing if line]
+    assert names[:3] == [f"{names[0].split('.')[0]}.{ext}" for ext in ("cls", "jpg", "json")]
+    assert all("0/0" in line and "1970-01-01" in line for line in listing if line)
+
+
+def test_odd_file_names(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    names = ["a.b.c.jpg", "with space.JPEG", "ünïcödé 画像.jpeg", "UPPER.JPG", "x.png", "deep/er/nested.Jpg"]
+    for i, name in enumerate(names):
+        draw(src / "cls" / name, 0, seed=i, fmt="PNG" if name.endswith("png") else "JPEG")
+    idx = shardkit.pack(str(src), str(tmp_path / "out"), workers=1, progress=False)
+    samples = read_shards(tmp_path / "out")
+    assert idx.samples == len(names) and not idx.skipped
+    by_path = {json.loads(f["json"])["path"]: f for f in samples.values()}
+    for name in names:
+        fields = by_path[f"cls/{name}"]
+        ext = "png" if name.endswith("png") else "jpg"
+        assert fields[ext] == (src / "cls" / name).read_bytes()
+
+
+def test_deterministic_whatever_the_workers(photos: Path, tmp_path: Path) -> None:
+    shardkit.pack(str(photos), str(tmp_path / "a"), max_count=4, workers=1, progress=False)
+    shardkit.pack(str(photos), str(tmp_path / "b"), max_count=4, workers=3, progress=False)
+    assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")
+    shardkit.pack(str(photos), str(tmp_path / "c"), max_count=4, workers=2, seed=1, progress=False)
+    assert tree_bytes(tmp_path / "a") != tree_bytes(tmp_path / "c")
+
+
+def test_shuffle_off_keeps_class_order(photos: Path, tmp_path: Path) -> None:
+    shardkit.pack(str(photos), str(tmp_path / "out"), shuffle=False, workers=1, progress=False)
+    samples = read_shards(tmp_path / "out")
+    labels = [int(samples[k]["cls"]) for k in sorted(samples)]
+    assert labels == sorted(labels)
+
+
+def test_max_size_bounds_shards(photos: Path, tmp_path: Path) -> None:
+    idx = shardkit.pack(str(photos), str(tmp_path / "out"), max_size="8KB", workers=1, progress=False)
+    assert len(idx.shards) > 3
+    for s in idx.shards:
+        payload = s.offsets[-1]  # data before the end-of-archive blocks
+        assert payload <= 8000 or s.samples == 1
+
+
+def test_resize_and_quality(tmp_path: Path) -> None:
+    from PIL import Image
+
+    src = tmp_path / "src"
+    draw(src / "a" / "big.png", 0, seed=1, size=(300, 200), fmt="PNG")
+    draw(src / "a" / "small.jpg", 0, seed=2, size=(50, 40))
+    shardkit.pack(str(src), str(tmp_path / "out"), resize=100, quality=80, workers=1, progress=False)
+    samples = read_shards(tmp_path / "out")
+    sizes = sorted(Image.open(io.BytesIO(f["jpg"])).size for f in samples.values())
+    assert sizes == [(50, 40), (150, 100)]
+    assert all(set(f) == {"cls", "jpg", "json"} for f in samples.values())
+
+
+def test_bad_files_are_skipped_and_listed(photos: Path, tmp_path: Path) -> None:
+    good = (photos / "circle" / "img_0000.jpg").read_bytes()
+    (photos / "circle" / "empty.jpg").write_bytes(b"")
+    (photos / "circle" / "truncated.jpg").write_bytes(good[: len(good) // 2])
+    (photos / "square" / "text.jpg").write_text("not an image")
+    (photos / "square" / "notes.txt").write_text("hello")
+    (photos / "square" / "dangling.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    (photos / "stray.jpg").write_bytes(good)
+    draw(photos / "triangle" / "really_a_png.jpg", 2, seed=7, fmt="PNG")
+    idx = shardkit.pack(str(photos), str(tmp_path / "out"), workers=2, progress=False)
+    reasons = {s.path: s.reason for s in idx.skipped}
+    assert reasons == {
+        "circle/empty.jpg": "empty file",
+        "circle/truncated.jpg": "truncated image",
+        "square/text.jpg": "not an image file",
+        "square/notes.txt": "not an image file extension",
+        "square/dangling.jpg": "broken symlink",
+        "stray.jpg": "not inside a class folder",
+    }
+    samples = read_shards(tmp_path / "out")
+    assert idx.samples == len(samples) == 31
+    png = [f for f in samples.values() if json.loads(f["json"])["path"] == "triangle/really_a_png.jpg"]
+    assert set(png[0]) == {"cls", "png", "json"}  # stored under its real format
+    info = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert len(info["skipped"]) == 6
+
+
+def test_on_error_fail_names_the_file(photos: Path, tmp_path: Path) -> None:
+    (photos / "square" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0garbage")
+    with pytest.raises(SourceError, match=r"square/broken\.jpg: "):
+        shardkit.pack(str(photos), str(tmp_path / "out"), on_error="fail", workers=2, max_count=3, progress=False)
+    assert not (tmp_path / "out" / "index.json").exists()
+    assert not [p for p in (tmp_path / "out").iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda p: None, "no such folder"),
+    (lambda p: p.write_text("x"), "not a folder"),
+    (lambda p: p.mkdir(), "no class folders"),
+    (lambda p: (p / "a").mkdir(parents=True), "no image files"),
+])
+def test_unusable_source(tmp_path: Path, setup, message: str) -> None:  # type: ignore[no-untyped-def]
+    src = tmp_path / "src"
+    setup(src)
+    with pytest.raises(SourceError, match=message):
+        shardkit.pack(str(src), str(tmp_path / "out"), progress=False)
+
+
+def test_symlink_loops_do_not_hang(photos: Path, tmp_path: Path) -> None:
+    (photos / "circle" / "loop").symlink_to(photos / "circle")
+    (photos / "square" / "up").symlink_to(photos)
+    idx = shardkit.pack(str(photos), str(tmp_path / "out"), workers=1, progress=False)
+    assert idx.samples >= 30
+    assert any("symlink loop" in s.reason for s in idx.skipped)
+
+
+def test_refuses_a_foreign_destination(photos: Path, tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "thesis.pdf").write_text("precious")
+    with pytest.raises(SourceError, match="not empty"):
+        shardkit.pack(str(photos), str(tmp_path / "out"), progress=False)
+    assert (tmp_path / "out" / "thesis.pdf").read_text() == "precious"
+
+
+def test_rerun_reuses_shards_and_repairs_damage(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shardkit.pack(str(photos), str(out), max_count=4, workers=2, progress=False)
+    clean = tree_bytes(out)
+    # simulate a crash: index never written, one shard missing, one without its record,
+    # a stale temporary file lying around
+    (out / "index.json").unlink()
+    (out / "shard-000002.tar").unlink()
+    (out / "shard-000005.tar.tmp-deadbeef").write_bytes(b"half a shard")
+    (out / ".shardkit-progress").mkdir()
+    before = (out / "shard-000000.tar").stat().st_mtime_ns
+    shardkit.pack(str(photos), str(out), max_count=4, workers=2, progress=False)
+    assert tree_bytes(out) == clean
+    assert not (out / ".shardkit-progress").exists()
+    assert (out / "shard-000000.tar").stat().st_mtime_ns != before  # no record: rewritten, same bytes
+
+
+def test_rerun_after_changed_options_replaces_the_dataset(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shardkit.pack(str(photos), str(out), max_count=4, workers=1, progress=False)
+    idx = shardkit.pack(str(photos), str(out), max_count=20, workers=1, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-000000.tar", "shard-000001.tar"]
+    assert idx.samples == 30
+
+
+def test_kill_at_any_moment_then_rerun(tmp_path: Path) -> None:
+    src = make_folder(tmp_path / "src", per_class=80)
+    reference = tmp_path / "ref"
+    shardkit.pack(str(src), str(reference), max_count=4, workers=1, progress=False)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "shardkit.cli", "pack", str(src), str(out), "--max-count", "4", "--workers", "2", "-q"]
+    interrupted = 0
+    for target in (1, 15, 40):  # kill once this many shards exist
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        while proc.poll() is None and len(list(out.glob("shard-*.tar"))) < target:
+            time.sleep(0.001)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        interrupted += not (out / "index.json").exists()
+    assert interrupted >= 2  # the kills really landed mid-run
+    subprocess.run(cmd, check=True)
+    assert tree_bytes(out) == tree_bytes(reference)
+
+
+def test_verify_catches_a_flipped_byte(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shardkit.pack(str(photos), str(out), max_count=10, workers=1, progress=False)
+    assert shardkit.verify(str(out)) == []
+    shard = out / "shard-000001.tar"
+    data = bytearray(shard.read_bytes())
+    data[2000] ^= 0x01
+    shard.write_bytes(bytes(data))
+    problems = shardkit.verify(str(out))
+    assert len(problems) == 1 and "shard-000001.tar" in problems[0] and "sha256" in problems[0]
+    (out / "shard-000002.tar").unlink()
+    assert any("shard-000002.tar: missing" in p for p in shardkit.verify(str(out)))
+
+
+def test_build_index_for_foreign_shards(tmp_path: Path) -> None:
+    import webdataset as wds
+
+    (tmp_path / "wds").mkdir()
+    with wds.ShardWriter(str(tmp_path / "wds" / "part-%06d.tar"), maxcount=4, verbose=0) as sink:
+        for i in range(10):
+            sink.write({"__key__": f"sample{i:03d}", "jpg": b"x" * (i + 1), "cls": str(i % 3)})
+    from shardkit.sources import build_index, shard_urls
+
+    idx = build_index(shard_urls(str(tmp_path / "wds")))
+    assert [s.samples for s in idx.shards] == [4, 4, 2]
+    assert idx.fields == ("cls", "jpg")
+    with tarfile.open(tmp_path / "wds" / "part-000000.tar") as t:
+        first = t.getmembers()[0]
+    assert idx.shards[0].offsets[0] == 0 and first.name.startswith("sample000")
