@@ -7,7 +7,6 @@ Everything else (open files, the worker's plan) is made inside `__iter__`, in th
 
 from __future__ import annotations
 
-import io
 import multiprocessing
 import os
 import time
@@ -20,7 +19,7 @@ import torch.utils.data
 from . import partition, storage
 from .decode import decoder
 from .errors import CorruptShardError, ShardkitError
-from .formats.tar import iter_samples
+from .formats.tar import parse_sample
 from .index import Index
 from .partition import Layout, Progress
 from .sources import resolve
@@ -383,10 +382,7 @@ class _WorkerStream:
 
 
 def _parse(data: bytes, url: str, start: int) -> dict[str, Any]:
-    samples = list(iter_samples(io.BytesIO(data), f"{url} (sample at byte {start})"))
-    if len(samples) != 1:
-        raise CorruptShardError(f"{url}: bytes {start}+{len(data)} hold {len(samples)} samples, index expects 1")
-    key, fields = samples[0]
+    key, fields = parse_sample(data, f"{url} (sample at byte {start})")
     sample: dict[str, Any] = {"__key__": key, "__url__": url}
     sample.update(fields)
     return sample

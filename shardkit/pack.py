@@ -190,7 +190,7 @@ def make_plan(
     jobs = []
     for i, group in enumerate(groups):
         name = SHARD_NAME.format(i)
-        fp = _fingerprint(name, classes, asdict(options), [asdict(it) for it in group])
+        fp = _fingerprint(name, classes, asdict(options), [(it.key, it.path, it.label, it.size, it.mtime_ns) for it in group])
         jobs.append(Job(name, src, dest, tuple(group), classes, options, fp, storage_options))
     plan_fp = _fingerprint("tar", classes, [j.fingerprint for j in jobs])
     return Plan(classes, tuple(jobs), tuple(skipped), plan_fp)

@@ -10,6 +10,7 @@ tarfile default, used by webdataset's ShardWriter), GNU long names, directories.
 from __future__ import annotations
 
 import hashlib
+import io
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -23,8 +24,21 @@ _EMPTY = bytes(BLOCK)
 _USTAR_MAGIC = b"ustar\x0000"
 
 
-def _octal(value: int, width: int) -> bytes:
-    return b"%0*o\x00" % (width - 1, value)
+def _template() -> bytes:
+    """Every header field but name, size and checksum, which `header` fills in."""
+    head = bytearray(BLOCK)
+    head[100:108] = b"0000644\x00"  # mode
+    head[108:116] = b"0000000\x00"  # uid
+    head[116:124] = b"0000000\x00"  # gid
+    head[136:148] = b"00000000000\x00"  # mtime
+    head[148:156] = b" " * 8  # checksum is computed with its own field as spaces
+    head[156:157] = b"0"  # regular file
+    head[257:265] = _USTAR_MAGIC
+    return bytes(head)
+
+
+_TEMPLATE = _template()
+_TEMPLATE_SUM = sum(_TEMPLATE)
 
 
 def header(name: str, size: int) -> bytes:
@@ -34,17 +48,11 @@ def header(name: str, size: int) -> bytes:
         raise ValueError(f"tar member name longer than 100 bytes: {name!r}")
     if size >= 8**11:
         raise ValueError(f"tar member larger than 8 GiB: {name!r}")
-    head = bytearray(BLOCK)
+    size_field = b"%011o\x00" % size
+    head = bytearray(_TEMPLATE)
     head[0 : len(raw)] = raw
-    head[100:108] = _octal(0o644, 8)  # mode
-    head[108:116] = _octal(0, 8)  # uid
-    head[116:124] = _octal(0, 8)  # gid
-    head[124:136] = _octal(size, 12)
-    head[136:148] = _octal(0, 12)  # mtime
-    head[148:156] = b" " * 8  # checksum placeholder
-    head[156:157] = b"0"  # regular file
-    head[257:265] = _USTAR_MAGIC
-    head[148:156] = b"%06o\x00 " % sum(head)
+    head[124:136] = size_field
+    head[148:156] = b"%06o\x00 " % (_TEMPLATE_SUM + sum(raw) + sum(size_field))
     return bytes(head)
 
 
@@ -102,8 +110,7 @@ def _parse_octal(field: bytes, where: str) -> int:
 
 def _check_header(head: bytes, where: str) -> None:
     stored = _parse_octal(head[148:156], where)
-    actual = sum(head[:148]) + 8 * 32 + sum(head[156:])
-    if stored != actual:
+    if stored != sum(head) - sum(head[148:156]) + 8 * 32:  # the field itself counts as spaces
         raise CorruptShardError(f"{where}: tar header checksum mismatch (not a tar file, or corrupt)")
 
 
@@ -222,3 +229,42 @@ def scan(f: BinaryIO, where: str) -> Scan:
         end = stop
     out.offsets.append(end)
     return out
+
+
+def parse_sample(buf: bytes, where: str) -> tuple[str, dict[str, bytes]]:
+    """The one sample held in `buf` (its byte range from the index), parsed in memory.
+
+    The fast path covers plain ustar members, which is all shardkit writes; anything else
+    (pax or GNU long-name headers) goes through the general reader.
+    """
+    key: str | None = None
+    fields: dict[str, bytes] = {}
+    pos, end = 0, len(buf)
+    while pos + BLOCK <= end:
+        head = buf[pos : pos + BLOCK]
+        if head[156:157] not in (b"0", b"\x00") or head[257:262] != b"ustar":
+            if head == _EMPTY:
+                break
+            return _parse_general(buf, where)
+        _check_header(head, f"{where} at byte {pos}")
+        size = _parse_octal(head[124:136], where)
+        start = pos + BLOCK
+        if start + size > end:
+            raise CorruptShardError(f"{where}: member at byte {pos} runs past the sample's end")
+        k, ext = split_name(head[:100].split(b"\x00", 1)[0].decode("utf-8"))
+        if key is None:
+            key = k
+        elif k != key:
+            raise CorruptShardError(f"{where}: members of two samples ({key!r}, {k!r}) in one sample's range")
+        fields[ext] = buf[start : start + size]
+        pos = start + size + _padding(size)
+    if key is None:
+        raise CorruptShardError(f"{where}: no tar member in the sample's byte range")
+    return key, fields
+
+
+def _parse_general(buf: bytes, where: str) -> tuple[str, dict[str, bytes]]:
+    samples = list(iter_samples(io.BytesIO(buf), where))
+    if len(samples) != 1:
+        raise CorruptShardError(f"{where}: {len(samples)} samples in one sample's byte range")
+    return samples[0]

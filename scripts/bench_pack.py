@@ -1,0 +1,91 @@
+"""Packing speed: shardkit against webdataset's ShardWriter and `tar` (the physical limit).
+
+Contestants run interleaved, round after round, on the same generated image folder with a
+warm page cache; each run is a fresh process writing to the same disk. Prints medians with
+min-max and the ratios the targets are stated in.
+
+    python scripts/bench_pack.py --images 20000 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_images import make_image_folder  # noqa: E402
+
+WDS_WRITER = """
+import os, sys, webdataset as wds
+src, dest, classes = sys.argv[1], sys.argv[2], sorted(os.listdir(sys.argv[1]))
+os.makedirs(dest, exist_ok=True)
+with wds.ShardWriter(os.path.join(dest, "shard-%06d.tar"), maxsize=256e6, verbose=0) as sink:
+    n = 0
+    for label, c in enumerate(classes):
+        for root, _, files in sorted(os.walk(os.path.join(src, c))):
+            for f in sorted(files):
+                with open(os.path.join(root, f), "rb") as fh:
+                    sink.write({"__key__": "%09d" % n, "jpg": fh.read(), "cls": str(label)})
+                n += 1
+"""
+
+
+def contestants(src: Path, out: Path, workers: int) -> dict[str, list[str] | str]:
+    shardkit = [sys.executable, "-m", "shardkit.cli", "pack", str(src), str(out), "--workers", str(workers),
+                "--max-size", "256MB", "-q"]
+    return {
+        "tar (limit)": f"tar cf - -C {src} . | cat > /dev/null",
+        f"shardkit ({workers} workers)": shardkit,
+        "webdataset ShardWriter": [sys.executable, "-c", WDS_WRITER, str(src), str(out)],
+    }
+
+
+def run(cmd: list[str] | str) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, shell=isinstance(cmd, str), check=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=20000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--dir", default="/tmp/shardkit-bench", help="where the image folder and outputs go")
+    args = ap.parse_args()
+
+    root = Path(args.dir)
+    src = root / f"photos-{args.images}"
+    out = root / "pack-out"
+    make_image_folder(src, args.images, n_classes=100, seed=0)
+    files = [p for p in src.rglob("*.jpg")]
+    total_bytes = sum(p.stat().st_size for p in files)
+    subprocess.run(f"tar cf - -C {src} . | cat > /dev/null", shell=True, check=True)  # warm the page cache
+    print(f"{len(files)} images, {total_bytes / 1e9:.2f} GB, {os.cpu_count()} CPUs, {args.rounds} rounds")
+
+    times: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for name, cmd in contestants(src, out, args.workers).items():
+            shutil.rmtree(out, ignore_errors=True)
+            times.setdefault(name, []).append(run(cmd))
+    shutil.rmtree(out, ignore_errors=True)
+
+    med = {name: statistics.median(t) for name, t in times.items()}
+    print(f"\n| packer | images/s | MB/s | seconds (median, min-max) |")
+    print("|---|---|---|---|")
+    for name, t in times.items():
+        print(f"| {name} | {len(files) / med[name]:,.0f} | {total_bytes / med[name] / 1e6:,.0f} | "
+              f"{med[name]:.2f} ({min(t):.2f}-{max(t):.2f}) |")
+    ours = next(n for n in med if n.startswith("shardkit"))
+    print(f"\nshardkit / webdataset: {med['webdataset ShardWriter'] / med[ours]:.2f}x   "
+          f"shardkit / tar limit: {med['tar (limit)'] / med[ours]:.0%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""Reading speed and memory: shardkit against the plain-files baseline and webdataset.
+
+One run, contestants interleaved round after round, each in a fresh process, page cache
+warm. Medians with min-max; ratios against the limits measured in the same run:
+
+- raw: samples/s and MB/s reading the shards in one process, against `cat` of the same files;
+- decoded: images/s through DataLoader(num_workers=2, batch_size=64) with the same
+  decode + resize-to-224 + uint8 tensor code for everyone, against that code alone on
+  2 processes with no loader (the decode limit);
+- time to first batch and peak RSS (main process + workers, sampled at 20 Hz).
+
+    python scripts/bench_read.py --images 20000 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BATCH = 64
+WORKERS = 2
+SIZE = 224
+
+
+def decode_resize(data: bytes) -> "torch.Tensor":  # noqa: F821
+    """The per-image work every contestant does: JPEG -> RGB -> 224x224 -> CHW uint8."""
+    import torch
+
+    img = Image.open(io.BytesIO(data)).convert("RGB").resize((SIZE, SIZE), Image.Resampling.BILINEAR)
+    return torch.from_numpy(np.asarray(img).transpose(2, 0, 1).copy())
+
+
+def shardkit_transform(sample: dict) -> tuple:
+    return decode_resize(sample["jpg"]), sample["cls"]
+
+
+def wds_transform(sample: dict) -> tuple:
+    return decode_resize(sample["jpg"]), int(sample["cls"])
+
+
+class Files:
+    """What users start from: an ImageFolder-like map-style dataset over the original files."""
+
+    def __init__(self, root: str):
+        classes = sorted(os.listdir(root))
+        self.items = [(os.path.join(root, c, f), i) for i, c in enumerate(classes) for f in sorted(os.listdir(os.path.join(root, c)))]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple:
+        path, label = self.items[i]
+        with open(path, "rb") as f:
+            return decode_resize(f.read()), label
+
+
+# ---------------------------------------------------------------- one contestant, in its own process
+
+
+def _loader_pass(loader) -> tuple[float, float, int]:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    first = None
+    n = 0
+    for images, _ in loader:
+        if first is None:
+            first = time.perf_counter() - start
+        n += len(images)
+    return first or 0.0, time.perf_counter() - start, n
+
+
+def run_contestant(name: str, shards: str, photos: str) -> dict:
+    from torch.utils.data import DataLoader
+
+    if name == "decode limit":
+        files = [str(p) for p in sorted(Path(photos).rglob("*.jpg"))]
+        halves = [files[i::WORKERS] for i in range(WORKERS)]
+        import multiprocessing as mp
+
+        with mp.get_context("fork").Pool(WORKERS) as pool:
+            blobs = pool.map(_read_all, halves)  # bytes in memory before the clock starts
+            del blobs
+            start = time.perf_counter()
+            counts = pool.map(_decode_all, halves)
+        return {"seconds": time.perf_counter() - start, "items": sum(counts), "first": None}
+    if name == "cat (limit)":
+        start = time.perf_counter()
+        subprocess.run(f"cat {shards}/*.tar > /dev/null", shell=True, check=True)
+        size = sum(p.stat().st_size for p in Path(shards).glob("*.tar"))
+        return {"seconds": time.perf_counter() - start, "items": _samples(shards), "bytes": size, "first": None}
+    if name == "shardkit raw":
+        from shardkit import StreamingDataset
+
+        start = time.perf_counter()
+        n = size = 0
+        for sample in StreamingDataset(shards):
+            n += 1
+            size += len(sample["jpg"]) + len(sample["json"])
+        return {"seconds": time.perf_counter() - start, "items": n, "bytes": _shard_bytes(shards), "first": None}
+    if name == "webdataset raw":
+        import webdataset as wds
+
+        start = time.perf_counter()
+        n = 0
+        for _ in wds.WebDataset(_urls(shards), shardshuffle=False, empty_check=False):
+            n += 1
+        return {"seconds": time.perf_counter() - start, "items": n, "bytes": _shard_bytes(shards), "first": None}
+    if name == "shardkit":
+        from shardkit import StreamingDataset
+
+        ds = StreamingDataset(shards, shuffle=True, transform=shardkit_transform)
+        loader = DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+    elif name == "plain files":
+        loader = DataLoader(Files(photos), batch_size=BATCH, shuffle=True, num_workers=WORKERS)
+    elif name == "webdataset":
+        import webdataset as wds
+
+        ds = wds.WebDataset(_urls(shards), shardshuffle=100, empty_check=False).shuffle(1000).map(wds_transform)
+        loader = DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+    else:
+        raise SystemExit(f"unknown contestant {name}")
+    first, seconds, n = _loader_pass(loader)
+    return {"seconds": seconds, "items": n, "first": first}
+
+
+def _read_all(paths: list[str]) -> int:
+    global _BLOBS
+    _BLOBS = [Path(p).read_bytes() for p in paths]
+    return len(_BLOBS)
+
+
+def _decode_all(paths: list[str]) -> int:
+    for data in _BLOBS:
+        decode_resize(data)
+    return len(_BLOBS)
+
+
+_BLOBS: list[bytes] = []
+
+
+def _urls(shards: str) -> list[str]:
+    return [str(p) for p in sorted(Path(shards).glob("*.tar"))]
+
+
+def _shard_bytes(shards: str) -> int:
+    return sum(p.stat().st_size for p in Path(shards).glob("*.tar"))
+
+
+def _samples(shards: str) -> int:
+    return json.loads((Path(shards) / "index.json").read_text())["samples"]
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def _tree_rss(pid: int) -> int:
+    """RSS in bytes of a process and all its descendants."""
+    total = 0
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    stack.extend(int(c) for c in f.read().split())
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            continue
+    return total
+
+
+def measure(name: str, shards: str, photos: str) -> dict:
+    cmd = [sys.executable, __file__, "--contestant", name, "--shards", shards, "--photos", photos]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.wait(0.05):
+            peak = max(peak, _tree_rss(proc.pid))
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    out, _ = proc.communicate()
+    done.set()
+    t.join()
+    if proc.returncode:
+        raise SystemExit(f"{name} failed with exit code {proc.returncode}")
+    result = json.loads(out.strip().splitlines()[-1])
+    result["rss"] = peak
+    return result
+
+
+def _fmt(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
+    med = statistics.median(values) * scale
+    return f"{med:,.{digits}f} ({min(values) * scale:,.{digits}f}-{max(values) * scale:,.{digits}f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=20000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/shardkit-bench")
+    ap.add_argument("--contestant", help=argparse.SUPPRESS)
+    ap.add_argument("--shards", help=argparse.SUPPRESS)
+    ap.add_argument("--photos", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.contestant:
+        print(json.dumps(run_contestant(args.contestant, args.shards, args.photos)))
+        return
+
+    from make_images import make_image_folder
+
+    import shardkit
+
+    root = Path(args.dir)
+    photos = root / f"photos-{args.images}"
+    shards = root / f"shards-{args.images}"
+    make_image_folder(photos, args.images, n_classes=100, seed=0)
+    if not (shards / "index.json").exists():
+        shutil.rmtree(shards, ignore_errors=True)
+        shardkit.pack(str(photos), str(shards), max_size="256MB", progress=False)
+    subprocess.run(f"cat {shards}/*.tar > /dev/null; tar cf - -C {photos} . | cat > /dev/null", shell=True, check=True)
+
+    raw = ["cat (limit)", "shardkit raw", "webdataset raw"]
+    decoded = ["decode limit", "shardkit", "plain files", "webdataset"]
+    results: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        for name in raw + decoded:
+            results.setdefault(name, []).append(measure(name, str(shards), str(photos)))
+            print(f"round {r + 1}: {name} done", file=sys.stderr)
+
+    def rate(name: str, key: str = "items") -> list[float]:
+        return [x[key] / x["seconds"] for x in results[name]]
+
+    print(f"\n{args.images} images, {_shard_bytes(str(shards)) / 1e9:.2f} GB of shards, {os.cpu_count()} CPUs, "
+          f"{args.rounds} rounds; median (min-max)\n")
+    print("| raw read, 1 process | samples/s | MB/s | % of cat |")
+    print("|---|---|---|---|")
+    cat = statistics.median(rate("cat (limit)", "bytes"))
+    for name in raw:
+        mbs = rate(name, "bytes")
+        print(f"| {name} | {_fmt(rate(name))} | {_fmt(mbs, 1e-6)} | {statistics.median(mbs) / cat:.0%} |")
+    print(f"\n| decoded, DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s | % of decode limit | "
+          "first batch s | peak RSS MB |")
+    print("|---|---|---|---|---|")
+    limit = statistics.median(rate("decode limit"))
+    for name in decoded:
+        firsts = [x["first"] for x in results[name] if x["first"] is not None]
+        rss = [x["rss"] for x in results[name]]
+        print(f"| {name} | {_fmt(rate(name))} | {statistics.median(rate(name)) / limit:.0%} | "
+              f"{_fmt(firsts, digits=2) if firsts else '-'} | {_fmt(rss, 1e-6)} |")
+
+
+if __name__ == "__main__":
+    main()
