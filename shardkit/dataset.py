@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch.utils.data
+from multiprocessing.context import get_spawning_popen
 
 from . import partition, storage
 from .decode import decoder
@@ -41,6 +42,20 @@ class _Shared:
     def __init__(self) -> None:
         self.epoch = multiprocessing.RawArray("q", 1 + MAX_WORKERS)
         self.stats = multiprocessing.RawArray("d", MAX_WORKERS * len(_STATS))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Shared memory travels to processes this one starts (DataLoader workers); any other
+        # pickle (a user's copy, a framework shipping the dataset) gets a private snapshot.
+        if get_spawning_popen() is not None:
+            return self.__dict__
+        return {"values": (self.epoch[:], self.stats[:])}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "values" not in state:
+            self.__dict__.update(state)
+            return
+        self.__init__()  # type: ignore[misc]
+        self.epoch[:], self.stats[:] = state["values"]
 
     def start_pass(self, worker_id: int) -> tuple[int, int]:
         """(epoch, passes since set_epoch) for a new pass of this worker."""
