@@ -7,6 +7,7 @@ Everything else (open files, the worker's plan) is made inside `__iter__`, in th
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import time
@@ -27,8 +28,15 @@ from .sources import resolve
 from .storage import StorageOptions
 
 STATE_MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
-MAX_WORKERS = 256  # slots in the shared per-worker counters
+MAX_WORKERS = 128  # DataLoader workers per rank that the shared counters have room for
 _STATS = ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped")
+# pass counters: one per (num_workers, worker id), so a pass with another layout (a peek in
+# the main process, a loader with other num_workers) never shifts this layout's epochs
+_PASS_SLOTS = MAX_WORKERS * (MAX_WORKERS + 1) // 2
+
+
+def _pass_slot(worker_id: int, num_workers: int) -> int:
+    return 1 + num_workers * (num_workers - 1) // 2 + worker_id
 
 
 class _Shared:
@@ -40,7 +48,7 @@ class _Shared:
     """
 
     def __init__(self) -> None:
-        self.epoch = multiprocessing.RawArray("q", 1 + MAX_WORKERS)
+        self.epoch = multiprocessing.RawArray("q", 1 + _PASS_SLOTS)
         self.stats = multiprocessing.RawArray("d", MAX_WORKERS * len(_STATS))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -57,21 +65,25 @@ class _Shared:
         self.__init__()  # type: ignore[misc]
         self.epoch[:], self.stats[:] = state["values"]
 
-    def start_pass(self, worker_id: int) -> tuple[int, int]:
-        """(epoch, passes since set_epoch) for a new pass of this worker."""
-        passes = self.epoch[1 + worker_id]
-        self.epoch[1 + worker_id] = passes + 1
+    def start_pass(self, worker_id: int, num_workers: int) -> tuple[int, int]:
+        """(epoch, passes since set_epoch) for a new pass of this worker of this layout."""
+        slot = _pass_slot(worker_id, num_workers)
+        passes = self.epoch[slot]
+        self.epoch[slot] = passes + 1
         return self.epoch[0] + passes, passes
 
-    def resumed(self, worker_id: int, epoch: int) -> None:
+    def resumed(self, worker_id: int, num_workers: int, epoch: int) -> None:
         """A worker restored mid-`epoch`: its next pass reads epoch + 1."""
         self.epoch[0] = epoch
-        self.epoch[1 + worker_id] = 1
+        self.epoch[_pass_slot(worker_id, num_workers)] = 1
+
+    def next_epoch(self) -> int:
+        """The epoch the next pass reads: set_epoch's value plus the passes run since."""
+        return int(self.epoch[0] + np.frombuffer(self.epoch, dtype=np.int64)[1:].max())
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch[0] = epoch
-        for w in range(MAX_WORKERS):
-            self.epoch[1 + w] = 0
+        ctypes.memset(ctypes.addressof(self.epoch) + 8, 0, 8 * _PASS_SLOTS)
 
     def add(self, worker_id: int, values: Sequence[float]) -> None:
         base = worker_id * len(_STATS)
@@ -171,7 +183,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """Dataset-level state: the epoch. Mid-epoch progress lives in the worker iterators
         (what StatefulDataLoader saves) or comes from `resume_state` for a plain DataLoader."""
-        return {STATE_MARK: 1, "epoch": self.epoch}
+        return {STATE_MARK: 1, "epoch": self._shared.next_epoch()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a StatefulDataLoader state dict, from `resume_state(...)`, or from
@@ -295,7 +307,7 @@ class _WorkerStream:
 
     def __init__(self, ds: StreamingDataset, rank: int, world: int, worker_id: int, num_workers: int):
         self.ds, self.rank, self.world, self.worker_id, self.num_workers = ds, rank, world, worker_id, num_workers
-        self.epoch, passes = ds._shared.start_pass(worker_id)
+        self.epoch, passes = ds._shared.start_pass(worker_id, num_workers)
         resume = ds._resume
         # a loaded resume point applies to the first pass of its epoch only
         resuming = resume is not None and passes == 0 and resume["epoch"] == self.epoch
@@ -328,7 +340,7 @@ class _WorkerStream:
                 "StreamingDataset.load_state_dict to resume under a new world size or num_workers"
             )
         self.epoch, self.history, self.skip = int(state["epoch"]), list(state["history"]), int(state["yielded"])
-        self.ds._shared.resumed(self.worker_id, self.epoch)
+        self.ds._shared.resumed(self.worker_id, self.num_workers, self.epoch)
 
     def _plan(self) -> np.ndarray:
         ds = self.ds
@@ -342,6 +354,24 @@ class _WorkerStream:
             sequence = partition.remaining(sequence, layout(p.world_size, p.num_workers, segment), p)
         here = layout(self.world, self.num_workers, len(self.history))
         return partition.worker_stream(sequence, here, self.rank, self.worker_id)[self.skip :]
+
+    def _borrow(self, reader: Any, decode: Callable[[dict[str, Any]], Any],
+                transform: Callable[[dict[str, Any]], Any] | None, after: int) -> Any:
+        """The first usable sample after global id `after` (wrapping), standing in for a
+        worker's skipped samples when none of its own could be used: the rank's count stays
+        exact. Raises when no sample of the dataset can be used at all."""
+        ds = self.ds
+        total = len(ds._starts)
+        for step in range(1, total + 1):
+            i = (after + step) % total
+            shard = int(np.searchsorted(ds._first, i, side="right")) - 1
+            start, end = int(ds._starts[i]), int(ds._ends[i])
+            try:
+                sample = decode(_parse(reader.read(shard, start, end), ds.urls[shard], start))
+                return transform(sample) if transform is not None else sample
+            except Exception:  # noqa: BLE001 - unusable too: try the next one
+                continue
+        raise CorruptShardError(f"{ds.urls[0]} and the other {len(ds.urls) - 1} shards: no sample could be used")
 
     def _generate(self) -> Iterator[Any]:
         ds = self.ds
@@ -388,9 +418,10 @@ class _WorkerStream:
                     yield item
                 ds._shared.add(self.worker_id, stats)
                 stats = [0.0] * len(_STATS)
-            if pending and last_good is not None:
-                for _ in range(pending):
-                    yield last_good
+            if pending and last_good is None:  # nothing this worker read could be used
+                last_good = self._borrow(reader, decode, transform, int(ids[-1]))
+            for _ in range(pending):
+                yield last_good
         finally:
             ds._shared.add(self.worker_id, stats)
             reader.close()

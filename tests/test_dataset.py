@@ -1,0 +1,669 @@
+"""StreamingDataset end to end: samples, rank/worker splits, shuffling, resume, bad data."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import CLASSES, make_folder
+from PIL import Image
+from torch.utils.data import DataLoader
+
+import shardkit
+from shardkit import CorruptShardError
+from shardkit.dataset import StreamingDataset
+
+pytestmark = [
+    # 3 workers on a 2-core runner is deliberate: torch warns, and warnings are errors here
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+    # torchdata's StatefulDataLoader calls an API torch deprecated
+    pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
+]
+
+ALL_KEYS = [f"{i:06d}" for i in range(120)]  # the `packed` fixture's keys
+SIZE = (48, 40)  # conftest.draw's default image size (W, H)
+
+
+def keys_of(loader: Any) -> list[str]:
+    """Sample keys in the order a loader (or a dataset) yields them, batched or not."""
+    out: list[str] = []
+    for item in loader:
+        k = item["__key__"]
+        out += [k] if isinstance(k, str) else list(k)
+    return out
+
+
+def run(ds: StreamingDataset, num_workers: int = 0, batch_size: int | None = None, **kw: Any) -> list[str]:
+    return keys_of(DataLoader(ds, num_workers=num_workers, batch_size=batch_size, **kw))
+
+
+def failure(ds: StreamingDataset, num_workers: int) -> BaseException:
+    """The error a pass raises. The loader is dropped at once, without a traceback keeping it
+    alive: collected later by the cycle collector, its workers take 5 s each to shut down."""
+    it = iter(DataLoader(ds, num_workers=num_workers, batch_size=None))
+    try:
+        for _ in it:
+            pass
+    except Exception as e:  # noqa: BLE001
+        err = e.with_traceback(None)
+        err.__context__ = err.__cause__ = None
+    else:
+        raise AssertionError("the pass did not fail")
+    del it
+    return err
+
+
+def take(loader: Any, batches: int) -> list[str]:
+    it = iter(loader)
+    return [k for _ in range(batches) for k in next(it)["__key__"]]
+
+
+def pack(src: Path, dest: Path, **kw: Any) -> Path:
+    shardkit.pack(str(src), str(dest), workers=1, progress=False, **kw)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def odd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """29 samples in shards of 4: divides by neither 2 nor 3 ranks."""
+    root = tmp_path_factory.mktemp("odd")
+    src = make_folder(root / "photos", per_class=10)
+    (src / "square" / "img_0003.jpg").unlink()
+    return pack(src, root / "shards", max_count=4)
+
+
+def sample_span(dataset: Path, shard: int, sample: int, ext: str) -> tuple[Path, int, int, str]:
+    """(shard file, byte offset, size, key) of one member of one sample, from index.json."""
+    doc = json.loads((dataset / "index.json").read_text())
+    info = doc["shards"][shard]
+    path = dataset / info["name"]
+    data = path.read_bytes()
+    pos, end = info["offsets"][sample], info["offsets"][sample + 1]
+    while pos < end:
+        name = data[pos : pos + 100].split(b"\0")[0].decode()
+        size = int(data[pos + 124 : pos + 135], 8)
+        if name.endswith("." + ext):
+            return path, pos + 512, size, name.split(".")[0]
+        pos += 512 + size + (-size % 512)
+    raise AssertionError(f"no .{ext} member in sample {sample} of {path}")
+
+
+def break_image(dataset: Path, shard: int, sample: int) -> tuple[str, str]:
+    """Overwrite one sample's JPEG bytes in place (same size): (shard name, key)."""
+    path, pos, size, key = sample_span(dataset, shard, sample, "jpg")
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        f.write(b"not a jpeg " * (size // 11) + b"!" * (size % 11))
+    return path.name, key
+
+
+# ---------------------------------------------------------------- samples and decoding
+
+
+def test_raw_samples_match_the_source_files(packed: Path) -> None:
+    photos = packed.parent / "photos"
+    ds = StreamingDataset(str(packed))
+    samples = list(ds)
+    assert [s["__key__"] for s in samples] == ALL_KEYS
+    shards = {p.name for p in packed.glob("*.tar")}
+    per_class = Counter()
+    for s in samples:
+        assert set(s) == {"__key__", "__url__", "jpg", "cls", "json"}
+        assert Path(s["__url__"]).name in shards and os.path.exists(s["__url__"])
+        assert isinstance(s["cls"], int) and isinstance(s["json"], dict)
+        assert set(s["json"]) == {"path", "class"}
+        assert s["json"]["class"] == CLASSES[s["cls"]]
+        assert s["json"]["path"].startswith(s["json"]["class"] + "/")
+        assert isinstance(s["jpg"], bytes)
+        assert s["jpg"] == (photos / s["json"]["path"]).read_bytes()
+        per_class[s["cls"]] += 1
+    assert per_class == {0: 40, 1: 40, 2: 40}
+    assert len({s["json"]["path"] for s in samples}) == 120
+
+
+@pytest.mark.parametrize("mode", ["pil", "rgb8", "tensor"])
+def test_decode_modes(packed: Path, mode: str) -> None:
+    photos = packed.parent / "photos"
+    ds = StreamingDataset(str(packed), decode=mode)
+    samples = list(ds)
+    assert len(samples) == 120
+    for s in samples:
+        with Image.open(photos / s["json"]["path"]) as im:
+            expected = np.array(im.convert("RGB"))
+        img = s["jpg"]
+        assert isinstance(s["cls"], int) and isinstance(s["json"], dict)
+        if mode == "pil":
+            assert isinstance(img, Image.Image) and img.mode == "RGB" and img.size == SIZE
+            assert np.array_equal(np.array(img), expected)
+        elif mode == "rgb8":
+            assert isinstance(img, np.ndarray) and img.dtype == np.uint8
+            assert img.shape == (SIZE[1], SIZE[0], 3) and img.flags.writeable
+            assert np.array_equal(img, expected)
+            img[0, 0] = 0  # writable for in-place augmentation
+        else:
+            assert isinstance(img, torch.Tensor) and img.dtype == torch.uint8
+            assert tuple(img.shape) == (3, SIZE[1], SIZE[0])
+            assert torch.equal(img, torch.from_numpy(expected).permute(2, 0, 1))
+
+
+def test_invalid_arguments_raise_value_error(packed: Path) -> None:
+    with pytest.raises(ValueError, match="decode"):
+        StreamingDataset(str(packed), decode="jpeg")
+    with pytest.raises(ValueError, match="on_error"):
+        StreamingDataset(str(packed), on_error="ignore")
+    with pytest.raises(ValueError, match="remainder"):
+        StreamingDataset(str(packed), remainder="pad")
+
+
+def to_pair(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    return sample["jpg"], sample["cls"]
+
+
+def test_transform_output_goes_through_a_batching_dataloader(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), decode="tensor", transform=to_pair, shuffle=True)
+    labels = []
+    sizes = []
+    for x, y in DataLoader(ds, num_workers=2, batch_size=8):
+        assert x.dtype == torch.uint8 and tuple(x.shape[1:]) == (3, SIZE[1], SIZE[0])
+        assert y.dtype == torch.int64 and tuple(y.shape) == (len(x),)
+        labels += y.tolist()
+        sizes.append(len(x))
+    assert sizes == [8] * 14 + [4, 4]  # each worker: 60 samples = 7 batches of 8 and one of 4
+    assert Counter(labels) == {0: 40, 1: 40, 2: 40}
+
+
+# ---------------------------------------------------------------- ranks and workers
+
+
+def check_ranks(per_rank: list[list[str]], everything: list[str], remainder: str, expected_len: int) -> None:
+    world = len(per_rank)
+    for keys in per_rank:
+        assert len(keys) == expected_len
+        assert len(set(keys)) == len(keys), "a rank yielded a sample twice"
+    union = set().union(*map(set, per_rank))
+    assert union <= set(everything)
+    if remainder == "repeat":
+        assert union == set(everything)
+    else:
+        assert len(everything) - len(union) < world
+        assert sum(map(len, per_rank)) == len(union)
+
+
+@pytest.mark.parametrize("remainder", ["repeat", "drop"])
+@pytest.mark.parametrize("num_workers", [0, 1, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_rank_yields_len_samples(packed: Path, odd: Path, world: int, num_workers: int, remainder: str) -> None:
+    for dataset, total in ((packed, 120), (odd, 29)):
+        everything = keys_of(StreamingDataset(str(dataset)))
+        assert len(everything) == total
+        per_rank = []
+        for rank in range(world):
+            ds = StreamingDataset(str(dataset), shuffle=True, seed=1, rank=rank, world_size=world, remainder=remainder)
+            expected = -(-total // world) if remainder == "repeat" else total // world
+            assert len(ds) == expected
+            per_rank.append(run(ds, num_workers))
+        check_ranks(per_rank, everything, remainder, expected)
+
+
+@pytest.mark.parametrize("remainder", ["repeat", "drop"])
+def test_more_workers_than_shards_and_samples(tmp_path: Path, remainder: str) -> None:
+    # 3 samples in 2 shards; 2 ranks of 3 workers each, so some workers have nothing to do
+    dataset = pack(make_folder(tmp_path / "photos", per_class=1), tmp_path / "shards", max_count=2)
+    everything = keys_of(StreamingDataset(str(dataset)))
+    assert len(everything) == 3
+    per_rank, batches = [], []
+    for rank in range(2):
+        ds = StreamingDataset(str(dataset), shuffle=True, rank=rank, world_size=2, remainder=remainder)
+        loader = DataLoader(ds, num_workers=3, batch_size=2)
+        batches.append(len(list(loader)))
+        per_rank.append(keys_of(loader))
+    check_ranks(per_rank, everything, remainder, 2 if remainder == "repeat" else 1)
+    assert batches[0] == batches[1] > 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+def test_len_is_the_per_rank_count(packed: Path, world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert len(StreamingDataset(str(packed), rank=world - 1, world_size=world)) == -(-120 // world)
+    assert len(StreamingDataset(str(packed), rank=0, world_size=world, remainder="drop")) == 120 // world
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert len(StreamingDataset(str(packed))) == -(-120 // world)
+
+
+def test_construction_and_len_need_only_the_index(packed: Path, tmp_path: Path) -> None:
+    only_index = tmp_path / "only-index"
+    only_index.mkdir()
+    shutil.copy(packed / "index.json", only_index / "index.json")
+    ds = StreamingDataset(str(only_index), rank=1, world_size=2, shuffle=True)
+    assert len(ds) == 60 and ds.classes == CLASSES
+    with pytest.raises(FileNotFoundError, match=r"shard-0000\d\d\.tar"):
+        list(ds)
+
+
+def test_pickle_is_small_and_round_trips(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True, seed=3, rank=1, world_size=2)
+    ds.set_epoch(4)
+    blob = pickle.dumps(ds)
+    assert len(blob) < 200_000
+    clones = [pickle.loads(blob), copy.deepcopy(ds)]
+    expected = keys_of(ds)  # epoch 4, rank 1 of 2
+    assert len(expected) == 60
+    for clone in clones:
+        assert len(clone) == 60 and clone.epoch == 4
+        assert keys_of(clone) == expected
+    # a copy is a snapshot: it does not share the original's epoch counters
+    ds.set_epoch(9)
+    assert clones[0].epoch == 4
+
+
+# ---------------------------------------------------------------- shuffling and epochs
+
+
+def test_shuffle_false_yields_key_order(packed: Path) -> None:
+    assert keys_of(StreamingDataset(str(packed))) == ALL_KEYS
+    assert run(StreamingDataset(str(packed)), 1) == ALL_KEYS
+    # two workers: each worker's part is a contiguous run in key order
+    keys = run(StreamingDataset(str(packed)), 2)
+    assert sorted(keys) == ALL_KEYS
+    assert keys[0::2] == ALL_KEYS[:60] and keys[1::2] == ALL_KEYS[60:]
+
+
+def test_shuffle_is_reproducible_and_depends_on_seed_and_epoch(packed: Path) -> None:
+    def order(seed: int, epoch: int | None = None) -> list[str]:
+        ds = StreamingDataset(str(packed), shuffle=True, seed=seed)
+        if epoch is not None:
+            ds.set_epoch(epoch)
+        return run(ds, 2)
+
+    a = order(0)
+    assert sorted(a) == ALL_KEYS and a != run(StreamingDataset(str(packed)), 2)
+    assert order(0) == a == order(0, 0)
+    assert order(0, 1) != a and sorted(order(0, 1)) == ALL_KEYS
+    assert order(1) != a
+    assert order(0, 4) == order(0, 4)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_each_pass_advances_the_epoch(packed: Path, persistent: bool) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True, seed=2)
+    loader = DataLoader(ds, num_workers=2, batch_size=None, persistent_workers=persistent)
+    passes = [keys_of(loader) for _ in range(3)]
+    for epoch, keys in enumerate(passes):
+        assert sorted(keys) == ALL_KEYS
+        ref = StreamingDataset(str(packed), shuffle=True, seed=2)
+        ref.set_epoch(epoch)
+        assert keys == run(ref, 2), f"pass {epoch} is not epoch {epoch}"
+    assert passes[0] != passes[1] != passes[2]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_set_epoch_in_the_main_process_reaches_workers(packed: Path, persistent: bool) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True, seed=2)
+    loader = DataLoader(ds, num_workers=2, batch_size=None, persistent_workers=persistent)
+    got = {}
+    for epoch in (0, 7, 0, 7):
+        ds.set_epoch(epoch)
+        keys = keys_of(loader)
+        got.setdefault(epoch, keys)
+        assert keys == got[epoch]
+    assert got[0] != got[7]
+    ref = StreamingDataset(str(packed), shuffle=True, seed=2)
+    ref.set_epoch(7)
+    assert run(ref, 2) == got[7]
+
+
+@pytest.mark.parametrize("first", ["peek", "two-workers"])
+def test_a_pass_after_a_pass_with_other_workers_is_still_one_epoch(packed: Path, first: str) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True)
+    if first == "peek":
+        assert next(iter(ds))["__key__"] in ALL_KEYS  # look at one sample first
+    else:
+        run(ds, 2)
+    keys = run(ds, 3)
+    assert len(keys) == 120
+    assert sorted(keys) == ALL_KEYS
+
+
+def test_state_dict_between_epochs_restores_the_next_epoch(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True)
+    loader = DataLoader(ds, num_workers=2, batch_size=None)
+    keys_of(loader)
+    keys_of(loader)  # two passes: epochs 0 and 1
+    third = StreamingDataset(str(packed), shuffle=True)
+    third.load_state_dict(ds.state_dict())
+    assert run(third, 2) == keys_of(loader)  # both read epoch 2
+
+
+def test_spawned_workers_see_set_epoch_and_share_stats(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True, seed=4, rank=1, world_size=3)
+    loader = DataLoader(ds, num_workers=2, batch_size=None, multiprocessing_context="spawn", persistent_workers=True)
+    first = keys_of(loader)
+    ds.set_epoch(5)
+    second = keys_of(loader)
+    ref = StreamingDataset(str(packed), shuffle=True, seed=4, rank=1, world_size=3)
+    assert first == run(ref, 2)
+    ref.set_epoch(5)
+    assert second == run(ref, 2)
+    assert first != second and len(first) == len(second) == 40
+    assert ds.stats()["samples"] == 80
+
+
+# ---------------------------------------------------------------- resume
+
+try:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+except ImportError:  # pragma: no cover - torchdata is a test dependency
+    StatefulDataLoader = None
+needs_torchdata = pytest.mark.skipif(StatefulDataLoader is None, reason="needs torchdata")
+
+
+def full_epoch(dataset: Path, epoch: int, rank: int = 0, world: int = 1) -> list[str]:
+    ds = StreamingDataset(str(dataset), shuffle=True, seed=5, rank=rank, world_size=world)
+    ds.set_epoch(epoch)
+    return run(ds, 2)
+
+
+@needs_torchdata
+@pytest.mark.parametrize("k", [1, 7])
+def test_stateful_dataloader_resume_and_elastic_resume(packed: Path, k: int) -> None:
+    """Two ranks checkpoint after k batches of epoch 3; (a) each resumes with the same layout;
+    (b) the checkpoint of one rank resumes the epoch under 3 ranks or 1 rank, other workers."""
+
+    def loader(rank: int) -> tuple[StreamingDataset, Any]:
+        ds = StreamingDataset(str(packed), shuffle=True, seed=5, rank=rank, world_size=2)
+        return ds, StatefulDataLoader(ds, num_workers=2, batch_size=5)
+
+    before, states = [], []
+    for rank in range(2):
+        ds, dl = loader(rank)
+        ds.set_epoch(3)
+        before.append(take(dl, k))
+        states.append(dl.state_dict())
+        assert len(before[rank]) == 5 * k
+
+    # (a) same layout through StatefulDataLoader, then (d) the next pass is all of epoch 4
+    for rank in range(2):
+        _, dl = loader(rank)  # no set_epoch: the state carries the epoch
+        dl.load_state_dict(states[rank])
+        after = keys_of(dl)
+        assert Counter(before[rank]) + Counter(after) == Counter(full_epoch(packed, 3, rank, 2))
+        assert Counter(keys_of(dl)) == Counter(full_epoch(packed, 4, rank, 2))
+
+    done = set(before[0]) | set(before[1])
+    assert len(done) == 10 * k
+    # (b) elastic: any rank's checkpoint describes all ranks
+    for world, workers in ((3, 3), (1, 0)):
+        rest = []
+        for rank in range(world):
+            ds = StreamingDataset(str(packed), shuffle=True, seed=5, rank=rank, world_size=world)
+            ds.load_state_dict(states[rank % 2])
+            rest.append(run(ds, workers))
+        assert len({len(r) for r in rest}) == 1, "ranks yield different counts after an elastic resume"
+        later = [key for r in rest for key in r]
+        assert set(later) == set(ALL_KEYS) - done
+        assert len(later) - len(set(later)) < world
+        for r in rest:
+            assert len(set(r)) == len(r)
+
+
+@needs_torchdata
+def test_stateful_dataloader_resumes_twice_in_one_epoch(packed: Path) -> None:
+    def loader() -> Any:
+        return StatefulDataLoader(StreamingDataset(str(packed), shuffle=True, seed=5), num_workers=2, batch_size=5)
+
+    dl = loader()
+    first = take(dl, 3)
+    sd = dl.state_dict()
+    dl = loader()
+    dl.load_state_dict(sd)
+    second = take(dl, 4)  # resumed workers skip what they had yielded; the next state counts both
+    sd = dl.state_dict()
+    dl = loader()
+    dl.load_state_dict(sd)
+    third = keys_of(dl)
+    assert len(first) == 15 and len(second) == 20
+    assert Counter(first + second + third) == Counter(ALL_KEYS)
+
+
+@needs_torchdata
+def test_chained_elastic_resumes(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True)
+    dl = StatefulDataLoader(ds, num_workers=2, batch_size=5)
+    first = take(dl, 5)
+    sd = dl.state_dict()
+    ds = StreamingDataset(str(packed), shuffle=True)
+    ds.load_state_dict(sd)
+    dl = StatefulDataLoader(ds, num_workers=3, batch_size=4)
+    second = take(dl, 6)
+    sd = dl.state_dict()
+    ds = StreamingDataset(str(packed), shuffle=True)
+    ds.load_state_dict(sd)
+    third = run(ds, 1)
+    assert Counter(first + second + third) == Counter(ALL_KEYS)
+    assert len(first) == 25 and len(second) == 24
+
+
+@pytest.mark.parametrize(
+    "workers, batch_size, k, new_workers, persistent",
+    [(2, 5, 7, 2, False), (3, 7, 16, 3, True), (0, 5, 3, 0, False), (3, 7, 5, 1, False), (1, 8, 2, 3, True)],
+)
+def test_plain_dataloader_resume_state(packed: Path, workers: int, batch_size: int, k: int, new_workers: int,
+                                       persistent: bool) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True, seed=5)
+    ds.set_epoch(2)
+    before = take(DataLoader(ds, num_workers=workers, batch_size=batch_size), k)
+    ds2 = StreamingDataset(str(packed), shuffle=True, seed=5)
+    ds2.load_state_dict(ds2.resume_state(epoch=2, samples_seen=len(before), batch_size=batch_size,
+                                         num_workers=workers))
+    loader = DataLoader(ds2, num_workers=new_workers, batch_size=batch_size, persistent_workers=persistent)
+    after = keys_of(loader)
+    assert Counter(before) + Counter(after) == Counter(ALL_KEYS)
+    # (d) the resume applies to epoch 2 only: the next pass is the whole of epoch 3
+    ref = StreamingDataset(str(packed), shuffle=True, seed=5)
+    ref.set_epoch(3)
+    assert keys_of(loader) == run(ref, new_workers, batch_size)
+
+
+def test_resume_then_a_training_loop_calling_set_epoch(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True, seed=5)
+    ds.set_epoch(2)
+    before = take(DataLoader(ds, num_workers=2, batch_size=5), 4)
+    ds2 = StreamingDataset(str(packed), shuffle=True, seed=5)
+    ds2.load_state_dict(ds2.resume_state(epoch=2, samples_seen=20, batch_size=5, num_workers=2))
+    loader = DataLoader(ds2, num_workers=2, batch_size=5, persistent_workers=True)
+    ds2.set_epoch(2)  # `for epoch in range(start_epoch, epochs): ds.set_epoch(epoch); ...`
+    assert Counter(before) + Counter(keys_of(loader)) == Counter(ALL_KEYS)
+    ds2.set_epoch(3)
+    ref = StreamingDataset(str(packed), shuffle=True, seed=5)
+    ref.set_epoch(3)
+    assert keys_of(loader) == run(ref, 2, 5)
+
+
+def test_resume_state_under_ddp_ranks(packed: Path) -> None:
+    before = []
+    for rank in range(3):
+        ds = StreamingDataset(str(packed), shuffle=True, seed=5, rank=rank, world_size=3)
+        before += take(DataLoader(ds, num_workers=2, batch_size=4), 3)
+    later = []
+    for rank in range(2):
+        ds = StreamingDataset(str(packed), shuffle=True, seed=5, rank=rank, world_size=2)
+        ds.load_state_dict(ds.resume_state(epoch=0, samples_seen=12, batch_size=4, num_workers=2, world_size=3))
+        later.append(run(ds, 3))
+    assert len(later[0]) == len(later[1])
+    assert set(before).isdisjoint(later[0] + later[1])
+    assert set(before) | set(later[0]) | set(later[1]) == set(ALL_KEYS)
+
+
+def test_load_state_dict_rejects_foreign_state(packed: Path) -> None:
+    with pytest.raises(ValueError, match="shardkit"):
+        StreamingDataset(str(packed)).load_state_dict({"epoch": 3})
+
+
+# ---------------------------------------------------------------- stats
+
+
+def test_stats_after_a_pass(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), decode="pil")
+    keys = run(ds, 2)
+    stats = ds.stats()
+    assert stats["samples"] == len(keys) == 120
+    doc = json.loads((packed / "index.json").read_text())
+    assert stats["bytes"] == sum(s["offsets"][-1] - s["offsets"][0] for s in doc["shards"]) > 0
+    assert stats["skipped"] == 0
+    assert stats["decode_s"] > 0 and 0 <= stats["read_fraction"] <= 1
+
+
+# ---------------------------------------------------------------- shards from other tools
+
+
+def write_wds(folder: Path, photos: Path) -> list[tuple[str, bytes, int]]:
+    import webdataset as wds
+
+    folder.mkdir()
+    files = sorted(photos.glob("*/*.jpg"))[:23]
+    samples = [(f"s{i:04d}", f.read_bytes(), CLASSES.index(f.parent.name)) for i, f in enumerate(files)]
+    with wds.ShardWriter(str(folder / "wds-%06d.tar"), maxcount=5, verbose=0) as sink:
+        for key, jpg, cls in samples:
+            sink.write({"__key__": key, "jpg": jpg, "cls": cls})
+    return samples
+
+
+def test_webdataset_shards(photos: Path, tmp_path: Path) -> None:
+    samples = write_wds(tmp_path / "wds", photos)
+    shards = sorted((tmp_path / "wds").glob("*.tar"))
+    assert [p.name for p in shards] == [f"wds-{i:06d}.tar" for i in range(5)]
+    sources: list[Any] = [str(tmp_path / "wds" / "wds-{000000..000004}.tar"), [str(p) for p in shards],
+                          str(tmp_path / "wds")]
+    for source in sources:
+        ds = StreamingDataset(source)
+        assert len(ds) == 23
+        got = list(ds)
+        assert [(s["__key__"], s["jpg"], s["cls"]) for s in got] == samples
+        assert Path(got[-1]["__url__"]).name == "wds-000004.tar"
+    # index offsets learned from the scan work under ranks and workers too
+    per_rank = [run(StreamingDataset(sources[0], shuffle=True, rank=r, world_size=2, decode="rgb8"), 2)
+                for r in range(2)]
+    check_ranks(per_rank, [k for k, _, _ in samples], "repeat", 12)
+
+
+def test_plain_tar_with_dotted_names(photos: Path, tmp_path: Path) -> None:
+    from webdataset.tariterators import base_plus_ext
+
+    top = tmp_path / "src" / "v1.0"
+    top.mkdir(parents=True)
+    jpgs = sorted(photos.glob("*/*.jpg"))[:3]
+    names = []
+    for stem, jpg in zip(("a", "b", "c"), jpgs):
+        (top / f"{stem}.left.view.jpg").write_bytes(jpg.read_bytes())
+        (top / f"{stem}.cls").write_text(str(CLASSES.index(jpg.parent.name)))
+        names += [f"v1.0/{stem}.cls", f"v1.0/{stem}.left.view.jpg"]
+    shard = tmp_path / "plain.tar"
+    subprocess.run(["tar", "cf", str(shard), "-C", str(tmp_path / "src"), *names], check=True)
+    got = list(StreamingDataset([str(shard)]))
+    assert [s["__key__"] for s in got] == ["v1.0/a", "v1.0/b", "v1.0/c"]
+    # webdataset splits the same names the same way
+    assert [base_plus_ext(n) for n in names[:2]] == [("v1.0/a", "cls"), ("v1.0/a", "left.view.jpg")]
+    assert [base_plus_ext(n)[0] for n in names[::2]] == [s["__key__"] for s in got]
+    for s, jpg in zip(got, jpgs):
+        assert set(s) == {"__key__", "__url__", "cls", "left.view.jpg"}
+        assert s["left.view.jpg"] == jpg.read_bytes()
+        assert s["cls"] == CLASSES.index(jpg.parent.name)
+    decoded = list(StreamingDataset([str(shard)], decode="pil"))
+    assert all(isinstance(s["left.view.jpg"], Image.Image) for s in decoded)
+
+
+class _Trap:
+    """Unpickling this makes a folder: proves a member was (or wasn't) unpickled."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.mkdir, (self.path,)
+
+
+def test_pickle_like_members_stay_bytes(tmp_path: Path) -> None:
+    import webdataset as wds
+
+    trap = tmp_path / "unpickled"
+    (tmp_path / "out").mkdir()
+    payloads = {"pyd": pickle.dumps(_Trap(str(trap))), "pickle": pickle.dumps({"a": [1, 2]})}
+    with wds.ShardWriter(str(tmp_path / "out" / "x-%06d.tar"), maxcount=10, verbose=0) as sink:
+        sink.write({"__key__": "k0", "pyd": payloads["pyd"], "pickle": payloads["pickle"],
+                    "pth": torch.arange(4), "cls": 1})
+    for mode in ("raw", "pil", "tensor"):
+        (s,) = list(StreamingDataset(str(tmp_path / "out"), decode=mode))
+        assert s["pyd"] == payloads["pyd"] and s["pickle"] == payloads["pickle"]
+        assert isinstance(s["pth"], bytes)
+        assert torch.equal(torch.load(io.BytesIO(s["pth"])), torch.arange(4))
+        assert s["cls"] == 1
+    assert not trap.exists()
+
+
+# ---------------------------------------------------------------- bad data
+
+
+def test_truncated_shard_names_the_file(packed: Path, tmp_path: Path) -> None:
+    clone = Path(shutil.copytree(packed, tmp_path / "clone"))
+    shard = clone / "shard-000003.tar"
+    os.truncate(shard, shard.stat().st_size // 2)
+    for workers in (0, 2):
+        err = failure(StreamingDataset(str(clone)), workers)
+        assert isinstance(err, CorruptShardError) and "shard-000003.tar" in str(err)
+
+
+@pytest.fixture
+def broken(photos: Path, tmp_path: Path) -> tuple[Path, str, str]:
+    """30 samples in shards of 4; the JPEG of sample 1 of shard 2 is garbage."""
+    dataset = pack(photos, tmp_path / "shards", max_count=4)
+    shard, key = break_image(dataset, 2, 1)
+    return dataset, shard, key
+
+
+def test_undecodable_image_raises_naming_the_shard(broken: tuple[Path, str, str]) -> None:
+    dataset, shard, key = broken
+    assert len(run(StreamingDataset(str(dataset)), 0)) == 30  # raw bytes are not decoded
+    for workers in (0, 2):
+        err = failure(StreamingDataset(str(dataset), decode="pil"), workers)
+        assert isinstance(err, CorruptShardError) and shard in str(err)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_undecodable_image_skipped_keeps_the_count(broken: tuple[Path, str, str], workers: int) -> None:
+    dataset, _, key = broken
+    ds = StreamingDataset(str(dataset), decode="pil", on_error="skip")
+    samples = list(DataLoader(ds, num_workers=workers, batch_size=None))
+    keys = [s["__key__"] for s in samples]
+    assert len(keys) == len(ds) == 30
+    assert key not in keys and len(set(keys)) == 29
+    assert all(isinstance(s["jpg"], Image.Image) for s in samples)
+    assert ds.stats()["skipped"] == 1
+    # under two ranks as well: both ranks still yield len(ds)
+    per_rank, skipped = [], 0
+    for rank in range(2):
+        ds = StreamingDataset(str(dataset), decode="pil", on_error="skip", shuffle=True, rank=rank, world_size=2)
+        per_rank.append(run(ds, workers))
+        skipped += ds.stats()["skipped"]
+        assert len(per_rank[-1]) == len(ds) == 15
+    assert skipped == 1
+    assert set(per_rank[0]) | set(per_rank[1]) == {f"{i:06d}" for i in range(30)} - {key}
+
+
+def test_skip_keeps_the_count_when_a_worker_has_only_bad_samples(tmp_path: Path) -> None:
+    dataset = pack(make_folder(tmp_path / "photos", per_class=1), tmp_path / "shards")
+    _, key = break_image(dataset, 0, 1)
+    ds = StreamingDataset(str(dataset), decode="pil", on_error="skip")
+    keys = run(ds, 3)  # one sample per worker: worker 1 has only the broken one
+    assert ds.stats()["skipped"] == 1
+    assert len(keys) == len(ds) == 3
