@@ -21,6 +21,8 @@ import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
+from json.encoder import encode_basestring as _json_str  # type: ignore[attr-defined]
+from typing import NamedTuple
 
 import numpy as np
 
@@ -46,8 +48,7 @@ class Options:
     on_error: str = "skip"
 
 
-@dataclass(frozen=True)
-class Item:
+class Item(NamedTuple):
     key: str
     path: str  # relative to SRC, '/'-separated
     label: int
@@ -144,8 +145,8 @@ def scan(src: str) -> tuple[tuple[str, ...], list[Item], list[Skipped]]:
 
 
 def _meta(item: Item, classes: tuple[str, ...]) -> bytes:
-    doc = {"class": classes[item.label], "path": item.path}
-    return json.dumps(doc, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode()
+    """`{"class":...,"path":...}`: compact, keys sorted, UTF-8 (what json.dumps would give)."""
+    return f'{{"class":{_json_str(classes[item.label])},"path":{_json_str(item.path)}}}'.encode()
 
 
 def _member_bytes(n: int) -> int:
@@ -176,7 +177,7 @@ def make_plan(
     groups: list[list[Item]] = [[]]
     size = 0
     for number, item in enumerate(items):
-        item = Item(f"{number:0{width}d}", item.path, item.label, item.size, item.mtime_ns)
+        item = item._replace(key=f"{number:0{width}d}")
         # exact for copied bytes: image, cls and json members with their headers
         need = _member_bytes(item.size) + _member_bytes(len(str(item.label))) + _member_bytes(len(_meta(item, classes)))
         full = (max_count is not None and len(groups[-1]) >= max_count) or (
@@ -190,7 +191,7 @@ def make_plan(
     jobs = []
     for i, group in enumerate(groups):
         name = SHARD_NAME.format(i)
-        fp = _fingerprint(name, classes, asdict(options), [(it.key, it.path, it.label, it.size, it.mtime_ns) for it in group])
+        fp = _fingerprint(name, classes, asdict(options), group)
         jobs.append(Job(name, src, dest, tuple(group), classes, options, fp, storage_options))
     plan_fp = _fingerprint("tar", classes, [j.fingerprint for j in jobs])
     return Plan(classes, tuple(jobs), tuple(skipped), plan_fp)
@@ -213,8 +214,7 @@ def _tick(n: int) -> None:
 
 
 def _sample_fields(job: Job, item: Item) -> dict[str, bytes]:
-    path = storage.join(job.src, item.path)
-    data = storage.read_bytes(path, job.storage_options)
+    data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
     opts = job.options
     if opts.resize or opts.quality:
         field, data = "jpg", images.reencode(data, opts.resize, opts.quality or 90)

@@ -131,7 +131,9 @@ class _StreamingWriter:
     STEP = 16 << 20
 
     def __init__(self, path: str):
-        self._f = open(path, "wb", buffering=1 << 20)
+        # a small buffer: headers and padding are gathered, image payloads (larger) are
+        # written straight from the caller's bytes instead of being copied into the buffer
+        self._f = open(path, "wb", buffering=32 << 10)
         self._written = self._mark = 0
 
     def write(self, data: bytes) -> int:
