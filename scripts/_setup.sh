@@ -1,25 +1,28 @@
-# Sourced by test.sh and demo.sh: make .venv and install shardkit into it, once.
-# torch==2.13.0 goes first: pip takes the CPU wheel this kind of machine keeps on disk,
-# where an unpinned torch would pull a multi-GB CUDA build.
-set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false  # gcsfs reads it at import (see REMOTE-TESTING.md)
+# Sourced by test.sh and demo.sh (cwd = repo root): the one place that creates and fills .venv.
+# Safe on a fresh machine with no stdin; a rerun skips pip while the stamp is newer than
+# pyproject.toml and this file.
+
+venv=.venv
+stamp=$venv/.shardkit-installed
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
-VENV=.venv
-STAMP="$VENV/.shardkit-installed"
-if [ ! -x "$VENV/bin/python" ]; then
-    echo "setup: creating $VENV" >&2
-    python3 -m venv "$VENV"
+if [[ ! -x $venv/bin/python ]]; then
+    echo "setup: creating $venv" >&2
+    "${PYTHON:-python3}" -m venv "$venv"
 fi
-if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ "${BASH_SOURCE[0]}" -nt "$STAMP" ]; then
-    echo "setup: installing torch==2.13.0 and shardkit[test] (first run takes a minute)" >&2
-    "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q torch==2.13.0
-    # moto and s3fs in one command so one resolve picks compatible botocore pins
-    "$VENV/bin/python" -m pip install -q -e '.[test,s3,gcs,bench]' 'moto[server]' s3fs gcp-storage-emulator
-    "$VENV/bin/python" -m pip check >&2 || echo "setup: warning: pip check reports a conflict (above)" >&2
-    touch "$STAMP"
+
+if [[ ! ($stamp -nt pyproject.toml && $stamp -nt scripts/_setup.sh) ]]; then
+    echo "setup: installing into $venv (minutes on a fresh machine)" >&2
+    pip=("$venv/bin/python" -m pip install -q)
+    "${pip[@]}" --upgrade pip
+    # Pinned and first, so the extras' torch>=2.1 is already met and pip never pulls a CUDA build.
+    "${pip[@]}" torch==2.13.0
+    # One resolve: naming s3fs beside moto keeps botocore within aiobotocore's pin.
+    "${pip[@]}" -e '.[test,s3,gcs]' 'moto[server]' s3fs gcp-storage-emulator
+    "$venv/bin/python" -m pip check || echo "setup: warning: pip check found conflicts" >&2
+    touch "$stamp"
 fi
-PY="$PWD/$VENV/bin/python"
-export PATH="$PWD/$VENV/bin:$PATH"
+
+# Tests and demos start console scripts (shardkit, moto_server) by name.
+export VIRTUAL_ENV=$PWD/$venv
+export PATH=$VIRTUAL_ENV/bin:$PATH

@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# Set up (once) and run the whole test suite. Extra arguments go to pytest.
+# Set up .venv if needed, then run the tests: scripts/test.sh [pytest args...]
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
-exec "$PY" -m pytest -q "$@"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/_setup.sh
+
+# gcsfs reads this at import; without it every emulator bucket costs a 60 s gRPC retry loop.
+export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false
+exec python -m pytest -q "$@"
