@@ -18,14 +18,16 @@ import numpy as np
 import torch.utils.data
 from multiprocessing.context import get_spawning_popen
 
-from . import partition, storage
+from . import partition, ranges, storage
 from .decode import decoder
 from .errors import CorruptShardError, ShardkitError
 from .formats.tar import parse_sample
 from .index import Index
 from .partition import Layout, Progress
+from .prefetch import Prefetcher
 from .sources import resolve
 from .storage import StorageOptions
+from .units import parse_size
 
 STATE_MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
 MAX_WORKERS = 128  # DataLoader workers per rank that the shared counters have room for
@@ -121,6 +123,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         shuffle_window: int = 1024,
         block: int = 64,
         on_error: str = "raise",
+        prefetch: int = 4,
+        prefetch_bytes: int | str = "64MB",
         storage_options: StorageOptions | None = None,
     ):
         super().__init__()
@@ -135,6 +139,9 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         self.shuffle, self.seed, self.decode, self.transform = shuffle, seed, decode, transform
         self.remainder, self.shuffle_window, self.block, self.on_error = remainder, shuffle_window, block, on_error
         self.storage_options = storage_options
+        if prefetch < 0:
+            raise ValueError("prefetch must be >= 0 (0 turns read-ahead off)")
+        self.prefetch, self.prefetch_bytes = prefetch, parse_size(prefetch_bytes)
         self._rank_arg, self._world_arg = rank, world_size
         self._world: tuple[int, int] | None = None
         counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
@@ -257,49 +264,6 @@ def _find_states(state: Any) -> list[dict[str, Any]]:
     return []
 
 
-class _LocalShards:
-    """pread of sample byte ranges from local shard files, one descriptor per shard."""
-
-    def __init__(self, urls: Sequence[str]):
-        self._paths = [storage.local_path(u) for u in urls]
-        self._fds: dict[int, int] = {}
-
-    def read(self, shard: int, start: int, stop: int) -> bytes:
-        fd = self._fds.get(shard)
-        if fd is None:
-            fd = self._fds[shard] = os.open(self._paths[shard], os.O_RDONLY)
-        data = os.pread(fd, stop - start, start)
-        if len(data) < stop - start:
-            raise CorruptShardError(f"{self._paths[shard]}: truncated at byte {start + len(data)}, index expects {stop}")
-        return data
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
-class _RemoteShards:
-    """Ranged reads through fsspec (S3, GCS, HTTP, ...)."""
-
-    def __init__(self, urls: Sequence[str], storage_options: StorageOptions | None):
-        self._urls = list(urls)
-        self._opts = storage_options
-        self._paths: dict[int, tuple[Any, str]] = {}
-
-    def read(self, shard: int, start: int, stop: int) -> bytes:
-        if shard not in self._paths:
-            self._paths[shard] = storage.filesystem(self._urls[shard], self._opts)
-        fs, path = self._paths[shard]
-        data = fs.cat_file(path, start=start, end=stop)
-        if len(data) < stop - start:
-            raise CorruptShardError(f"{self._urls[shard]}: truncated at byte {start + len(data)}, index expects {stop}")
-        return data
-
-    def close(self) -> None:
-        pass
-
-
 class _WorkerStream:
     """One pass of one worker. Stateful (torchdata's protocol): `state_dict()` says how
     many samples this worker has yielded; `load_state_dict()` before the first sample
@@ -355,7 +319,7 @@ class _WorkerStream:
         here = layout(self.world, self.num_workers, len(self.history))
         return partition.worker_stream(sequence, here, self.rank, self.worker_id)[self.skip :]
 
-    def _borrow(self, reader: Any, decode: Callable[[dict[str, Any]], Any],
+    def _borrow(self, reader: storage.RangeReader, decode: Callable[[dict[str, Any]], Any],
                 transform: Callable[[dict[str, Any]], Any] | None, after: int) -> Any:
         """The first usable sample after global id `after` (wrapping), standing in for a
         worker's skipped samples when none of its own could be used: the rank's count stays
@@ -373,61 +337,81 @@ class _WorkerStream:
                 continue
         raise CorruptShardError(f"{ds.urls[0]} and the other {len(ds.urls) - 1} shards: no sample could be used")
 
+    def _reads(self, ids: np.ndarray, reader: storage.RangeReader) -> Iterator[tuple[int, int, memoryview]]:
+        """(shard, start offset, bytes) of each sample of `ids`, in order, read ahead."""
+        ds = self.ds
+        shard_of = np.searchsorted(ds._first, ids, side="right") - 1
+        starts, ends = ds._starts[ids], ds._ends[ids]
+        local = storage.is_local(ds.urls[0])
+        plan, range_of = ranges.plan(shard_of, starts, ends, window=ds.shuffle_window,
+                                     order="emission" if local else "sorted", max_bytes=4 << 20 if local else 16 << 20)
+        fetched = iter(Prefetcher(plan, lambda r: reader.read(r.shard, r.start, r.stop), lambda r: r.size,
+                                  depth=ds.prefetch, budget=ds.prefetch_bytes))
+        held: dict[int, tuple[ranges.Range, memoryview, list[int]]] = {}  # range index -> range, bytes, samples left
+        for r, shard, start, end in zip(range_of.tolist(), shard_of.tolist(), starts.tolist(), ends.tolist()):
+            while r not in held:
+                got, data = next(fetched)
+                held[got.index] = (got, data if isinstance(data, memoryview) else memoryview(data), [got.samples])
+            rng, data, left = held[r]
+            yield shard, start, data[start - rng.start : end - rng.start]
+            left[0] -= 1
+            if not left[0]:
+                del held[r]
+
     def _generate(self) -> Iterator[Any]:
         ds = self.ds
         ids = self._plan()
-        shard_of = np.searchsorted(ds._first, ids, side="right") - 1
-        starts, ends = ds._starts[ids], ds._ends[ids]
-        reader = _LocalShards(ds.urls) if storage.is_local(ds.urls[0]) else _RemoteShards(ds.urls, ds.storage_options)
+        reader = storage.RangeReader(ds.urls, ds.storage_options)
         decode = decoder(ds.decode)
         transform = ds.transform
         stats = [0.0] * len(_STATS)
         pending = 0  # skipped samples still to be replaced, so the rank's count stays exact
         last_good: Any = None
+        reads = self._reads(ids, reader)
         try:
-            for chunk in range(0, len(ids), 256):
-                sl = slice(chunk, chunk + 256)
-                for shard, start, end in zip(shard_of[sl].tolist(), starts[sl].tolist(), ends[sl].tolist()):
-                    t0 = time.perf_counter()
-                    url = ds.urls[shard]
-                    data = reader.read(shard, start, end)
-                    t1 = time.perf_counter()
-                    try:
-                        sample = _parse(data, url, start)
-                        sample = decode(sample)
-                        t2 = time.perf_counter()
-                        item = transform(sample) if transform is not None else sample
-                    except Exception as e:  # noqa: BLE001 - reported with the shard and member named
-                        if ds.on_error == "raise":
-                            if isinstance(e, ShardkitError):
-                                raise
-                            raise CorruptShardError(f"{url}: sample at byte {start}: {type(e).__name__}: {e}") from e
-                        stats[5] += 1
-                        pending += 1
-                        continue
-                    t3 = time.perf_counter()
-                    stats[0] += 1
-                    stats[1] += end - start
-                    stats[2] += t1 - t0
-                    stats[3] += t2 - t1
-                    stats[4] += t3 - t2
-                    for _ in range(pending):
-                        yield item
-                    pending = 0
-                    last_good = item
+            for count in range(1, len(ids) + 1):
+                t0 = time.perf_counter()
+                shard, start, data = next(reads)
+                t1 = time.perf_counter()
+                url = ds.urls[shard]
+                try:
+                    sample = _parse(data, url, start)
+                    sample = decode(sample)
+                    t2 = time.perf_counter()
+                    item = transform(sample) if transform is not None else sample
+                except Exception as e:  # noqa: BLE001 - reported with the shard and sample named
+                    if ds.on_error == "raise":
+                        if isinstance(e, ShardkitError):
+                            raise
+                        raise CorruptShardError(f"{url}: sample at byte {start}: {type(e).__name__}: {e}") from e
+                    stats[5] += 1
+                    pending += 1
+                    continue
+                t3 = time.perf_counter()
+                stats[0] += 1
+                stats[1] += len(data)
+                stats[2] += t1 - t0
+                stats[3] += t2 - t1
+                stats[4] += t3 - t2
+                for _ in range(pending):
                     yield item
-                ds._shared.add(self.worker_id, stats)
-                stats = [0.0] * len(_STATS)
+                pending = 0
+                last_good = item
+                yield item
+                if count % 256 == 0:
+                    ds._shared.add(self.worker_id, stats)
+                    stats = [0.0] * len(_STATS)
             if pending and last_good is None:  # nothing this worker read could be used
                 last_good = self._borrow(reader, decode, transform, int(ids[-1]))
             for _ in range(pending):
                 yield last_good
         finally:
+            reads.close()
             ds._shared.add(self.worker_id, stats)
             reader.close()
 
 
-def _parse(data: bytes, url: str, start: int) -> dict[str, Any]:
+def _parse(data: bytes | memoryview, url: str, start: int) -> dict[str, Any]:
     key, fields = parse_sample(data, f"{url} (sample at byte {start})")
     sample: dict[str, Any] = {"__key__": key, "__url__": url}
     sample.update(fields)

@@ -18,6 +18,7 @@ from PIL import Image
 MODES = ("raw", "pil", "rgb8", "tensor")
 IMAGE_FIELDS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "pbm", "pnm", "tif", "tiff", "gif"})
 _INT_FIELDS = frozenset({"cls", "cls2", "index", "idx", "label"})
+_json = json.JSONDecoder().decode
 
 
 def _pil(data: bytes) -> Image.Image:
@@ -40,25 +41,24 @@ def _tensor(data: bytes) -> Any:
 _IMAGE: dict[str, Callable[[bytes], Any]] = {"pil": _pil, "rgb8": _rgb8, "tensor": _tensor}
 
 
-def decoder(mode: str) -> Callable[[dict[str, bytes]], dict[str, Any]]:
+def decoder(mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """A function decoding one sample's fields in place. Raises ValueError for unknown modes."""
     if mode not in MODES:
         raise ValueError(f"decode must be one of {MODES}, not {mode!r}")
+    handlers: dict[str, Callable[[bytes], Any]] = {ext: int for ext in _INT_FIELDS}
+    handlers["json"] = lambda value: _json(value.decode("utf-8"))
+    handlers["txt"] = lambda value: value.decode("utf-8")
     image = _IMAGE.get(mode)
+    if image is not None:
+        handlers.update(dict.fromkeys(IMAGE_FIELDS, image))
 
     def decode(sample: dict[str, Any]) -> dict[str, Any]:
         for key, value in sample.items():
-            if key.startswith("__"):
+            if key[0] == "_":  # __key__, __url__
                 continue
-            ext = key.rsplit(".", 1)[-1]
-            if ext in _INT_FIELDS:
-                sample[key] = int(value)
-            elif ext == "json":
-                sample[key] = json.loads(value)
-            elif ext == "txt":
-                sample[key] = value.decode("utf-8")
-            elif image is not None and ext in IMAGE_FIELDS:
-                sample[key] = image(value)
+            handler = handlers.get(key) or handlers.get(key.rsplit(".", 1)[-1])
+            if handler is not None:
+                sample[key] = handler(value)
         return sample
 
     return decode

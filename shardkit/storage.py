@@ -5,12 +5,13 @@ passed through unchanged."""
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import uuid
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from .errors import ShardkitError
+from .errors import CorruptShardError, ShardkitError
 
 StorageOptions = dict[str, Any]
 
@@ -199,3 +200,66 @@ def remove_dir(url: str, storage_options: StorageOptions | None = None) -> None:
     if is_local(url):
         with contextlib.suppress(FileNotFoundError, OSError):
             os.rmdir(local_path(url))
+
+
+class RangeReader:
+    """Byte ranges of a fixed list of shards, thread-safe.
+
+    Local files are memory-mapped range by range: the caller gets a view of the page cache
+    (no copy), MADV_WILLNEED starts the disk read-ahead when the pages are not cached yet,
+    and the mapping goes away with the last reference to the view, so resident memory holds
+    only the ranges in use. Remote shards take ranged GETs through fsspec.
+    """
+
+    def __init__(self, urls: list[str], storage_options: StorageOptions | None = None):
+        self._urls = urls
+        self._opts = storage_options
+        self._local = [is_local(u) for u in urls]
+        self._handles: dict[int, Any] = {}  # shard -> fd, or (filesystem, path)
+
+    def _handle(self, shard: int) -> Any:
+        handle = self._handles.get(shard)
+        if handle is None:
+            if self._local[shard]:
+                handle = os.open(local_path(self._urls[shard]), os.O_RDONLY)
+            else:
+                handle = filesystem(self._urls[shard], self._opts)
+            winner = self._handles.setdefault(shard, handle)
+            if winner is not handle and self._local[shard]:  # another thread opened it first
+                os.close(handle)
+            handle = winner
+        return handle
+
+    def read(self, shard: int, start: int, stop: int) -> bytes | memoryview:
+        handle = self._handle(shard)
+        if self._local[shard]:
+            data = self._map(handle, shard, start, stop)
+        else:
+            fs, path = handle
+            data = fs.cat_file(path, start=start, end=stop)
+        if len(data) != stop - start:
+            raise self._short(shard, start, stop, len(data))
+        return data
+
+    def _map(self, fd: int, shard: int, start: int, stop: int) -> memoryview:
+        if stop == start:
+            return memoryview(b"")
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            mm = mmap.mmap(fd, stop - base, access=mmap.ACCESS_READ, offset=base)
+        except ValueError:  # the range runs past the end of the file
+            raise self._short(shard, start, stop, max(0, os.fstat(fd).st_size - start)) from None
+        mm.madvise(mmap.MADV_WILLNEED)
+        return memoryview(mm)[start - base :]
+
+    def _short(self, shard: int, start: int, stop: int, got: int) -> CorruptShardError:
+        return CorruptShardError(
+            f"{self._urls[shard]}: {got} bytes at offset {start}, the index expects {stop - start} "
+            "(shard truncated or replaced)"
+        )
+
+    def close(self) -> None:
+        for shard, handle in self._handles.items():
+            if self._local[shard]:
+                os.close(handle)
+        self._handles.clear()
