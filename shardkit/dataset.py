@@ -23,6 +23,7 @@ from .decode import decoder
 from .errors import CorruptShardError, ShardkitError
 from .formats.tar import parse_sample
 from .index import Index
+from .cache import RangeCache
 from .partition import Layout, Progress
 from .prefetch import Prefetcher
 from .sources import resolve
@@ -31,7 +32,9 @@ from .units import parse_size
 
 STATE_MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
 MAX_WORKERS = 128  # DataLoader workers per rank that the shared counters have room for
-_STATS = ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped")
+_STATS = ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped", "fetched_bytes", "cache_hits",
+          "prefetch_depth", "fetch_latency_s")
+_GAUGES = frozenset({"prefetch_depth", "fetch_latency_s"})  # last value per worker, not a running sum
 # pass counters: one per (num_workers, worker id), so a pass with another layout (a peek in
 # the main process, a loader with other num_workers) never shifts this layout's epochs
 _PASS_SLOTS = MAX_WORKERS * (MAX_WORKERS + 1) // 2
@@ -89,8 +92,11 @@ class _Shared:
 
     def add(self, worker_id: int, values: Sequence[float]) -> None:
         base = worker_id * len(_STATS)
-        for i, v in enumerate(values):
-            self.stats[base + i] += v
+        for i, (name, v) in enumerate(zip(_STATS, values)):
+            if name in _GAUGES:
+                self.stats[base + i] = v
+            else:
+                self.stats[base + i] += v
 
 
 class StreamingDataset(torch.utils.data.IterableDataset):
@@ -123,8 +129,10 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         shuffle_window: int = 1024,
         block: int = 64,
         on_error: str = "raise",
-        prefetch: int = 4,
-        prefetch_bytes: int | str = "64MB",
+        prefetch: int = 8,
+        prefetch_bytes: int | str = "256MB",
+        cache_dir: str | None = None,
+        cache_limit: int | str = "20GB",
         storage_options: StorageOptions | None = None,
     ):
         super().__init__()
@@ -142,6 +150,12 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         if prefetch < 0:
             raise ValueError("prefetch must be >= 0 (0 turns read-ahead off)")
         self.prefetch, self.prefetch_bytes = prefetch, parse_size(prefetch_bytes)
+        self.cache_dir, self.cache_limit = cache_dir, parse_size(cache_limit)
+        if cache_dir is not None and self.cache_limit < self.prefetch_bytes:
+            raise ValueError(
+                f"cache_limit ({self.cache_limit} bytes) is smaller than the read-ahead budget prefetch_bytes "
+                f"({self.prefetch_bytes} bytes): raise cache_limit or lower prefetch_bytes"
+            )
         self._rank_arg, self._world_arg = rank, world_size
         self._world: tuple[int, int] | None = None
         counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
@@ -246,9 +260,32 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         (waiting for data), decoding and in the transform, skipped samples."""
         arr = np.frombuffer(self._shared.stats, dtype=np.float64).reshape(MAX_WORKERS, len(_STATS))
         total = dict(zip(_STATS, arr.sum(axis=0).tolist()))
+        active = arr[:, _STATS.index("prefetch_depth")] > 0
+        for name in _GAUGES:  # mean over the workers that reported one
+            column = arr[active, _STATS.index(name)]
+            total[name] = float(column.mean()) if len(column) else 0.0
         busy = total["read_s"] + total["decode_s"] + total["transform_s"]
         total["read_fraction"] = total["read_s"] / busy if busy else 0.0
         return total
+
+
+class _Meter:
+    """A worker's statistics, pushed to the shared counters every few hundred samples."""
+
+    def __init__(self, shared: _Shared, worker_id: int, reader: storage.RangeReader, cache: RangeCache | None):
+        self.values = [0.0] * len(_STATS)
+        self._shared, self._worker_id, self._reader, self._cache = shared, worker_id, reader, cache
+        self._fetched = self._hits = 0
+
+    def flush(self, prefetcher: Prefetcher[Any] | None) -> None:
+        v = self.values
+        v[6], self._fetched = self._reader.fetched_bytes - self._fetched, self._reader.fetched_bytes
+        if self._cache is not None:
+            v[7], self._hits = self._cache.hits - self._hits, self._cache.hits
+        if prefetcher is not None:
+            v[8], v[9] = prefetcher.target, prefetcher.latency_s
+        self._shared.add(self._worker_id, v)
+        self.values = [0.0] * len(_STATS)
 
 
 def _find_states(state: Any) -> list[dict[str, Any]]:
@@ -278,6 +315,7 @@ class _WorkerStream:
         self.history = list(resume["history"]) if resuming else []
         self.skip = 0
         self.yielded = 0
+        self.prefetcher: Prefetcher[ranges.Range] | None = None  # set once reading starts
         self._gen: Iterator[Any] | None = None
 
     def __iter__(self) -> _WorkerStream:
@@ -342,11 +380,13 @@ class _WorkerStream:
         ds = self.ds
         shard_of = np.searchsorted(ds._first, ids, side="right") - 1
         starts, ends = ds._starts[ids], ds._ends[ids]
-        local = storage.is_local(ds.urls[0])
-        plan, range_of = ranges.plan(shard_of, starts, ends, window=ds.shuffle_window,
-                                     order="emission" if local else "sorted", max_bytes=4 << 20 if local else 16 << 20)
-        fetched = iter(Prefetcher(plan, lambda r: reader.read(r.shard, r.start, r.stop), lambda r: r.size,
-                                  depth=ds.prefetch, budget=ds.prefetch_bytes))
+        if storage.is_local(ds.urls[0]):
+            plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=4 << 20)
+        else:
+            plan, range_of = ranges.blocks(ids, ds._first, ds._starts, ds._ends, ds.block)
+        self.prefetcher = Prefetcher(plan, lambda r: reader.read(r.shard, r.start, r.stop), lambda r: r.size,
+                                     depth=ds.prefetch, budget=ds.prefetch_bytes)
+        fetched = iter(self.prefetcher)
         held: dict[int, tuple[ranges.Range, memoryview, list[int]]] = {}  # range index -> range, bytes, samples left
         for r, shard, start, end in zip(range_of.tolist(), shard_of.tolist(), starts.tolist(), ends.tolist()):
             while r not in held:
@@ -361,13 +401,16 @@ class _WorkerStream:
     def _generate(self) -> Iterator[Any]:
         ds = self.ds
         ids = self._plan()
-        reader = storage.RangeReader(ds.urls, ds.storage_options)
+        cache = RangeCache(ds.cache_dir, ds.cache_limit) if ds.cache_dir is not None else None
+        versions = [sh.sha256 for sh in ds.index.shards]
+        reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache)
         decode = decoder(ds.decode)
         transform = ds.transform
-        stats = [0.0] * len(_STATS)
         pending = 0  # skipped samples still to be replaced, so the rank's count stays exact
         last_good: Any = None
         reads = self._reads(ids, reader)
+
+        meter = _Meter(ds._shared, self.worker_id, reader, cache)
         try:
             for count in range(1, len(ids) + 1):
                 t0 = time.perf_counter()
@@ -384,10 +427,11 @@ class _WorkerStream:
                         if isinstance(e, ShardkitError):
                             raise
                         raise CorruptShardError(f"{url}: sample at byte {start}: {type(e).__name__}: {e}") from e
-                    stats[5] += 1
+                    meter.values[5] += 1
                     pending += 1
                     continue
                 t3 = time.perf_counter()
+                stats = meter.values
                 stats[0] += 1
                 stats[1] += len(data)
                 stats[2] += t1 - t0
@@ -399,15 +443,14 @@ class _WorkerStream:
                 last_good = item
                 yield item
                 if count % 256 == 0:
-                    ds._shared.add(self.worker_id, stats)
-                    stats = [0.0] * len(_STATS)
+                    meter.flush(self.prefetcher)
             if pending and last_good is None:  # nothing this worker read could be used
                 last_good = self._borrow(reader, decode, transform, int(ids[-1]))
             for _ in range(pending):
                 yield last_good
         finally:
             reads.close()
-            ds._shared.add(self.worker_id, stats)
+            meter.flush(self.prefetcher)
             reader.close()
 
 

@@ -2,12 +2,19 @@
 worker decodes, bounded by a count and a byte budget. Format- and storage-blind: it takes a
 fetch function, so tests can hand it one that sleeps or fails.
 
+The number of reads in flight adapts by Little's law: in flight = arrival rate x latency,
+where the arrival rate is how fast the consumer takes ranges and the latency is how long
+a fetch takes (both moving averages). A slow store (high first-byte latency) gets more
+reads in flight, a fast one fewer; never more than `depth`.
+
 Results come back in request order. A failed fetch is re-raised in the consumer, at the
-position of the request that failed. Closing the iterator stops the threads.
+position of the request that failed. Closing the iterator cancels what is queued.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,10 +22,13 @@ from typing import Generic, TypeVar
 
 R = TypeVar("R")
 
+_ALPHA = 0.2  # weight of the newest observation in the moving averages
+
 
 class Prefetcher(Generic[R]):
     """Iterate over `(request, fetch(request))` with up to `depth` fetches in flight and at
-    most `budget` bytes (as `size(request)` counts them) fetched but not yet consumed.
+    most `budget` bytes (as `size(request)` counts them) fetched but not yet consumed
+    (the first request is always allowed, however large).
 
     depth=0 fetches synchronously in the consumer (no threads): read-ahead off.
     """
@@ -30,10 +40,18 @@ class Prefetcher(Generic[R]):
         self._requests = iter(requests)
         self._fetch, self._size = fetch, size
         self.depth, self.budget = depth, budget
+        self.target = depth  # reads to keep in flight now (adapted)
+        self.latency_s = 0.0  # moving average of one fetch
+        self.interval_s = 0.0  # moving average of the time between the consumer's takes
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: deque[tuple[R, Future[bytes]]] = deque()
+        self._pending: deque[tuple[R, Future[tuple[bytes, float]]]] = deque()
         self._held = 0  # bytes of requests submitted and not yet handed to the consumer
         self._exhausted = False
+
+    def _timed(self, req: R) -> tuple[bytes, float]:
+        start = time.perf_counter()
+        data = self._fetch(req)
+        return data, time.perf_counter() - start
 
     def __iter__(self) -> Iterator[tuple[R, bytes]]:
         if self.depth == 0:
@@ -41,21 +59,31 @@ class Prefetcher(Generic[R]):
                 yield req, self._fetch(req)
             return
         self._pool = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="shardkit-prefetch")
+        last = time.perf_counter()
         try:
             while True:
                 self._fill()
                 if not self._pending:
                     return
                 req, fut = self._pending.popleft()
-                data = fut.result()
+                data, took = fut.result()
                 self._held -= self._size(req)
+                now = time.perf_counter()
+                self._adapt(took, now - last)
+                last = now
                 yield req, data
         finally:
             self.close()
 
+    def _adapt(self, latency: float, interval: float) -> None:
+        self.latency_s += _ALPHA * (latency - self.latency_s) if self.latency_s else latency
+        self.interval_s += _ALPHA * (interval - self.interval_s) if self.interval_s else interval
+        wanted = math.ceil(self.latency_s / max(self.interval_s, 1e-6)) + 1
+        self.target = max(1, min(self.depth, wanted))
+
     def _fill(self) -> None:
-        """Submit requests while under the depth and (past the first) the byte budget."""
-        while not self._exhausted and len(self._pending) < self.depth:
+        """Submit requests while under the target depth and (past the first) the byte budget."""
+        while not self._exhausted and len(self._pending) < self.target:
             if self._pending and self._held >= self.budget:
                 return
             req = next(self._requests, None)
@@ -63,7 +91,7 @@ class Prefetcher(Generic[R]):
                 self._exhausted = True
                 return
             assert self._pool is not None
-            self._pending.append((req, self._pool.submit(self._fetch, req)))
+            self._pending.append((req, self._pool.submit(self._timed, req)))
             self._held += self._size(req)
 
     def close(self) -> None:

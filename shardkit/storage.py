@@ -7,13 +7,18 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import random
+import time
 import uuid
-from collections.abc import Iterator
-from typing import Any, BinaryIO
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO, TypeVar
+
+from .cache import RangeCache
 
 from .errors import CorruptShardError, ShardkitError
 
 StorageOptions = dict[str, Any]
+T = TypeVar("T")
 
 _INSTALL_HINTS = {
     "s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs",
@@ -49,12 +54,33 @@ def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple
         raise ShardkitError(f"{url}: {proto}:// support is not installed ({hint})") from e
 
 
+# Errors that another attempt cannot fix; everything else remote (resets, 5xx, timeouts,
+# truncated responses) is retried.
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ShardkitError)
+RETRIES = 5
+
+
+def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: float = 0.2, cap_s: float = 10.0) -> T:
+    """Call `fn`, retrying transient failures with exponential backoff and full jitter; then
+    fail with one line naming `what` (a URL: never the storage options)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except _PERMANENT:
+            raise
+        except Exception as e:  # noqa: BLE001 - the remote client's errors have no common base
+            if attempt == attempts:
+                raise ShardkitError(f"{what}: {type(e).__name__}: {e} (gave up after {attempts} attempts)") from e
+            time.sleep(random.uniform(0, min(cap_s, base_s * 2 ** (attempt - 1))))
+    raise AssertionError("unreachable")
+
+
 def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes:
     if is_local(url):
         with open(local_path(url), "rb") as f:
             return f.read()
     fs, path = filesystem(url, storage_options)
-    return fs.cat_file(path)
+    return retrying(url, lambda: fs.cat_file(path))
 
 
 def open_read(url: str, storage_options: StorageOptions | None = None) -> BinaryIO:
@@ -208,14 +234,19 @@ class RangeReader:
     Local files are memory-mapped range by range: the caller gets a view of the page cache
     (no copy), MADV_WILLNEED starts the disk read-ahead when the pages are not cached yet,
     and the mapping goes away with the last reference to the view, so resident memory holds
-    only the ranges in use. Remote shards take ranged GETs through fsspec.
+    only the ranges in use. Remote shards take ranged GETs through fsspec, retried on
+    transient errors, and go through the optional local cache.
     """
 
-    def __init__(self, urls: list[str], storage_options: StorageOptions | None = None):
+    def __init__(self, urls: list[str], storage_options: StorageOptions | None = None,
+                 versions: list[str | None] | None = None, cache: RangeCache | None = None):
         self._urls = urls
         self._opts = storage_options
+        self._versions = versions or [None] * len(urls)
+        self._cache = cache
         self._local = [is_local(u) for u in urls]
         self._handles: dict[int, Any] = {}  # shard -> fd, or (filesystem, path)
+        self.fetched_bytes = 0  # downloaded from remote storage (cache hits excluded)
 
     def _handle(self, shard: int) -> Any:
         handle = self._handles.get(shard)
@@ -233,12 +264,26 @@ class RangeReader:
     def read(self, shard: int, start: int, stop: int) -> bytes | memoryview:
         handle = self._handle(shard)
         if self._local[shard]:
-            data = self._map(handle, shard, start, stop)
-        else:
-            fs, path = handle
+            return self._map(handle, shard, start, stop)
+        url, version = self._urls[shard], self._versions[shard]
+        if self._cache is not None:
+            cached = self._cache.get(url, version, start, stop)
+            if cached is not None:
+                return cached
+        fs, path = handle
+
+        def get() -> bytes:
             data = fs.cat_file(path, start=start, end=stop)
-        if len(data) != stop - start:
-            raise self._short(shard, start, stop, len(data))
+            if len(data) > stop - start:
+                raise self._short(shard, start, stop, len(data))
+            if len(data) < stop - start:  # a cut-short body: transient, retried
+                raise OSError(f"short read: {len(data)} of {stop - start} bytes")
+            return data
+
+        data = retrying(f"{url} (bytes {start}-{stop})", get)
+        self.fetched_bytes += len(data)
+        if self._cache is not None:
+            self._cache.put(url, version, start, stop, data)
         return data
 
     def _map(self, fd: int, shard: int, start: int, stop: int) -> memoryview:

@@ -1,0 +1,147 @@
+"""Read-ahead, byte-range planning, the range cache and retries: with fake fetchers and
+real files, no servers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardkit import ranges, storage
+from shardkit.cache import RangeCache
+from shardkit.errors import ShardkitError
+from shardkit.prefetch import Prefetcher
+
+
+def test_results_in_order_with_reads_overlapping() -> None:
+    in_flight, peak = 0, 0
+    lock = threading.Lock()
+
+    def fetch(i: int) -> bytes:
+        nonlocal in_flight, peak
+        with lock:
+            in_flight += 1
+            peak = max(peak, in_flight)
+        time.sleep(0.02 if i % 3 else 0.05)  # out-of-order completion
+        with lock:
+            in_flight -= 1
+        return bytes([i])
+
+    got = list(Prefetcher(range(40), fetch, lambda i: 1, depth=8, budget=1000))
+    assert [r for r, _ in got] == list(range(40))
+    assert all(data == bytes([r]) for r, data in got)
+    assert peak >= 4  # several reads really were in flight
+
+
+def test_depth_zero_reads_in_the_consumer() -> None:
+    threads = set()
+
+    def fetch(i: int) -> bytes:
+        threads.add(threading.current_thread().name)
+        return b"x"
+
+    assert len(list(Prefetcher(range(5), fetch, lambda i: 1, depth=0, budget=1))) == 5
+    assert threads == {threading.current_thread().name}
+
+
+def test_byte_budget_bounds_what_is_held() -> None:
+    submitted: list[int] = []
+    consumed = 0
+
+    def fetch(i: int) -> bytes:
+        submitted.append(i)
+        return b"x" * 10
+
+    for i, _ in Prefetcher(range(100), fetch, lambda i: 10, depth=16, budget=35):
+        time.sleep(0.002)
+        consumed = i + 1
+        assert len(submitted) - consumed <= 4  # at most budget / size ahead (plus the one in hand)
+
+
+def test_errors_surface_at_their_position() -> None:
+    def fetch(i: int) -> bytes:
+        if i == 7:
+            raise OSError("boom")
+        return b"x"
+
+    seen = []
+    with pytest.raises(OSError, match="boom"):
+        for i, _ in Prefetcher(range(20), fetch, lambda i: 1, depth=4, budget=100):
+            seen.append(i)
+    assert seen == list(range(7))
+
+
+def test_depth_adapts_to_latency() -> None:
+    def slow(i: int) -> bytes:
+        time.sleep(0.03)
+        return b"x"
+
+    p = Prefetcher(range(60), slow, lambda i: 1, depth=16, budget=10**9)
+    for _ in p:
+        time.sleep(0.003)  # a fast consumer of a slow store wants ~10 reads in flight
+    assert 6 <= p.target <= 16
+    q = Prefetcher(range(60), lambda i: b"x", lambda i: 1, depth=16, budget=10**9)
+    for _ in q:
+        time.sleep(0.003)  # an instant store needs one or two
+    assert q.target <= 3
+
+
+def test_coalesce_merges_back_to_back_samples_only() -> None:
+    shard = np.array([0, 0, 0, 1, 1, 0])
+    starts = np.array([0, 10, 20, 0, 10, 40])
+    ends = np.array([10, 20, 30, 10, 20, 50])
+    plan, range_of = ranges.coalesce(shard, starts, ends, max_bytes=25)
+    assert [(r.shard, r.start, r.stop, r.samples) for r in plan] == [(0, 0, 20, 2), (0, 20, 30, 1), (1, 0, 20, 2), (0, 40, 50, 1)]
+    assert range_of.tolist() == [0, 0, 1, 2, 2, 3]
+
+
+def test_blocks_read_each_block_once_in_order_of_need() -> None:
+    counts = [10, 7]
+    first = np.array([0, 10, 17])
+    sizes = np.arange(1, 18) * 3
+    all_starts = np.concatenate([np.cumsum(sizes[:10]) - sizes[:10], np.cumsum(sizes[10:]) - sizes[10:]])
+    all_ends = all_starts + sizes
+    ids = np.array([12, 3, 0, 16, 4, 11])  # blocks of 4: (1,0), (0,0), (0,0), (1,1), (0,1), (1,0)
+    plan, range_of = ranges.blocks(ids, first, all_starts, all_ends, block=4)
+    assert [(r.shard, r.samples) for r in plan] == [(1, 2), (0, 2), (1, 1), (0, 1)]
+    assert [(r.start, r.stop) for r in plan] == [
+        (all_starts[10], all_ends[13]), (all_starts[0], all_ends[3]), (all_starts[14], all_ends[16]), (all_starts[4], all_ends[7])]
+    assert range_of.tolist() == [0, 1, 1, 2, 3, 0]
+    assert sum(counts) == 17
+
+
+def test_range_cache_round_trip_and_eviction(tmp_path: Path) -> None:
+    cache = RangeCache(str(tmp_path / "c"), limit=1000)
+    assert cache.get("s3://b/x.tar", "v1", 0, 400) is None
+    cache.put("s3://b/x.tar", "v1", 0, 400, b"a" * 400)
+    assert cache.get("s3://b/x.tar", "v1", 0, 400) == b"a" * 400
+    assert cache.get("s3://b/x.tar", "v2", 0, 400) is None  # the shard changed: a miss
+    time.sleep(0.01)
+    cache.put("s3://b/x.tar", "v1", 400, 800, b"b" * 400)
+    time.sleep(0.01)
+    cache.get("s3://b/x.tar", "v1", 0, 400)  # now the most recently used
+    cache.put("s3://b/x.tar", "v1", 800, 1200, b"c" * 400)  # over the cap: evict the oldest
+    assert cache.get("s3://b/x.tar", "v1", 400, 800) is None
+    assert cache.get("s3://b/x.tar", "v1", 0, 400) == b"a" * 400
+    names = [p.name for p in (tmp_path / "c").iterdir()]
+    assert all("x.tar" not in n and "s3" not in n for n in names)  # hashed names only
+    assert RangeCache(str(tmp_path / "c"), limit=1000)._estimate == 800
+
+
+def test_retrying_gives_up_with_the_url_named() -> None:
+    calls = []
+
+    def flaky() -> bytes:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionResetError("reset by peer")
+        return b"ok"
+
+    assert storage.retrying("s3://b/x.tar", flaky, base_s=0.001) == b"ok" and len(calls) == 3
+    with pytest.raises(ShardkitError, match=r"^s3://b/y\.tar: TimeoutError: slow \(gave up after 3 attempts\)$"):
+        storage.retrying("s3://b/y.tar", lambda: (_ for _ in ()).throw(TimeoutError("slow")), attempts=3, base_s=0.001)
+    with pytest.raises(FileNotFoundError):  # not transient: no retries
+        storage.retrying("s3://b/z.tar", lambda: (_ for _ in ()).throw(FileNotFoundError("z")), base_s=10)
