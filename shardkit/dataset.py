@@ -417,19 +417,22 @@ class _WorkerStream:
                 shard, start, data = next(reads)
                 t1 = time.perf_counter()
                 url = ds.urls[shard]
+                sample: dict[str, Any] | None = None
                 try:
-                    sample = _parse(data, url, start)
-                    sample = decode(sample)
-                    t2 = time.perf_counter()
-                    item = transform(sample) if transform is not None else sample
-                except Exception as e:  # noqa: BLE001 - reported with the shard and sample named
+                    sample = decode(_parse(data, url, start))
+                except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
                     if ds.on_error == "raise":
                         if isinstance(e, ShardkitError):
                             raise
-                        raise CorruptShardError(f"{url}: sample at byte {start}: {type(e).__name__}: {e}") from e
+                        key = sample["__key__"] if sample else _key_of(data)
+                        raise CorruptShardError(
+                            f"{storage.display(url)}: sample {key} at byte {start}: {type(e).__name__}: {e}"
+                        ) from e
                     meter.values[5] += 1
                     pending += 1
                     continue
+                t2 = time.perf_counter()
+                item = transform(sample) if transform is not None else sample  # user code: its errors are its own
                 t3 = time.perf_counter()
                 stats = meter.values
                 stats[0] += 1
@@ -454,8 +457,13 @@ class _WorkerStream:
             reader.close()
 
 
+def _key_of(data: bytes | memoryview) -> str:
+    """The key in a sample's first tar header, for error messages."""
+    return bytes(data[:100]).split(b"\x00", 1)[0].decode("utf-8", "replace").split(".", 1)[0] or "?"
+
+
 def _parse(data: bytes | memoryview, url: str, start: int) -> dict[str, Any]:
-    key, fields = parse_sample(data, f"{url} (sample at byte {start})")
+    key, fields = parse_sample(data, f"{storage.display(url)} (sample at byte {start})")
     sample: dict[str, Any] = {"__key__": key, "__url__": url}
     sample.update(fields)
     return sample

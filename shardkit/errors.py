@@ -3,8 +3,23 @@ message naming the file, shard or URL; subclasses also derive from the builtin a
 expect, so `except ValueError` and `except FileNotFoundError` keep working."""
 
 
+import re
+
+_USERINFO = re.compile(r"(\b[a-zA-Z][\w+.-]*://)[^/\s@]+@")
+_QUERY = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^\s?]+)\?\S+")
+
+
+def redact(text: str) -> str:
+    """Hide credentials that URLs can carry: user info (`https://user:pw@host`) and query
+    strings (presigned-URL signatures) become '***'."""
+    return _QUERY.sub(r"\1?***", _USERINFO.sub(r"\1***@", text))
+
+
 class ShardkitError(Exception):
-    """Base class of shardkit's errors."""
+    """Base class of shardkit's errors. Messages are redacted of URL credentials."""
+
+    def __init__(self, message: str = "", *args: object):
+        super().__init__(redact(str(message)), *args)
 
 
 class SourceError(ShardkitError, ValueError):

@@ -5,6 +5,7 @@ passed through unchanged."""
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import random
@@ -15,7 +16,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from .cache import RangeCache
 
-from .errors import CorruptShardError, ShardkitError
+from .errors import CorruptShardError, ShardkitError, redact
 
 StorageOptions = dict[str, Any]
 T = TypeVar("T")
@@ -33,6 +34,11 @@ def local_path(url: str) -> str:
     return url[len("file://"):] if url.startswith("file://") else url
 
 
+def display(url: str) -> str:
+    """`url` fit for messages: passwords and presigned-URL signatures replaced by '***'."""
+    return redact(url)
+
+
 def join(base: str, *names: str) -> str:
     """Join path parts with '/', for local paths and URLs alike."""
     out = base.rstrip("/") if base not in ("/", "") else base
@@ -41,17 +47,33 @@ def join(base: str, *names: str) -> str:
     return out
 
 
-def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple[Any, str]:
-    """(fsspec filesystem, path within it). Missing backends get an install hint."""
+_FILESYSTEMS: dict[tuple[Any, ...], Any] = {}  # this process's filesystem instances
+
+
+def filesystem(url: str, storage_options: StorageOptions | None = None,
+               instances: dict[tuple[Any, ...], Any] | None = None) -> tuple[Any, str]:
+    """(fsspec filesystem, path within it), one instance per process, protocol, host and
+    options, kept in `instances` (this module's by default). Missing backends get an
+    install hint."""
+    import fsspec
     import fsspec.core
 
+    protocol = url.split("://", 1)[0]
     try:
-        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+        if "::" in url:  # chained URLs (simplecache::s3://...): let fsspec assemble them
+            return fsspec.core.url_to_fs(url, **(storage_options or {}))
+        cls = fsspec.get_filesystem_class(protocol)
     except ImportError as e:
-        proto = url.split("://", 1)[0]
-        extra = _INSTALL_HINTS.get(proto)
-        hint = f"pip install 'shardkit[{extra}]'" if extra else f"install the fsspec backend for {proto}://"
-        raise ShardkitError(f"{url}: {proto}:// support is not installed ({hint})") from e
+        extra = _INSTALL_HINTS.get(protocol)
+        hint = f"pip install 'shardkit[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"
+        raise ShardkitError(f"{display(url)}: {protocol}:// support is not installed ({hint})") from e
+    kwargs = {**cls._get_kwargs_from_urls(url), **(storage_options or {})}
+    key = (os.getpid(), protocol, json.dumps(kwargs, sort_keys=True, default=repr))
+    cache = _FILESYSTEMS if instances is None else instances
+    fs = cache.get(key)
+    if fs is None:
+        fs = cache.setdefault(key, cls(**kwargs))
+    return fs, cls._strip_protocol(url)
 
 
 # Errors that another attempt cannot fix; everything else remote (resets, 5xx, timeouts,
@@ -80,7 +102,7 @@ def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes
         with open(local_path(url), "rb") as f:
             return f.read()
     fs, path = filesystem(url, storage_options)
-    return retrying(url, lambda: fs.cat_file(path))
+    return retrying(display(url), lambda: fs.cat_file(path))
 
 
 def open_read(url: str, storage_options: StorageOptions | None = None) -> BinaryIO:
@@ -95,6 +117,7 @@ def exists(url: str, storage_options: StorageOptions | None = None) -> bool:
     if is_local(url):
         return os.path.exists(local_path(url))
     fs, path = filesystem(url, storage_options)
+    fs.invalidate_cache(path)
     return fs.exists(path)
 
 
@@ -106,6 +129,7 @@ def size(url: str, storage_options: StorageOptions | None = None) -> int | None:
         except FileNotFoundError:
             return None
     fs, path = filesystem(url, storage_options)
+    fs.invalidate_cache(path)  # other processes may have written it since
     try:
         return fs.size(path)
     except FileNotFoundError:
@@ -120,6 +144,7 @@ def listdir(url: str, storage_options: StorageOptions | None = None) -> list[str
         except (FileNotFoundError, NotADirectoryError):
             return []
     fs, path = filesystem(url, storage_options)
+    fs.invalidate_cache(path)
     try:
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
     except FileNotFoundError:
@@ -145,6 +170,7 @@ def makedirs(url: str, storage_options: StorageOptions | None = None) -> None:
 
 
 TMP_MARK = ".tmp-"
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"}
 
 
 class _StreamingWriter:
@@ -205,15 +231,30 @@ def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> It
             raise
         return
     fs, path = filesystem(url, storage_options)
-    remote = fs.open(path, "wb")
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if protocols & _OBJECT_STORES:
+        target = path  # an upload becomes visible only when complete
+    else:
+        target = f"{path}{TMP_MARK}{uuid.uuid4().hex[:12]}"  # e.g. HDFS: visible while written
+    remote = fs.open(target, "wb")
     try:
         yield remote
     except BaseException:
         discard = getattr(remote, "discard", None)
         if discard is not None:
             discard()
+        if target != path:
+            with contextlib.suppress(OSError):
+                fs.rm_file(target)
         raise
     remote.close()
+    if target != path:
+        if fs.exists(path):  # a rename onto an existing file fails on HDFS
+            fs.rm_file(path)
+        fs.mv(target, path)
+        fs.invalidate_cache(path)
+        if not fs.exists(path):  # WebHDFS reports a refused RENAME as `false`, not an error
+            raise ShardkitError(f"{display(url)}: could not rename the finished upload into place")
 
 
 def write_bytes_atomic(url: str, data: bytes, storage_options: StorageOptions | None = None) -> None:
@@ -246,6 +287,7 @@ class RangeReader:
         self._cache = cache
         self._local = [is_local(u) for u in urls]
         self._handles: dict[int, Any] = {}  # shard -> fd, or (filesystem, path)
+        self._instances: dict[tuple[Any, ...], Any] = {}
         self.fetched_bytes = 0  # downloaded from remote storage (cache hits excluded)
 
     def _handle(self, shard: int) -> Any:
@@ -254,12 +296,23 @@ class RangeReader:
             if self._local[shard]:
                 handle = os.open(local_path(self._urls[shard]), os.O_RDONLY)
             else:
-                handle = filesystem(self._urls[shard], self._opts)
+                handle = filesystem(self._urls[shard], self._reader_options(shard), self._instances)
+                if hasattr(handle[0], "retries"):  # s3fs: retry in one place (ours), not retries^2 times
+                    handle[0].retries = 1
             winner = self._handles.setdefault(shard, handle)
             if winner is not handle and self._local[shard]:  # another thread opened it first
                 os.close(handle)
             handle = winner
         return handle
+
+    def _reader_options(self, shard: int) -> StorageOptions | None:
+        """The user's options; for S3, unless the user configured the client, its own
+        retries are turned off too, so a failing read takes `RETRIES` attempts, not
+        RETRIES x s3fs x botocore attempts."""
+        opts = self._opts or {}
+        if self._urls[shard].split("://", 1)[0] in ("s3", "s3a") and "config_kwargs" not in opts:
+            return {**opts, "config_kwargs": {"retries": {"total_max_attempts": 1}}}
+        return self._opts
 
     def read(self, shard: int, start: int, stop: int) -> bytes | memoryview:
         handle = self._handle(shard)
@@ -280,7 +333,7 @@ class RangeReader:
                 raise OSError(f"short read: {len(data)} of {stop - start} bytes")
             return data
 
-        data = retrying(f"{url} (bytes {start}-{stop})", get)
+        data = retrying(f"{display(url)} (bytes {start}-{stop})", get)
         self.fetched_bytes += len(data)
         if self._cache is not None:
             self._cache.put(url, version, start, stop, data)
@@ -299,7 +352,7 @@ class RangeReader:
 
     def _short(self, shard: int, start: int, stop: int, got: int) -> CorruptShardError:
         return CorruptShardError(
-            f"{self._urls[shard]}: {got} bytes at offset {start}, the index expects {stop - start} "
+            f"{display(self._urls[shard])}: {got} bytes at offset {start}, the index expects {stop - start} "
             "(shard truncated or replaced)"
         )
 

@@ -1,0 +1,306 @@
+"""pytest plugin: real storage servers on loopback, for tests that talk to S3, GCS or WebHDFS.
+
+Load it with ``pytest_plugins = ["servers"]`` (or ``-p servers``).  Each server is one subprocess
+per session, started on first use on a free 127.0.0.1 port and stopped at the end (terminate,
+5 s, kill); the function-scoped fixtures wipe its state and hand out a fresh bucket or directory::
+
+    def test_x(remote):                      # runs over s3, gcs and webhdfs
+        fs, path = fsspec.core.url_to_fs(remote["url"], **remote["storage_options"])
+
+Servers: moto (S3), gcp-storage-emulator (GCS), ``scripts/webhdfs_server.py`` (WebHDFS) and
+``scripts/latency_proxy.py`` (delay, RST and stall faults in front of any of them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import IO, Callable, Iterator, NamedTuple
+from urllib.parse import urlsplit, urlunsplit
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read by gcsfs at import
+
+import pytest
+
+BIN = Path(sys.executable).parent
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+BUCKET = "shardkit-test"
+READY_S = 30.0
+PROXY_OPTIONS = ("reset_prob", "reset_max_bytes", "stall_prob", "seed")
+
+# Run a command so that the kernel SIGTERMs it when the test process dies (Linux): even a pytest
+# killed with SIGKILL leaves no server behind.
+_DIE_WITH_PARENT = """import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("parent already gone")
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+class Server:
+    """One server subprocess; stderr (and stdout, unless read for a ready line) go to a log file."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path, read_stdout: bool = False) -> None:
+        if not Path(cmd[0]).exists():
+            hint = "pip install s3fs 'moto[server]' gcsfs gcp-storage-emulator"
+            pytest.fail(f"{name}: {cmd[0]} not found; install the test servers: {hint}", pytrace=False)
+        self.name, self.log_path = name, log
+        self.log: IO[bytes] = open(log, "wb")
+        if sys.platform.startswith("linux"):
+            cmd = [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if read_stdout else self.log, stderr=self.log
+        )
+        self.deadline = time.monotonic() + READY_S
+
+    def check(self) -> None:
+        """Fail the test, with the server's log, if the server is gone."""
+        if self.proc.poll() is not None:
+            self.fail(f"exited early with code {self.proc.returncode}")
+
+    def fail(self, why: str) -> None:
+        self.log.flush()
+        tail = self.log_path.read_bytes()[-3000:].decode("utf-8", "replace")
+        pytest.fail(f"{self.name} {why}; its log {self.log_path} ends with:\n{tail}", pytrace=False)
+
+    def wait_http(self, url: str) -> None:
+        """Poll url until any HTTP answer (an error status counts) comes back."""
+        while True:
+            self.check()
+            try:
+                urllib.request.urlopen(url, timeout=1).close()
+                return
+            except urllib.error.HTTPError as e:
+                e.close()
+                return
+            except OSError:
+                pass
+            if time.monotonic() > self.deadline:
+                self.fail(f"did not answer {url} within {READY_S:.0f} s")
+            time.sleep(0.05)
+
+    def wait_line(self) -> list[str]:
+        """Wait for the 'ready ...' line on stdout; return its words after 'ready'."""
+        assert self.proc.stdout is not None
+        while not select.select([self.proc.stdout], [], [], 0.1)[0]:
+            self.check()
+            if time.monotonic() > self.deadline:
+                self.fail(f"printed no ready line within {READY_S:.0f} s")
+        words = self.proc.stdout.readline().decode().split()
+        if not words:  # EOF: it is exiting
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            self.check()
+        if not words or words[0] != "ready":
+            self.fail(f"printed {' '.join(words)!r} instead of a ready line")
+        return words[1:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.log.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None) -> bytes:
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read()
+
+
+@pytest.fixture(scope="session")
+def _server_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("server-logs")
+
+
+def _serve_http(name: str, cmd: Callable[[int], list[str]], probe: str, logs: Path) -> Iterator[tuple[Server, str]]:
+    port = free_port()
+    server = Server(name, cmd(port), logs / f"{name}.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        server.wait_http(url + probe)
+        yield server, url
+    finally:
+        server.stop()
+
+
+# -- S3: moto in server mode ---------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def _moto(_server_logs: Path) -> Iterator[tuple[Server, str]]:
+    cmd = lambda port: [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]  # noqa: E731
+    yield from _serve_http("moto_server", cmd, "/moto-api/", _server_logs)
+
+
+@pytest.fixture(scope="session")
+def s3_server(_moto: tuple[Server, str]) -> str:
+    """The endpoint URL of a moto S3 server (one per session)."""
+    return _moto[1]
+
+
+@pytest.fixture
+def s3(_moto: tuple[Server, str]) -> dict:
+    """An empty bucket: {"url": "s3://shardkit-test", "storage_options": {...}} for fsspec/s3fs."""
+    server, url = _moto
+    server.check()
+    http("POST", url + "/moto-api/reset")
+    http("PUT", f"{url}/{BUCKET}")
+    return {
+        "url": f"s3://{BUCKET}",
+        "storage_options": {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": url},
+            "skip_instance_cache": True,  # no stale listings cached from an earlier test
+        },
+    }
+
+
+# -- GCS: gcp-storage-emulator -------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def _gcs_emulator(_server_logs: Path) -> Iterator[tuple[Server, str]]:
+    exe = str(BIN / "gcp-storage-emulator")
+    cmd = lambda port: [exe, "start", "-H", "127.0.0.1", "--port", str(port), "--in-memory", "-q"]  # noqa: E731
+    yield from _serve_http("gcp-storage-emulator", cmd, "/storage/v1/b", _server_logs)
+
+
+@pytest.fixture(scope="session")
+def gcs_server(_gcs_emulator: tuple[Server, str]) -> str:
+    """The endpoint URL of a GCS emulator (one per session; serves one request at a time)."""
+    return _gcs_emulator[1]
+
+
+@pytest.fixture
+def gcs(_gcs_emulator: tuple[Server, str]) -> dict:
+    """An empty bucket: {"url": "gs://shardkit-test", "storage_options": {...}} for fsspec/gcsfs."""
+    server, url = _gcs_emulator
+    server.check()
+    http("GET", url + "/wipe")
+    body = json.dumps({"name": BUCKET}).encode()
+    http("POST", url + "/storage/v1/b?project=test", body, {"Content-Type": "application/json"})
+    options = {"token": "anon", "project": "test", "endpoint_url": url, "skip_instance_cache": True}
+    return {"url": f"gs://{BUCKET}", "storage_options": options}
+
+
+# -- WebHDFS: scripts/webhdfs_server.py over a local directory -----------------------------------
+class WebHDFSServer(NamedTuple):
+    namenode: str  # http://127.0.0.1:NN: clients talk here, and are redirected (307) to...
+    datanode: str  # http://127.0.0.1:DN: ...here, for the bytes of CREATE, APPEND and OPEN
+    root: Path  # the local directory that holds the tree
+    server: Server
+
+
+@pytest.fixture(scope="session")
+def webhdfs_server(_server_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebHDFSServer]:
+    """A WebHDFS namenode + datanode (one per session) over a local directory."""
+    root = tmp_path_factory.mktemp("webhdfs-root")
+    cmd = [sys.executable, str(SCRIPTS / "webhdfs_server.py"), str(root), "--port", "0", "--data-port", "0"]
+    server = Server("webhdfs_server", cmd, _server_logs / "webhdfs_server.log", read_stdout=True)
+    try:
+        nn, dn = server.wait_line()
+        yield WebHDFSServer(f"http://127.0.0.1:{nn}", f"http://127.0.0.1:{dn}", root, server)
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def webhdfs(webhdfs_server: WebHDFSServer) -> dict:
+    """An empty /data directory: {"url": "webhdfs://127.0.0.1:NN/data", "storage_options": {...}}."""
+    webhdfs_server.server.check()
+    for child in webhdfs_server.root.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    (webhdfs_server.root / "data").mkdir()
+    port = urlsplit(webhdfs_server.namenode).port
+    return {
+        "url": f"webhdfs://127.0.0.1:{port}/data",
+        "storage_options": {"user": "shardkit", "skip_instance_cache": True},
+    }
+
+
+# -- all three -----------------------------------------------------------------------------------
+@pytest.fixture(params=["s3", "gcs", "webhdfs"])
+def remote(request: pytest.FixtureRequest) -> dict:
+    """Each of s3, gcs and webhdfs in turn: {"url": ..., "storage_options": {...}}."""
+    return request.getfixturevalue(request.param)
+
+
+# -- faults: scripts/latency_proxy.py ------------------------------------------------------------
+class ProxyControl:
+    """Talks to a running latency proxy's control port (one line per connection)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def _send(self, line: str) -> str:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s, s.makefile("rb") as f:
+            s.sendall(line.encode() + b"\n")
+            answer = f.readline().decode().strip()
+        if answer.startswith("error") or not answer:
+            raise ValueError(f"latency proxy: {line!r} -> {answer!r}")
+        return answer
+
+    def set(self, name: str, value: float) -> None:
+        """name: latency_ms, reset_prob, reset_max_bytes or stall_prob."""
+        self._send(f"set {name} {value}")
+
+    def reset_all(self) -> None:
+        """Send an RST to every live client connection."""
+        self._send("reset_all")
+
+    def stats(self) -> dict:
+        """Counters (connections, active, resets, stalls, bytes, bytes_up) and current settings."""
+        return json.loads(self._send("stats"))
+
+
+@pytest.fixture(scope="session")
+def latency_proxy(_server_logs: Path) -> Iterator[Callable[..., tuple[str, ProxyControl]]]:
+    """A factory: start(upstream_url, latency_ms=0, reset_prob=, reset_max_bytes=, stall_prob=, seed=)
+    -> (the same URL through a new proxy, its ProxyControl).  Every proxy stops at session end."""
+    started: list[Server] = []
+
+    def start(upstream_url: str, latency_ms: float = 0, **opts: float) -> tuple[str, ProxyControl]:
+        if unknown := set(opts) - set(PROXY_OPTIONS):
+            raise TypeError(f"unknown proxy options {sorted(unknown)}; known: {PROXY_OPTIONS}")
+        u = urlsplit(upstream_url)
+        cmd = [sys.executable, str(SCRIPTS / "latency_proxy.py"), "--upstream", f"{u.hostname}:{u.port}",
+               "--latency-ms", str(latency_ms)]
+        for k, v in opts.items():
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+        server = Server("latency_proxy", cmd, _server_logs / f"latency_proxy{len(started)}.log", read_stdout=True)
+        started.append(server)
+        port, cport = server.wait_line()
+        return urlunsplit(u._replace(netloc=f"127.0.0.1:{port}")), ProxyControl(int(cport))
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.stop()

@@ -1,0 +1,126 @@
+"""Remote storage against real servers on loopback: moto's S3 server, the GCS emulator and
+a WebHDFS server (tests/servers.py starts them). Nothing here mocks a storage client."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.utils.data import DataLoader
+
+import shardkit
+from shardkit import StreamingDataset
+from shardkit.errors import ShardkitError
+
+from test_pack import read_shards
+
+
+def keys(ds: StreamingDataset, workers: int = 0) -> list[str]:
+    return [s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=workers)]
+
+
+def test_pack_to_remote_then_stream_it(remote: dict, photos: Path, tmp_path: Path) -> None:
+    url, opts = remote["url"] + "/ds", remote["storage_options"]
+    local = shardkit.pack(str(photos), str(tmp_path / "local"), max_count=7, workers=1, progress=False)
+    idx = shardkit.pack(str(photos), url, max_count=7, workers=2, progress=False, storage_options=opts)
+    assert idx.to_json() == local.to_json()  # the same bytes, wherever they go
+    assert shardkit.verify(url, opts) == []
+    expected = read_shards(tmp_path / "local")
+    ds = StreamingDataset(url, storage_options=opts, prefetch=4)
+    got = {s["__key__"]: s for s in ds}
+    assert sorted(got) == sorted(expected)
+    for key, fields in expected.items():
+        assert got[key]["jpg"] == fields["jpg"]
+        assert got[key]["cls"] == int(fields["cls"])
+
+
+def test_cli_on_s3(s3: dict, photos: Path) -> None:
+    endpoint = s3["storage_options"]["client_kwargs"]["endpoint_url"]
+    opts = ["-o", "key=testing", "-o", "secret=testing", "-o", f"endpoint_url={endpoint}"]
+    url = s3["url"] + "/cli"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "shardkit.cli", *a, *opts],  # noqa: E731
+                                    capture_output=True, text=True)
+    assert run("pack", str(photos), url, "--max-count", "10", "-q").returncode == 0
+    info = run("info", url, "--json")
+    assert json.loads(info.stdout)["samples"] == 30
+    assert "testing" not in info.stdout + info.stderr  # no credentials in the output
+    assert run("verify", url, "-q").returncode == 0
+
+
+def test_rerun_after_an_interrupted_upload(s3: dict, photos: Path) -> None:
+    import fsspec.core
+
+    url, opts = s3["url"] + "/crash", s3["storage_options"]
+    shardkit.pack(str(photos), url, max_count=4, workers=2, progress=False, storage_options=opts)
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    clean = {p: fs.cat_file(p) for p in fs.find(root)}
+    fs.rm_file(f"{root}/index.json")  # the crash came before the commit...
+    fs.rm_file(f"{root}/shard-000003.tar")  # ...with one shard never uploaded
+    shardkit.pack(str(photos), url, max_count=4, workers=2, progress=False, storage_options=opts)
+    assert {p: fs.cat_file(p) for p in fs.find(root)} == clean
+
+
+def test_workers_cache_and_second_epoch_from_disk(s3: dict, packed: Path, tmp_path: Path) -> None:
+    import fsspec.core
+
+    url, opts = s3["url"] + "/ds", s3["storage_options"]
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.put(str(packed), root, recursive=True)
+    ds = StreamingDataset(url, storage_options=opts, shuffle=True, cache_dir=str(tmp_path / "cache"),
+                          cache_limit="1GB", prefetch_bytes="64MB", block=8)
+    first = keys(ds, workers=2)
+    after_first = ds.stats()
+    second = keys(ds, workers=2)
+    after_second = ds.stats()
+    assert sorted(first) == sorted(second) and len(set(first)) == 120 and first != second
+    assert after_first["fetched_bytes"] > 0 and after_first["cache_hits"] == 0
+    assert after_second["fetched_bytes"] == after_first["fetched_bytes"]  # epoch 2: nothing downloaded
+    assert after_second["cache_hits"] > 0
+    names = [p.name for p in (tmp_path / "cache").iterdir()]
+    assert names and all("shardkit-test" not in n and "testing" not in n for n in names)
+
+
+def test_cache_too_small_for_the_read_ahead(s3: dict, packed: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cache_limit .* smaller than the read-ahead budget"):
+        StreamingDataset(str(packed), cache_dir=str(tmp_path), cache_limit="10MB", prefetch_bytes="64MB")
+
+
+def test_every_sample_exactly_once_through_resets(s3: dict, s3_server: str, packed: Path, latency_proxy) -> None:  # type: ignore[no-untyped-def]
+    import fsspec.core
+
+    fs, root = fsspec.core.url_to_fs(s3["url"] + "/ds", **s3["storage_options"])
+    fs.put(str(packed), root, recursive=True)
+    proxied, control = latency_proxy(s3_server, latency_ms=5, seed=1)
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    ds = StreamingDataset(s3["url"] + "/ds", storage_options=opts, shuffle=True, block=4)
+    control.set("reset_prob", 0.05)
+    got = keys(ds, workers=2)
+    assert sorted(got) == sorted(set(got)) and len(got) == 120
+    assert control.stats()["resets"] > 0  # faults really happened
+
+
+def test_unreachable_store_fails_with_the_url(s3: dict, packed: Path, latency_proxy, s3_server: str) -> None:  # type: ignore[no-untyped-def]
+    import fsspec.core
+
+    fs, root = fsspec.core.url_to_fs(s3["url"] + "/ds", **s3["storage_options"])
+    fs.put(str(packed), root, recursive=True)
+    proxied, control = latency_proxy(s3_server)
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    ds = StreamingDataset(s3["url"] + "/ds", storage_options=opts)
+    control.set("reset_prob", 1.0)
+    with pytest.raises(ShardkitError, match=r"s3://shardkit-test/ds/shard-\d+\.tar \(bytes \d+-\d+\): .*gave up after"):
+        next(iter(ds))
+
+
+def test_missing_backend_names_the_extra() -> None:
+    with pytest.raises(ShardkitError, match=r"abfs:// support is not installed"):
+        StreamingDataset("abfs://container/data")
+
+
+def test_credentials_in_urls_stay_out_of_errors() -> None:
+    with pytest.raises(Exception) as info:
+        StreamingDataset("https://alice:hunter2@127.0.0.1:9/data/shard-{000..001}.tar")
+    assert "hunter2" not in str(info.value)

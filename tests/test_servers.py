@@ -1,0 +1,170 @@
+"""The loopback storage servers (tests/servers.py) work end to end with plain fsspec."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import sys
+import time
+
+import aiohttp
+import botocore.exceptions
+import fsspec
+import pytest
+
+pytest_plugins = ["servers"]  # also loaded by conftest.py or `-p servers`; registering twice is a no-op
+
+MiB = 1 << 20
+
+
+def names(listing: list[str]) -> list[str]:
+    return sorted(p.rstrip("/") for p in listing)
+
+
+# gcsfs hands aiohttp the whole body as bytes, and aiohttp warns above 1 MiB.
+@pytest.mark.filterwarnings("ignore:Sending a large body directly:ResourceWarning")
+def test_roundtrip(remote: dict) -> None:
+    fs, root = fsspec.core.url_to_fs(remote["url"], **remote["storage_options"])
+    data = os.urandom(MiB)
+    path = f"{root}/dir/a.bin"
+    fs.pipe(path, data)
+    assert names(fs.ls(f"{root}/dir")) == [path]
+    assert fs.info(path)["size"] == MiB
+    assert fs.cat_file(path, start=1000, end=1010) == data[1000:1010]
+    assert fs.cat_file(path, start=MiB - 7, end=MiB) == data[-7:]
+    fs.rm(path)
+    assert not fs.exists(path)
+
+
+@pytest.mark.parametrize("turn", [1, 2])
+def test_each_test_starts_empty(remote: dict, turn: int) -> None:
+    fs, root = fsspec.core.url_to_fs(remote["url"], **remote["storage_options"])
+    assert fs.ls(root) == []
+    fs.pipe(f"{root}/left-over-{turn}", b"x")
+
+
+def test_webhdfs_protocol(webhdfs: dict) -> None:
+    fs, root = fsspec.core.url_to_fs(webhdfs["url"], **webhdfs["storage_options"])
+    posts = []
+    post = fs.session.post
+    fs.session.post = lambda *a, **k: posts.append(1) or post(*a, **k)  # count APPEND bodies
+    fs.mkdir(f"{root}/shards")
+    big = os.urandom(12 * MiB)
+    with fs.open(f"{root}/shards/a.bin", "wb", block_size=5 * MiB) as f:
+        for i in range(0, len(big), MiB):
+            f.write(big[i : i + MiB])
+    assert len(posts) >= 3  # several APPENDs
+    fs.pipe(f"{root}/shards/sub/b.bin", b"hello")  # CREATE makes the parents
+    assert names(fs.ls(f"{root}/shards")) == [f"{root}/shards/a.bin", f"{root}/shards/sub"]
+    assert fs.find(root) == [f"{root}/shards/a.bin", f"{root}/shards/sub/b.bin"]
+    assert fs.info(f"{root}/shards/a.bin")["size"] == 12 * MiB
+    assert fs.info(f"{root}/shards")["type"] == "directory"
+    assert fs.cat(f"{root}/shards/a.bin") == big
+    assert fs.cat_file(f"{root}/shards/a.bin", start=5 * MiB - 3, end=5 * MiB + 3) == big[5 * MiB - 3 : 5 * MiB + 3]
+    with fs.open(f"{root}/shards/a.bin") as f:
+        f.seek(7 * MiB + 1)
+        assert f.read(100) == big[7 * MiB + 1 : 7 * MiB + 101]
+    assert fs.content_summary(root)["length"] == 12 * MiB + 5
+    fs.mv(f"{root}/shards/sub/b.bin", f"{root}/c.bin")
+    assert fs.cat(f"{root}/c.bin") == b"hello" and not fs.exists(f"{root}/shards/sub/b.bin")
+    with pytest.raises(RuntimeError, match="not empty"):
+        fs.rm(f"{root}/shards")  # a non-empty directory needs recursive=True
+    fs.rm(f"{root}/shards", recursive=True)
+    fs.rm(f"{root}/c.bin")
+    assert fs.ls(root) == []
+    with pytest.raises(FileNotFoundError):
+        fs.cat(f"{root}/missing")
+    with pytest.raises(FileNotFoundError):
+        fs.info(f"{root}/missing")
+
+
+def proxied_s3(s3: dict, latency_proxy, **opts):
+    """s3's options, with the endpoint behind a new latency proxy, and no client retries."""
+    endpoint = s3["storage_options"]["client_kwargs"]["endpoint_url"]
+    url, control = latency_proxy(endpoint, **opts)
+    options = copy.deepcopy(s3["storage_options"])
+    options["client_kwargs"]["endpoint_url"] = url
+    options["config_kwargs"] = {"retries": {"total_max_attempts": 1}}
+    fs, root = fsspec.core.url_to_fs(s3["url"], **options)
+    fs.retries = 1  # s3fs retries again around botocore; see REMOTE-TESTING.md
+    return fs, root, control
+
+
+def timed_ranged_get(fs, path: str) -> float:
+    t = time.perf_counter()
+    assert len(fs.cat_file(path, start=0, end=1024)) == 1024
+    return time.perf_counter() - t
+
+
+def test_latency_proxy_delays_s3(s3: dict, latency_proxy) -> None:
+    direct, root = fsspec.core.url_to_fs(s3["url"], **s3["storage_options"])
+    direct.pipe(f"{root}/a.bin", os.urandom(MiB))
+    fs, root, control = proxied_s3(s3, latency_proxy, latency_ms=50)
+    timed_ranged_get(fs, f"{root}/a.bin")  # warm: the first request also builds the client
+    assert timed_ranged_get(fs, f"{root}/a.bin") >= 0.050
+    control.set("latency_ms", 120)
+    assert timed_ranged_get(fs, f"{root}/a.bin") >= 0.120
+    stats = control.stats()
+    assert stats["connections"] >= 3 and stats["bytes"] >= 3 * 1024 and stats["resets"] == 0
+
+
+def test_latency_proxy_reset_fails_a_get(s3: dict, latency_proxy) -> None:
+    direct, root = fsspec.core.url_to_fs(s3["url"], **s3["storage_options"])
+    direct.pipe(f"{root}/a.bin", os.urandom(MiB))
+    fs, root, control = proxied_s3(s3, latency_proxy, reset_prob=1, reset_max_bytes=1000, seed=1)
+    # RST within the headers: botocore's EndpointConnectionError; within the body: aiohttp's ClientPayloadError
+    with pytest.raises((aiohttp.ClientError, botocore.exceptions.BotoCoreError, OSError)):
+        fs.cat_file(f"{root}/a.bin", start=0, end=MiB)
+    assert control.stats()["resets"] >= 1
+    control.set("reset_prob", 0)
+    assert len(fs.cat_file(f"{root}/a.bin", start=0, end=MiB)) == MiB
+
+
+def test_latency_proxy_stall_and_reset_all(s3_server: str, latency_proxy) -> None:
+    url, control = latency_proxy(s3_server, stall_prob=1)
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=0.3) as s:
+        s.sendall(b"GET /moto-api/ HTTP/1.1\r\nHost: x\r\n\r\n")
+        with pytest.raises(socket.timeout):
+            s.recv(1)  # black-holed
+    assert control.stats()["stalls"] == 1
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"GET /moto-api/ HTTP/1.1\r\n")  # an unfinished request: the connection stays open
+        time.sleep(0.1)
+        control.reset_all()
+        with pytest.raises(ConnectionResetError):
+            s.recv(1)
+    with pytest.raises(ValueError, match="unknown"):
+        control.set("bogus", 1)
+
+
+def test_webhdfs_through_proxies(webhdfs: dict, webhdfs_server, latency_proxy) -> None:
+    """Both ports proxied; fsspec's data_proxy rewrites the datanode address in the redirects."""
+    fs, root = fsspec.core.url_to_fs(webhdfs["url"], **webhdfs["storage_options"])
+    data = os.urandom(MiB)
+    fs.pipe(f"{root}/a.bin", data)
+    nn_url, _ = latency_proxy(webhdfs_server.namenode, latency_ms=30)
+    dn_url, dn_control = latency_proxy(webhdfs_server.datanode, latency_ms=30)
+    nn_port = nn_url.rsplit(":", 1)[1]
+    # the trailing "/" matters: data_proxy is a plain str.replace, and port 4000 is a prefix of 40001
+    data_proxy = {webhdfs_server.datanode.split("//")[1] + "/": dn_url.split("//")[1] + "/"}
+    pfs, path = fsspec.core.url_to_fs(
+        f"webhdfs://127.0.0.1:{nn_port}/data", **webhdfs["storage_options"], data_proxy=data_proxy
+    )
+    t = time.perf_counter()
+    assert pfs.cat_file(f"{path}/a.bin", start=10, end=20) == data[10:20]
+    assert time.perf_counter() - t >= 3 * 0.030  # GETFILESTATUS, OPEN (307), then the datanode
+    assert dn_control.stats()["bytes"] >= 10
+
+
+def test_a_server_that_dies_fails_clearly(tmp_path) -> None:
+    from servers import Server  # not at the top: pytest_plugins must import it first (assert rewriting)
+
+    cmd = [sys.executable, "-c", "import sys; sys.exit('boom: port in use')"]
+    server = Server("doomed", cmd, tmp_path / "doomed.log", read_stdout=True)
+    try:
+        with pytest.raises(pytest.fail.Exception, match="(?s)doomed exited early with code 1.*boom: port in use"):
+            server.wait_line()
+    finally:
+        server.stop()
