@@ -380,12 +380,14 @@ class _WorkerStream:
         ds = self.ds
         shard_of = np.searchsorted(ds._first, ids, side="right") - 1
         starts, ends = ds._starts[ids], ds._ends[ids]
-        if storage.is_local(ds.urls[0]):
+        local = storage.is_local(ds.urls[0])
+        if local:
             plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=4 << 20)
         else:
             plan, range_of = ranges.blocks(ids, ds._first, ds._starts, ds._ends, ds.block)
+        # a local "read" maps the range and asks the kernel to read it ahead: no threads needed
         self.prefetcher = Prefetcher(plan, lambda r: reader.read(r.shard, r.start, r.stop), lambda r: r.size,
-                                     depth=ds.prefetch, budget=ds.prefetch_bytes)
+                                     depth=ds.prefetch, budget=ds.prefetch_bytes, threads=not local)
         fetched = iter(self.prefetcher)
         held: dict[int, tuple[ranges.Range, memoryview, list[int]]] = {}  # range index -> range, bytes, samples left
         for r, shard, start, end in zip(range_of.tolist(), shard_of.tolist(), starts.tolist(), ends.tolist()):

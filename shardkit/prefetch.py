@@ -31,15 +31,18 @@ class Prefetcher(Generic[R]):
     (the first request is always allowed, however large).
 
     depth=0 fetches synchronously in the consumer (no threads): read-ahead off.
+    threads=False issues the fetches `depth` requests ahead but in the consumer's thread:
+    right when a fetch only starts the I/O and returns (a memory map with MADV_WILLNEED),
+    where a thread hand-off would cost more than it hides.
     """
 
     def __init__(self, requests: Iterable[R], fetch: Callable[[R], bytes], size: Callable[[R], int], *,
-                 depth: int, budget: int):
+                 depth: int, budget: int, threads: bool = True):
         if depth < 0 or budget < 1:
             raise ValueError("depth must be >= 0 and budget >= 1")
         self._requests = iter(requests)
         self._fetch, self._size = fetch, size
-        self.depth, self.budget = depth, budget
+        self.depth, self.budget, self.threads = depth, budget, threads
         self.target = depth  # reads to keep in flight now (adapted)
         self.latency_s = 0.0  # moving average of one fetch
         self.interval_s = 0.0  # moving average of the time between the consumer's takes
@@ -58,6 +61,9 @@ class Prefetcher(Generic[R]):
             for req in self._requests:
                 yield req, self._fetch(req)
             return
+        if not self.threads:
+            yield from self._ahead_in_place()
+            return
         self._pool = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="shardkit-prefetch")
         last = time.perf_counter()
         try:
@@ -74,6 +80,14 @@ class Prefetcher(Generic[R]):
                 yield req, data
         finally:
             self.close()
+
+    def _ahead_in_place(self) -> Iterator[tuple[R, bytes]]:
+        ahead: deque[tuple[R, bytes]] = deque()
+        for req in self._requests:
+            ahead.append((req, self._fetch(req)))
+            if len(ahead) > self.depth:
+                yield ahead.popleft()
+        yield from ahead
 
     def _adapt(self, latency: float, interval: float) -> None:
         self.latency_s += _ALPHA * (latency - self.latency_s) if self.latency_s else latency

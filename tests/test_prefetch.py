@@ -145,3 +145,17 @@ def test_retrying_gives_up_with_the_url_named() -> None:
         storage.retrying("s3://b/y.tar", lambda: (_ for _ in ()).throw(TimeoutError("slow")), attempts=3, base_s=0.001)
     with pytest.raises(FileNotFoundError):  # not transient: no retries
         storage.retrying("s3://b/z.tar", lambda: (_ for _ in ()).throw(FileNotFoundError("z")), base_s=10)
+
+
+def test_read_ahead_without_threads_runs_fetches_early_in_place() -> None:
+    log: list[str] = []
+
+    def fetch(i: int) -> bytes:
+        log.append(f"fetch {i} in {threading.current_thread().name}")
+        return b"x"
+
+    for i, _ in Prefetcher(range(6), fetch, lambda i: 1, depth=2, budget=100, threads=False):
+        log.append(f"use {i}")
+    me = threading.current_thread().name
+    assert log[:4] == [f"fetch 0 in {me}", f"fetch 1 in {me}", f"fetch 2 in {me}", "use 0"]
+    assert [x for x in log if x.startswith("use")] == [f"use {i}" for i in range(6)]

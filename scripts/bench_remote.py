@@ -1,0 +1,173 @@
+"""Streaming from an object store: local disk vs a local S3 server (moto) with 0, 50 and
+100 ms of added first-byte latency (a delaying TCP proxy on loopback), read-ahead off and
+on, in one run, interleaved, medians of several rounds. Then a fault run: 5% of the
+proxy's responses are reset mid-way and the epoch must still deliver every sample once.
+
+Raw reading (no decode) in one process: what the storage path can deliver.
+
+    python scripts/bench_remote.py --images 2000 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+BUCKET = "bench"
+PREFETCH_ON = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(url + "/moto-api/", timeout=1)
+            return proc, url
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit("moto_server did not start")
+
+
+def start_proxy(upstream: str, latency_ms: int) -> tuple[subprocess.Popen, str, int]:
+    host_port = upstream.split("://", 1)[1]
+    proc = subprocess.Popen([sys.executable, str(HERE / "latency_proxy.py"), "--upstream", host_port,
+                             "--latency-ms", str(latency_ms), "--seed", "1"], stdout=subprocess.PIPE, text=True)
+    _, port, control = proc.stdout.readline().split()  # type: ignore[union-attr]
+    return proc, f"http://127.0.0.1:{port}", int(control)
+
+
+def proxy_command(control: int, line: str) -> str:
+    with socket.create_connection(("127.0.0.1", control)) as s:
+        s.sendall(line.encode() + b"\n")
+        return s.makefile().readline()
+
+
+def options(endpoint: str) -> dict:
+    return {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": endpoint}}
+
+
+def read_pass(url: str, opts: dict | None, prefetch: int) -> dict:
+    """Construct the dataset and read one epoch of raw samples; time both."""
+    from shardkit import StreamingDataset
+
+    t0 = time.perf_counter()
+    ds = StreamingDataset(url, storage_options=opts, prefetch=prefetch, shuffle=True)
+    t1 = time.perf_counter()
+    first = None
+    n = size = 0
+    keys = []
+    for sample in ds:
+        if first is None:
+            first = time.perf_counter() - t1
+        n += 1
+        size += len(sample["jpg"])
+        keys.append(sample["__key__"])
+    took = time.perf_counter() - t1
+    return {"open_s": t1 - t0, "first_s": first, "seconds": took, "samples": n, "bytes": size, "keys": keys,
+            "depth": ds.stats()["prefetch_depth"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/shardkit-bench")
+    args = ap.parse_args()
+
+    import fsspec.core
+
+    import shardkit
+    from make_images import make_image_folder
+
+    root = Path(args.dir)
+    photos, shards = root / f"photos-{args.images}", root / f"remote-shards-{args.images}"
+    make_image_folder(photos, args.images, n_classes=100, seed=0)
+    if not (shards / "index.json").exists():
+        shutil.rmtree(shards, ignore_errors=True)
+        shardkit.pack(str(photos), str(shards), max_size="64MB", progress=False)
+    moto, endpoint = start_moto()
+    procs = [moto]
+    try:
+        fs, _ = fsspec.core.url_to_fs(f"s3://{BUCKET}", **options(endpoint))
+        fs.mkdir(BUCKET)
+        fs.put(str(shards), f"{BUCKET}/ds", recursive=True)
+        url = f"s3://{BUCKET}/ds"
+        proxies = {}
+        for ms in (50, 100):
+            proc, purl, control = start_proxy(endpoint, ms)
+            procs.append(proc)
+            proxies[ms] = (purl, control)
+        sources = {"local disk": (str(shards), None), "S3": (url, options(endpoint)),
+                   "S3 +50 ms": (url, options(proxies[50][0])), "S3 +100 ms": (url, options(proxies[100][0]))}
+        results: dict[tuple[str, int], list[dict]] = {}
+        for r in range(args.rounds):
+            for name, (src, opts) in sources.items():
+                for prefetch in (0, PREFETCH_ON):
+                    results.setdefault((name, prefetch), []).append(read_pass(src, opts, prefetch))
+            print(f"round {r + 1} done", file=sys.stderr)
+
+        def med(name: str, prefetch: int, key: str) -> float:
+            return statistics.median(x[key] for x in results[(name, prefetch)])
+
+        def mbs(name: str, prefetch: int) -> list[float]:
+            return [x["bytes"] / x["seconds"] / 1e6 for x in results[(name, prefetch)]]
+
+        total = sum(p.stat().st_size for p in shards.glob("*.tar"))
+        print(f"\n{args.images} images, {total / 1e6:.0f} MB in {len(list(shards.glob('*.tar')))} shards, "
+              f"{args.rounds} rounds, one process, raw samples; median (min-max)\n")
+        print("| source | read-ahead | MB/s | samples/s | open s | first sample s | depth |")
+        print("|---|---|---|---|---|---|---|")
+        for name in sources:
+            for prefetch in (0, PREFETCH_ON):
+                m = mbs(name, prefetch)
+                sps = statistics.median(x["samples"] / x["seconds"] for x in results[(name, prefetch)])
+                label = "off" if prefetch == 0 else f"on ({prefetch} max)"
+                print(f"| {name} | {label} | {statistics.median(m):,.0f} ({min(m):,.0f}-{max(m):,.0f}) | {sps:,.0f} | "
+                      f"{med(name, prefetch, 'open_s'):.2f} | {med(name, prefetch, 'first_s'):.2f} | "
+                      f"{med(name, prefetch, 'depth'):.1f} |")
+        s3_on = statistics.median(mbs("S3", PREFETCH_ON))
+        on100, off100 = statistics.median(mbs("S3 +100 ms", PREFETCH_ON)), statistics.median(mbs("S3 +100 ms", 0))
+        print(f"\nat +100 ms with read-ahead: {on100 / s3_on:.0%} of S3 without added latency, "
+              f"{on100 / off100:.1f}x read-ahead off")
+
+        # fault run: 5% of responses reset part-way
+        purl, control = proxies[50]
+        proxy_command(control, "set reset_prob 0.05")
+        before = json.loads(proxy_command(control, "stats"))["resets"]
+        fault = read_pass(url, options(purl), PREFETCH_ON)
+        resets = json.loads(proxy_command(control, "stats"))["resets"] - before
+        keys = fault["keys"]
+        exact = len(keys) == len(set(keys)) == args.images
+        print(f"\nfault run (+50 ms, 5% of responses reset): {resets} resets, {len(keys)} samples, "
+              f"{len(set(keys))} distinct, every sample exactly once: {exact}, "
+              f"{fault['bytes'] / fault['seconds'] / 1e6:,.0f} MB/s")
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(5)
+
+
+if __name__ == "__main__":
+    main()
