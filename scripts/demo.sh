@@ -16,3 +16,19 @@ shardkit pack "$photos" "$shards" --max-size 16MB --workers 2
 shardkit info "$shards"
 shardkit verify "$shards"
 python examples/stream_demo.py "$shards"
+
+# --s3: the same photos packed straight into a bucket of a local S3 server (moto, on
+# loopback), then trained on from there with examples/train_s3.py (epoch 2 from the cache).
+if [[ ${1:-} == --s3 ]]; then
+    port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    moto_server -H 127.0.0.1 -p "$port" >"$demo/moto.log" 2>&1 &
+    moto_pid=$!
+    trap 'kill $moto_pid' EXIT
+    endpoint=http://127.0.0.1:$port
+    until curl -s "$endpoint/moto-api/" >/dev/null; do sleep 0.2; done
+    export AWS_ACCESS_KEY_ID=demo AWS_SECRET_ACCESS_KEY=demo  # any credentials work with moto
+    shardkit pack "$photos" s3://demo/photos --max-size 16MB --workers 2 -o endpoint_url="$endpoint"
+    shardkit info s3://demo/photos -o endpoint_url="$endpoint"
+    rm -rf "$demo/cache"
+    python examples/train_s3.py s3://demo/photos --endpoint-url "$endpoint" --cache-dir "$demo/cache" --epochs 2
+fi
