@@ -129,6 +129,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         shuffle_window: int = 1024,
         block: int = 64,
         on_error: str = "raise",
+        verify: bool = False,
         prefetch: int = 8,
         prefetch_bytes: int | str = "256MB",
         cache_dir: str | None = None,
@@ -146,7 +147,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         self.urls, self.index = resolve(source, storage_options)
         self.shuffle, self.seed, self.decode, self.transform = shuffle, seed, decode, transform
         self.remainder, self.shuffle_window, self.block, self.on_error = remainder, shuffle_window, block, on_error
-        self.storage_options = storage_options
+        self.storage_options, self.verify = storage_options, verify
         if prefetch < 0:
             raise ValueError("prefetch must be >= 0 (0 turns read-ahead off)")
         self.prefetch, self.prefetch_bytes = prefetch, parse_size(prefetch_bytes)
@@ -405,7 +406,7 @@ class _WorkerStream:
         ids = self._plan()
         cache = RangeCache(ds.cache_dir, ds.cache_limit) if ds.cache_dir is not None else None
         versions = [sh.sha256 for sh in ds.index.shards]
-        reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache)
+        reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache, verify=ds.verify)
         decode = decoder(ds.decode)
         transform = ds.transform
         pending = 0  # skipped samples still to be replaced, so the rank's count stays exact

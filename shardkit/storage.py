@@ -5,6 +5,7 @@ passed through unchanged."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import mmap
 import os
@@ -280,11 +281,12 @@ class RangeReader:
     """
 
     def __init__(self, urls: list[str], storage_options: StorageOptions | None = None,
-                 versions: list[str | None] | None = None, cache: RangeCache | None = None):
+                 versions: list[str | None] | None = None, cache: RangeCache | None = None, verify: bool = False):
         self._urls = urls
         self._opts = storage_options
         self._versions = versions or [None] * len(urls)
         self._cache = cache
+        self._verify = verify
         self._local = [is_local(u) for u in urls]
         self._handles: dict[int, Any] = {}  # shard -> fd, or (filesystem, path)
         self._instances: dict[tuple[Any, ...], Any] = {}
@@ -299,11 +301,25 @@ class RangeReader:
                 handle = filesystem(self._urls[shard], self._reader_options(shard), self._instances)
                 if hasattr(handle[0], "retries"):  # s3fs: retry in one place (ours), not retries^2 times
                     handle[0].retries = 1
+            if self._verify:
+                self._check_sha256(shard)
             winner = self._handles.setdefault(shard, handle)
             if winner is not handle and self._local[shard]:  # another thread opened it first
                 os.close(handle)
             handle = winner
         return handle
+
+    def _check_sha256(self, shard: int) -> None:
+        """Hash the whole shard once (the first time this reader touches it) against the index."""
+        expected = self._versions[shard]
+        if expected is None:
+            return
+        sha = hashlib.sha256()
+        with open_read(self._urls[shard], self._opts) as f:
+            while chunk := f.read(8 << 20):
+                sha.update(chunk)
+        if sha.hexdigest() != expected:
+            raise CorruptShardError(f"{display(self._urls[shard])}: sha256 mismatch with the index (shard changed or corrupt)")
 
     def _reader_options(self, shard: int) -> StorageOptions | None:
         """The user's options; for S3, unless the user configured the client, its own

@@ -667,3 +667,17 @@ def test_skip_keeps_the_count_when_a_worker_has_only_bad_samples(tmp_path: Path)
     keys = run(ds, 3)  # one sample per worker: worker 1 has only the broken one
     assert ds.stats()["skipped"] == 1
     assert len(keys) == len(ds) == 3
+
+
+def test_verify_names_a_shard_whose_checksum_is_wrong(tmp_path: Path, packed: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(packed, copy)
+    shard = copy / "shard-000002.tar"
+    data = bytearray(shard.read_bytes())
+    data[700] ^= 0x20  # inside the first sample's cls payload region: still parses
+    shard.write_bytes(bytes(data))
+    assert len(list(StreamingDataset(str(copy)))) == 120  # unnoticed without verify
+    with pytest.raises(CorruptShardError, match=r"shard-000002\.tar: sha256 mismatch"):
+        list(StreamingDataset(str(copy), verify=True))
