@@ -16,12 +16,14 @@ from .verify import verify
 
 if TYPE_CHECKING:
     from .dataset import StreamingDataset
+    from .lmdb_dataset import LMDBDataset
 
 __all__ = [
     "CorruptShardError",
     "DatasetNotFoundError",
     "Index",
     "IndexVersionError",
+    "LMDBDataset",
     "ShardInfo",
     "ShardkitError",
     "SourceError",
@@ -32,7 +34,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"StreamingDataset": "dataset"}
+_LAZY = {"LMDBDataset": "lmdb_dataset", "StreamingDataset": "dataset"}
 
 
 def __getattr__(name: str) -> Any:

@@ -72,8 +72,8 @@ def main() -> None:
 @main.command()
 @click.argument("src")
 @click.argument("dest")
-@click.option("--format", "fmt", type=click.Choice(["tar"]), default="tar", show_default=True,
-              help="Output format.")
+@click.option("--format", "fmt", type=click.Choice(["tar", "lmdb"]), default="tar", show_default=True,
+              help="Output format: WebDataset tar shards, or one LMDB (local random access).")
 @click.option("--max-count", type=click.IntRange(min=1), help="At most this many samples per shard.")
 @click.option("--max-size", default="256MB", show_default=True, callback=_size,
               help="At most this many bytes per shard (256MB, 1GiB, ...).")
@@ -96,8 +96,10 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
          storage_options: tuple[str, ...]) -> None:
     """Pack the image folder SRC (SRC/<class>/<image>) into shards under DEST.
 
-    Deterministic and safe to rerun: after an interruption the same command keeps the
-    finished shards and writes the rest. index.json is written last.
+    SRC may also be a shardkit dataset (tar shards or an LMDB) to convert to --format;
+    every sample is copied byte for byte, in order. Deterministic and safe to rerun: after
+    an interruption the same command keeps the finished work and writes the rest.
+    index.json is written last.
     """
     from .pack import pack as run_pack
 
@@ -108,7 +110,8 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
     if quiet:
         return
     took = time.perf_counter() - start
-    click.echo(f"packed {idx.samples} samples into {len(idx.shards)} shards ({format_size(idx.bytes)}) "
+    where = f"{len(idx.shards)} shards" if idx.kind == "tar" else "an LMDB"
+    click.echo(f"packed {idx.samples} samples into {where} ({format_size(idx.bytes)}) "
                f"in {took:.1f} s: {idx.samples / took:.0f} img/s, {idx.bytes / took / 1e6:.0f} MB/s")
     if idx.skipped:
         click.echo(f"skipped {len(idx.skipped)} files:", err=True)

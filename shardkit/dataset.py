@@ -26,7 +26,8 @@ from .index import Index
 from .cache import RangeCache
 from .partition import Layout, Progress
 from .prefetch import Prefetcher
-from .sources import resolve
+from .formats import lmdb as lmdb_format
+from .sources import local_lmdb, resolve
 from .storage import StorageOptions
 from .units import parse_size
 
@@ -162,11 +163,18 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
         self._counts = counts
         self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        offsets = [s.offsets for s in self.index.shards]
-        if any(o is None for o in offsets):
-            raise ShardkitError(f"{source!r}: index lacks sample offsets; rebuild it with `shardkit index`")
-        self._starts = np.concatenate([np.asarray(o[:-1], dtype=np.int64) for o in offsets] or [np.empty(0, np.int64)])
-        self._ends = np.concatenate([np.asarray(o[1:], dtype=np.int64) for o in offsets] or [np.empty(0, np.int64)])
+        self._lmdb: str | None = None  # local path of an LMDB dataset
+        self._keys = np.empty(0, dtype="S1")
+        if self.index.kind == "lmdb":
+            self._lmdb = local_lmdb(self.urls[0], storage_options, cache_dir)
+            self._keys = np.array(self.index.extra.get("keys", []), dtype="S")
+            self._starts = self._ends = np.empty(0, np.int64)
+        else:
+            offsets = [s.offsets for s in self.index.shards]
+            if any(o is None for o in offsets):
+                raise ShardkitError(f"{source!r}: index lacks sample offsets; rebuild it with `shardkit index`")
+            self._starts = np.concatenate([np.asarray(o[:-1], dtype=np.int64) for o in offsets] or [np.empty(0, np.int64)])
+            self._ends = np.concatenate([np.asarray(o[1:], dtype=np.int64) for o in offsets] or [np.empty(0, np.int64)])
         self._shared = _Shared()
         self._resume: dict[str, Any] | None = None
 
@@ -364,17 +372,33 @@ class _WorkerStream:
         worker's skipped samples when none of its own could be used: the rank's count stays
         exact. Raises when no sample of the dataset can be used at all."""
         ds = self.ds
-        total = len(ds._starts)
+        total = int(ds._counts.sum())
         for step in range(1, total + 1):
             i = (after + step) % total
-            shard = int(np.searchsorted(ds._first, i, side="right")) - 1
-            start, end = int(ds._starts[i]), int(ds._ends[i])
             try:
-                sample = decode(_parse(reader.read(shard, start, end), ds.urls[shard], start))
+                if ds._lmdb is None:
+                    shard = int(np.searchsorted(ds._first, i, side="right")) - 1
+                    start, end = int(ds._starts[i]), int(ds._ends[i])
+                    sample = decode(_parse(reader.read(shard, start, end), ds.urls[shard], start))
+                else:
+                    sample = decode(_from_lmdb(next(self._lmdb_reads(np.array([i])))[2], ds.urls[0], i))
                 return transform(sample) if transform is not None else sample
             except Exception:  # noqa: BLE001 - unusable too: try the next one
                 continue
         raise CorruptShardError(f"{ds.urls[0]} and the other {len(ds.urls) - 1} shards: no sample could be used")
+
+    def _lmdb_reads(self, ids: np.ndarray) -> Iterator[tuple[int, int, tuple[str, dict[str, bytes]]]]:
+        """(0, sample id, (key, fields)) from the LMDB environment, opened in this process."""
+        path = self.ds._lmdb
+        assert path is not None
+        env = lmdb_format.open_reader(path)
+        try:
+            with env.begin(buffers=True) as txn:
+                for i in ids.tolist():
+                    key = self.ds._keys[i].decode()
+                    yield 0, i, (key, lmdb_format.read_sample(txn, key, path))
+        finally:
+            env.close()
 
     def _reads(self, ids: np.ndarray, reader: storage.RangeReader) -> Iterator[tuple[int, int, memoryview]]:
         """(shard, start offset, bytes) of each sample of `ids`, in order, read ahead."""
@@ -411,7 +435,11 @@ class _WorkerStream:
         transform = ds.transform
         pending = 0  # skipped samples still to be replaced, so the rank's count stays exact
         last_good: Any = None
-        reads = self._reads(ids, reader)
+        reads: Iterator[tuple[int, int, Any]]
+        if ds._lmdb is None:
+            reads, parse = self._reads(ids, reader), _parse
+        else:
+            reads, parse = self._lmdb_reads(ids), _from_lmdb
 
         meter = _Meter(ds._shared, self.worker_id, reader, cache)
         try:
@@ -422,7 +450,7 @@ class _WorkerStream:
                 url = ds.urls[shard]
                 sample: dict[str, Any] | None = None
                 try:
-                    sample = decode(_parse(data, url, start))
+                    sample = decode(parse(data, url, start))
                 except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
                     if ds.on_error == "raise":
                         if isinstance(e, ShardkitError):
@@ -439,7 +467,7 @@ class _WorkerStream:
                 t3 = time.perf_counter()
                 stats = meter.values
                 stats[0] += 1
-                stats[1] += len(data)
+                stats[1] += len(data) if ds._lmdb is None else sum(map(len, data[1].values()))
                 stats[2] += t1 - t0
                 stats[3] += t2 - t1
                 stats[4] += t3 - t2
@@ -460,8 +488,15 @@ class _WorkerStream:
             reader.close()
 
 
-def _key_of(data: bytes | memoryview) -> str:
-    """The key in a sample's first tar header, for error messages."""
+def _from_lmdb(data: tuple[str, dict[str, bytes]], url: str, position: int) -> dict[str, Any]:
+    key, fields = data
+    return {"__key__": key, "__url__": url, **fields}
+
+
+def _key_of(data: Any) -> str:
+    """The key of a sample that could not be parsed, for error messages."""
+    if isinstance(data, tuple):  # (key, fields) from LMDB
+        return str(data[0])
     return bytes(data[:100]).split(b"\x00", 1)[0].decode("utf-8", "replace").split(".", 1)[0] or "?"
 
 

@@ -1,4 +1,5 @@
-"""Pack an ImageFolder tree into shards: plan -> jobs -> write -> commit.
+"""Pack an ImageFolder tree (or convert a shardkit dataset) into tar shards or an LMDB:
+plan -> jobs -> write -> commit.
 
 - plan: scan SRC once, sort, optionally shuffle with a seed, cut into shards by count and
   size. The plan is plain data; every shard is an independent job with a fingerprint of its
@@ -19,22 +20,27 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from collections import deque
+from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from json.encoder import encode_basestring as _json_str  # type: ignore[attr-defined]
-from typing import NamedTuple
+from typing import Any, TypeVar
 
 import numpy as np
 
 from . import images, index, storage
-from .errors import SourceError
-from .formats.tar import BLOCK, TarWriter
+from .errors import CorruptShardError, SourceError
+from .formats import lmdb as lmdb_format
+from .formats.tar import BLOCK, TarWriter, parse_sample
 from .index import Index, ShardInfo, Skipped
+from .scan import Item, scan_dataset, scan_folder, source_kind
 from .storage import StorageOptions
 from .units import parse_size
 
 PROGRESS_DIR = ".shardkit-progress"
 SHARD_NAME = "shard-{:06d}.tar"
+CHUNK_NAME = "chunk-{:06d}"  # an LMDB pack's unit of work: one transaction
+R = TypeVar("R")
 _SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
 DEFAULT_MAX_SIZE = "256MB"
 
@@ -48,14 +54,6 @@ class Options:
     on_error: str = "skip"
 
 
-class Item(NamedTuple):
-    key: str
-    path: str  # relative to SRC, '/'-separated
-    label: int
-    size: int
-    mtime_ns: int
-
-
 @dataclass(frozen=True)
 class Job:
     name: str
@@ -66,6 +64,7 @@ class Job:
     options: Options
     fingerprint: str
     storage_options: StorageOptions | None = None
+    source: str = "folder"  # or "tar", "lmdb": a dataset being converted
 
 
 @dataclass(frozen=True)
@@ -83,65 +82,16 @@ class ShardResult:
     skipped: tuple[Skipped, ...]
 
 
+@dataclass(frozen=True)
+class ChunkResult:
+    """A job's samples, read and checked in a worker, for the one LMDB writer."""
+
+    name: str
+    samples: tuple[tuple[str, dict[str, bytes]], ...]
+    skipped: tuple[Skipped, ...]
+
+
 # ---------------------------------------------------------------- plan
-
-
-def _walk(top: str, rel: str, seen: set[tuple[int, int]], skipped: list[Skipped]) -> Iterator[tuple[str, os.stat_result]]:
-    """Yield (relpath, stat) of files under `top`, following symlinks but never a loop."""
-    try:
-        st = os.stat(top)
-        if (st.st_dev, st.st_ino) in seen:
-            skipped.append(Skipped(rel + "/", "symlink loop (folder already visited)"))
-            return
-        seen.add((st.st_dev, st.st_ino))
-        entries = sorted(os.scandir(top), key=lambda e: e.name)
-    except OSError as e:
-        skipped.append(Skipped(rel + "/", f"cannot list folder ({e.strerror or e})"))
-        return
-    for entry in entries:
-        child = f"{rel}/{entry.name}"
-        try:
-            if entry.is_dir():
-                yield from _walk(entry.path, child, seen, skipped)
-            elif entry.is_file():
-                yield child, entry.stat()
-            elif entry.is_symlink():
-                skipped.append(Skipped(child, "broken symlink"))
-            else:
-                skipped.append(Skipped(child, "not a regular file"))
-        except OSError as e:
-            skipped.append(Skipped(child, f"cannot stat ({e.strerror or e})"))
-
-
-def scan(src: str) -> tuple[tuple[str, ...], list[Item], list[Skipped]]:
-    """Classes (sorted folder names), items without keys yet, and what was left out."""
-    path = storage.local_path(src)
-    if not os.path.exists(path):
-        raise SourceError(f"{src}: no such folder")
-    if not os.path.isdir(path):
-        raise SourceError(f"{src}: not a folder (expected SRC/<class>/<image>)")
-    skipped: list[Skipped] = []
-    classes = []
-    for entry in sorted(os.scandir(path), key=lambda e: e.name):
-        if entry.name.startswith("."):
-            skipped.append(Skipped(entry.name, "hidden entry ignored"))
-        elif entry.is_dir():
-            classes.append(entry.name)
-        else:
-            skipped.append(Skipped(entry.name, "not inside a class folder"))
-    if not classes:
-        raise SourceError(f"{src}: no class folders (expected SRC/<class>/<image>)")
-    items: list[Item] = []
-    seen: set[tuple[int, int]] = set()
-    for label, name in enumerate(classes):
-        for rel, st in _walk(os.path.join(path, name), name, seen, skipped):
-            if images.field_for(rel) is None:
-                skipped.append(Skipped(rel, "not an image file extension"))
-                continue
-            items.append(Item("", rel, label, st.st_size, st.st_mtime_ns))
-    if not items:
-        raise SourceError(f"{src}: no image files in {len(classes)} class folders")
-    return tuple(classes), items, skipped
 
 
 def _meta(item: Item, classes: tuple[str, ...]) -> bytes:
@@ -166,34 +116,44 @@ def make_plan(
     shuffle: bool = True,
     seed: int = 0,
     options: Options = Options(),
+    fmt: str = "tar",
     storage_options: StorageOptions | None = None,
 ) -> Plan:
-    classes, items, skipped = scan(src)
-    if shuffle:
-        order = np.random.default_rng(seed).permutation(len(items))
-        items = [items[i] for i in order]
-    width = max(6, len(str(len(items) - 1)))
+    """Scan SRC and cut its samples into jobs. A dataset being converted keeps its order
+    and keys (shuffle applies to image folders only)."""
+    source = source_kind(src, storage_options)
+    skipped: list[Skipped] = []
+    if source == "folder":
+        classes, items, skipped = scan_folder(src)
+        if shuffle:
+            order = np.random.default_rng(seed).permutation(len(items))
+            items = [items[i] for i in order]
+        width = max(6, len(str(len(items) - 1)))
+        items = [item._replace(key=f"{number:0{width}d}") for number, item in enumerate(items)]
+        source_id = None
+    else:
+        idx, items = scan_dataset(src, source, storage_options)
+        classes, source_id = idx.classes, _fingerprint(idx.to_json())
     limit = parse_size(max_size) if max_size is not None else None
     groups: list[list[Item]] = [[]]
     size = 0
-    for number, item in enumerate(items):
-        item = item._replace(key=f"{number:0{width}d}")
-        # exact for copied bytes: image, cls and json members with their headers
-        need = _member_bytes(item.size) + _member_bytes(len(str(item.label))) + _member_bytes(len(_meta(item, classes)))
-        full = (max_count is not None and len(groups[-1]) >= max_count) or (
-            limit is not None and size + need > limit
-        )
+    for item in items:
+        need = _member_bytes(item.size) + 2 * BLOCK  # cls and json: a header and a block each
+        if item.label >= 0:  # exact for copied folder images
+            need = _member_bytes(item.size) + _member_bytes(len(str(item.label))) + _member_bytes(len(_meta(item, classes)))
+        full = (max_count is not None and len(groups[-1]) >= max_count) or (limit is not None and size + need > limit)
         if groups[-1] and full:
             groups.append([])
             size = 0
         groups[-1].append(item)
         size += need
+    name_of = SHARD_NAME if fmt == "tar" else CHUNK_NAME
     jobs = []
     for i, group in enumerate(groups):
-        name = SHARD_NAME.format(i)
-        fp = _fingerprint(name, classes, asdict(options), group)
-        jobs.append(Job(name, src, dest, tuple(group), classes, options, fp, storage_options))
-    plan_fp = _fingerprint("tar", classes, [j.fingerprint for j in jobs])
+        name = name_of.format(i)
+        fp = _fingerprint(name, classes, asdict(options), source_id, group)
+        jobs.append(Job(name, src, dest, tuple(group), classes, options, fp, storage_options, source))
+    plan_fp = _fingerprint(fmt, classes, [j.fingerprint for j in jobs])
     return Plan(classes, tuple(jobs), tuple(skipped), plan_fp)
 
 
@@ -213,40 +173,70 @@ def _tick(n: int) -> None:
             _counter.value += n
 
 
-def _sample_fields(job: Job, item: Item) -> dict[str, bytes]:
+_envs: dict[str, Any] = {}  # LMDB sources opened in this process
+
+
+def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
+    """(key, fields) of one item, read, checked and optionally re-encoded."""
+    if job.source == "tar":
+        shard, _, span = item.path.rpartition("@")
+        start, stop = (int(x) for x in span.split(":"))
+        url = storage.join(job.src, shard)
+        data = storage.read_range(url, start, stop, job.storage_options)
+        return parse_sample(data, f"{url} (sample at byte {start})")
+    if job.source == "lmdb":
+        path = storage.local_path(job.src)
+        env = _envs.get(path) or _envs.setdefault(path, lmdb_format.open_reader(path))
+        with env.begin() as txn:
+            return item.key, lmdb_format.read_sample(txn, item.key, path)
     data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
     opts = job.options
     if opts.resize or opts.quality:
         field, data = "jpg", images.reencode(data, opts.resize, opts.quality or 90)
     else:
         field = images.check(data, images.field_for(item.path) or "")
-    return {field: data, "cls": str(item.label).encode(), "json": _meta(item, job.classes)}
+    return item.key, {field: data, "cls": str(item.label).encode(), "json": _meta(item, job.classes)}
+
+
+def _samples(job: Job) -> Iterator[tuple[str, dict[str, bytes]] | Skipped]:
+    """The job's samples in order; unusable ones as Skipped (or SourceError under on_error='fail')."""
+    pending = 0
+    for item in job.items:
+        try:
+            yield _sample(job, item)
+        except (OSError, images.BadImage, CorruptShardError) as e:
+            reason = str(e) if isinstance(e, (images.BadImage, CorruptShardError)) else f"cannot read ({e.strerror or e})"
+            if job.options.on_error == "fail":
+                raise SourceError(f"{storage.join(job.src, item.path)}: {reason}") from None
+            yield Skipped(item.path, reason)
+        pending += 1
+        if pending >= 32:
+            _tick(pending)
+            pending = 0
+    _tick(pending)
+
+
+def read_chunk(job: Job) -> ChunkResult:
+    """Read one job's samples for the LMDB writer."""
+    samples, skipped = [], []
+    for got in _samples(job):
+        (skipped if isinstance(got, Skipped) else samples).append(got)
+    return ChunkResult(job.name, tuple(samples), tuple(skipped))  # type: ignore[arg-type]
 
 
 def write_shard(job: Job) -> ShardResult:
-    """Write one shard atomically; bad files are skipped (or raise under on_error='fail')."""
+    """Write one shard atomically; bad inputs are skipped (or raise under on_error='fail')."""
     skipped: list[Skipped] = []
     fields: set[str] = set()
-    pending = 0
     with storage.atomic_writer(storage.join(job.dest, job.name), job.storage_options) as f:
         writer = TarWriter(f)
-        for item in job.items:
-            try:
-                sample = _sample_fields(job, item)
-            except (OSError, images.BadImage) as e:
-                reason = str(e) if isinstance(e, images.BadImage) else f"cannot read ({e.strerror or e})"
-                if job.options.on_error == "fail":
-                    raise SourceError(f"{storage.join(job.src, item.path)}: {reason}") from None
-                skipped.append(Skipped(item.path, reason))
+        for got in _samples(job):
+            if isinstance(got, Skipped):
+                skipped.append(got)
             else:
-                writer.write(item.key, sample)
-                fields.update(sample)
-            pending += 1
-            if pending >= 32:
-                _tick(pending)
-                pending = 0
+                writer.write(*got)
+                fields.update(got[1])
         sha = writer.close()
-    _tick(pending)
     info = ShardInfo(job.name, len(writer.offsets) - 1, writer.size, sha, tuple(writer.offsets))
     result = ShardResult(info, tuple(sorted(fields)), tuple(skipped))
     record = {"fingerprint": job.fingerprint, "shard": info.to_json(), "fields": result.fields,
@@ -301,29 +291,39 @@ def _prepare_dest(dest: str, plan: Plan, storage_options: StorageOptions | None)
     return None
 
 
-def _run_jobs(jobs: list[Job], workers: int, on_done: Callable[[ShardResult], None],
+def _run_jobs(fn: Callable[[Job], R], jobs: list[Job], workers: int, on_done: Callable[[R], None],
               on_progress: Callable[[int], None]) -> None:
-    """Run jobs on a process pool (inline for one worker); report images done so far."""
+    """Run `fn` over jobs on a process pool (inline for one worker), handing results to
+    `on_done` in job order as they complete, with at most 2 x workers jobs in flight (their
+    results can be large); report images done so far."""
     counter = multiprocessing.Value("q", 0)
     if workers <= 1 or len(jobs) <= 1:
         _init_worker(counter)
         try:
             for job in jobs:
-                on_done(write_shard(job))
+                on_done(fn(job))
                 on_progress(counter.value)
         finally:
             _init_worker(None)
         return
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=_init_worker, initargs=(counter,)) as pool:
-        futures = {pool.submit(write_shard, job) for job in jobs}
+        queued = iter(jobs)
+        running: deque[Future[R]] = deque()
         try:
-            while futures:
-                done, futures = wait(futures, timeout=0.2, return_when=FIRST_EXCEPTION)
-                for fut in done:
-                    on_done(fut.result())
+            while True:
+                while len(running) < 2 * workers and (job := next(queued, None)) is not None:
+                    running.append(pool.submit(fn, job))
+                if not running:
+                    return
+                wait(running, timeout=0.2, return_when=FIRST_EXCEPTION)
+                for fut in running:
+                    if fut.done() and fut.exception() is not None:
+                        raise fut.exception()  # type: ignore[misc]
+                while running and running[0].done():
+                    on_done(running.popleft().result())
                 on_progress(counter.value)
         except BaseException:
-            for fut in futures:
+            for fut in running:
                 fut.cancel()
             raise
 
@@ -344,27 +344,46 @@ def pack(
     progress: bool | None = None,
     storage_options: StorageOptions | None = None,
 ) -> Index:
-    """Pack the ImageFolder tree `src` into shards plus index.json under `dest`.
+    """Pack the ImageFolder tree `src` (or convert the shardkit dataset at `src`) into tar
+    shards or an LMDB (`format`), with index.json, under `dest`.
 
-    Deterministic: the same input and options give byte-identical output, whatever `workers`
-    is. Safe to rerun after a crash: finished shards are kept, the rest are written.
-    Returns the committed Index (`index.skipped` lists every file that was left out).
+    Deterministic: the same input and options give the same samples in the same order (and,
+    for tar, byte-identical shards), whatever `workers` is. Safe to rerun after a crash:
+    finished work is kept, the rest is written. Returns the committed Index
+    (`index.skipped` lists every input that was left out).
     """
-    if format != "tar":
-        raise SourceError(f"unknown format {format!r} (supported: tar)")
+    if format not in ("tar", "lmdb"):
+        raise SourceError(f"unknown format {format!r} (supported: tar, lmdb)")
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error must be 'skip' or 'fail', not {on_error!r}")
+    if format == "lmdb" and not storage.is_local(dest):
+        raise SourceError(f"{storage.display(dest)}: LMDB output must be a local path (copy it up afterwards)")
     options = Options(resize=resize, quality=quality, on_error=on_error)
+    if format == "lmdb" and max_size is not None:  # one transaction per job: keep them moderate
+        max_size = min(parse_size(max_size), parse_size("64MB"))
     plan = make_plan(src, dest, max_count=max_count, max_size=max_size, shuffle=shuffle, seed=seed,
-                     options=options, storage_options=storage_options)
+                     options=options, fmt=format, storage_options=storage_options)
     if on_error == "fail" and plan.skipped:
         s = plan.skipped[0]
         raise SourceError(f"{storage.join(src, s.path)}: {s.reason}")
+    run = _pack_tar if format == "tar" else _pack_lmdb
+    return run(plan, dest, workers or os.cpu_count() or 1, progress, storage_options)
+
+
+def _bar(plan: Plan, done: int, progress: bool | None) -> Any:
+    from tqdm import tqdm
+
+    show = progress if progress is not None else sys.stderr.isatty()
+    total = sum(len(j.items) for j in plan.jobs)
+    return tqdm(total=total, initial=done, unit="img", disable=not show, desc="pack", smoothing=0.1)
+
+
+def _pack_tar(plan: Plan, dest: str, workers: int, progress: bool | None,
+              storage_options: StorageOptions | None) -> Index:
     storage.makedirs(dest, storage_options)
     committed = _prepare_dest(dest, plan, storage_options)
     if committed is not None:
         return committed
-
     results: dict[str, ShardResult] = {}
     todo = []
     for job in plan.jobs:
@@ -373,30 +392,94 @@ def pack(
             todo.append(job)
         else:
             results[job.name] = done
-
-    from tqdm import tqdm
-
-    total = sum(len(j.items) for j in plan.jobs)
-    initial = total - sum(len(j.items) for j in todo)
-    show = progress if progress is not None else sys.stderr.isatty()
-    with tqdm(total=total, initial=initial, unit="img", disable=not show, desc="pack", smoothing=0.1) as bar:
-        _run_jobs(todo, workers or os.cpu_count() or 1,
-                  on_done=lambda r: results.__setitem__(r.info.name, r),
+    initial = sum(len(j.items) for j in plan.jobs) - sum(len(j.items) for j in todo)
+    with _bar(plan, initial, progress) as bar:
+        _run_jobs(write_shard, todo, workers, on_done=lambda r: results.__setitem__(r.info.name, r),
                   on_progress=lambda n: bar.update(initial + n - bar.n))
-
     ordered = [results[j.name] for j in plan.jobs]
-    skipped = sorted([*plan.skipped, *(s for r in ordered for s in r.skipped)], key=lambda s: s.path)
     idx = Index(
         shards=tuple(r.info for r in ordered),
         kind="tar",
         fields=tuple(sorted({f for r in ordered for f in r.fields})),
         classes=plan.classes,
-        skipped=tuple(skipped),
+        skipped=_all_skipped(plan, [s for r in ordered for s in r.skipped]),
         plan=plan.fingerprint,
     )
     index.save(idx, dest, storage_options)
     _cleanup(dest, plan, storage_options)
     return idx
+
+
+def _all_skipped(plan: Plan, more: list[Skipped]) -> tuple[Skipped, ...]:
+    return tuple(sorted([*plan.skipped, *more], key=lambda s: s.path))
+
+
+def _pack_lmdb(plan: Plan, dest: str, workers: int, progress: bool | None,
+               storage_options: StorageOptions | None) -> Index:
+    """Workers read and check samples; this process writes them, one transaction per job,
+    each recording the progress, so a rerun continues after the last committed job."""
+    path = storage.local_path(dest)
+    if os.path.exists(path) and os.listdir(path) and not lmdb_format.is_lmdb(path):
+        raise SourceError(f"{dest}: destination is not empty and not an LMDB dataset")
+    os.makedirs(path, exist_ok=True)
+    writer = lmdb_format.Writer(path)
+    try:
+        finished = writer.finished()
+        progress_doc = writer.progress()
+        if finished is not None or (progress_doc or {}).get("plan") not in (None, plan.fingerprint):
+            existing = Index.from_json(finished, dest) if finished is not None else None
+            if existing is not None and existing.plan == plan.fingerprint:
+                index.save(existing, dest)  # in case the crash came between the two commits
+                return existing
+            writer.close()  # another dataset lives here: replace it
+            for name in ("data.mdb", "lock.mdb", index.INDEX_NAME):
+                storage.remove(os.path.join(path, name))
+            writer = lmdb_format.Writer(path)
+            progress_doc = None
+        done = int((progress_doc or {}).get("chunks", 0))
+        records: list[dict] = []
+        for i in range(done):
+            with writer.env.begin() as txn:
+                records.append(json.loads(txn.get(_chunk_key(i))))
+
+        def commit(result: ChunkResult) -> None:
+            i = len(records)
+            record = {"keys": [k for k, _ in result.samples],
+                      "sizes": [sum(len(v) for v in f.values()) for _, f in result.samples],
+                      "fields": sorted({e for _, f in result.samples for e in f}),
+                      "skipped": [asdict(s) for s in result.skipped]}
+            meta = {_chunk_key(i): json.dumps(record).encode(),
+                    lmdb_format.PROGRESS_KEY: json.dumps({"plan": plan.fingerprint, "chunks": i + 1}).encode()}
+            writer.write(result.samples, meta)
+            records.append(record)
+
+        todo = list(plan.jobs[done:])
+        initial = sum(len(j.items) for j in plan.jobs[:done])
+        with _bar(plan, initial, progress) as bar:
+            _run_jobs(read_chunk, todo, workers, on_done=commit, on_progress=lambda n: bar.update(initial + n - bar.n))
+        keys = [k for r in records for k in r["keys"]]
+        idx = Index(
+            shards=(ShardInfo("data.mdb", len(keys), sum(n for r in records for n in r["sizes"])),),
+            kind="lmdb",
+            fields=tuple(sorted({f for r in records for f in r["fields"]})),
+            classes=plan.classes,
+            skipped=_all_skipped(plan, [Skipped(**s) for r in records for s in r["skipped"]]),
+            plan=plan.fingerprint,
+            extra={"keys": keys, "sizes": [n for r in records for n in r["sizes"]]},
+        )
+        doc = idx.to_json().encode()
+        writer.write([], {lmdb_format.INDEX_KEY: doc})  # the LMDB is finished from here on
+        for i in range(len(records)):
+            writer.delete(_chunk_key(i))
+        writer.delete(lmdb_format.PROGRESS_KEY)
+    finally:
+        writer.close()
+    index.save(idx, dest)
+    return idx
+
+
+def _chunk_key(i: int) -> bytes:
+    return f"{lmdb_format.PROGRESS_KEY.decode()}/{i:08d}".encode()
 
 
 def _cleanup(dest: str, plan: Plan, storage_options: StorageOptions | None) -> None:

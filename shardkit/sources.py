@@ -11,6 +11,7 @@ from typing import BinaryIO
 
 from . import index, storage
 from .errors import DatasetNotFoundError
+from .formats import lmdb as lmdb_format
 from .formats import tar
 from .index import Index, ShardInfo
 from .storage import StorageOptions
@@ -73,11 +74,16 @@ def expand(pattern: str) -> list[str]:
 
 
 def resolve(source: str | Sequence[str], storage_options: StorageOptions | None = None) -> tuple[list[str], Index]:
-    """(shard URLs, Index) for a dataset folder, a brace pattern or a list of shard URLs."""
+    """(shard URLs, Index) for a dataset folder, a brace pattern or a list of shard URLs.
+    An LMDB dataset resolves to its folder as the one "shard"."""
     if isinstance(source, str) and not source.endswith(".tar") and "{" not in source:
         if storage.exists(storage.join(source, index.INDEX_NAME), storage_options):
             idx = index.load(source, storage_options)
+            if idx.kind == "lmdb":
+                return [source], idx
             return [storage.join(source, s.name) for s in idx.shards], idx
+        if storage.is_local(source) and lmdb_format.is_lmdb(storage.local_path(source)):
+            return [source], lmdb_index(source)
         urls = shard_urls(source, storage_options)
     elif isinstance(source, str):
         urls = expand(source)
@@ -89,3 +95,46 @@ def resolve(source: str | Sequence[str], storage_options: StorageOptions | None 
         if not storage.exists(u, storage_options):
             raise DatasetNotFoundError(f"{u}: no such shard")
     return urls, build_index(urls, storage_options)
+
+
+def lmdb_index(path: str) -> Index:
+    """The index stored inside a local LMDB dataset."""
+    env = lmdb_format.open_reader(storage.local_path(path))
+    try:
+        return Index.from_json(lmdb_format.read_index(env, path), f"{path} ({lmdb_format.INDEX_KEY.decode()})")
+    finally:
+        env.close()
+
+
+def local_lmdb(url: str, storage_options: StorageOptions | None, cache_dir: str | None) -> str:
+    """A local path for the LMDB dataset at `url`: itself when local, else a copy of its
+    data.mdb downloaded (with a progress bar) into `cache_dir` (default: a temp folder),
+    renamed into place when complete and reused on later runs."""
+    if storage.is_local(url):
+        return storage.local_path(url)
+    import hashlib
+    import os
+    import tempfile
+
+    from tqdm import tqdm
+
+    root = os.path.join(cache_dir or os.path.join(tempfile.gettempdir(), "shardkit-cache"),
+                        "lmdb-" + hashlib.sha256(url.encode()).hexdigest()[:24])
+    if os.path.isfile(os.path.join(root, "data.mdb")):
+        return root
+    tmp = f"{root}{storage.TMP_MARK}{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    remote = storage.join(url, "data.mdb")
+    total = storage.size(remote, storage_options)
+    with storage.open_read(remote, storage_options) as src, open(os.path.join(tmp, "data.mdb"), "wb") as dst, \
+            tqdm(total=total, unit="B", unit_scale=True, desc=f"copying {storage.display(remote)}") as bar:
+        while chunk := src.read(8 << 20):
+            dst.write(chunk)
+            bar.update(len(chunk))
+    try:
+        os.rename(tmp, root)
+    except OSError:  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root

@@ -106,6 +106,19 @@ def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes
     return retrying(display(url), lambda: fs.cat_file(path))
 
 
+def read_range(url: str, start: int, stop: int, storage_options: StorageOptions | None = None) -> bytes:
+    """Bytes [start, stop) of a file."""
+    if is_local(url):
+        with open(local_path(url), "rb") as f:
+            data = os.pread(f.fileno(), stop - start, start)
+    else:
+        fs, path = filesystem(url, storage_options)
+        data = retrying(display(url), lambda: fs.cat_file(path, start=start, end=stop))
+    if len(data) != stop - start:
+        raise CorruptShardError(f"{display(url)}: {len(data)} bytes at offset {start}, expected {stop - start}")
+    return data
+
+
 def open_read(url: str, storage_options: StorageOptions | None = None) -> BinaryIO:
     """A binary file for sequential reading."""
     if is_local(url):

@@ -1,0 +1,135 @@
+"""LMDB datasets: one record per tar-style member, key `KEY.EXT`, value the raw bytes, plus
+the dataset's index document under `__index__`. A reader needs nothing but `lmdb`:
+
+    env = lmdb.open("photos.lmdb", readonly=True, lock=False)
+    with env.begin() as txn:
+        index = json.loads(txn.get(b"__index__"))
+        key = index["keys"][0]
+        image, label = txn.get(f"{key}.jpg".encode()), int(txn.get(f"{key}.cls".encode()))
+
+Keys are zero-padded sample numbers, so a sample's members are adjacent in LMDB's sorted
+key order and one cursor walk collects them. Writing happens in transactions, each also
+recording how far the pack got (`__progress__`), so a killed pack leaves a database that is
+consistent, resumable, and never taken for finished: `__index__` is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ..errors import CorruptShardError, DatasetNotFoundError
+
+INDEX_KEY = b"__index__"
+PROGRESS_KEY = b"__progress__"
+_INITIAL_MAP = 1 << 30
+
+
+def _lmdb() -> Any:
+    try:
+        import lmdb
+    except ImportError:
+        from ..errors import ShardkitError
+
+        raise ShardkitError("LMDB support is not installed (pip install 'shardkit[lmdb]')") from None
+    return lmdb
+
+
+def is_lmdb(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "data.mdb"))
+
+
+class Writer:
+    """Appends samples in transactions; the map grows instead of failing with MDB_MAP_FULL."""
+
+    def __init__(self, path: str):
+        lmdb = _lmdb()
+        self._lmdb = lmdb
+        self.env = lmdb.open(path, subdir=True, map_size=_INITIAL_MAP, readahead=False, meminit=False)
+
+    def progress(self) -> dict | None:
+        with self.env.begin() as txn:
+            raw = txn.get(PROGRESS_KEY)
+        return json.loads(raw) if raw else None
+
+    def finished(self) -> bytes | None:
+        with self.env.begin() as txn:
+            return txn.get(INDEX_KEY)
+
+    def write(self, samples: Sequence[tuple[str, Mapping[str, bytes]]], meta: Mapping[bytes, bytes]) -> None:
+        """Put samples and `meta` records in one transaction (all or nothing)."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for key, fields in samples:
+                        for ext in sorted(fields):
+                            txn.put(f"{key}.{ext}".encode(), fields[ext])
+                    for k, v in meta.items():
+                        txn.put(k, v)
+                return
+            except self._lmdb.MapFullError:
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+
+    def delete(self, key: bytes) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.delete(key)
+
+    def close(self) -> None:
+        self.env.sync(True)
+        self.env.close()
+
+
+def open_reader(path: str) -> Any:
+    """A read-only environment for random access: no lock file writes, no OS readahead."""
+    lmdb = _lmdb()
+    try:
+        env = lmdb.open(path, subdir=True, readonly=True, lock=False, readahead=False, meminit=False,
+                        max_readers=1024)
+    except lmdb.Error as e:
+        raise DatasetNotFoundError(f"{path}: not an LMDB dataset ({e})") from None
+    # A data.mdb cut short still opens (its meta pages are at the front), but touching a
+    # page past the end kills the process with SIGBUS: compare with the pages LMDB uses.
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    size = os.path.getsize(os.path.join(path, "data.mdb"))
+    if size < needed:
+        env.close()
+        raise CorruptShardError(f"{path}: data.mdb is truncated ({size} bytes, its pages need {needed})")
+    return env
+
+
+def read_index(env: Any, path: str) -> bytes:
+    try:
+        with env.begin() as txn:
+            raw = txn.get(INDEX_KEY)
+    except _lmdb().Error as e:
+        raise CorruptShardError(f"{path}: unreadable LMDB ({e})") from None
+    if raw is None:
+        raise CorruptShardError(f"{path}: no {INDEX_KEY.decode()} record (an unfinished pack? rerun it)")
+    return bytes(raw)
+
+
+def read_sample(txn: Any, key: str, path: str) -> dict[str, bytes]:
+    """All members `KEY.EXT` of one sample."""
+    prefix = f"{key}.".encode()
+    fields: dict[str, bytes] = {}
+    try:
+        with txn.cursor() as cur:
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    k = bytes(k)  # a memoryview in a buffers=True transaction
+                    if not k.startswith(prefix):
+                        break
+                    fields[k[len(prefix):].decode()] = bytes(v)
+    except _lmdb().Error as e:
+        raise CorruptShardError(f"{path}: sample {key}: unreadable LMDB ({e})") from None
+    if not fields:
+        raise CorruptShardError(f"{path}: sample {key} is missing")
+    return fields
+
+
+def iter_samples(env: Any, keys: Sequence[str], path: str) -> Iterator[tuple[str, dict[str, bytes]]]:
+    with env.begin(buffers=True) as txn:
+        for key in keys:
+            yield key, read_sample(txn, key, path)

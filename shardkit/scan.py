@@ -1,0 +1,111 @@
+"""What a pack reads: an ImageFolder tree, or an existing shardkit dataset (tar or LMDB) to
+convert. Either way the result is a list of items in a deterministic order; nothing here
+reads image bytes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from . import images, index, storage
+from .errors import SourceError
+from .formats import lmdb as lmdb_format
+from .index import Index, Skipped
+from .storage import StorageOptions
+
+
+class Item(NamedTuple):
+    key: str  # output sample key ("" keeps the source's own key)
+    path: str  # folder: path relative to SRC, '/'-separated; tar: "SHARD@START:END"; lmdb: the key
+    label: int  # class index (-1: the source sample carries its own)
+    size: int
+    mtime_ns: int
+
+
+def _walk(top: str, rel: str, seen: set[tuple[int, int]], skipped: list[Skipped]) -> Iterator[tuple[str, os.stat_result]]:
+    """Yield (relpath, stat) of files under `top`, following symlinks but never a loop."""
+    try:
+        st = os.stat(top)
+        if (st.st_dev, st.st_ino) in seen:
+            skipped.append(Skipped(rel + "/", "symlink loop (folder already visited)"))
+            return
+        seen.add((st.st_dev, st.st_ino))
+        entries = sorted(os.scandir(top), key=lambda e: e.name)
+    except OSError as e:
+        skipped.append(Skipped(rel + "/", f"cannot list folder ({e.strerror or e})"))
+        return
+    for entry in entries:
+        child = f"{rel}/{entry.name}"
+        try:
+            if entry.is_dir():
+                yield from _walk(entry.path, child, seen, skipped)
+            elif entry.is_file():
+                yield child, entry.stat()
+            elif entry.is_symlink():
+                skipped.append(Skipped(child, "broken symlink"))
+            else:
+                skipped.append(Skipped(child, "not a regular file"))
+        except OSError as e:
+            skipped.append(Skipped(child, f"cannot stat ({e.strerror or e})"))
+
+
+def scan_folder(src: str) -> tuple[tuple[str, ...], list[Item], list[Skipped]]:
+    """Classes (sorted folder names), items without keys yet, and what was left out."""
+    path = storage.local_path(src)
+    if not os.path.exists(path):
+        raise SourceError(f"{src}: no such folder")
+    if not os.path.isdir(path):
+        raise SourceError(f"{src}: not a folder (expected SRC/<class>/<image>)")
+    skipped: list[Skipped] = []
+    classes = []
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        if entry.name.startswith("."):
+            skipped.append(Skipped(entry.name, "hidden entry ignored"))
+        elif entry.is_dir():
+            classes.append(entry.name)
+        else:
+            skipped.append(Skipped(entry.name, "not inside a class folder"))
+    if not classes:
+        raise SourceError(f"{src}: no class folders (expected SRC/<class>/<image>)")
+    items: list[Item] = []
+    seen: set[tuple[int, int]] = set()
+    for label, name in enumerate(classes):
+        for rel, st in _walk(os.path.join(path, name), name, seen, skipped):
+            if images.field_for(rel) is None:
+                skipped.append(Skipped(rel, "not an image file extension"))
+                continue
+            items.append(Item("", rel, label, st.st_size, st.st_mtime_ns))
+    if not items:
+        raise SourceError(f"{src}: no image files in {len(classes)} class folders")
+    return tuple(classes), items, skipped
+
+
+
+
+def source_kind(src: str, storage_options: StorageOptions | None = None) -> str:
+    """"tar" or "lmdb" for a shardkit dataset, "folder" for anything else."""
+    if storage.exists(storage.join(src, index.INDEX_NAME), storage_options):
+        return index.load(src, storage_options).kind
+    if storage.is_local(src) and lmdb_format.is_lmdb(storage.local_path(src)):
+        return "lmdb"
+    return "folder"
+
+
+def scan_dataset(src: str, kind: str, storage_options: StorageOptions | None = None) -> tuple[Index, list[Item]]:
+    """The samples of a shardkit dataset, in its order, as items to copy byte for byte."""
+    if kind == "lmdb":
+        from .sources import lmdb_index
+
+        idx = index.load(src, storage_options) if storage.exists(storage.join(src, index.INDEX_NAME)) else lmdb_index(src)
+        keys = idx.extra.get("keys", [])
+        sizes = idx.extra.get("sizes") or [0] * len(keys)
+        return idx, [Item(k, k, -1, n, 0) for k, n in zip(keys, sizes)]
+    idx = index.load(src, storage_options)
+    items = []
+    for shard in idx.shards:
+        if shard.offsets is None:
+            raise SourceError(f"{storage.join(src, shard.name)}: index lacks sample offsets (run `shardkit index`)")
+        for a, b in zip(shard.offsets, shard.offsets[1:]):
+            items.append(Item("", f"{shard.name}@{a}:{b}", -1, b - a, 0))
+    return idx, items

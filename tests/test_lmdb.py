@@ -1,0 +1,189 @@
+"""LMDB: packing, conversion both ways, random access, streaming, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from torch.utils.data import DataLoader, DistributedSampler
+
+import shardkit
+from shardkit import LMDBDataset, StreamingDataset
+from shardkit.errors import CorruptShardError, DatasetNotFoundError, ShardkitError
+from shardkit.formats import lmdb as lmdb_format
+
+from conftest import ROOT, make_folder
+from test_pack import read_shards
+
+
+def records(path: Path) -> dict[bytes, bytes]:
+    import lmdb
+
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    with env.begin() as txn:
+        out = {bytes(k): bytes(v) for k, v in txn.cursor()}
+    env.close()
+    return out
+
+
+def keys_of(batch: list[dict]) -> list[str]:
+    return [s["__key__"] for s in batch]
+
+
+@pytest.fixture
+def lmdb_pack(photos: Path, tmp_path: Path) -> Path:
+    dest = tmp_path / "photos.lmdb"
+    shardkit.pack(str(photos), str(dest), format="lmdb", max_count=4, workers=2, progress=False)
+    return dest
+
+
+def test_pack_stores_every_member_byte_for_byte(photos: Path, lmdb_pack: Path) -> None:
+    recs = records(lmdb_pack)
+    index = json.loads(recs[b"__index__"])
+    assert index["kind"] == "lmdb" and index["samples"] == 30 and len(index["keys"]) == 30
+    for key in index["keys"]:
+        meta = json.loads(recs[f"{key}.json".encode()])
+        assert recs[f"{key}.jpg".encode()] == (photos / meta["path"]).read_bytes()
+        assert int(recs[f"{key}.cls".encode()]) == index["classes"].index(meta["class"])
+    assert not any(k.startswith(b"__progress__") for k in recs)
+    assert json.loads((lmdb_pack / "index.json").read_text())["keys"] == index["keys"]
+
+
+def test_readme_plain_lmdb_example_runs(lmdb_pack: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"<!-- plain-lmdb -->\n```python\n(.*?)```", readme, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 6
+    scope: dict = {}
+    cwd = os.getcwd()
+    os.chdir(lmdb_pack.parent)
+    try:
+        exec(code, scope)
+    finally:
+        os.chdir(cwd)
+    assert isinstance(scope["image"], bytes) and scope["image"][:3] == b"\xff\xd8\xff"
+    assert scope["label"] in (0, 1, 2)
+
+
+def test_deterministic_content_whatever_the_workers(photos: Path, tmp_path: Path) -> None:
+    shardkit.pack(str(photos), str(tmp_path / "a"), format="lmdb", max_count=3, workers=1, progress=False)
+    shardkit.pack(str(photos), str(tmp_path / "b"), format="lmdb", max_count=3, workers=3, progress=False)
+    assert records(tmp_path / "a") == records(tmp_path / "b")
+
+
+def test_round_trip_tar_lmdb_tar_is_byte_identical(photos: Path, tmp_path: Path) -> None:
+    shardkit.pack(str(photos), str(tmp_path / "tar1"), max_count=7, max_size=None, workers=2, progress=False)
+    shardkit.pack(str(tmp_path / "tar1"), str(tmp_path / "db"), format="lmdb", workers=2, progress=False)
+    shardkit.pack(str(tmp_path / "db"), str(tmp_path / "tar2"), max_count=7, max_size=None, workers=2, progress=False)
+    one, two = sorted((tmp_path / "tar1").glob("*.tar")), sorted((tmp_path / "tar2").glob("*.tar"))
+    assert [p.name for p in one] == [p.name for p in two]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two))
+    assert read_shards(tmp_path / "tar1") == read_shards(tmp_path / "tar2")
+
+
+def test_map_grows_instead_of_failing(photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lmdb_format, "_INITIAL_MAP", 64 << 10)  # far smaller than the data
+    idx = shardkit.pack(str(photos), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
+    assert idx.samples == 30 and len(LMDBDataset(str(tmp_path / "db"))) == 30
+
+
+def test_kill_then_rerun_finishes_the_same_database(tmp_path: Path) -> None:
+    src = make_folder(tmp_path / "src", per_class=80)
+    ref = tmp_path / "ref"
+    shardkit.pack(str(src), str(ref), format="lmdb", max_count=2, workers=1, progress=False)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "shardkit.cli", "pack", str(src), str(out), "--format", "lmdb",
+           "--max-count", "2", "--workers", "2", "-q"]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    while proc.poll() is None and not (out / "data.mdb").exists():
+        time.sleep(0.001)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    if not (out / "index.json").exists():  # killed mid-way: never taken for a finished dataset
+        with pytest.raises(CorruptShardError, match="no __index__ record"):
+            LMDBDataset(str(out))
+    subprocess.run(cmd, check=True)
+    assert records(out) == records(ref)
+
+
+def test_lmdb_dataset_with_shuffle_workers_and_samplers(lmdb_pack: Path) -> None:
+    ds = LMDBDataset(str(lmdb_pack), decode="tensor", transform=None)
+    assert len(ds) == 30 and ds[0]["jpg"].dtype.is_floating_point is False and ds[-1]["__key__"] == ds[29]["__key__"]
+    with pytest.raises(IndexError):
+        ds[30]
+    loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, persistent_workers=True, collate_fn=keys_of)
+    for _ in range(2):
+        keys = [k for b in loader for k in b]
+        assert sorted(keys) == sorted(set(keys)) and len(keys) == 30
+    halves = []
+    for rank in range(2):
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True)
+        halves.append([k for b in DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, collate_fn=keys_of) for k in b])
+    assert len(halves[0]) == len(halves[1]) == 15 and set(halves[0]) | set(halves[1]) == set(ds[i]["__key__"] for i in range(30))
+
+
+def test_streaming_over_lmdb_keeps_the_guarantees(lmdb_pack: Path) -> None:
+    all_keys = set()
+    counts = []
+    for rank in range(4):
+        ds = StreamingDataset(str(lmdb_pack), shuffle=True, rank=rank, world_size=4, decode="pil")
+        keys = [s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=2)]
+        assert len(keys) == len(set(keys)) == len(ds) == 8
+        counts.append(len(keys))
+        all_keys |= set(keys)
+    assert len(all_keys) == 30 and counts == [8, 8, 8, 8]
+    ds = StreamingDataset(str(lmdb_pack), shuffle=True)
+    ds.set_epoch(3)
+    full = [k for b in DataLoader(ds, batch_size=5, num_workers=2, collate_fn=keys_of) for k in b]
+    ds2 = StreamingDataset(str(lmdb_pack), shuffle=True)
+    ds2.load_state_dict(ds2.resume_state(epoch=3, samples_seen=10, batch_size=5, num_workers=2))
+    rest = [k for b in DataLoader(ds2, batch_size=5, num_workers=1, collate_fn=keys_of) for k in b]
+    seen = full[:10]
+    assert sorted(seen + rest) == sorted(full)
+
+
+@pytest.mark.parametrize("damage, error, message", [
+    (lambda p: (p / "data.mdb").write_bytes(b"this is not an lmdb file" * 1000), ShardkitError, "photos.lmdb"),
+    (lambda p: os.truncate(p / "data.mdb", 8192), ShardkitError, "photos.lmdb"),
+])
+def test_bad_lmdb_files_give_clear_errors(lmdb_pack: Path, damage, error, message: str) -> None:  # type: ignore[no-untyped-def]
+    (lmdb_pack / "index.json").unlink()
+    damage(lmdb_pack)
+    with pytest.raises(error, match=message):
+        LMDBDataset(str(lmdb_pack))
+
+
+def test_not_an_lmdb_and_missing_keys(tmp_path: Path, lmdb_pack: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetNotFoundError):
+        LMDBDataset(str(tmp_path / "empty"))
+    import lmdb
+
+    env = lmdb.open(str(lmdb_pack))
+    with env.begin(write=True) as txn:
+        key = json.loads(txn.get(b"__index__"))["keys"][5]
+        for ext in ("cls", "jpg", "json"):
+            txn.delete(f"{key}.{ext}".encode())
+    env.close()
+    with pytest.raises(CorruptShardError, match=f"sample {key} is missing"):
+        LMDBDataset(str(lmdb_pack))[5]
+
+
+def test_remote_lmdb_is_copied_to_the_cache_first(s3: dict, lmdb_pack: Path, tmp_path: Path) -> None:
+    import fsspec.core
+
+    fs, root = fsspec.core.url_to_fs(s3["url"] + "/photos.lmdb", **s3["storage_options"])
+    fs.put(str(lmdb_pack / "data.mdb"), f"{root}/data.mdb")
+    fs.put(str(lmdb_pack / "index.json"), f"{root}/index.json")
+    url = s3["url"] + "/photos.lmdb"
+    ds = LMDBDataset(url, storage_options=s3["storage_options"], cache_dir=str(tmp_path / "cache"))
+    assert len(ds) == 30 and ds.path.startswith(str(tmp_path / "cache"))
+    stream = StreamingDataset(url, storage_options=s3["storage_options"], cache_dir=str(tmp_path / "cache"))
+    assert sorted(s["__key__"] for s in stream) == sorted(ds[i]["__key__"] for i in range(30))
