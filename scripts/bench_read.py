@@ -1,4 +1,5 @@
-"""Reading speed and memory: shardkit against the plain-files baseline and webdataset.
+"""Reading speed and memory: shardkit (tar streaming and LMDB random access) against the
+plain-files baseline and webdataset.
 
 One run, contestants interleaved round after round, each in a fresh process, page cache
 warm. Medians with min-max; ratios against the limits measured in the same run:
@@ -123,6 +124,11 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
 
         ds = StreamingDataset(shards, shuffle=True, transform=shardkit_transform)
         loader = DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+    elif name == "LMDB random access":
+        from shardkit import LMDBDataset
+
+        ds = LMDBDataset(shards + ".lmdb", transform=shardkit_transform)
+        loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=WORKERS)
     elif name == "plain files":
         loader = DataLoader(Files(photos), batch_size=BATCH, shuffle=True, num_workers=WORKERS)
     elif name == "webdataset":
@@ -235,10 +241,15 @@ def main() -> None:
     if not (shards / "index.json").exists():
         shutil.rmtree(shards, ignore_errors=True)
         shardkit.pack(str(photos), str(shards), max_size="256MB", progress=False)
-    subprocess.run(f"cat {shards}/*.tar > /dev/null; tar cf - -C {photos} . | cat > /dev/null", shell=True, check=True)
+    lmdb = Path(f"{shards}.lmdb")
+    if not (lmdb / "index.json").exists():
+        shutil.rmtree(lmdb, ignore_errors=True)
+        shardkit.pack(str(shards), str(lmdb), format="lmdb", progress=False)
+    subprocess.run(f"cat {shards}/*.tar {lmdb}/data.mdb > /dev/null; tar cf - -C {photos} . | cat > /dev/null",
+                   shell=True, check=True)
 
     raw = ["cat (limit)", "shardkit raw", "webdataset raw"]
-    decoded = ["decode limit", "shardkit", "plain files", "webdataset"]
+    decoded = ["decode limit", "shardkit", "LMDB random access", "plain files", "webdataset"]
     results: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         for name in raw + decoded:
