@@ -167,3 +167,28 @@ def yielded_after(counts: Sequence[int], batch_size: int, samples_seen: int, dro
                 seen += n
                 left[w] -= 1
     return tuple(taken)
+
+
+def mix_counts(weights: Sequence[float], total: int) -> np.ndarray:
+    """Samples each dataset contributes to an epoch of `total`: proportional to `weights`,
+    whole numbers by largest remainder, summing to `total` exactly."""
+    w = np.asarray(weights, dtype=np.float64)
+    if len(w) == 0 or (w <= 0).any() or not np.isfinite(w).all():
+        raise ValueError("weights must be positive numbers")
+    share = w / w.sum() * total
+    counts = np.floor(share).astype(np.int64)
+    order = np.argsort(-(share - counts), kind="stable")
+    counts[order[: total - int(counts.sum())]] += 1
+    return counts
+
+
+def mix_sources(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """Which dataset each position of a mixed epoch draws from: each dataset exactly
+    counts[d] times, interleaved at random (shuffle) or evenly spread."""
+    counts = np.asarray(counts, dtype=np.int64)
+    labels = np.repeat(np.arange(len(counts)), counts)
+    if shuffle:
+        return _rng(seed, epoch, 0x313).permutation(labels)
+    # evenly spread: dataset d's i-th draw sits at (i + 0.5) / counts[d] of the epoch
+    within = np.arange(len(labels)) - np.repeat(np.cumsum(counts) - counts, counts)
+    return labels[np.argsort((within + 0.5) / np.repeat(counts, counts), kind="stable")]

@@ -1,0 +1,429 @@
+"""`shardkit bench`: how fast StreamingDataset feeds a DataLoader, over the values of one setting.
+
+For each value of the varied setting (``num_workers`` or the dataset's ``prefetch`` depth)
+`run_bench` builds the dataset and the loader, warms up, times K passes of N batches and
+reports images/s, MB/s, the time to the first batch and the peak memory of the main process
+and its workers. The command line only parses options and prints `format_report`.
+
+Also here, shared with `shardkit preview`: `Transform`, a user function named
+``module:function`` or ``path/to/file.py:function`` that pickles by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .decode import IMAGE_FIELDS
+from .errors import ShardkitError
+from .storage import StorageOptions
+
+WITHIN = 0.05  # the recommendation: the smallest setting within 5% of the best mean
+IMAGE_SIZE = 224  # the default transform resizes every image to this square, so batches collate
+SETTINGS = ("num_workers", "prefetch")
+
+
+# ------------------------------------------------------------------ transforms
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """The function named by ``module:function`` or ``path/to/file.py:function``.
+    Raises ValueError with a one-line message naming what could not be found."""
+    module_name, sep, name = spec.rpartition(":")
+    if not sep or not module_name or not name:
+        raise ValueError(f"{spec!r}: expected module:function or path/to/file.py:function")
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        path = Path(module_name)
+        if not path.is_file():
+            raise ValueError(f"{module_name}: no such file")
+        key = f"_shardkit_user_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]}"
+        module = sys.modules.get(key)
+        if module is None:
+            loader_spec = importlib.util.spec_from_file_location(key, path)
+            if loader_spec is None or loader_spec.loader is None:
+                raise ValueError(f"{module_name}: not a Python file")
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[key] = module  # so classes and pickles defined there resolve
+            try:
+                loader_spec.loader.exec_module(module)
+            except Exception as e:
+                del sys.modules[key]
+                raise ValueError(f"{module_name}: {type(e).__name__}: {e}") from None
+    else:
+        try:
+            module = _import(module_name)
+        except ModuleNotFoundError as e:
+            raise ValueError(f"cannot import module {module_name!r}: {e}") from None
+        except Exception as e:  # the module's own code failed
+            raise ValueError(f"module {module_name!r}: {type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{module_name} has no function {name!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def _import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        # the console script does not put the working directory on sys.path, `python -m` does
+        cwd = os.getcwd()
+        if e.name is None or not name.startswith(e.name) or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(name)
+
+
+class Transform:
+    """A user's sample transform named by ``module:function``: loaded (and so checked) now,
+    pickled by name, so it reaches DataLoader workers under spawn as well as fork."""
+
+    def __init__(self, spec: str):
+        module_name, _, name = spec.rpartition(":")
+        if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+            spec = f"{Path(module_name).resolve()}:{name}"  # workers may start elsewhere
+        self.spec = spec
+        self.fn = load_function(spec)
+
+    def __call__(self, sample: Any) -> Any:
+        return self.fn(sample)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"spec": self.spec}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["spec"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return self.spec
+
+
+def image_field(sample: dict[str, Any]) -> str | None:
+    """The sample's first image field (jpg, png, ...), or None."""
+    for key in sample:
+        if key[0] != "_" and (key in IMAGE_FIELDS or key.rsplit(".", 1)[-1] in IMAGE_FIELDS):
+            return key
+    return None
+
+
+def to_chw(image: Any) -> Any:
+    """A CHW uint8 torch tensor from a tensor (CHW), an HWC numpy array or a PIL image."""
+    import torch
+
+    if isinstance(image, torch.Tensor):
+        return image
+    if not isinstance(image, np.ndarray):  # PIL
+        image = np.asarray(image.convert("RGB"))
+    if image.ndim == 2:
+        image = image[:, :, None]
+    return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
+
+
+class ResizeTransform:
+    """The default bench transform: sample -> (its first image as a CHW uint8 tensor resized
+    to `size` x `size`, cls), so batches of differently sized images collate. With
+    ``decode="raw"`` it returns (number of image bytes, cls): reading alone is measured."""
+
+    def __init__(self, size: int = IMAGE_SIZE):
+        self.size = size
+
+    def __call__(self, sample: dict[str, Any]) -> tuple[Any, int]:
+        import torch
+        import torch.nn.functional as F
+
+        key = image_field(sample)
+        if key is None:
+            raise ValueError(f"sample {sample.get('__key__')} has no image field (give --transform)")
+        label = int(sample.get("cls", -1))
+        image = sample[key]
+        if isinstance(image, (bytes, bytearray, memoryview)):
+            return len(image), label
+        chw = to_chw(image)
+        if tuple(chw.shape[-2:]) != (self.size, self.size):
+            resized = F.interpolate(chw[None].float(), size=(self.size, self.size), mode="bilinear",
+                                    align_corners=False)
+            chw = resized[0].round_().clamp_(0, 255).to(torch.uint8)
+        return chw, label
+
+    def __repr__(self) -> str:
+        return f"default: first image resized to {self.size}x{self.size}, cls"
+
+
+# ------------------------------------------------------------------ memory
+
+
+def _rss(pid: int) -> int:
+    """Resident set size of a process in bytes (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out.extend(int(c) for c in f.read().split())
+    except OSError:
+        pass
+    return out
+
+
+class PeakRss:
+    """Samples VmRSS of this process and its descendants (DataLoader workers) every
+    `interval` seconds from a thread; keeps the peaks. Linux only: elsewhere peaks stay None.
+    Shared copy-on-write pages count in every process, so the total is an upper bound."""
+
+    def __init__(self, interval: float = 0.05):
+        self.interval = interval
+        self.available = os.path.exists(f"/proc/{os.getpid()}/status")
+        self.peak_main: int | None = None
+        self.peak_total: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        if not self.available:
+            return
+        main = _rss(os.getpid())
+        total, todo, seen = main, _children(os.getpid()), set()
+        while todo:
+            pid = todo.pop()
+            if pid not in seen:
+                seen.add(pid)
+                total += _rss(pid)
+                todo.extend(_children(pid))
+        self.peak_main = max(self.peak_main or 0, main)
+        self.peak_total = max(self.peak_total or 0, total)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def start(self) -> None:
+        self.sample()
+        if self.available:
+            self._thread = threading.Thread(target=self._run, name="shardkit-bench-rss", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.sample()
+
+
+# ------------------------------------------------------------------ measuring
+
+
+def _batch_len(batch: Any) -> int:
+    """Samples in a collated batch: the length of its first tensor-like element."""
+    while isinstance(batch, (list, tuple, dict)) and len(batch):
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    try:
+        return len(batch)
+    except TypeError:
+        return 1
+
+
+def _next(loader: Any, it: Iterator[Any]) -> tuple[Any, Iterator[Any]]:
+    """The next batch; an epoch shorter than a pass goes on with the next epoch."""
+    try:
+        return next(it), it
+    except StopIteration:
+        it = iter(loader)
+        try:
+            return next(it), it
+        except StopIteration:
+            raise ShardkitError("the dataset yields no samples") from None
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def bench_setting(url: str | Sequence[str], *, num_workers: int, prefetch: int, batch_size: int, decode: str,
+                  transform: Callable[[dict[str, Any]], Any], batches: int, passes: int, warmup: int,
+                  storage_options: StorageOptions | None = None) -> dict[str, Any]:
+    """Measure one setting: warm-up (the first batch timed from a cold start), then `passes`
+    passes of `batches` batches, each from a fresh iterator of the same loader."""
+    from torch.utils.data import DataLoader
+
+    from .dataset import StreamingDataset
+
+    ds = StreamingDataset(url, shuffle=True, decode=decode, transform=transform, prefetch=prefetch,
+                          storage_options=storage_options)
+    loader = DataLoader(ds, batch_size=batch_size, num_workers=num_workers, persistent_workers=num_workers > 0)
+    memory = PeakRss()
+    rates: list[float] = []
+    try:
+        start = time.perf_counter()
+        it = iter(loader)  # starts the workers
+        memory.start()  # after the fork: no thread is running while workers start
+        _, it = _next(loader, it)
+        first_batch_s = time.perf_counter() - start
+        for _ in range(warmup - 1):
+            _, it = _next(loader, it)
+        for _ in range(passes):
+            # a fresh pass; with persistent workers iter() first collects the batches the
+            # workers made ahead for the previous iterator, so the clock starts after it
+            it = iter(loader)
+            start, images = time.perf_counter(), 0
+            for _ in range(batches):
+                batch, it = _next(loader, it)
+                images += _batch_len(batch)
+            rates.append(images / (time.perf_counter() - start))
+        del it, loader  # shuts the workers down: their counters reach stats()
+    finally:
+        memory.stop()
+    stats = ds.stats()
+    if stats["samples"]:
+        per_sample = stats["bytes"] / stats["samples"]
+    else:  # no counter flushed yet: the index's average
+        per_sample = ds.index.bytes / max(ds.index.samples, 1)
+    # the counters are flushed every few hundred samples, so per-pass byte deltas are coarse;
+    # MB/s is each pass's images/s times the bytes per sample the counters measured overall
+    mb = [r * per_sample / 1e6 for r in rates]
+    mean, std = _mean_std(rates)
+    mb_mean, mb_std = _mean_std(mb)
+    return {
+        "num_workers": num_workers, "prefetch": prefetch,
+        "images_per_s": rates, "mean_images_per_s": mean, "std_images_per_s": std,
+        "mb_per_s": mb, "mean_mb_per_s": mb_mean, "std_mb_per_s": mb_std,
+        "first_batch_s": first_batch_s, "batch_ms": 1000 * batch_size / mean if mean else float("inf"),
+        "peak_rss_bytes": memory.peak_total, "peak_main_rss_bytes": memory.peak_main,
+        "bytes_per_sample": per_sample,
+        "stats": {k: stats[k] for k in ("samples", "bytes", "read_s", "decode_s", "transform_s")},
+    }
+
+
+def recommend(settings: Sequence[dict[str, Any]], varied: str) -> dict[str, Any]:
+    """The smallest value of the varied setting within WITHIN of the best mean images/s."""
+    ordered = sorted(settings, key=lambda s: s[varied])
+    best = max(s["mean_images_per_s"] for s in ordered)
+    pick = next(s for s in ordered if s["mean_images_per_s"] >= (1 - WITHIN) * best)
+    text = f"{varied}={pick[varied]} ({pick['mean_images_per_s']:.0f} images/s)"
+    if len(ordered) == 1:
+        text += ": the only setting tested"
+    elif pick is ordered[-1]:
+        text += ": the fastest tested, more may help"
+    else:
+        text += f": more adds under {WITHIN:.0%}"
+    return {varied: pick[varied], "mean_images_per_s": pick["mean_images_per_s"], "text": text}
+
+
+def run_bench(url: str | Sequence[str], *, workers: Sequence[int] = (0, 1, 2), prefetch: Sequence[int] = (8,),
+              batch_size: int = 64, decode: str = "tensor",
+              transform: str | Callable[[dict[str, Any]], Any] | None = None, batches: int = 50, passes: int = 3,
+              warmup: int = 5, step_ms: float | None = None, storage_options: StorageOptions | None = None,
+              progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Benchmark StreamingDataset under a DataLoader for each value of `workers` or of
+    `prefetch` (at most one of them may hold several values). `transform` is a callable,
+    a ``module:function`` name, or None for `ResizeTransform`. Returns a JSON-ready dict;
+    `progress` is called with each setting's result as it is done."""
+    workers, prefetch = list(workers), list(prefetch)
+    if not workers or not prefetch:
+        raise ValueError("workers and prefetch need at least one value each")
+    if len(workers) > 1 and len(prefetch) > 1:
+        raise ValueError("vary one setting at a time: several values for workers or for prefetch, not both")
+    if min(batch_size, batches, passes, warmup) < 1:
+        raise ValueError("batch_size, batches, passes and warmup must be at least 1")
+    varied = "prefetch" if len(prefetch) > 1 else "num_workers"
+    fn = Transform(transform) if isinstance(transform, str) else transform or ResizeTransform()
+    settings = []
+    for w in workers:
+        for p in prefetch:
+            result = bench_setting(url, num_workers=w, prefetch=p, batch_size=batch_size, decode=decode,
+                                   transform=fn, batches=batches, passes=passes, warmup=warmup,
+                                   storage_options=storage_options)
+            if step_ms is not None:
+                result["data_bound"] = result["batch_ms"] > step_ms
+            if progress is not None:
+                progress(result)
+            settings.append(result)
+    return {
+        "url": url if isinstance(url, str) else list(url), "varied": varied, "batch_size": batch_size,
+        "decode": decode, "transform": repr(fn) if isinstance(fn, (Transform, ResizeTransform)) else
+        getattr(fn, "__qualname__", repr(fn)), "batches": batches, "passes": passes, "warmup": warmup,
+        "step_ms": step_ms, "cpus": os.cpu_count(), "settings": settings,
+        "recommendation": recommend(settings, varied),
+    }
+
+
+# ------------------------------------------------------------------ reporting
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f} MiB"
+
+
+def format_report(doc: dict[str, Any]) -> str:
+    """The table, the data-bound verdicts (with step_ms) and the recommendation line."""
+    head = ("num_workers", "prefetch", "images/s", "MB/s", "first batch", "peak RSS (workers)")
+    rows = [head]
+    for s in doc["settings"]:
+        rows.append((str(s["num_workers"]), str(s["prefetch"]),
+                     f"{s['mean_images_per_s']:.0f} ± {s['std_images_per_s']:.0f}",
+                     f"{s['mean_mb_per_s']:.1f} ± {s['std_mb_per_s']:.1f}", f"{s['first_batch_s']:.2f} s",
+                     f"{_mib(s['peak_rss_bytes'])} ({_mib(_minus(s['peak_rss_bytes'], s['peak_main_rss_bytes']))})"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = [f"{doc['url']}: batch size {doc['batch_size']}, decode {doc['decode']}, transform {doc['transform']}; "
+             f"{doc['passes']} passes of {doc['batches']} batches after {doc['warmup']} warm-up"]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    step = doc.get("step_ms")
+    if step is not None:
+        for s in doc["settings"]:
+            name = f"{doc['varied']}={s[doc['varied']]}"
+            verdict = "data-bound" if s["data_bound"] else "keeps up"
+            relation = ">" if s["data_bound"] else "<="
+            line = f"{name}: {s['batch_ms']:.1f} ms per batch {relation} {step:g} ms step: {verdict}"
+            if s["num_workers"] == 0:
+                line += " (no workers: every step also waits for its batch)"
+            lines.append(line)
+    lines.append(f"recommendation: {doc['recommendation']['text']}")
+    return "\n".join(lines)
+
+
+def _minus(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a - b
+
+
+def write_plot(doc: dict[str, Any], path: str) -> None:
+    """An error-bar chart of images/s (mean ± std over passes) against the varied setting."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ShardkitError("--plot needs matplotlib: pip install 'shardkit[bench]'") from None
+    varied, settings = doc["varied"], sorted(doc["settings"], key=lambda s: s[doc["varied"]])
+    fig = Figure(figsize=(6, 4), dpi=100)
+    FigureCanvasAgg(fig)  # Agg, without pyplot's global state
+    ax = fig.add_subplot()
+    xs = list(range(len(settings)))
+    ax.errorbar(xs, [s["mean_images_per_s"] for s in settings], yerr=[s["std_images_per_s"] for s in settings],
+                fmt="o-", capsize=4)
+    ax.set_xticks(xs, [str(s[varied]) for s in settings])
+    ax.set_xlabel(varied)
+    ax.set_ylabel("images/s (mean ± std over passes)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"batch size {doc['batch_size']}, decode {doc['decode']}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png")

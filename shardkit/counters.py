@@ -1,0 +1,114 @@
+"""Counters in shared memory between a dataset and its DataLoader workers.
+
+One writer per slot, no locks, and nothing ever waits on them, so they cannot hang or
+collide: the epoch set by `set_epoch` in the main process (seen by workers, persistent or
+not), the passes each worker made since (so an epoch is never silently repeated), and the
+per-worker statistics behind `StreamingDataset.stats()`. The order of an epoch never
+depends on them beyond the epoch number.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+from collections.abc import Sequence
+from multiprocessing.context import get_spawning_popen
+from typing import Any
+
+import numpy as np
+
+from . import storage
+from .cache import RangeCache
+from .prefetch import Prefetcher
+
+MAX_WORKERS = 128  # DataLoader workers per rank that the shared counters have room for
+STATS = ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped", "fetched_bytes", "cache_hits",
+         "prefetch_depth", "fetch_latency_s")
+GAUGES = frozenset({"prefetch_depth", "fetch_latency_s"})  # last value per worker, not a running sum
+# pass counters: one per (num_workers, worker id), so a pass with another layout (a peek in
+# the main process, a loader with other num_workers) never shifts this layout's epochs
+_PASS_SLOTS = MAX_WORKERS * (MAX_WORKERS + 1) // 2
+
+
+def _pass_slot(worker_id: int, num_workers: int) -> int:
+    return 1 + num_workers * (num_workers - 1) // 2 + worker_id
+
+
+class Shared:
+    """The shared arrays (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.epoch = multiprocessing.RawArray("q", 1 + _PASS_SLOTS)
+        self.stats = multiprocessing.RawArray("d", MAX_WORKERS * len(STATS))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Shared memory travels to processes this one starts (DataLoader workers); any other
+        # pickle (a user's copy, a framework shipping the dataset) gets a private snapshot.
+        if get_spawning_popen() is not None:
+            return self.__dict__
+        return {"values": (self.epoch[:], self.stats[:])}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "values" not in state:
+            self.__dict__.update(state)
+            return
+        self.__init__()  # type: ignore[misc]
+        self.epoch[:], self.stats[:] = state["values"]
+
+    def start_pass(self, worker_id: int, num_workers: int) -> tuple[int, int]:
+        """(epoch, passes since set_epoch) for a new pass of this worker of this layout."""
+        slot = _pass_slot(worker_id, num_workers)
+        passes = self.epoch[slot]
+        self.epoch[slot] = passes + 1
+        return self.epoch[0] + passes, passes
+
+    def resumed(self, worker_id: int, num_workers: int, epoch: int) -> None:
+        """A worker restored mid-`epoch`: its next pass reads epoch + 1."""
+        self.epoch[0] = epoch
+        self.epoch[_pass_slot(worker_id, num_workers)] = 1
+
+    def next_epoch(self) -> int:
+        """The epoch the next pass reads: set_epoch's value plus the passes run since."""
+        return int(self.epoch[0] + np.frombuffer(self.epoch, dtype=np.int64)[1:].max())
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch[0] = epoch
+        ctypes.memset(ctypes.addressof(self.epoch) + 8, 0, 8 * _PASS_SLOTS)
+
+    def totals(self) -> dict[str, float]:
+        """Counters summed over workers; gauges averaged over the workers that set one."""
+        arr = np.frombuffer(self.stats, dtype=np.float64).reshape(MAX_WORKERS, len(STATS))
+        total = dict(zip(STATS, arr.sum(axis=0).tolist()))
+        active = arr[:, STATS.index("prefetch_depth")] > 0
+        for name in GAUGES:
+            column = arr[active, STATS.index(name)]
+            total[name] = float(column.mean()) if len(column) else 0.0
+        return total
+
+    def add(self, worker_id: int, values: Sequence[float]) -> None:
+        base = worker_id * len(STATS)
+        for i, (name, v) in enumerate(zip(STATS, values)):
+            if name in GAUGES:
+                self.stats[base + i] = v
+            else:
+                self.stats[base + i] += v
+
+
+
+class Meter:
+    """A worker's statistics, pushed to the shared counters every few hundred samples."""
+
+    def __init__(self, shared: Shared, worker_id: int, reader: storage.RangeReader, cache: RangeCache | None):
+        self.values = [0.0] * len(STATS)
+        self._shared, self._worker_id, self._reader, self._cache = shared, worker_id, reader, cache
+        self._fetched = self._hits = 0
+
+    def flush(self, prefetcher: Prefetcher[Any] | None) -> None:
+        v = self.values
+        v[6], self._fetched = self._reader.fetched_bytes - self._fetched, self._reader.fetched_bytes
+        if self._cache is not None:
+            v[7], self._hits = self._cache.hits - self._hits, self._cache.hits
+        if prefetcher is not None:
+            v[8], v[9] = prefetcher.target, prefetcher.latency_s
+        self._shared.add(self._worker_id, v)
+        self.values = [0.0] * len(STATS)

@@ -1,0 +1,209 @@
+"""Epochs, layouts and resume state: what StreamingDataset and dataset mixtures share.
+
+An `EpochDataset` knows its rank and world, the epoch (set by `set_epoch` or advanced by
+each pass), how many samples a rank yields, and how to save and restore progress. An
+`EpochStream` is one pass of one worker: it plans its samples (positions of the epoch's
+global sequence, see partition.py), counts what it yields, and skips exactly that on
+resume. Subclasses say what the global sequence is and how a position becomes a sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch.utils.data
+
+from . import partition
+from .counters import Shared
+from .partition import Layout, Progress
+
+STATE_MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
+
+
+class EpochDataset(torch.utils.data.IterableDataset):
+    """Base of the datasets: subclasses set the attributes below and define `_total()`
+    (samples in an epoch before splitting) and `__iter__`."""
+
+    shuffle: bool
+    seed: int
+    shuffle_window: int
+    remainder: str
+
+    def __init__(self, rank: int | None, world_size: int | None) -> None:
+        super().__init__()
+        self._rank_arg, self._world_arg = rank, world_size
+        self._world: tuple[int, int] | None = None
+        self._shared = Shared()
+        self._resume: dict[str, Any] | None = None
+
+    def _total(self) -> int:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, float]:
+        """What all workers of this rank did so far: samples, bytes, seconds reading (waiting
+        for data), decoding and in the transform, skipped samples, `read_fraction`, bytes
+        downloaded, cache hits, the read-ahead's depth and fetch latency."""
+        return stats_summary(self._shared.totals())
+
+    def _rank_world(self) -> tuple[int, int]:
+        if self._world is None:
+            return partition.world(self._rank_arg, self._world_arg)
+        return self._world
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled for spawned workers: pin the rank seen by the main process, because a
+        # spawned worker has no process group of its own.
+        state = self.__dict__.copy()
+        state["_world"] = self._rank_world()
+        return state
+
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch (the same on every rank)."""
+        return partition.per_rank(self._total(), self._rank_world()[1], self.remainder)
+
+    @property
+    def epoch(self) -> int:
+        return int(self._shared.epoch[0])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch `epoch` for the next pass (reaches persistent workers too)."""
+        self._shared.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Dataset-level state: the epoch. Mid-epoch progress lives in the worker iterators
+        (what StatefulDataLoader saves) or comes from `resume_state` for a plain DataLoader."""
+        return {STATE_MARK: 1, "epoch": self._shared.next_epoch()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a StatefulDataLoader state dict, from `resume_state(...)`, or from
+        `state_dict()` (epoch only).
+
+        Progress of a whole loader may be loaded under any world size and num_workers: the
+        samples that epoch has not yet delivered are split across the new layout. Call it
+        in the main process before iterating; the resume applies to the first pass of the
+        saved epoch.
+        """
+        found = _find_states(state)
+        workers = [s for s in found if "worker" in s]
+        if not found:
+            raise ValueError("not a shardkit state dict")
+        if torch.utils.data.get_worker_info() is not None:
+            return  # inside a worker the iterator restores itself; the dataset has nothing to add
+        if not workers:
+            self._shared.set_epoch(int(found[0]["epoch"]))
+            return
+        first = workers[0]
+        if any(s["epoch"] != first["epoch"] or s["num_workers"] != first["num_workers"] for s in workers):
+            raise ValueError("state dict mixes workers of different epochs or layouts")
+        yielded = [0] * int(first["num_workers"])
+        for s in workers:
+            yielded[int(s["worker"])] = int(s["yielded"])
+        progress = Progress(int(first["world_size"]), int(first["num_workers"]), tuple(yielded))
+        self._resume = {"epoch": int(first["epoch"]), "history": [*first.get("history", []), progress.to_json()]}
+        self._shared.set_epoch(int(first["epoch"]))
+
+    def resume_state(self, *, epoch: int, samples_seen: int, batch_size: int, num_workers: int,
+                     world_size: int | None = None, drop_last: bool = False) -> dict[str, Any]:
+        """A state for `load_state_dict` after a plain torch DataLoader handed out
+        `samples_seen` samples (per rank) of `epoch` with these settings."""
+        world = world_size or self._rank_world()[1]
+        rank_total = partition.per_rank(self._total(), world, self.remainder)
+        workers = max(num_workers, 1)
+        sizes = [b - a for a, b in (partition.worker_bounds(rank_total, workers, w) for w in range(workers))]
+        yielded = partition.yielded_after(sizes, batch_size, samples_seen, drop_last)
+        return {STATE_MARK: 1, "epoch": epoch, "world_size": world, "num_workers": workers, "history": [],
+                "workers": [{"worker": w, "yielded": k} for w, k in enumerate(yielded)]}
+
+
+
+def stats_summary(total: dict[str, float]) -> dict[str, float]:
+    busy = total["read_s"] + total["decode_s"] + total["transform_s"]
+    total["read_fraction"] = total["read_s"] / busy if busy else 0.0
+    return total
+
+
+def _find_states(state: Any) -> list[dict[str, Any]]:
+    """Our state dicts anywhere inside `state` (e.g. a StatefulDataLoader state dict)."""
+    if isinstance(state, dict):
+        if state.get(STATE_MARK) == 1:
+            if "workers" in state:  # resume_state(): one dict for all workers
+                return [{**state, **w} for w in state["workers"]]
+            return [state]
+        return [s for v in state.values() for s in _find_states(v)]
+    if isinstance(state, (list, tuple)):
+        return [s for v in state for s in _find_states(v)]
+    return []
+
+
+
+class EpochStream:
+    """One pass of one worker. Stateful (torchdata's protocol): `state_dict()` says how
+    many samples this worker has yielded; `load_state_dict()` before the first sample
+    skips exactly those. `fixed` gives the positions outright (a part of a mixture)."""
+
+    def __init__(self, ds: EpochDataset, rank: int, world: int, worker_id: int, num_workers: int,
+                 fixed: np.ndarray | None = None):
+        self.ds, self.rank, self.world, self.worker_id, self.num_workers = ds, rank, world, worker_id, num_workers
+        self._fixed = fixed
+        self.history: list[dict[str, Any]] = []
+        self.epoch = 0
+        if fixed is None:
+            self.epoch, passes = ds._shared.start_pass(worker_id, num_workers)
+            resume = ds._resume
+            # a loaded resume point applies to the first pass of its epoch only
+            if resume is not None and passes == 0 and resume["epoch"] == self.epoch:
+                self.history = list(resume["history"])
+        self.skip = 0
+        self.yielded = 0
+        self._gen: Iterator[Any] | None = None
+
+    def __iter__(self) -> EpochStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self._gen is None:
+            self._gen = self._generate()
+        item = next(self._gen)
+        self.yielded += 1
+        return item
+
+    def _generate(self) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def _sequence(self) -> np.ndarray:
+        """The epoch's global sequence (sample ids, or positions)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {STATE_MARK: 1, "epoch": self.epoch, "world_size": self.world, "num_workers": self.num_workers,
+                "worker": self.worker_id, "yielded": self.skip + self.yielded, "history": self.history}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._gen is not None:
+            raise RuntimeError("load_state_dict must come before the first sample")
+        same = state["world_size"] == self.world and state["num_workers"] == self.num_workers
+        if not same or state["worker"] != self.worker_id:
+            raise ValueError(
+                "this worker state is for another layout; load the whole loader state with "
+                "the dataset's load_state_dict to resume under a new world size or num_workers"
+            )
+        self.epoch, self.history, self.skip = int(state["epoch"]), list(state["history"]), int(state["yielded"])
+        self.ds._shared.resumed(self.worker_id, self.num_workers, self.epoch)
+
+    def _plan(self) -> np.ndarray:
+        """This worker's samples for this pass, in order, minus those already yielded."""
+        if self._fixed is not None:
+            return self._fixed
+        ds = self.ds
+        sequence = self._sequence()
+
+        def layout(world: int, workers: int, segment: int) -> Layout:
+            return Layout(world, workers, ds.seed, self.epoch, ds.shuffle, ds.shuffle_window, ds.remainder, segment)
+
+        for segment, done in enumerate(self.history):
+            p = Progress.from_json(done)
+            sequence = partition.remaining(sequence, layout(p.world_size, p.num_workers, segment), p)
+        here = layout(self.world, self.num_workers, len(self.history))
+        return partition.worker_stream(sequence, here, self.rank, self.worker_id)[self.skip :]

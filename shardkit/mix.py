@@ -1,0 +1,103 @@
+"""Several datasets drawn by weight into one stream, with StreamingDataset's guarantees.
+
+An epoch of the mixture has `samples_per_epoch` positions (default: all parts' samples
+together); dataset d fills counts[d] of them, proportional to its weight. Each part walks
+its own endless sequence of epochs (its own shuffle of epoch k for k = 0, 1, ...): mixture
+epoch e takes its samples e*counts[d] .. (e+1)*counts[d] - 1 of that sequence. So a part
+weighted above its size repeats (it runs through several of its own epochs in one mixture
+epoch), one weighted below is spread over several mixture epochs, and within each of its
+own epochs every sample comes once. The positions themselves are split across ranks and
+workers exactly as a StreamingDataset's samples are: equal counts per rank, reproducible
+from (seed, epoch), elastic resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import partition
+from .dataset import StreamingDataset, _WorkerStream
+from .epochs import EpochDataset, EpochStream, stats_summary
+
+
+class MixedDataset(EpochDataset):
+    """Build it with `StreamingDataset.mix([(source, weight), ...], ...)`."""
+
+    def __init__(self, parts: Sequence[tuple[str | Sequence[str] | StreamingDataset, float]], *,
+                 samples_per_epoch: int | None = None, shuffle: bool = True, seed: int = 0,
+                 shuffle_window: int = 1024, remainder: str = "repeat", rank: int | None = None,
+                 world_size: int | None = None, **options: Any):
+        super().__init__(rank, world_size)
+        if not parts:
+            raise ValueError("mix needs at least one dataset")
+        self.parts = [
+            p if isinstance(p, StreamingDataset)
+            else StreamingDataset(p, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, **options)
+            for p, _ in parts
+        ]
+        self.weights = tuple(float(w) for _, w in parts)
+        self.sizes = tuple(p._total() for p in self.parts)
+        if 0 in self.sizes:
+            raise ValueError("every dataset of a mix needs at least one sample")
+        self.samples_per_epoch = samples_per_epoch if samples_per_epoch is not None else sum(self.sizes)
+        self.counts = partition.mix_counts(self.weights, self.samples_per_epoch)
+        self.shuffle, self.seed, self.shuffle_window, self.remainder = shuffle, seed, shuffle_window, remainder
+
+    def _total(self) -> int:
+        return self.samples_per_epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        rank, world = self._rank_world()
+        worker_id, num_workers = partition.worker()
+        return _MixedStream(self, rank, world, worker_id, num_workers)
+
+    def stats(self) -> dict[str, float]:
+        """The parts' statistics, summed."""
+        totals = [p._shared.totals() for p in self.parts]
+        out = {k: sum(t[k] for t in totals) for k in totals[0]}
+        return stats_summary(out)
+
+
+class _MixedStream(EpochStream):
+    ds: MixedDataset
+
+    def _sequence(self) -> np.ndarray:
+        return np.arange(self.ds.samples_per_epoch, dtype=np.int64)
+
+    def _part_ids(self, positions: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(part of each position, each part's sample ids in the order of `positions`)."""
+        ds = self.ds
+        sources = partition.mix_sources(ds.counts, seed=ds.seed, epoch=self.epoch, shuffle=ds.shuffle)
+        # the j-th draw of part d in this epoch is its (epoch * counts[d] + j)-th sample overall
+        draw = np.empty(len(sources), dtype=np.int64)
+        for d in range(len(ds.parts)):
+            mine = sources == d
+            draw[mine] = self.epoch * ds.counts[d] + np.arange(int(mine.sum()))
+        part_of = sources[positions]
+        ids = []
+        for d, part in enumerate(ds.parts):
+            steps = draw[positions[part_of == d]]
+            own_epoch, offset = steps // ds.sizes[d], steps % ds.sizes[d]
+            out = np.empty(len(steps), dtype=np.int64)
+            for k in np.unique(own_epoch).tolist():
+                sel = own_epoch == k
+                order = partition.global_sequence(part._counts, seed=part.seed, epoch=k, shuffle=part.shuffle,
+                                                  block=part.block)
+                out[sel] = order[offset[sel]]
+            ids.append(out)
+        return part_of, ids
+
+    def _generate(self) -> Iterator[Any]:
+        part_of, ids = self._part_ids(self._plan())
+        streams = [_WorkerStream(p, self.rank, self.world, self.worker_id, self.num_workers, ids=i)
+                   for p, i in zip(self.ds.parts, ids)]
+        try:
+            for d in part_of.tolist():
+                yield next(streams[d])
+        finally:
+            for s in streams:
+                if s._gen is not None:
+                    s._gen.close()

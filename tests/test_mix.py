@@ -1,0 +1,95 @@
+"""Mixing datasets by weight: exact counts, per-part epoch semantics, equal ranks, resume."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import pytest
+from torch.utils.data import DataLoader
+
+import shardkit
+from shardkit import StreamingDataset, partition
+
+from conftest import make_folder
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("mix")
+    a = shardkit.pack(str(make_folder(root / "a", per_class=10)), str(root / "A"), max_count=7, workers=1, progress=False)
+    b = shardkit.pack(str(make_folder(root / "b", per_class=4)), str(root / "B"), format="lmdb", workers=1, progress=False)
+    assert (a.samples, b.samples) == (30, 12)
+    return str(root / "A"), str(root / "B")
+
+
+def tagged(ds, workers: int = 0, batch: int | None = None) -> list[tuple[str, str]]:  # type: ignore[no-untyped-def]
+    loader = DataLoader(ds, batch_size=None, num_workers=workers)
+    return [("A" if s["__url__"].endswith(".tar") else "B", s["__key__"]) for s in loader]
+
+
+def test_mix_counts_are_exact_and_proportional() -> None:
+    assert partition.mix_counts([0.7, 0.3], 80).tolist() == [56, 24]
+    assert partition.mix_counts([1, 1, 1], 10).sum() == 10
+    with pytest.raises(ValueError):
+        partition.mix_counts([1, 0], 10)
+    assert partition.mix_sources([6, 2], seed=0, epoch=0, shuffle=False).tolist() == [0, 0, 1, 0, 0, 0, 1, 0]
+    shuffled = partition.mix_sources([6, 2], seed=0, epoch=0, shuffle=True)
+    assert sorted(shuffled.tolist()) == [0] * 6 + [1] * 2
+
+
+def test_each_part_runs_through_its_own_epochs(two: tuple[str, str]) -> None:
+    a, b = two
+    mix = StreamingDataset.mix([(a, 0.25), (b, 0.75)], samples_per_epoch=40, shuffle=True, seed=3)
+    assert mix.counts.tolist() == [10, 30]
+    seen: dict[str, list[str]] = collections.defaultdict(list)
+    for epoch in range(3):
+        mix.set_epoch(epoch)
+        got = tagged(mix, workers=2)
+        assert len(got) == len(mix) == 40
+        assert collections.Counter(t for t, _ in got) == {"A": 10, "B": 30}
+        for t, k in got:
+            seen[t].append(k)
+    # A (30 samples, 10 per mixture epoch): three mixture epochs are one A epoch, each sample once
+    assert sorted(seen["A"]) == sorted(set(seen["A"])) and len(seen["A"]) == 30
+    # B (12 samples, 30 per mixture epoch): 90 draws are 7.5 B epochs, each sample 7 or 8 times
+    assert set(collections.Counter(seen["B"]).values()) <= {7, 8} and len(set(seen["B"])) == 12
+
+
+def test_ranks_get_equal_counts_and_cover_the_mixture(two: tuple[str, str]) -> None:
+    a, b = two
+    per_rank = []
+    every: collections.Counter[tuple[str, str]] = collections.Counter()
+    for rank in range(3):
+        mix = StreamingDataset.mix([(a, 0.6), (b, 0.4)], shuffle=True, seed=1, rank=rank, world_size=3)
+        got = tagged(mix, workers=2)
+        per_rank.append(len(got))
+        every.update(got)
+    assert per_rank == [14, 14, 14]  # 42 positions over 3 ranks
+    reference = StreamingDataset.mix([(a, 0.6), (b, 0.4)], shuffle=True, seed=1)
+    assert every == collections.Counter(tagged(reference))  # the same epoch, split three ways
+
+
+def test_deterministic_and_resumable(two: tuple[str, str]) -> None:
+    a, b = two
+
+    def make():  # type: ignore[no-untyped-def]
+        mix = StreamingDataset.mix([(a, 0.5), (b, 0.5)], shuffle=True, seed=5)
+        mix.set_epoch(2)
+        return mix
+
+    def batches(ds, workers: int):  # type: ignore[no-untyped-def]
+        for batch in DataLoader(ds, batch_size=5, num_workers=workers, collate_fn=list):
+            yield [("A" if s["__url__"].endswith(".tar") else "B", s["__key__"]) for s in batch]
+
+    full = [x for batch in batches(make(), 2) for x in batch]
+    assert full == [x for batch in batches(make(), 2) for x in batch]
+    seen = []
+    for i, batch in enumerate(batches(make(), 2)):
+        if i == 2:
+            break
+        seen += batch
+    resumed = StreamingDataset.mix([(a, 0.5), (b, 0.5)], shuffle=True, seed=5)
+    resumed.load_state_dict(resumed.resume_state(epoch=2, samples_seen=10, batch_size=5, num_workers=2))
+    rest = [x for batch in batches(resumed, 1) for x in batch]  # another num_workers: elastic
+    assert collections.Counter(seen + rest) == collections.Counter(full)
