@@ -1,0 +1,146 @@
+"""Decoding straight to the training size: `resized`, `resized_tensor`, `image_transform`."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from make_images import make_image_folder
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from shardkit import StreamingDataset
+from shardkit.decode import ImageTransform, geometry, image_transform, resized, resized_tensor
+
+CASES = [(256, 224), (160, 128), (96, None), ((200, 150), None), ((300, 240), (256, 192))]
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[bytes]]:
+    """Real photo crops: 'large' (1100-1300 px, where libjpeg's DCT scaling applies) and
+    'medium' (300-500 px, the generator's ImageNet-like default)."""
+    root = tmp_path_factory.mktemp("decode")
+    large = make_image_folder(root / "large", 3, 3, seed=1, min_side=1100, max_side=1300, workers=1)
+    medium = make_image_folder(root / "medium", 3, 3, seed=2, workers=1)
+    return {"large": [p.read_bytes() for p in large], "medium": [p.read_bytes() for p in medium]}
+
+
+def two_step(data: bytes, size: int | tuple[int, int], crop: int | tuple[int, int] | None) -> Image.Image:
+    """The reference: decode everything, resize the shorter side (torchvision's Resize),
+    center-crop (torchvision's CenterCrop)."""
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    w, h = img.size
+    if isinstance(size, int):
+        short, long = (w, h) if w <= h else (h, w)
+        new_short, new_long = size, int(size * long / short)
+        size = (new_short, new_long) if w <= h else (new_long, new_short)
+    img = img.resize(size, Image.Resampling.BILINEAR)
+    if crop is None:
+        return img
+    cw, ch = (crop, crop) if isinstance(crop, int) else crop
+    left, top = int(round((img.width - cw) / 2.0)), int(round((img.height - ch) / 2.0))
+    return img.crop((left, top, left + cw, top + ch))
+
+
+def diff(a: Image.Image, b: Image.Image) -> np.ndarray:
+    assert a.mode == b.mode == "RGB" and a.size == b.size
+    return np.abs(np.asarray(a, dtype=np.int16) - np.asarray(b, dtype=np.int16))
+
+
+@pytest.mark.parametrize("kind", ["large", "medium"])
+@pytest.mark.parametrize(("size", "crop"), CASES)
+def test_one_step_is_within_a_few_levels_of_two_steps(photos: dict, kind: str, size: int, crop: int | None) -> None:
+    for data in photos[kind]:
+        d = diff(resized(data, size, crop), two_step(data, size, crop))
+        assert d.mean() < 1.0 and np.percentile(d, 99.9) <= 8 and d.max() <= 16, (d.mean(), d.max())
+
+
+@pytest.mark.parametrize(("size", "crop"), CASES)
+def test_without_reducing_gap_it_is_the_two_step_result(photos: dict, size: int, crop: int | None) -> None:
+    # resampling only the crop's box samples the very same points: exact up to rounding
+    for data in photos["large"] + photos["medium"]:
+        assert diff(resized(data, size, crop, reducing_gap=None), two_step(data, size, crop)).max() <= 1
+
+
+def test_large_jpegs_are_decoded_scaled_down(photos: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    decoded: list[tuple[int, int]] = []
+    convert = Image.Image.convert
+
+    def spy(self: Image.Image, *args: object, **kwargs: object) -> Image.Image:
+        decoded.append(self.size)
+        return convert(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Image.Image, "convert", spy)
+    data = photos["large"][0]
+    source = Image.open(io.BytesIO(data)).size
+    grey = io.BytesIO()
+    Image.open(io.BytesIO(data)).convert("L").save(grey, "JPEG", quality=90)
+    decoded.clear()
+    img = resized(grey.getvalue(), 128, 112)  # a grey JPEG goes through convert("RGB")
+    assert img.mode == "RGB" and img.size == (112, 112)
+    # DCT scaling by 1/4 keeps at least 2 x 128 px of the shorter side (1100-1300 px)
+    assert decoded == [((source[0] + 3) // 4, (source[1] + 3) // 4)]
+
+
+def test_other_formats_and_modes(photos: dict) -> None:
+    rgb = Image.open(io.BytesIO(photos["medium"][0])).convert("RGB")
+    for mode, fmt in [("RGB", "PNG"), ("RGBA", "PNG"), ("L", "PNG"), ("P", "PNG"), ("RGB", "WEBP"), ("CMYK", "JPEG")]:
+        buf = io.BytesIO()
+        (rgb.convert(mode) if mode != "P" else rgb.quantize(64)).save(buf, fmt)
+        out = resized(buf.getvalue(), 64, 48)
+        assert out.mode == "RGB" and out.size == (48, 48), (mode, fmt)
+    assert resized(rgb, 64).size == geometry(rgb.size, 64)[0]  # a decoded PIL image works too
+
+
+def test_geometry_follows_torchvision() -> None:
+    assert geometry((500, 375), 256) == ((341, 256), (341, 256), (0.0, 0.0, 500.0, 375.0))
+    full, out, box = geometry((500, 375), 256, 224)
+    assert full == (341, 256) and out == (224, 224)
+    left, top = round((341 - 224) / 2), round((256 - 224) / 2)  # 58, 16
+    assert box == pytest.approx((left * 500 / 341, top * 375 / 256, (left + 224) * 500 / 341, (top + 224) * 375 / 256))
+    assert geometry((375, 500), 256)[0] == (256, 341)
+    assert geometry((640, 480), (320, 200), (100, 50))[1] == (100, 50)
+
+
+@pytest.mark.parametrize(("size", "crop", "gap"), [(0, None, 2.0), (64, 65, 2.0), ((64, 32), (40, 40), 2.0),
+                                                   (64, 32, 0.5)])
+def test_bad_arguments(size: object, crop: object, gap: float) -> None:
+    with pytest.raises(ValueError):
+        resized(b"", size, crop, reducing_gap=gap)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        image_transform(size, crop, reducing_gap=gap)  # type: ignore[arg-type]
+
+
+def test_resized_tensor(photos: dict) -> None:
+    import torch
+
+    data = photos["medium"][1]
+    t = resized_tensor(data, 96, 80)
+    assert t.dtype == torch.uint8 and t.shape == (3, 80, 80) and t.is_contiguous()
+    assert np.array_equal(t.permute(1, 2, 0).numpy(), np.asarray(resized(data, 96, 80)))
+
+
+def test_image_transform_on_a_raw_stream(packed: Path) -> None:
+    transform = image_transform(size=32, crop=28)
+    assert isinstance(transform, ImageTransform) and repr(transform) == "ImageTransform(size=32, crop=28)"
+    copy = pickle.loads(pickle.dumps(transform))  # what a spawned DataLoader worker receives
+    ds = StreamingDataset(str(packed), decode="raw", transform=copy)
+    images, labels = next(iter(DataLoader(ds, batch_size=120)))
+    assert images.shape == (120, 3, 28, 28) and labels.tolist().count(0) == 40
+    raw = next(iter(StreamingDataset(str(packed), decode="raw")))
+    image, label = transform(raw)
+    assert label == raw["cls"] and np.array_equal(image.numpy(), images[0].numpy())
+    pil = next(iter(StreamingDataset(str(packed), decode="pil")))  # decoded samples work too
+    assert np.array_equal(transform(pil)[0].numpy(), images[0].numpy())
+    with pytest.raises(KeyError, match="no image field"):
+        transform({"__key__": "x", "cls": 1})
+
+
+def test_module_import_stays_light() -> None:
+    code = "import sys, shardkit.decode; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,81 @@
+"""Every example, run as a user runs it (a subprocess, from another working directory) on tiny
+data, checked on what it prints."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+
+def run(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120) -> str:
+    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, f"{args} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def example(name: str, *args: object) -> list[str]:
+    return [sys.executable, str(EXAMPLES / name), *map(str, args)]
+
+
+@pytest.mark.timeout(120)
+def test_train_local(packed: Path, tmp_path: Path) -> None:
+    out = run(example("train_local.py", packed, "--epochs", 1, "--workers", 2, "--batch-size", 16), tmp_path)
+    assert "120 samples per epoch, 3 classes, 2 workers" in out
+    assert re.search(r"epoch 0: 120 samples in [\d.]+ s = \d+ samples/s, loss [\d.]+", out), out
+
+
+@pytest.mark.timeout(120)
+def test_train_s3_second_epoch_from_the_cache(s3: dict, packed: Path, tmp_path: Path) -> None:
+    import fsspec.core
+
+    url = s3["url"] + "/ds"
+    fs, root = fsspec.core.url_to_fs(url, **s3["storage_options"])
+    fs.put(str(packed), root, recursive=True)
+    endpoint = s3["storage_options"]["client_kwargs"]["endpoint_url"]
+    credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    out = run(example("train_s3.py", url, "--endpoint-url", endpoint, "--cache-dir", tmp_path / "cache",
+                      "--epochs", 2, "--workers", 2, "--batch-size", 16), tmp_path, env=credentials)
+    assert f"{url}: 120 samples per epoch, 3 classes" in out
+    first = re.search(r"epoch 0: \d+ samples/s, downloaded ([\d.]+) MB, (\d+) cache hits", out)
+    second = re.search(r"epoch 1: \d+ samples/s, downloaded ([\d.]+) MB, (\d+) cache hits", out)
+    assert first and second, out
+    assert float(first[1]) > 0 and int(first[2]) == 0
+    assert float(second[1]) == 0 and int(second[2]) > 0  # epoch 2 read from the cache
+
+
+@pytest.mark.timeout(120)
+def test_pack_and_stream(tmp_path: Path) -> None:
+    out = run(example("pack_and_stream.py", "--dir", tmp_path / "tour", "--images", 30, "--classes", 3, "--small",
+                      "--size", 64, "--crop", 56, "--batch-size", 8), tmp_path)
+    assert "1. 30 photos in 3 classes" in out
+    assert re.search(r"2\. packed into .*: 30 samples, \d+ shards", out), out
+    assert "images (8, 3, 56, 56) torch.uint8, labels (8,)" in out
+    assert re.search(r"streamed 30 samples in [\d.]+ s: \d+ samples/s with 2 workers", out), out
+    histogram = {int(m[1]): int(m[2]) for m in re.finditer(r"^ +(\d+) +class_\d+ +(\d+)", out, re.M)}
+    assert histogram == {0: 10, 1: 10, 2: 10}, out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_ddp_train_gives_every_rank_the_same_batches(launcher: str, packed: Path, tmp_path: Path) -> None:
+    args = [EXAMPLES / "ddp_train.py", packed, "--epochs", 1, "--workers", 2, "--batch-size", 8]
+    if launcher == "torchrun":
+        if not TORCHRUN.exists():
+            pytest.skip("no torchrun beside this Python")
+        cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", *map(str, args)]
+    else:
+        cmd = [sys.executable, *map(str, args), "--spawn", "2"]
+    out = run(cmd, tmp_path)
+    assert "2 ranks x 2 workers: 60 samples per rank per epoch, 3 classes" in out
+    # each rank: 2 workers x 30 samples in batches of 8 (8, 8, 8, 6): 8 batches
+    assert re.search(r"epoch 0: batches per rank \[8, 8\], samples per rank \[60, 60\]; 120 samples in [\d.]+ s = "
+                     r"\d+ samples/s", out), out

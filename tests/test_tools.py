@@ -1,0 +1,161 @@
+"""`shardkit bench` and `shardkit preview`, through click's CliRunner (tiny batches, few passes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from conftest import CLASSES
+from shardkit.cli import main
+from shardkit.preview import LABEL_H, TILE, TILE_BACKGROUND, grid_size, render_preview, tile_box
+
+FAST = ("--batch-size", "8", "--batches", "3", "--passes", "2", "--warmup", "1")
+
+USER_TRANSFORMS = '''
+import time
+
+
+def slow(sample):
+    time.sleep(0.015)  # a heavy augmentation: workers run it in parallel
+    return sample["jpg"][:, :16, :16], sample["cls"]
+
+
+def normalised(sample):
+    image = sample["jpg"].float() / 255
+    return (image - 0.5) / 0.25, sample["cls"]
+
+
+def not_an_image(sample):
+    return sample["cls"]
+'''
+
+
+@pytest.fixture
+def run():  # type: ignore[no-untyped-def]
+    runner = CliRunner()
+
+    def invoke(*args: object):  # type: ignore[no-untyped-def]
+        return runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    return invoke
+
+
+@pytest.fixture
+def user_module(tmp_path: Path) -> Path:
+    path = tmp_path / "user_transforms.py"
+    path.write_text(USER_TRANSFORMS)
+    return path
+
+
+# ------------------------------------------------------------------ bench
+
+
+def test_bench_table_verdicts_and_recommendation(run, packed: Path) -> None:  # type: ignore[no-untyped-def]
+    result = run("bench", packed, "--workers", "0,2", *FAST, "--step-ms", "0.001")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("num_workers"))
+    for column in ("prefetch", "images/s", "MB/s", "first batch", "peak RSS"):
+        assert column in lines[header]
+    rows = [line.split() for line in lines[header + 1 : header + 3]]
+    assert [r[0] for r in rows] == ["0", "2"] and all(r.count("±") == 2 for r in rows)
+    assert "num_workers=0: " in result.stdout and "num_workers=2: " in result.stdout
+    verdicts = [line for line in lines if "ms per batch" in line]
+    assert len(verdicts) == 2 and all(line.endswith("> 0.001 ms step: data-bound") for line in verdicts)
+    assert lines[-1].startswith("recommendation: num_workers=")
+    assert lines[-1].endswith(("more adds under 5%", "the fastest tested, more may help"))
+
+
+def test_bench_json_and_plot(run, packed: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    result = run("bench", packed, "--workers", "0", "--prefetch", "1,4", *FAST, "--step-ms", "1e6",
+                 "--json", "--plot", png)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["varied"] == "prefetch" and doc["batch_size"] == 8 and doc["passes"] == 2
+    assert [(s["num_workers"], s["prefetch"]) for s in doc["settings"]] == [(0, 1), (0, 4)]
+    for s in doc["settings"]:
+        assert len(s["images_per_s"]) == len(s["mb_per_s"]) == 2 and min(s["images_per_s"]) > 0
+        assert s["mean_mb_per_s"] > 0 and s["first_batch_s"] > 0 and s["bytes_per_sample"] > 0
+        assert s["data_bound"] is False and s["stats"]["samples"] >= 8
+        if s["peak_rss_bytes"] is not None:  # Linux
+            assert s["peak_rss_bytes"] >= s["peak_main_rss_bytes"] > 0
+    assert doc["recommendation"]["prefetch"] in (1, 4) and doc["recommendation"]["text"].startswith("prefetch=")
+    with Image.open(png) as img:
+        assert img.format == "PNG" and img.width > 0 and img.height > 0
+
+
+def test_slow_transform_makes_workers_pay_off(run, packed: Path, user_module: Path) -> None:  # type: ignore[no-untyped-def]
+    result = run("bench", packed, "--workers", "0,2", "--batch-size", "4", "--batches", "8", "--passes", "2",
+                 "--warmup", "2", "--transform", f"{user_module}:slow", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    rate = {s["num_workers"]: s["mean_images_per_s"] for s in doc["settings"]}
+    assert rate[2] > 1.5 * rate[0], rate  # sleeping in two workers at once: about twice as fast
+    assert doc["recommendation"]["num_workers"] == 2
+    assert doc["transform"].endswith("user_transforms.py:slow")
+
+
+def test_bench_usage_errors(run, packed: Path, user_module: Path) -> None:  # type: ignore[no-untyped-def]
+    result = run("bench", packed, "--transform", "no_such_module_xyz:fn")
+    assert result.exit_code == 2
+    assert "cannot import module 'no_such_module_xyz'" in result.output
+    assert len([line for line in result.output.splitlines() if line.startswith("Error")]) == 1
+    result = run("bench", packed, "--transform", f"{user_module}:missing")
+    assert result.exit_code == 2 and "has no function 'missing'" in result.output
+    result = run("bench", packed, "--transform", "no_colon")
+    assert result.exit_code == 2 and "expected module:function" in result.output
+    result = run("bench", packed, "--workers", "0,1", "--prefetch", "1,4")
+    assert result.exit_code == 2 and "one setting at a time" in result.output
+    result = run("bench", packed, "--workers", "zero")
+    assert result.exit_code == 2 and "comma-separated integers" in result.output
+    result = run("bench", packed.parent / "nothing-here")
+    assert result.exit_code == 1 and "nothing-here" in result.output
+
+
+# ------------------------------------------------------------------ preview
+
+
+def _check_tiles(png: Path, n: int, tile: int = TILE) -> None:
+    with Image.open(png) as img:
+        assert img.size == grid_size(n, tile)
+        pixels = np.asarray(img.convert("RGB")).astype(np.float64)
+    for i in range(n):
+        left, top, right, bottom = tile_box(i, n, tile)
+        square = pixels[top:bottom, left:right]
+        assert square.std() > 5, f"tile {i} is blank"
+        assert (square == TILE_BACKGROUND).all(axis=-1).mean() < 0.5, f"tile {i} shows no image"
+        label = pixels[bottom : bottom + LABEL_H, left:right]
+        assert (label.min(axis=-1) > 150).sum() > 20, f"tile {i} has no label"
+
+
+def test_preview_writes_a_labelled_grid(run, packed: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    png = tmp_path / "batch.png"
+    result = run("preview", packed, "--n", "6", "--out", png, "--seed", "3")
+    assert result.exit_code == 0, result.output
+    assert "6 samples, 3x2 grid" in result.output
+    _check_tiles(png, 6)
+    doc = render_preview(str(packed), n=6, out=str(tmp_path / "again.png"), seed=3)
+    assert all(name in CLASSES for name, _ in doc["labels"])
+    assert (tmp_path / "again.png").read_bytes() == png.read_bytes()  # the seed decides
+    other = render_preview(str(packed), n=6, out=str(tmp_path / "other.png"), seed=4)
+    assert other["labels"] != doc["labels"]
+
+
+def test_preview_after_a_transform(run, packed: Path, tmp_path: Path, user_module: Path) -> None:  # type: ignore[no-untyped-def]
+    png = tmp_path / "normalised.png"
+    result = run("preview", packed, "--n", "5", "--out", png, "--decode", "tensor", "--tile", "64",
+                 "--transform", f"{user_module}:normalised")
+    assert result.exit_code == 0, result.output
+    _check_tiles(png, 5, tile=64)
+    result = run("preview", packed, "--n", "2", "--out", tmp_path / "x.png", "--decode", "tensor",
+                 "--transform", f"{user_module}:not_an_image")
+    assert result.exit_code == 1 and "not an image" in result.output
+    result = run("preview", packed, "--transform", "no_such_module_xyz:fn")
+    assert result.exit_code == 2 and "no_such_module_xyz" in result.output
