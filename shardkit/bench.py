@@ -234,13 +234,20 @@ class PeakRss:
 
 
 def _batch_len(batch: Any) -> int:
-    """Samples in a collated batch: the length of its first tensor-like element."""
-    while isinstance(batch, (list, tuple, dict)) and len(batch):
-        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    try:
-        return len(batch)
-    except TypeError:
-        return 1
+    """Samples in a collated batch: the length of its first field (a tensor, or the list
+    that default_collate makes of strings)."""
+    while True:
+        if isinstance(batch, dict) and batch:
+            batch = next(iter(batch.values()))
+        elif isinstance(batch, (list, tuple)) and batch and (
+                hasattr(batch[0], "shape") or isinstance(batch[0], (list, tuple, dict))):
+            batch = batch[0]  # the fields of a collated tuple
+        else:
+            break
+    shape = getattr(batch, "shape", None)
+    if shape is not None:
+        return int(shape[0]) if len(shape) else 1
+    return len(batch) if isinstance(batch, (list, tuple)) else 1
 
 
 def _next(loader: Any, it: Iterator[Any]) -> tuple[Any, Iterator[Any]]:
@@ -385,17 +392,20 @@ def format_report(doc: dict[str, Any]) -> str:
                      f"{_mib(s['peak_rss_bytes'])} ({_mib(_minus(s['peak_rss_bytes'], s['peak_main_rss_bytes']))})"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [f"{doc['url']}: batch size {doc['batch_size']}, decode {doc['decode']}, transform {doc['transform']}; "
-             f"{doc['passes']} passes of {doc['batches']} batches after {doc['warmup']} warm-up"]
+             f"{doc['passes']} passes of {doc['batches']} batches after {doc['warmup']} warm-up batches"]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     step = doc.get("step_ms")
     if step is not None:
         for s in doc["settings"]:
             name = f"{doc['varied']}={s[doc['varied']]}"
-            verdict = "data-bound" if s["data_bound"] else "keeps up"
             relation = ">" if s["data_bound"] else "<="
-            line = f"{name}: {s['batch_ms']:.1f} ms per batch {relation} {step:g} ms step: {verdict}"
-            if s["num_workers"] == 0:
-                line += " (no workers: every step also waits for its batch)"
+            line = f"{name}: {s['batch_ms']:.1f} ms per batch {relation} {step:g} ms step: "
+            if s["data_bound"]:
+                line += "data-bound"
+            elif s["num_workers"] == 0:  # loading runs in the training process, between steps
+                line += f"not data-bound, but without workers each step also waits {s['batch_ms']:.1f} ms for its batch"
+            else:
+                line += "keeps up"
             lines.append(line)
     lines.append(f"recommendation: {doc['recommendation']['text']}")
     return "\n".join(lines)

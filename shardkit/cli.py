@@ -190,5 +190,117 @@ def index_cmd(url: str, force: bool, storage_options: tuple[str, ...]) -> None:
     click.echo(f"indexed {idx.samples} samples in {len(idx.shards)} shards ({format_size(idx.bytes)})")
 
 
+def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    """'0,1,2' -> [0, 1, 2]."""
+    if value is None:
+        return None
+    try:
+        values = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not values or min(values) < 0:
+        raise click.BadParameter(f"expected comma-separated integers >= 0, got {value!r}")
+    return values
+
+
+def _transform(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    """Import --transform now, so a wrong name is a usage error before anything starts."""
+    if value is None:
+        return None
+    from .bench import Transform
+
+    try:
+        return Transform(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+transform_option = click.option(
+    "--transform", metavar="MODULE:FUNCTION", callback=_transform,
+    help="Function applied to each decoded sample dict, from an importable module or a file "
+         "(path/to/file.py:fn).",
+)
+
+
+@main.command()
+@click.argument("url")
+@click.option("--workers", callback=_int_list, metavar="N[,N...]",
+              help="DataLoader num_workers to try.  [default: 0,1,2; 2 when --prefetch is a list]")
+@click.option("--prefetch", callback=_int_list, metavar="N[,N...]",
+              help="StreamingDataset prefetch depth(s) to try.  [default: 8]")
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True, help="Samples per batch.")
+@click.option("--decode", type=click.Choice(["raw", "pil", "rgb8", "tensor"]), default="tensor", show_default=True,
+              help="How images are decoded (raw: read speed only, the default transform skips decoding).")
+@click.option("--batches", type=click.IntRange(min=1), default=50, show_default=True, help="Batches per timed pass.")
+@click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed passes per setting (mean ± std over them).")
+@click.option("--warmup", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Batches before timing; the first one gives the time to first batch.")
+@transform_option
+@click.option("--step-ms", type=click.FloatRange(min=0, min_open=True), metavar="T",
+              help="Say, per setting, whether a training step of T ms per batch would wait for data.")
+@click.option("--plot", type=click.Path(dir_okay=False, writable=True), metavar="OUT.png",
+              help="Write images/s (error bars: std over passes) against the varied setting (needs matplotlib).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
+@storage_option
+@_errors_to_exit
+def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch_size: int, decode: str,
+          batches: int, passes: int, warmup: int, transform: Any, step_ms: float | None, plot: str | None,
+          as_json: bool, storage_options: tuple[str, ...]) -> None:
+    """Measure how fast URL streams through a DataLoader, for several num_workers (or prefetch depths).
+
+    Per setting: a warm-up, then timed passes; images/s and MB/s (mean ± std over passes),
+    time to the first batch, peak memory of the main process and its workers. Ends with the
+    smallest setting within 5% of the fastest. At most one of --workers and --prefetch may
+    be a list. Without --transform each sample becomes (its first image resized to 224x224,
+    cls) so batches collate; a heavy transform of your own shifts the answer.
+    """
+    if workers is not None and prefetch is not None and len(workers) > 1 and len(prefetch) > 1:
+        raise click.UsageError("vary one setting at a time: --workers or --prefetch may be a list, not both")
+    if workers is None:
+        workers = [2] if prefetch is not None and len(prefetch) > 1 else [0, 1, 2]
+    from .bench import format_report, run_bench, write_plot
+
+    def progress(s: dict[str, Any]) -> None:
+        click.echo(f"  num_workers={s['num_workers']} prefetch={s['prefetch']}: "
+                   f"{s['mean_images_per_s']:.0f} ± {s['std_images_per_s']:.0f} images/s", err=True)
+
+    doc = run_bench(url, workers=workers, prefetch=prefetch or [8], batch_size=batch_size, decode=decode,
+                    transform=transform, batches=batches, passes=passes, warmup=warmup, step_ms=step_ms,
+                    storage_options=_storage_options(storage_options), progress=progress)
+    if plot:
+        write_plot(doc, plot)
+    click.echo(json.dumps(doc, indent=2) if as_json else format_report(doc))
+
+
+@main.command()
+@click.argument("url")
+@click.option("--n", "n", type=click.IntRange(min=1), default=16, show_default=True, help="Samples to show.")
+@click.option("--out", type=click.Path(dir_okay=False, writable=True), default="batch.png", show_default=True,
+              help="PNG file to write.")
+@transform_option
+@click.option("--decode", type=click.Choice(["raw", "pil", "rgb8", "tensor"]), default="rgb8", show_default=True,
+              help="How images are decoded before the transform.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Shuffle seed: which samples are shown.")
+@click.option("--tile", type=click.IntRange(min=16), default=128, show_default=True, metavar="PX",
+              help="Pixels per image square.")
+@storage_option
+@_errors_to_exit
+def preview(url: str, n: int, out: str, transform: Any, decode: str, seed: int, tile: int,
+            storage_options: tuple[str, ...]) -> None:
+    """Draw N shuffled samples of URL (after --transform) as a labelled PNG grid.
+
+    Each tile shows the image (a CHW tensor, an HWC array or a PIL image, or the first
+    element of a tuple the transform returns) with its class name and key.
+    """
+    from .preview import render_preview
+
+    result = render_preview(url, n=n, out=out, transform=transform, decode=decode, seed=seed, tile=tile,
+                            storage_options=_storage_options(storage_options))
+    cols, rows = result["grid"]
+    width, height = result["size"]
+    click.echo(f"wrote {out}: {result['samples']} samples, {cols}x{rows} grid, {width}x{height} px")
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

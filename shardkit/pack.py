@@ -19,12 +19,12 @@ import multiprocessing
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from json.encoder import encode_basestring as _json_str  # type: ignore[attr-defined]
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from .errors import CorruptShardError, SourceError
 from .formats import lmdb as lmdb_format
 from .formats.tar import BLOCK, TarWriter, parse_sample
 from .index import Index, ShardInfo, Skipped
-from .scan import Item, scan_dataset, scan_folder, source_kind
+from .scan import Item, Listing, scan_dataset, scan_folder, source_kind
 from .storage import StorageOptions
 from .units import parse_size
 
@@ -69,10 +69,64 @@ class Job:
 
 @dataclass(frozen=True)
 class Plan:
+    """The jobs, kept compact: a Listing, the order to take it in, and where each job's run
+    of that order starts and stops. `job(i)` builds job i's items only when it is needed."""
+
+    src: str
+    dest: str
+    source: str
     classes: tuple[str, ...]
-    jobs: tuple[Job, ...]
     skipped: tuple[Skipped, ...]
-    fingerprint: str
+    listing: Listing
+    order: np.ndarray
+    bounds: tuple[tuple[int, int], ...]
+    names: tuple[str, ...]
+    options: Options
+    storage_options: StorageOptions | None
+    fingerprints: tuple[str, ...] = ()
+    fingerprint: str = ""
+
+    def items(self, i: int) -> tuple[Item, ...]:
+        lo, hi = self.bounds[i]
+        width = max(6, len(str(len(self.order) - 1)))
+        out = []
+        for position in range(lo, hi):
+            item = self.listing.item(int(self.order[position]))
+            if self.source == "folder":  # a new sample number; conversions keep their keys
+                item = item._replace(key=f"{position:0{width}d}")
+            elif self.source == "lmdb":
+                item = item._replace(key=item.path)
+            out.append(item)
+        return tuple(out)
+
+    def job(self, i: int) -> Job:
+        fp = self.fingerprints[i] if self.fingerprints else ""
+        return Job(self.names[i], self.src, self.dest, self.items(i), self.classes, self.options, fp,
+                   self.storage_options, self.source)
+
+    def size(self, i: int) -> int:
+        return self.bounds[i][1] - self.bounds[i][0]
+
+
+class _Jobs(Sequence[Job]):
+    """Jobs of a plan, built one at a time as they are taken."""
+
+    def __init__(self, plan: Plan, indices: Sequence[int]):
+        self._plan, self._indices = plan, list(indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    @overload
+    def __getitem__(self, i: int) -> Job: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Job]: ...
+
+    def __getitem__(self, i: int | slice) -> Job | Sequence[Job]:
+        if isinstance(i, slice):
+            return _Jobs(self._plan, self._indices[i])
+        return self._plan.job(self._indices[i])
 
 
 @dataclass(frozen=True)
@@ -124,37 +178,36 @@ def make_plan(
     source = source_kind(src, storage_options)
     skipped: list[Skipped] = []
     if source == "folder":
-        classes, items, skipped = scan_folder(src)
-        if shuffle:
-            order = np.random.default_rng(seed).permutation(len(items))
-            items = [items[i] for i in order]
-        width = max(6, len(str(len(items) - 1)))
-        items = [item._replace(key=f"{number:0{width}d}") for number, item in enumerate(items)]
+        classes, listing, skipped = scan_folder(src)
+        order = np.random.default_rng(seed).permutation(len(listing)) if shuffle else np.arange(len(listing))
         source_id = None
     else:
-        idx, items = scan_dataset(src, source, storage_options)
-        classes, source_id = idx.classes, _fingerprint(idx.to_json())
+        idx, listing = scan_dataset(src, source, storage_options)
+        classes, source_id, order = idx.classes, _fingerprint(idx.to_json()), np.arange(len(listing))
     limit = parse_size(max_size) if max_size is not None else None
-    groups: list[list[Item]] = [[]]
-    size = 0
-    for item in items:
-        need = _member_bytes(item.size) + 2 * BLOCK  # cls and json: a header and a block each
-        if item.label >= 0:  # exact for copied folder images
+    bounds: list[tuple[int, int]] = []
+    start = size = 0
+    for position, i in enumerate(order.tolist()):
+        need = int(listing.sizes[i])  # a tar sample's whole byte range
+        if source == "lmdb":  # member payloads: add the tar headers and padding
+            need += 6 * BLOCK
+        elif source == "folder":  # exact for copied images
+            item = listing.item(i)
             need = _member_bytes(item.size) + _member_bytes(len(str(item.label))) + _member_bytes(len(_meta(item, classes)))
-        full = (max_count is not None and len(groups[-1]) >= max_count) or (limit is not None and size + need > limit)
-        if groups[-1] and full:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
+        count = position - start
+        if count and ((max_count is not None and count >= max_count) or (limit is not None and size + need > limit)):
+            bounds.append((start, position))
+            start, size = position, 0
         size += need
+    bounds.append((start, len(order)))
     name_of = SHARD_NAME if fmt == "tar" else CHUNK_NAME
-    jobs = []
-    for i, group in enumerate(groups):
-        name = name_of.format(i)
-        fp = _fingerprint(name, classes, asdict(options), source_id, group)
-        jobs.append(Job(name, src, dest, tuple(group), classes, options, fp, storage_options, source))
-    plan_fp = _fingerprint(fmt, classes, [j.fingerprint for j in jobs])
-    return Plan(classes, tuple(jobs), tuple(skipped), plan_fp)
+    names = tuple(name_of.format(i) for i in range(len(bounds)))
+    plan = Plan(src, dest, source, classes, tuple(skipped), listing, order, tuple(bounds), names, options,
+                storage_options)
+    fingerprints = tuple(
+        _fingerprint(names[i], classes, asdict(options), source_id, plan.items(i)) for i in range(len(bounds))
+    )
+    return replace(plan, fingerprints=fingerprints, fingerprint=_fingerprint(fmt, classes, fingerprints))
 
 
 # ---------------------------------------------------------------- write
@@ -241,24 +294,25 @@ def write_shard(job: Job) -> ShardResult:
     result = ShardResult(info, tuple(sorted(fields)), tuple(skipped))
     record = {"fingerprint": job.fingerprint, "shard": info.to_json(), "fields": result.fields,
               "skipped": [asdict(s) for s in skipped]}
-    storage.write_bytes_atomic(_progress_url(job), json.dumps(record).encode(), job.storage_options)
+    storage.write_bytes_atomic(_progress_url(job.dest, job.name), json.dumps(record).encode(), job.storage_options)
     return result
 
 
-def _progress_url(job: Job) -> str:
-    return storage.join(job.dest, PROGRESS_DIR, job.name + ".json")
+def _progress_url(dest: str, name: str) -> str:
+    return storage.join(dest, PROGRESS_DIR, name + ".json")
 
 
-def _done(job: Job) -> ShardResult | None:
-    """The result of an earlier run of this exact job, if its shard is complete and unchanged."""
+def _done(plan: Plan, i: int) -> ShardResult | None:
+    """The result of an earlier run of job i, if its shard is complete and unchanged."""
+    name, opts = plan.names[i], plan.storage_options
     try:
-        record = json.loads(storage.read_bytes(_progress_url(job), job.storage_options))
+        record = json.loads(storage.read_bytes(_progress_url(plan.dest, name), opts))
     except (FileNotFoundError, ValueError):
         return None
-    if record.get("fingerprint") != job.fingerprint:
+    if record.get("fingerprint") != plan.fingerprints[i]:
         return None
     info = ShardInfo.from_json(record["shard"])
-    if storage.size(storage.join(job.dest, job.name), job.storage_options) != info.bytes:
+    if storage.size(storage.join(plan.dest, name), opts) != info.bytes:
         return None
     return ShardResult(info, tuple(record["fields"]), tuple(Skipped(**s) for s in record["skipped"]))
 
@@ -374,7 +428,7 @@ def _bar(plan: Plan, done: int, progress: bool | None) -> Any:
     from tqdm import tqdm
 
     show = progress if progress is not None else sys.stderr.isatty()
-    total = sum(len(j.items) for j in plan.jobs)
+    total = len(plan.order)
     return tqdm(total=total, initial=done, unit="img", disable=not show, desc="pack", smoothing=0.1)
 
 
@@ -386,17 +440,17 @@ def _pack_tar(plan: Plan, dest: str, workers: int, progress: bool | None,
         return committed
     results: dict[str, ShardResult] = {}
     todo = []
-    for job in plan.jobs:
-        done = _done(job)
+    for i, name in enumerate(plan.names):
+        done = _done(plan, i)
         if done is None:
-            todo.append(job)
+            todo.append(i)
         else:
-            results[job.name] = done
-    initial = sum(len(j.items) for j in plan.jobs) - sum(len(j.items) for j in todo)
+            results[name] = done
+    initial = sum(plan.size(i) for i in range(len(plan.names)) if plan.names[i] in results)
     with _bar(plan, initial, progress) as bar:
-        _run_jobs(write_shard, todo, workers, on_done=lambda r: results.__setitem__(r.info.name, r),
+        _run_jobs(write_shard, _Jobs(plan, todo), workers, on_done=lambda r: results.__setitem__(r.info.name, r),
                   on_progress=lambda n: bar.update(initial + n - bar.n))
-    ordered = [results[j.name] for j in plan.jobs]
+    ordered = [results[name] for name in plan.names]
     idx = Index(
         shards=tuple(r.info for r in ordered),
         kind="tar",
@@ -453,8 +507,8 @@ def _pack_lmdb(plan: Plan, dest: str, workers: int, progress: bool | None,
             writer.write(result.samples, meta)
             records.append(record)
 
-        todo = list(plan.jobs[done:])
-        initial = sum(len(j.items) for j in plan.jobs[:done])
+        todo = _Jobs(plan, range(done, len(plan.names)))
+        initial = sum(plan.size(i) for i in range(done))
         with _bar(plan, initial, progress) as bar:
             _run_jobs(read_chunk, todo, workers, on_done=commit, on_progress=lambda n: bar.update(initial + n - bar.n))
         keys = [k for r in records for k in r["keys"]]
@@ -484,7 +538,7 @@ def _chunk_key(i: int) -> bytes:
 
 def _cleanup(dest: str, plan: Plan, storage_options: StorageOptions | None) -> None:
     """After commit: drop progress records and shards of an earlier, different plan."""
-    wanted = {j.name for j in plan.jobs}
+    wanted = set(plan.names)
     for name in storage.listdir(storage.join(dest, PROGRESS_DIR), storage_options):
         storage.remove(storage.join(dest, PROGRESS_DIR, name), storage_options)
     storage.remove_dir(storage.join(dest, PROGRESS_DIR), storage_options)

@@ -1,0 +1,525 @@
+"""shardkit against its peers: webdataset, mosaicml-streaming, litdata and plain files.
+
+One run on one generated image folder, page cache warm. Each round packs with every packer,
+then reads every packed dataset raw, then through a DataLoader; contestants are interleaved
+(their order rotates each round) and every measurement is a fresh process, timed after its
+imports. Medians with min-max, against limits measured in the same run:
+
+- pack: seconds and images/s, against `tar` of the image folder; shardkit with 2 workers,
+  webdataset's ShardWriter (one process, it has no parallel writer), one MDSWriter per process
+  + merge_index, litdata.optimize(num_workers=2); all aiming at 256 MB shards/chunks;
+- raw read: samples/s in one process, and MB/s of the packed files against `cat` of shardkit's
+  shards (litdata items are copied to bytes: it returns views into memory-mapped chunks);
+- decoded: images/s through DataLoader(num_workers=2, batch_size=64) (litdata's own
+  StreamingDataLoader), the same decode + resize-to-224 + CHW uint8 code (bench_read.py's) for
+  everyone, against that code alone on 2 processes with bytes preloaded and no loader;
+- first batch: seconds from building the dataset to the first batch; peak RSS of the
+  decoded pass, main process + workers, sampled at 20 Hz.
+
+"shardkit --resize 256" packs with resize=256, quality=90: its shards hold different (smaller)
+images, so it is a what-if, not a like-for-like row.
+
+Runs in .venv-peers (scripts/peers_setup.sh makes it; this script runs that and re-executes
+itself there when started from another interpreter). A peer that failed to install or to run
+is reported as "failed: <reason>". Writes bench-out/peers.md, peers.json and peers.png.
+
+    .venv-peers/bin/python scripts/bench_peers.py --images 20000 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+VENV = REPO / ".venv-peers"
+sys.path.insert(0, str(HERE))
+
+
+def _bootstrap() -> None:
+    """Make sure .venv-peers is filled (the setup script is a no-op once stamped); move there."""
+    subprocess.run(["bash", str(HERE / "peers_setup.sh")], check=True)
+    if Path(sys.prefix).resolve() != VENV.resolve():
+        python = str(VENV / "bin" / "python")
+        os.execv(python, [python, __file__, *sys.argv[1:]])
+
+
+if __name__ == "__main__" and "--stage" not in sys.argv:
+    _bootstrap()
+
+import bench_read as br  # noqa: E402  (decode_resize, Files, transforms, limits, _tree_rss, _fmt)
+
+WORKERS, BATCH = br.WORKERS, br.BATCH
+CHUNK = 256 * 1000 * 1000  # shard / chunk target for every packer (shardkit's "256MB")
+RESIZE = "shardkit --resize 256"
+PACKERS = ["tar (limit)", "shardkit", RESIZE, "webdataset", "mosaicml-streaming", "litdata"]
+RAW = ["cat (limit)", "shardkit", RESIZE, "webdataset", "mosaicml-streaming", "litdata", "plain files"]
+DECODED = ["decode limit", "shardkit", RESIZE, "webdataset", "mosaicml-streaming", "litdata", "plain files"]
+ROWS = ["shardkit", "webdataset", "mosaicml-streaming", "litdata", "plain files", RESIZE]
+FOLDER = {"shardkit": "shardkit", RESIZE: "shardkit-resize256", "webdataset": "webdataset",
+          "mosaicml-streaming": "mds", "litdata": "litdata"}
+DISTRIBUTION = {"shardkit": "shardkit", RESIZE: "shardkit", "webdataset": "webdataset",
+                "mosaicml-streaming": "mosaicml-streaming", "litdata": "litdata"}
+
+
+# ---------------------------------------------------------------- peers' own code paths
+
+
+def _import_streaming():  # type: ignore[no-untyped-def]
+    """mosaicml-streaming imports torchvision at package import (its vision datasets), which
+    does not load beside torch 2.13.0+cpu; MDSWriter and StreamingDataset never use it."""
+    import types
+
+    sys.modules.setdefault("torchvision", types.ModuleType("torchvision"))
+    import streaming
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()  # a killed earlier run must not leave this one hanging
+    return streaming
+
+
+def _items(photos: str) -> list[tuple[str, int]]:
+    return br.Files(photos).items  # (path, label) in class order, the labels every reader sees
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _pack_wds(items: list[tuple[str, int]], out: str) -> None:
+    import webdataset as wds
+
+    os.makedirs(out)
+    with wds.ShardWriter(os.path.join(out, "shard-%06d.tar"), maxsize=CHUNK, verbose=0) as sink:
+        for n, (path, label) in enumerate(items):
+            sink.write({"__key__": "%09d" % n, "jpg": _read(path), "cls": str(label)})
+
+
+def _mds_part(job: tuple[str, list[tuple[str, int]]]) -> int:
+    from streaming import MDSWriter
+
+    out, items = job
+    with MDSWriter(out=out, columns={"jpg": "bytes", "cls": "int"}, compression=None, size_limit=CHUNK) as w:
+        for path, label in items:
+            w.write({"jpg": _read(path), "cls": label})
+    return len(items)
+
+
+def _pack_mds(items: list[tuple[str, int]], out: str) -> None:
+    import multiprocessing as mp
+
+    from streaming.base.util import merge_index
+
+    jobs = [(os.path.join(out, f"part-{i}"), items[i::WORKERS]) for i in range(WORKERS)]
+    with mp.get_context("fork").Pool(WORKERS) as pool:
+        pool.map(_mds_part, jobs)
+    merge_index(out, keep_local=True)
+
+
+def _litdata_item(item: tuple[str, int]) -> dict:
+    path, label = item
+    return {"jpg": _read(path), "cls": label}
+
+
+def _pack_litdata(items: list[tuple[str, int]], out: str) -> None:
+    import litdata
+
+    litdata.optimize(fn=_litdata_item, inputs=items, output_dir=out, chunk_bytes="256MB", num_workers=WORKERS)
+
+
+def _mds_dataset(data: str, shuffle: bool, transform: bool):  # type: ignore[no-untyped-def]
+    streaming = _import_streaming()
+
+    class Decoded(streaming.StreamingDataset):
+        def __getitem__(self, i: int) -> tuple:
+            s = super().__getitem__(i)
+            return br.decode_resize(s["jpg"]), s["cls"]
+
+    cls = Decoded if transform else streaming.StreamingDataset
+    return cls(local=data, remote=None, shuffle=shuffle, batch_size=BATCH)
+
+
+def _litdata_dataset(data: str, shuffle: bool, transform: bool):  # type: ignore[no-untyped-def]
+    import litdata
+
+    class Decoded(litdata.StreamingDataset):
+        def __getitem__(self, index):  # type: ignore[no-untyped-def]
+            s = super().__getitem__(index)
+            return br.decode_resize(bytes(s["jpg"])), s["cls"]
+
+    return (Decoded if transform else litdata.StreamingDataset)(data, shuffle=shuffle)
+
+
+# ---------------------------------------------------------------- one measurement, in its own process
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def run_pack(name: str, data: str, photos: str) -> dict:
+    items = len(_items(photos))
+    if name == "tar (limit)":
+        start = time.perf_counter()
+        subprocess.run(f"tar cf - -C {photos} . | cat > /dev/null", shell=True, check=True)
+        return {"seconds": time.perf_counter() - start, "items": items, "bytes": 0}
+    if name in ("shardkit", RESIZE):
+        import shardkit
+
+        resize = {"resize": 256, "quality": 90} if name == RESIZE else {}
+        start = time.perf_counter()
+        shardkit.pack(photos, data, workers=WORKERS, max_size=CHUNK, progress=False, **resize)
+    else:
+        writer = {"webdataset": _pack_wds, "mosaicml-streaming": _pack_mds, "litdata": _pack_litdata}[name]
+        if name == "mosaicml-streaming":
+            _import_streaming()
+        else:
+            __import__(DISTRIBUTION[name])
+        start = time.perf_counter()
+        writer(_items(photos), data)  # listing the folder is timed, as it is inside shardkit.pack
+    return {"seconds": time.perf_counter() - start, "items": items, "bytes": _dir_bytes(data)}
+
+
+def run_raw(name: str, data: str, photos: str) -> dict:
+    if name == "cat (limit)":
+        return br.run_contestant("cat (limit)", data, photos)
+    if name in ("shardkit", RESIZE):
+        return br.run_contestant("shardkit raw", data, photos)
+    if name == "webdataset":
+        return br.run_contestant("webdataset raw", data, photos)
+    if name == "plain files":
+        paths = [p for p, _ in _items(photos)]
+        start = time.perf_counter()
+        size = sum(len(_read(p)) for p in paths)
+        return {"seconds": time.perf_counter() - start, "items": len(paths), "bytes": size}
+    make = {"mosaicml-streaming": _mds_dataset, "litdata": _litdata_dataset}[name]
+    if name == "litdata":
+        import litdata  # noqa: F401
+    else:
+        _import_streaming()
+    start = time.perf_counter()
+    n = 0
+    for sample in make(data, shuffle=False, transform=False):
+        bytes(sample["jpg"])  # litdata: a view into the memory map until copied
+        n += 1
+    return {"seconds": time.perf_counter() - start, "items": n, "bytes": _dir_bytes(data)}
+
+
+def run_decoded(name: str, data: str, photos: str) -> dict:
+    if name == "decode limit":
+        return br.run_contestant("decode limit", data, photos)
+    from torch.utils.data import DataLoader
+
+    if name in ("shardkit", RESIZE):
+        from shardkit import StreamingDataset
+
+        def make():  # type: ignore[no-untyped-def]
+            ds = StreamingDataset(data, shuffle=True, transform=br.shardkit_transform)
+            return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+    elif name == "webdataset":
+        import webdataset as wds
+
+        def make():  # type: ignore[no-untyped-def]
+            ds = wds.WebDataset(br._urls(data), shardshuffle=100, empty_check=False).shuffle(1000)
+            return DataLoader(ds.map(br.wds_transform), batch_size=BATCH, num_workers=WORKERS)
+    elif name == "mosaicml-streaming":
+        _import_streaming()
+
+        def make():  # type: ignore[no-untyped-def]
+            return DataLoader(_mds_dataset(data, shuffle=True, transform=True), batch_size=BATCH, num_workers=WORKERS)
+    elif name == "litdata":
+        import litdata
+
+        def make():  # type: ignore[no-untyped-def]
+            ds = _litdata_dataset(data, shuffle=True, transform=True)
+            return litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+    elif name == "plain files":
+
+        def make():  # type: ignore[no-untyped-def]
+            return DataLoader(br.Files(photos), batch_size=BATCH, shuffle=True, num_workers=WORKERS)
+    else:
+        raise SystemExit(f"unknown contestant {name}")
+    start = time.perf_counter()
+    loader = make()
+    built = time.perf_counter() - start
+    first, seconds, n = br._loader_pass(loader)
+    return {"seconds": seconds, "items": n, "first": built + first}
+
+
+STAGES = {"pack": run_pack, "raw": run_raw, "decoded": run_decoded}
+
+
+# ---------------------------------------------------------------- the driver
+
+
+class Failed(Exception):
+    pass
+
+
+def measure(stage: str, name: str, data: str, photos: str, timeout: float) -> dict:
+    """Run one measurement in a fresh process (its own session, so a hang can be killed whole)."""
+    cmd = [sys.executable, __file__, "--stage", stage, "--contestant", name, "--data", data, "--photos", photos]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.wait(0.05):
+            peak = max(peak, br._tree_rss(proc.pid))
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise Failed(f"timed out after {timeout:.0f} s") from None
+    finally:
+        done.set()
+        t.join()
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        why = [line.strip() for line in err.splitlines() if line.strip()]
+        raise Failed(why[-1] if why else f"exit code {proc.returncode}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["rss"] = peak
+    return result
+
+
+def _install_failures() -> dict[str, str]:
+    failed = VENV / "failed.txt"
+    out = {}
+    for line in failed.read_text().splitlines() if failed.exists() else []:
+        name, _, why = line.partition(": ")
+        out[name.strip()] = f"failed: {why.strip()}"
+    return out
+
+
+def _short(reason: str, width: int = 90) -> str:
+    reason = " ".join(reason.split()).replace("|", "/")
+    return reason if len(reason) <= width else reason[: width - 1] + "…"
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _rotate(names: list[str], r: int) -> list[str]:
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+def run_rounds(args: argparse.Namespace, photos: Path, work: Path) -> tuple[dict, dict]:
+    import shutil
+
+    results: dict[tuple[str, str], list[dict]] = {}
+    failures: dict[tuple[str, str], str] = {}
+    broken = _install_failures()
+    for name, why in broken.items():
+        for stage in STAGES:
+            failures[(stage, name)] = why
+
+    def data_of(name: str) -> str:
+        if name == "plain files" or name in ("tar (limit)", "decode limit"):
+            return str(photos)
+        return str(work / FOLDER["shardkit" if name == "cat (limit)" else name])
+
+    def one(stage: str, name: str, r: int) -> None:
+        if (stage, name) in failures:
+            return
+        if stage != "pack" and name in FOLDER and ("pack", name) in failures:
+            failures[(stage, name)] = "failed: no data (its pack failed)"
+            return
+        try:
+            res = measure(stage, name, data_of(name), str(photos), args.timeout)
+        except Failed as e:
+            failures[(stage, name)] = f"failed: {_short(str(e))}"
+            print(f"round {r + 1}: {stage} {name} FAILED: {e}", file=sys.stderr)
+            return
+        results.setdefault((stage, name), []).append(res)
+        print(f"round {r + 1}: {stage} {name}: {res['items'] / res['seconds']:,.0f}/s", file=sys.stderr)
+
+    for r in range(args.rounds):
+        for name in _rotate(PACKERS, r):
+            if name in FOLDER:
+                shutil.rmtree(data_of(name), ignore_errors=True)
+            one("pack", name, r)
+            subprocess.run(["sync"], check=False)  # no write-back of one packer's output under the next
+        # every packed byte and the photos in the page cache before reading
+        subprocess.run(f"find {work} {photos} -type f -exec cat {{}} + > /dev/null", shell=True, check=False)
+        for name in _rotate(RAW, r):
+            one("raw", name, r)
+        for name in _rotate(DECODED, r):
+            one("decoded", name, r)
+    return results, failures
+
+
+def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict) -> str:
+    def rate(stage: str, name: str, key: str = "items") -> list[float]:
+        return [x[key] / x["seconds"] for x in results.get((stage, name), [])]
+
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    cat = rate("raw", "cat (limit)", "bytes")
+    limit = rate("decoded", "decode limit")
+
+    def pack_cells(name: str) -> list[str]:
+        if ("pack", name) in failures or name == "plain files":
+            return [failures.get(("pack", name), "–"), "–", "–"]
+        runs = results[("pack", name)]
+        seconds = [x["seconds"] for x in runs]
+        size = f"{med([x['bytes'] for x in runs]) / 1e9:.2f}" if runs[0]["bytes"] else "–"
+        return [br._fmt(seconds, digits=1), f"{runs[0]['items'] / med(seconds):,.0f}", size]
+
+    def raw_cells(name: str) -> list[str]:
+        if ("raw", name) in failures:
+            return [failures[("raw", name)], "–"]
+        mbs = rate("raw", name, "bytes")
+        return [br._fmt(rate("raw", name)), f"{med(mbs) / med(cat):.0%}" if cat else "–"]
+
+    def decoded_cells(name: str) -> list[str]:
+        if ("decoded", name) in failures:
+            return [failures[("decoded", name)], "–", "–", "–"]
+        runs = results[("decoded", name)]
+        firsts = [x["first"] for x in runs if x.get("first") is not None]
+        ips = rate("decoded", name)
+        return [br._fmt(ips), f"{med(ips) / med(limit):.0%}" if limit else "–",
+                br._fmt(firsts, digits=2) if firsts else "–", br._fmt([x["rss"] for x in runs], 1e-6)]
+
+    photo_bytes = sum(p.stat().st_size for p in photos.rglob("*.jpg"))
+    versions = ", ".join(f"{d} {_version(d)}" for d in ("shardkit", "webdataset", "mosaicml-streaming", "litdata", "torch"))
+    lines = [
+        f"{args.images:,} images ({photo_bytes / 1e9:.2f} GB of JPEG), {os.cpu_count()} CPUs, {args.rounds} rounds, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; median (min-max); page cache warm",
+        f"{versions}",
+        "",
+        f"| | pack s | pack images/s | packed GB | raw read samples/s, 1 process | raw MB/s, % of cat | "
+        f"decoded images/s, DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | % of decode limit | "
+        "first batch s | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    # The limits row: tar of the photos, cat of shardkit's shards, decode on 2 processes with no loader.
+    tar = [x["seconds"] for x in results.get(("pack", "tar (limit)"), [])]
+    limit_cells = [
+        failures.get(("pack", "tar (limit)")) or br._fmt(tar, digits=1),
+        f"{args.images / med(tar):,.0f}" if tar else "–",
+        "–",
+        failures.get(("raw", "cat (limit)")) or br._fmt(rate("raw", "cat (limit)")),
+        "100%",
+        failures.get(("decoded", "decode limit")) or br._fmt(limit),
+        "100%",
+        "–",
+        "–",
+    ]
+    lines.append(f"| limits: `tar` / `cat` / decode on {WORKERS} processes | " + " | ".join(limit_cells) + " |")
+    broken = _install_failures()
+    for name in ROWS:
+        label = f"{name} (pack-time resize: smaller images, not like-for-like)" if name == RESIZE else name
+        if name in broken:
+            lines.append(f"| {label} | {_short(broken[name])} |" + " – |" * 8)
+            continue
+        lines.append("| " + " | ".join([label, *pack_cells(name), *raw_cells(name), *decoded_cells(name)]) + " |")
+
+    notes = []
+    for (stage, name), runs in sorted(results.items()):
+        counts = sorted({x["items"] for x in runs})
+        if stage != "pack" and name not in ("cat (limit)",) and counts != [args.images]:
+            notes.append(f"- {stage} {name}: saw {', '.join(map(str, counts))} samples, not {args.images}")
+    if notes:
+        lines += ["", "Sample counts that differ from the image count:", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def chart(path: Path, results: dict, failures: dict, images: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, meds, lo, hi, colors = [], [], [], [], []
+    for name in ROWS:
+        runs = results.get(("decoded", name), [])
+        rates = [x["items"] / x["seconds"] for x in runs]
+        names.append(name.replace(" --resize", "\n--resize") + ("\n(smaller images)" if name == RESIZE else ""))
+        m = statistics.median(rates) if rates else 0.0
+        meds.append(m)
+        lo.append(m - min(rates) if rates else 0.0)
+        hi.append(max(rates) - m if rates else 0.0)
+        colors.append("#999999" if name == RESIZE else "#1f77b4" if name == "shardkit" else "#7f9fbf")
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bars = ax.bar(names, meds, yerr=[lo, hi], capsize=4, color=colors)
+    for bar, m in zip(bars, meds):
+        if not m:
+            ax.text(bar.get_x() + bar.get_width() / 2, 5, "failed", ha="center", va="bottom", color="red")
+    limit = [x["items"] / x["seconds"] for x in results.get(("decoded", "decode limit"), [])]
+    if limit:
+        ax.axhline(statistics.median(limit), color="black", linestyle="--", linewidth=1)
+        ax.text(len(ROWS) - 0.5, statistics.median(limit), f"decode limit ({WORKERS} processes, no loader)",
+                ha="right", va="bottom", fontsize=8)
+    ax.set_ylabel("decoded images/s (median, min-max)")
+    ax.set_title(f"DataLoader(num_workers={WORKERS}, batch_size={BATCH}), decode + resize to 224, "
+                 f"{images:,} images", fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=20000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/shardkit-bench", help="image folder and packed outputs")
+    ap.add_argument("--out", default=str(REPO / "bench-out"), help="where peers.md, .json and .png go")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds before one measurement is killed")
+    ap.add_argument("--stage", choices=sorted(STAGES), help=argparse.SUPPRESS)
+    ap.add_argument("--contestant", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    ap.add_argument("--photos", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.stage:
+        print("RESULT " + json.dumps(STAGES[args.stage](args.contestant, args.data, args.photos)), flush=True)
+        return
+
+    from make_images import make_image_folder
+
+    root = Path(args.dir)
+    photos, work = root / f"photos-{args.images}", root / f"peers-{args.images}"
+    make_image_folder(photos, args.images, n_classes=100, seed=0)
+    work.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    results, failures = run_rounds(args, photos, work)
+    table = render(args, photos, results, failures)
+    print("\n" + table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peers.md").write_text(table)
+    (out / "peers.json").write_text(json.dumps(
+        {"images": args.images, "rounds": args.rounds, "results": {f"{s}/{n}": v for (s, n), v in results.items()},
+         "failures": {f"{s}/{n}": v for (s, n), v in failures.items()}}, indent=1))
+    try:
+        chart(out / "peers.png", results, failures, args.images)
+    except Exception as e:  # a missing matplotlib must not lose the table
+        print(f"chart failed: {e}", file=sys.stderr)
+    print(f"wrote {out}/peers.md, peers.json, peers.png in {time.time() - start:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""`shardkit preview`: one shuffled batch drawn as a labelled PNG grid, to see what a model
+will be fed (after the user's transform, if given). PIL only."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont, ImageOps
+
+from .bench import Transform, image_field
+from .errors import ShardkitError
+from .storage import StorageOptions
+
+TILE = 128  # pixels per image square
+LABEL_H = 30  # the two label lines below each image: class name, key
+GAP = 2
+BACKGROUND, TILE_BACKGROUND, TEXT, KEY_TEXT = (16, 16, 16), (48, 48, 48), (255, 255, 255), (170, 170, 170)
+
+
+def grid_shape(n: int) -> tuple[int, int]:
+    """(columns, rows) of the grid for n tiles: as square as possible."""
+    cols = max(1, math.ceil(math.sqrt(n)))
+    return cols, max(1, math.ceil(n / cols))
+
+
+def grid_size(n: int, tile: int = TILE) -> tuple[int, int]:
+    """(width, height) in pixels of the PNG holding n tiles."""
+    cols, rows = grid_shape(n)
+    return cols * tile + (cols + 1) * GAP, rows * (tile + LABEL_H) + (rows + 1) * GAP
+
+
+def tile_box(i: int, n: int, tile: int = TILE) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) of tile i's image square."""
+    cols, _ = grid_shape(n)
+    left = GAP + (i % cols) * (tile + GAP)
+    top = GAP + (i // cols) * (tile + LABEL_H + GAP)
+    return left, top, left + tile, top + tile
+
+
+def pick_image(result: Any) -> Any:
+    """The image in a transform's result: the result itself, the first element of a tuple
+    or list, or the first image field of a sample dict."""
+    if isinstance(result, dict):
+        key = image_field(result)
+        return result[key] if key is not None else None
+    if isinstance(result, (tuple, list)):
+        return result[0] if result else None
+    return result
+
+
+def to_pil(image: Any) -> Image.Image:
+    """An RGB PIL image from encoded bytes, a PIL image, a CHW torch tensor or an HWC (or
+    CHW) array; floats in [0, 1] are scaled by 255, other floats (normalised) by min-max."""
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        import io
+
+        return Image.open(io.BytesIO(bytes(image))).convert("RGB")
+    chw = False
+    if hasattr(image, "detach"):  # torch tensor: CHW by convention
+        image = image.detach().cpu().numpy()
+        chw = image.ndim == 3
+    if not isinstance(image, np.ndarray) or image.ndim not in (2, 3):
+        what = type(image).__name__ + (f" of shape {tuple(image.shape)}" if hasattr(image, "shape") else "")
+        raise ShardkitError(f"the transform returned {what}: not an image (CHW tensor, HWC array or PIL image)")
+    if image.ndim == 3 and (chw or (image.shape[0] in (1, 3, 4) and image.shape[-1] not in (1, 3, 4))):
+        image = image.transpose(1, 2, 0)
+    if image.dtype != np.uint8:
+        a = image.astype(np.float64)
+        lo, hi = (float(a.min()), float(a.max())) if a.size else (0.0, 1.0)
+        if np.issubdtype(image.dtype, np.floating):
+            a = a * 255 if lo >= 0 and hi <= 1 else (a - lo) * (255 / (hi - lo or 1))
+        image = np.clip(np.rint(a), 0, 255).astype(np.uint8)
+    if image.ndim == 3:
+        image = image[:, :, 0] if image.shape[2] == 1 else image[:, :, :3]
+    return Image.fromarray(np.ascontiguousarray(image)).convert("RGB")
+
+
+def _font(size: int = 12) -> Any:
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1: the fixed bitmap font
+        return ImageFont.load_default()
+
+
+def _fit(text: str, font: Any, width: int) -> str:
+    if font.getlength(text) <= width:
+        return text
+    while text and font.getlength(text + "...") > width:
+        text = text[:-1]
+    return text + "..."
+
+
+def draw_grid(tiles: Sequence[tuple[Image.Image, str, str]], tile: int = TILE) -> Image.Image:
+    """The grid of (image, class name, key) tiles, each image fitted into its square."""
+    canvas = Image.new("RGB", grid_size(len(tiles), tile), BACKGROUND)
+    draw = ImageDraw.Draw(canvas)
+    font = _font()
+    for i, (image, name, key) in enumerate(tiles):
+        left, top, right, bottom = tile_box(i, len(tiles), tile)
+        draw.rectangle((left, top, right - 1, bottom - 1), fill=TILE_BACKGROUND)
+        fitted = ImageOps.contain(image, (tile, tile), Image.Resampling.BICUBIC)
+        canvas.paste(fitted, (left + (tile - fitted.width) // 2, top + (tile - fitted.height) // 2))
+        draw.text((left + 2, bottom + 1), _fit(name, font, tile - 4), fill=TEXT, font=font)
+        draw.text((left + 2, bottom + LABEL_H // 2), _fit(key, font, tile - 4), fill=KEY_TEXT, font=font)
+    return canvas
+
+
+def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.png",
+                   transform: str | Callable[[dict[str, Any]], Any] | None = None, decode: str = "rgb8",
+                   seed: int = 0, tile: int = TILE, storage_options: StorageOptions | None = None) -> dict[str, Any]:
+    """Decode the first `n` samples of the seed's shuffled order (epoch 0), apply `transform`
+    (a callable or ``module:function``), and write them as a labelled PNG grid to `out`."""
+    from .dataset import StreamingDataset
+
+    if n < 1 or tile < 16:
+        raise ValueError("n must be at least 1 and tile at least 16")
+    fn = Transform(transform) if isinstance(transform, str) else transform
+    ds = StreamingDataset(url, shuffle=True, seed=seed, decode=decode, storage_options=storage_options)
+    classes = ds.classes
+    tiles: list[tuple[Image.Image, str, str]] = []
+    stream = iter(ds)
+    try:
+        for sample in stream:
+            key, label = str(sample["__key__"]), sample.get("cls")
+            result = fn(sample) if fn is not None else sample
+            image = pick_image(result)
+            if image is None:
+                raise ShardkitError(f"sample {key}: no image in {type(result).__name__} "
+                                    "(a transform should return an image or a tuple starting with one)")
+            name = classes[label] if isinstance(label, int) and 0 <= label < len(classes) else \
+                ("" if label is None else str(label))
+            tiles.append((to_pil(image), name, key))
+            if len(tiles) == n:
+                break
+    finally:
+        del stream  # closes the shard reader now, not at garbage collection
+    if not tiles:
+        raise ShardkitError(f"{url}: no samples")
+    grid = draw_grid(tiles, tile)
+    grid.save(out, format="PNG")
+    cols, rows = grid_shape(len(tiles))
+    return {"path": out, "samples": len(tiles), "grid": [cols, rows], "size": list(grid.size), "tile": tile,
+            "labels": [[name, key] for _, name, key in tiles]}
