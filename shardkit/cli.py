@@ -88,12 +88,15 @@ def main() -> None:
               help="Shrink each image so its shorter side is at most PX, re-encoded as JPEG.")
 @click.option("--quality", type=click.IntRange(1, 100), metavar="Q",
               help="Re-encode images as JPEG at this quality (default 90 with --resize).")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Run the per-shard jobs on a local process pool or as Ray tasks on a cluster.")
+@click.option("--ray-address", metavar="ADDRESS", help="Ray cluster to join (e.g. auto); default: a local one.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 @storage_option
 @_errors_to_exit
 def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | None, workers: int | None,
-         shuffle: bool, seed: int, on_error: str, resize: int | None, quality: int | None, quiet: bool,
-         storage_options: tuple[str, ...]) -> None:
+         shuffle: bool, seed: int, on_error: str, resize: int | None, quality: int | None, executor: str,
+         ray_address: str | None, quiet: bool, storage_options: tuple[str, ...]) -> None:
     """Pack the image folder SRC (SRC/<class>/<image>) into shards under DEST.
 
     SRC may also be a shardkit dataset (tar shards or an LMDB) to convert to --format;
@@ -106,7 +109,8 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
     start = time.perf_counter()
     idx = run_pack(src, dest, format=fmt, max_count=max_count, max_size=max_size, workers=workers,
                    shuffle=shuffle, seed=seed, on_error=on_error, resize=resize, quality=quality,
-                   progress=None if not quiet else False, storage_options=_storage_options(storage_options))
+                   progress=None if not quiet else False, executor=executor, ray_address=ray_address,
+                   storage_options=_storage_options(storage_options))
     if quiet:
         return
     took = time.perf_counter() - start

@@ -15,20 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from collections import deque
-from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from json.encoder import encode_basestring as _json_str  # type: ignore[attr-defined]
-from typing import Any, TypeVar, overload
+from typing import Any, overload
 
 import numpy as np
 
-from . import images, index, storage
+from . import executors, images, index, storage
+from .executors import tick
 from .errors import CorruptShardError, SourceError
 from .formats import lmdb as lmdb_format
 from .formats.tar import BLOCK, TarWriter, parse_sample
@@ -40,7 +38,6 @@ from .units import parse_size
 PROGRESS_DIR = ".shardkit-progress"
 SHARD_NAME = "shard-{:06d}.tar"
 CHUNK_NAME = "chunk-{:06d}"  # an LMDB pack's unit of work: one transaction
-R = TypeVar("R")
 _SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
 DEFAULT_MAX_SIZE = "256MB"
 
@@ -212,20 +209,6 @@ def make_plan(
 
 # ---------------------------------------------------------------- write
 
-_counter = None  # multiprocessing.Value shared with pool workers, for the progress bar
-
-
-def _init_worker(counter) -> None:  # type: ignore[no-untyped-def]
-    global _counter
-    _counter = counter
-
-
-def _tick(n: int) -> None:
-    if _counter is not None and n:
-        with _counter.get_lock():
-            _counter.value += n
-
-
 _envs: dict[str, Any] = {}  # LMDB sources opened in this process
 
 
@@ -264,9 +247,9 @@ def _samples(job: Job) -> Iterator[tuple[str, dict[str, bytes]] | Skipped]:
             yield Skipped(item.path, reason)
         pending += 1
         if pending >= 32:
-            _tick(pending)
+            tick(pending)
             pending = 0
-    _tick(pending)
+    tick(pending)
 
 
 def read_chunk(job: Job) -> ChunkResult:
@@ -345,43 +328,6 @@ def _prepare_dest(dest: str, plan: Plan, storage_options: StorageOptions | None)
     return None
 
 
-def _run_jobs(fn: Callable[[Job], R], jobs: list[Job], workers: int, on_done: Callable[[R], None],
-              on_progress: Callable[[int], None]) -> None:
-    """Run `fn` over jobs on a process pool (inline for one worker), handing results to
-    `on_done` in job order as they complete, with at most 2 x workers jobs in flight (their
-    results can be large); report images done so far."""
-    counter = multiprocessing.Value("q", 0)
-    if workers <= 1 or len(jobs) <= 1:
-        _init_worker(counter)
-        try:
-            for job in jobs:
-                on_done(fn(job))
-                on_progress(counter.value)
-        finally:
-            _init_worker(None)
-        return
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=_init_worker, initargs=(counter,)) as pool:
-        queued = iter(jobs)
-        running: deque[Future[R]] = deque()
-        try:
-            while True:
-                while len(running) < 2 * workers and (job := next(queued, None)) is not None:
-                    running.append(pool.submit(fn, job))
-                if not running:
-                    return
-                wait(running, timeout=0.2, return_when=FIRST_EXCEPTION)
-                for fut in running:
-                    if fut.done() and fut.exception() is not None:
-                        raise fut.exception()  # type: ignore[misc]
-                while running and running[0].done():
-                    on_done(running.popleft().result())
-                on_progress(counter.value)
-        except BaseException:
-            for fut in running:
-                fut.cancel()
-            raise
-
-
 def pack(
     src: str,
     dest: str,
@@ -396,6 +342,8 @@ def pack(
     resize: int | None = None,
     quality: int | None = None,
     progress: bool | None = None,
+    executor: str = "local",
+    ray_address: str | None = None,
     storage_options: StorageOptions | None = None,
 ) -> Index:
     """Pack the ImageFolder tree `src` (or convert the shardkit dataset at `src`) into tar
@@ -405,7 +353,13 @@ def pack(
     for tar, byte-identical shards), whatever `workers` is. Safe to rerun after a crash:
     finished work is kept, the rest is written. Returns the committed Index
     (`index.skipped` lists every input that was left out).
+
+    `executor="ray"` runs the same jobs as Ray tasks on the cluster at `ray_address`
+    (inputs and outputs must then be reachable from every node: a shared file system or
+    URLs); the output is the same as the local process pool's.
     """
+    if executor not in ("local", "ray"):
+        raise ValueError(f"executor must be 'local' or 'ray', not {executor!r}")
     if format not in ("tar", "lmdb"):
         raise SourceError(f"unknown format {format!r} (supported: tar, lmdb)")
     if on_error not in ("skip", "fail"):
@@ -420,8 +374,10 @@ def pack(
     if on_error == "fail" and plan.skipped:
         s = plan.skipped[0]
         raise SourceError(f"{storage.join(src, s.path)}: {s.reason}")
+    runner = (executors.ray(ray_address, sizes=lambda job: len(job.items)) if executor == "ray"
+              else executors.local(workers or os.cpu_count() or 1))
     run = _pack_tar if format == "tar" else _pack_lmdb
-    return run(plan, dest, workers or os.cpu_count() or 1, progress, storage_options)
+    return run(plan, dest, runner, progress, storage_options)
 
 
 def _bar(plan: Plan, done: int, progress: bool | None) -> Any:
@@ -432,7 +388,7 @@ def _bar(plan: Plan, done: int, progress: bool | None) -> Any:
     return tqdm(total=total, initial=done, unit="img", disable=not show, desc="pack", smoothing=0.1)
 
 
-def _pack_tar(plan: Plan, dest: str, workers: int, progress: bool | None,
+def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | None,
               storage_options: StorageOptions | None) -> Index:
     storage.makedirs(dest, storage_options)
     committed = _prepare_dest(dest, plan, storage_options)
@@ -448,8 +404,8 @@ def _pack_tar(plan: Plan, dest: str, workers: int, progress: bool | None,
             results[name] = done
     initial = sum(plan.size(i) for i in range(len(plan.names)) if plan.names[i] in results)
     with _bar(plan, initial, progress) as bar:
-        _run_jobs(write_shard, _Jobs(plan, todo), workers, on_done=lambda r: results.__setitem__(r.info.name, r),
-                  on_progress=lambda n: bar.update(initial + n - bar.n))
+        runner(write_shard, _Jobs(plan, todo), lambda r: results.__setitem__(r.info.name, r),
+               lambda n: bar.update(initial + n - bar.n))
     ordered = [results[name] for name in plan.names]
     idx = Index(
         shards=tuple(r.info for r in ordered),
@@ -468,7 +424,7 @@ def _all_skipped(plan: Plan, more: list[Skipped]) -> tuple[Skipped, ...]:
     return tuple(sorted([*plan.skipped, *more], key=lambda s: s.path))
 
 
-def _pack_lmdb(plan: Plan, dest: str, workers: int, progress: bool | None,
+def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool | None,
                storage_options: StorageOptions | None) -> Index:
     """Workers read and check samples; this process writes them, one transaction per job,
     each recording the progress, so a rerun continues after the last committed job."""
@@ -510,7 +466,7 @@ def _pack_lmdb(plan: Plan, dest: str, workers: int, progress: bool | None,
         todo = _Jobs(plan, range(done, len(plan.names)))
         initial = sum(plan.size(i) for i in range(done))
         with _bar(plan, initial, progress) as bar:
-            _run_jobs(read_chunk, todo, workers, on_done=commit, on_progress=lambda n: bar.update(initial + n - bar.n))
+            runner(read_chunk, todo, commit, lambda n: bar.update(initial + n - bar.n))
         keys = [k for r in records for k in r["keys"]]
         idx = Index(
             shards=(ShardInfo("data.mdb", len(keys), sum(n for r in records for n in r["sizes"])),),

@@ -1,0 +1,115 @@
+"""Where pack jobs run: a local process pool (the default) or a Ray cluster. Both run the
+same job function on the same jobs, so the output is the same; only the place differs.
+
+A runner calls `on_done` with each job's result in job order, keeps a bounded number of
+jobs in flight (results can be large), and reports how many images are done.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from typing import Any, TypeVar
+
+J = TypeVar("J")
+R = TypeVar("R")
+Runner = Callable[[Callable[[J], R], Sequence[J], Callable[[R], None], Callable[[int], None]], None]
+
+_counter: Any = None  # multiprocessing.Value shared with pool workers, for the progress bar
+
+
+def init_worker(counter) -> None:  # type: ignore[no-untyped-def]
+    global _counter
+    _counter = counter
+
+
+def tick(n: int) -> None:
+    if _counter is not None and n:
+        with _counter.get_lock():
+            _counter.value += n
+
+
+def local(workers: int) -> Runner:
+    """A process pool of `workers` (inline, without a pool, for one)."""
+
+    def run(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R], None],
+            on_progress: Callable[[int], None]) -> None:
+        _run_local(fn, jobs, workers, on_done, on_progress)
+
+    return run
+
+
+def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], workers: int, on_done: Callable[[R], None],
+               on_progress: Callable[[int], None]) -> None:
+    """Run `fn` over jobs on a process pool (inline for one worker), handing results to
+    `on_done` in job order as they complete, with at most 2 x workers jobs in flight (their
+    results can be large); report images done so far."""
+    counter = multiprocessing.Value("q", 0)
+    if workers <= 1 or len(jobs) <= 1:
+        init_worker(counter)
+        try:
+            for job in jobs:
+                on_done(fn(job))
+                on_progress(counter.value)
+        finally:
+            init_worker(None)
+        return
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=init_worker, initargs=(counter,)) as pool:
+        queued = iter(jobs)
+        running: deque[Future[R]] = deque()
+        try:
+            while True:
+                while len(running) < 2 * workers and (job := next(queued, None)) is not None:
+                    running.append(pool.submit(fn, job))
+                if not running:
+                    return
+                wait(running, timeout=0.2, return_when=FIRST_EXCEPTION)
+                for fut in running:
+                    if fut.done() and fut.exception() is not None:
+                        raise fut.exception()  # type: ignore[misc]
+                while running and running[0].done():
+                    on_done(running.popleft().result())
+                on_progress(counter.value)
+        except BaseException:
+            for fut in running:
+                fut.cancel()
+            raise
+
+
+def ray(address: str | None = None, sizes: Callable[[Any], int] = lambda job: 1) -> Runner:
+    """Ray tasks on the cluster at `address` (None: start or join a local one). Results come
+    back in job order; progress counts the images of finished jobs (`sizes(job)`)."""
+
+    def run(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R], None],
+            on_progress: Callable[[int], None]) -> None:
+        try:
+            import ray as ray_module
+        except ImportError:
+            from .errors import ShardkitError
+
+            raise ShardkitError("the Ray executor needs Ray (pip install 'shardkit[ray]')") from None
+        if not ray_module.is_initialized():
+            ray_module.init(address=address, include_dashboard=False, log_to_driver=False)
+        task = ray_module.remote(fn)
+        slots = max(2, 2 * int(ray_module.cluster_resources().get("CPU", 1)))
+        queued = iter(jobs)
+        running: deque[tuple[Any, Any]] = deque()
+        done = 0
+        try:
+            while True:
+                while len(running) < slots and (job := next(queued, None)) is not None:
+                    running.append((job, task.remote(job)))
+                if not running:
+                    return
+                job, ref = running.popleft()
+                on_done(ray_module.get(ref))  # in order; later jobs keep running meanwhile
+                done += sizes(job)
+                on_progress(done)
+        except BaseException:
+            for _, ref in running:
+                ray_module.cancel(ref)
+            raise
+
+    return run
