@@ -175,7 +175,7 @@ def make_plan(
     source = source_kind(src, storage_options)
     skipped: list[Skipped] = []
     if source == "folder":
-        classes, listing, skipped = scan_folder(src)
+        classes, listing, skipped = scan_folder(src, storage_options)
         order = np.random.default_rng(seed).permutation(len(listing)) if shuffle else np.arange(len(listing))
         source_id = None
     else:

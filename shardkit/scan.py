@@ -92,8 +92,10 @@ def _walk(top: str, rel: str, seen: set[tuple[int, int]], skipped: list[Skipped]
             skipped.append(Skipped(child, f"cannot stat ({e.strerror or e})"))
 
 
-def scan_folder(src: str) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
+def scan_folder(src: str, storage_options: StorageOptions | None = None) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
     """Classes (sorted folder names), the image files, and what was left out."""
+    if not storage.is_local(src):
+        return _scan_remote(src, storage_options)
     path = storage.local_path(src)
     if not os.path.exists(path):
         raise SourceError(f"{src}: no such folder")
@@ -124,6 +126,44 @@ def scan_folder(src: str) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
     return tuple(classes), listing, skipped
 
 
+
+
+def _scan_remote(src: str, storage_options: StorageOptions | None) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
+    """The same for a bucket prefix: one recursive listing; object stores have no empty folders."""
+    import hashlib
+
+    fs, root = storage.filesystem(src, storage_options)
+    root = root.rstrip("/")
+    try:
+        entries = fs.find(root, detail=True)
+    except FileNotFoundError:
+        entries = {}
+    skipped: list[Skipped] = []
+    files = []
+    for path in sorted(entries):
+        rel = path[len(root):].lstrip("/")
+        top, sep, _ = rel.partition("/")
+        if any(part.startswith(".") for part in rel.split("/")):
+            skipped.append(Skipped(rel, "hidden entry ignored"))
+        elif not sep:
+            skipped.append(Skipped(rel, "not inside a class folder"))
+        elif images.field_for(rel) is None:
+            skipped.append(Skipped(rel, "not an image file extension"))
+        else:
+            files.append((top, rel, entries[path]))
+    if not entries:
+        raise SourceError(f"{storage.display(src)}: no such folder, or empty")
+    classes = tuple(sorted({top for top, _, _ in files}))
+    if not classes:
+        raise SourceError(f"{storage.display(src)}: no class folders with images (expected SRC/<class>/<image>)")
+    found = _ListingBuilder()
+    label_of = {c: i for i, c in enumerate(classes)}
+    for top, rel, info in files:
+        # object stores give no mtime in nanoseconds: any change marker will do for resume checks
+        marker = str(info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("mtime") or "")
+        version = int.from_bytes(hashlib.sha256(marker.encode()).digest()[:7], "big")
+        found.add(rel, label_of[top], int(info.get("size") or 0), version)
+    return classes, found.build(), skipped
 
 
 def source_kind(src: str, storage_options: StorageOptions | None = None) -> str:

@@ -124,3 +124,18 @@ def test_credentials_in_urls_stay_out_of_errors() -> None:
     with pytest.raises(Exception) as info:
         StreamingDataset("https://alice:hunter2@127.0.0.1:9/data/shard-{000..001}.tar")
     assert "hunter2" not in str(info.value)
+
+
+def test_pack_from_a_bucket_into_a_bucket(s3: dict, photos: Path, tmp_path: Path) -> None:
+    import fsspec.core
+
+    opts = s3["storage_options"]
+    fs, root = fsspec.core.url_to_fs(s3["url"], **opts)
+    fs.put(str(photos), f"{root}/raw", recursive=True)
+    fs.pipe(f"{root}/raw/circle/notes.txt", b"hello")
+    local = shardkit.pack(str(photos), str(tmp_path / "local"), max_count=8, workers=1, progress=False)
+    remote = shardkit.pack(s3["url"] + "/raw", s3["url"] + "/shards", max_count=8, workers=2, progress=False,
+                           storage_options=opts)
+    assert remote.classes == local.classes
+    assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]  # the same bytes
+    assert [(s.path, s.reason) for s in remote.skipped] == [("circle/notes.txt", "not an image file extension")]
