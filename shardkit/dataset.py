@@ -166,14 +166,10 @@ class _WorkerStream(EpochStream):
         """(0, sample id, (key, fields)) from the LMDB environment, opened in this process."""
         path = self.ds._lmdb
         assert path is not None
-        env = lmdb_format.open_reader(path)
-        try:
-            with env.begin(buffers=True) as txn:
-                for i in ids.tolist():
-                    key = self.ds._keys[i].decode()
-                    yield 0, i, (key, lmdb_format.read_sample(txn, key, path))
-        finally:
-            env.close()
+        with lmdb_format.open_reader(path).begin(buffers=True) as txn:
+            for i in ids.tolist():
+                key = self.ds._keys[i].decode()
+                yield 0, i, (key, lmdb_format.read_sample(txn, key, path))
 
     def _reads(self, ids: np.ndarray, reader: storage.RangeReader) -> Iterator[tuple[int, int, memoryview]]:
         """(shard, start offset, bytes) of each sample of `ids`, in order, read ahead."""

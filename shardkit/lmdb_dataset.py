@@ -1,14 +1,13 @@
 """LMDBDataset: map-style random access to an LMDB dataset, for DataLoader(shuffle=True),
 DistributedSampler and friends.
 
-The environment is opened lazily in each process that reads (never inherited across fork,
-where a shared LMDB handle corrupts reads), read-only, without locks and without OS
-readahead, which only wastes I/O on random access.
+The environment is opened lazily in each process that reads (one inherited through fork is
+closed, never used: a shared LMDB handle corrupts reads), read-only, without locks and
+without OS readahead, which only wastes I/O on random access of small records.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -26,17 +25,16 @@ class LMDBDataset(torch.utils.data.Dataset):
     StreamingDataset), or `transform(sample)`. A remote URL is first copied to `cache_dir`."""
 
     def __init__(self, source: str, *, decode: str = "raw", transform: Callable[[dict[str, Any]], Any] | None = None,
-                 storage_options: StorageOptions | None = None, cache_dir: str | None = None):
+                 storage_options: StorageOptions | None = None, cache_dir: str | None = None,
+                 readahead: bool = False):
         decoder(decode)  # validate now; each process builds its own (closures do not pickle)
-        self.decode, self.transform, self.source = decode, transform, source
+        self.decode, self.transform, self.source, self.readahead = decode, transform, source, readahead
         self.path = local_lmdb(source, storage_options, cache_dir)
         idx = lmdb_index(self.path)
         if idx.kind != "lmdb":
             raise ValueError(f"{source}: not an LMDB dataset (kind {idx.kind!r})")
         self.index = idx
         self._keys = np.array(idx.extra.get("keys", []), dtype="S")  # numpy: no per-key objects to copy on fork
-        self._env: Any = None
-        self._pid = -1
         self._decode: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     @property
@@ -48,21 +46,14 @@ class LMDBDataset(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_env"], state["_pid"], state["_decode"] = None, -1, None
+        state["_decode"] = None
         return state
-
-    def _environment(self) -> Any:
-        if self._pid != os.getpid():  # first use in this process
-            if self._env is not None:  # inherited through fork: unusable here, and LMDB
-                self._env.close()  # refuses a second open of the same environment
-            self._env, self._pid = lmdb_format.open_reader(self.path), os.getpid()
-        return self._env
 
     def __getitem__(self, i: int) -> Any:
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {len(self)} samples")
         key = self._keys[i].decode()
-        with self._environment().begin(buffers=True) as txn:
+        with lmdb_format.open_reader(self.path, self.readahead).begin(buffers=True) as txn:
             fields = lmdb_format.read_sample(txn, key, self.path)
         if self._decode is None:
             self._decode = decoder(self.decode)

@@ -209,9 +209,6 @@ def make_plan(
 
 # ---------------------------------------------------------------- write
 
-_envs: dict[str, Any] = {}  # LMDB sources opened in this process
-
-
 def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
     """(key, fields) of one item, read, checked and optionally re-encoded."""
     if job.source == "tar":
@@ -222,8 +219,7 @@ def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
         return parse_sample(data, f"{url} (sample at byte {start})")
     if job.source == "lmdb":
         path = storage.local_path(job.src)
-        env = _envs.get(path) or _envs.setdefault(path, lmdb_format.open_reader(path))
-        with env.begin() as txn:
+        with lmdb_format.open_reader(path).begin() as txn:
             return item.key, lmdb_format.read_sample(txn, item.key, path)
     data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
     opts = job.options

@@ -100,10 +100,7 @@ def resolve(source: str | Sequence[str], storage_options: StorageOptions | None 
 def lmdb_index(path: str) -> Index:
     """The index stored inside a local LMDB dataset."""
     env = lmdb_format.open_reader(storage.local_path(path))
-    try:
-        return Index.from_json(lmdb_format.read_index(env, path), f"{path} ({lmdb_format.INDEX_KEY.decode()})")
-    finally:
-        env.close()
+    return Index.from_json(lmdb_format.read_index(env, path), f"{path} ({lmdb_format.INDEX_KEY.decode()})")
 
 
 def local_lmdb(url: str, storage_options: StorageOptions | None, cache_dir: str | None) -> str:

@@ -24,13 +24,8 @@ from test_pack import read_shards
 
 
 def records(path: Path) -> dict[bytes, bytes]:
-    import lmdb
-
-    env = lmdb.open(str(path), readonly=True, lock=False)
-    with env.begin() as txn:
-        out = {bytes(k): bytes(v) for k, v in txn.cursor()}
-    env.close()
-    return out
+    with lmdb_format.open_reader(str(path)).begin() as txn:  # one environment per process and path
+        return {bytes(k): bytes(v) for k, v in txn.cursor()}
 
 
 def keys_of(batch: list[dict]) -> list[str]:
@@ -166,6 +161,7 @@ def test_not_an_lmdb_and_missing_keys(tmp_path: Path, lmdb_pack: Path) -> None:
         LMDBDataset(str(tmp_path / "empty"))
     import lmdb
 
+    lmdb_format.close_reader(str(lmdb_pack))
     env = lmdb.open(str(lmdb_pack))
     with env.begin(write=True) as txn:
         key = json.loads(txn.get(b"__index__"))["keys"][5]

@@ -47,6 +47,7 @@ class Writer:
     def __init__(self, path: str):
         lmdb = _lmdb()
         self._lmdb = lmdb
+        close_reader(path)
         self.env = lmdb.open(path, subdir=True, map_size=_INITIAL_MAP, readahead=False, meminit=False)
 
     def progress(self) -> dict | None:
@@ -81,11 +82,23 @@ class Writer:
         self.env.close()
 
 
-def open_reader(path: str) -> Any:
-    """A read-only environment for random access: no lock file writes, no OS readahead."""
+_READERS: dict[str, tuple[int, Any]] = {}  # path -> (pid, environment): LMDB allows one per process
+
+
+def open_reader(path: str, readahead: bool = False) -> Any:
+    """This process's read-only environment for `path`, opened on first use: no lock-file
+    writes, and no OS readahead by default (random access; pass readahead=True for large
+    records on a cold page cache). Shared by every reader in the process, never closed by
+    them. One inherited through fork is closed and reopened: it must not be used there."""
+    pid = os.getpid()
+    cached = _READERS.get(path)
+    if cached is not None:
+        if cached[0] == pid:
+            return cached[1]
+        cached[1].close()
     lmdb = _lmdb()
     try:
-        env = lmdb.open(path, subdir=True, readonly=True, lock=False, readahead=False, meminit=False,
+        env = lmdb.open(path, subdir=True, readonly=True, lock=False, readahead=readahead, meminit=False,
                         max_readers=1024)
     except lmdb.Error as e:
         raise DatasetNotFoundError(f"{path}: not an LMDB dataset ({e})") from None
@@ -96,7 +109,15 @@ def open_reader(path: str) -> Any:
     if size < needed:
         env.close()
         raise CorruptShardError(f"{path}: data.mdb is truncated ({size} bytes, its pages need {needed})")
+    _READERS[path] = (pid, env)
     return env
+
+
+def close_reader(path: str) -> None:
+    """Close this process's reader of `path` (before writing to it)."""
+    cached = _READERS.pop(path, None)
+    if cached is not None:
+        cached[1].close()
 
 
 def read_index(env: Any, path: str) -> bytes:
