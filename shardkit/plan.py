@@ -1,0 +1,172 @@
+"""The pack plan: scan the source once, order it (shuffled by a seed for image folders),
+and cut it into jobs of at most `max_count` samples and `max_size` bytes. The plan is data:
+a Listing in numpy arrays plus job boundaries, with a fingerprint per job so a rerun can
+tell finished work from stale work. A job's items are built only when the job runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from json.encoder import encode_basestring as _json_str  # type: ignore[attr-defined]
+from typing import overload
+
+import numpy as np
+
+from .formats.tar import BLOCK
+from .index import Skipped
+from .scan import Item, Listing, scan_dataset, scan_folder, source_kind
+from .storage import StorageOptions
+from .units import parse_size
+
+SHARD_NAME = "shard-{:06d}.tar"
+CHUNK_NAME = "chunk-{:06d}"  # an LMDB pack's unit of work: one transaction
+DEFAULT_MAX_SIZE = "256MB"
+
+
+@dataclass(frozen=True)
+class Options:
+    """What shapes the bytes of a shard (part of every job's fingerprint)."""
+
+    resize: int | None = None
+    quality: int | None = None
+    on_error: str = "skip"
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    src: str
+    dest: str
+    items: tuple[Item, ...]
+    classes: tuple[str, ...]
+    options: Options
+    fingerprint: str
+    storage_options: StorageOptions | None = None
+    source: str = "folder"  # or "tar", "lmdb": a dataset being converted
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The jobs, kept compact: a Listing, the order to take it in, and where each job's run
+    of that order starts and stops. `job(i)` builds job i's items only when it is needed."""
+
+    src: str
+    dest: str
+    source: str
+    classes: tuple[str, ...]
+    skipped: tuple[Skipped, ...]
+    listing: Listing
+    order: np.ndarray
+    bounds: tuple[tuple[int, int], ...]
+    names: tuple[str, ...]
+    options: Options
+    storage_options: StorageOptions | None
+    fingerprints: tuple[str, ...] = ()
+    fingerprint: str = ""
+
+    def items(self, i: int) -> tuple[Item, ...]:
+        lo, hi = self.bounds[i]
+        width = max(6, len(str(len(self.order) - 1)))
+        out = []
+        for position in range(lo, hi):
+            item = self.listing.item(int(self.order[position]))
+            if self.source == "folder":  # a new sample number; conversions keep their keys
+                item = item._replace(key=f"{position:0{width}d}")
+            elif self.source == "lmdb":
+                item = item._replace(key=item.path)
+            out.append(item)
+        return tuple(out)
+
+    def job(self, i: int) -> Job:
+        fp = self.fingerprints[i] if self.fingerprints else ""
+        return Job(self.names[i], self.src, self.dest, self.items(i), self.classes, self.options, fp,
+                   self.storage_options, self.source)
+
+    def size(self, i: int) -> int:
+        return self.bounds[i][1] - self.bounds[i][0]
+
+
+class JobList(Sequence[Job]):
+    """Jobs of a plan, built one at a time as they are taken."""
+
+    def __init__(self, plan: Plan, indices: Sequence[int]):
+        self._plan, self._indices = plan, list(indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    @overload
+    def __getitem__(self, i: int) -> Job: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Job]: ...
+
+    def __getitem__(self, i: int | slice) -> Job | Sequence[Job]:
+        if isinstance(i, slice):
+            return JobList(self._plan, self._indices[i])
+        return self._plan.job(self._indices[i])
+
+
+def sample_meta(item: Item, classes: tuple[str, ...]) -> bytes:
+    """`{"class":...,"path":...}`: compact, keys sorted, UTF-8 (what json.dumps would give)."""
+    return f'{{"class":{_json_str(classes[item.label])},"path":{_json_str(item.path)}}}'.encode()
+
+
+def _member_bytes(n: int) -> int:
+    return BLOCK + n + (-n % BLOCK)
+
+
+def _fingerprint(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def make_plan(
+    src: str,
+    dest: str,
+    *,
+    max_count: int | None = None,
+    max_size: int | str | None = DEFAULT_MAX_SIZE,
+    shuffle: bool = True,
+    seed: int = 0,
+    options: Options = Options(),
+    fmt: str = "tar",
+    storage_options: StorageOptions | None = None,
+) -> Plan:
+    """Scan SRC and cut its samples into jobs. A dataset being converted keeps its order
+    and keys (shuffle applies to image folders only)."""
+    source = source_kind(src, storage_options)
+    skipped: list[Skipped] = []
+    if source == "folder":
+        classes, listing, skipped = scan_folder(src, storage_options)
+        order = np.random.default_rng(seed).permutation(len(listing)) if shuffle else np.arange(len(listing))
+        source_id = None
+    else:
+        idx, listing = scan_dataset(src, source, storage_options)
+        classes, source_id, order = idx.classes, _fingerprint(idx.to_json()), np.arange(len(listing))
+    limit = parse_size(max_size) if max_size is not None else None
+    bounds: list[tuple[int, int]] = []
+    start = size = 0
+    for position, i in enumerate(order.tolist()):
+        need = int(listing.sizes[i])  # a tar sample's whole byte range
+        if source == "lmdb":  # member payloads: add the tar headers and padding
+            need += 6 * BLOCK
+        elif source == "folder":  # exact for copied images
+            item = listing.item(i)
+            need = _member_bytes(item.size) + _member_bytes(len(str(item.label))) + _member_bytes(len(sample_meta(item, classes)))
+        count = position - start
+        if count and ((max_count is not None and count >= max_count) or (limit is not None and size + need > limit)):
+            bounds.append((start, position))
+            start, size = position, 0
+        size += need
+    bounds.append((start, len(order)))
+    name_of = SHARD_NAME if fmt == "tar" else CHUNK_NAME
+    names = tuple(name_of.format(i) for i in range(len(bounds)))
+    plan = Plan(src, dest, source, classes, tuple(skipped), listing, order, tuple(bounds), names, options,
+                storage_options)
+    fingerprints = tuple(
+        _fingerprint(names[i], classes, asdict(options), source_id, plan.items(i)) for i in range(len(bounds))
+    )
+    return replace(plan, fingerprints=fingerprints, fingerprint=_fingerprint(fmt, classes, fingerprints))
