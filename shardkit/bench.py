@@ -11,6 +11,7 @@ Also here, shared with `shardkit preview`: `Transform`, a user function named
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib
 import importlib.util
@@ -297,13 +298,14 @@ def bench_setting(url: str | Sequence[str], *, num_workers: int, prefetch: int, 
                 batch, it = _next(loader, it)
                 images += _batch_len(batch)
             rates.append(images / (time.perf_counter() - start))
-        del it, loader  # shuts the workers down: their counters reach stats()
+        del it, loader  # shuts the workers down
+        gc.collect()  # a pass left unfinished in this process flushes its counters when collected
     finally:
         memory.stop()
     stats = ds.stats()
     if stats["samples"]:
         per_sample = stats["bytes"] / stats["samples"]
-    else:  # no counter flushed yet: the index's average
+    else:  # no counter flushed yet (workers flush every few hundred samples): the index's average
         per_sample = ds.index.bytes / max(ds.index.samples, 1)
     # the counters are flushed every few hundred samples, so per-pass byte deltas are coarse;
     # MB/s is each pass's images/s times the bytes per sample the counters measured overall
@@ -331,8 +333,10 @@ def recommend(settings: Sequence[dict[str, Any]], varied: str) -> dict[str, Any]
         text += ": the only setting tested"
     elif pick is ordered[-1]:
         text += ": the fastest tested, more may help"
-    else:
+    elif best > pick["mean_images_per_s"]:
         text += f": more adds under {WITHIN:.0%}"
+    else:
+        text += ": more is no faster"
     return {varied: pick[varied], "mean_images_per_s": pick["mean_images_per_s"], "text": text}
 
 

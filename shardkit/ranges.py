@@ -15,6 +15,7 @@ A worker knows its whole stream in advance (partition.py), so its reads can be p
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,42 +34,47 @@ class Range:
         return self.stop - self.start
 
 
-def coalesce(shard_of: np.ndarray, starts: np.ndarray, ends: np.ndarray, max_bytes: int) -> tuple[list[Range], np.ndarray]:
+def _ranges(shard: np.ndarray, start: np.ndarray, stop: np.ndarray, samples: np.ndarray) -> Iterator[Range]:
+    """Range objects made as the read-ahead takes them (a stream can have millions)."""
+    for i, r in enumerate(zip(shard.tolist(), start.tolist(), stop.tolist(), samples.tolist())):
+        yield Range(i, *r)
+
+
+def coalesce(shard_of: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+             max_bytes: int) -> tuple[Iterator[Range], np.ndarray]:
     """(ranges in read order, the range index of each sample of the stream)."""
-    range_of = np.empty(len(shard_of), dtype=np.int64)
-    ranges: list[Range] = []
-    current: list[int] = []  # [shard, start, stop, samples] of the range being grown
-    for pos, (shard, start, end) in enumerate(zip(shard_of.tolist(), starts.tolist(), ends.tolist())):
-        if current and shard == current[0] and start == current[2] and end - current[1] <= max_bytes:
-            current[2] = end
-            current[3] += 1
-        else:
-            if current:
-                ranges.append(Range(len(ranges), *current))
-            current = [shard, start, end, 1]
-        range_of[pos] = len(ranges)
-    if current:
-        ranges.append(Range(len(ranges), *current))
-    return ranges, range_of
+    n = len(shard_of)
+    if n == 0:
+        return iter(()), np.empty(0, dtype=np.int64)
+    # a new run wherever the next sample is not right behind the previous one
+    new_run = np.ones(n, dtype=bool)
+    new_run[1:] = (shard_of[1:] != shard_of[:-1]) | (starts[1:] != ends[:-1])
+    run_first = np.flatnonzero(new_run)
+    run_of = np.cumsum(new_run) - 1
+    # within a run, cut every max_bytes (measured from the run's first byte)
+    piece = (ends - starts[run_first[run_of]] - 1) // max_bytes
+    new_range = new_run.copy()
+    new_range[1:] |= piece[1:] != piece[:-1]
+    first = np.flatnonzero(new_range)
+    last = np.append(first[1:], n) - 1
+    range_of = np.cumsum(new_range) - 1
+    return _ranges(shard_of[first], starts[first], ends[last], last - first + 1), range_of
 
 
 def blocks(ids: np.ndarray, first: np.ndarray, all_starts: np.ndarray, all_ends: np.ndarray,
-           block: int) -> tuple[list[Range], np.ndarray]:
+           block: int) -> tuple[Iterator[Range], np.ndarray]:
     """Whole-block ranges for the stream `ids` (global sample ids). `first[s]` is the id of
     shard s's first sample (with the total appended); `all_starts`/`all_ends` are every
     sample's byte bounds within its shard."""
     shard_of = np.searchsorted(first, ids, side="right") - 1
     block_of = (ids - first[shard_of]) // block
     key = shard_of * (int(block_of.max(initial=0)) + 1) + block_of
-    uniq, first_pos, range_of, counts = np.unique(key, return_index=True, return_inverse=True, return_counts=True)
+    _, first_pos, range_of, counts = np.unique(key, return_index=True, return_inverse=True, return_counts=True)
     order = np.argsort(first_pos, kind="stable")  # read blocks in the order first needed
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
-    ranges = []
-    for i, u in enumerate(order.tolist()):
-        pos = int(first_pos[u])
-        shard, b = int(shard_of[pos]), int(block_of[pos])
-        lo = int(first[shard]) + b * block
-        hi = min(lo + block, int(first[shard + 1])) - 1
-        ranges.append(Range(i, shard, int(all_starts[lo]), int(all_ends[hi]), int(counts[u])))
-    return ranges, rank[range_of.reshape(-1)]
+    pos = first_pos[order]
+    shards, blk = shard_of[pos], block_of[pos]
+    lo = first[shards] + blk * block
+    hi = np.minimum(lo + block, first[shards + 1]) - 1
+    return _ranges(shards, all_starts[lo], all_ends[hi], counts[order]), rank[range_of.reshape(-1)]

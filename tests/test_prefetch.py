@@ -94,6 +94,7 @@ def test_coalesce_merges_back_to_back_samples_only() -> None:
     starts = np.array([0, 10, 20, 0, 10, 40])
     ends = np.array([10, 20, 30, 10, 20, 50])
     plan, range_of = ranges.coalesce(shard, starts, ends, max_bytes=25)
+    plan = list(plan)
     assert [(r.shard, r.start, r.stop, r.samples) for r in plan] == [(0, 0, 20, 2), (0, 20, 30, 1), (1, 0, 20, 2), (0, 40, 50, 1)]
     assert range_of.tolist() == [0, 0, 1, 2, 2, 3]
 
@@ -106,6 +107,7 @@ def test_blocks_read_each_block_once_in_order_of_need() -> None:
     all_ends = all_starts + sizes
     ids = np.array([12, 3, 0, 16, 4, 11])  # blocks of 4: (1,0), (0,0), (0,0), (1,1), (0,1), (1,0)
     plan, range_of = ranges.blocks(ids, first, all_starts, all_ends, block=4)
+    plan = list(plan)
     assert [(r.shard, r.samples) for r in plan] == [(1, 2), (0, 2), (1, 1), (0, 1)]
     assert [(r.start, r.stop) for r in plan] == [
         (all_starts[10], all_ends[13]), (all_starts[0], all_ends[3]), (all_starts[14], all_ends[16]), (all_starts[4], all_ends[7])]
