@@ -99,3 +99,15 @@ def test_public_names_sorted_and_importable() -> None:
     assert shardkit.__all__ == sorted(shardkit.__all__)
     for name in shardkit.__all__:
         assert getattr(shardkit, name) is not None
+
+
+def test_readme_cli_reference_is_current() -> None:
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("cli_reference", ROOT / "scripts" / "cli_reference.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    readme = (ROOT / "README.md").read_text()
+    assert module.rendered(readme) == readme, "README's CLI reference is stale: run scripts/cli_reference.py"
