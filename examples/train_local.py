@@ -48,7 +48,7 @@ def main() -> None:
     args = ap.parse_args()
 
     ds = StreamingDataset(args.shards, shuffle=True, seed=0, decode="tensor", transform=to_training_pair)
-    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, pin_memory=True,
+    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, pin_memory=torch.cuda.is_available(),
                         persistent_workers=args.workers > 0)
     net = model(len(ds.classes) or 1000)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)

@@ -33,7 +33,7 @@ def main() -> None:
     options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
     ds = StreamingDataset(args.url, shuffle=True, seed=0, decode="tensor", transform=to_training_pair,
                           storage_options=options, cache_dir=args.cache_dir)
-    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, pin_memory=True,
+    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, pin_memory=torch.cuda.is_available(),
                         persistent_workers=args.workers > 0)
     net = model(len(ds.classes) or 1000)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
