@@ -13,13 +13,14 @@ import ctypes
 import multiprocessing
 from collections.abc import Sequence
 from multiprocessing.context import get_spawning_popen
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import storage
-from .cache import RangeCache
-from .prefetch import Prefetcher
+if TYPE_CHECKING:
+    from .cache import RangeCache
+    from .prefetch import Prefetcher
+    from .storage import RangeReader
 
 MAX_WORKERS = 128  # DataLoader workers per rank that the shared counters have room for
 STATS = ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped", "fetched_bytes", "cache_hits",
@@ -38,7 +39,8 @@ class Shared:
     """The shared arrays (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.epoch = multiprocessing.RawArray("q", 1 + _PASS_SLOTS)
+        # [set epoch, pass counters..., num_workers of the latest pass]
+        self.epoch = multiprocessing.RawArray("q", 2 + _PASS_SLOTS)
         self.stats = multiprocessing.RawArray("d", MAX_WORKERS * len(STATS))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -60,20 +62,25 @@ class Shared:
         slot = _pass_slot(worker_id, num_workers)
         passes = self.epoch[slot]
         self.epoch[slot] = passes + 1
+        self.epoch[-1] = num_workers
         return self.epoch[0] + passes, passes
 
     def resumed(self, worker_id: int, num_workers: int, epoch: int) -> None:
         """A worker restored mid-`epoch`: its next pass reads epoch + 1."""
         self.epoch[0] = epoch
         self.epoch[_pass_slot(worker_id, num_workers)] = 1
+        self.epoch[-1] = num_workers
 
     def next_epoch(self) -> int:
-        """The epoch the next pass reads: set_epoch's value plus the passes run since."""
-        return int(self.epoch[0] + np.frombuffer(self.epoch, dtype=np.int64)[1:].max())
+        """The epoch the next pass of the latest layout reads: set_epoch's value plus the
+        passes that layout ran since (peeks with another layout don't count)."""
+        workers = self.epoch[-1] or 1
+        first = _pass_slot(0, workers)
+        return int(self.epoch[0] + max(self.epoch[first : first + workers]))
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch[0] = epoch
-        ctypes.memset(ctypes.addressof(self.epoch) + 8, 0, 8 * _PASS_SLOTS)
+        ctypes.memset(ctypes.addressof(self.epoch) + 8, 0, 8 * (_PASS_SLOTS + 1))
 
     def totals(self) -> dict[str, float]:
         """Counters summed over workers; gauges averaged over the workers that set one."""
@@ -98,7 +105,7 @@ class Shared:
 class Meter:
     """A worker's statistics, pushed to the shared counters every few hundred samples."""
 
-    def __init__(self, shared: Shared, worker_id: int, reader: storage.RangeReader, cache: RangeCache | None):
+    def __init__(self, shared: Shared, worker_id: int, reader: RangeReader, cache: RangeCache | None):
         self.values = [0.0] * len(STATS)
         self._shared, self._worker_id, self._reader, self._cache = shared, worker_id, reader, cache
         self._fetched = self._hits = 0

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from . import counters, partition, ranges, storage
+from . import partition, ranges, storage
 from .cache import RangeCache
 from .counters import Meter
 from .decode import decoder
@@ -120,11 +120,7 @@ class StreamingDataset(EpochDataset):
 
 
     def __iter__(self) -> Iterator[Any]:
-        rank, world = self._rank_world()
-        worker_id, num_workers = partition.worker()
-        if num_workers > counters.MAX_WORKERS:
-            raise ValueError(f"at most {counters.MAX_WORKERS} DataLoader workers are supported")
-        return _WorkerStream(self, rank, world, worker_id, num_workers)
+        return _WorkerStream(self, *self._layout())
 
 
 class _WorkerStream(EpochStream):
@@ -166,10 +162,9 @@ class _WorkerStream(EpochStream):
         """(0, sample id, (key, fields)) from the LMDB environment, opened in this process."""
         path = self.ds._lmdb
         assert path is not None
-        with lmdb_format.open_reader(path).begin(buffers=True) as txn:
-            for i in ids.tolist():
-                key = self.ds._keys[i].decode()
-                yield 0, i, (key, lmdb_format.read_sample(txn, key, path))
+        keys = [self.ds._keys[i].decode() for i in ids.tolist()]
+        for i, sample in zip(ids.tolist(), lmdb_format.iter_samples(lmdb_format.open_reader(path), keys, path)):
+            yield 0, i, sample
 
     def _reads(self, ids: np.ndarray, reader: storage.RangeReader) -> Iterator[tuple[int, int, memoryview]]:
         """(shard, start offset, bytes) of each sample of `ids`, in order, read ahead."""
@@ -219,14 +214,13 @@ class _WorkerStream(EpochStream):
                 shard, start, data = next(reads)
                 t1 = time.perf_counter()
                 url = ds.urls[shard]
-                sample: dict[str, Any] | None = None
                 try:
                     sample = decode(parse(data, url, start))
                 except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
                     if ds.on_error == "raise":
                         if isinstance(e, ShardkitError):
                             raise
-                        key = sample["__key__"] if sample else _key_of(data)
+                        key = _key_of(data)
                         raise CorruptShardError(
                             f"{storage.display(url)}: sample {key} at byte {start}: {type(e).__name__}: {e}"
                         ) from e

@@ -16,7 +16,7 @@ import numpy as np
 import torch.utils.data
 
 from . import partition
-from .counters import Shared
+from .counters import MAX_WORKERS, Shared
 from .partition import Layout, Progress
 
 STATE_MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
@@ -69,7 +69,17 @@ class EpochDataset(torch.utils.data.IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch `epoch` for the next pass (reaches persistent workers too)."""
+        if self._resume is not None and self._resume["epoch"] != epoch:
+            self._resume = None  # a loaded resume point applies to its own epoch, once
         self._shared.set_epoch(epoch)
+
+    def _layout(self) -> tuple[int, int, int, int]:
+        """(rank, world size, worker id, num_workers) of the process iterating now."""
+        rank, world = self._rank_world()
+        worker_id, num_workers = partition.worker()
+        if num_workers > MAX_WORKERS:
+            raise ValueError(f"at most {MAX_WORKERS} DataLoader workers are supported")
+        return rank, world, worker_id, num_workers
 
     def state_dict(self) -> dict[str, Any]:
         """Dataset-level state: the epoch. Mid-epoch progress lives in the worker iterators
@@ -108,6 +118,11 @@ class EpochDataset(torch.utils.data.IterableDataset):
                      world_size: int | None = None, drop_last: bool = False) -> dict[str, Any]:
         """A state for `load_state_dict` after a plain torch DataLoader handed out
         `samples_seen` samples (per rank) of `epoch` with these settings."""
+        if self._resume is not None and self._resume["epoch"] == epoch:
+            raise ValueError(
+                "this epoch was itself resumed from a partial state: checkpoint with StatefulDataLoader "
+                "(its state carries the earlier progress), or resume at an epoch boundary"
+            )
         world = world_size or self._rank_world()[1]
         rank_total = partition.per_rank(self._total(), world, self.remainder)
         workers = max(num_workers, 1)

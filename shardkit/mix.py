@@ -50,9 +50,7 @@ class MixedDataset(EpochDataset):
         return self.samples_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
-        rank, world = self._rank_world()
-        worker_id, num_workers = partition.worker()
-        return _MixedStream(self, rank, world, worker_id, num_workers)
+        return _MixedStream(self, *self._layout())
 
     def stats(self) -> dict[str, float]:
         """The parts' statistics, summed."""

@@ -317,10 +317,8 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
             extra={"keys": keys, "sizes": [n for r in records for n in r["sizes"]]},
         )
         doc = idx.to_json().encode()
-        writer.write([], {lmdb_format.INDEX_KEY: doc})  # the LMDB is finished from here on
-        for i in range(len(records)):
-            writer.delete(_chunk_key(i))
-        writer.delete(lmdb_format.PROGRESS_KEY)
+        done_keys = [_chunk_key(i) for i in range(len(records))] + [lmdb_format.PROGRESS_KEY]
+        writer.write([], {lmdb_format.INDEX_KEY: doc}, delete=done_keys)  # finished, in one transaction
     finally:
         writer.close()
     index.save(idx, dest)

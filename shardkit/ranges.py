@@ -3,7 +3,8 @@
 A worker knows its whole stream in advance (partition.py), so its reads can be planned:
 
 - `coalesce`: read in the order samples are yielded, merging samples that sit back to back
-  in a shard into one range (up to `max_bytes`). A shuffled stream reads sample by sample,
+  in a shard into one range (cut at every `max_bytes` of the shard, so a range is at most
+  `max_bytes` plus one sample). A shuffled stream reads sample by sample,
   an unshuffled one in large sequential ranges, and nothing waits in memory beyond the
   read-ahead. Right for local disk.
 - `blocks`: read whole blocks (the `block` consecutive samples of a shard that the shuffle

@@ -10,14 +10,17 @@ import json
 import mmap
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-from .cache import RangeCache
 
 from .errors import CorruptShardError, ShardkitError, redact
+
+if TYPE_CHECKING:
+    from .cache import RangeCache
 
 StorageOptions = dict[str, Any]
 T = TypeVar("T")
@@ -303,23 +306,35 @@ class RangeReader:
         self._local = [is_local(u) for u in urls]
         self._handles: dict[int, Any] = {}  # shard -> fd, or (filesystem, path)
         self._instances: dict[tuple[Any, ...], Any] = {}
+        self._bad: dict[int, CorruptShardError] = {}
+        self._lock = threading.Lock()
+        self._closed = False
         self.fetched_bytes = 0  # downloaded from remote storage (cache hits excluded)
 
     def _handle(self, shard: int) -> Any:
         handle = self._handles.get(shard)
-        if handle is None:
-            if self._local[shard]:
-                handle = os.open(local_path(self._urls[shard]), os.O_RDONLY)
-            else:
-                handle = filesystem(self._urls[shard], self._reader_options(shard), self._instances)
-                if hasattr(handle[0], "retries"):  # s3fs: retry in one place (ours), not retries^2 times
-                    handle[0].retries = 1
-            if self._verify:
-                self._check_sha256(shard)
-            winner = self._handles.setdefault(shard, handle)
-            if winner is not handle and self._local[shard]:  # another thread opened it first
-                os.close(handle)
-            handle = winner
+        if handle is not None:
+            return handle
+        with self._lock:  # one opener per shard; close() waits for it
+            if self._closed:
+                raise ShardkitError("read after the reader was closed")
+            if shard in self._bad:
+                raise self._bad[shard]
+            handle = self._handles.get(shard)
+            if handle is None:
+                if self._verify:
+                    try:
+                        self._check_sha256(shard)
+                    except CorruptShardError as e:
+                        self._bad[shard] = e  # hash a bad shard once, not once per sample
+                        raise
+                if self._local[shard]:
+                    handle = os.open(local_path(self._urls[shard]), os.O_RDONLY)
+                else:
+                    handle = filesystem(self._urls[shard], self._reader_options(shard), self._instances)
+                    if hasattr(handle[0], "retries"):  # s3fs: retry in one place (ours), not retries^2 times
+                        handle[0].retries = 1
+                self._handles[shard] = handle
         return handle
 
     def _check_sha256(self, shard: int) -> None:
@@ -363,7 +378,8 @@ class RangeReader:
             return data
 
         data = retrying(f"{display(url)} (bytes {start}-{stop})", get)
-        self.fetched_bytes += len(data)
+        with self._lock:
+            self.fetched_bytes += len(data)
         if self._cache is not None:
             self._cache.put(url, version, start, stop, data)
         return data
@@ -386,7 +402,10 @@ class RangeReader:
         )
 
     def close(self) -> None:
-        for shard, handle in self._handles.items():
-            if self._local[shard]:
-                os.close(handle)
-        self._handles.clear()
+        """Close the files. Reads still running on read-ahead threads fail cleanly after this."""
+        with self._lock:
+            self._closed = True
+            for shard, handle in self._handles.items():
+                if self._local[shard]:
+                    os.close(handle)
+            self._handles.clear()

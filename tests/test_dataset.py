@@ -681,3 +681,42 @@ def test_verify_names_a_shard_whose_checksum_is_wrong(tmp_path: Path, packed: Pa
     assert len(list(StreamingDataset(str(copy)))) == 120  # unnoticed without verify
     with pytest.raises(CorruptShardError, match=r"shard-000002\.tar: sha256 mismatch"):
         list(StreamingDataset(str(copy), verify=True))
+
+
+def test_a_bad_shard_is_hashed_once_and_leaks_no_descriptor(tmp_path: Path, packed: Path) -> None:
+    import os
+    import shutil
+
+    from shardkit import storage
+
+    copy = tmp_path / "copy"
+    shutil.copytree(packed, copy)
+    shard = copy / "shard-000000.tar"
+    data = bytearray(shard.read_bytes())
+    data[700] ^= 0x20
+    shard.write_bytes(bytes(data))
+    ds = StreamingDataset(str(copy))
+    reader = storage.RangeReader(ds.urls, None, [s.sha256 for s in ds.index.shards], verify=True)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(CorruptShardError, match="sha256 mismatch"):
+            reader.read(0, 0, 512)
+    reader.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_state_dict_counts_the_loaders_passes_not_peeks(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True)
+    ds.set_epoch(4)
+    next(iter(ds))  # two peeks in the main process...
+    next(iter(ds))
+    keys_of(DataLoader(ds, num_workers=2, batch_size=None))  # ...then one epoch with workers
+    assert ds.state_dict()["epoch"] == 5
+
+
+def test_a_resume_point_is_dropped_when_another_epoch_is_set(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True)
+    ds.load_state_dict(ds.resume_state(epoch=2, samples_seen=10, batch_size=5, num_workers=1))
+    ds.set_epoch(3)
+    ds.set_epoch(2)  # back to 2: a full epoch now, not the old partial one
+    assert len(keys_of(DataLoader(ds, num_workers=1, batch_size=None))) == 120

@@ -59,8 +59,9 @@ class Writer:
         with self.env.begin() as txn:
             return txn.get(INDEX_KEY)
 
-    def write(self, samples: Sequence[tuple[str, Mapping[str, bytes]]], meta: Mapping[bytes, bytes]) -> None:
-        """Put samples and `meta` records in one transaction (all or nothing)."""
+    def write(self, samples: Sequence[tuple[str, Mapping[str, bytes]]], meta: Mapping[bytes, bytes],
+              delete: Sequence[bytes] = ()) -> None:
+        """Put samples and `meta` records and delete `delete` in one transaction (all or nothing)."""
         while True:
             try:
                 with self.env.begin(write=True) as txn:
@@ -69,17 +70,17 @@ class Writer:
                             txn.put(f"{key}.{ext}".encode(), fields[ext])
                     for k, v in meta.items():
                         txn.put(k, v)
+                    for k in delete:
+                        txn.delete(k)
                 return
             except self._lmdb.MapFullError:
                 self.env.set_mapsize(self.env.info()["map_size"] * 2)
 
-    def delete(self, key: bytes) -> None:
-        with self.env.begin(write=True) as txn:
-            txn.delete(key)
-
     def close(self) -> None:
-        self.env.sync(True)
-        self.env.close()
+        if self.env is not None:
+            self.env.sync(True)
+            self.env.close()
+            self.env = None
 
 
 _READERS: dict[str, tuple[int, Any]] = {}  # path -> (pid, environment): LMDB allows one per process
