@@ -75,12 +75,39 @@ DISTRIBUTION = {"shardkit": "shardkit", RESIZE: "shardkit", "webdataset": "webda
 # ---------------------------------------------------------------- peers' own code paths
 
 
-def _import_streaming():  # type: ignore[no-untyped-def]
-    """mosaicml-streaming imports torchvision at package import (its vision datasets), which
-    does not load beside torch 2.13.0+cpu; MDSWriter and StreamingDataset never use it."""
+def _torchvision_stand_in() -> None:
+    """mosaicml-streaming imports torchvision at package import (its vision datasets subclass
+    VisionDataset and import to_tensor), and torchvision does not load beside torch 2.13.0+cpu.
+    MDSWriter and StreamingDataset never use it: register stand-ins for the three modules. They
+    carry a spec because transformers (imported by streaming) probes torchvision with find_spec;
+    with no distribution metadata behind it, transformers then counts torchvision as absent."""
     import types
+    from importlib.machinery import ModuleSpec
 
-    sys.modules.setdefault("torchvision", types.ModuleType("torchvision"))
+    if "torchvision" in sys.modules:
+        return
+
+    def unavailable(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("torchvision stand-in: not installed in the peers' venv")
+
+    attrs = {
+        "torchvision": {},
+        "torchvision.datasets": {"VisionDataset": type("VisionDataset", (), {})},
+        "torchvision.transforms": {},
+        "torchvision.transforms.functional": {"to_tensor": unavailable},
+    }
+    for name, names in attrs.items():
+        module = types.ModuleType(name)
+        module.__spec__ = ModuleSpec(name, None, is_package=name != "torchvision.transforms.functional")
+        module.__dict__.update(names)
+        sys.modules[name] = module
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+
+
+def _import_streaming():  # type: ignore[no-untyped-def]
+    _torchvision_stand_in()
     import streaming
     from streaming.base.util import clean_stale_shared_memory
 
@@ -150,15 +177,14 @@ def _mds_dataset(data: str, shuffle: bool, transform: bool):  # type: ignore[no-
     return cls(local=data, remote=None, shuffle=shuffle, batch_size=BATCH)
 
 
+def _litdata_decode(sample: dict) -> tuple:
+    return br.decode_resize(bytes(sample["jpg"])), sample["cls"]
+
+
 def _litdata_dataset(data: str, shuffle: bool, transform: bool):  # type: ignore[no-untyped-def]
     import litdata
 
-    class Decoded(litdata.StreamingDataset):
-        def __getitem__(self, index):  # type: ignore[no-untyped-def]
-            s = super().__getitem__(index)
-            return br.decode_resize(bytes(s["jpg"])), s["cls"]
-
-    return (Decoded if transform else litdata.StreamingDataset)(data, shuffle=shuffle)
+    return litdata.StreamingDataset(data, shuffle=shuffle, transform=_litdata_decode if transform else None)
 
 
 # ---------------------------------------------------------------- one measurement, in its own process
@@ -471,8 +497,8 @@ def chart(path: Path, results: dict, failures: dict, images: int) -> None:
     limit = [x["items"] / x["seconds"] for x in results.get(("decoded", "decode limit"), [])]
     if limit:
         ax.axhline(statistics.median(limit), color="black", linestyle="--", linewidth=1)
-        ax.text(len(ROWS) - 0.5, statistics.median(limit), f"decode limit ({WORKERS} processes, no loader)",
-                ha="right", va="bottom", fontsize=8)
+        ax.text(-0.45, statistics.median(limit), f" decode limit ({WORKERS} processes, no loader) ",
+                ha="left", va="center", fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
     ax.set_ylabel("decoded images/s (median, min-max)")
     ax.set_title(f"DataLoader(num_workers={WORKERS}, batch_size={BATCH}), decode + resize to 224, "
                  f"{images:,} images", fontsize=10)

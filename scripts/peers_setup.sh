@@ -7,7 +7,8 @@
 # How the peers go in (see shared/PEERS.md): torch first and alone; mosaicml-streaming and
 # litdata with --no-deps, since both declare torchvision and a plain install swaps torch for a
 # CUDA build plus a torchvision that does not import beside torch 2.13.0+cpu; their runtime
-# dependencies are installed by name, under a torch==2.13.0 constraint.
+# dependencies are installed by name, under a torch==2.13.0 constraint (and numpy<2.2, which
+# mosaicml-streaming declares).
 #
 # A peer that fails to install does not stop the script: it is written to .venv-peers/failed.txt
 # ("name: reason", one a line) and the benchmark reports it. Rerunning does nothing while the stamp
@@ -34,7 +35,8 @@ if [[ ! -x $venv/bin/python ]]; then
 fi
 py=$venv/bin/python
 constraints=$venv/constraints.txt
-echo "torch==2.13.0" >"$constraints"
+# numpy: mosaicml-streaming 0.13.0 declares numpy<2.2, so the whole venv (every contestant) runs on it.
+printf '%s\n' "torch==2.13.0" "numpy<2.2" >"$constraints"
 : >"$failed"
 : >"$log"
 pip=("$py" -m pip install -q -c "$constraints")
@@ -48,9 +50,9 @@ echo "peers-setup: installing torch and shardkit into $venv (minutes on a fresh 
 "${pip[@]}" -e '.[bench]' pillow numpy >>"$log" 2>&1 || { echo "peers-setup: shardkit failed, see $log" >&2; exit 1; }
 
 # One peer: its dependencies (named), then the package itself with --no-deps, then an import
-# check. On any failure: one line in failed.txt, and on to the next peer.
+# check (a Python statement). On any failure: one line in failed.txt, and on to the next peer.
 peer() {
-    local name=$1 spec=$2 module=$3
+    local name=$1 spec=$2 check=$3
     shift 3
     local out
     echo "peers-setup: $name" >&2
@@ -60,25 +62,27 @@ peer() {
         return
     fi
     echo "$out" >>"$log"
-    # mosaicml-streaming imports torchvision at package import; an empty stand-in is enough.
-    if ! out=$("$py" -c "import sys, types; sys.modules.setdefault('torchvision', types.ModuleType('torchvision')); import $module" 2>&1); then
+    if ! out=$("$py" -c "import sys; sys.path.insert(0, 'scripts'); $check" 2>&1); then
         echo "$out" >>"$log"
         echo "$name: import: $(tail -n1 <<<"$out")" >>"$failed"
     fi
 }
 
-peer webdataset webdataset webdataset webdataset
-peer mosaicml-streaming mosaicml-streaming==0.13.0 streaming \
+peer webdataset webdataset "import webdataset" webdataset
+# mosaicml-streaming imports torchvision at package import: bench_peers.py registers stand-ins.
+peer mosaicml-streaming mosaicml-streaming==0.13.0 "import bench_peers; bench_peers._import_streaming()" \
     boto3 Brotli 'google-cloud-storage>=2.9,<3.3' matplotlib 'paramiko<4' 'python-snappy<1' \
     'transformers<5' 'xxhash<4' 'zstd<2' 'oci<3' 'azure-storage-blob<13' 'azure-storage-file-datalake<13' \
     azure-identity 'catalogue>=2,<3' numpy
-peer litdata litdata==0.2.76 litdata \
+peer litdata litdata==0.2.76 "import litdata" \
     lightning-utilities filelock requests tifffile obstore boto3 numpy
 
 # torchvision is declared by both peers and left out on purpose; anything else is worth a look.
-if ! "$py" -m pip check >>"$log" 2>&1; then
-    echo "peers-setup: pip check (torchvision is expected to be missing):" >&2
-    "$py" -m pip check 2>&1 | grep -v -i torchvision >&2
+check=$("$py" -m pip check 2>&1)
+echo "$check" >>"$log"
+if grep -v -i -e torchvision -e '^No broken requirements' <<<"$check" | grep -q .; then
+    echo "peers-setup: pip check found conflicts besides the missing torchvision:" >&2
+    grep -v -i torchvision <<<"$check" >&2
 fi
 if [[ -s $failed ]]; then
     echo "peers-setup: some peers failed (the benchmark reports them):" >&2
