@@ -123,6 +123,38 @@ def _fingerprint(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _even_cuts(needs: np.ndarray, max_count: int | None, limit: int | None) -> tuple[tuple[int, int], ...]:
+    """Cut items into the fewest jobs that respect both caps, as even as possible (a small
+    last shard would leave a worker idle while the others finish). Falls back to filling
+    greedily when very uneven items make even cuts break a cap."""
+    n_items, total = len(needs), int(needs.sum())
+    if n_items == 0:
+        return ((0, 0),)
+    fewest = max(1, -(-n_items // max_count) if max_count else 1, -(-total // limit) if limit else 1)
+    by_count = bool(max_count) and (not limit or -(-n_items // max_count) >= -(-total // limit))
+    for count in range(fewest, min(fewest + 3, n_items + 1)):
+        if by_count:
+            edges = (np.arange(count + 1) * n_items) // count
+        else:  # cut where the running total crosses each multiple of total / count
+            starts = np.cumsum(needs) - needs
+            edges = np.append(np.searchsorted(starts, np.arange(count) * total / count, side="left"), n_items)
+        counts = np.diff(edges)
+        if (counts == 0).any():
+            continue
+        sizes = np.add.reduceat(needs, edges[:-1])
+        if (not max_count or counts.max() <= max_count) and (not limit or (sizes[counts > 1] <= limit).all()):
+            return tuple((int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]))
+    bounds, start, size = [], 0, 0
+    for position, need in enumerate(needs.tolist()):
+        count = position - start
+        if count and ((max_count is not None and count >= max_count) or (limit is not None and size + need > limit)):
+            bounds.append((start, position))
+            start, size = position, 0
+        size += need
+    bounds.append((start, n_items))
+    return tuple(bounds)
+
+
 def make_plan(
     src: str,
     dest: str,
@@ -147,8 +179,7 @@ def make_plan(
         idx, listing = scan_dataset(src, source, storage_options)
         classes, source_id, order = idx.classes, _fingerprint(idx.to_json()), np.arange(len(listing))
     limit = parse_size(max_size) if max_size is not None else None
-    bounds: list[tuple[int, int]] = []
-    start = size = 0
+    needs = np.empty(len(order), dtype=np.int64)
     for position, i in enumerate(order.tolist()):
         need = int(listing.sizes[i])  # a tar sample's whole byte range
         if source == "lmdb":  # member payloads: add the tar headers and padding
@@ -156,12 +187,8 @@ def make_plan(
         elif source == "folder":  # exact for copied images
             item = listing.item(i)
             need = _member_bytes(item.size) + _member_bytes(len(str(item.label))) + _member_bytes(len(sample_meta(item, classes)))
-        count = position - start
-        if count and ((max_count is not None and count >= max_count) or (limit is not None and size + need > limit)):
-            bounds.append((start, position))
-            start, size = position, 0
-        size += need
-    bounds.append((start, len(order)))
+        needs[position] = need
+    bounds = _even_cuts(needs, max_count, limit)
     name_of = SHARD_NAME if fmt == "tar" else CHUNK_NAME
     names = tuple(name_of.format(i) for i in range(len(bounds)))
     plan = Plan(src, dest, source, classes, tuple(skipped), listing, order, tuple(bounds), names, options,

@@ -49,7 +49,8 @@ def test_round_trip_every_sample(photos: Path, tmp_path: Path) -> None:
         assert fields["jpg"] == (photos / meta["path"]).read_bytes()
         assert int(fields["cls"]) == idx.classes.index(meta["class"])
         assert meta["path"].split("/")[0] == meta["class"]
-    assert [s.samples for s in idx.shards] == [4] * 7 + [2]
+    counts = [s.samples for s in idx.shards]
+    assert len(counts) == 8 and max(counts) <= 4 and max(counts) - min(counts) <= 1  # even: no runt shard
 
 
 def test_index_records_counts_offsets_and_checksums(photos: Path, tmp_path: Path) -> None:
