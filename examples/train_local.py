@@ -39,6 +39,25 @@ def model(classes: int) -> nn.Module:
                          nn.Linear(64, classes))
 
 
+def train_epoch(net: nn.Module, opt: torch.optim.Optimizer, loader: DataLoader) -> dict[str, float]:
+    """One pass of SGD over `loader`: samples, correct predictions, summed loss, seconds to the
+    first batch and in all."""
+    start, first, seen, correct, loss_sum = time.perf_counter(), 0.0, 0, 0, 0.0
+    for step, (images, labels) in enumerate(loader):
+        logits = net(images)
+        loss = F.cross_entropy(logits, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        seen += len(labels)
+        correct += int((logits.argmax(1) == labels).sum())
+        loss_sum += loss.item() * len(labels)
+        if step == 0:
+            first = time.perf_counter() - start
+    return {"seen": seen, "correct": correct, "loss_sum": loss_sum, "first_s": first,
+            "took": time.perf_counter() - start}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shards", help="a dataset folder written by `shardkit pack` (or a URL)")
@@ -55,23 +74,13 @@ def main() -> None:
     print(f"{len(ds)} samples per epoch, {len(ds.classes)} classes, {args.workers} workers")
     for epoch in range(args.epochs):
         ds.set_epoch(epoch)
-        start, seen, correct, loss_sum = time.perf_counter(), 0, 0, 0.0
-        for step, (images, labels) in enumerate(loader):
-            logits = net(images)
-            loss = F.cross_entropy(logits, labels)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            seen += len(labels)
-            correct += int((logits.argmax(1) == labels).sum())
-            loss_sum += loss.item() * len(labels)
-            if step == 0:
-                print(f"epoch {epoch}: first batch after {time.perf_counter() - start:.2f} s")
-        took = time.perf_counter() - start
+        r = train_epoch(net, opt, loader)
+        seen, took = r["seen"], r["took"]
+        print(f"epoch {epoch}: first batch after {r['first_s']:.2f} s")
         # To resume mid-epoch with a plain DataLoader, save (epoch, samples seen) and later call
         # ds.load_state_dict(ds.resume_state(epoch=..., samples_seen=..., batch_size=..., num_workers=...)).
         print(f"epoch {epoch}: {seen} samples in {took:.1f} s = {seen / took:.0f} samples/s, "
-              f"loss {loss_sum / seen:.3f}, train accuracy {correct / seen:.1%}")
+              f"loss {r['loss_sum'] / seen:.3f}, train accuracy {r['correct'] / seen:.1%}")
     stats = ds.stats()
     print(f"loader: {stats['samples']:.0f} samples, {stats['read_fraction']:.0%} of worker time waiting for data")
 

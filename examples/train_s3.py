@@ -10,12 +10,10 @@ server of your own (scripts/demo.sh --s3 starts one on loopback and runs this).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from train_local import model, to_training_pair
+from train_local import model, to_training_pair, train_epoch
 
 from shardkit import StreamingDataset
 
@@ -41,14 +39,8 @@ def main() -> None:
     for epoch in range(args.epochs):
         ds.set_epoch(epoch)
         before = ds.stats()
-        start, seen = time.perf_counter(), 0
-        for images, labels in loader:
-            loss = F.cross_entropy(net(images), labels)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            seen += len(labels)
-        took = time.perf_counter() - start
+        r = train_epoch(net, opt, loader)
+        seen, took = r["seen"], r["took"]
         after = ds.stats()
         downloaded = (after["fetched_bytes"] - before["fetched_bytes"]) / 1e6
         hits = after["cache_hits"] - before["cache_hits"]

@@ -35,7 +35,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -57,7 +56,9 @@ def _bootstrap() -> None:
 if __name__ == "__main__" and "--stage" not in sys.argv:
     _bootstrap()
 
-import bench_read as br  # noqa: E402  (decode_resize, Files, transforms, limits, _tree_rss, _fmt)
+from shardkit.bench import PeakRss  # noqa: E402
+
+import bench_read as br  # noqa: E402  (decode_resize, Files, transforms, limits, _fmt)
 
 WORKERS, BATCH = br.WORKERS, br.BATCH
 CHUNK = 256 * 1000 * 1000  # shard / chunk target for every packer (shardkit's "256MB")
@@ -297,16 +298,8 @@ def measure(stage: str, name: str, data: str, photos: str, timeout: float) -> di
     """Run one measurement in a fresh process (its own session, so a hang can be killed whole)."""
     cmd = [sys.executable, __file__, "--stage", stage, "--contestant", name, "--data", data, "--photos", photos]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    peak = 0
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.wait(0.05):
-            peak = max(peak, br._tree_rss(proc.pid))
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
+    rss = PeakRss(pid=proc.pid)
+    rss.start()
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -314,14 +307,13 @@ def measure(stage: str, name: str, data: str, photos: str, timeout: float) -> di
         proc.communicate()
         raise Failed(f"timed out after {timeout:.0f} s") from None
     finally:
-        done.set()
-        t.join()
+        rss.stop()
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         why = [line.strip() for line in err.splitlines() if line.strip()]
         raise Failed(why[-1] if why else f"exit code {proc.returncode}")
     result = json.loads(lines[-1][len("RESULT "):])
-    result["rss"] = peak
+    result["rss"] = rss.peak_total or 0
     return result
 
 

@@ -23,12 +23,13 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from shardkit.bench import PeakRss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -172,23 +173,6 @@ def _samples(shards: str) -> int:
 # ---------------------------------------------------------------- the driver
 
 
-def _tree_rss(pid: int) -> int:
-    """RSS in bytes of a process and all its descendants."""
-    total = 0
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    stack.extend(int(c) for c in f.read().split())
-        except (FileNotFoundError, ProcessLookupError, StopIteration):
-            continue
-    return total
-
-
 def warm(name: str, shards: str, photos: str) -> None:
     """Read the contestant's input once so that it starts from a warm page cache (the
     kernel here reclaims idle page cache proactively, so warming once at the start is not
@@ -202,23 +186,14 @@ def measure(name: str, shards: str, photos: str) -> dict:
     warm(name, shards, photos)
     cmd = [sys.executable, __file__, "--contestant", name, "--shards", shards, "--photos", photos]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    peak = 0
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.wait(0.05):
-            peak = max(peak, _tree_rss(proc.pid))
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
+    rss = PeakRss(pid=proc.pid)
+    rss.start()
     out, _ = proc.communicate()
-    done.set()
-    t.join()
+    rss.stop()
     if proc.returncode:
         raise SystemExit(f"{name} failed with exit code {proc.returncode}")
     result = json.loads(out.strip().splitlines()[-1])
-    result["rss"] = peak
+    result["rss"] = rss.peak_total or 0
     return result
 
 

@@ -188,13 +188,15 @@ def _children(pid: int) -> list[int]:
 
 
 class PeakRss:
-    """Samples VmRSS of this process and its descendants (DataLoader workers) every
-    `interval` seconds from a thread; keeps the peaks. Linux only: elsewhere peaks stay None.
-    Shared copy-on-write pages count in every process, so the total is an upper bound."""
+    """Samples VmRSS of process `pid` (default: this one) and its descendants (DataLoader
+    workers) every `interval` seconds from a thread; keeps the peaks. Linux only: elsewhere
+    peaks stay None. Shared copy-on-write pages count in every process, so the total is an
+    upper bound."""
 
-    def __init__(self, interval: float = 0.05):
+    def __init__(self, interval: float = 0.05, pid: int | None = None):
         self.interval = interval
-        self.available = os.path.exists(f"/proc/{os.getpid()}/status")
+        self.pid = os.getpid() if pid is None else pid
+        self.available = os.path.exists(f"/proc/{self.pid}/status")
         self.peak_main: int | None = None
         self.peak_total: int | None = None
         self._stop = threading.Event()
@@ -203,8 +205,8 @@ class PeakRss:
     def sample(self) -> None:
         if not self.available:
             return
-        main = _rss(os.getpid())
-        total, todo, seen = main, _children(os.getpid()), set()
+        main = _rss(self.pid)
+        total, todo, seen = main, _children(self.pid), set()
         while todo:
             pid = todo.pop()
             if pid not in seen:

@@ -7,6 +7,7 @@ jobs in flight (results can be large), and reports how many images are done.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -33,16 +34,11 @@ def tick(n: int) -> None:
 
 def local(workers: int) -> Runner:
     """A process pool of `workers` (inline, without a pool, for one)."""
-
-    def run(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R], None],
-            on_progress: Callable[[int], None]) -> None:
-        _run_local(fn, jobs, workers, on_done, on_progress)
-
-    return run
+    return functools.partial(_run_local, workers=workers)
 
 
-def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], workers: int, on_done: Callable[[R], None],
-               on_progress: Callable[[int], None]) -> None:
+def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R], None],
+               on_progress: Callable[[int], None], *, workers: int) -> None:
     """Run `fn` over jobs on a process pool (inline for one worker), handing results to
     `on_done` in job order as they complete, with at most 2 x workers jobs in flight (their
     results can be large); report images done so far."""

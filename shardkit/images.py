@@ -54,9 +54,13 @@ def _open(data: bytes) -> Image.Image:
     except UnidentifiedImageError:
         raise BadImage("not an image file") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        text = str(e)
-        raise BadImage("truncated image" if "truncated" in text else f"cannot decode image ({text})") from None
+        raise _undecodable(e) from None
     return img
+
+
+def _undecodable(e: Exception) -> BadImage:
+    text = str(e)
+    return BadImage("truncated image" if "truncated" in text else f"cannot decode image ({text})")
 
 
 def check(data: bytes, field: str) -> str:
@@ -86,8 +90,7 @@ def reencode(data: bytes, resize: int | None, quality: int) -> bytes:
         img = ImageOps.exif_transpose(img)
         img = img.convert("RGB")
     except (OSError, SyntaxError, ValueError) as e:
-        text = str(e)
-        raise BadImage("truncated image" if "truncated" in text else f"cannot decode image ({text})") from None
+        raise _undecodable(e) from None
     if resize and min(img.size) > resize:
         w, h = img.size
         scale = resize / min(w, h)

@@ -77,8 +77,11 @@ def resolve(source: str | Sequence[str], storage_options: StorageOptions | None 
     """(shard URLs, Index) for a dataset folder, a brace pattern or a list of shard URLs.
     An LMDB dataset resolves to its folder as the one "shard"."""
     if isinstance(source, str) and not source.endswith(".tar") and "{" not in source:
-        if storage.exists(storage.join(source, index.INDEX_NAME), storage_options):
-            idx = index.load(source, storage_options)
+        try:
+            idx = index.load(source, storage_options)  # one read, no existence check first
+        except (DatasetNotFoundError, NotADirectoryError):
+            pass
+        else:
             if idx.kind == "lmdb":
                 return [source], idx
             return [storage.join(source, s.name) for s in idx.shards], idx
