@@ -115,7 +115,7 @@ def sample_meta(item: Item, classes: tuple[str, ...]) -> bytes:
     return f'{{"class":{_json_str(classes[item.label])},"path":{_json_str(item.path)}}}'.encode()
 
 
-def _member_bytes(n: int) -> int:
+def _member_bytes(n: np.ndarray) -> np.ndarray:
     return BLOCK + n + (-n % BLOCK)
 
 
@@ -179,21 +179,46 @@ def make_plan(
         idx, listing = scan_dataset(src, source, storage_options)
         classes, source_id, order = idx.classes, _fingerprint(idx.to_json()), np.arange(len(listing))
     limit = parse_size(max_size) if max_size is not None else None
-    needs = np.empty(len(order), dtype=np.int64)
-    for position, i in enumerate(order.tolist()):
-        need = int(listing.sizes[i])  # a tar sample's whole byte range
-        if source == "lmdb":  # member payloads: add the tar headers and padding
-            need += 6 * BLOCK
-        elif source == "folder":  # exact for copied images
-            item = listing.item(i)
-            need = _member_bytes(item.size) + _member_bytes(len(str(item.label))) + _member_bytes(len(sample_meta(item, classes)))
-        needs[position] = need
+    needs = _needs(listing, source, classes)[order]
     bounds = _even_cuts(needs, max_count, limit)
     name_of = SHARD_NAME if fmt == "tar" else CHUNK_NAME
     names = tuple(name_of.format(i) for i in range(len(bounds)))
     plan = Plan(src, dest, source, classes, tuple(skipped), listing, order, tuple(bounds), names, options,
                 storage_options)
-    fingerprints = tuple(
-        _fingerprint(names[i], classes, asdict(options), source_id, plan.items(i)) for i in range(len(bounds))
-    )
+    fingerprints = tuple(_job_fingerprint(plan, i, source_id) for i in range(len(bounds)))
     return replace(plan, fingerprints=fingerprints, fingerprint=_fingerprint(fmt, classes, fingerprints))
+
+
+def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarray:
+    """The bytes each item takes in a tar shard, from the listing's arrays."""
+    if source == "tar":  # a sample's whole byte range
+        return listing.sizes
+    if source == "lmdb":  # member payloads: add the tar headers and padding
+        return listing.sizes + 6 * BLOCK
+    # a folder: the image (copied as is), `cls` and `json` (sample_meta) members, exactly
+    path_bytes = np.diff(listing.ends, prepend=0)
+    if any(c in listing.paths for c in _JSON_ESCAPED):  # rare: measure the escaped paths one by one
+        path_json = np.array([len(_json_str(listing.item(i).path).encode()) for i in range(len(listing))], np.int64)
+    else:
+        path_json = path_bytes + 2
+    class_json = np.array([len(_json_str(c).encode()) for c in classes], np.int64)
+    label_digits = np.array([len(str(i)) for i in range(len(classes))], np.int64)
+    meta = len('{"class":,"path":}') + class_json[listing.labels] + path_json
+    return _member_bytes(listing.sizes) + _member_bytes(label_digits[listing.labels]) + _member_bytes(meta)
+
+
+_JSON_ESCAPED = [b'"', b"\\"] + [bytes([c]) for c in range(32)]
+
+
+def _job_fingerprint(plan: Plan, i: int, source_id: str | None) -> str:
+    """What job i's shard is made of: its name, keys, options, and every item's path, class,
+    size and modification time. A rerun reuses the shard only if all of them are unchanged."""
+    lo, hi = plan.bounds[i]
+    listing, ids = plan.listing, plan.order[lo:hi]
+    starts = np.concatenate([[0], listing.ends[:-1]])[ids].tolist()
+    h = hashlib.sha256(json.dumps([plan.names[i], plan.source, plan.classes, asdict(plan.options), source_id,
+                                   lo, hi, len(plan.order)]).encode())
+    for column in (ids, listing.labels[ids], listing.sizes[ids], listing.mtimes[ids]):
+        h.update(np.ascontiguousarray(column, "<i8").tobytes())
+    h.update(b"\0".join(listing.paths[a:b] for a, b in zip(starts, listing.ends[ids].tolist())))
+    return h.hexdigest()

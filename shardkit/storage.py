@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 
 from .errors import CorruptShardError, ShardkitError, redact
+from .seqwrite import SequentialWriter
 
 if TYPE_CHECKING:
     from .cache import RangeCache
@@ -190,51 +191,18 @@ TMP_MARK = ".tmp-"
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"}
 
 
-class _StreamingWriter:
-    """A local file written front to back that starts disk writeback as it goes.
-
-    Every few MB it asks the kernel to write back what is already written
-    (POSIX_FADV_DONTNEED starts writeback without waiting, and drops pages once clean), so
-    the fsync at the end has little left to do and packing does not flood the page cache.
-    """
-
-    STEP = 16 << 20
-
-    def __init__(self, path: str):
-        # a small buffer: headers and padding are gathered, image payloads (larger) are
-        # written straight from the caller's bytes instead of being copied into the buffer
-        self._f = open(path, "wb", buffering=32 << 10)
-        self._written = self._mark = 0
-
-    def write(self, data: bytes) -> int:
-        n = self._f.write(data)
-        self._written += n
-        if self._written - self._mark >= self.STEP:
-            self._f.flush()
-            os.posix_fadvise(self._f.fileno(), 0, self._written, os.POSIX_FADV_DONTNEED)
-            self._mark = self._written
-        return n
-
-    def finish(self) -> None:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-
-    def close(self) -> None:
-        self._f.close()
-
-
 @contextlib.contextmanager
 def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> Iterator[BinaryIO]:
     """A file that appears under `url` only once it is complete.
 
-    Locally: write `url.tmp-<random>`, fsync, rename into place; on error the temporary file
-    is removed. On object stores an upload becomes visible only when it completes, so the
+    Locally: write `url.tmp-<random>` (with direct I/O where the file system allows it, see
+    seqwrite.py), fsync, rename into place; on error the temporary file is removed. On object stores an upload becomes visible only when it completes, so the
     object is written in place and an error aborts the upload.
     """
     if is_local(url):
         path = local_path(url)
         tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:12]}"
-        f = _StreamingWriter(tmp)
+        f = SequentialWriter(tmp)
         try:
             try:
                 yield f  # type: ignore[misc]

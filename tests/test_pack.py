@@ -97,6 +97,21 @@ def test_odd_file_names(tmp_path: Path) -> None:
         assert fields[ext] == (src / "cls" / name).read_bytes()
 
 
+@pytest.mark.parametrize("escaped", [False, True])
+def test_planned_sizes_are_exact(tmp_path: Path, escaped: bool) -> None:
+    """Shards are cut from sizes computed before any byte is read: they must be exact."""
+    from shardkit.plan import _needs, make_plan
+
+    src = tmp_path / "src"
+    names = ["a.jpg", "ünïcödé 画像.jpeg", "deep/er/x.png"] + (['quo"te.jpg', "back\\slash.jpg", "tab\there.jpg"] if escaped else [])
+    for i, name in enumerate(names):
+        draw(src / ("class ü" if i % 2 else "b") / name, 0, seed=i, fmt="PNG" if name.endswith("png") else "JPEG")
+    plan = make_plan(str(src), str(tmp_path / "out"), max_size=None, shuffle=False)
+    idx = shardkit.pack(str(src), str(tmp_path / "out"), max_size=None, shuffle=False, workers=1, progress=False)
+    offsets = idx.shards[0].offsets
+    assert list(_needs(plan.listing, "folder", plan.classes)[plan.order]) == [b - a for a, b in zip(offsets, offsets[1:])]
+
+
 def test_deterministic_whatever_the_workers(photos: Path, tmp_path: Path) -> None:
     shardkit.pack(str(photos), str(tmp_path / "a"), max_count=4, workers=1, progress=False)
     shardkit.pack(str(photos), str(tmp_path / "b"), max_count=4, workers=3, progress=False)
