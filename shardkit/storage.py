@@ -5,6 +5,7 @@ passed through unchanged."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import mmap
@@ -39,6 +40,7 @@ def local_path(url: str) -> str:
     return url[len("file://"):] if url.startswith("file://") else url
 
 
+@functools.lru_cache(maxsize=4096)  # readers name their shard in every sample's error context
 def display(url: str) -> str:
     """`url` fit for messages: passwords and presigned-URL signatures replaced by '***'."""
     return redact(url)
