@@ -173,7 +173,7 @@ class _WorkerStream(EpochStream):
         starts, ends = ds._starts[ids], ds._ends[ids]
         local = storage.is_local(ds.urls[0])
         if local:
-            plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=4 << 20)
+            plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=16 << 20)
         else:
             plan, range_of = ranges.blocks(ids, ds._first, ds._starts, ds._ends, ds.block)
         # a local "read" maps the range and asks the kernel to read it ahead: no threads needed

@@ -74,11 +74,16 @@ def decoder(mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     if image is not None:
         handlers.update(dict.fromkeys(IMAGE_FIELDS, image))
 
+    chosen: dict[str, Callable[[bytes], Any] | None] = {}  # field name -> handler, looked up once
+
     def decode(sample: dict[str, Any]) -> dict[str, Any]:
         for key, value in sample.items():
             if key[0] == "_":  # __key__, __url__
                 continue
-            handler = handlers.get(key) or handlers.get(key.rsplit(".", 1)[-1])
+            try:
+                handler = chosen[key]
+            except KeyError:
+                handler = chosen[key] = handlers.get(key) or handlers.get(key.rsplit(".", 1)[-1])
             if handler is not None:
                 sample[key] = handler(value)
         return sample

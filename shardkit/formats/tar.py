@@ -252,17 +252,22 @@ def parse_sample(buf: bytes | memoryview, where: str) -> tuple[str, dict[str, by
             if head == _EMPTY:
                 break
             return _parse_general(bytes(buf), where)
-        size = _parse_octal(head[124:136], where)
+        try:
+            size = int(head[124:135], 8)  # the common case: 11 octal digits
+        except ValueError:
+            size = _parse_octal(head[124:136], where)
         start = pos + BLOCK
         if start + size > end:
             raise CorruptShardError(f"{where}: member at byte {pos} runs past the sample's end")
-        k, ext = split_name(head[:100].split(b"\x00", 1)[0].decode("utf-8"))
+        name = head[:100].split(b"\x00", 1)[0].decode("utf-8")
+        dot = name.find(".", name.rfind("/") + 1)  # split_name, inlined: this runs per member
+        k, ext = (name, "") if dot < 0 else (name[:dot], name[dot + 1 :])
         if key is None:
             key = k
         elif k != key:
             raise CorruptShardError(f"{where}: members of two samples ({key!r}, {k!r}) in one sample's range")
         fields[ext] = bytes(buf[start : start + size])
-        pos = start + size + _padding(size)
+        pos = start + size + (-size % BLOCK)
     if key is None:
         raise CorruptShardError(f"{where}: no tar member in the sample's byte range")
     return key, fields
