@@ -106,8 +106,15 @@ def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: fl
 
 def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes:
     if is_local(url):
-        with open(local_path(url), "rb") as f:
-            return f.read()
+        # os-level calls: about half the cost of open().read() for the many small files a pack reads
+        fd = os.open(local_path(url), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            chunks = [os.read(fd, os.fstat(fd).st_size + 1)]  # normally the whole file
+            while chunks[-1]:  # up to end of file, should it have grown or the read come up short
+                chunks.append(os.read(fd, 1 << 20))
+            return chunks[0] if len(chunks) == 2 else b"".join(chunks)
+        finally:
+            os.close(fd)
     fs, path = filesystem(url, storage_options)
     return retrying(display(url), lambda: fs.cat_file(path))
 
