@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from json.encoder import encode_basestring as _json_str  # type: ignore[attr-defined]
@@ -197,7 +198,7 @@ def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarra
         return listing.sizes + 6 * BLOCK
     # a folder: the image (copied as is), `cls` and `json` (sample_meta) members, exactly
     path_bytes = np.diff(listing.ends, prepend=0)
-    if any(c in listing.paths for c in _JSON_ESCAPED):  # rare: measure the escaped paths one by one
+    if _JSON_ESCAPED.search(listing.paths):  # rare: measure the escaped paths one by one
         path_json = np.array([len(_json_str(listing.item(i).path).encode()) for i in range(len(listing))], np.int64)
     else:
         path_json = path_bytes + 2
@@ -207,7 +208,7 @@ def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarra
     return _member_bytes(listing.sizes) + _member_bytes(label_digits[listing.labels]) + _member_bytes(meta)
 
 
-_JSON_ESCAPED = [b'"', b"\\"] + [bytes([c]) for c in range(32)]
+_JSON_ESCAPED = re.compile(rb'["\\\x00-\x1f]')  # what json escapes in a str: quote, backslash, controls
 
 
 def _job_fingerprint(plan: Plan, i: int, source_id: str | None) -> str:

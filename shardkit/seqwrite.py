@@ -75,14 +75,13 @@ class SequentialWriter:
             except OSError as e:
                 if e.errno != errno.EINVAL or not self._direct():
                     raise
-                self._set_direct(False)  # direct I/O accepted at open but refused on write
+                self._direct_off()  # direct I/O accepted at open but refused on write
 
     def _direct(self) -> bool:
         return bool(fcntl.fcntl(self._fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
 
-    def _set_direct(self, on: bool) -> None:
-        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~getattr(os, "O_DIRECT", 0)
-        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags | (getattr(os, "O_DIRECT", 0) if on else 0))
+    def _direct_off(self) -> None:
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~getattr(os, "O_DIRECT", 0))
 
     def finish(self) -> None:
         """Write what is left and fsync. The unaligned tail goes through the page cache."""
@@ -93,7 +92,7 @@ class SequentialWriter:
             self._hand_off(aligned)
         self._wait()
         if rest:
-            self._set_direct(False)
+            self._direct_off()
             self._write_out(rest, len(rest))
         os.fsync(self._fd)
 
@@ -108,4 +107,3 @@ class SequentialWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

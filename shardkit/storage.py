@@ -205,8 +205,9 @@ def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> It
     """A file that appears under `url` only once it is complete.
 
     Locally: write `url.tmp-<random>` (with direct I/O where the file system allows it, see
-    seqwrite.py), fsync, rename into place; on error the temporary file is removed. On object stores an upload becomes visible only when it completes, so the
-    object is written in place and an error aborts the upload.
+    seqwrite.py), fsync, rename into place; on error the temporary file is removed. On
+    object stores an upload becomes visible only when it completes, so the object is written
+    in place and an error aborts the upload.
     """
     if is_local(url):
         path = local_path(url)
