@@ -216,7 +216,7 @@ def _job_fingerprint(plan: Plan, i: int, source_id: str | None) -> str:
     size and modification time. A rerun reuses the shard only if all of them are unchanged."""
     lo, hi = plan.bounds[i]
     listing, ids = plan.listing, plan.order[lo:hi]
-    starts = np.concatenate([[0], listing.ends[:-1]])[ids].tolist()
+    starts = np.where(ids > 0, listing.ends[ids - 1], 0).tolist()  # this job's items only, not the listing
     h = hashlib.sha256(json.dumps([plan.names[i], plan.source, plan.classes, asdict(plan.options), source_id,
                                    lo, hi, len(plan.order)]).encode())
     for column in (ids, listing.labels[ids], listing.sizes[ids], listing.mtimes[ids]):

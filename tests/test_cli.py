@@ -111,3 +111,39 @@ def test_readme_cli_reference_is_current() -> None:
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     readme = (ROOT / "README.md").read_text()
     assert module.rendered(readme) == readme, "README's CLI reference is stale: run scripts/cli_reference.py"
+
+
+def _stderr_on_a_terminal(*args: str) -> str:
+    """Run `shardkit ARGS` with stderr on a pseudo-terminal; what it wrote there."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty has 0 columns
+    proc = subprocess.run([sys.executable, "-m", "shardkit.cli", *args], stderr=follower,
+                          stdout=subprocess.DEVNULL, check=True, timeout=120)
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # EIO: nothing more on a closed pty
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    assert proc.returncode == 0
+    return out.decode("utf-8", "replace")
+
+
+def test_progress_bar_on_a_terminal_only(photos: Path, tmp_path: Path) -> None:
+    bar = _stderr_on_a_terminal("pack", str(photos), str(tmp_path / "a"), "--workers", "1")
+    assert "pack:" in bar and "30/30" in bar and "img" in bar
+    assert _stderr_on_a_terminal("pack", str(photos), str(tmp_path / "b"), "--workers", "1", "-q") == ""
+    piped = subprocess.run([sys.executable, "-m", "shardkit.cli", "pack", str(photos), str(tmp_path / "c"),
+                            "--workers", "1"], capture_output=True, text=True, check=True, timeout=120)
+    assert "img" not in piped.stderr  # not a terminal: no bar
