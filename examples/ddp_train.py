@@ -41,16 +41,17 @@ def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the machine's cores
     torch.manual_seed(0)
-    ds = StreamingDataset(args.shards, shuffle=True, seed=0, decode="tensor", transform=to_training_pair)
+    ds = StreamingDataset(args.shards, shuffle=True, seed=0, decode="tensor", transform=to_training_pair,
+                          batch_size=args.batch_size)  # batches made in the workers: batch_size=None below
     # A process started by mp.spawn starts its own children by spawn too: every DataLoader worker
     # would import torch and this script again (seconds each). Fork them, as under torchrun.
     fork = args.workers > 0 and "fork" in multiprocessing.get_all_start_methods()
-    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers,
+    loader = DataLoader(ds, batch_size=None, num_workers=args.workers,
                         persistent_workers=args.workers > 0, multiprocessing_context="fork" if fork else None)
     net = DistributedDataParallel(model(len(ds.classes) or 1000))  # broadcasts rank 0's weights
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     if rank == 0:
-        print(f"{world} ranks x {args.workers} workers: {len(ds)} samples per rank per epoch, "
+        print(f"{world} ranks x {args.workers} workers: {len(ds)} batches per rank per epoch, "
               f"{len(ds.classes)} classes", flush=True)
     for epoch in range(args.epochs):
         ds.set_epoch(epoch)  # the same order on every rank; each takes its own share of it

@@ -3,7 +3,8 @@
     shardkit pack ./photos ./photos-shards
     python examples/train_local.py ./photos-shards --epochs 2 --workers 2
 
-Shows the recipe: shuffle with a seed, set_epoch every epoch, workers + pin_memory +
+Shows the recipe: shuffle with a seed, set_epoch every epoch, batches made in the workers
+(batch_size on the dataset, None on the DataLoader), workers + pin_memory +
 persistent_workers, and a resumable checkpoint of the data position.
 """
 
@@ -66,19 +67,20 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     args = ap.parse_args()
 
-    ds = StreamingDataset(args.shards, shuffle=True, seed=0, decode="tensor", transform=to_training_pair)
-    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, pin_memory=torch.cuda.is_available(),
+    ds = StreamingDataset(args.shards, shuffle=True, seed=0, decode="tensor", transform=to_training_pair,
+                          batch_size=args.batch_size)
+    loader = DataLoader(ds, batch_size=None, num_workers=args.workers, pin_memory=torch.cuda.is_available(),
                         persistent_workers=args.workers > 0)
     net = model(len(ds.classes) or 1000)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    print(f"{len(ds)} samples per epoch, {len(ds.classes)} classes, {args.workers} workers")
+    print(f"{len(ds)} batches of up to {args.batch_size} per epoch, {len(ds.classes)} classes, {args.workers} workers")
     for epoch in range(args.epochs):
         ds.set_epoch(epoch)
         r = train_epoch(net, opt, loader)
         seen, took = r["seen"], r["took"]
         print(f"epoch {epoch}: first batch after {r['first_s']:.2f} s")
         # To resume mid-epoch with a plain DataLoader, save (epoch, samples seen) and later call
-        # ds.load_state_dict(ds.resume_state(epoch=..., samples_seen=..., batch_size=..., num_workers=...)).
+        # ds.load_state_dict(ds.resume_state(epoch=..., samples_seen=..., num_workers=...)).
         print(f"epoch {epoch}: {seen} samples in {took:.1f} s = {seen / took:.0f} samples/s, "
               f"loss {r['loss_sum'] / seen:.3f}, train accuracy {r['correct'] / seen:.1%}")
     stats = ds.stats()

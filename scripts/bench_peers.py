@@ -11,7 +11,8 @@ imports. Medians with min-max, against limits measured in the same run:
 - raw read: samples/s in one process, and MB/s of the packed files against `cat` of shardkit's
   shards (litdata items are copied to bytes: it returns views into memory-mapped chunks);
 - decoded: images/s through DataLoader(num_workers=2, batch_size=64) (litdata's own
-  StreamingDataLoader), the same decode + resize-to-224 + CHW uint8 code (bench_read.py's) for
+  StreamingDataLoader; shardkit as it is meant for training, batch_size=64 on the dataset and
+  batch_size=None on the DataLoader: bench_read.py compares both ways), the same decode + resize-to-224 + CHW uint8 code (bench_read.py's) for
   everyone, against that code alone on 2 processes with bytes preloaded and no loader;
 - first batch: seconds from building the dataset to the first batch; peak RSS of the
   decoded pass, main process + workers, sampled at 20 Hz.
@@ -252,8 +253,9 @@ def run_decoded(name: str, data: str, photos: str) -> dict:
         from shardkit import StreamingDataset
 
         def make():  # type: ignore[no-untyped-def]
-            ds = StreamingDataset(data, shuffle=True, transform=br.shardkit_transform)
-            return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+            # shardkit's training setup: batches made in the workers (see bench_read.py for both ways)
+            ds = StreamingDataset(data, shuffle=True, transform=br.shardkit_transform, batch_size=BATCH)
+            return DataLoader(ds, batch_size=None, num_workers=WORKERS)
     elif name == "webdataset":
         import webdataset as wds
 

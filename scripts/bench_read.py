@@ -5,7 +5,8 @@ One run, contestants interleaved round after round, each in a fresh process, pag
 warm. Medians with min-max; ratios against the limits measured in the same run:
 
 - raw: samples/s and MB/s reading the shards in one process, against `cat` of the same files;
-- decoded: images/s through DataLoader(num_workers=2, batch_size=64) with the same
+- decoded: images/s through DataLoader(num_workers=2, batch_size=64) (shardkit also with
+  the batches made in the dataset, DataLoader(batch_size=None)) with the same
   decode + resize-to-224 + uint8 tensor code for everyone, against that code alone on
   2 processes with no loader (the decode limit);
 - time to first batch and peak RSS (main process + workers, sampled at 20 Hz).
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 BATCH = 64
 WORKERS = 2
 SIZE = 224
+BATCHED = "shardkit StreamingDataset(batch_size=64)"
 
 
 def decode_resize(data: bytes) -> "torch.Tensor":  # noqa: F821
@@ -125,6 +127,11 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
 
         ds = StreamingDataset(shards, shuffle=True, transform=shardkit_transform)
         loader = DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+    elif name == BATCHED:
+        from shardkit import StreamingDataset
+
+        ds = StreamingDataset(shards, shuffle=True, transform=shardkit_transform, batch_size=BATCH)
+        loader = DataLoader(ds, batch_size=None, num_workers=WORKERS)
     elif name == "LMDB random access":
         from shardkit import LMDBDataset
 
@@ -234,7 +241,7 @@ def main() -> None:
                    shell=True, check=True)
 
     raw = ["cat (limit)", "shardkit raw", "webdataset raw"]
-    decoded = ["decode limit", "shardkit", "LMDB random access", "plain files", "webdataset"]
+    decoded = ["decode limit", "shardkit", BATCHED, "LMDB random access", "plain files", "webdataset"]
     results: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         for name in raw + decoded:

@@ -41,6 +41,11 @@ class StreamingDataset(EpochDataset):
     the start of the epoch's order, so none is ever left out; ``"drop"`` leaves a few out.
     With ``shuffle=True`` the order depends only on (seed, epoch) and the layout (world size,
     num_workers); call ``set_epoch`` each epoch, or let each pass advance the epoch by one.
+
+    ``batch_size=B`` makes each worker yield whole batches, collated as ``default_collate``
+    would but straight into reused shared memory (see batching.py): use it with
+    ``DataLoader(ds, batch_size=None)``. ``len(ds)`` then counts batches, at most one of them
+    short per rank.
     """
 
     def __init__(
@@ -63,8 +68,12 @@ class StreamingDataset(EpochDataset):
         cache_dir: str | None = None,
         cache_limit: int | str = "20GB",
         storage_options: StorageOptions | None = None,
+        batch_size: int | None = None,
     ):
         super().__init__(rank, world_size)
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1 (or None), not {batch_size}")
+        self.batch_size = batch_size
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         if remainder not in partition.REMAINDERS:
@@ -120,7 +129,7 @@ class StreamingDataset(EpochDataset):
 
 
     def __iter__(self) -> Iterator[Any]:
-        return _WorkerStream(self, *self._layout())
+        return self._stream(_WorkerStream(self, *self._layout()))
 
 
 class _WorkerStream(EpochStream):

@@ -30,6 +30,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
     seed: int
     shuffle_window: int
     remainder: str
+    batch_size: int | None = None  # set: the dataset yields batches (see batching.py)
 
     def __init__(self, rank: int | None, world_size: int | None) -> None:
         super().__init__()
@@ -60,8 +61,22 @@ class EpochDataset(torch.utils.data.IterableDataset):
         return state
 
     def __len__(self) -> int:
-        """Samples this rank yields per epoch (the same on every rank)."""
-        return partition.per_rank(self._total(), self._rank_world()[1], self.remainder)
+        """Samples this rank yields per epoch (the same on every rank); batches, if the
+        dataset batches."""
+        samples = partition.per_rank(self._total(), self._rank_world()[1], self.remainder)
+        return -(-samples // self.batch_size) if self.batch_size else samples
+
+    @property
+    def _batch(self) -> int:
+        return self.batch_size or 1
+
+    def _stream(self, stream: EpochStream) -> Iterator[Any]:
+        """What `__iter__` returns: the worker's samples, or its batches."""
+        if not self.batch_size:
+            return stream
+        from .batching import Batches
+
+        return Batches(stream, self.batch_size)
 
     @property
     def epoch(self) -> int:
@@ -110,14 +125,21 @@ class EpochDataset(torch.utils.data.IterableDataset):
         yielded = [0] * int(first["num_workers"])
         for s in workers:
             yielded[int(s["worker"])] = int(s["yielded"])
-        progress = Progress(int(first["world_size"]), int(first["num_workers"]), tuple(yielded))
+        progress = Progress(int(first["world_size"]), int(first["num_workers"]), tuple(yielded), int(first.get("batch", 1)))
         self._resume = {"epoch": int(first["epoch"]), "history": [*first.get("history", []), progress.to_json()]}
         self._shared.set_epoch(int(first["epoch"]))
 
-    def resume_state(self, *, epoch: int, samples_seen: int, batch_size: int, num_workers: int,
+    def resume_state(self, *, epoch: int, samples_seen: int, num_workers: int, batch_size: int | None = None,
                      world_size: int | None = None, drop_last: bool = False) -> dict[str, Any]:
         """A state for `load_state_dict` after a plain torch DataLoader handed out
-        `samples_seen` samples (per rank) of `epoch` with these settings."""
+        `samples_seen` samples (per rank) of `epoch` with these settings. `batch_size` is the
+        DataLoader's, or left out when the dataset batches itself."""
+        if self.batch_size:
+            if batch_size not in (None, self.batch_size):
+                raise ValueError(f"the dataset batches by {self.batch_size}: leave batch_size out")
+            batch_size = self.batch_size
+        elif batch_size is None:
+            raise ValueError("batch_size: the DataLoader's batch size is needed")
         if self._resume is not None and self._resume["epoch"] == epoch:
             raise ValueError(
                 "this epoch was itself resumed from a partial state: checkpoint with StatefulDataLoader "
@@ -126,9 +148,10 @@ class EpochDataset(torch.utils.data.IterableDataset):
         world = world_size or self._rank_world()[1]
         rank_total = partition.per_rank(self._total(), world, self.remainder)
         workers = max(num_workers, 1)
-        sizes = [b - a for a, b in (partition.worker_bounds(rank_total, workers, w) for w in range(workers))]
+        sizes = [b - a for a, b in (partition.worker_bounds(rank_total, workers, w, self._batch) for w in range(workers))]
         yielded = partition.yielded_after(sizes, batch_size, samples_seen, drop_last)
-        return {STATE_MARK: 1, "epoch": epoch, "world_size": world, "num_workers": workers, "history": [],
+        return {STATE_MARK: 1, "epoch": epoch, "world_size": world, "num_workers": workers, "batch": self._batch,
+                "history": [],
                 "workers": [{"worker": w, "yielded": k} for w, k in enumerate(yielded)]}
 
 
@@ -193,12 +216,14 @@ class EpochStream:
 
     def state_dict(self) -> dict[str, Any]:
         return {STATE_MARK: 1, "epoch": self.epoch, "world_size": self.world, "num_workers": self.num_workers,
-                "worker": self.worker_id, "yielded": self.skip + self.yielded, "history": self.history}
+                "batch": self.ds._batch, "worker": self.worker_id, "yielded": self.skip + self.yielded,
+                "history": self.history}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._gen is not None:
             raise RuntimeError("load_state_dict must come before the first sample")
-        same = state["world_size"] == self.world and state["num_workers"] == self.num_workers
+        same = (state["world_size"] == self.world and state["num_workers"] == self.num_workers
+                and state.get("batch", 1) == self.ds._batch)
         if not same or state["worker"] != self.worker_id:
             raise ValueError(
                 "this worker state is for another layout; load the whole loader state with "
@@ -214,11 +239,11 @@ class EpochStream:
         ds = self.ds
         sequence = self._sequence()
 
-        def layout(world: int, workers: int, segment: int) -> Layout:
-            return Layout(world, workers, ds.seed, self.epoch, ds.shuffle, ds.shuffle_window, ds.remainder, segment)
+        def layout(world: int, workers: int, segment: int, batch: int) -> Layout:
+            return Layout(world, workers, ds.seed, self.epoch, ds.shuffle, ds.shuffle_window, ds.remainder, segment, batch)
 
         for segment, done in enumerate(self.history):
             p = Progress.from_json(done)
-            sequence = partition.remaining(sequence, layout(p.world_size, p.num_workers, segment), p)
-        here = layout(self.world, self.num_workers, len(self.history))
+            sequence = partition.remaining(sequence, layout(p.world_size, p.num_workers, segment, p.batch), p)
+        here = layout(self.world, self.num_workers, len(self.history), ds._batch)
         return partition.worker_stream(sequence, here, self.rank, self.worker_id)[self.skip :]

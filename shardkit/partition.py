@@ -87,11 +87,15 @@ def per_rank(total: int, world_size: int, remainder: str) -> int:
     return -(-total // world_size) if remainder == "repeat" else total // world_size
 
 
-def worker_bounds(rank_total: int, num_workers: int, worker_id: int) -> tuple[int, int]:
-    """[start, stop) of a worker's part of its rank's run; sizes differ by at most one."""
-    base, extra = divmod(rank_total, num_workers)
+def worker_bounds(rank_total: int, num_workers: int, worker_id: int, batch: int = 1) -> tuple[int, int]:
+    """[start, stop) of a worker's part of its rank's run. The run is cut into whole batches
+    of `batch` samples (the last one may be short) and workers get numbers of batches that
+    differ by at most one, so the rank yields ceil(rank_total / batch) batches whatever N."""
+    chunks = -(-rank_total // batch)
+    base, extra = divmod(chunks, num_workers)
     start = worker_id * base + min(worker_id, extra)
-    return start, start + base + (worker_id < extra)
+    stop = start + base + (worker_id < extra)
+    return min(start * batch, rank_total), min(stop * batch, rank_total)
 
 
 @dataclass(frozen=True)
@@ -106,12 +110,13 @@ class Layout:
     window: int
     remainder: str
     segment: int = 0  # 0 for a fresh epoch; n after n elastic resumes inside it
+    batch: int = 1  # samples per batch when the dataset batches (workers split whole batches)
 
 
 def worker_stream(sequence: np.ndarray, layout: Layout, rank: int, worker_id: int) -> np.ndarray:
     """The ids worker `worker_id` of rank `rank` yields, in order."""
     r = per_rank(len(sequence), layout.world_size, layout.remainder)
-    lo, hi = worker_bounds(r, layout.num_workers, worker_id)
+    lo, hi = worker_bounds(r, layout.num_workers, worker_id, layout.batch)
     positions = np.arange(rank * r + lo, rank * r + hi, dtype=np.int64)
     ids = sequence[positions % len(sequence)] if len(sequence) else positions
     if layout.shuffle and layout.window > 1 and len(ids) > 1:
@@ -129,13 +134,15 @@ class Progress:
     world_size: int
     num_workers: int
     yielded: tuple[int, ...]
+    batch: int = 1
 
     def to_json(self) -> dict:
-        return {"world_size": self.world_size, "num_workers": self.num_workers, "yielded": list(self.yielded)}
+        return {"world_size": self.world_size, "num_workers": self.num_workers, "yielded": list(self.yielded),
+                "batch": self.batch}
 
     @classmethod
     def from_json(cls, d: dict) -> Progress:
-        p = cls(int(d["world_size"]), int(d["num_workers"]), tuple(int(k) for k in d["yielded"]))
+        p = cls(int(d["world_size"]), int(d["num_workers"]), tuple(int(k) for k in d["yielded"]), int(d.get("batch", 1)))
         if len(p.yielded) != p.num_workers:
             raise ValueError(f"progress lists {len(p.yielded)} worker counts for {p.num_workers} workers")
         return p

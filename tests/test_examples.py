@@ -29,7 +29,7 @@ def example(name: str, *args: object) -> list[str]:
 @pytest.mark.timeout(120)
 def test_train_local(packed: Path, tmp_path: Path) -> None:
     out = run(example("train_local.py", packed, "--epochs", 1, "--workers", 2, "--batch-size", 16), tmp_path)
-    assert "120 samples per epoch, 3 classes, 2 workers" in out
+    assert "8 batches of up to 16 per epoch, 3 classes, 2 workers" in out
     assert re.search(r"epoch 0: 120 samples in [\d.]+ s = \d+ samples/s, loss [\d.]+", out), out
 
 
@@ -75,7 +75,7 @@ def test_ddp_train_gives_every_rank_the_same_batches(launcher: str, packed: Path
     else:
         cmd = [sys.executable, *map(str, args), "--spawn", "2"]
     out = run(cmd, tmp_path)
-    assert "2 ranks x 2 workers: 60 samples per rank per epoch, 3 classes" in out
-    # each rank: 2 workers x 30 samples in batches of 8 (8, 8, 8, 6): 8 batches
+    assert "2 ranks x 2 workers: 8 batches per rank per epoch, 3 classes" in out
+    # each rank: 60 samples in whole batches of 8 split between 2 workers: 7 full batches and one of 4
     assert re.search(r"epoch 0: batches per rank \[8, 8\], samples per rank \[60, 60\]; 120 samples in [\d.]+ s = "
                      r"\d+ samples/s", out), out

@@ -92,6 +92,22 @@ def test_worker_bounds_are_contiguous_and_cover_the_rank() -> None:
         assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1
 
 
+def test_batched_worker_bounds_split_whole_batches() -> None:
+    """With a batch size, workers get whole batches (only the rank's last one may be short),
+    so the rank yields ceil(R / B) batches whatever the number of workers."""
+    for rank_total, workers, batch in itertools.product(range(0, 40), range(1, 6), range(1, 7)):
+        bounds = [partition.worker_bounds(rank_total, workers, w, batch) for w in range(workers)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == rank_total
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+        sizes = [b - a for a, b in bounds]
+        assert sum(-(-s // batch) for s in sizes) == -(-rank_total // batch)
+        last = max((w for w, s in enumerate(sizes) if s), default=None)
+        assert all(s % batch == 0 for w, s in enumerate(sizes) if w != last)
+        full = [-(-s // batch) for s in sizes]
+        assert max(full) - min(full) <= 1
+    assert partition.worker_bounds(10, 3, 1) == partition.worker_bounds(10, 3, 1, batch=1)
+
+
 def test_worker_stream_window_shuffle_permutes_only_within_windows() -> None:
     seq = partition.global_sequence([40, 33, 27], seed=5, epoch=1, shuffle=True, block=8)
     plain = partition.worker_stream(seq, layout(2, 3, shuffle=False), 1, 2)

@@ -1,0 +1,203 @@
+"""StreamingDataset(batch_size=B): batches made in the worker, in shared memory reused only
+after the main process freed every tensor over it."""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from shardkit import batching
+from shardkit.dataset import StreamingDataset
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+    pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
+]
+
+
+def to_pair(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    return sample["jpg"], sample["cls"]
+
+
+def with_key(sample: dict[str, Any]) -> dict[str, Any]:
+    """A dict transform: the image, the label, the key and a float and numpy leaf."""
+    return {"image": sample["jpg"], "label": sample["cls"], "key": sample["__key__"],
+            "weight": 0.5, "mean": sample["jpg"].float().mean((1, 2)).numpy()}
+
+
+def reference(packed: Path) -> dict[str, tuple[torch.Tensor, int]]:
+    """key -> (image, label), read one sample at a time."""
+    return {s["__key__"]: (s["jpg"], s["cls"]) for s in StreamingDataset(str(packed), decode="tensor")}
+
+
+def batched(packed: Path, batch: int, **kw: Any) -> StreamingDataset:
+    return StreamingDataset(str(packed), decode="tensor", transform=with_key, batch_size=batch, **kw)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_hold_what_dataloader_batching_would(packed: Path, workers: int) -> None:
+    ref = reference(packed)
+    plain = next(iter(DataLoader(StreamingDataset(str(packed), decode="tensor", transform=with_key), batch_size=8)))
+    loader = DataLoader(batched(packed, 8, shuffle=True), batch_size=None, num_workers=workers)
+    keys = []
+    for batch in loader:
+        assert batch.keys() == plain.keys()
+        for name in ("image", "label", "weight", "mean"):
+            assert batch[name].dtype == plain[name].dtype and batch[name].shape[1:] == plain[name].shape[1:]
+        assert isinstance(batch["key"], list)
+        for i, key in enumerate(batch["key"]):
+            image, label = ref[key]
+            assert torch.equal(batch["image"][i], image) and batch["label"][i] == label
+            assert batch["weight"][i] == 0.5
+        keys += batch["key"]
+    assert Counter(keys) == Counter(ref.keys())
+
+
+@pytest.mark.parametrize("workers", [0, 1, 3])
+@pytest.mark.parametrize("world", [1, 2])
+def test_len_counts_batches_and_only_the_last_is_short(packed: Path, world: int, workers: int) -> None:
+    seen = []
+    for rank in range(world):
+        ds = StreamingDataset(str(packed), transform=to_pair, decode="tensor", batch_size=7, rank=rank,
+                              world_size=world, shuffle=True)
+        sizes = [len(x) for x, _ in DataLoader(ds, batch_size=None, num_workers=workers)]
+        assert len(sizes) == len(ds) == -(-120 // world // 7)
+        assert sorted(sizes)[1:] == [7] * (len(sizes) - 1)
+        seen.append(sum(sizes))
+    assert seen == [120 // world] * world
+
+
+def test_kept_batches_and_views_are_never_overwritten(packed: Path) -> None:
+    """More batches kept than the pool has segments, and views outliving their batch."""
+    ref = reference(packed)
+    ds = StreamingDataset(str(packed), decode="tensor", transform=to_pair, batch_size=4, shuffle=True)
+    kept, views = [], []
+    for images, labels in DataLoader(ds, batch_size=None, num_workers=2):
+        if len(kept) < batching.MAX_SEGMENTS + 4:
+            kept.append((images, labels))
+        else:
+            views.append((images[1:3], labels[1:3].clone()))  # the batch itself is dropped here
+        del images, labels
+        gc.collect()
+    assert len(kept) + len(views) == 30
+    for images, labels in kept:
+        assert all(torch.equal(img, ref[k][0]) for img, k in zip(images, _keys(ref, images)))
+    for images, labels in views:
+        for img, label in zip(images, labels):
+            matches = [k for k, (r, lab) in ref.items() if torch.equal(r, img)]
+            assert matches and ref[matches[0]][1] == label
+
+
+def _keys(ref: dict[str, tuple[torch.Tensor, int]], images: torch.Tensor) -> list[str]:
+    return [next(k for k, (r, _) in ref.items() if torch.equal(r, img)) for img in images]
+
+
+def test_segments_are_reused_once_freed(packed: Path) -> None:
+    pool = batching._process_pool()
+    pool.segments.clear()
+    ds = StreamingDataset(str(packed), decode="tensor", transform=to_pair, batch_size=8)
+    for batch in DataLoader(ds, batch_size=None):
+        pass
+    del batch
+    gc.collect()
+    assert not any(s.busy for s in pool.segments)
+    assert len(pool.segments) <= 2  # the batch in hand and the one being filled
+    held = next(iter(DataLoader(ds, batch_size=None)))
+    view = held[0][0]
+    del held
+    gc.collect()
+    busy = [s for s in pool.segments if s.busy]
+    assert len(busy) == 1, "a view keeps its batch's segment busy"
+    del view
+    gc.collect()
+    assert not any(s.busy for s in pool.segments)
+
+
+def test_spawned_and_persistent_workers(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), decode="tensor", transform=to_pair, batch_size=16, shuffle=True)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context="spawn")
+    ref = reference(packed)
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        labels = Counter()
+        for images, lab in loader:
+            for img, k, y in zip(images, _keys(ref, images), lab.tolist()):
+                assert ref[k][1] == y
+                labels[y] += 1
+        assert labels == {0: 40, 1: 40, 2: 40}
+
+
+def shape_by_class(sample: dict[str, Any]) -> torch.Tensor:
+    return torch.zeros(2 + sample["cls"], 3)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_samples_that_cannot_be_stacked_raise_a_clear_error(packed: Path, workers: int) -> None:
+    ds = StreamingDataset(str(packed), transform=shape_by_class, batch_size=120)
+    with pytest.raises(ValueError, match=r"batch_size=120: cannot stack sample \d+ .*torch.float32 of shape \(\d, 3\)"):
+        next(iter(DataLoader(ds, batch_size=None, num_workers=workers)))
+
+
+def test_invalid_batch_size(packed: Path) -> None:
+    with pytest.raises(ValueError, match="batch_size"):
+        StreamingDataset(str(packed), batch_size=0)
+    ds = StreamingDataset(str(packed), batch_size=5)
+    with pytest.raises(ValueError, match="batches by 5"):
+        ds.resume_state(epoch=0, samples_seen=10, batch_size=4, num_workers=2)
+
+
+def test_plain_dataloader_resume_of_a_batched_dataset(packed: Path) -> None:
+    def loader() -> tuple[StreamingDataset, Any]:
+        ds = StreamingDataset(str(packed), decode="tensor", transform=with_key, batch_size=6, shuffle=True, seed=3)
+        return ds, DataLoader(ds, batch_size=None, num_workers=3)
+
+    ds, dl = loader()
+    ds.set_epoch(2)
+    it = iter(dl)
+    first = [k for _ in range(5) for k in next(it)["key"]]
+    del it
+    ds, dl = loader()
+    ds.load_state_dict(ds.resume_state(epoch=2, samples_seen=len(first), num_workers=3))
+    rest = [k for b in dl for k in b["key"]]
+    assert len(first) == 30 and Counter(first + rest) == Counter(f"{i:06d}" for i in range(120))
+
+
+def test_stateful_dataloader_resume_of_a_batched_dataset(packed: Path) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loader() -> Any:
+        ds = StreamingDataset(str(packed), decode="tensor", transform=with_key, batch_size=6, shuffle=True, seed=3)
+        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=2)
+
+    dl = loader()
+    it = iter(dl)
+    first = [k for _ in range(3) for k in next(it)["key"]]
+    state = dl.state_dict()
+    del it
+    dl = loader()
+    dl.load_state_dict(state)
+    rest = [k for b in dl for k in b["key"]]
+    assert Counter(first + rest) == Counter(f"{i:06d}" for i in range(120))
+    # elastic: the same checkpoint resumed without batching and another worker count
+    ds = StreamingDataset(str(packed), shuffle=True, seed=3)
+    ds.load_state_dict(state)
+    again = [s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=3)]
+    assert Counter(first + again) == Counter(f"{i:06d}" for i in range(120))
+
+
+def test_numbers_and_other_leaves_collate_like_default_collate() -> None:
+    samples = [({"a": np.full((2,), i, np.int16), "b": (i, float(i), bool(i % 2)), "c": f"s{i}"}) for i in range(5)]
+    stream = iter(samples)
+    got = next(batching.Batches(stream, 5))
+    want = torch.utils.data.default_collate(samples)
+    assert torch.equal(got["a"], want["a"]) and got["a"].dtype == torch.int16
+    for g, w in zip(got["b"], want["b"]):
+        assert torch.equal(g, w) and g.dtype == w.dtype
+    assert list(got["c"]) == list(want["c"])
