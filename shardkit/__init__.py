@@ -15,6 +15,7 @@ from .sources import build_index
 from .verify import verify
 
 if TYPE_CHECKING:
+    from .batching import collate
     from .dataset import StreamingDataset
     from .lmdb_dataset import LMDBDataset
 
@@ -29,12 +30,13 @@ __all__ = [
     "SourceError",
     "StreamingDataset",
     "build_index",
+    "collate",
     "pack",
     "verify",
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"LMDBDataset": "lmdb_dataset", "StreamingDataset": "dataset"}
+_LAZY = {"LMDBDataset": "lmdb_dataset", "StreamingDataset": "dataset", "collate": "batching"}
 
 
 def __getattr__(name: str) -> Any:

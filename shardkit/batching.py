@@ -1,6 +1,7 @@
 """Batches built in the DataLoader worker, in shared memory that is reused only once the
 main process has let go of it: `StreamingDataset(..., batch_size=B)` with
-`DataLoader(ds, batch_size=None)`.
+`DataLoader(ds, batch_size=None)`, or `collate` as any DataLoader's `collate_fn` (map-style
+datasets such as LMDBDataset included).
 
 Why: with `DataLoader(batch_size=B)` a worker holds B sample tensors, then default_collate
 copies them into a fresh shared-memory segment. The kernel zero-fills every page of that
@@ -42,9 +43,10 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate, default_convert, get_worker_info
 
-HEADER = 64  # byte 0 is the busy flag; data starts cache-line aligned
+HEADER = 64  # byte 0: the busy flag; bytes 8-16: the segment's token; data starts cache-line aligned
 MAX_SEGMENTS = 8  # pooled segments per process; past that, one-off segments
 _NUMBERS = {bool: np.dtype(np.bool_), int: np.dtype(np.int64), float: np.dtype(np.float64)}
+_PROC_FD = os.path.isdir("/proc/self/fd")  # Linux: another process can reopen our descriptors
 
 
 class _Segment:
@@ -61,6 +63,7 @@ class _Segment:
         self.size = size
         self.mm = mmap.mmap(self.fd, size)
         self.token = int.from_bytes(os.urandom(8), "little")  # names it in the main process's map cache
+        self.mm[8:16] = self.token.to_bytes(8, "little")
 
     @property
     def busy(self) -> bool:
@@ -72,12 +75,16 @@ class _Segment:
 
 
 class _Pool:
-    """This process's segments; `acquire` marks the one it returns busy."""
+    """This process's segments; `acquire` marks the one it returns busy. A segment, reused or
+    one-off, stays open until the main process has let go of it: it may still have to open
+    it by descriptor."""
 
     def __init__(self) -> None:
         self.segments: list[_Segment] = []
+        self.one_off: list[_Segment] = []
 
     def acquire(self, size: int) -> _Segment:
+        self.one_off = [s for s in self.one_off if s.busy]
         free = [s for s in self.segments if not s.busy]
         fit = [s for s in free if s.size >= size]
         if fit:
@@ -88,6 +95,8 @@ class _Pool:
                 self.segments.append(seg)
             elif free:  # replace a free segment that is too small
                 self.segments[self.segments.index(free[0])] = seg
+            else:
+                self.one_off.append(seg)
         seg.mm[0] = 1
         return seg
 
@@ -197,6 +206,12 @@ class _Layout:
 # ------------------------------------------------------------------ the worker side
 
 
+def collate(samples: list[Any]) -> Any:
+    """A drop-in for `default_collate` (`DataLoader(ds, batch_size=B, collate_fn=shardkit.collate)`)
+    that stacks into reused shared memory instead of a fresh segment per batch."""
+    return next(Batches(iter(samples), len(samples)))
+
+
 class Batches:
     """Batches of `batch_size` samples of one worker's stream; the last may be shorter.
 
@@ -248,7 +263,7 @@ class Batches:
             seg.mm[0] = 0
             raise
         batch = SharedBatch(seg, layout, n, collated)
-        return batch if self._in_worker else batch.materialize()
+        return batch.share() if self._in_worker else batch.materialize()
 
     def _put(self, layout: _Layout, rows: list[np.ndarray | None], others: list[list[Any]],
              leaves: list[Any], n: int) -> None:
@@ -288,12 +303,29 @@ class SharedBatch:
 
     def __init__(self, seg: _Segment, layout: _Layout, n: int, collated: list[Any]):
         self.seg, self.layout, self.n, self.collated = seg, layout, n, collated
+        self.handle: Any = None
+
+    def share(self) -> SharedBatch:
+        """Say how the main process can open the segment. On Linux it reopens the worker's
+        descriptor by its /proc path: no handshake. Elsewhere multiprocessing passes the
+        descriptor over a socket (its DupFd), offered now from the worker's own thread:
+        offered lazily from DataLoader's queue thread, the handshake fights the decoding for
+        the GIL, and it delayed the first batch by ~100 ms here."""
+        if _PROC_FD:
+            self.handle = f"/proc/{os.getpid()}/fd/{self.seg.fd}"
+        else:
+            from multiprocessing.reduction import DupFd
+
+            self.handle = DupFd(self.seg.fd)
+        return self
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        from multiprocessing.reduction import DupFd
-
-        seg = self.seg
-        return _rebuild, (DupFd(seg.fd), seg.size, seg.token, self.layout, self.n, self.collated)
+        if self.handle is None:
+            self.share()
+        handle = self.handle
+        if not isinstance(handle, str):
+            self.handle = None  # a DupFd offer is taken once
+        return _rebuild, (handle, self.seg.size, self.seg.token, self.layout, self.n, self.collated)
 
     def materialize(self) -> Any:
         """The batch in this process (no worker processes: the loader's own process)."""
@@ -303,16 +335,33 @@ class SharedBatch:
 _maps: weakref.WeakValueDictionary[tuple[int, int], np.ndarray] = weakref.WeakValueDictionary()
 
 
-def _rebuild(fd_handle: Any, size: int, token: int, layout: _Layout, n: int, collated: list[Any]) -> Any:
-    fd = fd_handle.detach()  # always take the descriptor: the worker holds a copy until we do
-    try:
-        base = _maps.get((token, size))
+def _rebuild(handle: Any, size: int, token: int, layout: _Layout, n: int, collated: list[Any]) -> Any:
+    base = _maps.get((token, size))
+    if isinstance(handle, str):  # the worker's /proc path (the worker keeps it open for us)
         if base is None:  # mapped again only after every tensor of the last mapping was freed
-            base = np.frombuffer(mmap.mmap(fd, size), np.uint8)
-            _maps[(token, size)] = base
+            try:
+                fd = os.open(handle, os.O_RDWR)
+            except OSError as e:
+                raise RuntimeError(f"cannot open a DataLoader worker's batch buffer {handle}: {e}") from e
+            base = _map(fd, size, token)
+    else:  # a DupFd: always take the descriptor, the worker holds a copy until we do
+        fd = handle.detach()
+        if base is None:
+            base = _map(fd, size, token)
+        else:
+            os.close(fd)
+    return _materialize(base, layout, n, collated)
+
+
+def _map(fd: int, size: int, token: int) -> np.ndarray:
+    try:
+        base = np.frombuffer(mmap.mmap(fd, size), np.uint8)
     finally:
         os.close(fd)
-    return _materialize(base, layout, n, collated)
+    if int.from_bytes(base[8:16].tobytes(), "little") != token:
+        raise RuntimeError("a DataLoader worker's batch buffer is not the one the batch names")
+    _maps[(token, size)] = base
+    return base
 
 
 class _Release:

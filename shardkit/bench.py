@@ -278,9 +278,10 @@ def bench_setting(url: str | Sequence[str], *, num_workers: int, prefetch: int, 
 
     from .dataset import StreamingDataset
 
+    # the training setup the README recommends: batches made in the workers
     ds = StreamingDataset(url, shuffle=True, decode=decode, transform=transform, prefetch=prefetch,
-                          storage_options=storage_options)
-    loader = DataLoader(ds, batch_size=batch_size, num_workers=num_workers, persistent_workers=num_workers > 0)
+                          storage_options=storage_options, batch_size=batch_size)
+    loader = DataLoader(ds, batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0)
     memory = PeakRss()
     rates: list[float] = []
     try:

@@ -11,7 +11,9 @@ or negotiated between processes.
    sample is seen, a few twice) or truncated ("drop") to W * R samples, and rank r takes
    the r-th run of R. Every rank gets exactly R samples, so DDP never waits on a rank.
 3. Workers: a rank's run is cut into N contiguous parts whose sizes depend only on (R, N),
-   so every rank has the same per-worker sizes and hence the same number of batches.
+   so every rank has the same per-worker sizes and hence the same number of batches. When
+   the dataset batches (B samples a batch), the parts are whole batches: ceil(R / B) per
+   rank whatever N, only the last one short.
 4. Within a worker, with shuffle, each window of `window` samples is permuted.
 
 Resume: a worker's stream is known in advance, so "k samples yielded" identifies exactly

@@ -120,6 +120,18 @@ def test_segments_are_reused_once_freed(packed: Path) -> None:
     assert not any(s.busy for s in pool.segments)
 
 
+@pytest.mark.parametrize("proc", [True, False])
+def test_both_ways_of_opening_a_workers_segment(packed: Path, monkeypatch: pytest.MonkeyPatch, proc: bool) -> None:
+    """The /proc path (Linux), and multiprocessing's descriptor passing (elsewhere)."""
+    monkeypatch.setattr(batching, "_PROC_FD", proc)
+    ref = reference(packed)
+    ds = StreamingDataset(str(packed), decode="tensor", transform=to_pair, batch_size=16)
+    kept = list(DataLoader(ds, batch_size=None, num_workers=2))
+    assert sum(len(x) for x, _ in kept) == 120
+    for images, _ in kept:
+        assert all(torch.equal(img, ref[k][0]) for img, k in zip(images, _keys(ref, images)))
+
+
 def test_spawned_and_persistent_workers(packed: Path) -> None:
     ds = StreamingDataset(str(packed), decode="tensor", transform=to_pair, batch_size=16, shuffle=True)
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context="spawn")
@@ -201,3 +213,26 @@ def test_numbers_and_other_leaves_collate_like_default_collate() -> None:
     for g, w in zip(got["b"], want["b"]):
         assert torch.equal(g, w) and g.dtype == w.dtype
     assert list(got["c"]) == list(want["c"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_collate_is_a_drop_in_for_map_style_datasets(packed: Path, tmp_path: Path, workers: int) -> None:
+    import shardkit
+
+    lmdb = tmp_path / "photos.lmdb"
+    shardkit.pack(str(packed), str(lmdb), format="lmdb", progress=False)
+    ds = shardkit.LMDBDataset(str(lmdb), decode="tensor", transform=with_key)
+    ref = reference(packed)
+    got = Counter()
+    kept = []
+    for batch in DataLoader(ds, batch_size=16, shuffle=True, num_workers=workers, collate_fn=shardkit.collate):
+        want = torch.utils.data.default_collate([with_key({"jpg": ref[k][0], "cls": ref[k][1], "__key__": k})
+                                                 for k in batch["key"]])
+        assert batch.keys() == want.keys()
+        for name in ("image", "label", "weight", "mean"):
+            assert torch.equal(batch[name], want[name]) and batch[name].dtype == want[name].dtype
+        got.update(batch["key"])
+        kept.append((batch["image"], list(batch["key"])))
+    assert got == Counter(ref.keys())
+    for images, keys in kept:  # every batch was kept: none was written over
+        assert all(torch.equal(img, ref[k][0]) for img, k in zip(images, keys))
