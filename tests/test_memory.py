@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from shardkit import StreamingDataset
@@ -19,15 +21,26 @@ def rss_of_worker(sample: dict) -> tuple[int, int]:
     return os.getpid(), rss
 
 
-def test_worker_rss_is_flat_over_epochs(packed: Path) -> None:
-    ds = StreamingDataset(str(packed), shuffle=True, decode="rgb8", transform=rss_of_worker)
+def image_and_rss(sample: dict) -> tuple[torch.Tensor, int, int]:
+    return (sample["jpg"], *rss_of_worker(sample))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_worker_rss_is_flat_over_epochs(packed: Path, batched: bool) -> None:
+    """Also with batches made in the workers: their buffers are reused, not piled up."""
+    if batched:
+        ds = StreamingDataset(str(packed), shuffle=True, decode="tensor", transform=image_and_rss, batch_size=8)
+    else:
+        ds = StreamingDataset(str(packed), shuffle=True, decode="rgb8", transform=rss_of_worker)
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
     peaks: list[dict[int, int]] = []
     for epoch in range(8):
         ds.set_epoch(epoch)
         peak: dict[int, int] = {}
-        for pid, rss in loader:
-            peak[int(pid)] = max(peak.get(int(pid), 0), int(rss))
+        for item in loader:
+            pids, rsss = (item[1].tolist(), item[2].tolist()) if batched else ([item[0]], [item[1]])
+            for pid, rss in zip(pids, rsss):
+                peak[int(pid)] = max(peak.get(int(pid), 0), int(rss))
         peaks.append(peak)
     assert peaks[1].keys() == peaks[-1].keys()  # the same persistent workers throughout
     for pid in peaks[1]:
