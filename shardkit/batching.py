@@ -132,15 +132,24 @@ def _process_pool() -> _Pool:
 _Spec = Any  # int (a leaf) | ("dict", type, keys, specs) | ("named", type, specs) | ("list", specs)
 
 
-def _flatten(item: Any, leaves: list[Any]) -> _Spec:
+def _flatten(item: Any, leaves: list[Any], like: _Spec = None) -> _Spec:
+    """The structure of `item`, its leaves appended to `leaves`. With `like` (the batch's
+    first sample), mappings are read in that sample's key order, as default_collate does."""
     if isinstance(item, Mapping):
-        return ("dict", type(item), tuple(item), tuple(_flatten(v, leaves) for v in item.values()))
+        keys = like[2] if isinstance(like, tuple) and like[0] == "dict" and set(like[2]) == set(item) else tuple(item)
+        subs = like[3] if keys is not None and isinstance(like, tuple) and like[0] == "dict" else (None,) * len(keys)
+        return ("dict", type(item), keys, tuple(_flatten(item[k], leaves, sub) for k, sub in zip(keys, subs)))
+    subs = like[-1] if isinstance(like, tuple) else None
     if isinstance(item, tuple) and hasattr(item, "_fields"):
-        return ("named", type(item), tuple(_flatten(v, leaves) for v in item))
+        return ("named", type(item), tuple(_flatten(v, leaves, _sub(subs, i)) for i, v in enumerate(item)))
     if isinstance(item, (tuple, list)):
-        return ("list", tuple(_flatten(v, leaves) for v in item))
+        return ("list", tuple(_flatten(v, leaves, _sub(subs, i)) for i, v in enumerate(item)))
     leaves.append(item)
     return len(leaves) - 1
+
+
+def _sub(subs: Any, i: int) -> _Spec:
+    return subs[i] if isinstance(subs, tuple) and i < len(subs) else None
 
 
 def _unflatten(spec: _Spec, leaves: list[Any]) -> Any:
@@ -208,7 +217,9 @@ class _Layout:
 
 def collate(samples: list[Any]) -> Any:
     """A drop-in for `default_collate` (`DataLoader(ds, batch_size=B, collate_fn=shardkit.collate)`)
-    that stacks into reused shared memory instead of a fresh segment per batch."""
+    that stacks into reused shared memory instead of a fresh segment per batch. In a worker it
+    returns a `SharedBatch` that becomes the batch in the main process: pass it as the
+    DataLoader's `collate_fn` itself, not inside another collate function."""
     return next(Batches(iter(samples), len(samples)))
 
 
@@ -244,7 +255,7 @@ class Batches:
             while True:
                 if n:
                     leaves = []
-                    if _flatten(item, leaves) != layout.spec:
+                    if _flatten(item, leaves, layout.spec) != layout.spec:
                         raise ValueError(f"batch_size={self.batch_size}: sample {n} of a batch has another "
                                          "structure than the first (all samples of a batch must match)")
                 item = None  # free the sample as soon as it is copied: the next one reuses its memory
@@ -257,8 +268,19 @@ class Batches:
                     item = next(self.stream)
                 except StopIteration:
                     break
+            collated: list[Any] = []
+            for j, (values, slot, row) in enumerate(zip(others, layout.slots, rows)):
+                if not values:
+                    collated.append(None)
+                    continue
+                batch = default_collate(values)
+                if slot[0] == "array" and isinstance(batch, torch.Tensor) and batch.numpy().dtype == slot[3]:
+                    row[:n] = batch.numpy()
+                    collated.append(None)
+                else:  # a number slot whose dtype the later samples changed: sent as it is
+                    layout.slots[j] = ("other",)
+                    collated.append(batch)
             del rows
-            collated = [default_collate(o) if slot[0] == "other" else None for o, slot in zip(others, layout.slots)]
         except BaseException:
             seg.mm[0] = 0
             raise
@@ -269,16 +291,12 @@ class Batches:
              leaves: list[Any], n: int) -> None:
         """Copy sample `n`'s leaves into row n of the batch."""
         for j, (leaf, row, slot) in enumerate(zip(leaves, rows, layout.slots)):
-            if row is None:
-                others[j].append(leaf)
+            _, _, shape, dtype = slot if row is not None else (None,) * 4
+            if row is None or (shape == () and type(leaf) in _NUMBERS):
+                others[j].append(leaf)  # numbers too: their dtype is decided by all of them
                 continue
-            _, _, shape, dtype = slot
-            if type(leaf) in _NUMBERS:
-                value: Any = leaf
-                ok = _NUMBERS[type(leaf)] == dtype and shape == ()
-            else:
-                value = _array_of(leaf)
-                ok = value is not None and value.shape == shape and value.dtype == dtype
+            value = _array_of(leaf)
+            ok = value is not None and value.shape == shape and value.dtype == dtype
             if not ok:
                 raise ValueError(
                     f"batch_size={self.batch_size}: cannot stack sample {n} of a batch: field {j} is "
@@ -329,7 +347,8 @@ class SharedBatch:
 
     def materialize(self) -> Any:
         """The batch in this process (no worker processes: the loader's own process)."""
-        return _materialize(np.frombuffer(self.seg.mm, np.uint8), self.layout, self.n, self.collated)
+        seg = self.seg
+        return _materialize(np.frombuffer(seg.mm, np.uint8), (seg.token, seg.size), self.layout, self.n, self.collated)
 
 
 _maps: weakref.WeakValueDictionary[tuple[int, int], np.ndarray] = weakref.WeakValueDictionary()
@@ -350,7 +369,7 @@ def _rebuild(handle: Any, size: int, token: int, layout: _Layout, n: int, collat
             base = _map(fd, size, token)
         else:
             os.close(fd)
-    return _materialize(base, layout, n, collated)
+    return _materialize(base, (token, size), layout, n, collated)
 
 
 def _map(fd: int, size: int, token: int) -> np.ndarray:
@@ -365,25 +384,42 @@ def _map(fd: int, size: int, token: int) -> np.ndarray:
 
 
 class _Release:
-    """Clears a segment's busy byte when the last of a batch's arrays is freed (from any
-    thread: the training loop and DataLoader's pin-memory thread both drop tensors)."""
+    """Clears a segment's busy byte when the last array over it is freed, whichever batch
+    (or second unpickling of one) it belongs to, and from any thread: the training loop and
+    DataLoader's pin-memory thread both drop tensors. Re-entrant: a garbage collection inside
+    the lock may run another of these finalizers."""
 
-    def __init__(self, base: np.ndarray, count: int):
-        self.base, self.count = base, count
-        self.lock = threading.Lock()
+    lock = threading.RLock()
+    live: dict[tuple[int, int], _Release] = {}  # segment -> its release, while arrays are alive
+
+    def __init__(self, key: tuple[int, int], base: np.ndarray):
+        self.key, self.base, self.count = key, base, 0
+
+    @classmethod
+    def hold(cls, key: tuple[int, int], base: np.ndarray, arrays: int) -> _Release:
+        with cls.lock:
+            release = cls.live.get(key)
+            if release is None:
+                release = cls.live[key] = _Release(key, base)
+            release.count += arrays
+            if release.count == 0:
+                release.free()
+            return release
+
+    def free(self) -> None:
+        self.base[0] = 0
+        _Release.live.pop(self.key, None)
 
     def __call__(self) -> None:
-        with self.lock:
+        with _Release.lock:
             self.count -= 1
             if self.count == 0:
-                self.base[0] = 0
+                self.free()
 
 
-def _materialize(base: np.ndarray, layout: _Layout, n: int, collated: list[Any]) -> Any:
+def _materialize(base: np.ndarray, key: tuple[int, int], layout: _Layout, n: int, collated: list[Any]) -> Any:
     arrays = [s for s in layout.slots if s[0] == "array"]
-    release = _Release(base, len(arrays))
-    if not arrays:
-        base[0] = 0
+    release = _Release.hold(key, base, len(arrays))
     leaves: list[Any] = []
     for slot, other in zip(layout.slots, collated):
         if slot[0] == "other":

@@ -236,3 +236,37 @@ def test_collate_is_a_drop_in_for_map_style_datasets(packed: Path, tmp_path: Pat
     assert got == Counter(ref.keys())
     for images, keys in kept:  # every batch was kept: none was written over
         assert all(torch.equal(img, ref[k][0]) for img, k in zip(images, keys))
+
+
+def test_mixed_numbers_and_key_order_collate_like_default_collate() -> None:
+    samples = [{"w": 0, "x": 1.5, "y": True}, {"y": 1, "x": 2, "w": 0.5}, {"x": 3.0, "w": 1, "y": False}]
+    got, want = next(batching.Batches(iter(samples), 3)), torch.utils.data.default_collate(samples)
+    assert list(got) == list(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]) and got[key].dtype == want[key].dtype
+
+
+def test_a_batch_unpickled_twice_keeps_its_buffer_until_both_are_freed() -> None:
+    import pickle
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(batching, "_PROC_FD", True)
+    try:
+        samples = [torch.full((4,), i) for i in range(3)]
+        layout_batch = batching.Batches(iter(samples), 3)
+        layout_batch._in_worker = True
+        shared = next(layout_batch)
+        seg = shared.seg
+        blob = pickle.dumps(shared)
+        first, second = pickle.loads(blob), pickle.loads(blob)
+        del shared
+        assert seg.busy
+        del first
+        gc.collect()
+        assert seg.busy, "the second copy is still alive"
+        assert torch.equal(second[2], torch.full((4,), 2))
+        del second
+        gc.collect()
+        assert not seg.busy
+    finally:
+        monkey.undo()
