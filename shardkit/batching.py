@@ -136,8 +136,8 @@ def _flatten(item: Any, leaves: list[Any], like: _Spec = None) -> _Spec:
     """The structure of `item`, its leaves appended to `leaves`. With `like` (the batch's
     first sample), mappings are read in that sample's key order, as default_collate does."""
     if isinstance(item, Mapping):
-        keys = like[2] if isinstance(like, tuple) and like[0] == "dict" and set(like[2]) == set(item) else tuple(item)
-        subs = like[3] if keys is not None and isinstance(like, tuple) and like[0] == "dict" else (None,) * len(keys)
+        same = isinstance(like, tuple) and like[0] == "dict" and set(like[2]) == set(item)
+        keys, subs = (like[2], like[3]) if same else (tuple(item), (None,) * len(item))
         return ("dict", type(item), keys, tuple(_flatten(item[k], leaves, sub) for k, sub in zip(keys, subs)))
     subs = like[-1] if isinstance(like, tuple) else None
     if isinstance(item, tuple) and hasattr(item, "_fields"):
@@ -280,7 +280,6 @@ class Batches:
                 else:  # a number slot whose dtype the later samples changed: sent as it is
                     layout.slots[j] = ("other",)
                     collated.append(batch)
-            del rows
         except BaseException:
             seg.mm[0] = 0
             raise
@@ -351,25 +350,20 @@ class SharedBatch:
         return _materialize(np.frombuffer(seg.mm, np.uint8), (seg.token, seg.size), self.layout, self.n, self.collated)
 
 
-_maps: weakref.WeakValueDictionary[tuple[int, int], np.ndarray] = weakref.WeakValueDictionary()
-
-
 def _rebuild(handle: Any, size: int, token: int, layout: _Layout, n: int, collated: list[Any]) -> Any:
-    base = _maps.get((token, size))
-    if isinstance(handle, str):  # the worker's /proc path (the worker keeps it open for us)
-        if base is None:  # mapped again only after every tensor of the last mapping was freed
-            try:
-                fd = os.open(handle, os.O_RDWR)
-            except OSError as e:
-                raise RuntimeError(f"cannot open a DataLoader worker's batch buffer {handle}: {e}") from e
-            base = _map(fd, size, token)
-    else:  # a DupFd: always take the descriptor, the worker holds a copy until we do
-        fd = handle.detach()
-        if base is None:
-            base = _map(fd, size, token)
-        else:
+    key = (token, size)
+    fd = None if isinstance(handle, str) else handle.detach()  # a DupFd offer is always taken
+    live = _Release.live.get(key)  # mapped again only after every array of the last mapping was freed
+    if live is not None:
+        if fd is not None:
             os.close(fd)
-    return _materialize(base, (token, size), layout, n, collated)
+        return _materialize(live.base, key, layout, n, collated)
+    if fd is None:  # the worker's /proc path (the worker keeps it open for us)
+        try:
+            fd = os.open(handle, os.O_RDWR)
+        except OSError as e:
+            raise RuntimeError(f"cannot open a DataLoader worker's batch buffer {handle}: {e}") from e
+    return _materialize(_map(fd, size, token), key, layout, n, collated)
 
 
 def _map(fd: int, size: int, token: int) -> np.ndarray:
@@ -379,7 +373,6 @@ def _map(fd: int, size: int, token: int) -> np.ndarray:
         os.close(fd)
     if int.from_bytes(base[8:16].tobytes(), "little") != token:
         raise RuntimeError("a DataLoader worker's batch buffer is not the one the batch names")
-    _maps[(token, size)] = base
     return base
 
 
@@ -390,7 +383,7 @@ class _Release:
     the lock may run another of these finalizers."""
 
     lock = threading.RLock()
-    live: dict[tuple[int, int], _Release] = {}  # segment -> its release, while arrays are alive
+    live: dict[tuple[int, int], _Release] = {}  # segment -> its release and mapping, while arrays are alive
 
     def __init__(self, key: tuple[int, int], base: np.ndarray):
         self.key, self.base, self.count = key, base, 0
@@ -420,6 +413,7 @@ class _Release:
 def _materialize(base: np.ndarray, key: tuple[int, int], layout: _Layout, n: int, collated: list[Any]) -> Any:
     arrays = [s for s in layout.slots if s[0] == "array"]
     release = _Release.hold(key, base, len(arrays))
+    base = release.base  # the mapping already live for this segment, if there is one
     leaves: list[Any] = []
     for slot, other in zip(layout.slots, collated):
         if slot[0] == "other":
