@@ -274,8 +274,18 @@ def _key_of(data: Any) -> str:
     return bytes(data[:100]).split(b"\x00", 1)[0].decode("utf-8", "replace").split(".", 1)[0] or "?"
 
 
+class _Where:
+    """Names a sample in error messages; formatted only when one is raised."""
+
+    __slots__ = ("url", "start")
+
+    def __init__(self, url: str, start: int):
+        self.url, self.start = url, start
+
+    def __str__(self) -> str:
+        return f"{storage.display(self.url)} (sample at byte {self.start})"
+
+
 def _parse(data: bytes | memoryview, url: str, start: int) -> dict[str, Any]:
-    key, fields = parse_sample(data, f"{storage.display(url)} (sample at byte {start})")
-    sample: dict[str, Any] = {"__key__": key, "__url__": url}
-    sample.update(fields)
-    return sample
+    key, fields = parse_sample(data, _Where(url, start))
+    return {"__key__": key, "__url__": url, **fields}

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from . import partition
+from . import partition, worker
+from .batching import Batches
 from .counters import MAX_WORKERS, Shared
 from .partition import Layout, Progress
 
@@ -74,8 +75,6 @@ class EpochDataset(torch.utils.data.IterableDataset):
         """What `__iter__` returns: the worker's samples, or its batches."""
         if not self.batch_size:
             return stream
-        from .batching import Batches
-
         return Batches(stream, self.batch_size)
 
     @property
@@ -185,6 +184,7 @@ class EpochStream:
                  fixed: np.ndarray | None = None):
         self.ds, self.rank, self.world, self.worker_id, self.num_workers = ds, rank, world, worker_id, num_workers
         self._fixed = fixed
+        worker.settle()
         self.history: list[dict[str, Any]] = []
         self.epoch = 0
         if fixed is None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
+from . import worker
 from .decode import decoder
 from .formats import lmdb as lmdb_format
 from .sources import lmdb_index, local_lmdb
@@ -55,7 +56,8 @@ class LMDBDataset(torch.utils.data.Dataset):
         key = self._keys[i].decode()
         with lmdb_format.open_reader(self.path, self.readahead).begin(buffers=True) as txn:
             fields = lmdb_format.read_sample(txn, key, self.path)
-        if self._decode is None:
+        if self._decode is None:  # first sample in this process
+            worker.settle()
             self._decode = decoder(self.decode)
         sample = self._decode({"__key__": key, "__url__": self.source, **fields})
         return self.transform(sample) if self.transform is not None else sample

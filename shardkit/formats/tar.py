@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -235,8 +236,16 @@ def scan(f: BinaryIO, where: str) -> Scan:
     return out
 
 
-def parse_sample(buf: bytes | memoryview, where: str) -> tuple[str, dict[str, bytes]]:
+# name, size (11 octal digits), type flag and ustar magic of a header, read in one call
+_FIELDS = struct.Struct("100s24x11s21xc100x5s")
+_REGULAR = (b"0", b"\x00")
+
+
+def parse_sample(buf: bytes | memoryview, where: object) -> tuple[str, dict[str, bytes]]:
     """The one sample held in `buf` (its byte range from the index), parsed in memory.
+
+    `where` names the sample in error messages: a string, or any object whose str() does
+    (built only when an error is raised: this runs once per sample).
 
     The fast path covers plain ustar members, which is all shardkit writes; anything else
     (pax or GNU long-name headers) goes through the general reader. Header checksums are
@@ -245,36 +254,38 @@ def parse_sample(buf: bytes | memoryview, where: str) -> tuple[str, dict[str, by
     """
     key: str | None = None
     fields: dict[str, bytes] = {}
+    unpack = _FIELDS.unpack_from
     pos, end = 0, len(buf)
     while pos + BLOCK <= end:
-        head = bytes(buf[pos : pos + BLOCK])
-        if head[156:157] not in (b"0", b"\x00") or head[257:262] != b"ustar":
-            if head == _EMPTY:
+        name, size_field, kind, magic = unpack(buf, pos)
+        if kind not in _REGULAR or magic != b"ustar":
+            if buf[pos : pos + BLOCK] == _EMPTY:
                 break
             return _parse_general(bytes(buf), where)
         try:
-            size = int(head[124:135], 8)  # the common case: 11 octal digits
+            size = int(size_field, 8)
         except ValueError:
-            size = _parse_octal(head[124:136], where)
+            size = _parse_octal(bytes(buf[pos + 124 : pos + 136]), str(where))
         start = pos + BLOCK
-        if start + size > end:
-            raise CorruptShardError(f"{where}: member at byte {pos} runs past the sample's end")
-        name = head[:100].split(b"\x00", 1)[0].decode("utf-8")
-        dot = name.find(".", name.rfind("/") + 1)  # split_name, inlined: this runs per member
-        k, ext = (name, "") if dot < 0 else (name[:dot], name[dot + 1 :])
+        pos = start + size
+        if pos > end:
+            raise CorruptShardError(f"{where}: member at byte {start - BLOCK} runs past the sample's end")
+        text = name.split(b"\x00", 1)[0].decode("utf-8")
+        dot = text.find(".", text.rfind("/") + 1)  # split_name, inlined
+        k, ext = (text, "") if dot < 0 else (text[:dot], text[dot + 1 :])
         if key is None:
             key = k
         elif k != key:
             raise CorruptShardError(f"{where}: members of two samples ({key!r}, {k!r}) in one sample's range")
-        fields[ext] = bytes(buf[start : start + size])
-        pos = start + size + (-size % BLOCK)
+        fields[ext] = bytes(buf[start:pos])
+        pos += -size % BLOCK
     if key is None:
         raise CorruptShardError(f"{where}: no tar member in the sample's byte range")
     return key, fields
 
 
-def _parse_general(buf: bytes, where: str) -> tuple[str, dict[str, bytes]]:
-    samples = list(iter_samples(io.BytesIO(buf), where))
+def _parse_general(buf: bytes, where: object) -> tuple[str, dict[str, bytes]]:
+    samples = list(iter_samples(io.BytesIO(buf), str(where)))
     if len(samples) != 1:
         raise CorruptShardError(f"{where}: {len(samples)} samples in one sample's byte range")
     return samples[0]
