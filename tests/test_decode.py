@@ -144,3 +144,24 @@ def test_image_transform_on_a_raw_stream(packed: Path) -> None:
 def test_module_import_stays_light() -> None:
     code = "import sys, shardkit.decode; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("raw", [b'{"a": [1, 2.5, "x"], "b": null}', b'{"nan": NaN, "inf": -Infinity}',
+                                 b'{"big": 123456789012345678901234567890}', b'[-9223372036854775809, 1e400]',
+                                 b'["\\ud800", 1.5e300]', '{"é": "ü"}'.encode()])
+def test_json_fields_decode_as_json_does(raw: bytes) -> None:
+    import json
+
+    from shardkit.decode import decoder
+
+    got = decoder("raw")({"json": raw})["json"]
+    want = json.loads(raw.decode())
+    assert repr(got) == repr(want)  # types too: an int stays an int
+
+
+@pytest.mark.parametrize("raw", [b'{"a": ', b"\xff\xfe{}"])
+def test_bad_json_fields_raise_json_errors(raw: bytes) -> None:
+    from shardkit.decode import decoder
+
+    with pytest.raises(ValueError):
+        decoder("raw")({"json": raw})
