@@ -29,10 +29,15 @@ class MixedDataset(EpochDataset):
     def __init__(self, parts: Sequence[tuple[str | Sequence[str] | StreamingDataset, float]], *,
                  samples_per_epoch: int | None = None, shuffle: bool = True, seed: int = 0,
                  shuffle_window: int = 1024, remainder: str = "repeat", rank: int | None = None,
-                 world_size: int | None = None, **options: Any):
+                 world_size: int | None = None, batch_size: int | None = None, **options: Any):
         super().__init__(rank, world_size)
         if not parts:
             raise ValueError("mix needs at least one dataset")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1 (or None), not {batch_size}")
+        if any(isinstance(p, StreamingDataset) and p.batch_size for p, _ in parts):
+            raise ValueError("the datasets of a mix yield samples: give batch_size to the mix, not to its parts")
+        self.batch_size = batch_size
         self.parts = [
             p if isinstance(p, StreamingDataset)
             else StreamingDataset(p, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, **options)
@@ -50,7 +55,7 @@ class MixedDataset(EpochDataset):
         return self.samples_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
-        return _MixedStream(self, *self._layout())
+        return self._stream(_MixedStream(self, *self._layout()))
 
     def stats(self) -> dict[str, float]:
         """The parts' statistics, summed."""

@@ -93,3 +93,20 @@ def test_deterministic_and_resumable(two: tuple[str, str]) -> None:
     resumed.load_state_dict(resumed.resume_state(epoch=2, samples_seen=10, batch_size=5, num_workers=2))
     rest = [x for batch in batches(resumed, 1) for x in batch]  # another num_workers: elastic
     assert collections.Counter(seen + rest) == collections.Counter(full)
+
+
+def test_a_mix_can_batch_in_its_workers(two: tuple[str, str]) -> None:
+    a, b = two
+
+    def mix(**kw):  # type: ignore[no-untyped-def]
+        return StreamingDataset.mix([(a, 0.6), (b, 0.4)], shuffle=True, seed=1, **kw)
+
+    batched = mix(batch_size=4)
+    assert len(batched) == 11  # 42 samples in batches of 4
+    loader = DataLoader(batched, batch_size=None, num_workers=2)
+    batches = [list(zip(batch["__url__"], batch["__key__"])) for batch in loader]
+    assert sorted(map(len, batches)) == [2] + [4] * 10  # only the rank's last batch is short
+    got = [("A" if url.endswith(".tar") else "B", key) for batch in batches for url, key in batch]
+    assert collections.Counter(got) == collections.Counter(tagged(mix()))
+    with pytest.raises(ValueError, match="give batch_size to the mix"):
+        StreamingDataset.mix([(StreamingDataset(a, batch_size=2), 1.0)])
