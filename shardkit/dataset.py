@@ -119,7 +119,8 @@ class StreamingDataset(EpochDataset):
         """Several datasets drawn by weight: `StreamingDataset.mix([("s3://a", 0.7), ("s3://b", 0.3)],
         shuffle=True)`. Options: samples_per_epoch (default: all samples together), shuffle,
         seed, shuffle_window, remainder, rank, world_size, batch_size (batches of the mixture,
-        as StreamingDataset's), and any StreamingDataset option for the parts given as URLs. See shardkit/mix.py for the epoch semantics."""
+        as StreamingDataset's), and any StreamingDataset option for the parts given as URLs.
+        See shardkit/mix.py for the epoch semantics."""
         from .mix import MixedDataset
 
         return MixedDataset(parts, **options)
