@@ -4,11 +4,19 @@ DistributedSampler and friends.
 The environment is opened lazily in each process that reads (one inherited through fork is
 closed, never used: a shared LMDB handle corrupts reads), read-only, without locks and
 without OS readahead, which only wastes I/O on random access of small records.
+
+Cold page cache: py-lmdb faults in every page of a value (one byte a page, with the GIL
+released), and without readahead each page is its own 4 KB disk read, one after another:
+~3 ms for a 100 KB image here, 2x slower than opening the file. So a DataLoader batch
+(`__getitems__`) reads its records on `read_threads` threads at once: the disk sees that
+many requests in flight instead of one, and a warm cache loses nothing.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -27,9 +35,13 @@ class LMDBDataset(torch.utils.data.Dataset):
 
     def __init__(self, source: str, *, decode: str = "raw", transform: Callable[[dict[str, Any]], Any] | None = None,
                  storage_options: StorageOptions | None = None, cache_dir: str | None = None,
-                 readahead: bool = False):
+                 readahead: bool = False, read_threads: int = 16):
         decoder(decode)  # validate now; each process builds its own (closures do not pickle)
+        if read_threads < 1:
+            raise ValueError(f"read_threads must be at least 1, not {read_threads}")
         self.decode, self.transform, self.source, self.readahead = decode, transform, source, readahead
+        self.read_threads = read_threads
+        self._threads: tuple[int, ThreadPoolExecutor] | None = None
         self.path = local_lmdb(source, storage_options, cache_dir)
         idx = lmdb_index(self.path)
         if idx.kind != "lmdb":
@@ -47,15 +59,33 @@ class LMDBDataset(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_decode"] = None
+        state["_decode"] = state["_threads"] = None
         return state
 
     def __getitem__(self, i: int) -> Any:
+        return self._finish(*self._read(i))
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """A batch's samples (DataLoader calls this when batching): read on `read_threads`
+        threads at once, then decoded and transformed in order on this one."""
+        if self.read_threads == 1 or len(indices) < 2:
+            return [self[i] for i in indices]
+        return [self._finish(key, fields) for key, fields in self._pool().map(self._read, indices)]
+
+    def _pool(self) -> ThreadPoolExecutor:
+        """This process's reading threads (a pool inherited through fork has none)."""
+        if self._threads is None or self._threads[0] != os.getpid():
+            self._threads = (os.getpid(), ThreadPoolExecutor(self.read_threads, thread_name_prefix="shardkit-lmdb"))
+        return self._threads[1]
+
+    def _read(self, i: int) -> tuple[str, dict[str, bytes]]:
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {len(self)} samples")
         key = self._keys[i].decode()
         with lmdb_format.open_reader(self.path, self.readahead).begin(buffers=True) as txn:
-            fields = lmdb_format.read_sample(txn, key, self.path)
+            return key, lmdb_format.read_sample(txn, key, self.path)
+
+    def _finish(self, key: str, fields: dict[str, bytes]) -> Any:
         if self._decode is None:  # first sample in this process
             worker.settle()
             self._decode = decoder(self.decode)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -84,19 +85,31 @@ class Writer:
 
 
 _READERS: dict[str, tuple[int, Any]] = {}  # path -> (pid, environment): LMDB allows one per process
+_OPENING = threading.Lock()
 
 
 def open_reader(path: str, readahead: bool = False) -> Any:
     """This process's read-only environment for `path`, opened on first use: no lock-file
     writes, and no OS readahead by default (random access; pass readahead=True for large
-    records on a cold page cache). Shared by every reader in the process, never closed by
-    them. One inherited through fork is closed and reopened: it must not be used there."""
+    records on a cold page cache). Shared by every reader in the process and its threads,
+    never closed by them. One inherited through fork is closed and reopened: it must not be
+    used there."""
     pid = os.getpid()
     cached = _READERS.get(path)
-    if cached is not None:
-        if cached[0] == pid:
-            return cached[1]
-        cached[1].close()
+    if cached is not None and cached[0] == pid:
+        return cached[1]
+    with _OPENING:  # LMDB allows one environment per file and process: threads must not race
+        cached = _READERS.get(path)
+        if cached is not None:
+            if cached[0] == pid:
+                return cached[1]
+            cached[1].close()
+        env = _open(path, readahead)
+        _READERS[path] = (pid, env)
+        return env
+
+
+def _open(path: str, readahead: bool) -> Any:
     lmdb = _lmdb()
     try:
         env = lmdb.open(path, subdir=True, readonly=True, lock=False, readahead=readahead, meminit=False,
@@ -110,7 +123,6 @@ def open_reader(path: str, readahead: bool = False) -> Any:
     if size < needed:
         env.close()
         raise CorruptShardError(f"{path}: data.mdb is truncated ({size} bytes, its pages need {needed})")
-    _READERS[path] = (pid, env)
     return env
 
 

@@ -1,0 +1,106 @@
+"""Random access on a cold page cache: LMDBDataset against the plain files.
+
+The warm-cache numbers (bench_read.py) leave storage out: every byte is in memory. Here the
+page cache is emptied of the dataset before each contestant (`sync`, then
+posix_fadvise(DONTNEED) on every file: no root needed), and each reads the same random
+`--samples` of the same images through DataLoader(num_workers=2, batch_size=64), raw (the
+bytes only) and decoded (the same decode + resize to 224 as bench_read.py). Contestants
+interleaved, medians with min-max, ratios against the plain files.
+
+    python scripts/bench_cold.py --samples 3000 --rounds 3      # after bench_read.py made the data
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_read import BATCH, WORKERS, Files, shardkit_transform  # noqa: E402
+
+import shardkit  # noqa: E402
+
+CONTESTANTS = {  # name -> LMDBDataset options, or None for the plain files
+    "LMDBDataset (default: 16 read threads a worker)": {},
+    "LMDBDataset, read_threads=1": {"read_threads": 1},
+    "LMDBDataset, readahead=True": {"readahead": True},
+    "plain files (ImageFolder-like)": None,
+}
+
+
+class RawFiles(Files):
+    def __getitem__(self, i: int) -> int:
+        with open(self.items[i][0], "rb") as f:
+            return len(f.read())
+
+
+def raw_length(sample: dict) -> int:
+    return len(sample["jpg"])
+
+
+def evict(paths: list[Path]) -> None:
+    subprocess.run(["sync"], check=True)
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def measure(options: dict | None, decoded: bool, photos: Path, lmdb: Path, picks: list[int]) -> float:
+    if options is None:
+        ds = Files(str(photos)) if decoded else RawFiles(str(photos))
+    else:
+        ds = shardkit.LMDBDataset(str(lmdb), transform=shardkit_transform if decoded else raw_length, **options)
+    loader = DataLoader(ds, batch_size=BATCH, sampler=picks, num_workers=WORKERS)
+    start = time.perf_counter()
+    for _ in loader:
+        pass
+    return len(picks) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=20000, help="which bench_read.py data set")
+    ap.add_argument("--samples", type=int, default=3000, help="random samples read per measurement")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/shardkit-bench")
+    args = ap.parse_args()
+    root = Path(args.dir)
+    photos, lmdb = root / f"photos-{args.images}", root / f"shards-{args.images}.lmdb"
+    if not (lmdb / "data.mdb").exists():
+        raise SystemExit(f"{lmdb}: run scripts/bench_read.py --images {args.images} first (it makes the data)")
+    files = sorted(photos.rglob("*.jpg")) + [lmdb / "data.mdb"]
+    results: dict[tuple[str, bool], list[float]] = {}
+    for r in range(args.rounds):
+        picks = np.random.default_rng(r).permutation(args.images)[: args.samples].tolist()
+        for decoded in (False, True):
+            for name, options in CONTESTANTS.items():
+                evict(files)
+                results.setdefault((name, decoded), []).append(measure(options, decoded, photos, lmdb, picks))
+                print(f"round {r + 1}: {'decoded' if decoded else 'raw'} {name} done", file=sys.stderr)
+    base = {d: statistics.median(results[("plain files (ImageFolder-like)", d)]) for d in (False, True)}
+    print(f"| cold page cache, {args.samples} random samples, DataLoader(num_workers={WORKERS}) "
+          "| raw samples/s | vs plain files | decoded images/s | vs plain files |")
+    print("|---|---|---|---|---|")
+    for name in CONTESTANTS:
+        cells = []
+        for decoded in (False, True):
+            values = results[(name, decoded)]
+            med = statistics.median(values)
+            cells += [f"{med:,.0f} ({min(values):,.0f}-{max(values):,.0f})", f"{med / base[decoded]:.2f}x"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
