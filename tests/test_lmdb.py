@@ -124,16 +124,22 @@ def test_lmdb_dataset_with_shuffle_workers_and_samplers(lmdb_pack: Path) -> None
     assert len(halves[0]) == len(halves[1]) == 15 and set(halves[0]) | set(halves[1]) == set(ds[i]["__key__"] for i in range(30))
 
 
-def test_a_batch_is_read_on_threads_and_comes_back_in_order(lmdb_pack: Path) -> None:
-    """DataLoader hands a batch's indices to __getitems__: the records are read on several
-    threads at once (on a cold page cache the disk then has many requests in flight), the
-    samples come back in the batch's order, exactly as one at a time."""
+@pytest.mark.parametrize("cold", [False, True])
+def test_a_batch_is_read_on_threads_and_comes_back_in_order(lmdb_pack: Path, cold: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """DataLoader hands a batch's indices to __getitems__. Once a read is slow (its pages
+    came from the disk; here: every read, when `cold`) the rest are read on several threads
+    at once. Either way the samples come back in the batch's order, exactly as one at a time."""
+    if cold:
+        monkeypatch.setattr(shardkit.lmdb_dataset, "COLD_READ_S", -1.0)
     ds = LMDBDataset(str(lmdb_pack), read_threads=8)
     order = [29, 0, 17, 3, 3, -1, 12]
     one_by_one = [ds[i] for i in order]
     for _ in range(5):
         lmdb_format.close_reader(str(lmdb_pack))  # the threads race to open the environment again
         assert ds.__getitems__(order) == one_by_one
+    if cold:
+        assert ds._threads is not None  # the batch went to the threads
     assert LMDBDataset(str(lmdb_pack), read_threads=1).__getitems__(order) == one_by_one
     batches = [keys_of(b) for b in DataLoader(ds, batch_size=7, sampler=order, num_workers=2, collate_fn=lambda b: b)]
     assert batches == [[s["__key__"] for s in one_by_one]]
