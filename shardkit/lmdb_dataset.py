@@ -8,8 +8,8 @@ without OS readahead, which only wastes I/O on random access of small records.
 Cold page cache: py-lmdb faults in every page of a value (one byte a page, with the GIL
 released), and without readahead each page is its own 4 KB disk read, one after another:
 ~3 ms for a 100 KB image here, 2x slower than opening the file. So a DataLoader batch
-(`__getitems__`) reads its records on `read_threads` threads at once: the disk sees that
-many requests in flight instead of one. Only once a read turns out slow, though: with the
+(`__getitems__`) in a DataLoader worker reads its records on `read_threads` threads at
+once: the disk sees that many requests in flight instead of one. Only once a read turns out slow, though: with the
 records cached, handing each to a thread cost 3-5x the read itself.
 """
 
@@ -72,20 +72,25 @@ class LMDBDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
         """A batch's samples (DataLoader calls this when batching), decoded and transformed
-        in order on this thread as their records arrive (see `_records`)."""
+        in order on this thread as their records arrive (see `_records`). A subclass that
+        overrides `__getitem__` gets its own method, sample by sample."""
+        if type(self).__getitem__ is not LMDBDataset.__getitem__:
+            return [self[i] for i in indices]
         return [self._finish(key, fields) for key, fields in self._records(indices)]
 
     def _records(self, indices: list[int]) -> Iterator[tuple[str, dict[str, bytes]]]:
         """The records, read one by one while that is fast (the page cache has them: a
         thread hand-off would cost more than the read); once a read takes longer than
         `COLD_READ_S` (its pages came from the disk), the rest of the batch is read on
-        `read_threads` threads at once."""
+        `read_threads` threads at once. Only in DataLoader workers: threads left in the
+        process you train in would be there when it forks its workers."""
+        threads = self.read_threads > 1 and torch.utils.data.get_worker_info() is not None
         for n, i in enumerate(indices):
             start = time.perf_counter()
             record = self._read(i)
             cold = time.perf_counter() - start > COLD_READ_S
             yield record
-            if cold and self.read_threads > 1 and n + 1 < len(indices):
+            if cold and threads and n + 1 < len(indices):
                 yield from self._pool().map(self._read, indices[n + 1 :])
                 return
 
@@ -103,8 +108,8 @@ class LMDBDataset(torch.utils.data.Dataset):
             return key, lmdb_format.read_sample(txn, key, self.path)
 
     def _finish(self, key: str, fields: dict[str, bytes]) -> Any:
-        if self._decode is None:  # first sample in this process
-            worker.settle()
+        worker.settle()  # every time: a forked worker may inherit a decoder the parent built
+        if self._decode is None:
             self._decode = decoder(self.decode)
         sample = self._decode({"__key__": key, "__url__": self.source, **fields})
         return self.transform(sample) if self.transform is not None else sample

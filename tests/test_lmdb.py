@@ -124,29 +124,78 @@ def test_lmdb_dataset_with_shuffle_workers_and_samplers(lmdb_pack: Path) -> None
     assert len(halves[0]) == len(halves[1]) == 15 and set(halves[0]) | set(halves[1]) == set(ds[i]["__key__"] for i in range(30))
 
 
+def reading_thread(sample: dict) -> str:
+    return sample["thread"].decode()
+
+
 @pytest.mark.parametrize("cold", [False, True])
 def test_a_batch_is_read_on_threads_and_comes_back_in_order(lmdb_pack: Path, cold: bool,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """DataLoader hands a batch's indices to __getitems__. Once a read is slow (its pages
-    came from the disk; here: every read, when `cold`) the rest are read on several threads
-    at once. Either way the samples come back in the batch's order, exactly as one at a time."""
+    """DataLoader hands a batch's indices to __getitems__. In a worker, once a read is slow
+    (its pages came from the disk; here: every read, when `cold`) the rest of the batch is
+    read on several threads at once. Either way the samples come back in the batch's order,
+    exactly as one at a time; the process you train in never starts threads."""
     if cold:
         monkeypatch.setattr(shardkit.lmdb_dataset, "COLD_READ_S", -1.0)
+    read_sample = lmdb_format.read_sample
+
+    def tagged(txn, key: str, path: str) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
+        import threading
+
+        return {**read_sample(txn, key, path), "thread": threading.current_thread().name.encode()}
+
+    monkeypatch.setattr(lmdb_format, "read_sample", tagged)
     ds = LMDBDataset(str(lmdb_pack), read_threads=8)
     order = [29, 0, 17, 3, 3, -1, 12]
     one_by_one = [ds[i] for i in order]
-    for _ in range(5):
-        lmdb_format.close_reader(str(lmdb_pack))  # the threads race to open the environment again
+    for _ in range(3):
+        lmdb_format.close_reader(str(lmdb_pack))
         assert ds.__getitems__(order) == one_by_one
-    if cold:
-        assert ds._threads is not None  # the batch went to the threads
+    assert ds._threads is None
+    for _ in range(3):
+        batch = next(iter(DataLoader(ds, batch_size=7, sampler=order, num_workers=1, collate_fn=lambda b: b)))
+        assert [{**s, "thread": b""} for s in batch] == [{**s, "thread": b""} for s in one_by_one]
+        threads = [reading_thread(s) for s in batch]
+        assert threads[0] == "MainThread" and all(t.startswith("shardkit-lmdb") == cold for t in threads[1:])
     assert LMDBDataset(str(lmdb_pack), read_threads=1).__getitems__(order) == one_by_one
-    batches = [keys_of(b) for b in DataLoader(ds, batch_size=7, sampler=order, num_workers=2, collate_fn=lambda b: b)]
-    assert batches == [[s["__key__"] for s in one_by_one]]
     with pytest.raises(IndexError):
         ds.__getitems__([1, 30])
     with pytest.raises(ValueError, match="read_threads"):
         LMDBDataset(str(lmdb_pack), read_threads=0)
+
+
+def test_threads_opening_the_environment_at_once_open_it_once(lmdb_pack: Path) -> None:
+    """LMDB allows one environment per file and process: reading threads racing to open it
+    must share one (the lock in open_reader)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ds = LMDBDataset(str(lmdb_pack))
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(5):
+            lmdb_format.close_reader(str(lmdb_pack))
+            assert [k for k, _ in pool.map(ds._read, range(30))] == [ds[i]["__key__"] for i in range(30)]
+
+
+class WithIndex(LMDBDataset):
+    def __getitem__(self, i: int) -> dict:
+        return {**super().__getitem__(i), "idx": i}
+
+
+def frozen_objects(sample: dict) -> int:
+    import gc
+
+    return gc.get_freeze_count()
+
+
+def test_subclasses_and_workers_after_a_read_in_the_main_process(lmdb_pack: Path) -> None:
+    """A subclass's own __getitem__ is used for batches too; a worker forked after the main
+    process read a sample still freezes what it inherited (see shardkit/worker.py)."""
+    sub = WithIndex(str(lmdb_pack))
+    assert [s["idx"] for b in DataLoader(sub, batch_size=4, sampler=[5, 1, 9, 2], collate_fn=lambda b: b) for s in b] == [5, 1, 9, 2]
+    ds = LMDBDataset(str(lmdb_pack), transform=frozen_objects)
+    before = ds[0]
+    counts = [int(c) for b in DataLoader(ds, batch_size=4, num_workers=1) for c in b]
+    assert min(counts) > 10_000 and ds[1] == before
 
 
 def test_streaming_over_lmdb_keeps_the_guarantees(lmdb_pack: Path) -> None:
