@@ -4,8 +4,9 @@ The warm-cache numbers (bench_read.py) leave storage out: every byte is in memor
 page cache is emptied of the dataset before each contestant (`sync`, then
 posix_fadvise(DONTNEED) on every file: no root needed), and each reads the same random
 `--samples` of the same images through DataLoader(num_workers=2, batch_size=64), raw (the
-bytes only) and decoded (the same decode + resize to 224 as bench_read.py). Contestants
-interleaved, medians with min-max, ratios against the plain files.
+bytes only) and decoded (the same decode + resize to 224 as bench_read.py); the streaming
+rows read the first `--samples` of a shuffled epoch instead. Contestants interleaved,
+medians with min-max, ratios against the plain files.
 
     python scripts/bench_cold.py --samples 3000 --rounds 3      # after bench_read.py made the data
 """
@@ -29,10 +30,14 @@ from bench_read import BATCH, WORKERS, Files, shardkit_transform  # noqa: E402
 
 import shardkit  # noqa: E402
 
-CONTESTANTS = {  # name -> LMDBDataset options, or None for the plain files
+STREAM = "StreamingDataset over the LMDB"  # shuffled: the first --samples of an epoch
+STREAM_SERIAL = "StreamingDataset over the LMDB, prefetch=0"
+CONTESTANTS = {  # name -> LMDBDataset or StreamingDataset options, or None for the plain files
     "LMDBDataset (default: 16 read threads a worker)": {},
     "LMDBDataset, read_threads=1": {"read_threads": 1},
     "LMDBDataset, readahead=True": {"readahead": True},
+    STREAM: {},
+    STREAM_SERIAL: {"prefetch": 0},
     "plain files (ImageFolder-like)": None,
 }
 
@@ -57,16 +62,25 @@ def evict(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def measure(options: dict | None, decoded: bool, photos: Path, lmdb: Path, picks: list[int]) -> float:
+def measure(name: str, decoded: bool, photos: Path, lmdb: Path, picks: list[int], seed: int) -> float:
+    options = CONTESTANTS[name]
+    transform = shardkit_transform if decoded else raw_length
     if options is None:
-        ds = Files(str(photos)) if decoded else RawFiles(str(photos))
+        loader = DataLoader(Files(str(photos)) if decoded else RawFiles(str(photos)), batch_size=BATCH, sampler=picks,
+                            num_workers=WORKERS)
+    elif name in (STREAM, STREAM_SERIAL):
+        ds = shardkit.StreamingDataset(str(lmdb), shuffle=True, seed=seed, transform=transform, **options)
+        loader = DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
     else:
-        ds = shardkit.LMDBDataset(str(lmdb), transform=shardkit_transform if decoded else raw_length, **options)
-    loader = DataLoader(ds, batch_size=BATCH, sampler=picks, num_workers=WORKERS)
+        loader = DataLoader(shardkit.LMDBDataset(str(lmdb), transform=transform, **options), batch_size=BATCH,
+                            sampler=picks, num_workers=WORKERS)
     start = time.perf_counter()
-    for _ in loader:
-        pass
-    return len(picks) / (time.perf_counter() - start)
+    n = 0
+    for batch in loader:
+        n += len(batch[0]) if isinstance(batch, (list, tuple)) else len(batch)
+        if n >= len(picks):
+            break
+    return n / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -85,9 +99,9 @@ def main() -> None:
     for r in range(args.rounds):
         picks = np.random.default_rng(r).permutation(args.images)[: args.samples].tolist()
         for decoded in (False, True):
-            for name, options in CONTESTANTS.items():
+            for name in CONTESTANTS:
                 evict(files)
-                results.setdefault((name, decoded), []).append(measure(options, decoded, photos, lmdb, picks))
+                results.setdefault((name, decoded), []).append(measure(name, decoded, photos, lmdb, picks, r))
                 print(f"round {r + 1}: {'decoded' if decoded else 'raw'} {name} done", file=sys.stderr)
     base = {d: statistics.median(results[("plain files (ImageFolder-like)", d)]) for d in (False, True)}
     print(f"| cold page cache, {args.samples} random samples, DataLoader(num_workers={WORKERS}) "

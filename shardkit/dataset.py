@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,9 @@ from .prefetch import Prefetcher
 from .sources import local_lmdb, resolve
 from .storage import StorageOptions
 from .units import parse_size
+
+
+LMDB_WINDOW = 64  # samples of an LMDB dataset that one slow read sends to the threads
 
 
 class StreamingDataset(EpochDataset):
@@ -169,12 +173,35 @@ class _WorkerStream(EpochStream):
         raise CorruptShardError(f"{ds.urls[0]} and the other {len(ds.urls) - 1} shards: no sample could be used")
 
     def _lmdb_reads(self, ids: np.ndarray) -> Iterator[tuple[int, int, tuple[str, dict[str, bytes]]]]:
-        """(0, sample id, (key, fields)) from the LMDB environment, opened in this process."""
-        path = self.ds._lmdb
+        """(0, sample id, (key, fields)) from the LMDB environment, opened in this process.
+        In windows of `LMDB_WINDOW` samples: once a read in a window is slow, the rest of
+        that window on `prefetch` threads (formats/lmdb.read_when_cold)."""
+        ds = self.ds
+        path = ds._lmdb
         assert path is not None
-        keys = [self.ds._keys[i].decode() for i in ids.tolist()]
-        for i, sample in zip(ids.tolist(), lmdb_format.iter_samples(lmdb_format.open_reader(path), keys, path)):
-            yield 0, i, sample
+        env = lmdb_format.open_reader(path)
+
+        def read(i: int) -> tuple[str, dict[str, bytes]]:
+            key = ds._keys[i].decode()
+            with env.begin(buffers=True) as txn:
+                return key, lmdb_format.read_sample(txn, key, path)
+
+        pool: list[ThreadPoolExecutor] = []
+
+        def threads() -> ThreadPoolExecutor:
+            if not pool:
+                pool.append(ThreadPoolExecutor(ds.prefetch, thread_name_prefix="shardkit-lmdb"))
+            return pool[0]
+
+        when_cold = threads if ds.prefetch > 1 else None
+        try:
+            for k in range(0, len(ids), LMDB_WINDOW):
+                window = ids[k : k + LMDB_WINDOW].tolist()
+                for i, sample in zip(window, lmdb_format.read_when_cold(read, window, when_cold)):
+                    yield 0, i, sample
+        finally:
+            for p in pool:
+                p.shutdown(wait=False, cancel_futures=True)
 
     def _reads(self, ids: np.ndarray, reader: storage.RangeReader) -> Iterator[tuple[int, int, memoryview]]:
         """(shard, start offset, bytes) of each sample of `ids`, in order, read ahead."""

@@ -9,14 +9,13 @@ Cold page cache: py-lmdb faults in every page of a value (one byte a page, with 
 released), and without readahead each page is its own 4 KB disk read, one after another:
 ~3 ms for a 100 KB image here, 2x slower than opening the file. So a DataLoader batch
 (`__getitems__`) in a DataLoader worker reads its records on `read_threads` threads at
-once: the disk sees that many requests in flight instead of one. Only once a read turns out slow, though: with the
-records cached, handing each to a thread cost 3-5x the read itself.
+once, the disk seeing that many requests in flight instead of one; only once a read turns
+out slow, though: with the records cached, handing each to a thread cost 3-5x the read.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,9 +28,6 @@ from .decode import decoder
 from .formats import lmdb as lmdb_format
 from .sources import lmdb_index, local_lmdb
 from .storage import StorageOptions
-
-
-COLD_READ_S = 0.001  # a sample read slower than this came from the disk (cached: ~50 us here)
 
 
 class LMDBDataset(torch.utils.data.Dataset):
@@ -79,20 +75,11 @@ class LMDBDataset(torch.utils.data.Dataset):
         return [self._finish(key, fields) for key, fields in self._records(indices)]
 
     def _records(self, indices: list[int]) -> Iterator[tuple[str, dict[str, bytes]]]:
-        """The records, read one by one while that is fast (the page cache has them: a
-        thread hand-off would cost more than the read); once a read takes longer than
-        `COLD_READ_S` (its pages came from the disk), the rest of the batch is read on
-        `read_threads` threads at once. Only in DataLoader workers: threads left in the
+        """The records, on `read_threads` threads once one read is slow (see
+        formats/lmdb.read_when_cold). Threads only in DataLoader workers: threads left in the
         process you train in would be there when it forks its workers."""
         threads = self.read_threads > 1 and torch.utils.data.get_worker_info() is not None
-        for n, i in enumerate(indices):
-            start = time.perf_counter()
-            record = self._read(i)
-            cold = time.perf_counter() - start > COLD_READ_S
-            yield record
-            if cold and threads and n + 1 < len(indices):
-                yield from self._pool().map(self._read, indices[n + 1 :])
-                return
+        return lmdb_format.read_when_cold(self._read, indices, self._pool if threads else None)
 
     def _pool(self) -> ThreadPoolExecutor:
         """This process's reading threads (a pool inherited through fork has none)."""

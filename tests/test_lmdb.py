@@ -136,7 +136,7 @@ def test_a_batch_is_read_on_threads_and_comes_back_in_order(lmdb_pack: Path, col
     read on several threads at once. Either way the samples come back in the batch's order,
     exactly as one at a time; the process you train in never starts threads."""
     if cold:
-        monkeypatch.setattr(shardkit.lmdb_dataset, "COLD_READ_S", -1.0)
+        monkeypatch.setattr(lmdb_format, "COLD_READ_S", -1.0)
     read_sample = lmdb_format.read_sample
 
     def tagged(txn, key: str, path: str) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
@@ -196,6 +196,29 @@ def test_subclasses_and_workers_after_a_read_in_the_main_process(lmdb_pack: Path
     before = ds[0]
     counts = [int(c) for b in DataLoader(ds, batch_size=4, num_workers=1) for c in b]
     assert min(counts) > 10_000 and ds[1] == before
+
+
+def test_streaming_over_lmdb_from_a_cold_cache_reads_on_threads(lmdb_pack: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every read counted as slow (as from a cold page cache): the rest of each window is
+    read on threads, and the stream is the same, sample for sample, as one read at a time."""
+    def stream(**kw):  # type: ignore[no-untyped-def]
+        ds = StreamingDataset(str(lmdb_pack), shuffle=True, seed=4, **kw)
+        return [(s["__key__"], s["jpg"]) for w in (0, 2) for s in DataLoader(ds, batch_size=None, num_workers=w)]
+
+    serial = stream(prefetch=0)
+    monkeypatch.setattr(lmdb_format, "COLD_READ_S", -1.0)
+    assert stream(prefetch=4) == serial and len(serial) == 60
+    read_sample, threads = lmdb_format.read_sample, set()
+
+    def noted(txn, key: str, path: str) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
+        import threading
+
+        threads.add(threading.current_thread().name.split("_")[0])
+        return read_sample(txn, key, path)
+
+    monkeypatch.setattr(lmdb_format, "read_sample", noted)
+    list(StreamingDataset(str(lmdb_pack), prefetch=4))
+    assert threads == {"MainThread", "shardkit-lmdb"}
 
 
 def test_streaming_over_lmdb_keeps_the_guarantees(lmdb_pack: Path) -> None:
