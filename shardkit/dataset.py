@@ -183,15 +183,14 @@ class _WorkerStream(EpochStream):
 
         def read(i: int) -> tuple[str, dict[str, bytes]]:
             key = ds._keys[i].decode()
-            with env.begin(buffers=True) as txn:
-                return key, lmdb_format.read_sample(txn, key, path)
+            return key, lmdb_format.read_one(env, key, path)
 
-        pool: list[ThreadPoolExecutor] = []
+        pool: ThreadPoolExecutor | None = None
 
         def threads() -> ThreadPoolExecutor:
-            if not pool:
-                pool.append(ThreadPoolExecutor(ds.prefetch, thread_name_prefix="shardkit-lmdb"))
-            return pool[0]
+            nonlocal pool
+            pool = pool or ThreadPoolExecutor(ds.prefetch, thread_name_prefix="shardkit-lmdb")
+            return pool
 
         when_cold = threads if ds.prefetch > 1 else None
         try:
@@ -200,8 +199,8 @@ class _WorkerStream(EpochStream):
                 for i, sample in zip(window, lmdb_format.read_when_cold(read, window, when_cold)):
                     yield 0, i, sample
         finally:
-            for p in pool:
-                p.shutdown(wait=False, cancel_futures=True)
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     def _reads(self, ids: np.ndarray, reader: storage.RangeReader) -> Iterator[tuple[int, int, memoryview]]:
         """(shard, start offset, bytes) of each sample of `ids`, in order, read ahead."""

@@ -26,8 +26,6 @@ from PIL import Image
 MODES = ("raw", "pil", "rgb8", "tensor")
 IMAGE_FIELDS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "pbm", "pnm", "tif", "tiff", "gif"})
 _INT_FIELDS = frozenset({"cls", "cls2", "index", "idx", "label"})
-
-
 _LONG_DIGITS = re.compile(rb"\d{19}")  # orjson reads integers past 64 bits as floats: json it is
 
 

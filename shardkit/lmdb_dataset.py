@@ -91,8 +91,7 @@ class LMDBDataset(torch.utils.data.Dataset):
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {len(self)} samples")
         key = self._keys[i].decode()
-        with lmdb_format.open_reader(self.path, self.readahead).begin(buffers=True) as txn:
-            return key, lmdb_format.read_sample(txn, key, self.path)
+        return key, lmdb_format.read_one(lmdb_format.open_reader(self.path, self.readahead), key, self.path)
 
     def _finish(self, key: str, fields: dict[str, bytes]) -> Any:
         worker.settle()  # every time: a forked worker may inherit a decoder the parent built

@@ -62,8 +62,7 @@ def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
         return parse_sample(data, f"{url} (sample at byte {start})")
     if job.source == "lmdb":
         path = storage.local_path(job.src)
-        with lmdb_format.open_reader(path).begin() as txn:
-            return item.key, lmdb_format.read_sample(txn, item.key, path)
+        return item.key, lmdb_format.read_one(lmdb_format.open_reader(path), item.key, path)
     data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
     opts = job.options
     if opts.resize or opts.quality:

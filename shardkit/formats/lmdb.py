@@ -187,7 +187,7 @@ def read_when_cold(read: Callable[[T], R], items: Sequence[T], pool: Callable[[]
             return
 
 
-def iter_samples(env: Any, keys: Sequence[str], path: str) -> Iterator[tuple[str, dict[str, bytes]]]:
+def read_one(env: Any, key: str, path: str) -> dict[str, bytes]:
+    """All members of sample `key`, in a read transaction of its own (one per thread)."""
     with env.begin(buffers=True) as txn:
-        for key in keys:
-            yield key, read_sample(txn, key, path)
+        return read_sample(txn, key, path)
