@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .decode import IMAGE_FIELDS
+from .decode import image_field
 from .errors import ShardkitError
 from .storage import StorageOptions
 
@@ -108,14 +108,6 @@ class Transform:
 
     def __repr__(self) -> str:
         return self.spec
-
-
-def image_field(sample: dict[str, Any]) -> str | None:
-    """The sample's first image field (jpg, png, ...), or None."""
-    for key in sample:
-        if key[0] != "_" and (key in IMAGE_FIELDS or key.rsplit(".", 1)[-1] in IMAGE_FIELDS):
-            return key
-    return None
 
 
 def to_chw(image: Any) -> Any:

@@ -28,8 +28,9 @@ def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except ShardkitError as e:
             raise click.ClickException(str(e)) from None
-        except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-            raise click.ClickException(f"{e.filename}: {e.strerror}") from None
+        except OSError as e:  # FileExistsError, NotADirectoryError, ...: the path and the reason
+            where = e.filename if e.filename is not None else "error"
+            raise click.ClickException(f"{where}: {e.strerror or e}") from None
 
     return wrapper
 
@@ -52,9 +53,12 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
     if value is None:
         return None
     try:
-        return parse_size(value)
+        size = parse_size(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    if size < 1:
+        raise click.BadParameter(f"must be at least 1 byte, not {value!r}")
+    return size
 
 
 storage_option = click.option(
@@ -159,7 +163,8 @@ def info(url: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
 def verify(url: str, quiet: bool, storage_options: tuple[str, ...]) -> None:
     """Re-read every shard and check size, sha256, sample count and offsets against the index.
 
-    Exits 1 naming every bad shard.
+    For an LMDB: every sample of the index present with its recorded byte count, and no
+    stray records. Exits 1 naming every bad shard.
     """
     from .verify import verify as run_verify
 

@@ -202,8 +202,10 @@ class _WorkerStream(EpochStream):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
 
-    def _reads(self, ids: np.ndarray, reader: storage.RangeReader) -> Iterator[tuple[int, int, memoryview]]:
-        """(shard, start offset, bytes) of each sample of `ids`, in order, read ahead."""
+    def _reads(self, ids: np.ndarray, reader: storage.RangeReader
+               ) -> Iterator[tuple[int, int, memoryview | CorruptShardError]]:
+        """(shard, start offset, bytes) of each sample of `ids`, in order, read ahead; in
+        place of the bytes, the error of a sample that could not be read."""
         ds = self.ds
         shard_of = np.searchsorted(ds._first, ids, side="right") - 1
         starts, ends = ds._starts[ids], ds._ends[ids]
@@ -212,17 +214,32 @@ class _WorkerStream(EpochStream):
             plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=16 << 20)
         else:
             plan, range_of = ranges.blocks(ids, ds._first, ds._starts, ds._ends, ds.block)
-        # a local "read" maps the range and asks the kernel to read it ahead: no threads needed
-        self.prefetcher = Prefetcher(plan, lambda r: reader.read(r.shard, r.start, r.stop), lambda r: r.size,
+
+        def fetch(r: ranges.Range) -> memoryview | CorruptShardError:
+            try:  # a local "read" maps the range and asks the kernel to read it ahead: no threads needed
+                data = reader.read(r.shard, r.start, r.stop, partial=True)
+            except CorruptShardError as e:  # each sample of the range raises it in turn: skipped or raised
+                return e
+            return data if isinstance(data, memoryview) else memoryview(data)
+
+        self.prefetcher = Prefetcher(plan, fetch, lambda r: r.size,
                                      depth=ds.prefetch, budget=ds.prefetch_bytes, threads=not local)
         fetched = iter(self.prefetcher)
-        held: dict[int, tuple[ranges.Range, memoryview, list[int]]] = {}  # range index -> range, bytes, samples left
+        held: dict[int, tuple[ranges.Range, Any, list[int]]] = {}  # range index -> range, bytes, samples left
         for r, shard, start, end in zip(range_of.tolist(), shard_of.tolist(), starts.tolist(), ends.tolist()):
             while r not in held:
                 got, data = next(fetched)
-                held[got.index] = (got, data if isinstance(data, memoryview) else memoryview(data), [got.samples])
+                held[got.index] = (got, data, [got.samples])
             rng, data, left = held[r]
-            yield shard, start, data[start - rng.start : end - rng.start]
+            if isinstance(data, CorruptShardError):
+                yield shard, start, data
+            elif len(data) < end - rng.start:  # the shard ends before this sample does
+                yield shard, start, CorruptShardError(
+                    f"{storage.display(ds.urls[shard])}: sample at byte {start} is cut off: the shard ends at byte "
+                    f"{rng.start + len(data)}, the index expects {ds.index.shards[shard].bytes} bytes "
+                    "(truncated or replaced)")
+            else:
+                yield shard, start, data[start - rng.start : end - rng.start]
             left[0] -= 1
             if not left[0]:
                 del held[r]
@@ -251,15 +268,15 @@ class _WorkerStream(EpochStream):
                 t1 = time.perf_counter()
                 url = ds.urls[shard]
                 try:
+                    if isinstance(data, CorruptShardError):
+                        raise data
                     sample = decode(parse(data, url, start))
                 except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
                     if ds.on_error == "raise":
                         if isinstance(e, ShardkitError):
                             raise
-                        key = _key_of(data)
-                        raise CorruptShardError(
-                            f"{storage.display(url)}: sample {key} at byte {start}: {type(e).__name__}: {e}"
-                        ) from e
+                        where = f"sample {_key_of(data)}" + (f" at byte {start}" if ds._lmdb is None else "")
+                        raise CorruptShardError(f"{storage.display(url)}: {where}: {type(e).__name__}: {e}") from e
                     meter.values[5] += 1
                     pending += 1
                     continue

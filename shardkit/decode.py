@@ -29,6 +29,12 @@ _INT_FIELDS = frozenset({"cls", "cls2", "index", "idx", "label"})
 _LONG_DIGITS = re.compile(rb"\d{19}")  # orjson reads integers past 64 bits as floats: json it is
 
 
+def _kind(field: str) -> str:
+    """What a field holds, by WebDataset's rule: its last extension, in lower case
+    (`seg.png` and `JPG` are images)."""
+    return field.rsplit(".", 1)[-1].lower()
+
+
 def _json(value: bytes) -> Any:
     """orjson (~6x faster here on small metadata) wherever its answer is json's; json for
     long runs of digits and for what orjson refuses (NaN, Infinity, lone surrogates), with
@@ -54,8 +60,10 @@ def _rgb8(data: bytes) -> np.ndarray:
 def _chw(img: Image.Image) -> Any:
     import torch
 
-    hwc = np.asarray(img)
-    return torch.from_numpy(np.ascontiguousarray(hwc.transpose(2, 0, 1)))
+    chw = np.asarray(img).transpose(2, 0, 1)
+    # a copy, writable (np.asarray of a PIL image is a read-only view); ascontiguousarray
+    # would hand back the read-only view itself where the transpose is already contiguous (1x1)
+    return torch.from_numpy(np.array(chw, order="C"))
 
 
 def _tensor(data: bytes) -> Any:
@@ -97,7 +105,7 @@ def decoder(mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
             try:
                 handler = chosen[key]
             except KeyError:
-                handler = chosen[key] = handlers.get(key) or handlers.get(key.rsplit(".", 1)[-1])
+                handler = chosen[key] = handlers.get(key) or handlers.get(_kind(key))
             if handler is not None:
                 sample[key] = handler(value)
         return sample
@@ -179,11 +187,12 @@ def resized_tensor(data: bytes | memoryview | Image.Image, size: Size, crop: Siz
     return _chw(resized(data, size, crop, resample=resample, reducing_gap=reducing_gap))
 
 
-def _image_field(sample: dict[str, Any]) -> str:
+def image_field(sample: dict[str, Any]) -> str | None:
+    """The sample's first image field (jpg, png, seg.PNG, ...), or None."""
     for key in sample:
-        if key[0] != "_" and key.rsplit(".", 1)[-1] in IMAGE_FIELDS:
+        if key[0] != "_" and _kind(key) in IMAGE_FIELDS:
             return key
-    raise KeyError(f"no image field in sample {sample.get('__key__')!r} (fields: {', '.join(sample)})")
+    return None
 
 
 class ImageTransform:
@@ -201,7 +210,10 @@ class ImageTransform:
         self.resample, self.reducing_gap = int(resample), reducing_gap
 
     def __call__(self, sample: dict[str, Any]) -> tuple[Any, Any]:
-        image = sample[self.field or _image_field(sample)]
+        field = self.field or image_field(sample)
+        if field is None:
+            raise KeyError(f"no image field in sample {sample.get('__key__')!r} (fields: {', '.join(sample)})")
+        image = sample[field]
         tensor = resized_tensor(image, self.size, self.crop, resample=self.resample, reducing_gap=self.reducing_gap)
         return tensor, sample[self.label]
 

@@ -137,6 +137,8 @@ def load(url: str, storage_options: StorageOptions | None = None) -> Index:
         text = storage.read_bytes(where, storage_options)
     except FileNotFoundError:
         raise DatasetNotFoundError(f"{where}: no such index (not a shardkit dataset?)") from None
+    except NotADirectoryError:
+        raise DatasetNotFoundError(f"{url}: not a folder (give the dataset folder, which holds {INDEX_NAME})") from None
     return Index.from_json(text, where)
 
 

@@ -25,6 +25,7 @@ import torch.utils.data
 
 from . import worker
 from .decode import decoder
+from .errors import CorruptShardError
 from .formats import lmdb as lmdb_format
 from .sources import lmdb_index, local_lmdb
 from .storage import StorageOptions
@@ -97,5 +98,8 @@ class LMDBDataset(torch.utils.data.Dataset):
         worker.settle()  # every time: a forked worker may inherit a decoder the parent built
         if self._decode is None:
             self._decode = decoder(self.decode)
-        sample = self._decode({"__key__": key, "__url__": self.source, **fields})
+        try:
+            sample = self._decode({"__key__": key, "__url__": self.source, **fields})
+        except Exception as e:  # noqa: BLE001 - bad data: name the sample (a transform's errors are its own)
+            raise CorruptShardError(f"{self.path}: sample {key}: {type(e).__name__}: {e}") from e
         return self.transform(sample) if self.transform is not None else sample

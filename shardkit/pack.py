@@ -204,6 +204,9 @@ def pack(
         raise ValueError(f"on_error must be 'skip' or 'fail', not {on_error!r}")
     if format == "lmdb" and not storage.is_local(dest):
         raise SourceError(f"{storage.display(dest)}: LMDB output must be a local path (copy it up afterwards)")
+    if (max_size is not None and parse_size(max_size) < 1) or (max_count is not None and max_count < 1):
+        raise ValueError(f"max_size and max_count must be positive (or None), not {max_size!r} and {max_count!r}")
+    _check_apart(src, dest)
     options = Options(resize=resize, quality=quality, on_error=on_error)
     if format == "lmdb" and max_size is not None:  # one transaction per job: keep them moderate
         max_size = min(parse_size(max_size), parse_size("64MB"))
@@ -216,6 +219,27 @@ def pack(
               else executors.local(workers or os.cpu_count() or 1))
     run = _pack_tar if format == "tar" else _pack_lmdb
     return run(plan, dest, runner, progress, storage_options)
+
+
+def _check_apart(src: str, dest: str) -> None:
+    """Refuse a DEST that is SRC or inside it: the pack would read what it writes (a rerun
+    would even pack the shards as a class of images)."""
+    if storage.is_local(src) != storage.is_local(dest):
+        return
+    if storage.is_local(src):
+        s, d = (os.path.realpath(storage.local_path(u)) for u in (src, dest))
+    else:
+        s, d = src.rstrip("/"), dest.rstrip("/")
+    if d == s or d.startswith(s.rstrip("/") + "/"):
+        where = "is the source" if d == s else f"is inside the source {src}"
+        raise SourceError(f"{dest}: the destination {where}: pack into a folder outside it")
+
+
+def _require_samples(plan: Plan, samples: int, skipped: tuple[Skipped, ...]) -> None:
+    """A pack that kept nothing fails (exit 1) rather than commit an empty dataset."""
+    if samples == 0:
+        first = f" (first: {skipped[0].path}: {skipped[0].reason})" if skipped else ""
+        raise SourceError(f"{plan.src}: no usable samples, {len(skipped)} skipped{first}")
 
 
 def _bar(plan: Plan, done: int, progress: bool | None) -> Any:
@@ -245,12 +269,14 @@ def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | 
         runner(write_shard, JobList(plan, todo), lambda r: results.__setitem__(r.info.name, r),
                lambda n: bar.update(initial + n - bar.n))
     ordered = [results[name] for name in plan.names]
+    skipped = _all_skipped(plan, [s for r in ordered for s in r.skipped])
+    _require_samples(plan, sum(r.info.samples for r in ordered), skipped)
     idx = Index(
         shards=tuple(r.info for r in ordered),
         kind="tar",
         fields=tuple(sorted({f for r in ordered for f in r.fields})),
         classes=plan.classes,
-        skipped=_all_skipped(plan, [s for r in ordered for s in r.skipped]),
+        skipped=skipped,
         plan=plan.fingerprint,
     )
     index.save(idx, dest, storage_options)
@@ -306,12 +332,14 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
         with _bar(plan, initial, progress) as bar:
             runner(read_chunk, todo, commit, lambda n: bar.update(initial + n - bar.n))
         keys = [k for r in records for k in r["keys"]]
+        skipped = _all_skipped(plan, [Skipped(**s) for r in records for s in r["skipped"]])
+        _require_samples(plan, len(keys), skipped)
         idx = Index(
             shards=(ShardInfo("data.mdb", len(keys), sum(n for r in records for n in r["sizes"])),),
             kind="lmdb",
             fields=tuple(sorted({f for r in records for f in r["fields"]})),
             classes=plan.classes,
-            skipped=_all_skipped(plan, [Skipped(**s) for r in records for s in r["skipped"]]),
+            skipped=skipped,
             plan=plan.fingerprint,
             extra={"keys": keys, "sizes": [n for r in records for n in r["sizes"]]},
         )

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
-from .bench import Transform, image_field
+from .bench import Transform
+from .decode import image_field
 from .errors import ShardkitError
 from .storage import StorageOptions
 

@@ -65,23 +65,29 @@ class _ListingBuilder:
                        np.frombuffer(self.sizes, np.int64), np.frombuffer(self.mtimes, np.int64))
 
 
-def _walk(top: str, rel: str, seen: set[tuple[int, int]], skipped: list[Skipped]) -> Iterator[tuple[str, os.stat_result]]:
-    """Yield (relpath, stat) of files under `top`, following symlinks but never a loop."""
+def _walk(top: str, rel: str, above: frozenset[tuple[int, int]], skipped: list[Skipped]
+          ) -> Iterator[tuple[str, os.stat_result]]:
+    """Yield (relpath, stat) of the files under `top`, following symlinks but never a loop
+    (a folder that is one of its own ancestors). A folder reached twice by two routes is
+    read twice, as torchvision's ImageFolder does. Hidden entries and names that are not
+    UTF-8 (they cannot be tar member names) are skipped."""
     try:
         st = os.stat(top)
-        if (st.st_dev, st.st_ino) in seen:
-            skipped.append(Skipped(rel + "/", "symlink loop (folder already visited)"))
+        if (st.st_dev, st.st_ino) in above:
+            skipped.append(Skipped(rel + "/", "symlink loop (a folder inside itself)"))
             return
-        seen.add((st.st_dev, st.st_ino))
+        above = above | {(st.st_dev, st.st_ino)}
         entries = sorted(os.scandir(top), key=lambda e: e.name)
     except OSError as e:
         skipped.append(Skipped(rel + "/", f"cannot list folder ({e.strerror or e})"))
         return
     for entry in entries:
         child = f"{rel}/{entry.name}"
+        if not _usable_name(entry.name, child, skipped):
+            continue
         try:
             if entry.is_dir():
-                yield from _walk(entry.path, child, seen, skipped)
+                yield from _walk(entry.path, child, above, skipped)
             elif entry.is_file():
                 yield child, entry.stat()
             elif entry.is_symlink():
@@ -90,6 +96,19 @@ def _walk(top: str, rel: str, seen: set[tuple[int, int]], skipped: list[Skipped]
                 skipped.append(Skipped(child, "not a regular file"))
         except OSError as e:
             skipped.append(Skipped(child, f"cannot stat ({e.strerror or e})"))
+
+
+def _usable_name(name: str, rel: str, skipped: list[Skipped]) -> bool:
+    """False (and the entry listed in `skipped`) for hidden entries and non-UTF-8 names."""
+    if name.startswith("."):
+        skipped.append(Skipped(rel, "hidden entry ignored"))
+        return False
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # os.fsdecode kept undecodable bytes as surrogates
+        skipped.append(Skipped(os.fsencode(rel).decode("utf-8", "backslashreplace"), "file name is not valid UTF-8"))
+        return False
+    return True
 
 
 def scan_folder(src: str, storage_options: StorageOptions | None = None) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
@@ -104,18 +123,17 @@ def scan_folder(src: str, storage_options: StorageOptions | None = None) -> tupl
     skipped: list[Skipped] = []
     classes = []
     for entry in sorted(os.scandir(path), key=lambda e: e.name):
-        if entry.name.startswith("."):
-            skipped.append(Skipped(entry.name, "hidden entry ignored"))
-        elif entry.is_dir():
+        if not _usable_name(entry.name, entry.name, skipped):
+            continue
+        if entry.is_dir():
             classes.append(entry.name)
         else:
             skipped.append(Skipped(entry.name, "not inside a class folder"))
     if not classes:
         raise SourceError(f"{src}: no class folders (expected SRC/<class>/<image>)")
     found = _ListingBuilder()
-    seen: set[tuple[int, int]] = set()
     for label, name in enumerate(classes):
-        for rel, st in _walk(os.path.join(path, name), name, seen, skipped):
+        for rel, st in _walk(os.path.join(path, name), name, frozenset(), skipped):
             if images.field_for(rel) is None:
                 skipped.append(Skipped(rel, "not an image file extension"))
                 continue

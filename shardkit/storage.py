@@ -74,6 +74,8 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         extra = _INSTALL_HINTS.get(protocol)
         hint = f"pip install 'shardkit[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"
         raise ShardkitError(f"{display(url)}: {protocol}:// support is not installed ({hint})") from e
+    except ValueError as e:  # fsspec: "Protocol not known"
+        raise ShardkitError(f"{display(url)}: unknown storage protocol {protocol}://") from e
     kwargs = {**cls._get_kwargs_from_urls(url), **(storage_options or {})}
     key = (os.getpid(), protocol, json.dumps(kwargs, sort_keys=True, default=repr))
     cache = _FILESYSTEMS if instances is None else instances
@@ -336,10 +338,13 @@ class RangeReader:
             return {**opts, "config_kwargs": {"retries": {"total_max_attempts": 1}}}
         return self._opts
 
-    def read(self, shard: int, start: int, stop: int) -> bytes | memoryview:
+    def read(self, shard: int, start: int, stop: int, partial: bool = False) -> bytes | memoryview:
+        """Bytes [start, stop) of a shard (a view of the page cache for a local file). A shard
+        that ends before `stop` (truncated or replaced) raises CorruptShardError, or with
+        `partial` gives the bytes up to its end, for the caller to tell which samples are whole."""
         handle = self._handle(shard)
         if self._local[shard]:
-            return self._map(handle, shard, start, stop)
+            return self._map(handle, shard, start, stop, partial)
         url, version = self._urls[shard], self._versions[shard]
         if self._cache is not None:
             cached = self._cache.get(url, version, start, stop)
@@ -351,25 +356,35 @@ class RangeReader:
             data = fs.cat_file(path, start=start, end=stop)
             if len(data) > stop - start:
                 raise self._short(shard, start, stop, len(data))
-            if len(data) < stop - start:  # a cut-short body: transient, retried
-                raise OSError(f"short read: {len(data)} of {stop - start} bytes")
+            if len(data) < stop - start:
+                fs.invalidate_cache(path)
+                if fs.size(path) < stop:  # the object does end there
+                    if partial:
+                        return data
+                    raise self._short(shard, start, stop, len(data))
+                raise OSError(f"short read: {len(data)} of {stop - start} bytes")  # a cut-short body: retried
             return data
 
         data = retrying(f"{display(url)} (bytes {start}-{stop})", get)
         with self._lock:
             self.fetched_bytes += len(data)
-        if self._cache is not None:
+        if self._cache is not None and len(data) == stop - start:
             self._cache.put(url, version, start, stop, data)
         return data
 
-    def _map(self, fd: int, shard: int, start: int, stop: int) -> memoryview:
+    def _map(self, fd: int, shard: int, start: int, stop: int, partial: bool) -> memoryview:
         if stop == start:
             return memoryview(b"")
         base = start - start % mmap.ALLOCATIONGRANULARITY
         try:
             mm = mmap.mmap(fd, stop - base, access=mmap.ACCESS_READ, offset=base)
         except ValueError:  # the range runs past the end of the file
-            raise self._short(shard, start, stop, max(0, os.fstat(fd).st_size - start)) from None
+            size = os.fstat(fd).st_size
+            if not partial:
+                raise self._short(shard, start, stop, max(0, size - start)) from None
+            if size <= start:
+                return memoryview(b"")
+            mm = mmap.mmap(fd, size - base, access=mmap.ACCESS_READ, offset=base)
         mm.madvise(mmap.MADV_WILLNEED)
         return memoryview(mm)[start - base :]
 

@@ -1,4 +1,4 @@
-"""Re-read every shard of a dataset and check it against its index."""
+"""Re-read every shard of a dataset (or every record of an LMDB) and check it against its index."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 from . import index, storage
 from .errors import ShardkitError
-from .index import ShardInfo
-from .sources import scan_shard
+from .formats import lmdb as lmdb_format
+from .index import Index, ShardInfo
+from .sources import local_lmdb, scan_shard
 from .storage import StorageOptions
 
 
@@ -15,10 +16,16 @@ def verify(url: str, storage_options: StorageOptions | None = None,
            on_shard: Callable[[ShardInfo, str | None], None] | None = None) -> list[str]:
     """Re-read every shard of the dataset at `url`; return one line per problem (empty: all good).
 
-    Checks each shard's size, sha256, sample count and sample offsets against index.json.
-    `on_shard(info, problem)` is called after each shard (for progress output).
+    Checks each shard's size, sha256, sample count and sample offsets against index.json;
+    for an LMDB, see `_verify_lmdb`. `on_shard(info, problem)` is called after each shard
+    (for progress output).
     """
     idx = index.load(url, storage_options)
+    if idx.kind == "lmdb":
+        problem = _verify_lmdb(url, idx, storage_options)
+        if on_shard:
+            on_shard(idx.shards[0], problem)
+        return [problem] if problem else []
     problems = []
     for info in idx.shards:
         shard_url = storage.join(url, info.name)
@@ -43,3 +50,30 @@ def verify(url: str, storage_options: StorageOptions | None = None,
         if on_shard:
             on_shard(info, problem)
     return problems
+
+
+def _verify_lmdb(url: str, idx: Index, storage_options: StorageOptions | None) -> str | None:
+    """The first problem of an LMDB dataset, if any: data.mdb opens and is complete, the
+    index stored inside it is index.json's, every sample of the index is there with the
+    byte count the index records, and no record belongs to no sample. (LMDB keeps no
+    checksums of values: bytes changed in place are not detected.)"""
+    path = local_lmdb(url, storage_options, None)
+    try:
+        env = lmdb_format.open_reader(path)
+        if Index.from_json(lmdb_format.read_index(env, path), path).to_json() != idx.to_json():
+            return f"{path}: index.json differs from the index stored in data.mdb"
+        keys, sizes = idx.extra.get("keys", []), idx.extra.get("sizes")
+        records = 1  # the index's own
+        with env.begin(buffers=True) as txn:
+            for i, key in enumerate(keys):
+                fields = lmdb_format.read_sample(txn, key, path)
+                records += len(fields)
+                got = sum(len(v) for v in fields.values())
+                if sizes is not None and got != sizes[i]:
+                    return f"{path}: sample {key}: {got} bytes, index says {sizes[i]}"
+        extra = env.stat()["entries"] - records
+        if extra:
+            return f"{path}: {extra} stray record(s), part of no sample in the index"
+    except ShardkitError as e:
+        return str(e)
+    return None

@@ -76,6 +76,58 @@ def test_errors_are_one_line(run, args, code: int, text: str) -> None:  # type: 
     assert "Traceback" not in result.output
 
 
+def test_user_mistakes_are_one_line_errors(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Pointing at the wrong thing: a file where a folder goes, a shard or index.json
+    instead of the dataset, an unknown protocol, a zero size."""
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "out"
+    assert run("pack", photos, out, "-q").exit_code == 0
+    for args, code, text in [
+        (["pack", photos, tmp_path / "afile"], 1, "afile"),
+        (["pack", photos, tmp_path / "afile", "--format", "lmdb"], 1, "afile"),
+        (["verify", out / "shard-000000.tar"], 1, "shard-000000.tar: not a folder"),
+        (["info", out / "index.json"], 1, "index.json: not a folder"),
+        (["info", "s3x://bucket/data"], 1, "unknown storage protocol s3x://"),
+        (["pack", photos, tmp_path / "x", "--max-size", "0"], 2, "must be at least 1 byte"),
+        (["pack", photos, photos / "shards"], 1, "the destination is inside the source"),
+    ]:
+        result = run(*args)
+        assert result.exit_code == code, (args, result.output)
+        assert text in result.output and "Traceback" not in result.output, (args, result.output)
+        assert len(result.output.strip().splitlines()) == 1 or code == 2, result.output
+
+
+def test_verify_an_lmdb(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "photos.lmdb"
+    assert run("pack", photos, out, "--format", "lmdb", "-q").exit_code == 0
+    result = run("verify", out)
+    assert result.exit_code == 0 and "BAD" not in result.output, result.output
+    import lmdb
+
+    from shardkit.formats import lmdb as lmdb_format
+
+    def edit(**puts: bytes) -> None:
+        lmdb_format.close_reader(str(out))  # verify's reader: one environment per file and process
+        env = lmdb.open(str(out))
+        with env.begin(write=True) as txn:
+            for k, v in puts.items():
+                txn.put(k.encode(), v) if v else txn.delete(k.encode())
+        env.close()
+
+    key = json.loads((out / "index.json").read_text())["keys"][3]
+    edit(**{f"{key}.jpg": b"short"})
+    result = run("verify", out)
+    assert result.exit_code == 1 and f"sample {key}: 5" in result.output and "index says" in result.output
+    edit(**{f"{key}.{ext}": b"" for ext in ("cls", "jpg", "json")})
+    result = run("verify", out)
+    assert result.exit_code == 1 and f"sample {key} is missing" in result.output
+    shardkit.pack(str(photos), str(tmp_path / "fresh.lmdb"), format="lmdb", progress=False)
+    out = tmp_path / "fresh.lmdb"
+    edit(**{"stray.jpg": b"x"})
+    result = run("verify", out)
+    assert result.exit_code == 1 and "1 stray record(s)" in result.output
+
+
 def test_index_command_for_foreign_shards(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import webdataset as wds
 

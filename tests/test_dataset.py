@@ -646,6 +646,25 @@ def test_truncated_shard_names_the_file(packed: Path, tmp_path: Path) -> None:
         assert isinstance(err, CorruptShardError) and "shard-000003.tar" in str(err)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_truncated_shard_skipped_sample_by_sample(packed: Path, tmp_path: Path, workers: int) -> None:
+    """Under on_error="skip" a cut-off shard loses only the samples past the cut; the rest
+    are read, the lost ones replaced and counted."""
+    clone = Path(shutil.copytree(packed, tmp_path / "clone"))
+    idx = json.loads((clone / "index.json").read_text())
+    shard = idx["shards"][3]
+    cut = shard["offsets"][2] + 700  # inside the third sample
+    os.truncate(clone / shard["name"], cut)
+    ds = StreamingDataset(str(clone), on_error="skip")
+    keys = run(ds, workers)
+    lost = shard["samples"] - 2
+    assert len(keys) == len(ds) == 120 and len(set(keys)) == 120 - lost
+    assert ds.stats()["skipped"] == lost
+    err = failure(StreamingDataset(str(clone)), workers)
+    assert isinstance(err, CorruptShardError)
+    assert f"{shard['name']}: sample at byte {shard['offsets'][2]} is cut off: the shard ends at byte {cut}" in str(err)
+
+
 @pytest.fixture
 def broken(photos: Path, tmp_path: Path) -> tuple[Path, str, str]:
     """30 samples in shards of 4; the JPEG of sample 1 of shard 2 is garbage."""

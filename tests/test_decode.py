@@ -165,3 +165,26 @@ def test_bad_json_fields_raise_json_errors(raw: bytes) -> None:
 
     with pytest.raises(ValueError):
         decoder("raw")({"json": raw})
+
+
+def test_upper_case_extensions_and_tiny_images_decode(tmp_path: Path) -> None:
+    """`.JPG` from a camera is an image (WebDataset lower-cases the extension to choose a
+    decoder); a 1x1 image becomes a writable tensor with no warning."""
+    import tarfile
+    import warnings
+
+    blobs = {}
+    for name, size in (("UP.JPG", (1, 1)), ("y.seg.PNG", (5, 3))):
+        buf = io.BytesIO()
+        Image.new("RGB", size, (200, 10, 10)).save(buf, "PNG" if name.endswith("PNG") else "JPEG")
+        blobs[name] = buf.getvalue()
+    with tarfile.open(tmp_path / "x.tar", "w") as t:
+        for name, data in blobs.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = list(StreamingDataset([str(tmp_path / "x.tar")], decode="tensor"))
+    assert [tuple(s[k].shape) for s, k in zip(got, ("JPG", "seg.PNG"))] == [(3, 1, 1), (3, 3, 5)]
+    got[0]["JPG"][0, 0, 0] = 1  # writable

@@ -269,6 +269,22 @@ def test_not_an_lmdb_and_missing_keys(tmp_path: Path, lmdb_pack: Path) -> None:
         LMDBDataset(str(lmdb_pack))[5]
 
 
+def test_bad_samples_and_wrong_folders_are_named(photos: Path, tmp_path: Path) -> None:
+    (photos / "circle" / "img_0003.jpg").write_bytes((photos / "circle" / "img_0003.jpg").read_bytes()[:300] + b"\xff\xd9")
+    out = tmp_path / "photos.lmdb"
+    shardkit.pack(str(photos), str(out), format="lmdb", shuffle=False, progress=False)
+    ds = LMDBDataset(str(out), decode="tensor")
+    keys = ds.index.extra["keys"]
+    with pytest.raises(CorruptShardError, match=f"photos.lmdb: sample {keys[3]}: OSError"):
+        ds[3]
+    with pytest.raises(CorruptShardError, match=f"photos.lmdb: sample {keys[3]}: OSError") as err:
+        list(StreamingDataset(str(out), decode="tensor"))
+    assert "at byte" not in str(err.value)  # an LMDB sample has a key, not an offset
+    shardkit.pack(str(photos), str(tmp_path / "shards"), progress=False)
+    with pytest.raises(DatasetNotFoundError, match="not an LMDB dataset .*read them with StreamingDataset"):
+        LMDBDataset(str(tmp_path / "shards"))
+
+
 def test_remote_lmdb_is_copied_to_the_cache_first(s3: dict, lmdb_pack: Path, tmp_path: Path) -> None:
     import fsspec.core
 

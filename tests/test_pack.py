@@ -204,6 +204,55 @@ def test_symlink_loops_do_not_hang(photos: Path, tmp_path: Path) -> None:
     assert any("symlink loop" in s.reason for s in idx.skipped)
 
 
+def test_a_folder_reached_twice_is_no_loop(tmp_path: Path) -> None:
+    """A symlink to a sibling class folder is read under both routes (as ImageFolder
+    does); only a folder inside itself is a loop."""
+    src = make_folder(tmp_path / "src", per_class=2, classes=("a", "b"))
+    (src / "a" / "more").symlink_to(src / "b", target_is_directory=True)
+    idx = shardkit.pack(str(src), str(tmp_path / "out"), workers=1, progress=False)
+    paths = sorted(json.loads(f["json"])["path"] for f in read_shards(tmp_path / "out").values())
+    assert paths == ["a/img_0000.jpg", "a/img_0001.jpg", "a/more/img_0000.jpg", "a/more/img_0001.jpg",
+                     "b/img_0000.jpg", "b/img_0001.jpg"]
+    assert idx.skipped == ()
+
+
+def test_hidden_and_undecodable_names_are_skipped(photos: Path, tmp_path: Path) -> None:
+    good = (photos / "circle" / "img_0000.jpg").read_bytes()
+    (photos / "circle" / ".hidden.jpg").write_bytes(good)
+    (photos / "circle" / ".ipynb_checkpoints").mkdir()
+    (photos / "circle" / ".ipynb_checkpoints" / "x.jpg").write_bytes(good)
+    (photos / ".trash").mkdir()
+    (photos / "square" / os.fsdecode(b"bad\xff\xfename.jpg")).write_bytes(good)
+    idx = shardkit.pack(str(photos), str(tmp_path / "out"), workers=1, progress=False)
+    assert idx.samples == 30 and idx.classes == ("circle", "square", "triangle")
+    assert {s.path: s.reason for s in idx.skipped} == {
+        ".trash": "hidden entry ignored",
+        "circle/.hidden.jpg": "hidden entry ignored",
+        "circle/.ipynb_checkpoints": "hidden entry ignored",
+        "square/bad\\xff\\xfename.jpg": "file name is not valid UTF-8",
+    }
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_refuses_a_destination_inside_the_source(photos: Path, tmp_path: Path, fmt: str) -> None:
+    shardkit.pack(str(photos), str(tmp_path / "ds"), format=fmt, workers=1, progress=False)
+    before = tree_bytes(tmp_path / "ds")
+    for src, dest in [(photos, photos / "_shards"), (tmp_path / "ds", tmp_path / "ds"),
+                      (tmp_path / "ds", tmp_path / "ds" / "sub")]:
+        with pytest.raises(SourceError, match="destination (is the source|is inside the source)"):
+            shardkit.pack(str(src), str(dest), format=fmt, workers=1, progress=False)
+    assert not (photos / "_shards").exists()
+    assert tree_bytes(tmp_path / "ds") == before
+
+
+def test_a_pack_that_keeps_nothing_fails(tmp_path: Path) -> None:
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "x.jpg").write_text("not an image")
+    with pytest.raises(SourceError, match=r"no usable samples, 1 skipped \(first: a/x\.jpg: not an image file\)"):
+        shardkit.pack(str(tmp_path / "src"), str(tmp_path / "out"), workers=1, progress=False)
+    assert not (tmp_path / "out" / "index.json").exists()
+
+
 def test_refuses_a_foreign_destination(photos: Path, tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "thesis.pdf").write_text("precious")
@@ -285,3 +334,33 @@ def test_build_index_for_foreign_shards(tmp_path: Path) -> None:
     with tarfile.open(tmp_path / "wds" / "part-000000.tar") as t:
         first = t.getmembers()[0]
     assert idx.shards[0].offsets[0] == 0 and first.name.startswith("sample000")
+
+
+def test_foreign_keys_survive_conversion_both_ways(photos: Path, tmp_path: Path) -> None:
+    """Keys that other tars carry (folders, `./`, paths past ustar's 100-byte name field,
+    written with its prefix field or a pax header) convert tar -> tar and tar -> lmdb -> tar."""
+    src = tmp_path / "src"
+    deep = "d" * 70 + "/" + "e" * 70
+    for i, jpg in enumerate(sorted(photos.glob("*/*.jpg"))[:4]):
+        folder = src / ("bird" if i % 2 else deep)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"img{i}.jpg").write_bytes(jpg.read_bytes())
+    (tmp_path / "plain").mkdir()
+    for fmt, name in ((tarfile.USTAR_FORMAT, "a.tar"), (tarfile.PAX_FORMAT, "b.tar")):
+        with tarfile.open(tmp_path / "plain" / name, "w", format=fmt) as t:
+            t.add(src, arcname=".")
+    from shardkit.sources import build_index, shard_urls
+
+    shardkit.index.save(build_index(shard_urls(str(tmp_path / "plain"))), str(tmp_path / "plain"))
+    want = {(s["__key__"], s["jpg"]) for s in shardkit.StreamingDataset(str(tmp_path / "plain"))}
+    assert len(want) == 4 and {k for k, _ in want} == {"./bird/img1", "./bird/img3", f"./{deep}/img0", f"./{deep}/img2"}
+    shardkit.pack(str(tmp_path / "plain"), str(tmp_path / "t2"), workers=1, progress=False)
+    shardkit.pack(str(tmp_path / "plain"), str(tmp_path / "l"), format="lmdb", workers=1, progress=False)
+    shardkit.pack(str(tmp_path / "l"), str(tmp_path / "t3"), workers=1, progress=False)
+    for out in ("t2", "l", "t3"):
+        got = [(s["__key__"], s["jpg"]) for s in shardkit.StreamingDataset(str(tmp_path / out))]
+        assert len(got) == 8 and set(got) == want
+    shards = {n: b for n, b in tree_bytes(tmp_path / "t2").items() if n.endswith(".tar")}
+    assert shards and shards == {n: b for n, b in tree_bytes(tmp_path / "t3").items() if n.endswith(".tar")}
+    with tarfile.open(tmp_path / "t2" / "shard-000000.tar") as t:  # other readers see the long names
+        assert f"./{deep}/img0.jpg" in t.getnames()

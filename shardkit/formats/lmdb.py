@@ -115,6 +115,9 @@ def open_reader(path: str, readahead: bool = False) -> Any:
 
 def _open(path: str, readahead: bool) -> Any:
     lmdb = _lmdb()
+    if not os.path.isfile(os.path.join(path, "data.mdb")):
+        hint = " (tar shards: read them with StreamingDataset)" if os.path.isfile(os.path.join(path, "index.json")) else ""
+        raise DatasetNotFoundError(f"{path}: not an LMDB dataset (no data.mdb){hint}")
     try:
         env = lmdb.open(path, subdir=True, readonly=True, lock=False, readahead=readahead, meminit=False,
                         max_readers=1024)

@@ -23,6 +23,7 @@ RECORD = 20 * BLOCK  # GNU tar and Python's tarfile pad archives to 10 KiB recor
 
 _EMPTY = bytes(BLOCK)
 _USTAR_MAGIC = b"ustar\x0000"
+_POSIX, _GNU = b"ustar\x00", b"ustar "  # magics of POSIX ustar/pax and of GNU tar's own format
 
 
 def _template() -> bytes:
@@ -42,19 +43,39 @@ _TEMPLATE = _template()
 _TEMPLATE_SUM = sum(_TEMPLATE)
 
 
-def header(name: str, size: int) -> bytes:
-    """A ustar header for a regular file: deterministic, 512 bytes."""
-    raw = name.encode("utf-8")
-    if len(raw) > 100:
-        raise ValueError(f"tar member name longer than 100 bytes: {name!r}")
+def header(name: str, size: int, kind: bytes = b"0") -> bytes:
+    """A ustar header (a regular file, or `kind`): deterministic, 512 bytes. A name longer
+    than the 100-byte field is cut there: `TarWriter` puts the whole name in a pax header."""
+    raw = name.encode("utf-8")[:100]
     if size >= 8**11:
         raise ValueError(f"tar member larger than 8 GiB: {name!r}")
     size_field = b"%011o\x00" % size
     head = bytearray(_TEMPLATE)
     head[0 : len(raw)] = raw
     head[124:136] = size_field
-    head[148:156] = b"%06o\x00 " % (_TEMPLATE_SUM + sum(raw) + sum(size_field))
+    head[156:157] = kind
+    checksum = _TEMPLATE_SUM + sum(raw) + sum(size_field) + kind[0] - ord("0")
+    head[148:156] = b"%06o\x00 " % checksum
     return bytes(head)
+
+
+def _pax_record(name: str) -> bytes:
+    """A pax extended header's body carrying `name` as the next member's path:
+    "LEN path=NAME\n", where LEN counts the whole record, its own digits included."""
+    body = f" path={name}\n".encode("utf-8")
+    length = len(body) + len(str(len(body)))
+    length = len(body) + len(str(length))  # one more digit, when adding the digits made one
+    return str(length).encode() + body
+
+
+def check_key(key: str) -> None:
+    """A sample key as WebDataset reads it back: the part of a member's path before the
+    first dot of its base name. So no dot in the base name; folders are allowed (`train/0001`)
+    but not absolute paths or `..`, which would escape a folder when a shard is extracted."""
+    base = key.rpartition("/")[2]
+    if not base or "." in base or key.startswith("/") or ".." in key.split("/"):
+        raise ValueError(f"sample key must have a non-empty base name with no '.', and no '/' at the start "
+                         f"or '..' part: {key!r}")
 
 
 def _padding(size: int) -> int:
@@ -81,16 +102,22 @@ class TarWriter:
 
     def write(self, key: str, fields: Mapping[str, bytes]) -> None:
         """Add one sample; fields are written in sorted order of their extension."""
-        if "." in key or "/" in key or not key:
-            raise ValueError(f"sample key must be non-empty with no '.' or '/': {key!r}")
+        check_key(key)
         for ext in sorted(fields):
             data = fields[ext]
-            self._write(header(f"{key}.{ext}", len(data)))
-            self._write(data)
-            pad = _padding(len(data))
-            if pad:
-                self._write(_EMPTY[:pad])
+            name = f"{key}.{ext}"
+            if len(name.encode("utf-8")) > 100:  # too long for ustar: a pax header names it
+                record = _pax_record(name)
+                self._member(header("././@PaxHeader", len(record), b"x"), record)
+            self._member(header(name, len(data)), data)
         self.offsets.append(self.size)
+
+    def _member(self, head: bytes, data: bytes) -> None:
+        self._write(head)
+        self._write(data)
+        pad = _padding(len(data))
+        if pad:
+            self._write(_EMPTY[:pad])
 
     def close(self) -> str:
         """Write the end-of-archive blocks and record padding; return the sha256 hex digest."""
@@ -177,7 +204,7 @@ def iter_members(f: BinaryIO, where: str, limit: int | None = None) -> Iterator[
         if name is None:
             name = head[:100].split(b"\x00", 1)[0].decode("utf-8")
             prefix = head[345:500].split(b"\x00", 1)[0].decode("utf-8")
-            if prefix and head[257:262] == b"ustar":
+            if prefix and head[257:263] == _POSIX:  # GNU's format keeps other fields there
                 name = f"{prefix}/{name}"
         if kind in (b"0", b"\x00", b"7"):  # regular file (and contiguous file)
             yield start, consumed, name, data
@@ -236,8 +263,8 @@ def scan(f: BinaryIO, where: str) -> Scan:
     return out
 
 
-# name, size (11 octal digits), type flag and ustar magic of a header, read in one call
-_FIELDS = struct.Struct("100s24x11s21xc100x5s")
+# name, size (11 octal digits), type flag, magic and (POSIX ustar) name prefix of a header, in one call
+_FIELDS = struct.Struct("100s24x11s21xc100x6s82x155s")  # prefix: bytes 345-500
 _REGULAR = (b"0", b"\x00")
 
 
@@ -257,8 +284,8 @@ def parse_sample(buf: bytes | memoryview, where: object) -> tuple[str, dict[str,
     unpack = _FIELDS.unpack_from
     pos, end = 0, len(buf)
     while pos + BLOCK <= end:
-        name, size_field, kind, magic = unpack(buf, pos)
-        if kind not in _REGULAR or magic != b"ustar":
+        name, size_field, kind, magic, prefix = unpack(buf, pos)
+        if kind not in _REGULAR or (magic != _POSIX and magic != _GNU):
             if buf[pos : pos + BLOCK] == _EMPTY:
                 break
             return _parse_general(bytes(buf), where)
@@ -271,6 +298,8 @@ def parse_sample(buf: bytes | memoryview, where: object) -> tuple[str, dict[str,
         if pos > end:
             raise CorruptShardError(f"{where}: member at byte {start - BLOCK} runs past the sample's end")
         text = name.split(b"\x00", 1)[0].decode("utf-8")
+        if prefix[0] and magic == _POSIX:  # a long path's folders
+            text = prefix.split(b"\x00", 1)[0].decode("utf-8") + "/" + text
         dot = text.find(".", text.rfind("/") + 1)  # split_name, inlined
         k, ext = (text, "") if dot < 0 else (text[:dot], text[dot + 1 :])
         if key is None:
