@@ -246,6 +246,11 @@ class Batches:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stream.load_state_dict(state)
 
+    def __del__(self) -> None:
+        close = getattr(self.stream, "close", None)  # a pass (see epochs.Samples), not collate's list
+        if close is not None:
+            close()
+
     def __next__(self) -> Any:
         item = next(self.stream)  # StopIteration ends the batches too
         leaves: list[Any] = []

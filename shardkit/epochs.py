@@ -74,7 +74,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def _stream(self, stream: EpochStream) -> Iterator[Any]:
         """What `__iter__` returns: the worker's samples, or its batches."""
         if not self.batch_size:
-            return stream
+            return Samples(stream)
         return Batches(stream, self.batch_size)
 
     @property
@@ -175,6 +175,31 @@ def _find_states(state: Any) -> list[dict[str, Any]]:
 
 
 
+class Samples:
+    """What a pass hands the DataLoader: the stream's samples, and the stream closed as
+    soon as the DataLoader lets go of it. A stream and its running generator reference
+    each other, so a pass abandoned halfway (a `break` out of the loop) would otherwise keep
+    its read-ahead threads, buffers and open files until a full garbage collection."""
+
+    def __init__(self, stream: EpochStream):
+        self.stream = stream
+
+    def __iter__(self) -> Samples:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self.stream)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state)
+
+    def __del__(self) -> None:
+        self.stream.close()
+
+
 class EpochStream:
     """One pass of one worker. Stateful (torchdata's protocol): `state_dict()` says how
     many samples this worker has yielded; `load_state_dict()` before the first sample
@@ -209,6 +234,11 @@ class EpochStream:
 
     def _generate(self) -> Iterator[Any]:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """End the pass now: the generator's `finally` releases its threads, buffers and files."""
+        if self._gen is not None:
+            self._gen.close()
 
     def _sequence(self) -> np.ndarray:
         """The epoch's global sequence (sample ids, or positions)."""

@@ -102,5 +102,4 @@ class _MixedStream(EpochStream):
                 yield next(streams[d])
         finally:
             for s in streams:
-                if s._gen is not None:
-                    s._gen.close()
+                s.close()

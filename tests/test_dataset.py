@@ -251,6 +251,28 @@ def test_construction_and_len_need_only_the_index(packed: Path, tmp_path: Path) 
         list(ds)
 
 
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_breaking_out_of_the_loop_closes_the_shards(packed: Path, batch_size: int | None) -> None:
+    """A pass left halfway closes its files at once, not at the next full garbage collection."""
+    import gc
+
+    ds = StreamingDataset(str(packed), shuffle=True, batch_size=batch_size)
+
+    def passes(n: int) -> int:
+        for _ in range(n):
+            for j, _ in enumerate(DataLoader(ds, batch_size=None)):
+                if j == 2:
+                    break
+        return len(os.listdir("/proc/self/fd"))
+
+    gc.disable()
+    try:
+        before = passes(1)  # batches: the process's reusable buffers exist from here on
+        assert passes(20) <= before
+    finally:
+        gc.enable()
+
+
 def test_pickle_is_small_and_round_trips(packed: Path) -> None:
     ds = StreamingDataset(str(packed), shuffle=True, seed=3, rank=1, world_size=2)
     ds.set_epoch(4)

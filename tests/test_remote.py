@@ -83,6 +83,35 @@ def test_workers_cache_and_second_epoch_from_disk(s3: dict, packed: Path, tmp_pa
     assert names and all("shardkit-test" not in n and "testing" not in n for n in names)
 
 
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_breaking_out_of_the_loop_frees_the_read_ahead(s3: dict, packed: Path, batch_size: int | None) -> None:
+    """Leaving a pass halfway stops its read-ahead threads at once, not at the next full
+    garbage collection (turned off here to prove it)."""
+    import gc
+    import threading
+
+    import fsspec.core
+
+    url, opts = s3["url"] + "/breaks", s3["storage_options"]
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.put(str(packed), root, recursive=True)
+    ds = StreamingDataset(url, storage_options=opts, shuffle=True, block=4, batch_size=batch_size)
+
+    def prefetching() -> int:
+        return sum(t.name.startswith("shardkit-prefetch") for t in threading.enumerate())
+
+    gc.disable()
+    try:
+        for _ in range(8):
+            for j, _ in enumerate(DataLoader(ds, batch_size=None)):
+                if j == 2:
+                    break
+        assert prefetching() <= 8  # at most the last pool's threads, winding down
+        gc.collect()
+    finally:
+        gc.enable()
+
+
 def test_cache_too_small_for_the_read_ahead(s3: dict, packed: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cache_limit .* smaller than the read-ahead budget"):
         StreamingDataset(str(packed), cache_dir=str(tmp_path), cache_limit="10MB", prefetch_bytes="64MB")
