@@ -153,9 +153,10 @@ class _WorkerStream(EpochStream):
 
     def _borrow(self, reader: storage.RangeReader, decode: Callable[[dict[str, Any]], Any],
                 transform: Callable[[dict[str, Any]], Any] | None, after: int) -> Any:
-        """The first usable sample after global id `after` (wrapping), standing in for a
-        worker's skipped samples when none of its own could be used: the rank's count stays
-        exact. Raises when no sample of the dataset can be used at all."""
+        """The first usable sample after global id `after` (wrapping), standing in for
+        skipped samples at the end of a worker's plan, so that the rank's count stays exact
+        and a resumed pass picks the same one. Raises when no sample of the dataset can be
+        used at all."""
         ds = self.ds
         total = int(ds._counts.sum())
         for step in range(1, total + 1):
@@ -253,7 +254,6 @@ class _WorkerStream(EpochStream):
         decode = decoder(ds.decode)
         transform = ds.transform
         pending = 0  # skipped samples still to be replaced, so the rank's count stays exact
-        last_good: Any = None
         reads: Iterator[tuple[int, int, Any]]
         if ds._lmdb is None:
             reads, parse = self._reads(ids, reader), _parse
@@ -292,14 +292,13 @@ class _WorkerStream(EpochStream):
                 for _ in range(pending):
                     yield item
                 pending = 0
-                last_good = item
                 yield item
                 if count % 256 == 0:
                     meter.flush(self.prefetcher)
-            if pending and last_good is None:  # nothing this worker read could be used
-                last_good = self._borrow(reader, decode, transform, int(ids[-1]))
-            for _ in range(pending):
-                yield last_good
+            if pending:  # bad samples at the end of the plan: a stand-in that a resumed pass picks too
+                stand_in = self._borrow(reader, decode, transform, int(ids[-1]))
+                for _ in range(pending):
+                    yield stand_in
         finally:
             reads.close()
             meter.flush(self.prefetcher)

@@ -121,6 +121,16 @@ class EpochDataset(torch.utils.data.IterableDataset):
         first = workers[0]
         if any(s["epoch"] != first["epoch"] or s["num_workers"] != first["num_workers"] for s in workers):
             raise ValueError("state dict mixes workers of different epochs or layouts")
+        if isinstance(state, dict) and state.get("_iterator_finished"):  # StatefulDataLoader, after a whole pass
+            self._resume = None
+            self._shared.set_epoch(int(first["epoch"]) + 1)
+            return
+        lag = state.get("_steps_since_snapshot", 0) if isinstance(state, dict) else 0
+        if lag:  # the workers' counts are `lag` batches old, and which worker made each is not recorded
+            raise ValueError(
+                f"this StatefulDataLoader state was taken {lag} step(s) after its last snapshot of the workers "
+                "(snapshot_every_n_steps > 1): resume it under the same layout with the loader's own "
+                "load_state_dict, or checkpoint with snapshot_every_n_steps=1 to resume under a new layout")
         yielded = [0] * int(first["num_workers"])
         for s in workers:
             yielded[int(s["worker"])] = int(s["yielded"])

@@ -440,6 +440,29 @@ def test_stateful_dataloader_resume_and_elastic_resume(packed: Path, k: int) -> 
 
 
 @needs_torchdata
+def test_elastic_resume_refuses_a_lagging_snapshot_and_moves_past_a_finished_pass(packed: Path) -> None:
+    """snapshot_every_n_steps > 1 leaves the workers' counts behind the loader: an elastic
+    resume from such a state would repeat samples, so it is refused (the loader's own resume
+    still works). A state taken after a whole pass resumes at the next epoch, not an empty one."""
+    ds = StreamingDataset(str(packed), shuffle=True)
+    dl = StatefulDataLoader(ds, num_workers=2, batch_size=5, snapshot_every_n_steps=4)
+    before = take(dl, 6)
+    state = dl.state_dict()
+    with pytest.raises(ValueError, match=r"2 step\(s\) after its last snapshot"):
+        StreamingDataset(str(packed), shuffle=True).load_state_dict(state)
+    again = StatefulDataLoader(StreamingDataset(str(packed), shuffle=True), num_workers=2, batch_size=5,
+                               snapshot_every_n_steps=4)
+    again.load_state_dict(state)
+    assert Counter(before) + Counter(keys_of(again)) == Counter(full_epoch(packed, 0, 0, 1))
+
+    dl = StatefulDataLoader(StreamingDataset(str(packed), shuffle=True), num_workers=2, batch_size=5)
+    keys_of(dl)
+    fresh = StreamingDataset(str(packed), shuffle=True)
+    fresh.load_state_dict(dl.state_dict())
+    assert fresh.epoch == 1 and Counter(run(fresh, 3)) == Counter(full_epoch(packed, 1, 0, 1))
+
+
+@needs_torchdata
 def test_stateful_dataloader_resumes_twice_in_one_epoch(packed: Path) -> None:
     def loader() -> Any:
         return StatefulDataLoader(StreamingDataset(str(packed), shuffle=True, seed=5), num_workers=2, batch_size=5)
@@ -731,6 +754,24 @@ def test_skip_keeps_the_count_when_a_worker_has_only_bad_samples(tmp_path: Path)
     keys = run(ds, 3)  # one sample per worker: worker 1 has only the broken one
     assert ds.stats()["skipped"] == 1
     assert len(keys) == len(ds) == 3
+
+
+def test_skip_then_resume_yields_what_one_pass_yields(tmp_path: Path) -> None:
+    """Bad samples at the end of a worker's plan get the same stand-in whether or not the
+    pass was resumed just before them."""
+    dataset = pack(make_folder(tmp_path / "photos", per_class=3), tmp_path / "shards", shuffle=False)
+    break_image(dataset, 0, 7)
+    break_image(dataset, 0, 8)
+
+    def stream() -> Any:
+        return iter(StreamingDataset(str(dataset), decode="pil", on_error="skip", transform=lambda s: s["__key__"]))
+
+    whole = list(stream())
+    first = stream()
+    head = [next(first) for _ in range(7)]
+    resumed = stream()
+    resumed.load_state_dict(first.state_dict())
+    assert head + list(resumed) == whole and len(whole) == 9
 
 
 def test_verify_names_a_shard_whose_checksum_is_wrong(tmp_path: Path, packed: Path) -> None:
