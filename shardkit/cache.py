@@ -7,7 +7,10 @@ a hash of the shard's full URL, its sha256 from the index and the byte range: no
 or user names end up in file names, and a shard replaced under the same URL misses.
 Eviction removes the least recently used entries (by mtime, refreshed on every hit) once
 the total passes the cap. Processes coordinate through the file system only: an entry
-evicted by one process while another reads it is simply a miss for the latter.
+evicted by one process while another reads it is simply a miss for the latter. Each
+process re-counts the folder whenever it has written 1% of the cap since it last looked,
+so N processes filling one cache together overshoot it by at most ~N% (plus a block each).
+Temporary files older than `STALE_S` belong to a writer that was killed: they are removed.
 """
 
 from __future__ import annotations
@@ -15,17 +18,21 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import time
 import uuid
 
 SUFFIX = ".blk"
+TMP = ".tmp-"
+STALE_S = 600.0
 
 
 class RangeCache:
     def __init__(self, root: str, limit: int):
         self.root, self.limit = root, limit
         os.makedirs(root, exist_ok=True)
-        self._estimate = self._scan_size()  # bytes in the cache, as this process believes
+        self._unseen = 0  # bytes this process wrote since it last counted the folder
         self.hits = self.misses = 0
+        self._recount()
 
     def _path(self, url: str, version: str | None, start: int, stop: int) -> str:
         name = hashlib.sha256(f"{url}\0{version}\0{start}\0{stop}".encode()).hexdigest()[:40]
@@ -48,7 +55,7 @@ class RangeCache:
 
     def put(self, url: str, version: str | None, start: int, stop: int, data: bytes) -> None:
         path = self._path(url, version, start, stop)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp = f"{path}{TMP}{uuid.uuid4().hex[:12]}"
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -57,30 +64,43 @@ class RangeCache:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
             return
-        self._estimate += len(data)
-        if self._estimate > self.limit:
-            self.evict()
+        self._unseen += len(data)
+        if self._unseen >= self.limit / 100:
+            self._recount()
 
     def _entries(self) -> list[tuple[float, int, str]]:
+        """(mtime, size, path) of the entries, and of temporary files being written (they
+        take space too); stale temporary files are removed."""
         out = []
+        now = time.time()
         for entry in os.scandir(self.root):
-            if entry.name.endswith(SUFFIX):
-                with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):
+                if entry.name.endswith(SUFFIX):
                     st = entry.stat()
                     out.append((st.st_mtime, st.st_size, entry.path))
+                elif TMP in entry.name:
+                    st = entry.stat()
+                    if now - st.st_mtime > STALE_S:
+                        os.remove(entry.path)
+                    else:
+                        out.append((now, st.st_size, ""))  # counted, never evicted: its writer renames it
         return out
 
-    def _scan_size(self) -> int:
-        return sum(size for _, size, _ in self._entries())
+    def _recount(self) -> None:
+        """Count the folder (what every process wrote) and evict if it is over the cap."""
+        self._unseen = 0
+        entries = self._entries()
+        if sum(size for _, size, _ in entries) > self.limit:
+            self.evict(entries)
 
-    def evict(self) -> None:
+    def evict(self, entries: list[tuple[float, int, str]] | None = None) -> None:
         """Remove least recently used entries until the cache is at 90% of its cap."""
-        entries = sorted(self._entries())
+        entries = sorted(entries if entries is not None else self._entries())
         total = sum(size for _, size, _ in entries)
         for _, size, path in entries:
             if total <= 0.9 * self.limit:
                 break
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-            total -= size
-        self._estimate = total
+            if path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                total -= size

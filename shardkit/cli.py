@@ -29,8 +29,8 @@ def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
         except ShardkitError as e:
             raise click.ClickException(str(e)) from None
         except OSError as e:  # FileExistsError, NotADirectoryError, ...: the path and the reason
-            where = e.filename if e.filename is not None else "error"
-            raise click.ClickException(f"{where}: {e.strerror or e}") from None
+            text = f"{e.filename}: {e.strerror or e}" if e.filename is not None else " ".join(str(e).split())
+            raise click.ClickException(text) from None
 
     return wrapper
 

@@ -21,9 +21,23 @@ Runner = Callable[[Callable[[J], R], Sequence[J], Callable[[R], None], Callable[
 _counter: Any = None  # multiprocessing.Value shared with pool workers, for the progress bar
 
 
-def init_worker(counter) -> None:  # type: ignore[no-untyped-def]
+def init_worker(counter, die_with_parent: bool = False) -> None:  # type: ignore[no-untyped-def]
     global _counter
     _counter = counter
+    if die_with_parent:
+        _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel send this pool worker SIGTERM when the pack process dies, so
+    killing `shardkit pack` (even with SIGKILL, where no cleanup runs) leaves no workers behind."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def tick(n: int) -> None:
@@ -52,7 +66,7 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
         finally:
             init_worker(None)
         return
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=init_worker, initargs=(counter,)) as pool:
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=init_worker, initargs=(counter, True)) as pool:
         queued = iter(jobs)
         running: deque[Future[R]] = deque()
         try:

@@ -77,16 +77,45 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     except ValueError as e:  # fsspec: "Protocol not known"
         raise ShardkitError(f"{display(url)}: unknown storage protocol {protocol}://") from e
     kwargs = {**cls._get_kwargs_from_urls(url), **(storage_options or {})}
+    if protocol in _GCS:  # gcsfs waits forever on a stalled connection unless told otherwise
+        kwargs.setdefault("requests_timeout", REQUEST_TIMEOUT_S)
     key = (os.getpid(), protocol, json.dumps(kwargs, sort_keys=True, default=repr))
     cache = _FILESYSTEMS if instances is None else instances
     fs = cache.get(key)
     if fs is None:
-        fs = cache.setdefault(key, cls(**kwargs))
+        fs = cls(**kwargs)
+        _time_out(fs)
+        fs = cache.setdefault(key, fs)
     return fs, cls._strip_protocol(url)
 
 
 # Errors that another attempt cannot fix; everything else remote (resets, 5xx, timeouts,
 # truncated responses) is retried.
+_GCS = ("gs", "gcs")
+REQUEST_TIMEOUT_S = 60  # a request that neither finishes nor fails within this is retried
+
+
+def _time_out(fs: Any) -> None:
+    """Give a requests-based filesystem (WebHDFS) a deadline per request: requests has no
+    default timeout, so a stalled connection would block a read forever."""
+    try:
+        import requests.adapters
+    except ImportError:  # then no filesystem in use is built on it
+        return
+    session = getattr(fs, "session", None)
+    if not isinstance(session, requests.Session) or getattr(session, "shardkit_timeout", False):
+        return
+
+    class TimeoutAdapter(requests.adapters.HTTPAdapter):
+        def send(self, request: Any, **kwargs: Any) -> Any:
+            kwargs["timeout"] = kwargs.get("timeout") or REQUEST_TIMEOUT_S
+            return super().send(request, **kwargs)
+
+    for prefix in ("http://", "https://"):
+        session.mount(prefix, TimeoutAdapter())
+    session.shardkit_timeout = True
+
+
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ShardkitError)
 RETRIES = 5
 
@@ -97,13 +126,32 @@ def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: fl
     for attempt in range(1, attempts + 1):
         try:
             return fn()
-        except _PERMANENT:
-            raise
+        except _PERMANENT as e:
+            named = _naming(e, what)
+            if named is e:
+                raise
+            raise named from e
         except Exception as e:  # noqa: BLE001 - the remote client's errors have no common base
             if attempt == attempts:
-                raise ShardkitError(f"{what}: {type(e).__name__}: {e} (gave up after {attempts} attempts)") from e
+                raise ShardkitError(f"{what}: {type(e).__name__}: {_one_line(e)} (gave up after {attempts} attempts)") from e
             time.sleep(random.uniform(0, min(cap_s, base_s * 2 ** (attempt - 1))))
     raise AssertionError("unreachable")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _naming(e: Exception, what: str) -> Exception:
+    """`e`, or the same kind of error saying `what` failed when `e` does not say (a client's
+    "Access Denied" or "The specified key does not exist" name no URL), on one line."""
+    text = _one_line(e)
+    if isinstance(e, ShardkitError) or what in text or getattr(e, "filename", None):
+        return e
+    try:
+        return type(e)(f"{what}: {text}")
+    except TypeError:  # an error class with a constructor of its own
+        return e
 
 
 def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes:
@@ -302,31 +350,44 @@ class RangeReader:
                 raise self._bad[shard]
             handle = self._handles.get(shard)
             if handle is None:
-                if self._verify:
-                    try:
-                        self._check_sha256(shard)
-                    except CorruptShardError as e:
-                        self._bad[shard] = e  # hash a bad shard once, not once per sample
-                        raise
                 if self._local[shard]:
                     handle = os.open(local_path(self._urls[shard]), os.O_RDONLY)
                 else:
                     handle = filesystem(self._urls[shard], self._reader_options(shard), self._instances)
                     if hasattr(handle[0], "retries"):  # s3fs: retry in one place (ours), not retries^2 times
                         handle[0].retries = 1
+                if self._verify:
+                    try:
+                        self._check_sha256(shard, handle)
+                    except ShardkitError as e:
+                        self._bad[shard] = e  # hash (or fail to) once, not once per read in flight
+                        if self._local[shard]:
+                            os.close(handle)
+                        raise
                 self._handles[shard] = handle
         return handle
 
-    def _check_sha256(self, shard: int) -> None:
+    def _check_sha256(self, shard: int, handle: Any) -> None:
         """Hash the whole shard once (the first time this reader touches it) against the index."""
         expected = self._versions[shard]
         if expected is None:
             return
-        sha = hashlib.sha256()
-        with open_read(self._urls[shard], self._opts) as f:
-            while chunk := f.read(8 << 20):
-                sha.update(chunk)
-        if sha.hexdigest() != expected:
+
+        def digest() -> str:
+            sha = hashlib.sha256()
+            if self._local[shard]:
+                pos = 0
+                while chunk := os.pread(handle, 8 << 20, pos):
+                    sha.update(chunk)
+                    pos += len(chunk)
+            else:
+                fs, path = handle
+                with fs.open(path, "rb", block_size=8 << 20) as f:
+                    while chunk := f.read(8 << 20):
+                        sha.update(chunk)
+            return sha.hexdigest()
+
+        if retrying(f"{display(self._urls[shard])} (sha256 check)", digest) != expected:
             raise CorruptShardError(f"{display(self._urls[shard])}: sha256 mismatch with the index (shard changed or corrupt)")
 
     def _reader_options(self, shard: int) -> StorageOptions | None:
@@ -337,6 +398,11 @@ class RangeReader:
         if self._urls[shard].split("://", 1)[0] in ("s3", "s3a") and "config_kwargs" not in opts:
             return {**opts, "config_kwargs": {"retries": {"total_max_attempts": 1}}}
         return self._opts
+
+    def _attempts(self, shard: int) -> int:
+        """gcsfs retries every request up to 6 times itself (no option turns that off): once
+        more of ours covers a body cut short, without multiplying its backoff by RETRIES."""
+        return 2 if self._urls[shard].split("://", 1)[0] in _GCS else RETRIES
 
     def read(self, shard: int, start: int, stop: int, partial: bool = False) -> bytes | memoryview:
         """Bytes [start, stop) of a shard (a view of the page cache for a local file). A shard
@@ -365,7 +431,7 @@ class RangeReader:
                 raise OSError(f"short read: {len(data)} of {stop - start} bytes")  # a cut-short body: retried
             return data
 
-        data = retrying(f"{display(url)} (bytes {start}-{stop})", get)
+        data = retrying(f"{display(url)} (bytes {start}-{stop})", get, self._attempts(shard))
         with self._lock:
             self.fetched_bytes += len(data)
         if self._cache is not None and len(data) == stop - start:

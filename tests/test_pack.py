@@ -305,6 +305,36 @@ def test_kill_at_any_moment_then_rerun(tmp_path: Path) -> None:
     assert tree_bytes(out) == tree_bytes(reference)
 
 
+def test_killing_the_pack_process_stops_its_workers(tmp_path: Path) -> None:
+    """SIGKILL on `shardkit pack` alone (not its process group) runs no cleanup: the pool
+    workers must still go (the kernel signals them when their parent dies)."""
+    src = make_folder(tmp_path / "src", per_class=150)
+    cmd = [sys.executable, "-m", "shardkit.cli", "pack", str(src), str(tmp_path / "out"), "--max-count", "1",
+           "--workers", "2", "-q"]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    children: list[int] = []
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and len(children) < 2 and time.monotonic() < deadline:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+        time.sleep(0.01)
+    time.sleep(0.3)  # the workers are packing
+    proc.kill()
+    proc.wait()
+    assert len(children) >= 2
+
+    def alive() -> list[int]:
+        return [c for c in children if Path(f"/proc/{c}").exists() and Path(f"/proc/{c}/stat").read_text().split()[2] != "Z"]
+
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert not alive()
+    finally:
+        for c in alive():
+            os.kill(c, signal.SIGKILL)
+
+
 def test_verify_catches_a_flipped_byte(photos: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     shardkit.pack(str(photos), str(out), max_count=10, workers=1, progress=False)

@@ -3,6 +3,7 @@ real files, no servers."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -130,7 +131,29 @@ def test_range_cache_round_trip_and_eviction(tmp_path: Path) -> None:
     assert cache.get("s3://b/x.tar", "v1", 0, 400) == b"a" * 400
     names = [p.name for p in (tmp_path / "c").iterdir()]
     assert all("x.tar" not in n and "s3" not in n for n in names)  # hashed names only
-    assert RangeCache(str(tmp_path / "c"), limit=1000)._estimate == 800
+    assert sum(size for _, size, _ in RangeCache(str(tmp_path / "c"), limit=1000)._entries()) == 800
+
+
+def test_range_cache_cap_holds_across_processes_and_killed_writers(tmp_path: Path) -> None:
+    """Several processes filling one cache keep it near the cap (each counts the folder as
+    it goes, not only its own writes); a killed writer's temporary file is cleared."""
+    import multiprocessing
+
+    root = str(tmp_path / "c")
+    RangeCache(root, limit=10_000)
+    stale = Path(root) / ("x" * 40 + ".blk.tmp-dead")
+    stale.write_bytes(b"s" * 3000)
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        pool.starmap(_fill, [(root, w) for w in range(4)])
+    total = sum(p.stat().st_size for p in Path(root).iterdir())
+    assert not stale.exists() and total <= 10_000 * 1.05
+
+
+def _fill(root: str, worker: int) -> None:
+    cache = RangeCache(root, limit=10_000)
+    for i in range(50):
+        cache.put(f"s3://b/{worker}.tar", "v1", i * 200, (i + 1) * 200, b"x" * 200)
 
 
 def test_retrying_gives_up_with_the_url_named() -> None:
@@ -147,6 +170,12 @@ def test_retrying_gives_up_with_the_url_named() -> None:
         storage.retrying("s3://b/y.tar", lambda: (_ for _ in ()).throw(TimeoutError("slow")), attempts=3, base_s=0.001)
     with pytest.raises(FileNotFoundError):  # not transient: no retries
         storage.retrying("s3://b/z.tar", lambda: (_ for _ in ()).throw(FileNotFoundError("z")), base_s=10)
+    # a client's error that names no URL gets it, on one line, and keeps its type
+    with pytest.raises(PermissionError, match=r"^s3://b/p\.tar: Access Denied more$"):
+        storage.retrying("s3://b/p.tar", lambda: (_ for _ in ()).throw(PermissionError("Access Denied\nmore")))
+    with pytest.raises(ShardkitError, match=r"^s3://b/q\.tar: OSError: Forbidden: q detail \(gave up after 2"):
+        storage.retrying("s3://b/q.tar", lambda: (_ for _ in ()).throw(OSError("Forbidden: q\ndetail")),
+                         attempts=2, base_s=0.001)
 
 
 def test_read_ahead_without_threads_runs_fetches_early_in_place() -> None:

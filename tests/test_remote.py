@@ -139,9 +139,42 @@ def test_unreachable_store_fails_with_the_url(s3: dict, packed: Path, latency_pr
     proxied, control = latency_proxy(s3_server)
     opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
     ds = StreamingDataset(s3["url"] + "/ds", storage_options=opts)
+    verifying = StreamingDataset(s3["url"] + "/ds", storage_options=opts, verify=True)
     control.set("reset_prob", 1.0)
     with pytest.raises(ShardkitError, match=r"s3://shardkit-test/ds/shard-\d+\.tar \(bytes \d+-\d+\): .*gave up after"):
         next(iter(ds))
+    with pytest.raises(ShardkitError, match=r"s3://shardkit-test/ds/shard-\d+\.tar \(sha256 check\): .*gave up after"):
+        next(iter(verifying))
+
+
+@pytest.mark.parametrize("store", ["gcs", "webhdfs"])
+def test_a_stalled_connection_fails_in_bounded_time(store: str, request: pytest.FixtureRequest, packed: Path,
+                                                    latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """gcsfs and WebHDFS (requests) have no deadline of their own: a black-holed connection
+    would block a read forever. shardkit gives every request one (1 s here, 60 s by default)."""
+    import time
+    from urllib.parse import urlsplit
+
+    from shardkit import storage
+
+    monkeypatch.setattr(storage, "REQUEST_TIMEOUT_S", 1)
+    remote = request.getfixturevalue(store)
+    shardkit.pack(str(packed.parent / "photos"), remote["url"] + "/ds", max_count=7, workers=1, progress=False,
+                  storage_options=remote["storage_options"])
+    if store == "gcs":
+        proxied, control = latency_proxy(remote["storage_options"]["endpoint_url"])
+        url, opts = remote["url"] + "/ds", {**remote["storage_options"], "endpoint_url": proxied}
+    else:
+        port = urlsplit(remote["url"]).port
+        proxied, control = latency_proxy(f"http://127.0.0.1:{port}")
+        url, opts = remote["url"].replace(str(port), str(urlsplit(proxied).port)) + "/ds", remote["storage_options"]
+    ds = StreamingDataset(url, storage_options=opts)
+    control.set("stall_prob", 1.0)
+    start = time.monotonic()
+    with pytest.raises(ShardkitError, match=r"shard-\d+\.tar \(bytes \d+-\d+\): .*gave up after"):
+        next(iter(ds))
+    assert time.monotonic() - start < 30
+    control.set("stall_prob", 0.0)
 
 
 def test_missing_backend_names_the_extra() -> None:
