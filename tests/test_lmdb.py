@@ -135,8 +135,8 @@ def test_a_batch_is_read_on_threads_and_comes_back_in_order(lmdb_pack: Path, col
     (its pages came from the disk; here: every read, when `cold`) the rest of the batch is
     read on several threads at once. Either way the samples come back in the batch's order,
     exactly as one at a time; the process you train in never starts threads."""
-    if cold:
-        monkeypatch.setattr(lmdb_format, "COLD_READ_S", -1.0)
+    # every read counts as slow when `cold`, none otherwise (a busy machine can take 1 ms on a cached one)
+    monkeypatch.setattr(lmdb_format, "COLD_READ_S", -1.0 if cold else 60.0)
     read_sample = lmdb_format.read_sample
 
     def tagged(txn, key: str, path: str) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
