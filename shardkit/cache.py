@@ -74,16 +74,16 @@ class RangeCache:
         out = []
         now = time.time()
         for entry in os.scandir(self.root):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone meanwhile, or another user's: housekeeping never stops a read
                 if entry.name.endswith(SUFFIX):
                     st = entry.stat()
                     out.append((st.st_mtime, st.st_size, entry.path))
                 elif TMP in entry.name:
                     st = entry.stat()
-                    if now - st.st_mtime > STALE_S:
-                        os.remove(entry.path)
-                    else:
+                    if now - st.st_mtime <= STALE_S:
                         out.append((now, st.st_size, ""))  # counted, never evicted: its writer renames it
+                    else:
+                        os.remove(entry.path)
         return out
 
     def _recount(self) -> None:
@@ -101,6 +101,6 @@ class RangeCache:
             if total <= 0.9 * self.limit:
                 break
             if path:
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):
                     os.remove(path)
                 total -= size

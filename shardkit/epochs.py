@@ -121,11 +121,12 @@ class EpochDataset(torch.utils.data.IterableDataset):
         first = workers[0]
         if any(s["epoch"] != first["epoch"] or s["num_workers"] != first["num_workers"] for s in workers):
             raise ValueError("state dict mixes workers of different epochs or layouts")
-        if isinstance(state, dict) and state.get("_iterator_finished"):  # StatefulDataLoader, after a whole pass
+        loader = _find_loader(state)
+        if loader.get("_iterator_finished"):  # StatefulDataLoader, after a whole pass
             self._resume = None
             self._shared.set_epoch(int(first["epoch"]) + 1)
             return
-        lag = state.get("_steps_since_snapshot", 0) if isinstance(state, dict) else 0
+        lag = loader.get("_steps_since_snapshot", 0)
         if lag:  # the workers' counts are `lag` batches old, and which worker made each is not recorded
             raise ValueError(
                 f"this StatefulDataLoader state was taken {lag} step(s) after its last snapshot of the workers "
@@ -169,6 +170,20 @@ def stats_summary(total: dict[str, float]) -> dict[str, float]:
     busy = total["read_s"] + total["decode_s"] + total["transform_s"]
     total["read_fraction"] = total["read_s"] / busy if busy else 0.0
     return total
+
+
+def _find_loader(state: Any) -> dict[str, Any]:
+    """The StatefulDataLoader state dict inside `state` (a training checkpoint may nest
+    it), or {}."""
+    if isinstance(state, dict):
+        if "_iterator_finished" in state or "_steps_since_snapshot" in state:
+            return state
+        values: Any = state.values()
+    elif isinstance(state, (list, tuple)):
+        values = state
+    else:
+        return {}
+    return next((found for v in values if (found := _find_loader(v))), {})
 
 
 def _find_states(state: Any) -> list[dict[str, Any]]:

@@ -77,8 +77,12 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     except ValueError as e:  # fsspec: "Protocol not known"
         raise ShardkitError(f"{display(url)}: unknown storage protocol {protocol}://") from e
     kwargs = {**cls._get_kwargs_from_urls(url), **(storage_options or {})}
-    if protocol in _GCS:  # gcsfs waits forever on a stalled connection unless told otherwise
-        kwargs.setdefault("requests_timeout", REQUEST_TIMEOUT_S)
+    if protocol in _GCS and "requests_timeout" not in kwargs:  # gcsfs waits forever on a stalled connection
+        import aiohttp
+
+        # per socket operation, as for requests: a slow but moving download is not cut off
+        kwargs["requests_timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=REQUEST_TIMEOUT_S,
+                                                           sock_read=REQUEST_TIMEOUT_S)
     key = (os.getpid(), protocol, json.dumps(kwargs, sort_keys=True, default=repr))
     cache = _FILESYSTEMS if instances is None else instances
     fs = cache.get(key)
@@ -92,7 +96,7 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
 # Errors that another attempt cannot fix; everything else remote (resets, 5xx, timeouts,
 # truncated responses) is retried.
 _GCS = ("gs", "gcs")
-REQUEST_TIMEOUT_S = 60  # a request that neither finishes nor fails within this is retried
+REQUEST_TIMEOUT_S = 60  # a connection silent this long fails (and the read is retried)
 
 
 def _time_out(fs: Any) -> None:
@@ -400,9 +404,10 @@ class RangeReader:
         return self._opts
 
     def _attempts(self, shard: int) -> int:
-        """gcsfs retries every request up to 6 times itself (no option turns that off): once
-        more of ours covers a body cut short, without multiplying its backoff by RETRIES."""
-        return 2 if self._urls[shard].split("://", 1)[0] in _GCS else RETRIES
+        """gcsfs retries every failed request up to 6 times itself, with backoff (no option
+        turns that off; a body cut short and a silent connection included): those are the
+        retries on GCS, not multiplied by ours."""
+        return 1 if self._urls[shard].split("://", 1)[0] in _GCS else RETRIES
 
     def read(self, shard: int, start: int, stop: int, partial: bool = False) -> bytes | memoryview:
         """Bytes [start, stop) of a shard (a view of the page cache for a local file). A shard

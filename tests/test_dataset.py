@@ -458,8 +458,10 @@ def test_elastic_resume_refuses_a_lagging_snapshot_and_moves_past_a_finished_pas
     dl = StatefulDataLoader(StreamingDataset(str(packed), shuffle=True), num_workers=2, batch_size=5)
     keys_of(dl)
     fresh = StreamingDataset(str(packed), shuffle=True)
-    fresh.load_state_dict(dl.state_dict())
+    fresh.load_state_dict({"step": 7, "loader": dl.state_dict()})  # as nested in a training checkpoint
     assert fresh.epoch == 1 and Counter(run(fresh, 3)) == Counter(full_epoch(packed, 1, 0, 1))
+    with pytest.raises(ValueError, match="after its last snapshot"):
+        StreamingDataset(str(packed), shuffle=True).load_state_dict({"loader": state})
 
 
 @needs_torchdata

@@ -150,6 +150,24 @@ def test_range_cache_cap_holds_across_processes_and_killed_writers(tmp_path: Pat
     assert not stale.exists() and total <= 10_000 * 1.05
 
 
+def test_range_cache_housekeeping_never_stops_a_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stale temporary file that cannot be removed (another user's, in a shared sticky
+    folder) is left alone."""
+    root = tmp_path / "c"
+    RangeCache(str(root), limit=1000)
+    stale = root / ("y" * 40 + ".blk.tmp-other")
+    stale.write_bytes(b"s" * 10)
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+
+    def refuse(path: str) -> None:
+        raise PermissionError(1, "Operation not permitted", path)
+
+    monkeypatch.setattr(os, "remove", refuse)
+    cache = RangeCache(str(root), limit=1000)
+    cache.put("s3://b/x.tar", "v1", 0, 2000, b"a" * 2000)  # over the cap: eviction cannot remove either
+    assert stale.exists()
+
+
 def _fill(root: str, worker: int) -> None:
     cache = RangeCache(root, limit=10_000)
     for i in range(50):

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.utils.data import DataLoader
@@ -151,7 +152,7 @@ def test_unreachable_store_fails_with_the_url(s3: dict, packed: Path, latency_pr
 def test_a_stalled_connection_fails_in_bounded_time(store: str, request: pytest.FixtureRequest, packed: Path,
                                                     latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """gcsfs and WebHDFS (requests) have no deadline of their own: a black-holed connection
-    would block a read forever. shardkit gives every request one (1 s here, 60 s by default)."""
+    would block a read forever. shardkit gives every socket read one (1 s here, 60 s by default)."""
     import time
     from urllib.parse import urlsplit
 
@@ -173,8 +174,42 @@ def test_a_stalled_connection_fails_in_bounded_time(store: str, request: pytest.
     start = time.monotonic()
     with pytest.raises(ShardkitError, match=r"shard-\d+\.tar \(bytes \d+-\d+\): .*gave up after"):
         next(iter(ds))
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 90  # gcsfs: 6 tries, ~32 s of its own backoff
     control.set("stall_prob", 0.0)
+
+
+def test_a_slow_but_moving_gcs_download_is_not_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deadline is per socket read, not per request: a trickle that takes 4x the
+    timeout to finish arrives whole (an endpoint of our own that sends 100 bytes every 0.1 s)."""
+    import http.server
+    import threading
+    import time
+
+    from shardkit import storage
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(206)
+            self.send_header("Content-Length", "2000")
+            self.end_headers()
+            for _ in range(20):
+                self.wfile.write(b"x" * 100)
+                self.wfile.flush()
+                time.sleep(0.1)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(storage, "REQUEST_TIMEOUT_S", 0.5)
+        opts = {"endpoint_url": f"http://127.0.0.1:{server.server_port}", "token": "anon", "skip_instance_cache": True}
+        fs, path = storage.filesystem("gs://bucket/slow.tar", opts)
+        assert fs.cat_file(path, start=0, end=2000) == b"x" * 2000
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_missing_backend_names_the_extra() -> None:
