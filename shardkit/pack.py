@@ -285,7 +285,8 @@ def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | 
 
 
 def _all_skipped(plan: Plan, more: list[Skipped]) -> tuple[Skipped, ...]:
-    return tuple(sorted([*plan.skipped, *more], key=lambda s: s.path))
+    """What this pack left out, and what the pack of a dataset being converted left out."""
+    return tuple(sorted([*plan.inherited, *plan.skipped, *more], key=lambda s: s.path))
 
 
 def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool | None,

@@ -67,6 +67,7 @@ class Plan:
     storage_options: StorageOptions | None
     fingerprints: tuple[str, ...] = ()
     fingerprint: str = ""
+    inherited: tuple[Skipped, ...] = ()  # a converted dataset's own list of what its pack skipped
 
     def items(self, i: int) -> tuple[Item, ...]:
         lo, hi = self.bounds[i]
@@ -172,6 +173,7 @@ def make_plan(
     and keys (shuffle applies to image folders only)."""
     source = source_kind(src, storage_options)
     skipped: list[Skipped] = []
+    inherited: tuple[Skipped, ...] = ()
     if source == "folder":
         classes, listing, skipped = scan_folder(src, storage_options)
         order = np.random.default_rng(seed).permutation(len(listing)) if shuffle else np.arange(len(listing))
@@ -179,6 +181,7 @@ def make_plan(
     else:
         idx, listing = scan_dataset(src, source, storage_options)
         classes, source_id, order = idx.classes, _fingerprint(idx.to_json()), np.arange(len(listing))
+        inherited = idx.skipped
     limit = parse_size(max_size) if max_size is not None else None
     needs = _needs(listing, source, classes)[order]
     bounds = _even_cuts(needs, max_count, limit)
@@ -187,7 +190,8 @@ def make_plan(
     plan = Plan(src, dest, source, classes, tuple(skipped), listing, order, tuple(bounds), names, options,
                 storage_options)
     fingerprints = tuple(_job_fingerprint(plan, i, source_id) for i in range(len(bounds)))
-    return replace(plan, fingerprints=fingerprints, fingerprint=_fingerprint(fmt, classes, fingerprints))
+    return replace(plan, fingerprints=fingerprints, fingerprint=_fingerprint(fmt, classes, fingerprints),
+                   inherited=inherited)
 
 
 def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarray:

@@ -82,6 +82,15 @@ def test_round_trip_tar_lmdb_tar_is_byte_identical(photos: Path, tmp_path: Path)
     assert read_shards(tmp_path / "tar1") == read_shards(tmp_path / "tar2")
 
 
+def test_conversions_keep_the_list_of_skipped_files(photos: Path, tmp_path: Path) -> None:
+    (photos / "circle" / "broken.jpg").write_bytes(b"not an image")
+    first = shardkit.pack(str(photos), str(tmp_path / "tar1"), workers=1, progress=False)
+    db = shardkit.pack(str(tmp_path / "tar1"), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
+    again = shardkit.pack(str(tmp_path / "db"), str(tmp_path / "tar2"), workers=1, progress=False,
+                          on_error="fail")  # what the first pack skipped is no failure of this one
+    assert first.skipped == db.skipped == again.skipped and [s.path for s in first.skipped] == ["circle/broken.jpg"]
+
+
 def test_map_grows_instead_of_failing(photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lmdb_format, "_INITIAL_MAP", 64 << 10)  # far smaller than the data
     idx = shardkit.pack(str(photos), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
