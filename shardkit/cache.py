@@ -91,11 +91,11 @@ class RangeCache:
         self._unseen = 0
         entries = self._entries()
         if sum(size for _, size, _ in entries) > self.limit:
-            self.evict(entries)
+            self._evict(entries)
 
-    def evict(self, entries: list[tuple[float, int, str]] | None = None) -> None:
+    def _evict(self, entries: list[tuple[float, int, str]]) -> None:
         """Remove least recently used entries until the cache is at 90% of its cap."""
-        entries = sorted(entries if entries is not None else self._entries())
+        entries = sorted(entries)
         total = sum(size for _, size, _ in entries)
         for _, size, path in entries:
             if total <= 0.9 * self.limit:

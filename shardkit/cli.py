@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from .errors import ShardkitError
+from .errors import ShardkitError, one_line
 from .units import format_size, parse_size
 
 
@@ -29,7 +29,7 @@ def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
         except ShardkitError as e:
             raise click.ClickException(str(e)) from None
         except OSError as e:  # FileExistsError, NotADirectoryError, ...: the path and the reason
-            text = f"{e.filename}: {e.strerror or e}" if e.filename is not None else " ".join(str(e).split())
+            text = f"{e.filename}: {e.strerror or e}" if e.filename is not None else one_line(e)
             raise click.ClickException(text) from None
 
     return wrapper

@@ -172,31 +172,31 @@ def stats_summary(total: dict[str, float]) -> dict[str, float]:
     return total
 
 
+def _dicts(state: Any) -> Iterator[dict[str, Any]]:
+    """Every dict inside `state`, itself included, depth first (not inside our own states)."""
+    if isinstance(state, dict):
+        yield state
+        if state.get(STATE_MARK) == 1:
+            return
+        state = list(state.values())
+    if isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _dicts(value)
+
+
 def _find_loader(state: Any) -> dict[str, Any]:
     """The StatefulDataLoader state dict inside `state` (a training checkpoint may nest
     it), or {}."""
-    if isinstance(state, dict):
-        if "_iterator_finished" in state or "_steps_since_snapshot" in state:
-            return state
-        values: Any = state.values()
-    elif isinstance(state, (list, tuple)):
-        values = state
-    else:
-        return {}
-    return next((found for v in values if (found := _find_loader(v))), {})
+    return next((d for d in _dicts(state) if "_iterator_finished" in d or "_steps_since_snapshot" in d), {})
 
 
 def _find_states(state: Any) -> list[dict[str, Any]]:
     """Our state dicts anywhere inside `state` (e.g. a StatefulDataLoader state dict)."""
-    if isinstance(state, dict):
-        if state.get(STATE_MARK) == 1:
-            if "workers" in state:  # resume_state(): one dict for all workers
-                return [{**state, **w} for w in state["workers"]]
-            return [state]
-        return [s for v in state.values() for s in _find_states(v)]
-    if isinstance(state, (list, tuple)):
-        return [s for v in state for s in _find_states(v)]
-    return []
+    found: list[dict[str, Any]] = []
+    for d in _dicts(state):
+        if d.get(STATE_MARK) == 1:  # resume_state() has one dict for all workers
+            found += [{**d, **w} for w in d["workers"]] if "workers" in d else [d]
+    return found
 
 
 

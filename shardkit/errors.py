@@ -9,6 +9,11 @@ _USERINFO = re.compile(r"(\b[a-zA-Z][\w+.-]*://)[^/\s@]+@")
 _QUERY = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^\s?]+)\?\S+")
 
 
+def one_line(e: BaseException) -> str:
+    """An error's message on one line (clients' messages can span several)."""
+    return " ".join(str(e).split())
+
+
 def redact(text: str) -> str:
     """Hide credentials that URLs can carry: user info (`https://user:pw@host`) and query
     strings (presigned-URL signatures) become '***'."""

@@ -79,7 +79,7 @@ def resolve(source: str | Sequence[str], storage_options: StorageOptions | None 
     if isinstance(source, str) and not source.endswith(".tar") and "{" not in source:
         try:
             idx = index.load(source, storage_options)  # one read, no existence check first
-        except (DatasetNotFoundError, NotADirectoryError):
+        except DatasetNotFoundError:
             pass
         else:
             if idx.kind == "lmdb":

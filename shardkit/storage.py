@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 
-from .errors import CorruptShardError, ShardkitError, redact
+from .errors import CorruptShardError, ShardkitError, one_line, redact
 from .seqwrite import SequentialWriter
 
 if TYPE_CHECKING:
@@ -55,6 +55,34 @@ def join(base: str, *names: str) -> str:
 
 
 _FILESYSTEMS: dict[tuple[Any, ...], Any] = {}  # this process's filesystem instances
+_GCS = ("gs", "gcs")
+REQUEST_TIMEOUT_S = 60  # a connection silent this long fails (and the read is retried)
+
+
+@functools.cache
+def _timeout_adapter() -> Any:
+    """A requests transport adapter that gives every request `REQUEST_TIMEOUT_S` unless it
+    has a timeout of its own (requests has no default: a stalled connection blocks forever)."""
+    import requests.adapters
+
+    class TimeoutAdapter(requests.adapters.HTTPAdapter):
+        def send(self, request: Any, **kwargs: Any) -> Any:
+            kwargs["timeout"] = kwargs.get("timeout") or REQUEST_TIMEOUT_S
+            return super().send(request, **kwargs)
+
+    return TimeoutAdapter
+
+
+def _time_out(fs: Any) -> None:
+    """Give a requests-based filesystem (WebHDFS) a deadline per request."""
+    try:
+        import requests
+    except ImportError:  # then no filesystem in use is built on it
+        return
+    session = getattr(fs, "session", None)
+    if isinstance(session, requests.Session):
+        for prefix in ("http://", "https://"):
+            session.mount(prefix, _timeout_adapter()())
 
 
 def filesystem(url: str, storage_options: StorageOptions | None = None,
@@ -95,31 +123,6 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
 
 # Errors that another attempt cannot fix; everything else remote (resets, 5xx, timeouts,
 # truncated responses) is retried.
-_GCS = ("gs", "gcs")
-REQUEST_TIMEOUT_S = 60  # a connection silent this long fails (and the read is retried)
-
-
-def _time_out(fs: Any) -> None:
-    """Give a requests-based filesystem (WebHDFS) a deadline per request: requests has no
-    default timeout, so a stalled connection would block a read forever."""
-    try:
-        import requests.adapters
-    except ImportError:  # then no filesystem in use is built on it
-        return
-    session = getattr(fs, "session", None)
-    if not isinstance(session, requests.Session) or getattr(session, "shardkit_timeout", False):
-        return
-
-    class TimeoutAdapter(requests.adapters.HTTPAdapter):
-        def send(self, request: Any, **kwargs: Any) -> Any:
-            kwargs["timeout"] = kwargs.get("timeout") or REQUEST_TIMEOUT_S
-            return super().send(request, **kwargs)
-
-    for prefix in ("http://", "https://"):
-        session.mount(prefix, TimeoutAdapter())
-    session.shardkit_timeout = True
-
-
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ShardkitError)
 RETRIES = 5
 
@@ -137,19 +140,15 @@ def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: fl
             raise named from e
         except Exception as e:  # noqa: BLE001 - the remote client's errors have no common base
             if attempt == attempts:
-                raise ShardkitError(f"{what}: {type(e).__name__}: {_one_line(e)} (gave up after {attempts} attempts)") from e
+                raise ShardkitError(f"{what}: {type(e).__name__}: {one_line(e)} (gave up after {attempts} attempts)") from e
             time.sleep(random.uniform(0, min(cap_s, base_s * 2 ** (attempt - 1))))
     raise AssertionError("unreachable")
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
 
 
 def _naming(e: Exception, what: str) -> Exception:
     """`e`, or the same kind of error saying `what` failed when `e` does not say (a client's
     "Access Denied" or "The specified key does not exist" name no URL), on one line."""
-    text = _one_line(e)
+    text = one_line(e)
     if isinstance(e, ShardkitError) or what in text or getattr(e, "filename", None):
         return e
     try:

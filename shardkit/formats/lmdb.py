@@ -115,7 +115,7 @@ def open_reader(path: str, readahead: bool = False) -> Any:
 
 def _open(path: str, readahead: bool) -> Any:
     lmdb = _lmdb()
-    if not os.path.isfile(os.path.join(path, "data.mdb")):
+    if not is_lmdb(path):
         hint = " (tar shards: read them with StreamingDataset)" if os.path.isfile(os.path.join(path, "index.json")) else ""
         raise DatasetNotFoundError(f"{path}: not an LMDB dataset (no data.mdb){hint}")
     try:
