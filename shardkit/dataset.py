@@ -7,6 +7,7 @@ Everything else (open files, the worker's plan) is made inside `__iter__`, in th
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,7 @@ from .decode import decoder
 from .epochs import EpochDataset, EpochStream
 from .errors import CorruptShardError, ShardkitError
 from .formats import lmdb as lmdb_format
-from .formats.tar import parse_sample
+from .formats.tar import ReadAt, read_sample
 from .prefetch import Prefetcher
 from .sources import local_lmdb, resolve
 from .storage import StorageOptions
@@ -165,7 +166,7 @@ class _WorkerStream(EpochStream):
                 if ds._lmdb is None:
                     shard = int(np.searchsorted(ds._first, i, side="right")) - 1
                     start, end = int(ds._starts[i]), int(ds._ends[i])
-                    sample = decode(_parse(reader.read(shard, start, end), ds.urls[shard], start))
+                    sample = decode(_parse((end, reader.read_at(shard)), ds.urls[shard], start))
                 else:
                     sample = decode(_from_lmdb(next(self._lmdb_reads(np.array([i])))[2], ds.urls[0], i))
                 return transform(sample) if transform is not None else sample
@@ -204,9 +205,10 @@ class _WorkerStream(EpochStream):
                 pool.shutdown(wait=False, cancel_futures=True)
 
     def _reads(self, ids: np.ndarray, reader: storage.RangeReader
-               ) -> Iterator[tuple[int, int, memoryview | CorruptShardError]]:
-        """(shard, start offset, bytes) of each sample of `ids`, in order, read ahead; in
-        place of the bytes, the error of a sample that could not be read."""
+               ) -> Iterator[tuple[int, int, tuple[int, ReadAt] | CorruptShardError]]:
+        """(shard, start, (stop, read_at)) for each sample of `ids`, in order, its range read
+        ahead: `read_at` reads the sample's bytes from the local file, or from the range held
+        in memory. In place of (stop, read_at), the error of a range that could not be read."""
         ds = self.ds
         shard_of = np.searchsorted(ds._first, ids, side="right") - 1
         starts, ends = ds._starts[ids], ds._ends[ids]
@@ -216,31 +218,26 @@ class _WorkerStream(EpochStream):
         else:
             plan, range_of = ranges.blocks(ids, ds._first, ds._starts, ds._ends, ds.block)
 
-        def fetch(r: ranges.Range) -> memoryview | CorruptShardError:
-            try:  # a local "read" maps the range and asks the kernel to read it ahead: no threads needed
-                data = reader.read(r.shard, r.start, r.stop, partial=True)
+        def fetch(r: ranges.Range) -> ReadAt | CorruptShardError:
+            try:
+                if local:  # the kernel reads the range ahead; samples come straight from the file
+                    reader.advise(r.shard, r.start, r.stop)
+                    return reader.read_at(r.shard)
+                data = memoryview(reader.read(r.shard, r.start, r.stop, partial=True))
             except CorruptShardError as e:  # each sample of the range raises it in turn: skipped or raised
                 return e
-            return data if isinstance(data, memoryview) else memoryview(data)
+            return functools.partial(_from_range, data, r.start)
 
         self.prefetcher = Prefetcher(plan, fetch, lambda r: r.size,
                                      depth=ds.prefetch, budget=ds.prefetch_bytes, threads=not local)
         fetched = iter(self.prefetcher)
-        held: dict[int, tuple[ranges.Range, Any, list[int]]] = {}  # range index -> range, bytes, samples left
+        held: dict[int, tuple[Any, list[int]]] = {}  # range index -> its read_at (or error), samples left
         for r, shard, start, end in zip(range_of.tolist(), shard_of.tolist(), starts.tolist(), ends.tolist()):
             while r not in held:
-                got, data = next(fetched)
-                held[got.index] = (got, data, [got.samples])
-            rng, data, left = held[r]
-            if isinstance(data, CorruptShardError):
-                yield shard, start, data
-            elif len(data) < end - rng.start:  # the shard ends before this sample does
-                yield shard, start, CorruptShardError(
-                    f"{storage.display(ds.urls[shard])}: sample at byte {start} is cut off: the shard ends at byte "
-                    f"{rng.start + len(data)}, the index expects {ds.index.shards[shard].bytes} bytes "
-                    "(truncated or replaced)")
-            else:
-                yield shard, start, data[start - rng.start : end - rng.start]
+                got, read_at = next(fetched)
+                held[got.index] = (read_at, [got.samples])
+            read_at, left = held[r]
+            yield shard, start, read_at if isinstance(read_at, CorruptShardError) else (end, read_at)
             left[0] -= 1
             if not left[0]:
                 del held[r]
@@ -267,15 +264,19 @@ class _WorkerStream(EpochStream):
                 shard, start, data = next(reads)
                 t1 = time.perf_counter()
                 url = ds.urls[shard]
+                sample = None
                 try:
                     if isinstance(data, CorruptShardError):
                         raise data
-                    sample = decode(parse(data, url, start))
+                    sample = parse(data, url, start)
+                    size = data[0] - start if ds._lmdb is None else sum(map(len, data[1].values()))
+                    sample = decode(sample)
                 except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
                     if ds.on_error == "raise":
                         if isinstance(e, ShardkitError):
                             raise
-                        where = f"sample {_key_of(data)}" + (f" at byte {start}" if ds._lmdb is None else "")
+                        where = f"sample {sample['__key__']}" if sample is not None else "a sample"
+                        where += f" at byte {start}" if ds._lmdb is None else ""
                         raise CorruptShardError(f"{storage.display(url)}: {where}: {type(e).__name__}: {e}") from e
                     meter.values[5] += 1
                     pending += 1
@@ -285,7 +286,7 @@ class _WorkerStream(EpochStream):
                 t3 = time.perf_counter()
                 stats = meter.values
                 stats[0] += 1
-                stats[1] += len(data) if ds._lmdb is None else sum(map(len, data[1].values()))
+                stats[1] += size
                 stats[2] += t1 - t0
                 stats[3] += t2 - t1
                 stats[4] += t3 - t2
@@ -310,13 +311,6 @@ def _from_lmdb(data: tuple[str, dict[str, bytes]], url: str, position: int) -> d
     return {"__key__": key, "__url__": url, **fields}
 
 
-def _key_of(data: Any) -> str:
-    """The key of a sample that could not be parsed, for error messages."""
-    if isinstance(data, tuple):  # (key, fields) from LMDB
-        return str(data[0])
-    return bytes(data[:100]).split(b"\x00", 1)[0].decode("utf-8", "replace").split(".", 1)[0] or "?"
-
-
 class _Where:
     """Names a sample in error messages; formatted only when one is raised."""
 
@@ -329,6 +323,12 @@ class _Where:
         return f"{storage.display(self.url)} (sample at byte {self.start})"
 
 
-def _parse(data: bytes | memoryview, url: str, start: int) -> dict[str, Any]:
-    key, fields = parse_sample(data, _Where(url, start))
+def _parse(span: tuple[int, ReadAt], url: str, start: int) -> dict[str, Any]:
+    stop, read_at = span
+    key, fields = read_sample(read_at, start, stop, _Where(url, start))
     return {"__key__": key, "__url__": url, **fields}
+
+
+def _from_range(view: memoryview, base: int, size: int, offset: int) -> bytes:
+    """read_at over a range [base, base + len(view)) of a shard held in memory."""
+    return view[offset - base : offset - base + size].tobytes()

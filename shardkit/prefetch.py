@@ -32,7 +32,7 @@ class Prefetcher(Generic[R]):
 
     depth=0 fetches synchronously in the consumer (no threads): read-ahead off.
     threads=False issues the fetches `depth` requests ahead but in the consumer's thread:
-    right when a fetch only starts the I/O and returns (a memory map with MADV_WILLNEED),
+    right when a fetch only starts the I/O and returns (posix_fadvise WILLNEED on a local file),
     where a thread hand-off would cost more than it hides.
     """
 

@@ -8,7 +8,6 @@ import contextlib
 import functools
 import hashlib
 import json
-import mmap
 import os
 import random
 import threading
@@ -23,6 +22,7 @@ from .seqwrite import SequentialWriter
 
 if TYPE_CHECKING:
     from .cache import RangeCache
+    from .formats.tar import ReadAt
 
 StorageOptions = dict[str, Any]
 T = TypeVar("T")
@@ -320,11 +320,10 @@ def remove_dir(url: str, storage_options: StorageOptions | None = None) -> None:
 class RangeReader:
     """Byte ranges of a fixed list of shards, thread-safe.
 
-    Local files are memory-mapped range by range: the caller gets a view of the page cache
-    (no copy), MADV_WILLNEED starts the disk read-ahead when the pages are not cached yet,
-    and the mapping goes away with the last reference to the view, so resident memory holds
-    only the ranges in use. Remote shards take ranged GETs through fsspec, retried on
-    transient errors, and go through the optional local cache.
+    Local files are read with pread, straight into the caller's bytes (`read_at`), and
+    `advise` starts the disk read-ahead of a range before it is needed. Remote shards take
+    ranged GETs through fsspec, retried on transient errors, and go through the optional
+    local cache.
     """
 
     def __init__(self, urls: list[str], storage_options: StorageOptions | None = None,
@@ -408,13 +407,27 @@ class RangeReader:
         retries on GCS, not multiplied by ours."""
         return 1 if self._urls[shard].split("://", 1)[0] in _GCS else RETRIES
 
-    def read(self, shard: int, start: int, stop: int, partial: bool = False) -> bytes | memoryview:
-        """Bytes [start, stop) of a shard (a view of the page cache for a local file). A shard
-        that ends before `stop` (truncated or replaced) raises CorruptShardError, or with
-        `partial` gives the bytes up to its end, for the caller to tell which samples are whole."""
+    def read_at(self, shard: int) -> ReadAt:
+        """`read_at(size, offset)` on a shard, os.pread's order: fewer bytes only where it ends."""
+        if self._local[shard]:
+            return functools.partial(os.pread, self._handle(shard))
+        return lambda size, offset: self.read(shard, offset, offset + size, partial=True)
+
+    def advise(self, shard: int, start: int, stop: int) -> None:
+        """Start reading bytes [start, stop) of a local shard into the page cache, and return."""
+        if self._local[shard]:
+            os.posix_fadvise(self._handle(shard), start, stop - start, os.POSIX_FADV_WILLNEED)
+
+    def read(self, shard: int, start: int, stop: int, partial: bool = False) -> bytes:
+        """Bytes [start, stop) of a shard. A shard that ends before `stop` (truncated or
+        replaced) raises CorruptShardError, or with `partial` gives the bytes up to its end,
+        for the caller to tell which samples are whole."""
         handle = self._handle(shard)
         if self._local[shard]:
-            return self._map(handle, shard, start, stop, partial)
+            data = os.pread(handle, stop - start, start)
+            if len(data) < stop - start and not partial:
+                raise self._short(shard, start, stop, len(data))
+            return data
         url, version = self._urls[shard], self._versions[shard]
         if self._cache is not None:
             cached = self._cache.get(url, version, start, stop)
@@ -441,22 +454,6 @@ class RangeReader:
         if self._cache is not None and len(data) == stop - start:
             self._cache.put(url, version, start, stop, data)
         return data
-
-    def _map(self, fd: int, shard: int, start: int, stop: int, partial: bool) -> memoryview:
-        if stop == start:
-            return memoryview(b"")
-        base = start - start % mmap.ALLOCATIONGRANULARITY
-        try:
-            mm = mmap.mmap(fd, stop - base, access=mmap.ACCESS_READ, offset=base)
-        except ValueError:  # the range runs past the end of the file
-            size = os.fstat(fd).st_size
-            if not partial:
-                raise self._short(shard, start, stop, max(0, size - start)) from None
-            if size <= start:
-                return memoryview(b"")
-            mm = mmap.mmap(fd, size - base, access=mmap.ACCESS_READ, offset=base)
-        mm.madvise(mmap.MADV_WILLNEED)
-        return memoryview(mm)[start - base :]
 
     def _short(self, shard: int, start: int, stop: int, got: int) -> CorruptShardError:
         return CorruptShardError(

@@ -694,13 +694,18 @@ def test_truncated_shard_names_the_file(packed: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_truncated_shard_skipped_sample_by_sample(packed: Path, tmp_path: Path, workers: int) -> None:
+@pytest.mark.parametrize(("into", "ends"), [(700, "at or before byte {header}"), (1636, "at byte {cut}")])
+def test_truncated_shard_skipped_sample_by_sample(packed: Path, tmp_path: Path, workers: int, into: int,
+                                                  ends: str) -> None:
     """Under on_error="skip" a cut-off shard loses only the samples past the cut; the rest
-    are read, the lost ones replaced and counted."""
+    are read, the lost ones replaced and counted. The error says where the shard ends: the
+    cut is in the padding of the third sample's first member (the next header is missing),
+    or in its image."""
     clone = Path(shutil.copytree(packed, tmp_path / "clone"))
     idx = json.loads((clone / "index.json").read_text())
     shard = idx["shards"][3]
-    cut = shard["offsets"][2] + 700  # inside the third sample
+    start = shard["offsets"][2]
+    cut = start + into
     os.truncate(clone / shard["name"], cut)
     ds = StreamingDataset(str(clone), on_error="skip")
     keys = run(ds, workers)
@@ -709,7 +714,8 @@ def test_truncated_shard_skipped_sample_by_sample(packed: Path, tmp_path: Path, 
     assert ds.stats()["skipped"] == lost
     err = failure(StreamingDataset(str(clone)), workers)
     assert isinstance(err, CorruptShardError)
-    assert f"{shard['name']}: sample at byte {shard['offsets'][2]} is cut off: the shard ends at byte {cut}" in str(err)
+    ends = ends.format(header=start + 1024, cut=cut)
+    assert f"{shard['name']} (sample at byte {start}): cut off, the shard ends {ends} (truncated" in str(err)
 
 
 @pytest.fixture

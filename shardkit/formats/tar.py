@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -266,10 +266,18 @@ def scan(f: BinaryIO, where: str) -> Scan:
 # name, size (11 octal digits), type flag, magic and (POSIX ustar) name prefix of a header, in one call
 _FIELDS = struct.Struct("100s24x11s21xc100x6s82x155s")  # prefix: bytes 345-500
 _REGULAR = (b"0", b"\x00")
+_HEAD = 4 * BLOCK  # a sample's first read: its first headers and small members, in one call
+
+ReadAt = Callable[[int, int], bytes]
+"""`read_at(size, offset) -> bytes`, os.pread's order: fewer bytes only where the shard ends."""
 
 
-def parse_sample(buf: bytes | memoryview, where: object) -> tuple[str, dict[str, bytes]]:
-    """The one sample held in `buf` (its byte range from the index), parsed in memory.
+def read_sample(read_at: ReadAt, start: int, stop: int, where: object) -> tuple[str, dict[str, bytes]]:
+    """The one sample in bytes [start, stop) of a shard (its range from the index).
+
+    Small members come out of one read of the sample's first `_HEAD` bytes (or the next
+    headers'); a member that does not fit is read on its own, straight into its bytes
+    object: every image byte is copied once, from the page cache to the sample.
 
     `where` names the sample in error messages: a string, or any object whose str() does
     (built only when an error is raised: this runs once per sample).
@@ -282,21 +290,27 @@ def parse_sample(buf: bytes | memoryview, where: object) -> tuple[str, dict[str,
     key: str | None = None
     fields: dict[str, bytes] = {}
     unpack = _FIELDS.unpack_from
-    pos, end = 0, len(buf)
-    while pos + BLOCK <= end:
-        name, size_field, kind, magic, prefix = unpack(buf, pos)
+    pos = at = start  # next header; where `buf` begins
+    buf = b""
+    while pos + BLOCK <= stop:
+        h = pos - at
+        if h + BLOCK > len(buf):
+            buf, at, h = read_at(min(_HEAD, stop - pos), pos), pos, 0
+            if len(buf) < BLOCK:
+                raise _cut_off(where, pos, len(buf))
+        name, size_field, kind, magic, prefix = unpack(buf, h)
         if kind not in _REGULAR or (magic != _POSIX and magic != _GNU):
-            if buf[pos : pos + BLOCK] == _EMPTY:
+            if buf[h : h + BLOCK] == _EMPTY:
                 break
-            return _parse_general(bytes(buf), where)
+            return _parse_general(_read_exactly(read_at, start, stop, where), where)
         try:
             size = int(size_field, 8)
         except ValueError:
-            size = _parse_octal(bytes(buf[pos + 124 : pos + 136]), str(where))
-        start = pos + BLOCK
-        pos = start + size
-        if pos > end:
-            raise CorruptShardError(f"{where}: member at byte {start - BLOCK} runs past the sample's end")
+            size = _parse_octal(buf[h + 124 : h + 136], str(where))
+        begin = pos + BLOCK
+        pos = begin + size
+        if pos > stop:
+            raise CorruptShardError(f"{where}: member at byte {begin - BLOCK} runs past the sample's end")
         text = name.split(b"\x00", 1)[0].decode("utf-8")
         if prefix[0] and magic == _POSIX:  # a long path's folders
             text = prefix.split(b"\x00", 1)[0].decode("utf-8") + "/" + text
@@ -306,11 +320,33 @@ def parse_sample(buf: bytes | memoryview, where: object) -> tuple[str, dict[str,
             key = k
         elif k != key:
             raise CorruptShardError(f"{where}: members of two samples ({key!r}, {k!r}) in one sample's range")
-        fields[ext] = bytes(buf[start:pos])
+        if pos - at <= len(buf):
+            fields[ext] = buf[begin - at : pos - at]
+        else:
+            fields[ext] = _read_exactly(read_at, begin, pos, where)
         pos += -size % BLOCK
     if key is None:
         raise CorruptShardError(f"{where}: no tar member in the sample's byte range")
     return key, fields
+
+
+def parse_sample(buf: bytes | memoryview, where: object) -> tuple[str, dict[str, bytes]]:
+    """`read_sample` over a sample's bytes already in memory."""
+    view = memoryview(buf)
+    return read_sample(lambda size, offset: view[offset : offset + size].tobytes(), 0, len(view), where)
+
+
+def _read_exactly(read_at: ReadAt, start: int, stop: int, where: object) -> bytes:
+    data = read_at(stop - start, start)
+    if len(data) < stop - start:
+        raise _cut_off(where, start, len(data))
+    return data
+
+
+def _cut_off(where: object, offset: int, got: int) -> CorruptShardError:
+    """A read at `offset` that got only `got` bytes: the shard ends there (or before, if none)."""
+    end = f"at byte {offset + got}" if got else f"at or before byte {offset}"
+    return CorruptShardError(f"{where}: cut off, the shard ends {end} (truncated or replaced)")
 
 
 def _parse_general(buf: bytes, where: object) -> tuple[str, dict[str, bytes]]:
