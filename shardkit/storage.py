@@ -139,10 +139,20 @@ def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: fl
                 raise
             raise named from e
         except Exception as e:  # noqa: BLE001 - the remote client's errors have no common base
+            if type(e) is OSError and str(e).startswith("Forbidden"):  # gcsfs's HTTP 403: permanent
+                raise PermissionError(f"{what}: {one_line(e)}") from e
             if attempt == attempts:
-                raise ShardkitError(f"{what}: {type(e).__name__}: {one_line(e)} (gave up after {attempts} attempts)") from e
+                tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
+                raise ShardkitError(f"{what}: {type(e).__name__}: {one_line(e)} (gave up after {tries})") from e
             time.sleep(random.uniform(0, min(cap_s, base_s * 2 ** (attempt - 1))))
     raise AssertionError("unreachable")
+
+
+def attempts_for(url: str) -> int:
+    """Our attempts at a request to `url`. gcsfs retries every failed request up to 6 times
+    itself, with backoff (no option turns that off; a body cut short and a silent connection
+    included): those are the retries on GCS, not multiplied by ours."""
+    return 1 if url.split("://", 1)[0] in _GCS else RETRIES
 
 
 def _naming(e: Exception, what: str) -> Exception:
@@ -169,7 +179,7 @@ def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes
         finally:
             os.close(fd)
     fs, path = filesystem(url, storage_options)
-    return retrying(display(url), lambda: fs.cat_file(path))
+    return retrying(display(url), lambda: fs.cat_file(path), attempts_for(url))
 
 
 def read_range(url: str, start: int, stop: int, storage_options: StorageOptions | None = None) -> bytes:
@@ -179,7 +189,7 @@ def read_range(url: str, start: int, stop: int, storage_options: StorageOptions 
             data = os.pread(f.fileno(), stop - start, start)
     else:
         fs, path = filesystem(url, storage_options)
-        data = retrying(display(url), lambda: fs.cat_file(path, start=start, end=stop))
+        data = retrying(display(url), lambda: fs.cat_file(path, start=start, end=stop), attempts_for(url))
     if len(data) != stop - start:
         raise CorruptShardError(f"{display(url)}: {len(data)} bytes at offset {start}, expected {stop - start}")
     return data
@@ -389,8 +399,9 @@ class RangeReader:
                         sha.update(chunk)
             return sha.hexdigest()
 
-        if retrying(f"{display(self._urls[shard])} (sha256 check)", digest) != expected:
-            raise CorruptShardError(f"{display(self._urls[shard])}: sha256 mismatch with the index (shard changed or corrupt)")
+        url = self._urls[shard]
+        if retrying(f"{display(url)} (sha256 check)", digest, attempts_for(url)) != expected:
+            raise CorruptShardError(f"{display(url)}: sha256 mismatch with the index (shard changed or corrupt)")
 
     def _reader_options(self, shard: int) -> StorageOptions | None:
         """The user's options; for S3, unless the user configured the client, its own
@@ -400,12 +411,6 @@ class RangeReader:
         if self._urls[shard].split("://", 1)[0] in ("s3", "s3a") and "config_kwargs" not in opts:
             return {**opts, "config_kwargs": {"retries": {"total_max_attempts": 1}}}
         return self._opts
-
-    def _attempts(self, shard: int) -> int:
-        """gcsfs retries every failed request up to 6 times itself, with backoff (no option
-        turns that off; a body cut short and a silent connection included): those are the
-        retries on GCS, not multiplied by ours."""
-        return 1 if self._urls[shard].split("://", 1)[0] in _GCS else RETRIES
 
     def read_at(self, shard: int) -> ReadAt:
         """`read_at(size, offset)` on a shard, os.pread's order: fewer bytes only where it ends."""
@@ -448,7 +453,7 @@ class RangeReader:
                 raise OSError(f"short read: {len(data)} of {stop - start} bytes")  # a cut-short body: retried
             return data
 
-        data = retrying(f"{display(url)} (bytes {start}-{stop})", get, self._attempts(shard))
+        data = retrying(f"{display(url)} (bytes {start}-{stop})", get, attempts_for(url))
         with self._lock:
             self.fetched_bytes += len(data)
         if self._cache is not None and len(data) == stop - start:

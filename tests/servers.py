@@ -304,3 +304,42 @@ def latency_proxy(_server_logs: Path) -> Iterator[Callable[..., tuple[str, Proxy
     finally:
         for server in started:
             server.stop()
+
+
+# -- a store that refuses every request ----------------------------------------------------------
+@pytest.fixture
+def forbidding() -> Iterator[tuple[str, list[str]]]:
+    """(endpoint URL, request log) of an HTTP server on loopback that answers every request
+    403 Forbidden, as S3 (XML) or GCS (JSON) does for credentials without access."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    log: list[str] = []
+
+    class Refuse(BaseHTTPRequestHandler):
+        def _refuse(self) -> None:
+            log.append(f"{self.command} {self.path}")
+            if self.path.startswith(("/storage/", "/download/", "/upload/")):  # the GCS JSON API
+                body, kind = json.dumps({"error": {"code": 403, "message": "denied"}}).encode(), "application/json"
+            else:
+                body, kind = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>", "application/xml"
+            self.send_response(403)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _refuse
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", log
+    finally:
+        server.shutdown()
+        server.server_close()

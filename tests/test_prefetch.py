@@ -191,9 +191,11 @@ def test_retrying_gives_up_with_the_url_named() -> None:
     # a client's error that names no URL gets it, on one line, and keeps its type
     with pytest.raises(PermissionError, match=r"^s3://b/p\.tar: Access Denied more$"):
         storage.retrying("s3://b/p.tar", lambda: (_ for _ in ()).throw(PermissionError("Access Denied\nmore")))
-    with pytest.raises(ShardkitError, match=r"^s3://b/q\.tar: OSError: Forbidden: q detail \(gave up after 2"):
-        storage.retrying("s3://b/q.tar", lambda: (_ for _ in ()).throw(OSError("Forbidden: q\ndetail")),
-                         attempts=2, base_s=0.001)
+    # gcsfs's HTTP 403 is a plain OSError("Forbidden: ..."): permanent too
+    with pytest.raises(PermissionError, match=r"^gs://b/q\.tar: Forbidden: q detail$"):
+        storage.retrying("gs://b/q.tar", lambda: (_ for _ in ()).throw(OSError("Forbidden: q\ndetail")), base_s=10)
+    with pytest.raises(ShardkitError, match=r"^gs://b/r\.tar: OSError: gone \(gave up after 1 attempt\)$"):
+        storage.retrying("gs://b/r.tar", lambda: (_ for _ in ()).throw(OSError("gone")), storage.attempts_for("gs://b/r.tar"))
 
 
 def test_read_ahead_without_threads_runs_fetches_early_in_place() -> None:

@@ -236,3 +236,23 @@ def test_pack_from_a_bucket_into_a_bucket(s3: dict, photos: Path, tmp_path: Path
     assert remote.classes == local.classes
     assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]  # the same bytes
     assert [(s.path, s.reason) for s in remote.skipped] == [("circle/notes.txt", "not an image file extension")]
+
+
+@pytest.mark.parametrize("protocol", ["s3", "gs"])
+def test_forbidden_fails_at_once_naming_the_url(forbidding: tuple[str, list[str]], protocol: str) -> None:
+    """Credentials without access (HTTP 403) are not a transient error: one request, then a
+    PermissionError that names the URL, from the dataset and from the CLI (exit code 1)."""
+    endpoint, log = forbidding
+    if protocol == "s3":
+        opts: dict[str, Any] = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint},
+                                "skip_instance_cache": True}
+    else:
+        opts = {"token": "anon", "project": "test", "endpoint_url": endpoint, "skip_instance_cache": True}
+    url = f"{protocol}://bucket/ds"
+    with pytest.raises(PermissionError, match=f"{url}/index.json"):
+        StreamingDataset(url, storage_options=opts)
+    assert len(log) == 1, log
+    args = [f"-o{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in opts.items()]
+    done = subprocess.run([sys.executable, "-m", "shardkit.cli", "verify", url, *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and f"{url}/index.json" in done.stderr and len(done.stderr.splitlines()) == 1, done
