@@ -166,7 +166,8 @@ class _WorkerStream(EpochStream):
                 if ds._lmdb is None:
                     shard = int(np.searchsorted(ds._first, i, side="right")) - 1
                     start, end = int(ds._starts[i]), int(ds._ends[i])
-                    sample = decode(_parse((end, reader.read_at(shard)), ds.urls[shard], start))
+                    read_at = functools.partial(_from_range, memoryview(reader.read(shard, start, end)), start)
+                    sample = decode(_parse((end, read_at), ds.urls[shard], start))
                 else:
                     sample = decode(_from_lmdb(next(self._lmdb_reads(np.array([i])))[2], ds.urls[0], i))
                 return transform(sample) if transform is not None else sample

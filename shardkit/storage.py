@@ -413,10 +413,9 @@ class RangeReader:
         return self._opts
 
     def read_at(self, shard: int) -> ReadAt:
-        """`read_at(size, offset)` on a shard, os.pread's order: fewer bytes only where it ends."""
-        if self._local[shard]:
-            return functools.partial(os.pread, self._handle(shard))
-        return lambda size, offset: self.read(shard, offset, offset + size, partial=True)
+        """`read_at(size, offset)` on a local shard: os.pread, fewer bytes only where it ends."""
+        assert self._local[shard], "remote shards are read by range"
+        return functools.partial(os.pread, self._handle(shard))
 
     def advise(self, shard: int, start: int, stop: int) -> None:
         """Start reading bytes [start, stop) of a local shard into the page cache, and return."""

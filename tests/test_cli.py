@@ -198,3 +198,8 @@ def test_progress_bar_on_a_terminal_only(photos: Path, tmp_path: Path) -> None:
     piped = subprocess.run([sys.executable, "-m", "shardkit.cli", "pack", str(photos), str(tmp_path / "c"),
                             "--workers", "1"], capture_output=True, text=True, check=True, timeout=120)
     assert "img" not in piped.stderr  # not a terminal: no bar
+
+
+def test_python_dash_m_runs_the_command() -> None:
+    done = subprocess.run([sys.executable, "-m", "shardkit", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("Usage: shardkit [OPTIONS] COMMAND")

@@ -253,6 +253,6 @@ def test_forbidden_fails_at_once_naming_the_url(forbidding: tuple[str, list[str]
         StreamingDataset(url, storage_options=opts)
     assert len(log) == 1, log
     args = [f"-o{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in opts.items()]
-    done = subprocess.run([sys.executable, "-m", "shardkit.cli", "verify", url, *args],
+    done = subprocess.run([sys.executable, "-m", "shardkit", "verify", url, *args],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and f"{url}/index.json" in done.stderr and len(done.stderr.splitlines()) == 1, done
