@@ -263,7 +263,7 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 def bench_setting(url: str | Sequence[str], *, num_workers: int, prefetch: int, batch_size: int, decode: str,
                   transform: Callable[[dict[str, Any]], Any], batches: int, passes: int, warmup: int,
-                  storage_options: StorageOptions | None = None) -> dict[str, Any]:
+                  storage_options: StorageOptions | None = None, on_error: str = "raise") -> dict[str, Any]:
     """Measure one setting: warm-up (the first batch timed from a cold start), then `passes`
     passes of `batches` batches, each from a fresh iterator of the same loader."""
     from torch.utils.data import DataLoader
@@ -272,7 +272,7 @@ def bench_setting(url: str | Sequence[str], *, num_workers: int, prefetch: int, 
 
     # the training setup the README recommends: batches made in the workers
     ds = StreamingDataset(url, shuffle=True, decode=decode, transform=transform, prefetch=prefetch,
-                          storage_options=storage_options, batch_size=batch_size)
+                          storage_options=storage_options, batch_size=batch_size, on_error=on_error)
     loader = DataLoader(ds, batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0)
     memory = PeakRss()
     rates: list[float] = []
@@ -314,7 +314,7 @@ def bench_setting(url: str | Sequence[str], *, num_workers: int, prefetch: int, 
         "first_batch_s": first_batch_s, "batch_ms": 1000 * batch_size / mean if mean else float("inf"),
         "peak_rss_bytes": memory.peak_total, "peak_main_rss_bytes": memory.peak_main,
         "bytes_per_sample": per_sample,
-        "stats": {k: stats[k] for k in ("samples", "bytes", "read_s", "decode_s", "transform_s")},
+        "stats": {k: stats[k] for k in ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped")},
     }
 
 
@@ -339,11 +339,12 @@ def run_bench(url: str | Sequence[str], *, workers: Sequence[int] = (0, 1, 2), p
               batch_size: int = 64, decode: str = "tensor",
               transform: str | Callable[[dict[str, Any]], Any] | None = None, batches: int = 50, passes: int = 3,
               warmup: int = 5, step_ms: float | None = None, storage_options: StorageOptions | None = None,
-              progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+              on_error: str = "raise", progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Benchmark StreamingDataset under a DataLoader for each value of `workers` or of
     `prefetch` (at most one of them may hold several values). `transform` is a callable,
-    a ``module:function`` name, or None for `ResizeTransform`. Returns a JSON-ready dict;
-    `progress` is called with each setting's result as it is done."""
+    a ``module:function`` name, or None for `ResizeTransform`. `on_error` is the dataset's
+    ("raise" or "skip": bad samples counted in each setting's stats). Returns a JSON-ready
+    dict; `progress` is called with each setting's result as it is done."""
     workers, prefetch = list(workers), list(prefetch)
     if not workers or not prefetch:
         raise ValueError("workers and prefetch need at least one value each")
@@ -358,7 +359,7 @@ def run_bench(url: str | Sequence[str], *, workers: Sequence[int] = (0, 1, 2), p
         for p in prefetch:
             result = bench_setting(url, num_workers=w, prefetch=p, batch_size=batch_size, decode=decode,
                                    transform=fn, batches=batches, passes=passes, warmup=warmup,
-                                   storage_options=storage_options)
+                                   storage_options=storage_options, on_error=on_error)
             if step_ms is not None:
                 result["data_bound"] = result["batch_ms"] > step_ms
             if progress is not None:
@@ -406,6 +407,9 @@ def format_report(doc: dict[str, Any]) -> str:
             else:
                 line += "keeps up"
             lines.append(line)
+    skipped = max(s["stats"]["skipped"] for s in doc["settings"])
+    if skipped:
+        lines.append(f"skipped bad samples: up to {skipped:.0f} per setting (replaced, so batches stay full)")
     lines.append(f"recommendation: {doc['recommendation']['text']}")
     return "\n".join(lines)
 

@@ -224,6 +224,13 @@ def _transform(ctx: click.Context, param: click.Parameter, value: str | None) ->
         raise click.BadParameter(str(e)) from None
 
 
+_READ_ERRORS = {"fail": "raise", "skip": "skip"}  # the CLI's words (as pack's) -> the dataset's
+read_error_option = click.option(
+    "--on-error", type=click.Choice(["fail", "skip"]), default="fail", show_default=True,
+    help="On a bad sample (undecodable image, truncated shard): stop with an error naming it, "
+         "or leave it out and count it.",
+)
+
 transform_option = click.option(
     "--transform", metavar="MODULE:FUNCTION", callback=_transform,
     help="Function applied to each decoded sample dict, from an importable module or a file "
@@ -251,11 +258,12 @@ transform_option = click.option(
 @click.option("--plot", type=click.Path(dir_okay=False, writable=True), metavar="OUT.png",
               help="Write images/s (error bars: std over passes) against the varied setting (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
+@read_error_option
 @storage_option
 @_errors_to_exit
 def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch_size: int, decode: str,
           batches: int, passes: int, warmup: int, transform: Any, step_ms: float | None, plot: str | None,
-          as_json: bool, storage_options: tuple[str, ...]) -> None:
+          as_json: bool, on_error: str, storage_options: tuple[str, ...]) -> None:
     """Measure how fast URL streams through a DataLoader, for several num_workers (or prefetch depths).
 
     Per setting: a warm-up, then timed passes; images/s and MB/s (mean ± std over passes),
@@ -276,7 +284,8 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
 
     doc = run_bench(url, workers=workers, prefetch=prefetch or [8], batch_size=batch_size, decode=decode,
                     transform=transform, batches=batches, passes=passes, warmup=warmup, step_ms=step_ms,
-                    storage_options=_storage_options(storage_options), progress=progress)
+                    storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error],
+                    progress=progress)
     if plot:
         write_plot(doc, plot)
     click.echo(json.dumps(doc, indent=2) if as_json else format_report(doc))
@@ -293,9 +302,10 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
 @click.option("--seed", type=int, default=0, show_default=True, help="Shuffle seed: which samples are shown.")
 @click.option("--tile", type=click.IntRange(min=16), default=128, show_default=True, metavar="PX",
               help="Pixels per image square.")
+@read_error_option
 @storage_option
 @_errors_to_exit
-def preview(url: str, n: int, out: str, transform: Any, decode: str, seed: int, tile: int,
+def preview(url: str, n: int, out: str, transform: Any, decode: str, seed: int, tile: int, on_error: str,
             storage_options: tuple[str, ...]) -> None:
     """Draw N shuffled samples of URL (after --transform) as a labelled PNG grid.
 
@@ -305,10 +315,11 @@ def preview(url: str, n: int, out: str, transform: Any, decode: str, seed: int, 
     from .preview import render_preview
 
     result = render_preview(url, n=n, out=out, transform=transform, decode=decode, seed=seed, tile=tile,
-                            storage_options=_storage_options(storage_options))
+                            storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error])
     cols, rows = result["grid"]
     width, height = result["size"]
-    click.echo(f"wrote {out}: {result['samples']} samples, {cols}x{rows} grid, {width}x{height} px")
+    skipped = f", {result['skipped']} bad samples skipped" if result["skipped"] else ""
+    click.echo(f"wrote {out}: {result['samples']} samples, {cols}x{rows} grid, {width}x{height} px{skipped}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -113,21 +113,28 @@ def draw_grid(tiles: Sequence[tuple[Image.Image, str, str]], tile: int = TILE) -
 
 def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.png",
                    transform: str | Callable[[dict[str, Any]], Any] | None = None, decode: str = "rgb8",
-                   seed: int = 0, tile: int = TILE, storage_options: StorageOptions | None = None) -> dict[str, Any]:
+                   seed: int = 0, tile: int = TILE, storage_options: StorageOptions | None = None,
+                   on_error: str = "raise") -> dict[str, Any]:
     """Decode the first `n` samples of the seed's shuffled order (epoch 0), apply `transform`
-    (a callable or ``module:function``), and write them as a labelled PNG grid to `out`."""
+    (a callable or ``module:function``), and write them as a labelled PNG grid to `out`.
+    With on_error="skip" bad samples are left out (and counted) instead of stopping it."""
     from .dataset import StreamingDataset
 
     if n < 1 or tile < 16:
         raise ValueError("n must be at least 1 and tile at least 16")
     fn = Transform(transform) if isinstance(transform, str) else transform
-    ds = StreamingDataset(url, shuffle=True, seed=seed, decode=decode, storage_options=storage_options)
+    ds = StreamingDataset(url, shuffle=True, seed=seed, decode=decode, storage_options=storage_options,
+                          on_error=on_error)
     classes = ds.classes
     tiles: list[tuple[Image.Image, str, str]] = []
+    shown: set[tuple[str, str]] = set()
     stream = iter(ds)
     try:
         for sample in stream:
             key, label = str(sample["__key__"]), sample.get("cls")
+            if (sample["__url__"], key) in shown:  # a skipped sample's stand-in: shown once
+                continue
+            shown.add((sample["__url__"], key))
             result = fn(sample) if fn is not None else sample
             image = pick_image(result)
             if image is None:
@@ -146,4 +153,4 @@ def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.p
     grid.save(out, format="PNG")
     cols, rows = grid_shape(len(tiles))
     return {"path": out, "samples": len(tiles), "grid": [cols, rows], "size": list(grid.size), "tile": tile,
-            "labels": [[name, key] for _, name, key in tiles]}
+            "labels": [[name, key] for _, name, key in tiles], "skipped": int(ds.stats()["skipped"])}

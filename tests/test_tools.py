@@ -159,3 +159,25 @@ def test_preview_after_a_transform(run, packed: Path, tmp_path: Path, user_modul
     assert result.exit_code == 1 and "not an image" in result.output
     result = run("preview", packed, "--transform", "no_such_module_xyz:fn")
     assert result.exit_code == 2 and "no_such_module_xyz" in result.output
+
+
+def test_preview_and_bench_skip_bad_samples_when_asked(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import shardkit
+    from test_dataset import break_image
+
+    dataset = tmp_path / "shards"
+    shardkit.pack(str(photos), str(dataset), max_count=4, workers=1, progress=False)
+    shard, key = break_image(dataset, 2, 1)
+    png = tmp_path / "all.png"
+    result = run("preview", dataset, "--n", "30", "--out", png)
+    assert result.exit_code == 1 and shard in result.output and len(result.output.splitlines()) == 1
+    result = run("preview", dataset, "--n", "30", "--out", png, "--on-error", "skip")
+    assert result.exit_code == 0, result.output
+    assert "29 samples" in result.output and "1 bad samples skipped" in result.output
+    whole_epoch = ("--workers", "0", "--batch-size", "10", "--batches", "3", "--passes", "1", "--warmup", "1")
+    result = run("bench", dataset, *whole_epoch)
+    assert result.exit_code == 1 and shard in result.output
+    result = run("bench", dataset, *whole_epoch, "--on-error", "skip", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["settings"][0]["stats"]["skipped"] >= 1
+    assert "skipped bad samples: up to" in run("bench", dataset, *whole_epoch, "--on-error", "skip").output
