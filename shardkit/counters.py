@@ -110,7 +110,7 @@ class Meter:
         self._shared, self._worker_id, self._reader, self._cache = shared, worker_id, reader, cache
         self._fetched = self._hits = 0
 
-    def flush(self, prefetcher: Prefetcher[Any] | None) -> None:
+    def flush(self, prefetcher: Prefetcher[Any, Any] | None) -> None:
         v = self.values
         v[6], self._fetched = self._reader.fetched_bytes - self._fetched, self._reader.fetched_bytes
         if self._cache is not None:

@@ -146,7 +146,7 @@ class _WorkerStream(EpochStream):
     def __init__(self, ds: StreamingDataset, rank: int, world: int, worker_id: int, num_workers: int,
                  ids: np.ndarray | None = None):
         super().__init__(ds, rank, world, worker_id, num_workers, fixed=ids)
-        self.prefetcher: Prefetcher[ranges.Range] | None = None  # set once reading starts
+        self.prefetcher: Prefetcher[ranges.Range, Any] | None = None  # set once reading starts
 
     def _sequence(self) -> np.ndarray:
         ds = self.ds
@@ -221,7 +221,7 @@ class _WorkerStream(EpochStream):
 
         def fetch(r: ranges.Range) -> ReadAt | CorruptShardError:
             try:
-                if local:  # the kernel reads the range ahead; samples come straight from the file
+                if reader.is_local(r.shard):  # the kernel reads the range ahead; samples come straight from the file
                     reader.advise(r.shard, r.start, r.stop)
                     return reader.read_at(r.shard)
                 data = memoryview(reader.read(r.shard, r.start, r.stop, partial=True))
@@ -273,9 +273,9 @@ class _WorkerStream(EpochStream):
                     size = data[0] - start if ds._lmdb is None else sum(map(len, data[1].values()))
                     sample = decode(sample)
                 except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
+                    if isinstance(e, ShardkitError) and (ds.on_error == "raise" or not isinstance(e, CorruptShardError)):
+                        raise  # named already; a failing disk or store is never skipped as bad data
                     if ds.on_error == "raise":
-                        if isinstance(e, ShardkitError):
-                            raise
                         where = f"sample {sample['__key__']}" if sample is not None else "a sample"
                         where += f" at byte {start}" if ds._lmdb is None else ""
                         raise CorruptShardError(f"{storage.display(url)}: {where}: {type(e).__name__}: {e}") from e

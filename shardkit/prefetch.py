@@ -20,12 +20,13 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-R = TypeVar("R")
+R = TypeVar("R")  # a request
+D = TypeVar("D")  # what fetching it gives
 
 _ALPHA = 0.2  # weight of the newest observation in the moving averages
 
 
-class Prefetcher(Generic[R]):
+class Prefetcher(Generic[R, D]):
     """Iterate over `(request, fetch(request))` with up to `depth` fetches in flight and at
     most `budget` bytes (as `size(request)` counts them) fetched but not yet consumed
     (the first request is always allowed, however large).
@@ -36,7 +37,7 @@ class Prefetcher(Generic[R]):
     where a thread hand-off would cost more than it hides.
     """
 
-    def __init__(self, requests: Iterable[R], fetch: Callable[[R], bytes], size: Callable[[R], int], *,
+    def __init__(self, requests: Iterable[R], fetch: Callable[[R], D], size: Callable[[R], int], *,
                  depth: int, budget: int, threads: bool = True):
         if depth < 0 or budget < 1:
             raise ValueError("depth must be >= 0 and budget >= 1")
@@ -47,16 +48,16 @@ class Prefetcher(Generic[R]):
         self.latency_s = 0.0  # moving average of one fetch
         self.interval_s = 0.0  # moving average of the time between the consumer's takes
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: deque[tuple[R, Future[tuple[bytes, float]]]] = deque()
+        self._pending: deque[tuple[R, Future[tuple[D, float]]]] = deque()
         self._held = 0  # bytes of requests submitted and not yet handed to the consumer
         self._exhausted = False
 
-    def _timed(self, req: R) -> tuple[bytes, float]:
+    def _timed(self, req: R) -> tuple[D, float]:
         start = time.perf_counter()
         data = self._fetch(req)
         return data, time.perf_counter() - start
 
-    def __iter__(self) -> Iterator[tuple[R, bytes]]:
+    def __iter__(self) -> Iterator[tuple[R, D]]:
         if self.depth == 0:
             for req in self._requests:
                 yield req, self._fetch(req)
@@ -81,8 +82,8 @@ class Prefetcher(Generic[R]):
         finally:
             self.close()
 
-    def _ahead_in_place(self) -> Iterator[tuple[R, bytes]]:
-        ahead: deque[tuple[R, bytes]] = deque()
+    def _ahead_in_place(self) -> Iterator[tuple[R, D]]:
+        ahead: deque[tuple[R, D]] = deque()
         for req in self._requests:
             ahead.append((req, self._fetch(req)))
             if len(ahead) > self.depth:

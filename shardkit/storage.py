@@ -121,6 +121,8 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     return fs, cls._strip_protocol(url)
 
 
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # posix_fadvise: Linux and BSDs, not macOS
+
 # Errors that another attempt cannot fix; everything else remote (resets, 5xx, timeouts,
 # truncated responses) is retried.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ShardkitError)
@@ -412,26 +414,48 @@ class RangeReader:
             return {**opts, "config_kwargs": {"retries": {"total_max_attempts": 1}}}
         return self._opts
 
+    def is_local(self, shard: int) -> bool:
+        return self._local[shard]
+
     def read_at(self, shard: int) -> ReadAt:
-        """`read_at(size, offset)` on a local shard: os.pread, fewer bytes only where it ends."""
-        assert self._local[shard], "remote shards are read by range"
-        return functools.partial(os.pread, self._handle(shard))
+        """`read_at(size, offset)` on a local shard, valid until close(): fewer bytes only
+        where the file ends (a short read mid-file, as FUSE and NFS mounts may give, is
+        continued). An I/O error is a ShardkitError naming the shard: not bad data."""
+        if not self._local[shard]:
+            raise ValueError(f"{display(self._urls[shard])}: a remote shard is read by range, not read_at")
+        fd, url = self._handle(shard), self._urls[shard]
+
+        def read_at(size: int, offset: int) -> bytes:
+            if self._closed:
+                raise ShardkitError("read after the reader was closed")
+            try:
+                data = os.pread(fd, size, offset)
+                while 0 < len(data) < size and (more := os.pread(fd, size - len(data), offset + len(data))):
+                    data += more
+            except OSError as e:
+                raise ShardkitError(f"{display(url)}: reading bytes {offset}-{offset + size}: "
+                                    f"{type(e).__name__}: {one_line(e)}") from e
+            return data
+
+        return read_at
 
     def advise(self, shard: int, start: int, stop: int) -> None:
-        """Start reading bytes [start, stop) of a local shard into the page cache, and return."""
-        if self._local[shard]:
-            os.posix_fadvise(self._handle(shard), start, stop - start, os.POSIX_FADV_WILLNEED)
+        """Ask the kernel to start reading bytes [start, stop) of a local shard into the page
+        cache, and return. A hint: where it cannot be given (macOS), nothing."""
+        if self._local[shard] and stop > start and _WILLNEED is not None:
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self._handle(shard), start, stop - start, _WILLNEED)
 
     def read(self, shard: int, start: int, stop: int, partial: bool = False) -> bytes:
         """Bytes [start, stop) of a shard. A shard that ends before `stop` (truncated or
         replaced) raises CorruptShardError, or with `partial` gives the bytes up to its end,
         for the caller to tell which samples are whole."""
-        handle = self._handle(shard)
         if self._local[shard]:
-            data = os.pread(handle, stop - start, start)
+            data = self.read_at(shard)(stop - start, start)
             if len(data) < stop - start and not partial:
                 raise self._short(shard, start, stop, len(data))
             return data
+        handle = self._handle(shard)
         url, version = self._urls[shard], self._versions[shard]
         if self._cache is not None:
             cached = self._cache.get(url, version, start, stop)

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 import shardkit
 from shardkit import CorruptShardError
 from shardkit.dataset import StreamingDataset
+from shardkit.errors import ShardkitError
 
 pytestmark = [
     # 3 workers on a 2-core runner is deliberate: torch warns, and warnings are errors here
@@ -694,18 +695,18 @@ def test_truncated_shard_names_the_file(packed: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize(("into", "ends"), [(700, "at or before byte {header}"), (1636, "at byte {cut}")])
-def test_truncated_shard_skipped_sample_by_sample(packed: Path, tmp_path: Path, workers: int, into: int,
-                                                  ends: str) -> None:
+@pytest.mark.parametrize("where", ["first member", "image", "after the image"])
+def test_truncated_shard_skipped_sample_by_sample(packed: Path, tmp_path: Path, workers: int, where: str) -> None:
     """Under on_error="skip" a cut-off shard loses only the samples past the cut; the rest
-    are read, the lost ones replaced and counted. The error says where the shard ends: the
-    cut is in the padding of the third sample's first member (the next header is missing),
-    or in its image."""
+    are read, the lost ones replaced and counted. The error says where the shard ends,
+    wherever the cut is in the sample (cls, jpg, json members)."""
     clone = Path(shutil.copytree(packed, tmp_path / "clone"))
     idx = json.loads((clone / "index.json").read_text())
     shard = idx["shards"][3]
     start = shard["offsets"][2]
-    cut = start + into
+    _, image, size, _ = sample_span(clone, 3, 2, "jpg")
+    cut, ends = {"first member": (start + 700, "at byte {cut}"), "image": (image + 100, "at byte {cut}"),
+                 "after the image": (image + size + (-size % 512), "at or before byte {cut}")}[where]
     os.truncate(clone / shard["name"], cut)
     ds = StreamingDataset(str(clone), on_error="skip")
     keys = run(ds, workers)
@@ -714,8 +715,20 @@ def test_truncated_shard_skipped_sample_by_sample(packed: Path, tmp_path: Path, 
     assert ds.stats()["skipped"] == lost
     err = failure(StreamingDataset(str(clone)), workers)
     assert isinstance(err, CorruptShardError)
-    ends = ends.format(header=start + 1024, cut=cut)
-    assert f"{shard['name']} (sample at byte {start}): cut off, the shard ends {ends} (truncated" in str(err)
+    assert f"{shard['name']} (sample at byte {start}): cut off, the shard ends {ends.format(cut=cut)} (truncated" in str(err)
+
+
+def test_a_read_error_is_not_skipped_as_bad_data(packed: Path, tmp_path: Path) -> None:
+    """A shard that cannot be read (here a folder in its place: pread fails with EISDIR, as a
+    failing disk fails with EIO) stops the pass, naming the shard, even under on_error="skip":
+    skipping is for bad samples, not for storage that fails."""
+    clone = Path(shutil.copytree(packed, tmp_path / "clone"))
+    (clone / "shard-000003.tar").unlink()
+    (clone / "shard-000003.tar").mkdir()
+    for workers in (0, 2):
+        err = failure(StreamingDataset(str(clone), on_error="skip"), workers)
+        assert type(err) is ShardkitError, err
+        assert "shard-000003.tar: reading bytes" in str(err) and "IsADirectoryError" in str(err)
 
 
 @pytest.fixture

@@ -256,3 +256,19 @@ def test_forbidden_fails_at_once_naming_the_url(forbidding: tuple[str, list[str]
     done = subprocess.run([sys.executable, "-m", "shardkit", "verify", url, *args],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and f"{url}/index.json" in done.stderr and len(done.stderr.splitlines()) == 1, done
+
+
+@pytest.mark.parametrize("first", ["local", "remote"])
+def test_a_list_mixing_local_and_remote_shards(s3: dict, photos: Path, tmp_path: Path, first: str) -> None:
+    """Shards given as a list may mix local paths and URLs: each is read its own way."""
+    url, opts = s3["url"] + "/ds", s3["storage_options"]
+    shardkit.pack(str(photos), str(tmp_path / "local"), max_count=7, workers=1, progress=False)
+    shardkit.pack(str(photos), url, max_count=7, workers=1, progress=False, storage_options=opts)
+    names = sorted(p.name for p in (tmp_path / "local").glob("*.tar"))
+    where = [str(tmp_path / "local"), url] if first == "local" else [url, str(tmp_path / "local")]
+    shards = [f"{where[i % 2]}/{name}" for i, name in enumerate(names)]
+    expected = read_shards(tmp_path / "local")
+    for workers in (0, 2):
+        got = [s["__key__"] for s in DataLoader(StreamingDataset(shards, storage_options=opts, shuffle=True),
+                                                batch_size=None, num_workers=workers)]
+        assert sorted(got) == sorted(expected)

@@ -295,8 +295,9 @@ def read_sample(read_at: ReadAt, start: int, stop: int, where: object) -> tuple[
     while pos + BLOCK <= stop:
         h = pos - at
         if h + BLOCK > len(buf):
-            buf, at, h = read_at(min(_HEAD, stop - pos), pos), pos, 0
-            if len(buf) < BLOCK:
+            want = min(_HEAD, stop - pos)
+            buf, at, h = read_at(want, pos), pos, 0
+            if len(buf) < want:  # the shard ends before this sample does
                 raise _cut_off(where, pos, len(buf))
         name, size_field, kind, magic, prefix = unpack(buf, h)
         if kind not in _REGULAR or (magic != _POSIX and magic != _GNU):
@@ -310,7 +311,8 @@ def read_sample(read_at: ReadAt, start: int, stop: int, where: object) -> tuple[
         begin = pos + BLOCK
         pos = begin + size
         if pos > stop:
-            raise CorruptShardError(f"{where}: member at byte {begin - BLOCK} runs past the sample's end")
+            raise CorruptShardError(f"{where}: the member at byte {begin - BLOCK - start} of the sample runs past "
+                                    "the sample's end")
         text = name.split(b"\x00", 1)[0].decode("utf-8")
         if prefix[0] and magic == _POSIX:  # a long path's folders
             text = prefix.split(b"\x00", 1)[0].decode("utf-8") + "/" + text
