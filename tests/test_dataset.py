@@ -718,6 +718,18 @@ def test_truncated_shard_skipped_sample_by_sample(packed: Path, tmp_path: Path, 
     assert f"{shard['name']} (sample at byte {start}): cut off, the shard ends {ends.format(cut=cut)} (truncated" in str(err)
 
 
+def test_a_shard_truncated_while_read_raises(packed: Path, tmp_path: Path) -> None:
+    """A shard cut short in the middle of a pass (rewritten in place by a sync job) raises
+    CorruptShardError naming it; a reader of memory maps would die of SIGBUS instead."""
+    clone = Path(shutil.copytree(packed, tmp_path / "clone"))
+    stream = iter(StreamingDataset(str(clone)))
+    assert next(stream)["__key__"]
+    os.truncate(clone / "shard-000000.tar", 1024)
+    with pytest.raises(CorruptShardError, match=r"shard-000000\.tar \(sample at byte \d+\): cut off"):
+        for _ in stream:
+            pass
+
+
 def test_a_read_error_is_not_skipped_as_bad_data(packed: Path, tmp_path: Path) -> None:
     """A shard that cannot be read (here a folder in its place: pread fails with EISDIR, as a
     failing disk fails with EIO) stops the pass, naming the shard, even under on_error="skip":
