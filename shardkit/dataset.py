@@ -7,7 +7,6 @@ Everything else (open files, the worker's plan) is made inside `__iter__`, in th
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ from .decode import decoder
 from .epochs import EpochDataset, EpochStream
 from .errors import CorruptShardError, ShardkitError
 from .formats import lmdb as lmdb_format
-from .formats.tar import ReadAt, read_sample
+from .formats.tar import ReadAt, buffer_reader, read_sample
 from .prefetch import Prefetcher
 from .sources import local_lmdb, resolve
 from .storage import StorageOptions
@@ -166,7 +165,7 @@ class _WorkerStream(EpochStream):
                 if ds._lmdb is None:
                     shard = int(np.searchsorted(ds._first, i, side="right")) - 1
                     start, end = int(ds._starts[i]), int(ds._ends[i])
-                    read_at = functools.partial(_from_range, memoryview(reader.read(shard, start, end)), start)
+                    read_at = buffer_reader(reader.read(shard, start, end), start)
                     sample = decode(_parse((end, read_at), ds.urls[shard], start))
                 else:
                     sample = decode(_from_lmdb(next(self._lmdb_reads(np.array([i])))[2], ds.urls[0], i))
@@ -224,10 +223,9 @@ class _WorkerStream(EpochStream):
                 if reader.is_local(r.shard):  # the kernel reads the range ahead; samples come straight from the file
                     reader.advise(r.shard, r.start, r.stop)
                     return reader.read_at(r.shard)
-                data = memoryview(reader.read(r.shard, r.start, r.stop, partial=True))
+                return buffer_reader(reader.read(r.shard, r.start, r.stop, partial=True), r.start)
             except CorruptShardError as e:  # each sample of the range raises it in turn: skipped or raised
                 return e
-            return functools.partial(_from_range, data, r.start)
 
         self.prefetcher = Prefetcher(plan, fetch, lambda r: r.size,
                                      depth=ds.prefetch, budget=ds.prefetch_bytes, threads=not local)
@@ -328,8 +326,3 @@ def _parse(span: tuple[int, ReadAt], url: str, start: int) -> dict[str, Any]:
     stop, read_at = span
     key, fields = read_sample(read_at, start, stop, _Where(url, start))
     return {"__key__": key, "__url__": url, **fields}
-
-
-def _from_range(view: memoryview, base: int, size: int, offset: int) -> bytes:
-    """read_at over a range [base, base + len(view)) of a shard held in memory."""
-    return view[offset - base : offset - base + size].tobytes()

@@ -332,10 +332,15 @@ def read_sample(read_at: ReadAt, start: int, stop: int, where: object) -> tuple[
     return key, fields
 
 
+def buffer_reader(buf: bytes | memoryview, base: int = 0) -> ReadAt:
+    """`read_at` over bytes [base, base + len(buf)) of a shard, held in memory."""
+    view = memoryview(buf)
+    return lambda size, offset: view[offset - base : offset - base + size].tobytes()
+
+
 def parse_sample(buf: bytes | memoryview, where: object) -> tuple[str, dict[str, bytes]]:
     """`read_sample` over a sample's bytes already in memory."""
-    view = memoryview(buf)
-    return read_sample(lambda size, offset: view[offset : offset + size].tobytes(), 0, len(view), where)
+    return read_sample(buffer_reader(buf), 0, len(buf), where)
 
 
 def _read_exactly(read_at: ReadAt, start: int, stop: int, where: object) -> bytes:
