@@ -3,7 +3,8 @@
 One run on one generated image folder, page cache warm. Each round packs with every packer,
 then reads every packed dataset raw, then through a DataLoader; contestants are interleaved
 (their order rotates each round) and every measurement is a fresh process, timed after its
-imports. Medians with min-max, against limits measured in the same run:
+imports. Medians with min-max; a ratio to a limit is the median over rounds of the ratio
+to the limit measured in the same round (bench_read.ratio):
 
 - pack: seconds and images/s, against `tar` of the image folder; shardkit with 2 workers,
   webdataset's ShardWriter (one process, it has no parallel writer), one MDSWriter per process
@@ -340,11 +341,6 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _rotate(names: list[str], r: int) -> list[str]:
-    k = r % len(names)
-    return names[k:] + names[:k]
-
-
 def run_rounds(args: argparse.Namespace, photos: Path, work: Path) -> tuple[dict, dict]:
     import shutil
 
@@ -380,14 +376,14 @@ def run_rounds(args: argparse.Namespace, photos: Path, work: Path) -> tuple[dict
         print(f"round {r + 1}: {stage} {name}: {res['items'] / res['seconds']:,.0f}/s", file=sys.stderr)
 
     for r in range(args.rounds):
-        for name in _rotate(PACKERS, r):
+        for name in br.rotate(PACKERS, r):
             if name in FOLDER:
                 shutil.rmtree(data_of(name), ignore_errors=True)
             one("pack", name, r)
             subprocess.run(["sync"], check=False)  # no write-back of one packer's output under the next
-        for name in _rotate(RAW, r):
+        for name in br.rotate(RAW, r):
             one("raw", name, r)
-        for name in _rotate(DECODED, r):
+        for name in br.rotate(DECODED, r):
             one("decoded", name, r)
     return results, failures
 
@@ -414,7 +410,7 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
         if ("raw", name) in failures:
             return [failures[("raw", name)], "–"]
         mbs = rate("raw", name, "bytes")
-        return [br._fmt(rate("raw", name)), f"{med(mbs) / med(cat):.0%}" if cat else "–"]
+        return [br._fmt(rate("raw", name)), br.ratio(mbs, cat)]
 
     def decoded_cells(name: str) -> list[str]:
         if ("decoded", name) in failures:
@@ -422,7 +418,7 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
         runs = results[("decoded", name)]
         firsts = [x["first"] for x in runs if x.get("first") is not None]
         ips = rate("decoded", name)
-        return [br._fmt(ips), f"{med(ips) / med(limit):.0%}" if limit else "–",
+        return [br._fmt(ips), br.ratio(ips, limit),
                 br._fmt(firsts, digits=2) if firsts else "–", br._fmt([x["rss"] for x in runs], 1e-6)]
 
     photo_bytes = sum(p.stat().st_size for p in photos.rglob("*.jpg"))

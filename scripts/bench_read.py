@@ -1,8 +1,11 @@
 """Reading speed and memory: shardkit (tar streaming and LMDB random access) against the
 plain-files baseline and webdataset.
 
-One run, contestants interleaved round after round, each in a fresh process, page cache
-warm. Medians with min-max; ratios against the limits measured in the same run:
+One run, contestants interleaved round after round (the order rotating, so that none always
+runs first or last), each in a fresh process, page cache warm. Medians with min-max; each
+ratio is the median over rounds of the contestant against the limit measured in the same
+round (this 2-core machine drifts by a third between rounds, so the ratio of two medians
+taken minutes apart would mostly measure the drift):
 
 - raw: samples/s and MB/s reading the shards in one process, against `cat` of the same files;
 - decoded: images/s through DataLoader(num_workers=2, batch_size=64) (shardkit also with
@@ -217,6 +220,20 @@ def _fmt(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
     return f"{med:,.{digits}f} ({min(values) * scale:,.{digits}f}-{max(values) * scale:,.{digits}f})"
 
 
+def rotate(names: list[str], r: int) -> list[str]:
+    """Round r's order: the list turned by r places."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+def ratio(values: list[float], limits: list[float]) -> str:
+    """Median (min-max) over rounds of value / limit, round by round."""
+    ratios = [v / x for v, x in zip(values, limits)]
+    if not ratios:
+        return "–"
+    return f"{statistics.median(ratios):.0%} ({min(ratios):.0%}-{max(ratios):.0%})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=20000)
@@ -253,7 +270,7 @@ def main() -> None:
                "webdataset"]
     results: dict[str, list[dict]] = {}
     for r in range(args.rounds):
-        for name in raw + decoded:
+        for name in rotate(raw, r) + rotate(decoded, r):
             results.setdefault(name, []).append(measure(name, str(shards), str(photos)))
             print(f"round {r + 1}: {name} done", file=sys.stderr)
 
@@ -262,20 +279,20 @@ def main() -> None:
 
     print(f"\n{args.images} images, {_shard_bytes(str(shards)) / 1e9:.2f} GB of shards, {os.cpu_count()} CPUs, "
           f"{args.rounds} rounds; median (min-max)\n")
-    print("| raw read, 1 process | samples/s | MB/s | % of cat |")
+    print("| raw read, 1 process | samples/s | MB/s | % of cat, by round |")
     print("|---|---|---|---|")
-    cat = statistics.median(rate("cat (limit)", "bytes"))
+    cat = rate("cat (limit)", "bytes")
     for name in raw:
         mbs = rate(name, "bytes")
-        print(f"| {name} | {_fmt(rate(name))} | {_fmt(mbs, 1e-6)} | {statistics.median(mbs) / cat:.0%} |")
-    print(f"\n| decoded, DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s | % of decode limit | "
-          "first batch s | peak RSS MB |")
+        print(f"| {name} | {_fmt(rate(name))} | {_fmt(mbs, 1e-6)} | {ratio(mbs, cat)} |")
+    print(f"\n| decoded, DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s | % of decode limit, "
+          "by round | first batch s | peak RSS MB |")
     print("|---|---|---|---|---|")
-    limit = statistics.median(rate("decode limit"))
+    limit = rate("decode limit")
     for name in decoded:
         firsts = [x["first"] for x in results[name] if x["first"] is not None]
         rss = [x["rss"] for x in results[name]]
-        print(f"| {name} | {_fmt(rate(name))} | {statistics.median(rate(name)) / limit:.0%} | "
+        print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), limit)} | "
               f"{_fmt(firsts, digits=2) if firsts else '-'} | {_fmt(rss, 1e-6)} |")
 
 
