@@ -106,13 +106,13 @@ class StreamingDataset(EpochDataset):
         if self.index.kind == "lmdb":
             self._lmdb = local_lmdb(self.urls[0], storage_options, cache_dir)
             self._keys = np.array(self.index.extra.get("keys", []), dtype="S")
-            self._starts = self._ends = np.empty(0, np.int64)
+            self._offsets = np.empty(0, np.int64)
         else:
-            offsets = [s.offsets for s in self.index.shards]
-            if any(o is None for o in offsets):
+            tables = [s.offsets for s in self.index.shards]
+            if any(t is None for t in tables):
                 raise ShardkitError(f"{source!r}: index lacks sample offsets; rebuild it with `shardkit index`")
-            self._starts = np.concatenate([np.asarray(o[:-1], dtype=np.int64) for o in offsets] or [np.empty(0, np.int64)])
-            self._ends = np.concatenate([np.asarray(o[1:], dtype=np.int64) for o in offsets] or [np.empty(0, np.int64)])
+            self._offsets = np.concatenate([np.asarray(t, dtype=np.int64) for t in tables] or [np.empty(0, np.int64)])
+        self.index = self.index.slim()  # the per-sample tables live on in the arrays above only
 
     @property
     def classes(self) -> tuple[str, ...]:
@@ -163,8 +163,7 @@ class _WorkerStream(EpochStream):
             i = (after + step) % total
             try:
                 if ds._lmdb is None:
-                    shard = int(np.searchsorted(ds._first, i, side="right")) - 1
-                    start, end = int(ds._starts[i]), int(ds._ends[i])
+                    shard, start, end = (int(x[0]) for x in ranges.bounds(np.array([i]), ds._first, ds._offsets))
                     read_at = buffer_reader(reader.read(shard, start, end), start)
                     sample = decode(_parse((end, read_at), ds.urls[shard], start))
                 else:
@@ -210,13 +209,12 @@ class _WorkerStream(EpochStream):
         ahead: `read_at` reads the sample's bytes from the local file, or from the range held
         in memory. In place of (stop, read_at), the error of a range that could not be read."""
         ds = self.ds
-        shard_of = np.searchsorted(ds._first, ids, side="right") - 1
-        starts, ends = ds._starts[ids], ds._ends[ids]
+        shard_of, starts, ends = ranges.bounds(ids, ds._first, ds._offsets)
         local = storage.is_local(ds.urls[0])
         if local:
             plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=16 << 20)
         else:
-            plan, range_of = ranges.blocks(ids, ds._first, ds._starts, ds._ends, ds.block)
+            plan, range_of = ranges.blocks(ids, ds._first, ds._offsets, ds.block)
 
         def fetch(r: ranges.Range) -> ReadAt | CorruptShardError:
             try:

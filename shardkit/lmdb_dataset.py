@@ -48,8 +48,8 @@ class LMDBDataset(torch.utils.data.Dataset):
         idx = lmdb_index(self.path)
         if idx.kind != "lmdb":
             raise ValueError(f"{source}: not an LMDB dataset (kind {idx.kind!r})")
-        self.index = idx
         self._keys = np.array(idx.extra.get("keys", []), dtype="S")  # numpy: no per-key objects to copy on fork
+        self.index = idx.slim()
         self._decode: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     @property

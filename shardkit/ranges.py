@@ -62,11 +62,19 @@ def coalesce(shard_of: np.ndarray, starts: np.ndarray, ends: np.ndarray,
     return _ranges(shard_of[first], starts[first], ends[last], last - first + 1), range_of
 
 
-def blocks(ids: np.ndarray, first: np.ndarray, all_starts: np.ndarray, all_ends: np.ndarray,
-           block: int) -> tuple[Iterator[Range], np.ndarray]:
-    """Whole-block ranges for the stream `ids` (global sample ids). `first[s]` is the id of
-    shard s's first sample (with the total appended); `all_starts`/`all_ends` are every
-    sample's byte bounds within its shard."""
+def bounds(ids: np.ndarray, first: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(shard, first byte, end) of each sample of `ids` (global sample ids). `first[s]` is
+    the id of shard s's first sample (with the total appended); `offsets` holds every
+    shard's offset table back to back, each one entry longer than its shard has samples, so
+    sample i of shard s spans bytes offsets[i + s] to offsets[i + s + 1]: 8 bytes a sample."""
+    shard_of = np.searchsorted(first, ids, side="right") - 1
+    at = ids + shard_of
+    return shard_of, offsets[at], offsets[at + 1]
+
+
+def blocks(ids: np.ndarray, first: np.ndarray, offsets: np.ndarray, block: int) -> tuple[Iterator[Range], np.ndarray]:
+    """Whole-block ranges for the stream `ids` (global sample ids); `first` and `offsets`
+    as in `bounds`."""
     shard_of = np.searchsorted(first, ids, side="right") - 1
     block_of = (ids - first[shard_of]) // block
     key = shard_of * (int(block_of.max(initial=0)) + 1) + block_of
@@ -77,5 +85,5 @@ def blocks(ids: np.ndarray, first: np.ndarray, all_starts: np.ndarray, all_ends:
     pos = first_pos[order]
     shards, blk = shard_of[pos], block_of[pos]
     lo = first[shards] + blk * block
-    hi = np.minimum(lo + block, first[shards + 1]) - 1
-    return _ranges(shards, all_starts[lo], all_ends[hi], counts[order]), rank[range_of.reshape(-1)]
+    hi = np.minimum(lo + block, first[shards + 1])  # one past the block's last sample
+    return _ranges(shards, offsets[lo + shards], offsets[hi + shards], counts[order]), rank[range_of.reshape(-1)]

@@ -46,3 +46,45 @@ def test_worker_rss_is_flat_over_epochs(packed: Path, batched: bool) -> None:
     for pid in peaks[1]:
         growth_kb = peaks[-1][pid] - peaks[1][pid]
         assert growth_kb < 4096, f"worker {pid} grew by {growth_kb} KB over 6 epochs"
+
+
+def test_a_large_index_costs_eight_bytes_a_sample(tmp_path: Path) -> None:
+    """The dataset keeps one offset table (8 bytes a sample), not the index's Python ints as
+    well: what every rank holds, and what each spawned worker receives pickled."""
+    import pickle
+
+    from shardkit.index import Index, ShardInfo, save
+
+    shards, per = 100, 2000
+    offsets = tuple(range(0, (per + 1) * 1000, 1000))
+    save(Index(shards=tuple(ShardInfo(f"s-{i:04d}.tar", per, offsets[-1] + 1024, None, offsets)
+                            for i in range(shards))), str(tmp_path))
+    ds = StreamingDataset(str(tmp_path), shuffle=True)
+    assert len(ds) == shards * per
+    assert len(pickle.dumps(ds)) < 8 * (shards * per + shards) + 64_000
+
+
+def test_loading_a_large_index_gives_its_parse_memory_back(tmp_path: Path) -> None:
+    """index.json's offsets are parsed as Python ints (~30 bytes a sample) and kept as
+    8-byte arrays: the process keeps ~8 bytes a sample, not the parse's high-water mark.
+    Measured in a fresh process, so that nothing else this test run allocated is counted."""
+    import subprocess
+    import sys
+
+    from shardkit.index import Index, ShardInfo, save
+
+    shards, per = 200, 10_000
+    offsets = list(range(0, (per + 1) * 100_000, 100_000))
+    save(Index(shards=tuple(ShardInfo(f"s-{i:04d}.tar", per, offsets[-1] + 1024, "0" * 64, offsets)
+                            for i in range(shards))), str(tmp_path))
+    code = (
+        "import gc, sys, torch\n"
+        "from shardkit import StreamingDataset\n"
+        "def rss(): return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) * 1024\n"
+        "before = rss(); ds = StreamingDataset(sys.argv[1]); gc.collect()\n"
+        "print(len(ds), rss() - before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    samples, grown = map(int, out.stdout.split())
+    assert samples == shards * per
+    assert grown < 8 * samples * 2.5, f"{grown / samples:.0f} bytes a sample stayed after loading the index"
