@@ -16,6 +16,7 @@ taken minutes apart would mostly measure the drift):
 - time to first batch and peak RSS (main process + workers, sampled at 20 Hz).
 
     python scripts/bench_read.py --images 20000 --rounds 3
+    python scripts/bench_read.py --rounds 7 --only "shardkit StreamingDataset(batch_size=64)" --only shardkit
 """
 
 from __future__ import annotations
@@ -239,6 +240,8 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
+    ap.add_argument("--only", action="append", metavar="NAME",
+                    help="run this contestant (repeatable; its group's limit runs too); default: all")
     ap.add_argument("--contestant", help=argparse.SUPPRESS)
     ap.add_argument("--shards", help=argparse.SUPPRESS)
     ap.add_argument("--photos", help=argparse.SUPPRESS)
@@ -268,6 +271,12 @@ def main() -> None:
     raw = ["cat (limit)", "shardkit raw", "webdataset raw"]
     decoded = ["decode limit", "shardkit", BATCHED, "LMDB random access", LMDB_FAST, "plain files", FILES_FAST,
                "webdataset"]
+    if args.only:
+        unknown = set(args.only) - set(raw + decoded)
+        if unknown:
+            ap.error(f"unknown contestant {sorted(unknown)[0]!r}; one of: {', '.join(raw + decoded)}")
+        raw, decoded = ([g[0]] + [n for n in g[1:] if n in args.only] for g in (raw, decoded))
+        raw, decoded = (g if len(g) > 1 else [] for g in (raw, decoded))
     results: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         for name in rotate(raw, r) + rotate(decoded, r):
@@ -279,22 +288,23 @@ def main() -> None:
 
     print(f"\n{args.images} images, {_shard_bytes(str(shards)) / 1e9:.2f} GB of shards, {os.cpu_count()} CPUs, "
           f"{args.rounds} rounds; median (min-max)\n")
-    print("| raw read, 1 process | samples/s | MB/s | % of cat, by round |")
-    print("|---|---|---|---|")
-    cat = rate("cat (limit)", "bytes")
-    for name in raw:
-        mbs = rate(name, "bytes")
-        print(f"| {name} | {_fmt(rate(name))} | {_fmt(mbs, 1e-6)} | {ratio(mbs, cat)} |")
-    print(f"\n| decoded, DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s | % of decode limit, "
-          "by round | first batch s | peak RSS MB |")
-    print("|---|---|---|---|---|")
-    limit = rate("decode limit")
-    for name in decoded:
-        firsts = [x["first"] for x in results[name] if x["first"] is not None]
-        rss = [x["rss"] for x in results[name]]
-        print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), limit)} | "
-              f"{_fmt(firsts, digits=2) if firsts else '-'} | {_fmt(rss, 1e-6)} |")
-
+    if raw:
+        print("| raw read, 1 process | samples/s | MB/s | % of cat, by round |")
+        print("|---|---|---|---|")
+        cat = rate("cat (limit)", "bytes")
+        for name in raw:
+            mbs = rate(name, "bytes")
+            print(f"| {name} | {_fmt(rate(name))} | {_fmt(mbs, 1e-6)} | {ratio(mbs, cat)} |")
+    if decoded:
+        print(f"\n| decoded, DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s | % of decode limit, "
+              "by round | first batch s | peak RSS MB |")
+        print("|---|---|---|---|---|")
+        limit = rate("decode limit")
+        for name in decoded:
+            firsts = [x["first"] for x in results[name] if x["first"] is not None]
+            rss = [x["rss"] for x in results[name]]
+            print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), limit)} | "
+                  f"{_fmt(firsts, digits=2) if firsts else '-'} | {_fmt(rss, 1e-6)} |")
 
 if __name__ == "__main__":
     main()
