@@ -21,6 +21,7 @@ from .storage import StorageOptions
 INDEX_NAME = "index.json"
 FORMAT = "shardkit"
 VERSION = 1
+_PER_SAMPLE = ("keys", "sizes")  # an LMDB index's per-sample lists, in `extra`
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,11 @@ class Index:
         return sum(s.bytes for s in self.shards)
 
     def slim(self) -> Index:
-        """This index without its per-sample tables (tar offsets, LMDB keys), for a reader
-        that keeps them as numpy arrays: as Python objects they take ~40 bytes a sample, in
-        every rank, and again in each spawned worker's pickle."""
+        """This index without its per-sample tables (tar offsets, LMDB keys and sizes), for a
+        reader that keeps what it needs of them as numpy arrays: held twice they would cost
+        every rank, and each spawned worker's pickle, as much again."""
         return replace(self, shards=tuple(replace(s, offsets=None) for s in self.shards),
-                       extra={k: v for k, v in self.extra.items() if k != "keys"})
+                       extra={k: v for k, v in self.extra.items() if k not in _PER_SAMPLE})
 
     def to_json(self) -> str:
         doc = {
