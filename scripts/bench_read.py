@@ -7,7 +7,9 @@ ratio is the median over rounds of the contestant against the limit measured in 
 round (this 2-core machine drifts by a third between rounds, so the ratio of two medians
 taken minutes apart would mostly measure the drift):
 
-- raw: samples/s and MB/s reading the shards in one process, against `cat` of the same files;
+- raw: samples/s and MB/s reading the shards in one process, against `cat` of the same files,
+  and against the floor of any reader that hands out `bytes`: one `pread` per member into a
+  fresh `bytes`, every offset known in advance, no parsing (PREAD_FLOOR);
 - decoded: images/s through DataLoader(num_workers=2, batch_size=64) (shardkit also with
   the batches made in the dataset, DataLoader(batch_size=None); LMDB and the plain files also
   with collate_fn=shardkit.collate) with the same
@@ -45,6 +47,7 @@ SIZE = 224
 BATCHED = "shardkit StreamingDataset(batch_size=64)"
 LMDB_FAST = "LMDBDataset, collate_fn=shardkit.collate"
 FILES_FAST = "plain files, collate_fn=shardkit.collate"
+PREAD_FLOOR = "pread per member (no parsing)"
 
 
 def decode_resize(data: bytes) -> "torch.Tensor":  # noqa: F821
@@ -112,6 +115,23 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
         subprocess.run(f"cat {shards}/*.tar > /dev/null", shell=True, check=True)
         size = sum(p.stat().st_size for p in Path(shards).glob("*.tar"))
         return {"seconds": time.perf_counter() - start, "items": _samples(shards), "bytes": size, "first": None}
+    if name == PREAD_FLOOR:
+        import tarfile
+
+        members = []
+        for url in _urls(shards):
+            with tarfile.open(url) as tar:
+                members.append((url, [(m.offset_data, m.size) for m in tar.getmembers()]))
+        start = time.perf_counter()
+        for url, spans in members:
+            fd = os.open(url, os.O_RDONLY)
+            try:
+                for offset, size in spans:
+                    os.pread(fd, size, offset)
+            finally:
+                os.close(fd)
+        return {"seconds": time.perf_counter() - start, "items": _samples(shards), "bytes": _shard_bytes(shards),
+                "first": None}
     if name == "shardkit raw":
         from shardkit import StreamingDataset
 
@@ -223,7 +243,7 @@ def _fmt(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
 
 def rotate(names: list[str], r: int) -> list[str]:
     """Round r's order: the list turned by r places."""
-    k = r % len(names)
+    k = r % max(len(names), 1)
     return names[k:] + names[:k]
 
 
@@ -268,7 +288,7 @@ def main() -> None:
     subprocess.run(f"cat {shards}/*.tar {lmdb}/data.mdb > /dev/null; tar cf - -C {photos} . | cat > /dev/null",
                    shell=True, check=True)
 
-    raw = ["cat (limit)", "shardkit raw", "webdataset raw"]
+    raw = ["cat (limit)", PREAD_FLOOR, "shardkit raw", "webdataset raw"]
     decoded = ["decode limit", "shardkit", BATCHED, "LMDB random access", LMDB_FAST, "plain files", FILES_FAST,
                "webdataset"]
     if args.only:
