@@ -36,7 +36,7 @@ class ShardInfo:
     offsets: Sequence[int] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
-        if self.offsets is not None and not isinstance(self.offsets, array):
+        if self.offsets is not None and not (isinstance(self.offsets, array) and self.offsets.typecode == "q"):
             object.__setattr__(self, "offsets", array("q", self.offsets))
         if self.offsets is not None and len(self.offsets) != self.samples + 1:
             raise CorruptShardError(
@@ -92,7 +92,8 @@ class Index:
     def slim(self) -> Index:
         """This index without its per-sample tables (tar offsets, LMDB keys and sizes), for a
         reader that keeps what it needs of them as numpy arrays: held twice they would cost
-        every rank, and each spawned worker's pickle, as much again."""
+        every rank, and each spawned worker's pickle, as much again. Not for saving: a reader
+        refuses an index without offsets."""
         return replace(self, shards=tuple(replace(s, offsets=None) for s in self.shards),
                        extra={k: v for k, v in self.extra.items() if k not in _PER_SAMPLE})
 
@@ -128,10 +129,11 @@ class Index:
         known = {"format", "version", "kind", "samples", "bytes", "fields", "classes", "plan", "skipped", "shards"}
         try:
             tables = [array("q", s.pop("offsets")) if s.get("offsets") is not None else None for s in doc["shards"]]
-            # What the index keeps of the parse (names, sha256s) sits among the parsed offsets'
-            # int objects and would keep their memory from going back to the system (~30 bytes
-            # a sample, for good): keep a fresh copy of the small rest instead.
-            doc = orjson.loads(orjson.dumps(doc))
+            if any(t is not None for t in tables):
+                # What the index keeps of the parse (names, sha256s) sits among the parsed
+                # offsets' int objects and would keep their memory from going back to the
+                # system (~30 bytes a sample, for good): keep a fresh copy of the small rest.
+                doc = orjson.loads(orjson.dumps(doc))
             for s, table in zip(doc["shards"], tables):
                 s["offsets"] = table
             index = cls(
@@ -144,8 +146,8 @@ class Index:
                 extra={k: v for k, v in doc.items() if k not in known},
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-            if isinstance(e, CorruptShardError):
-                raise
+            if isinstance(e, CorruptShardError):  # a shard entry that contradicts itself
+                raise CorruptShardError(f"{where}: {e}") from None
             raise CorruptShardError(f"{where}: malformed index ({type(e).__name__}: {e})") from None
         if doc.get("samples") is not None and doc["samples"] != index.samples:
             raise CorruptShardError(f"{where}: total {doc['samples']} samples but shards add up to {index.samples}")

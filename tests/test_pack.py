@@ -394,3 +394,26 @@ def test_foreign_keys_survive_conversion_both_ways(photos: Path, tmp_path: Path)
     assert shards and shards == {n: b for n, b in tree_bytes(tmp_path / "t3").items() if n.endswith(".tar")}
     with tarfile.open(tmp_path / "t2" / "shard-000000.tar") as t:  # other readers see the long names
         assert f"./{deep}/img0.jpg" in t.getnames()
+
+
+_SHARD = {"name": "a.tar", "samples": 2, "bytes": 4096}
+
+
+@pytest.mark.parametrize("doc, message", [
+    ("{not json", "not valid JSON"),
+    ({"format": "other"}, "not a shardkit index"),
+    ({"shards": "a.tar"}, "malformed index"),
+    ({"shards": [["a.tar", 2]]}, "malformed index"),
+    ({"shards": [{**_SHARD, "offsets": ["0", "1024", "2048"]}]}, "malformed index"),
+    ({"shards": [{**_SHARD, "offsets": [0, 1024, 2 ** 63]}]}, "malformed index"),
+    ({"shards": [{**_SHARD, "offsets": [0, 1024]}]}, "a.tar: index lists 2 offsets for 2 samples"),
+    ({"shards": [{**_SHARD, "offsets": [0, 1024, 2048]}], "samples": 3}, "total 3 samples"),
+])
+def test_a_malformed_index_is_one_line_naming_it(tmp_path: Path, doc: object, message: str) -> None:
+    if isinstance(doc, dict):
+        doc = json.dumps({"format": "shardkit", "version": 1, **doc})
+    (tmp_path / "index.json").write_text(str(doc))
+    with pytest.raises(shardkit.CorruptShardError) as err:
+        shardkit.StreamingDataset(str(tmp_path))
+    text = str(err.value)
+    assert text.startswith(str(tmp_path / "index.json")) and message in text and "\n" not in text
