@@ -16,20 +16,17 @@ import sys
 from pathlib import Path
 
 MEASURE = """
-import gc, pickle, resource, sys, time
+import gc, os, pickle, resource, sys, time
 import torch  # imported before the baseline, as in a training script
 from shardkit import StreamingDataset
+from shardkit.bench import rss
 
-def rss():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
-
-before = rss()
+before = rss(os.getpid())
 start = time.perf_counter()
 ds = StreamingDataset(sys.argv[1], shuffle=True)
 took = time.perf_counter() - start
 gc.collect()
-kept = rss() - before
+kept = rss(os.getpid()) - before
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 print(len(ds), took, kept, peak, len(pickle.dumps(ds)))
 """

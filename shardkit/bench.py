@@ -156,8 +156,8 @@ class ResizeTransform:
 # ------------------------------------------------------------------ memory
 
 
-def _rss(pid: int) -> int:
-    """Resident set size of a process in bytes (0 when it is gone)."""
+def rss(pid: int) -> int:
+    """Resident set size of a process in bytes (0 when it is gone, or without /proc)."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
@@ -197,13 +197,13 @@ class PeakRss:
     def sample(self) -> None:
         if not self.available:
             return
-        main = _rss(self.pid)
+        main = rss(self.pid)
         total, todo, seen = main, _children(self.pid), set()
         while todo:
             pid = todo.pop()
             if pid not in seen:
                 seen.add(pid)
-                total += _rss(pid)
+                total += rss(pid)
                 todo.extend(_children(pid))
         self.peak_main = max(self.peak_main or 0, main)
         self.peak_total = max(self.peak_total or 0, total)

@@ -3,6 +3,7 @@ objects that copy-on-access would duplicate or that grow per pass."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,15 +11,21 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardkit import StreamingDataset
+from shardkit.bench import rss
+from shardkit.index import Index, ShardInfo, save
+
+
+def write_index(folder: Path, shards: int, per: int, sample_bytes: int) -> None:
+    """An index.json of `shards` shards of `per` samples each (no shard files: building a
+    dataset reads the index only)."""
+    offsets = range(0, (per + 1) * sample_bytes, sample_bytes)
+    save(Index(shards=tuple(ShardInfo(f"s-{i:04d}.tar", per, offsets[-1] + 1024, "0" * 64, offsets)
+                            for i in range(shards))), str(folder))
 
 
 def rss_of_worker(sample: dict) -> tuple[int, int]:
     """(pid, resident KB) of the worker process that produced this sample."""
-    import os
-
-    with open("/proc/self/status") as f:
-        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    return os.getpid(), rss
+    return os.getpid(), rss(os.getpid()) // 1024
 
 
 def image_and_rss(sample: dict) -> tuple[torch.Tensor, int, int]:
@@ -53,12 +60,8 @@ def test_a_large_index_costs_eight_bytes_a_sample(tmp_path: Path) -> None:
     well: what every rank holds, and what each spawned worker receives pickled."""
     import pickle
 
-    from shardkit.index import Index, ShardInfo, save
-
     shards, per = 100, 2000
-    offsets = tuple(range(0, (per + 1) * 1000, 1000))
-    save(Index(shards=tuple(ShardInfo(f"s-{i:04d}.tar", per, offsets[-1] + 1024, None, offsets)
-                            for i in range(shards))), str(tmp_path))
+    write_index(tmp_path, shards, per, 1000)
     ds = StreamingDataset(str(tmp_path), shuffle=True)
     assert len(ds) == shards * per
     assert len(pickle.dumps(ds)) < 8 * (shards * per + shards) + 64_000
@@ -71,18 +74,14 @@ def test_loading_a_large_index_gives_its_parse_memory_back(tmp_path: Path) -> No
     import subprocess
     import sys
 
-    from shardkit.index import Index, ShardInfo, save
-
     shards, per = 200, 10_000
-    offsets = list(range(0, (per + 1) * 100_000, 100_000))
-    save(Index(shards=tuple(ShardInfo(f"s-{i:04d}.tar", per, offsets[-1] + 1024, "0" * 64, offsets)
-                            for i in range(shards))), str(tmp_path))
+    write_index(tmp_path, shards, per, 100_000)
     code = (
-        "import gc, sys, torch\n"
+        "import gc, os, sys, torch\n"
         "from shardkit import StreamingDataset\n"
-        "def rss(): return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) * 1024\n"
-        "before = rss(); ds = StreamingDataset(sys.argv[1]); gc.collect()\n"
-        "print(len(ds), rss() - before)\n"
+        "from shardkit.bench import rss\n"
+        "before = rss(os.getpid()); ds = StreamingDataset(sys.argv[1]); gc.collect()\n"
+        "print(len(ds), rss(os.getpid()) - before)\n"
     )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
     samples, grown = map(int, out.stdout.split())
