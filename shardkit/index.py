@@ -12,6 +12,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import orjson
 
 from . import storage
@@ -36,12 +37,17 @@ class ShardInfo:
     offsets: Sequence[int] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
-        if self.offsets is not None and not (isinstance(self.offsets, array) and self.offsets.typecode == "q"):
+        if self.samples < 0 or self.bytes < 0:
+            raise CorruptShardError(f"{self.name}: index lists {self.samples} samples of {self.bytes} bytes")
+        if self.offsets is None:
+            return
+        if not (isinstance(self.offsets, array) and self.offsets.typecode == "q"):
             object.__setattr__(self, "offsets", array("q", self.offsets))
-        if self.offsets is not None and len(self.offsets) != self.samples + 1:
+        if len(self.offsets) != self.samples + 1:
             raise CorruptShardError(
                 f"{self.name}: index lists {len(self.offsets)} offsets for {self.samples} samples"
             )
+        _check_offsets(self.name, np.frombuffer(self.offsets, dtype=np.int64), self.bytes)
 
     def to_json(self) -> dict:
         out: dict = {"name": self.name, "samples": self.samples, "bytes": self.bytes}
@@ -61,6 +67,19 @@ class ShardInfo:
             sha256=d.get("sha256"),
             offsets=offsets,
         )
+
+
+def _check_offsets(name: str, table: np.ndarray, size: int) -> None:
+    """Offsets that could not come from a shard of `size` bytes fail here, when the index is
+    read, rather than as a confusing read error in a worker halfway through an epoch."""
+    if table[0] < 0 or table[-1] > size:
+        raise CorruptShardError(f"{name}: index offsets run from {table[0]} to {table[-1]}, outside the shard's "
+                                f"{size} bytes")
+    bad = np.flatnonzero(table[1:] <= table[:-1])
+    if len(bad):
+        i = int(bad[0])
+        raise CorruptShardError(f"{name}: index offsets do not increase at sample {i} "
+                                f"({table[i]} then {table[i + 1]})")
 
 
 @dataclass(frozen=True)

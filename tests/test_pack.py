@@ -408,6 +408,11 @@ _SHARD = {"name": "a.tar", "samples": 2, "bytes": 4096}
     ({"shards": [{**_SHARD, "offsets": [0, 1024, 2 ** 63]}]}, "malformed index"),
     ({"shards": [{**_SHARD, "offsets": [0, 1024]}]}, "a.tar: index lists 2 offsets for 2 samples"),
     ({"shards": [{**_SHARD, "offsets": [0, 1024, 2048]}], "samples": 3}, "total 3 samples"),
+    ({"shards": [{**_SHARD, "samples": -1}]}, "a.tar: index lists -1 samples"),
+    ({"shards": [{**_SHARD, "offsets": [-512, 1024, 2048]}]}, "a.tar: index offsets run from -512 to 2048"),
+    ({"shards": [{**_SHARD, "offsets": [0, 1024, 8192]}]}, "outside the shard's 4096 bytes"),
+    ({"shards": [{**_SHARD, "offsets": [0, 2048, 1024]}]}, "a.tar: index offsets do not increase at sample 1"),
+    ({"shards": [{**_SHARD, "offsets": [0, 0, 1024]}]}, "do not increase at sample 0 (0 then 0)"),
 ])
 def test_a_malformed_index_is_one_line_naming_it(tmp_path: Path, doc: object, message: str) -> None:
     if isinstance(doc, dict):
