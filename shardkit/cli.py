@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,11 +29,18 @@ def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except ShardkitError as e:
             raise click.ClickException(str(e)) from None
+        except BrokenPipeError:  # `shardkit info URL | head`: the reader left early; not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second one at exit's flush
+            sys.exit(141)  # a shell's code for a command ended by SIGPIPE
         except OSError as e:  # FileExistsError, NotADirectoryError, ...: the path and the reason
             text = f"{e.filename}: {e.strerror or e}" if e.filename is not None else one_line(e)
             raise click.ClickException(text) from None
 
     return wrapper
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _storage_options(pairs: tuple[str, ...]) -> dict[str, Any] | None:
@@ -95,34 +103,52 @@ def main() -> None:
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Run the per-shard jobs on a local process pool or as Ray tasks on a cluster.")
 @click.option("--ray-address", metavar="ADDRESS", help="Ray cluster to join (e.g. auto); default: a local one.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace a finished dataset in DEST made from another source or with other options.")
+@click.option("-q", "--quiet", is_flag=True,
+              help="No progress bar and no summary; unusable files skipped still get one line on stderr.")
 @storage_option
 @_errors_to_exit
 def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | None, workers: int | None,
          shuffle: bool, seed: int, on_error: str, resize: int | None, quality: int | None, executor: str,
-         ray_address: str | None, quiet: bool, storage_options: tuple[str, ...]) -> None:
+         ray_address: str | None, overwrite: bool, quiet: bool, storage_options: tuple[str, ...]) -> None:
     """Pack the image folder SRC (SRC/<class>/<image>) into shards under DEST.
 
     SRC may also be a shardkit dataset (tar shards or an LMDB) to convert to --format;
     every sample is copied byte for byte, in order. Deterministic and safe to rerun: after
     an interruption the same command keeps the finished work and writes the rest.
-    index.json is written last.
+    index.json is written last. A finished dataset already in DEST from another source or
+    with other options is left alone unless --overwrite is given.
     """
     from .pack import pack as run_pack
+    from .scan import HIDDEN
+
+    if ray_address is not None and executor != "ray":
+        raise click.UsageError("--ray-address needs --executor ray")
 
     start = time.perf_counter()
+    stats: dict[str, int] = {}
     idx = run_pack(src, dest, format=fmt, max_count=max_count, max_size=max_size, workers=workers,
                    shuffle=shuffle, seed=seed, on_error=on_error, resize=resize, quality=quality,
                    progress=None if not quiet else False, executor=executor, ray_address=ray_address,
-                   storage_options=_storage_options(storage_options))
+                   storage_options=_storage_options(storage_options), overwrite=overwrite, stats=stats)
     if quiet:
+        unusable = sum(s.reason != HIDDEN for s in idx.skipped)
+        if unusable:  # bad input is never silent, even here
+            click.echo(f"skipped {_plural(unusable, 'unusable file')} (shardkit info {dest} lists them)",
+                       err=True)
         return
     took = time.perf_counter() - start
-    where = f"{len(idx.shards)} shards" if idx.kind == "tar" else "an LMDB"
-    click.echo(f"packed {idx.samples} samples into {where} ({format_size(idx.bytes)}) "
-               f"in {took:.1f} s: {idx.samples / took:.0f} img/s, {idx.bytes / took / 1e6:.0f} MB/s")
+    where = f"{_plural(len(idx.shards), 'shard')}" if idx.kind == "tar" else "an LMDB"
+    samples, size = _plural(idx.samples, "sample"), format_size(idx.bytes)
+    if not stats["written"]:
+        click.echo(f"{dest}: already holds this pack ({samples} in {where}, {size}): nothing to do")
+    else:
+        kept = f"; {stats['kept']} kept from an earlier run" if stats["kept"] else ""
+        click.echo(f"packed {samples} into {where} ({size}) in {took:.1f} s: "
+                   f"{stats['written'] / took:.0f} source files/s{kept}")
     if idx.skipped:
-        click.echo(f"skipped {len(idx.skipped)} files:", err=True)
+        click.echo(f"skipped {_plural(len(idx.skipped), 'file')}:", err=True)
         for s in idx.skipped[:10]:
             click.echo(f"  {s.path}: {s.reason}", err=True)
         if len(idx.skipped) > 10:
@@ -150,9 +176,11 @@ def info(url: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     click.echo(f"bytes:    {format_size(idx.bytes)}")
     names = ", ".join(idx.classes[:8]) + (", ..." if len(idx.classes) > 8 else "")
     click.echo(f"classes:  {len(idx.classes)}" + (f" ({names})" if idx.classes else ""))
-    click.echo(f"skipped:  {len(idx.skipped)} files")
+    click.echo(f"skipped:  {_plural(len(idx.skipped), 'file')}")
     for s in idx.skipped[:10]:
         click.echo(f"  {s.path}: {s.reason}")
+    if len(idx.skipped) > 10:
+        click.echo(f"  ... and {len(idx.skipped) - 10} more (shardkit info --json {url})")
 
 
 @main.command()

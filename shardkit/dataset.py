@@ -19,7 +19,7 @@ from .cache import RangeCache
 from .counters import Meter
 from .decode import decoder
 from .epochs import EpochDataset, EpochStream
-from .errors import CorruptShardError, ShardkitError
+from .errors import CorruptShardError, ShardkitError, describe
 from .formats import lmdb as lmdb_format
 from .formats.tar import ReadAt, buffer_reader, read_sample
 from .prefetch import Prefetcher
@@ -274,7 +274,7 @@ class _WorkerStream(EpochStream):
                     if ds.on_error == "raise":
                         where = f"sample {sample['__key__']}" if sample is not None else "a sample"
                         where += f" at byte {start}" if ds._lmdb is None else ""
-                        raise CorruptShardError(f"{storage.display(url)}: {where}: {type(e).__name__}: {e}") from e
+                        raise CorruptShardError(f"{storage.display(url)}: {where}: {describe(e)}") from e
                     meter.values[5] += 1
                     pending += 1
                     continue

@@ -1,8 +1,9 @@
 """Turn a sample's raw fields into Python values, WebDataset style.
 
 Images become bytes ("raw"), PIL images ("pil"), HWC uint8 numpy arrays ("rgb8") or CHW
-uint8 torch tensors ("tensor"); `cls` becomes an int, `json` a dict, `txt` a str. Anything
-else stays bytes: members are never unpickled or passed to torch.load.
+uint8 torch tensors ("tensor"). The other fields follow webdataset's default handlers:
+`cls cls2 class count index inx id` become ints, `json jsn` dicts, `txt text transcript`
+strs. Anything else stays bytes: members are never unpickled or passed to torch.load.
 
 Decoding less: `resized` / `resized_tensor` decode an image straight to its training size
 (shorter side to `size`, then a center crop) in one resampling step, letting libjpeg scale
@@ -23,9 +24,13 @@ import numpy as np
 import orjson
 from PIL import Image
 
+from .errors import FieldError, describe
+
 MODES = ("raw", "pil", "rgb8", "tensor")
 IMAGE_FIELDS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "pbm", "pnm", "tif", "tiff", "gif"})
-_INT_FIELDS = frozenset({"cls", "cls2", "index", "idx", "label"})
+_INT_FIELDS = ("cls", "cls2", "class", "count", "index", "inx", "id")  # webdataset's lists
+_JSON_FIELDS = ("json", "jsn")
+_TEXT_FIELDS = ("txt", "text", "transcript")
 _LONG_DIGITS = re.compile(rb"\d{19}")  # orjson reads integers past 64 bits as floats: json it is
 
 
@@ -45,6 +50,10 @@ def _json(value: bytes) -> Any:
         except orjson.JSONDecodeError:
             pass
     return json.loads(value.decode("utf-8"))
+
+
+def _text(value: bytes) -> str:
+    return value.decode("utf-8")
 
 
 def _pil(data: bytes) -> Image.Image:
@@ -89,9 +98,8 @@ def decoder(mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     if mode not in MODES:
         raise ValueError(f"decode must be one of {MODES}, not {mode!r}")
     warm_up()
-    handlers: dict[str, Callable[[bytes], Any]] = {ext: int for ext in _INT_FIELDS}
-    handlers["json"] = _json
-    handlers["txt"] = lambda value: value.decode("utf-8")
+    handlers: dict[str, Callable[[bytes], Any]] = {
+        **dict.fromkeys(_INT_FIELDS, int), **dict.fromkeys(_JSON_FIELDS, _json), **dict.fromkeys(_TEXT_FIELDS, _text)}
     image = _IMAGE.get(mode)
     if image is not None:
         handlers.update(dict.fromkeys(IMAGE_FIELDS, image))
@@ -107,7 +115,10 @@ def decoder(mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
             except KeyError:
                 handler = chosen[key] = handlers.get(key) or handlers.get(_kind(key))
             if handler is not None:
-                sample[key] = handler(value)
+                try:
+                    sample[key] = handler(value)
+                except Exception as e:  # noqa: BLE001 - the field named here, the sample by the reader
+                    raise FieldError(f"field {key!r}: {describe(e)}") from e
         return sample
 
     return decode

@@ -20,6 +20,16 @@ def redact(text: str) -> str:
     return _QUERY.sub(r"\1?***", _USERINFO.sub(r"\1***@", text))
 
 
+def describe(e: BaseException) -> str:
+    """`Type: message` on one line, for errors raised inside a sample's reading or decoding."""
+    return one_line(e) if isinstance(e, FieldError) else f"{type(e).__name__}: {one_line(e)}"
+
+
+class FieldError(ValueError):
+    """A sample's field that its decoder refused, named with the decoder's error. Bad data,
+    but not a ShardkitError: the reader adds the shard and the sample before it is one."""
+
+
 class ShardkitError(Exception):
     """Base class of shardkit's errors. Messages are redacted of URL credentials."""
 

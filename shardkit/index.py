@@ -20,6 +20,7 @@ from .errors import CorruptShardError, DatasetNotFoundError, IndexVersionError
 from .storage import StorageOptions
 
 INDEX_NAME = "index.json"
+PROGRESS_DIR = ".shardkit-progress"  # a tar pack's records of finished shards, until index.json commits
 FORMAT = "shardkit"
 VERSION = 1
 _PER_SAMPLE = ("keys", "sizes")  # an LMDB index's per-sample lists, in `extra`
@@ -179,6 +180,9 @@ def load(url: str, storage_options: StorageOptions | None = None) -> Index:
     try:
         text = storage.read_bytes(where, storage_options)
     except FileNotFoundError:
+        if storage.exists(storage.join(url, PROGRESS_DIR), storage_options):
+            raise DatasetNotFoundError(f"{where}: not written yet: a pack into {storage.display(url)} has not "
+                                       "finished (rerun the same `shardkit pack` to finish it)") from None
         raise DatasetNotFoundError(f"{where}: no such index (not a shardkit dataset?)") from None
     except NotADirectoryError:
         raise DatasetNotFoundError(f"{url}: not a folder (give the dataset folder, which holds {INDEX_NAME})") from None

@@ -25,7 +25,7 @@ import torch.utils.data
 
 from . import worker
 from .decode import decoder
-from .errors import CorruptShardError
+from .errors import CorruptShardError, describe
 from .formats import lmdb as lmdb_format
 from .sources import lmdb_index, local_lmdb
 from .storage import StorageOptions
@@ -101,5 +101,5 @@ class LMDBDataset(torch.utils.data.Dataset):
         try:
             sample = self._decode({"__key__": key, "__url__": self.source, **fields})
         except Exception as e:  # noqa: BLE001 - bad data: name the sample (a transform's errors are its own)
-            raise CorruptShardError(f"{self.path}: sample {key}: {type(e).__name__}: {e}") from e
+            raise CorruptShardError(f"{self.path}: sample {key}: {describe(e)}") from e
         return self.transform(sample) if self.transform is not None else sample

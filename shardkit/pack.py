@@ -27,10 +27,10 @@ from .formats import lmdb as lmdb_format
 from .formats.tar import TarWriter, parse_sample
 from .index import Index, ShardInfo, Skipped
 from .plan import DEFAULT_MAX_SIZE, Item, Job, JobList, Options, Plan, make_plan, sample_meta
+from .scan import HIDDEN
 from .storage import StorageOptions
 from .units import parse_size
 
-PROGRESS_DIR = ".shardkit-progress"
 _SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
 
 
@@ -120,7 +120,7 @@ def write_shard(job: Job) -> ShardResult:
 
 
 def _progress_url(dest: str, name: str) -> str:
-    return storage.join(dest, PROGRESS_DIR, name + ".json")
+    return storage.join(dest, index.PROGRESS_DIR, name + ".json")
 
 
 def _done(plan: Plan, i: int) -> ShardResult | None:
@@ -141,11 +141,21 @@ def _done(plan: Plan, i: int) -> ShardResult | None:
 # ---------------------------------------------------------------- run
 
 
-def _prepare_dest(dest: str, plan: Plan, storage_options: StorageOptions | None) -> Index | None:
+def _refuse_to_replace(dest: str, existing: Index | None) -> None:
+    what = f"a different dataset ({existing.samples} samples" if existing is not None else "a dataset (unreadable index"
+    raise SourceError(f"{storage.display(dest)}: already holds {what}, from another source or other options); "
+                      "rerun with --overwrite (overwrite=True) to replace it")
+
+
+def _prepare_dest(dest: str, plan: Plan, overwrite: bool, storage_options: StorageOptions | None) -> Index | None:
     """Check DEST holds nothing but shardkit's own files; clear leftovers. Returns an index
-    already committed for this very plan, if any."""
+    already committed for this very plan, if any. A finished dataset of another plan is
+    replaced only with `overwrite`."""
     names = storage.listdir(dest, storage_options)
-    foreign = [n for n in names if not (n in (index.INDEX_NAME, PROGRESS_DIR) or _SHARD_RE.match(n) or storage.TMP_MARK in n)]
+    own = (index.INDEX_NAME, index.PROGRESS_DIR)
+    foreign = [n for n in names if not (n in own or _SHARD_RE.match(n) or storage.TMP_MARK in n)]
+    if lmdb_format.DATA_FILE in foreign:
+        raise SourceError(f"{dest}: holds an LMDB dataset: pack tar shards into another folder")
     if foreign:
         raise SourceError(f"{dest}: destination is not empty and not a shardkit dataset (found {foreign[0]!r})")
     for name in names:
@@ -160,9 +170,12 @@ def _prepare_dest(dest: str, plan: Plan, storage_options: StorageOptions | None)
             sizes_ok = all(storage.size(storage.join(dest, s.name), storage_options) == s.bytes for s in existing.shards)
             if sizes_ok:
                 return existing
-        # an older dataset is being replaced: readers must not see a mix of old and new shards
+        elif not overwrite:
+            _refuse_to_replace(dest, existing)
+        # an older dataset (or a damaged copy of this one) is being replaced: readers must not
+        # see a mix of old and new shards
         storage.remove(storage.join(dest, index.INDEX_NAME), storage_options)
-    storage.makedirs(storage.join(dest, PROGRESS_DIR), storage_options)
+    storage.makedirs(storage.join(dest, index.PROGRESS_DIR), storage_options)
     return None
 
 
@@ -183,14 +196,19 @@ def pack(
     executor: str = "local",
     ray_address: str | None = None,
     storage_options: StorageOptions | None = None,
+    overwrite: bool = False,
+    stats: dict[str, int] | None = None,
 ) -> Index:
     """Pack the ImageFolder tree `src` (or convert the shardkit dataset at `src`) into tar
     shards or an LMDB (`format`), with index.json, under `dest`.
 
     Deterministic: the same input and options give the same samples in the same order (and,
     for tar, byte-identical shards), whatever `workers` is. Safe to rerun after a crash:
-    finished work is kept, the rest is written. Returns the committed Index
-    (`index.skipped` lists every input that was left out).
+    finished work is kept, the rest is written. A finished dataset made from another source
+    or with other options is replaced only with `overwrite=True`. Returns the committed
+    Index (`index.skipped` lists every input that was left out). `stats`, if given, is
+    filled with `kept` (source files in work an earlier run finished) and `written` (source
+    files this run packed).
 
     `executor="ray"` runs the same jobs as Ray tasks on the cluster at `ray_address`
     (inputs and outputs must then be reachable from every node: a shared file system or
@@ -207,18 +225,22 @@ def pack(
     if (max_size is not None and parse_size(max_size) < 1) or (max_count is not None and max_count < 1):
         raise ValueError(f"max_size and max_count must be positive (or None), not {max_size!r} and {max_count!r}")
     _check_apart(src, dest)
+    if storage.is_local(dest) and os.path.isfile(storage.local_path(dest)):
+        raise SourceError(f"{dest}: a file, not a folder (DEST is the folder the dataset goes in)")
     options = Options(resize=resize, quality=quality, on_error=on_error)
     if format == "lmdb" and max_size is not None:  # one transaction per job: keep them moderate
         max_size = min(parse_size(max_size), parse_size("64MB"))
     plan = make_plan(src, dest, max_count=max_count, max_size=max_size, shuffle=shuffle, seed=seed,
                      options=options, fmt=format, storage_options=storage_options)
-    if on_error == "fail" and plan.skipped:
-        s = plan.skipped[0]
-        raise SourceError(f"{storage.join(src, s.path)}: {s.reason}")
+    unusable = [s for s in plan.skipped if s.reason != HIDDEN]
+    if on_error == "fail" and unusable:
+        raise SourceError(f"{storage.join(src, unusable[0].path)}: {unusable[0].reason}")
     runner = (executors.ray(ray_address, sizes=lambda job: len(job.items)) if executor == "ray"
               else executors.local(workers or os.cpu_count() or 1))
     run = _pack_tar if format == "tar" else _pack_lmdb
-    return run(plan, dest, runner, progress, storage_options)
+    tally = stats if stats is not None else {}
+    tally.update(kept=len(plan.order), written=0)  # what a finished pack's rerun reports
+    return run(plan, dest, runner, progress, overwrite, tally, storage_options)
 
 
 def _check_apart(src: str, dest: str) -> None:
@@ -250,10 +272,10 @@ def _bar(plan: Plan, done: int, progress: bool | None) -> Any:
     return tqdm(total=total, initial=done, unit="img", disable=not show, desc="pack", smoothing=0.1)
 
 
-def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | None,
-              storage_options: StorageOptions | None) -> Index:
+def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | None, overwrite: bool,
+              stats: dict[str, int], storage_options: StorageOptions | None) -> Index:
     storage.makedirs(dest, storage_options)
-    committed = _prepare_dest(dest, plan, storage_options)
+    committed = _prepare_dest(dest, plan, overwrite, storage_options)
     if committed is not None:
         return committed
     results: dict[str, ShardResult] = {}
@@ -265,6 +287,7 @@ def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | 
         else:
             results[name] = done
     initial = sum(plan.size(i) for i in range(len(plan.names)) if plan.names[i] in results)
+    stats.update(kept=initial, written=len(plan.order) - initial)
     with _bar(plan, initial, progress) as bar:
         runner(write_shard, JobList(plan, todo), lambda r: results.__setitem__(r.info.name, r),
                lambda n: bar.update(initial + n - bar.n))
@@ -289,13 +312,19 @@ def _all_skipped(plan: Plan, more: list[Skipped]) -> tuple[Skipped, ...]:
     return tuple(sorted([*plan.inherited, *plan.skipped, *more], key=lambda s: s.path))
 
 
-def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool | None,
-               storage_options: StorageOptions | None) -> Index:
+def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool | None, overwrite: bool,
+               stats: dict[str, int], storage_options: StorageOptions | None) -> Index:
     """Workers read and check samples; this process writes them, one transaction per job,
     each recording the progress, so a rerun continues after the last committed job."""
     path = storage.local_path(dest)
     if os.path.exists(path) and os.listdir(path) and not lmdb_format.is_lmdb(path):
+        if os.path.exists(os.path.join(path, index.INDEX_NAME)):
+            raise SourceError(f"{dest}: holds tar shards: pack an LMDB into another folder")
         raise SourceError(f"{dest}: destination is not empty and not an LMDB dataset")
+    if not overwrite and os.path.exists(os.path.join(path, index.INDEX_NAME)):  # refuse before opening it
+        existing = index.load(dest)
+        if existing.plan != plan.fingerprint:
+            _refuse_to_replace(dest, existing)
     os.makedirs(path, exist_ok=True)
     writer = lmdb_format.Writer(path)
     try:
@@ -306,7 +335,9 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
             if existing is not None and existing.plan == plan.fingerprint:
                 index.save(existing, dest)  # in case the crash came between the two commits
                 return existing
-            writer.close()  # another dataset lives here: replace it
+            if existing is not None and not overwrite:
+                _refuse_to_replace(dest, existing)
+            writer.close()  # another dataset, or another plan's unfinished one, lives here: replace it
             for name in ("data.mdb", "lock.mdb", index.INDEX_NAME):
                 storage.remove(os.path.join(path, name))
             writer = lmdb_format.Writer(path)
@@ -330,6 +361,7 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
 
         todo = JobList(plan, range(done, len(plan.names)))
         initial = sum(plan.size(i) for i in range(done))
+        stats.update(kept=initial, written=len(plan.order) - initial)
         with _bar(plan, initial, progress) as bar:
             runner(read_chunk, todo, commit, lambda n: bar.update(initial + n - bar.n))
         keys = [k for r in records for k in r["keys"]]
@@ -360,9 +392,9 @@ def _chunk_key(i: int) -> bytes:
 def _cleanup(dest: str, plan: Plan, storage_options: StorageOptions | None) -> None:
     """After commit: drop progress records and shards of an earlier, different plan."""
     wanted = set(plan.names)
-    for name in storage.listdir(storage.join(dest, PROGRESS_DIR), storage_options):
-        storage.remove(storage.join(dest, PROGRESS_DIR, name), storage_options)
-    storage.remove_dir(storage.join(dest, PROGRESS_DIR), storage_options)
+    for name in storage.listdir(storage.join(dest, index.PROGRESS_DIR), storage_options):
+        storage.remove(storage.join(dest, index.PROGRESS_DIR, name), storage_options)
+    storage.remove_dir(storage.join(dest, index.PROGRESS_DIR), storage_options)
     for name in storage.listdir(dest, storage_options):
         if _SHARD_RE.match(name) and name not in wanted:
             storage.remove(storage.join(dest, name), storage_options)

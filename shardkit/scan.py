@@ -22,6 +22,8 @@ from .formats import lmdb as lmdb_format
 from .index import Index, Skipped
 from .storage import StorageOptions
 
+HIDDEN = "hidden entry ignored"  # listed in the index, but not a failure under on_error="fail"
+
 
 class Item(NamedTuple):
     key: str  # output sample key ("" keeps the source's own key)
@@ -101,7 +103,7 @@ def _walk(top: str, rel: str, above: frozenset[tuple[int, int]], skipped: list[S
 def _usable_name(name: str, rel: str, skipped: list[Skipped]) -> bool:
     """False (and the entry listed in `skipped`) for hidden entries and non-UTF-8 names."""
     if name.startswith("."):
-        skipped.append(Skipped(rel, "hidden entry ignored"))
+        skipped.append(Skipped(rel, HIDDEN))
         return False
     try:
         name.encode("utf-8")
@@ -130,7 +132,9 @@ def scan_folder(src: str, storage_options: StorageOptions | None = None) -> tupl
         else:
             skipped.append(Skipped(entry.name, "not inside a class folder"))
     if not classes:
-        raise SourceError(f"{src}: no class folders (expected SRC/<class>/<image>)")
+        shards = any(s.path.endswith(".tar") for s in skipped)
+        hint = f"; tar shards from another tool are converted once `shardkit index {src}` has indexed them" if shards else ""
+        raise SourceError(f"{src}: no class folders (expected SRC/<class>/<image>){hint}")
     found = _ListingBuilder()
     for label, name in enumerate(classes):
         for rel, st in _walk(os.path.join(path, name), name, frozenset(), skipped):
@@ -162,7 +166,7 @@ def _scan_remote(src: str, storage_options: StorageOptions | None) -> tuple[tupl
         rel = path[len(root):].lstrip("/")
         top, sep, _ = rel.partition("/")
         if any(part.startswith(".") for part in rel.split("/")):
-            skipped.append(Skipped(rel, "hidden entry ignored"))
+            skipped.append(Skipped(rel, HIDDEN))
         elif not sep:
             skipped.append(Skipped(rel, "not inside a class folder"))
         elif images.field_for(rel) is None:

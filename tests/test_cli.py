@@ -52,8 +52,8 @@ def test_skipped_files_are_reported(run, photos: Path, tmp_path: Path) -> None: 
     (photos / "circle" / "bad.jpg").write_bytes(b"nope")
     result = run("pack", photos, tmp_path / "out")
     assert result.exit_code == 0
-    assert "skipped 1 files:" in result.output and "circle/bad.jpg: not an image file" in result.output
-    assert "skipped:  1 files" in run("info", tmp_path / "out").output
+    assert "skipped 1 file:" in result.output and "circle/bad.jpg: not an image file" in result.output
+    assert "skipped:  1 file\n" in run("info", tmp_path / "out").output
 
 
 def test_on_error_fail_exits_nonzero(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -203,3 +203,61 @@ def test_progress_bar_on_a_terminal_only(photos: Path, tmp_path: Path) -> None:
 def test_python_dash_m_runs_the_command() -> None:
     done = subprocess.run([sys.executable, "-m", "shardkit", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("Usage: shardkit [OPTIONS] COMMAND")
+
+
+def test_rerun_and_overwrite(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "out"
+    assert run("pack", photos, out, "--max-count", "8").exit_code == 0
+    again = run("pack", photos, out, "--max-count", "8")
+    assert again.exit_code == 0 and f"{out}: already holds this pack (30 samples in 4 shards" in again.output
+    other = run("pack", photos, out, "--max-count", "16")
+    assert other.exit_code == 1 and "already holds a different dataset (30 samples" in other.output
+    assert len(list(out.glob("*.tar"))) == 4
+    replaced = run("pack", photos, out, "--max-count", "16", "--overwrite")
+    assert replaced.exit_code == 0 and "packed 30 samples into 2 shards" in replaced.output
+
+
+def test_quiet_still_names_unusable_files(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (photos / "circle" / ".DS_Store").write_bytes(b"x")
+    assert run("pack", photos, tmp_path / "a", "-q").output == ""  # hidden entries are not unusable files
+    (photos / "circle" / "bad.jpg").write_bytes(b"nope")
+    result = run("pack", photos, tmp_path / "b", "-q")
+    assert result.exit_code == 0 and result.output == f"skipped 1 unusable file (shardkit info {tmp_path / 'b'} lists them)\n"
+
+
+@pytest.mark.parametrize("setup, args, text", [
+    (lambda t: (t / "x.txt").write_text("x"), ["{photos}", "{t}/x.txt"], "x.txt: a file, not a folder"),
+    (lambda t: (t / "db").mkdir() or (t / "db" / "data.mdb").write_bytes(b"x"), ["{photos}", "{t}/db"],
+     "db: holds an LMDB dataset: pack tar shards into another folder"),
+    (lambda t: (t / "wds").mkdir() or (t / "wds" / "a-000.tar").write_bytes(b""), ["{t}/wds", "{t}/out"],
+     "wds: no class folders (expected SRC/<class>/<image>); tar shards from another tool are converted once "
+     "`shardkit index"),
+])
+def test_pack_errors_say_what_to_do(run, photos: Path, tmp_path: Path, setup, args: list[str], text: str) -> None:  # type: ignore[no-untyped-def]
+    setup(tmp_path)
+    result = run("pack", *[a.format(photos=photos, t=tmp_path) for a in args])
+    assert result.exit_code == 1 and text in result.output and result.output.count("\n") == 1
+
+
+def test_ray_address_needs_the_ray_executor(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    result = run("pack", photos, tmp_path / "out", "--ray-address", "auto")
+    assert result.exit_code == 2 and "--ray-address needs --executor ray" in result.output
+
+
+def test_info_on_an_unfinished_pack(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "out"
+    run("pack", photos, out, "--max-count", "8", "-q")
+    (out / "index.json").unlink()
+    (out / ".shardkit-progress").mkdir()
+    result = run("info", out)
+    assert result.exit_code == 1 and "index.json: not written yet: a pack into" in result.output
+    assert "rerun the same `shardkit pack` to finish it" in result.output
+
+
+def test_a_closed_pipe_ends_quietly(photos: Path, tmp_path: Path) -> None:
+    """`shardkit info URL | head -1`: no 'Broken pipe' error when the reader stops early."""
+    shardkit.pack(str(photos), str(tmp_path / "out"), max_count=1, workers=1, progress=False)
+    proc = subprocess.run(f"'{sys.executable}' -m shardkit.cli info --json '{tmp_path / 'out'}' | head -c 10",
+                          shell=True, capture_output=True, text=True, timeout=120,
+                          executable="/bin/bash")
+    assert proc.stdout == '{"format":' and proc.stderr == ""

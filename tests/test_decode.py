@@ -14,7 +14,7 @@ from make_images import make_image_folder
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from shardkit import StreamingDataset
+from shardkit import CorruptShardError, StreamingDataset
 from shardkit.decode import ImageTransform, geometry, image_transform, resized, resized_tensor
 
 CASES = [(256, 224), (160, 128), (96, None), ((200, 150), None), ((300, 240), (256, 192))]
@@ -188,3 +188,35 @@ def test_upper_case_extensions_and_tiny_images_decode(tmp_path: Path) -> None:
         got = list(StreamingDataset([str(tmp_path / "x.tar")], decode="tensor"))
     assert [tuple(s[k].shape) for s, k in zip(got, ("JPG", "seg.PNG"))] == [(3, 1, 1), (3, 3, 5)]
     got[0]["JPG"][0, 0, 0] = 1  # writable
+
+
+def _tar_of(path: Path, members: dict[str, bytes]) -> str:
+    import tarfile
+
+    with tarfile.open(path, "w") as t:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_fields_follow_webdatasets_handlers(tmp_path: Path) -> None:
+    """ints, json and text by webdataset's default extension lists; anything else, `label`
+    and `idx` included, stays bytes (a text label once made every sample unreadable)."""
+    shard = _tar_of(tmp_path / "x.tar", {"s.cls": b"3", "s.class": b"4\n", "s.id": b"7", "s.jsn": b'{"a": 1}',
+                                         "s.text": "é".encode(), "s.label": b"dog\n", "s.idx": b"abc"})
+    (got,) = StreamingDataset([shard])
+    assert {k: v for k, v in got.items() if not k.startswith("__")} == {
+        "cls": 3, "class": 4, "id": 7, "jsn": {"a": 1}, "text": "é", "label": b"dog\n", "idx": b"abc"}
+
+
+def test_a_field_that_does_not_decode_is_named(tmp_path: Path) -> None:
+    shard = _tar_of(tmp_path / "y.tar", {"s.cls": b"dog", "s.jpg": b"\xff\xd8"})
+    with pytest.raises(CorruptShardError) as err:
+        list(StreamingDataset([shard]))
+    text = str(err.value)
+    assert "y.tar" in text and "sample s at byte 0" in text and "field 'cls': ValueError: invalid literal" in text
+    assert "\n" not in text
+    with pytest.raises(CorruptShardError, match=r"field 'jpg': UnidentifiedImageError"):
+        list(StreamingDataset([_tar_of(tmp_path / "z.tar", {"s.jpg": b"\xff\xd8"})], decode="pil"))

@@ -183,6 +183,13 @@ def test_on_error_fail_names_the_file(photos: Path, tmp_path: Path) -> None:
     assert not [p for p in (tmp_path / "out").iterdir() if ".tmp-" in p.name]
 
 
+def test_on_error_fail_passes_over_hidden_entries(photos: Path, tmp_path: Path) -> None:
+    """.DS_Store and friends are not input: listed as ignored, never a failure."""
+    (photos / "square" / ".DS_Store").write_bytes(b"\x00\x01")
+    idx = shardkit.pack(str(photos), str(tmp_path / "out"), on_error="fail", workers=1, progress=False)
+    assert idx.samples == 30 and [(s.path, s.reason) for s in idx.skipped] == [("square/.DS_Store", "hidden entry ignored")]
+
+
 @pytest.mark.parametrize("setup, message", [
     (lambda p: None, "no such folder"),
     (lambda p: p.write_text("x"), "not a folder"),
@@ -278,12 +285,23 @@ def test_rerun_reuses_shards_and_repairs_damage(photos: Path, tmp_path: Path) ->
     assert (out / "shard-000000.tar").stat().st_mtime_ns != before  # no record: rewritten, same bytes
 
 
-def test_rerun_after_changed_options_replaces_the_dataset(photos: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_changed_options_replace_a_dataset_only_with_overwrite(photos: Path, tmp_path: Path, fmt: str) -> None:
     out = tmp_path / "out"
-    shardkit.pack(str(photos), str(out), max_count=4, workers=1, progress=False)
-    idx = shardkit.pack(str(photos), str(out), max_count=20, workers=1, progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-000000.tar", "shard-000001.tar"]
-    assert idx.samples == 30
+    shardkit.pack(str(photos), str(out), format=fmt, max_count=4, workers=1, progress=False)
+    before = tree_bytes(out)
+    with pytest.raises(SourceError, match=r"out: already holds a different dataset \(30 samples.*--overwrite"):
+        shardkit.pack(str(photos), str(out), format=fmt, max_count=20, seed=1, workers=1, progress=False)
+    assert tree_bytes(out) == before  # refused before anything was touched
+    stats: dict[str, int] = {}
+    idx = shardkit.pack(str(photos), str(out), format=fmt, max_count=20, seed=1, workers=1, progress=False,
+                        overwrite=True, stats=stats)
+    assert idx.samples == 30 and stats == {"kept": 0, "written": 30}
+    if fmt == "tar":
+        assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-000000.tar", "shard-000001.tar"]
+    assert [s["__key__"] for s in shardkit.StreamingDataset(str(out))] != []
+    shardkit.pack(str(photos), str(out), format=fmt, max_count=20, seed=1, workers=1, progress=False, stats=stats)
+    assert stats == {"kept": 30, "written": 0}  # the same pack again: nothing to do, no overwrite needed
 
 
 def test_kill_at_any_moment_then_rerun(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 INDEX_KEY = b"__index__"
 PROGRESS_KEY = b"__progress__"
+DATA_FILE = "data.mdb"
 _INITIAL_MAP = 1 << 30
 
 
@@ -43,7 +44,7 @@ def _lmdb() -> Any:
 
 
 def is_lmdb(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "data.mdb"))
+    return os.path.isfile(os.path.join(path, DATA_FILE))
 
 
 class Writer:
