@@ -93,7 +93,7 @@ def main() -> None:
               help="Processes writing shards in parallel.  [default: CPU count]")
 @click.option("--shuffle/--no-shuffle", default=True, show_default=True,
               help="Shuffle samples across shards (recommended for training).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the pack-time shuffle.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the pack-time shuffle.")
 @click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
               help="Skip unusable files (listed in the index) or stop at the first one.")
 @click.option("--resize", type=click.IntRange(min=1), metavar="PX",

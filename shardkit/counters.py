@@ -3,8 +3,10 @@
 One writer per slot, no locks, and nothing ever waits on them, so they cannot hang or
 collide: the epoch set by `set_epoch` in the main process (seen by workers, persistent or
 not), the passes each worker made since (so an epoch is never silently repeated), and the
-per-worker statistics behind `StreamingDataset.stats()`. The order of an epoch never
-depends on them beyond the epoch number.
+per-worker statistics behind `StreamingDataset.stats()`, and which loaded resume point is
+in force (persistent workers hold the dataset they started with: the token tells them
+whether their copy's resume point still applies). The order of an epoch never depends on
+them beyond the epoch number.
 """
 
 from __future__ import annotations
@@ -42,20 +44,22 @@ class Shared:
         # [set epoch, pass counters..., num_workers of the latest pass]
         self.epoch = multiprocessing.RawArray("q", 2 + _PASS_SLOTS)
         self.stats = multiprocessing.RawArray("d", MAX_WORKERS * len(STATS))
+        # [token of the resume point in force (0: none), the last token handed out]
+        self.resume = multiprocessing.RawArray("q", 2)
 
     def __getstate__(self) -> dict[str, Any]:
         # Shared memory travels to processes this one starts (DataLoader workers); any other
         # pickle (a user's copy, a framework shipping the dataset) gets a private snapshot.
         if get_spawning_popen() is not None:
             return self.__dict__
-        return {"values": (self.epoch[:], self.stats[:])}
+        return {"values": (self.epoch[:], self.stats[:], self.resume[:])}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "values" not in state:
             self.__dict__.update(state)
             return
         self.__init__()  # type: ignore[misc]
-        self.epoch[:], self.stats[:] = state["values"]
+        self.epoch[:], self.stats[:], self.resume[:] = state["values"]
 
     def start_pass(self, worker_id: int, num_workers: int) -> tuple[int, int]:
         """(epoch, passes since set_epoch) for a new pass of this worker of this layout."""
@@ -77,6 +81,19 @@ class Shared:
         workers = self.epoch[-1] or 1
         first = _pass_slot(0, workers)
         return int(self.epoch[0] + max(self.epoch[first : first + workers]))
+
+    def passes_started(self) -> bool:
+        """Whether any pass began since the last set_epoch."""
+        return any(self.epoch[1 : 1 + _PASS_SLOTS])
+
+    def new_resume(self) -> int:
+        """Put a new resume point in force; its token (workers apply only the one in force)."""
+        self.resume[1] += 1
+        self.resume[0] = self.resume[1]
+        return self.resume[0]
+
+    def drop_resume(self) -> None:
+        self.resume[0] = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch[0] = epoch

@@ -168,9 +168,13 @@ class _WorkerStream(EpochStream):
                     sample = decode(_parse((end, read_at), ds.urls[shard], start))
                 else:
                     sample = decode(_from_lmdb(next(self._lmdb_reads(np.array([i])))[2], ds.urls[0], i))
-                return transform(sample) if transform is not None else sample
-            except Exception:  # noqa: BLE001 - unusable too: try the next one
+            except CorruptShardError:  # unusable too: try the next one
                 continue
+            except ShardkitError:  # storage that fails is not bad data
+                raise
+            except Exception:  # noqa: BLE001 - undecodable: the next one
+                continue
+            return transform(sample) if transform is not None else sample  # user code: its errors are its own
         raise CorruptShardError(f"{ds.urls[0]} and the other {len(ds.urls) - 1} shards: no sample could be used")
 
     def _lmdb_reads(self, ids: np.ndarray) -> Iterator[tuple[int, int, tuple[str, dict[str, bytes]]]]:

@@ -83,9 +83,13 @@ class EpochDataset(torch.utils.data.IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch `epoch` for the next pass (reaches persistent workers too)."""
-        if self._resume is not None and self._resume["epoch"] != epoch:
-            self._resume = None  # a loaded resume point applies to its own epoch, once
+        if self._resume is not None and (self._resume["epoch"] != epoch or self._shared.passes_started()):
+            self._drop_resume()  # a loaded resume point applies to its own epoch, once
         self._shared.set_epoch(epoch)
+
+    def _drop_resume(self) -> None:
+        self._resume = None
+        self._shared.drop_resume()
 
     def _layout(self) -> tuple[int, int, int, int]:
         """(rank, world size, worker id, num_workers) of the process iterating now."""
@@ -116,6 +120,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         if torch.utils.data.get_worker_info() is not None:
             return  # inside a worker the iterator restores itself; the dataset has nothing to add
         if not workers:
+            self._drop_resume()
             self._shared.set_epoch(int(found[0]["epoch"]))
             return
         first = workers[0]
@@ -123,7 +128,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
             raise ValueError("state dict mixes workers of different epochs or layouts")
         loader = _find_loader(state)
         if loader.get("_iterator_finished"):  # StatefulDataLoader, after a whole pass
-            self._resume = None
+            self._drop_resume()
             self._shared.set_epoch(int(first["epoch"]) + 1)
             return
         lag = loader.get("_steps_since_snapshot", 0)
@@ -136,7 +141,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
         for s in workers:
             yielded[int(s["worker"])] = int(s["yielded"])
         progress = Progress(int(first["world_size"]), int(first["num_workers"]), tuple(yielded), int(first.get("batch", 1)))
-        self._resume = {"epoch": int(first["epoch"]), "history": [*first.get("history", []), progress.to_json()]}
+        self._resume = {"epoch": int(first["epoch"]), "history": [*first.get("history", []), progress.to_json()],
+                        "token": self._shared.new_resume()}
         self._shared.set_epoch(int(first["epoch"]))
 
     def resume_state(self, *, epoch: int, samples_seen: int, num_workers: int, batch_size: int | None = None,
@@ -234,24 +240,35 @@ class EpochStream:
                  fixed: np.ndarray | None = None):
         self.ds, self.rank, self.world, self.worker_id, self.num_workers = ds, rank, world, worker_id, num_workers
         self._fixed = fixed
+        # raised at the first sample, not here: torch reports an error from a persistent
+        # worker's __iter__ only as the worker dying
+        self._refusal: Exception | None = None
         worker.settle()
         self.history: list[dict[str, Any]] = []
         self.epoch = 0
-        if fixed is None:
-            self.epoch, passes = ds._shared.start_pass(worker_id, num_workers)
-            resume = ds._resume
-            # a loaded resume point applies to the first pass of its epoch only
-            if resume is not None and passes == 0 and resume["epoch"] == self.epoch:
-                self.history = list(resume["history"])
         self.skip = 0
         self.yielded = 0
         self._gen: Iterator[Any] | None = None
+        if fixed is None:
+            resume, in_force = ds._resume, ds._shared.resume[0]
+            if in_force and (resume is None or resume["token"] != in_force):
+                self._refusal = RuntimeError(  # and the refused pass is not counted
+                    "the dataset's load_state_dict was called after this DataLoader's persistent workers "
+                    "started, and they keep the dataset they started with: load the state before the "
+                    "loader's first iteration, or build a new DataLoader")
+                return
+            self.epoch, passes = ds._shared.start_pass(worker_id, num_workers)
+            # a loaded resume point applies to the first pass of its epoch only
+            if resume is not None and resume["token"] == in_force and passes == 0 and resume["epoch"] == self.epoch:
+                self.history = list(resume["history"])
 
     def __iter__(self) -> EpochStream:
         return self
 
     def __next__(self) -> Any:
         if self._gen is None:
+            if self._refusal is not None:
+                raise self._refusal
             self._gen = self._generate()
         item = next(self._gen)
         self.yielded += 1

@@ -218,6 +218,8 @@ def pack(
         raise ValueError(f"executor must be 'local' or 'ray', not {executor!r}")
     if format not in ("tar", "lmdb"):
         raise SourceError(f"unknown format {format!r} (supported: tar, lmdb)")
+    if seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, not {seed}")
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error must be 'skip' or 'fail', not {on_error!r}")
     if format == "lmdb" and not storage.is_local(dest):

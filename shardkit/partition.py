@@ -60,7 +60,9 @@ def worker() -> tuple[int, int]:
 
 
 def _rng(*key: int) -> np.random.Generator:
-    return np.random.default_rng([k & 0xFFFFFFFF for k in key])
+    """A generator for `key`: every bit of each part counts (seeds of any size), a negative
+    part as its 64-bit two's complement."""
+    return np.random.default_rng([k if k >= 0 else k & 0xFFFF_FFFF_FFFF_FFFF for k in key])
 
 
 def global_sequence(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bool, block: int) -> np.ndarray:

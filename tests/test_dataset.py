@@ -858,3 +858,47 @@ def test_a_resume_point_is_dropped_when_another_epoch_is_set(packed: Path) -> No
     ds.set_epoch(3)
     ds.set_epoch(2)  # back to 2: a full epoch now, not the old partial one
     assert len(keys_of(DataLoader(ds, num_workers=1, batch_size=None))) == 120
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_resume_point_applies_once_even_if_its_epoch_is_set_again(packed: Path, persistent: bool) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True)
+    ds.load_state_dict(ds.resume_state(epoch=2, samples_seen=10, batch_size=5, num_workers=2))
+    loader = DataLoader(ds, num_workers=2, batch_size=5, persistent_workers=persistent)
+    ds.set_epoch(2)
+    assert len(keys_of(loader)) == 110
+    ds.set_epoch(2)  # the same epoch again (a second look at it): whole this time
+    assert len(keys_of(loader)) == 120
+
+
+def test_loading_a_state_after_persistent_workers_started_is_refused(packed: Path) -> None:
+    """Persistent workers keep the dataset they were started with: a resume point loaded
+    later would silently not reach them, so their next pass refuses, in the main process."""
+    ds = StreamingDataset(str(packed), shuffle=True)
+    loader = DataLoader(ds, num_workers=2, batch_size=5, persistent_workers=True)
+    assert len(keys_of(loader)) == 120
+    ds.load_state_dict(ds.resume_state(epoch=3, samples_seen=10, batch_size=5, num_workers=2))
+    with pytest.raises(RuntimeError, match="load_state_dict was called after this DataLoader's persistent workers"):
+        keys_of(loader)
+    fresh = DataLoader(ds, num_workers=2, batch_size=5)  # a new loader gets the resume point
+    assert len(keys_of(fresh)) == 110
+
+
+def test_the_stand_in_for_bad_samples_leaves_transform_errors_alone(tmp_path: Path) -> None:
+    """on_error="skip" skips bad data, never the user's own exceptions, even where a stand-in
+    sample is searched for (a plan with only bad samples left)."""
+    dataset = pack(make_folder(tmp_path / "photos", per_class=1), tmp_path / "shards")
+    break_image(dataset, 0, 1)
+
+    def boom(sample: dict[str, Any]) -> Any:
+        raise KeyError("a bug in the transform")
+
+    ds = StreamingDataset(str(dataset), decode="pil", on_error="skip", transform=boom, rank=1, world_size=3,
+                          remainder="drop")  # rank 1's only sample is the broken one
+    with pytest.raises(KeyError, match="a bug in the transform"):
+        run(ds)
+
+
+def test_every_bit_of_the_seed_counts(packed: Path) -> None:
+    orders = [run(StreamingDataset(str(packed), shuffle=True, seed=s)) for s in (7, 7 + 2**32, 7 + 2**64)]
+    assert len({tuple(o) for o in orders}) == 3
