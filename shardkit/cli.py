@@ -325,8 +325,8 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
 @click.option("--out", type=click.Path(dir_okay=False, writable=True), default="batch.png", show_default=True,
               help="PNG file to write.")
 @transform_option
-@click.option("--decode", type=click.Choice(["raw", "pil", "rgb8", "tensor"]), default="rgb8", show_default=True,
-              help="How images are decoded before the transform.")
+@click.option("--decode", type=click.Choice(["raw", "pil", "rgb8", "tensor"]), default="tensor", show_default=True,
+              help="How images are decoded before the transform (bench's default too, so one --transform serves both).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Shuffle seed: which samples are shown.")
 @click.option("--tile", type=click.IntRange(min=16), default=128, show_default=True, metavar="PX",
               help="Pixels per image square.")

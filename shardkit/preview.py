@@ -112,7 +112,7 @@ def draw_grid(tiles: Sequence[tuple[Image.Image, str, str]], tile: int = TILE) -
 
 
 def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.png",
-                   transform: str | Callable[[dict[str, Any]], Any] | None = None, decode: str = "rgb8",
+                   transform: str | Callable[[dict[str, Any]], Any] | None = None, decode: str = "tensor",
                    seed: int = 0, tile: int = TILE, storage_options: StorageOptions | None = None,
                    on_error: str = "raise") -> dict[str, Any]:
     """Decode the first `n` samples of the seed's shuffled order (epoch 0), apply `transform`

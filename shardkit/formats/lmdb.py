@@ -39,7 +39,7 @@ def _lmdb() -> Any:
     except ImportError:
         from ..errors import ShardkitError
 
-        raise ShardkitError("LMDB support is not installed (pip install 'shardkit[lmdb]')") from None
+        raise ShardkitError("LMDB support is not installed (pip install lmdb)") from None
     return lmdb
 
 
