@@ -29,6 +29,11 @@ def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except ShardkitError as e:
             raise click.ClickException(str(e)) from None
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] != "torch":
+                raise
+            raise click.ClickException("this command reads through PyTorch, which is not installed: "
+                                       "pip install torch") from None
         except BrokenPipeError:  # `shardkit info URL | head`: the reader left early; not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second one at exit's flush
             sys.exit(141)  # a shell's code for a command ended by SIGPIPE

@@ -261,3 +261,15 @@ def test_a_closed_pipe_ends_quietly(photos: Path, tmp_path: Path) -> None:
                           shell=True, capture_output=True, text=True, timeout=120,
                           executable="/bin/bash")
     assert proc.stdout == '{"format":' and proc.stderr == ""
+
+
+def test_commands_that_need_torch_say_so_without_it(photos: Path, tmp_path: Path) -> None:
+    """pack, info and verify run without PyTorch; bench and preview say in one line that they need it."""
+    shardkit.pack(str(photos), str(tmp_path / "out"), workers=1, progress=False)
+    block = "import sys; sys.modules['torch'] = None; from shardkit.cli import main; main()"
+    for args, code in ((["info"], 0), (["verify", "-q"], 0), (["bench"], 1), (["preview"], 1)):
+        proc = subprocess.run([sys.executable, "-c", block, *args, str(tmp_path / "out")], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == code, proc.stderr
+        if code:
+            assert proc.stderr == "Error: this command reads through PyTorch, which is not installed: pip install torch\n"
