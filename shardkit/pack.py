@@ -142,9 +142,10 @@ def _done(plan: Plan, i: int) -> ShardResult | None:
 
 
 def _refuse_to_replace(dest: str, existing: Index | None) -> None:
-    what = f"a different dataset ({existing.samples} samples" if existing is not None else "a dataset (unreadable index"
-    raise SourceError(f"{storage.display(dest)}: already holds {what}, from another source or other options); "
-                      "rerun with --overwrite (overwrite=True) to replace it")
+    what = (f"a different dataset ({existing.samples} samples, from another source or other options)"
+            if existing is not None else f"an {index.INDEX_NAME} that cannot be read")
+    raise SourceError(f"{storage.display(dest)}: already holds {what}; rerun with --overwrite (overwrite=True) "
+                      "to replace it")
 
 
 def _prepare_dest(dest: str, plan: Plan, overwrite: bool, storage_options: StorageOptions | None) -> Index | None:

@@ -440,3 +440,13 @@ def test_a_malformed_index_is_one_line_naming_it(tmp_path: Path, doc: object, me
         shardkit.StreamingDataset(str(tmp_path))
     text = str(err.value)
     assert text.startswith(str(tmp_path / "index.json")) and message in text and "\n" not in text
+
+
+def test_an_unreadable_index_in_dest_is_replaced_only_with_overwrite(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shardkit.pack(str(photos), str(out), workers=1, progress=False)
+    (out / "index.json").write_text("{garbage")
+    with pytest.raises(SourceError, match=r"out: already holds an index.json that cannot be read; rerun with --overwrite"):
+        shardkit.pack(str(photos), str(out), workers=1, progress=False)
+    assert (out / "index.json").read_text() == "{garbage"
+    assert shardkit.pack(str(photos), str(out), workers=1, progress=False, overwrite=True).samples == 30
