@@ -132,6 +132,9 @@ class StreamingDataset(EpochDataset):
     def _total(self) -> int:
         return int(self._counts.sum())
 
+    def _sequence(self, epoch: int) -> np.ndarray:
+        return partition.global_sequence(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self.block)
+
 
     def __iter__(self) -> Iterator[Any]:
         return self._stream(_WorkerStream(self, *self._layout()))
@@ -146,10 +149,6 @@ class _WorkerStream(EpochStream):
                  ids: np.ndarray | None = None):
         super().__init__(ds, rank, world, worker_id, num_workers, fixed=ids)
         self.prefetcher: Prefetcher[ranges.Range, Any] | None = None  # set once reading starts
-
-    def _sequence(self) -> np.ndarray:
-        ds = self.ds
-        return partition.global_sequence(ds._counts, seed=ds.seed, epoch=self.epoch, shuffle=ds.shuffle, block=ds.block)
 
     def _borrow(self, reader: storage.RangeReader, decode: Callable[[dict[str, Any]], Any],
                 transform: Callable[[dict[str, Any]], Any] | None, after: int) -> Any:

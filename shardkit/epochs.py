@@ -9,7 +9,7 @@ resume. Subclasses say what the global sequence is and how a position becomes a 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,21 @@ class EpochDataset(torch.utils.data.IterableDataset):
 
     def _total(self) -> int:
         raise NotImplementedError
+
+    def _sequence(self, epoch: int) -> np.ndarray:
+        """The epoch's global sequence (sample ids, or positions)."""
+        raise NotImplementedError
+
+    def _segment(self, epoch: int, world: int, workers: int, segment: int, batch: int) -> Layout:
+        return Layout(world, workers, self.seed, epoch, self.shuffle, self.shuffle_window, self.remainder, segment, batch)
+
+    def _left(self, epoch: int, history: Sequence[dict[str, Any]]) -> np.ndarray:
+        """The epoch's sequence minus what the interrupted segments in `history` delivered."""
+        sequence = self._sequence(epoch)
+        for segment, done in enumerate(history):
+            p = Progress.from_json(done)
+            sequence = partition.remaining(sequence, self._segment(epoch, p.world_size, p.num_workers, segment, p.batch), p)
+        return sequence
 
     def stats(self) -> dict[str, float]:
         """What all workers of this rank did so far: samples, bytes, seconds reading (waiting
@@ -137,37 +152,40 @@ class EpochDataset(torch.utils.data.IterableDataset):
                 f"this StatefulDataLoader state was taken {lag} step(s) after its last snapshot of the workers "
                 "(snapshot_every_n_steps > 1): resume it under the same layout with the loader's own "
                 "load_state_dict, or checkpoint with snapshot_every_n_steps=1 to resume under a new layout")
-        yielded = [0] * int(first["num_workers"])
-        for s in workers:
-            yielded[int(s["worker"])] = int(s["yielded"])
-        progress = Progress(int(first["world_size"]), int(first["num_workers"]), tuple(yielded), int(first.get("batch", 1)))
-        self._resume = {"epoch": int(first["epoch"]), "history": [*first.get("history", []), progress.to_json()],
-                        "token": self._shared.new_resume()}
+        self._resume = {"epoch": int(first["epoch"]), "history": _history(workers), "token": self._shared.new_resume()}
         self._shared.set_epoch(int(first["epoch"]))
 
     def resume_state(self, *, epoch: int, samples_seen: int, num_workers: int, batch_size: int | None = None,
-                     world_size: int | None = None, drop_last: bool = False) -> dict[str, Any]:
+                     world_size: int | None = None, drop_last: bool = False,
+                     resumed_from: dict[str, Any] | None = None) -> dict[str, Any]:
         """A state for `load_state_dict` after a plain torch DataLoader handed out
         `samples_seen` samples (per rank) of `epoch` with these settings. `batch_size` is the
-        DataLoader's, or left out when the dataset batches itself."""
+        DataLoader's, or left out when the dataset batches itself. If that pass was itself a
+        resumed one, `resumed_from` is the state it was resumed from (counted from there:
+        `samples_seen` is what the resumed pass handed out), so the new state carries the
+        earlier progress too; such states chain any number of times."""
         if self.batch_size:
             if batch_size not in (None, self.batch_size):
                 raise ValueError(f"the dataset batches by {self.batch_size}: leave batch_size out")
             batch_size = self.batch_size
         elif batch_size is None:
             raise ValueError("batch_size: the DataLoader's batch size is needed")
-        if self._resume is not None and self._resume["epoch"] == epoch:
-            raise ValueError(
-                "this epoch was itself resumed from a partial state: checkpoint with StatefulDataLoader "
-                "(its state carries the earlier progress), or resume at an epoch boundary"
-            )
+        history: list[dict[str, Any]] = []
+        if resumed_from is not None:
+            earlier = [s for s in _find_states(resumed_from) if "worker" in s]
+            if not earlier or any(s["epoch"] != epoch for s in earlier):
+                raise ValueError(f"resumed_from is not a resume state of epoch {epoch}")
+            history = _history(earlier)
+        elif self._resume is not None and self._resume["epoch"] == epoch:
+            raise ValueError("this epoch was itself resumed from a partial state: pass that state as resumed_from")
         world = world_size or self._rank_world()[1]
-        rank_total = partition.per_rank(self._total(), world, self.remainder)
+        total = len(self._left(epoch, history)) if history else self._total()
+        rank_total = partition.per_rank(total, world, self.remainder)
         workers = max(num_workers, 1)
         sizes = [b - a for a, b in (partition.worker_bounds(rank_total, workers, w, self._batch) for w in range(workers))]
         yielded = partition.yielded_after(sizes, batch_size, samples_seen, drop_last)
         return {STATE_MARK: 1, "epoch": epoch, "world_size": world, "num_workers": workers, "batch": self._batch,
-                "history": [],
+                "history": history,
                 "workers": [{"worker": w, "yielded": k} for w, k in enumerate(yielded)]}
 
 
@@ -176,6 +194,16 @@ def stats_summary(total: dict[str, float]) -> dict[str, float]:
     busy = total["read_s"] + total["decode_s"] + total["transform_s"]
     total["read_fraction"] = total["read_s"] / busy if busy else 0.0
     return total
+
+
+def _history(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The progress behind a loader's worker states: their own history, then how far they got."""
+    first = workers[0]
+    yielded = [0] * int(first["num_workers"])
+    for s in workers:
+        yielded[int(s["worker"])] = int(s["yielded"])
+    progress = Progress(int(first["world_size"]), int(first["num_workers"]), tuple(yielded), int(first.get("batch", 1)))
+    return [*first.get("history", []), progress.to_json()]
 
 
 def _dicts(state: Any) -> Iterator[dict[str, Any]]:
@@ -282,10 +310,6 @@ class EpochStream:
         if self._gen is not None:
             self._gen.close()
 
-    def _sequence(self) -> np.ndarray:
-        """The epoch's global sequence (sample ids, or positions)."""
-        raise NotImplementedError
-
     def state_dict(self) -> dict[str, Any]:
         return {STATE_MARK: 1, "epoch": self.epoch, "world_size": self.world, "num_workers": self.num_workers,
                 "batch": self.ds._batch, "worker": self.worker_id, "yielded": self.skip + self.yielded,
@@ -309,13 +333,5 @@ class EpochStream:
         if self._fixed is not None:
             return self._fixed
         ds = self.ds
-        sequence = self._sequence()
-
-        def layout(world: int, workers: int, segment: int, batch: int) -> Layout:
-            return Layout(world, workers, ds.seed, self.epoch, ds.shuffle, ds.shuffle_window, ds.remainder, segment, batch)
-
-        for segment, done in enumerate(self.history):
-            p = Progress.from_json(done)
-            sequence = partition.remaining(sequence, layout(p.world_size, p.num_workers, segment, p.batch), p)
-        here = layout(self.world, self.num_workers, len(self.history), ds._batch)
-        return partition.worker_stream(sequence, here, self.rank, self.worker_id)[self.skip :]
+        here = ds._segment(self.epoch, self.world, self.num_workers, len(self.history), ds._batch)
+        return partition.worker_stream(ds._left(self.epoch, self.history), here, self.rank, self.worker_id)[self.skip :]

@@ -54,6 +54,9 @@ class MixedDataset(EpochDataset):
     def _total(self) -> int:
         return self.samples_per_epoch
 
+    def _sequence(self, epoch: int) -> np.ndarray:
+        return np.arange(self.samples_per_epoch, dtype=np.int64)  # positions; _part_ids maps them to samples
+
     def __iter__(self) -> Iterator[Any]:
         return self._stream(_MixedStream(self, *self._layout()))
 
@@ -66,9 +69,6 @@ class MixedDataset(EpochDataset):
 
 class _MixedStream(EpochStream):
     ds: MixedDataset
-
-    def _sequence(self) -> np.ndarray:
-        return np.arange(self.ds.samples_per_epoch, dtype=np.int64)
 
     def _part_ids(self, positions: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
         """(part of each position, each part's sample ids in the order of `positions`)."""

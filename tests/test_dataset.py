@@ -902,3 +902,34 @@ def test_the_stand_in_for_bad_samples_leaves_transform_errors_alone(tmp_path: Pa
 def test_every_bit_of_the_seed_counts(packed: Path) -> None:
     orders = [run(StreamingDataset(str(packed), shuffle=True, seed=s)) for s in (7, 7 + 2**32, 7 + 2**64)]
     assert len({tuple(o) for o in orders}) == 3
+
+
+@pytest.mark.parametrize("layouts", [((2, 5, 4), (3, 5, 3), (1, 5, None)), ((0, 8, 2), (2, 4, 5), (2, 8, 1), (3, 4, None))])
+def test_plain_dataloader_resumes_chain(packed: Path, layouts: tuple[tuple[int, int, int | None], ...]) -> None:
+    """A plain DataLoader's resumed pass interrupted again (and again): each state names the
+    one its pass resumed from, and the epoch still delivers every sample exactly once."""
+    delivered: list[str] = []
+    state = None
+    for workers, batch_size, batches in layouts:
+        ds = StreamingDataset(str(packed), shuffle=True, seed=5)
+        if state is not None:
+            ds.load_state_dict(state)
+        ds.set_epoch(2)
+        loader = DataLoader(ds, num_workers=workers, batch_size=batch_size)
+        got = take(loader, batches) if batches is not None else keys_of(loader)
+        delivered += got
+        if batches is not None:
+            state = ds.resume_state(epoch=2, samples_seen=len(got), batch_size=batch_size, num_workers=workers,
+                                    resumed_from=state)
+    assert Counter(delivered) == Counter(ALL_KEYS)
+    json.dumps(state)  # a checkpoint can hold it
+
+
+def test_resume_state_after_a_resumed_pass_needs_resumed_from(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True)
+    ds.load_state_dict(ds.resume_state(epoch=1, samples_seen=10, batch_size=5, num_workers=1))
+    with pytest.raises(ValueError, match="pass that state as resumed_from"):
+        ds.resume_state(epoch=1, samples_seen=10, batch_size=5, num_workers=1)
+    other = ds.resume_state(epoch=2, samples_seen=10, batch_size=5, num_workers=1)
+    with pytest.raises(ValueError, match="resumed_from is not a resume state of epoch 1"):
+        ds.resume_state(epoch=1, samples_seen=10, batch_size=5, num_workers=1, resumed_from=other)
