@@ -43,10 +43,11 @@ class RangeCache:
         try:
             with open(path, "rb") as f:
                 data = f.read()
-            os.utime(path)  # most recently used
-        except FileNotFoundError:
+        except OSError:  # not cached, evicted meanwhile, or another user's and unreadable
             self.misses += 1
             return None
+        with contextlib.suppress(OSError):  # another user's entry cannot be touched: it ages, it still serves
+            os.utime(path)  # most recently used
         if len(data) != stop - start:  # cannot happen with rename-into-place; be safe anyway
             self.misses += 1
             return None

@@ -168,13 +168,14 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
 def info(url: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """Summarise the dataset at URL from its index.json."""
     from . import index
+    from .storage import display
 
     idx = index.load(url, _storage_options(storage_options))
     if as_json:
         click.echo(idx.to_json(), nl=False)
         return
     counts = [s.samples for s in idx.shards]
-    click.echo(f"dataset:  {url}")
+    click.echo(f"dataset:  {display(url)}")
     click.echo(f"format:   {idx.kind}, fields {', '.join(idx.fields)}")
     click.echo(f"samples:  {idx.samples}")
     click.echo(f"shards:   {len(idx.shards)} ({min(counts, default=0)}-{max(counts, default=0)} samples each)")
@@ -185,7 +186,7 @@ def info(url: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     for s in idx.skipped[:10]:
         click.echo(f"  {s.path}: {s.reason}")
     if len(idx.skipped) > 10:
-        click.echo(f"  ... and {len(idx.skipped) - 10} more (shardkit info --json {url})")
+        click.echo(f"  ... and {len(idx.skipped) - 10} more (shardkit info --json {display(url)})")
 
 
 @main.command()
@@ -199,17 +200,26 @@ def verify(url: str, quiet: bool, storage_options: tuple[str, ...]) -> None:
     For an LMDB: every sample of the index present with its recorded byte count, and no
     stray records. Exits 1 naming every bad shard.
     """
+    from .storage import display
     from .verify import verify as run_verify
 
+    unhashed = []  # shards whose index entry has no sha256 (a hand-made index): their bytes go unchecked
+
     def report(info: Any, problem: str | None) -> None:
+        if problem is None and info.sha256 is None and info.offsets is not None:  # a tar shard (an LMDB has neither)
+            unhashed.append(info.name)
         if not quiet and problem is None:
-            click.echo(f"ok   {info.name} ({info.samples} samples)")
+            click.echo(f"ok   {info.name} ({info.samples} samples)" + (" (no sha256 in the index)" if
+                                                                        info.name in unhashed else ""))
 
     problems = run_verify(url, _storage_options(storage_options), on_shard=report)
     for p in problems:
         click.echo(f"BAD  {p}", err=True)
     if problems:
-        raise click.ClickException(f"{len(problems)} bad shard(s) in {url}")
+        raise click.ClickException(f"{len(problems)} bad shard(s) in {display(url)}")
+    if unhashed:
+        click.echo(f"{_plural(len(unhashed), 'shard')} without a sha256 in the index: sizes, counts and offsets "
+                   "match, their bytes were not checked", err=True)
     if not quiet:
         click.echo("all shards match the index")
 

@@ -104,7 +104,7 @@ class StreamingDataset(EpochDataset):
         self._lmdb: str | None = None  # local path of an LMDB dataset
         self._keys = np.empty(0, dtype="S1")
         if self.index.kind == "lmdb":
-            self._lmdb = local_lmdb(self.urls[0], storage_options, cache_dir)
+            self._lmdb = local_lmdb(self.urls[0], storage_options, cache_dir, self.cache_limit)
             self._keys = np.array(self.index.extra.get("keys", []), dtype="S")
             self._offsets = np.empty(0, np.int64)
         else:

@@ -7,6 +7,7 @@ import re
 
 _USERINFO = re.compile(r"(\b[a-zA-Z][\w+.-]*://)[^/\s@]+@")
 _QUERY = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^\s?]+)\?\S+")
+_PARAMS = re.compile(r"\?[^\s?#=&'\"]+=[^\s'\"]*")  # ?key=value... of a URL that lost its scheme:// (a path)
 
 
 def one_line(e: BaseException) -> str:
@@ -16,8 +17,8 @@ def one_line(e: BaseException) -> str:
 
 def redact(text: str) -> str:
     """Hide credentials that URLs can carry: user info (`https://user:pw@host`) and query
-    strings (presigned-URL signatures) become '***'."""
-    return _QUERY.sub(r"\1?***", _USERINFO.sub(r"\1***@", text))
+    strings (presigned-URL signatures, WebHDFS delegation tokens) become '***'."""
+    return _PARAMS.sub("?***", _QUERY.sub(r"\1?***", _USERINFO.sub(r"\1***@", text)))
 
 
 def describe(e: BaseException) -> str:
@@ -51,3 +52,15 @@ class IndexVersionError(ShardkitError, ValueError):
 
 class DatasetNotFoundError(ShardkitError, FileNotFoundError):
     """No index.json and no shards at the given location."""
+
+
+class NotFoundError(ShardkitError, FileNotFoundError):
+    """No such object, bucket or path on a remote store (HTTP 404)."""
+
+
+class AccessDeniedError(ShardkitError, PermissionError):
+    """The store refused: no credentials, or none with access (HTTP 401, 403)."""
+
+
+class BadRequestError(ShardkitError, ValueError):
+    """A request to a store that no retry can fix (an invalid bucket name, another HTTP 4xx)."""

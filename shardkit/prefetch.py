@@ -8,22 +8,59 @@ a fetch takes (both moving averages). A slow store (high first-byte latency) get
 reads in flight, a fast one fewer; never more than `depth`.
 
 Results come back in request order. A failed fetch is re-raised in the consumer, at the
-position of the request that failed. Closing the iterator cancels what is queued.
+position of the request that failed. Closing the iterator cancels what is queued; a fetch
+already running is left to finish on its own (daemon) thread, which interpreter exit does
+not wait for.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Generic, TypeVar
+from concurrent.futures import Future
+from typing import Any, Generic, TypeVar
 
 R = TypeVar("R")  # a request
 D = TypeVar("D")  # what fetching it gives
+T = TypeVar("T")
 
 _ALPHA = 0.2  # weight of the newest observation in the moving averages
+
+
+class _Threads:
+    """Daemon threads running what is submitted, in order. Unlike ThreadPoolExecutor's
+    threads, interpreter exit does not wait for them (a fetch stuck on a stalled connection
+    would hold it up)."""
+
+    def __init__(self, n: int):
+        self._n = n
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        for i in range(n):
+            threading.Thread(target=self._work, name=f"shardkit-prefetch_{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
+        self._jobs.put((fut, fn))
+        return fut
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn = job
+            if fut.set_running_or_notify_cancel():  # False: cancelled while queued
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+                    fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Let the threads end once they are done with what they run now."""
+        for _ in range(self._n):
+            self._jobs.put(None)
 
 
 class Prefetcher(Generic[R, D]):
@@ -47,10 +84,10 @@ class Prefetcher(Generic[R, D]):
         self.target = depth  # reads to keep in flight now (adapted)
         self.latency_s = 0.0  # moving average of one fetch
         self.interval_s = 0.0  # moving average of the time between the consumer's takes
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: _Threads | None = None
         self._pending: deque[tuple[R, Future[tuple[D, float]]]] = deque()
         self._held = 0  # bytes of requests submitted and not yet handed to the consumer
-        self._exhausted = False
+        self._next: R | None = None  # the request to submit next, once the budget allows
 
     def _timed(self, req: R) -> tuple[D, float]:
         start = time.perf_counter()
@@ -65,7 +102,7 @@ class Prefetcher(Generic[R, D]):
         if not self.threads:
             yield from self._ahead_in_place()
             return
-        self._pool = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="shardkit-prefetch")
+        self._pool = _Threads(self.depth)
         last = time.perf_counter()
         try:
             while True:
@@ -97,21 +134,24 @@ class Prefetcher(Generic[R, D]):
         self.target = max(1, min(self.depth, wanted))
 
     def _fill(self) -> None:
-        """Submit requests while under the target depth and (past the first) the byte budget."""
-        while not self._exhausted and len(self._pending) < self.target:
-            if self._pending and self._held >= self.budget:
-                return
-            req = next(self._requests, None)
-            if req is None:
-                self._exhausted = True
+        """Submit requests while under the target depth and the byte budget: a request that
+        would take what is held past the budget waits, unless nothing is held."""
+        while len(self._pending) < self.target:
+            if self._next is None:
+                self._next = next(self._requests, None)
+            req = self._next
+            if req is None or (self._pending and self._held + self._size(req) > self.budget):
                 return
             assert self._pool is not None
-            self._pending.append((req, self._pool.submit(self._timed, req)))
+            self._pending.append((req, self._pool.submit(functools.partial(self._timed, req))))
             self._held += self._size(req)
+            self._next = None
 
     def close(self) -> None:
         """Stop: queued fetches are cancelled, running ones finish in the background."""
+        for _, fut in self._pending:
+            fut.cancel()
         self._pending.clear()
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown()
             self._pool = None

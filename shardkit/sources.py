@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from . import index, storage
-from .errors import DatasetNotFoundError
+from .errors import DatasetNotFoundError, ShardkitError
 from .formats import lmdb as lmdb_format
 from .formats import tar
 from .index import Index, ShardInfo
@@ -106,35 +106,67 @@ def lmdb_index(path: str) -> Index:
     return Index.from_json(lmdb_format.read_index(env, path), f"{path} ({lmdb_format.INDEX_KEY.decode()})")
 
 
-def local_lmdb(url: str, storage_options: StorageOptions | None, cache_dir: str | None) -> str:
+def local_lmdb(url: str, storage_options: StorageOptions | None, cache_dir: str | None,
+               cache_limit: int | None = None) -> str:
     """A local path for the LMDB dataset at `url`: itself when local, else a copy of its
     data.mdb downloaded (with a progress bar) into `cache_dir` (default: a temp folder),
-    renamed into place when complete and reused on later runs."""
+    renamed into place when complete and reused while the remote one is unchanged. Copies
+    are named by the URL, the endpoint and the object's size and version (ETag, generation
+    or modification time): a dataset replaced under its URL is fetched again, and the copy
+    of the old one removed. One larger than `cache_limit` is refused."""
     if storage.is_local(url):
         return storage.local_path(url)
-    import hashlib
     import os
     import tempfile
 
-    from tqdm import tqdm
-
-    root = os.path.join(cache_dir or os.path.join(tempfile.gettempdir(), "shardkit-cache"),
-                        "lmdb-" + hashlib.sha256(url.encode()).hexdigest()[:24])
+    remote = storage.join(url, "data.mdb")
+    size, version = storage.version(remote, storage_options)
+    folder = os.path.join(cache_dir or os.path.join(tempfile.gettempdir(), "shardkit-cache"),
+                          "lmdb-" + _digest(url, storage.endpoint(storage_options)))
+    root = os.path.join(folder, _digest(str(size), version))
     if os.path.isfile(os.path.join(root, "data.mdb")):
         return root
+    if cache_limit is not None and size > cache_limit:
+        raise ShardkitError(f"{storage.display(remote)}: {size} bytes do not fit in cache_limit ({cache_limit} bytes), "
+                            "and an LMDB is read from a whole local copy: raise cache_limit")
+    _download(remote, storage_options, root, size)
+    _remove_others(folder, keep=os.path.basename(root))
+    return root
+
+
+def _digest(*parts: str) -> str:
+    """A file name for `parts` that shows none of them (URLs may hold credentials)."""
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def _download(remote: str, storage_options: StorageOptions | None, root: str, size: int) -> None:
+    """`remote` into `root`/data.mdb, written under a temporary name and renamed into place."""
+    import os
+    import shutil
+
+    from tqdm import tqdm
+
     tmp = f"{root}{storage.TMP_MARK}{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
-    remote = storage.join(url, "data.mdb")
-    total = storage.size(remote, storage_options)
-    with storage.open_read(remote, storage_options) as src, open(os.path.join(tmp, "data.mdb"), "wb") as dst, \
-            tqdm(total=total, unit="B", unit_scale=True, desc=f"copying {storage.display(remote)}") as bar:
-        while chunk := src.read(8 << 20):
-            dst.write(chunk)
-            bar.update(len(chunk))
     try:
+        with storage.open_read(remote, storage_options) as src, open(os.path.join(tmp, "data.mdb"), "wb") as dst, \
+                tqdm(total=size, unit="B", unit_scale=True, desc=f"copying {storage.display(remote)}") as bar:
+            while chunk := src.read(8 << 20):
+                dst.write(chunk)
+                bar.update(len(chunk))
         os.rename(tmp, root)
-    except OSError:  # another process finished first
-        import shutil
-
+    except BaseException:  # failed, or (OSError) another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
-    return root
+        if not os.path.isfile(os.path.join(root, "data.mdb")):
+            raise
+
+
+def _remove_others(folder: str, keep: str) -> None:
+    """Remove the copies of older versions in `folder` (a process still reading one keeps
+    its open file); another process's download in progress is left alone."""
+    import os
+    import shutil
+
+    for name in os.listdir(folder):
+        if name != keep and storage.TMP_MARK not in name:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)

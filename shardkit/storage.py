@@ -14,10 +14,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 
-from .errors import CorruptShardError, ShardkitError, one_line, redact
+from .errors import (AccessDeniedError, BadRequestError, CorruptShardError, NotFoundError, ShardkitError, one_line,
+                     redact)
 from .seqwrite import SequentialWriter
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ def join(base: str, *names: str) -> str:
 
 _FILESYSTEMS: dict[tuple[Any, ...], Any] = {}  # this process's filesystem instances
 _GCS = ("gs", "gcs")
+_S3 = ("s3", "s3a")
+_ONE_ATTEMPT = {"retries": {"total_max_attempts": 1}}  # botocore's config: no retries of its own
 REQUEST_TIMEOUT_S = 60  # a connection silent this long fails (and the read is retried)
 
 
@@ -86,10 +89,12 @@ def _time_out(fs: Any) -> None:
 
 
 def filesystem(url: str, storage_options: StorageOptions | None = None,
-               instances: dict[tuple[Any, ...], Any] | None = None) -> tuple[Any, str]:
+               instances: dict[tuple[Any, ...], Any] | None = None, client_retries: bool = True) -> tuple[Any, str]:
     """(fsspec filesystem, path within it), one instance per process, protocol, host and
     options, kept in `instances` (this module's by default). Missing backends get an
-    install hint."""
+    install hint. Without `client_retries` the caller retries (`retrying`) and S3's own
+    retries are off (botocore's unless the options configure them, and s3fs's), so a
+    failing request takes `RETRIES` attempts, not RETRIES x s3fs x botocore."""
     import fsspec
     import fsspec.core
 
@@ -111,38 +116,46 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         # per socket operation, as for requests: a slow but moving download is not cut off
         kwargs["requests_timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=REQUEST_TIMEOUT_S,
                                                            sock_read=REQUEST_TIMEOUT_S)
-    key = (os.getpid(), protocol, json.dumps(kwargs, sort_keys=True, default=repr))
+    ours = protocol in _S3 and not client_retries
+    if ours:
+        kwargs["config_kwargs"] = {**_ONE_ATTEMPT, **kwargs.get("config_kwargs", {})}
+    key = (os.getpid(), protocol, ours, json.dumps(kwargs, sort_keys=True, default=repr))
     cache = _FILESYSTEMS if instances is None else instances
     fs = cache.get(key)
     if fs is None:
-        fs = cls(**kwargs)
+        try:
+            fs = cls(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise BadRequestError(f"{display(url)}: storage options refused by {protocol}://: {one_line(e)}") from e
         _time_out(fs)
+        if ours:
+            fs.retries = 1  # a class attribute of s3fs, not an option
         fs = cache.setdefault(key, fs)
     return fs, cls._strip_protocol(url)
 
 
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # posix_fadvise: Linux and BSDs, not macOS
 
-# Errors that another attempt cannot fix; everything else remote (resets, 5xx, timeouts,
-# truncated responses) is retried.
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ShardkitError)
 RETRIES = 5
+_TRANSIENT_4XX = {408, 409, 425, 429}  # timeout, conflict, too early, throttled: worth another attempt
+_BY_STATUS = {401: AccessDeniedError, 403: AccessDeniedError, 404: NotFoundError, 410: NotFoundError}
 
 
 def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: float = 0.2, cap_s: float = 10.0) -> T:
-    """Call `fn`, retrying transient failures with exponential backoff and full jitter; then
-    fail with one line naming `what` (a URL: never the storage options)."""
+    """Call `fn`, retrying transient failures (resets, timeouts, 5xx, throttling) with
+    exponential backoff and full jitter. Fail with one line naming `what` (a URL: never the
+    storage options): at once for an error no retry can fix (see `_permanent`), else after
+    `attempts`. A ShardkitError from `fn` passes unchanged."""
     for attempt in range(1, attempts + 1):
         try:
             return fn()
-        except _PERMANENT as e:
-            named = _naming(e, what)
-            if named is e:
-                raise
-            raise named from e
+        except ShardkitError:
+            raise
         except Exception as e:  # noqa: BLE001 - the remote client's errors have no common base
-            if type(e) is OSError and str(e).startswith("Forbidden"):  # gcsfs's HTTP 403: permanent
-                raise PermissionError(f"{what}: {one_line(e)}") from e
+            kind = _permanent(e)
+            if kind is not None:
+                reason = redact(one_line(e)).removeprefix(what).lstrip(": ")  # some name the URL, some only it
+                raise kind(f"{what}: {reason or type(e).__name__}") from e
             if attempt == attempts:
                 tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
                 raise ShardkitError(f"{what}: {type(e).__name__}: {one_line(e)} (gave up after {tries})") from e
@@ -157,16 +170,72 @@ def attempts_for(url: str) -> int:
     return 1 if url.split("://", 1)[0] in _GCS else RETRIES
 
 
-def _naming(e: Exception, what: str) -> Exception:
-    """`e`, or the same kind of error saying `what` failed when `e` does not say (a client's
-    "Access Denied" or "The specified key does not exist" name no URL), on one line."""
-    text = one_line(e)
-    if isinstance(e, ShardkitError) or what in text or getattr(e, "filename", None):
-        return e
+def _root_cause(e: BaseException) -> BaseException:
+    """The error `e` was raised from, and so on down: fsspec's HTTP client raises
+    FileNotFoundError from a 403 or a refused connection alike, so the cause is what tells."""
+    for _ in range(8):
+        if e.__cause__ is None:
+            break
+        e = e.__cause__
+    return e
+
+
+def _status(e: BaseException) -> int | None:
+    """The HTTP status a client's error carries: aiohttp's `status`, gcsfs's `code`,
+    requests' `response.status_code`, botocore's response metadata."""
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        found = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    elif response is not None:
+        found = getattr(response, "status_code", None)
+    else:
+        found = getattr(e, "status", None) or getattr(e, "code", None)
+    return found if isinstance(found, int) and 100 <= found < 600 else None
+
+
+def _from_botocore(e: BaseException, *names: str) -> bool:
+    return any(c.__name__ in names and c.__module__.startswith("botocore") for c in type(e).__mro__)
+
+
+def _permanent(e: BaseException) -> type[ShardkitError] | None:
+    """The kind of error to raise for a failure no retry can fix, judged by its root cause;
+    None for one worth retrying."""
+    e = _root_cause(e)
+    status = _status(e)
+    if status is not None:
+        return _BY_STATUS.get(status, BadRequestError) if 400 <= status < 500 and status not in _TRANSIENT_4XX else None
+    if isinstance(e, FileNotFoundError):
+        return NotFoundError
+    if (isinstance(e, PermissionError) or _from_botocore(e, "NoCredentialsError", "PartialCredentialsError")
+            or (type(e) is OSError and str(e).startswith("Forbidden"))):  # gcsfs's HTTP 403
+        return AccessDeniedError
+    if isinstance(e, (ValueError, IsADirectoryError, NotADirectoryError, FileExistsError)) or \
+            _from_botocore(e, "ParamValidationError"):  # an invalid bucket name, an invalid request
+        return BadRequestError
+    return None
+
+
+def _ask(url: str, storage_options: StorageOptions | None, op: Callable[[Any, str], T]) -> T:
+    """`op(filesystem, path)` for a remote URL, retried (see `retrying`). Listings are looked
+    up afresh: other processes may have written since."""
+    fs, path = filesystem(url, storage_options, client_retries=False)
+
+    def call() -> T:
+        fs.invalidate_cache(path)
+        return op(fs, path)
+
+    return retrying(display(url), call, attempts_for(url))
+
+
+def _cat_range(fs: Any, path: str, start: int, stop: int) -> bytes:
+    """Bytes [start, stop) of a remote file: fewer where it ends before `stop`, none where it
+    ends before `start` (GCS and WebHDFS answer that with no bytes, S3 and HTTP with 416)."""
     try:
-        return type(e)(f"{what}: {text}")
-    except TypeError:  # an error class with a constructor of its own
-        return e
+        return fs.cat_file(path, start=start, end=stop)  # type: ignore[no-any-return]
+    except Exception as e:
+        if _status(_root_cause(e)) == 416:
+            return b""
+        raise
 
 
 def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes:
@@ -180,8 +249,7 @@ def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes
             return chunks[0] if len(chunks) == 2 else b"".join(chunks)
         finally:
             os.close(fd)
-    fs, path = filesystem(url, storage_options)
-    return retrying(display(url), lambda: fs.cat_file(path), attempts_for(url))
+    return _ask(url, storage_options, lambda fs, path: fs.cat_file(path))  # type: ignore[no-any-return]
 
 
 def read_range(url: str, start: int, stop: int, storage_options: StorageOptions | None = None) -> bytes:
@@ -190,8 +258,7 @@ def read_range(url: str, start: int, stop: int, storage_options: StorageOptions 
         with open(local_path(url), "rb") as f:
             data = os.pread(f.fileno(), stop - start, start)
     else:
-        fs, path = filesystem(url, storage_options)
-        data = retrying(display(url), lambda: fs.cat_file(path, start=start, end=stop), attempts_for(url))
+        data = _ask(url, storage_options, lambda fs, path: _cat_range(fs, path, start, stop))
     if len(data) != stop - start:
         raise CorruptShardError(f"{display(url)}: {len(data)} bytes at offset {start}, expected {stop - start}")
     return data
@@ -201,16 +268,39 @@ def open_read(url: str, storage_options: StorageOptions | None = None) -> Binary
     """A binary file for sequential reading."""
     if is_local(url):
         return open(local_path(url), "rb", buffering=1 << 20)
-    fs, path = filesystem(url, storage_options)
-    return fs.open(path, "rb", block_size=8 << 20)
+    remote = _ask(url, storage_options, lambda fs, path: fs.open(path, "rb", block_size=8 << 20))
+    return cast(BinaryIO, _RemoteFile(remote, url))
+
+
+class _RemoteFile:
+    """A remote file open for reading (`read` only), its reads retried like every request."""
+
+    def __init__(self, f: Any, url: str):
+        self._f, self._url = f, url
+
+    def read(self, n: int = -1) -> bytes:
+        # a failed read leaves fsspec's file where it was: the retry asks for the same bytes
+        what, attempts = display(self._url), attempts_for(self._url)
+        return retrying(what, lambda: self._f.read(n), attempts)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> _RemoteFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def exists(url: str, storage_options: StorageOptions | None = None) -> bool:
     if is_local(url):
         return os.path.exists(local_path(url))
-    fs, path = filesystem(url, storage_options)
-    fs.invalidate_cache(path)
-    return fs.exists(path)
+    try:  # fsspec's exists() answers False to any error: a refused or failed request included
+        _ask(url, storage_options, lambda fs, path: fs.info(path))
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def size(url: str, storage_options: StorageOptions | None = None) -> int | None:
@@ -220,12 +310,28 @@ def size(url: str, storage_options: StorageOptions | None = None) -> int | None:
             return os.stat(local_path(url)).st_size
         except FileNotFoundError:
             return None
-    fs, path = filesystem(url, storage_options)
-    fs.invalidate_cache(path)  # other processes may have written it since
     try:
-        return fs.size(path)
+        return _ask(url, storage_options, lambda fs, path: fs.size(path))  # type: ignore[no-any-return]
     except FileNotFoundError:
         return None
+
+
+_VERSION_MARKS = ("ETag", "etag", "generation", "VersionId", "md5Hash", "LastModified", "Last-Modified",
+                  "modificationTime", "mtime", "updated")  # S3, GCS, HTTP, WebHDFS
+
+
+def version(url: str, storage_options: StorageOptions | None = None) -> tuple[int, str]:
+    """(size, mark) of a remote object, the mark being what its store changes when it is
+    replaced: its ETag, generation or modification time."""
+    info = _ask(url, storage_options, lambda fs, path: fs.info(path))
+    return int(info["size"]), next((str(info[k]) for k in _VERSION_MARKS if info.get(k)), "")
+
+
+def endpoint(storage_options: StorageOptions | None) -> str:
+    """Where the options point S3 or GCS ('' for the default): one URL on two endpoints
+    names two objects."""
+    opts = storage_options or {}
+    return str(opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") or "")
 
 
 def listdir(url: str, storage_options: StorageOptions | None = None) -> list[str]:
@@ -235,12 +341,11 @@ def listdir(url: str, storage_options: StorageOptions | None = None) -> list[str
             return sorted(os.listdir(local_path(url)))
         except (FileNotFoundError, NotADirectoryError):
             return []
-    fs, path = filesystem(url, storage_options)
-    fs.invalidate_cache(path)
     try:
-        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+        paths = _ask(url, storage_options, lambda fs, path: fs.ls(path, detail=False))
     except FileNotFoundError:
         return []
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in paths)
 
 
 def remove(url: str, storage_options: StorageOptions | None = None) -> None:
@@ -248,17 +353,15 @@ def remove(url: str, storage_options: StorageOptions | None = None) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(local_path(url))
         return
-    fs, path = filesystem(url, storage_options)
     with contextlib.suppress(FileNotFoundError):
-        fs.rm_file(path)
+        _ask(url, storage_options, lambda fs, path: fs.rm_file(path))
 
 
 def makedirs(url: str, storage_options: StorageOptions | None = None) -> None:
     if is_local(url):
         os.makedirs(local_path(url), exist_ok=True)
     else:
-        fs, path = filesystem(url, storage_options)
-        fs.makedirs(path, exist_ok=True)
+        _ask(url, storage_options, lambda fs, path: fs.makedirs(path, exist_ok=True))
 
 
 TMP_MARK = ".tmp-"
@@ -290,31 +393,54 @@ def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> It
                 os.remove(tmp)
             raise
         return
-    fs, path = filesystem(url, storage_options)
+    fs, path = filesystem(url, storage_options)  # the client's own retries on: only it can retry an upload
+    what = display(url)
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
     if protocols & _OBJECT_STORES:
         target = path  # an upload becomes visible only when complete
     else:
         target = f"{path}{TMP_MARK}{uuid.uuid4().hex[:12]}"  # e.g. HDFS: visible while written
-    remote = fs.open(target, "wb")
+    remote = retrying(what, lambda: fs.open(target, "wb"), 1)
     try:
-        yield remote
-    except BaseException:
-        discard = getattr(remote, "discard", None)
-        if discard is not None:
-            discard()
+        yield cast(BinaryIO, _Upload(remote, what))
+        retrying(what, remote.close, 1)
         if target != path:
-            with contextlib.suppress(OSError):
+            retrying(what, lambda: _rename_into_place(fs, target, path, what), 1)
+    except BaseException:
+        _abandon(remote)
+        if target != path:
+            with contextlib.suppress(Exception):
                 fs.rm_file(target)
         raise
-    remote.close()
-    if target != path:
-        if fs.exists(path):  # a rename onto an existing file fails on HDFS
-            fs.rm_file(path)
-        fs.mv(target, path)
-        fs.invalidate_cache(path)
-        if not fs.exists(path):  # WebHDFS reports a refused RENAME as `false`, not an error
-            raise ShardkitError(f"{display(url)}: could not rename the finished upload into place")
+
+
+class _Upload:
+    """The file an upload is written through (`write` only): a client's failure becomes one
+    line naming the URL."""
+
+    def __init__(self, f: Any, what: str):
+        self._f, self._what = f, what
+
+    def write(self, data: bytes) -> int:
+        return retrying(self._what, lambda: self._f.write(data), 1)  # type: ignore[no-any-return]
+
+
+def _abandon(f: Any) -> None:
+    """Throw an unfinished upload away: nothing may appear under its name, now or later (a
+    discarded fsspec file still open would upload what it holds when garbage-collected)."""
+    with contextlib.suppress(Exception):  # the error that stopped the upload is the one to report
+        f.discard()
+    with contextlib.suppress(AttributeError):  # files other than fsspec's buffered ones hold nothing back
+        f.closed = True
+
+
+def _rename_into_place(fs: Any, target: str, path: str, what: str) -> None:
+    if fs.exists(path):  # a rename onto an existing file fails on HDFS
+        fs.rm_file(path)
+    fs.mv(target, path)
+    fs.invalidate_cache(path)
+    if not fs.exists(path):  # WebHDFS reports a refused RENAME as `false`, not an error
+        raise ShardkitError(f"{what}: could not rename the finished upload into place")
 
 
 def write_bytes_atomic(url: str, data: bytes, storage_options: StorageOptions | None = None) -> None:
@@ -358,8 +484,7 @@ class RangeReader:
         if handle is not None:
             return handle
         with self._lock:  # one opener per shard; close() waits for it
-            if self._closed:
-                raise ShardkitError("read after the reader was closed")
+            self._check_open()
             if shard in self._bad:
                 raise self._bad[shard]
             handle = self._handles.get(shard)
@@ -367,9 +492,7 @@ class RangeReader:
                 if self._local[shard]:
                     handle = os.open(local_path(self._urls[shard]), os.O_RDONLY)
                 else:
-                    handle = filesystem(self._urls[shard], self._reader_options(shard), self._instances)
-                    if hasattr(handle[0], "retries"):  # s3fs: retry in one place (ours), not retries^2 times
-                        handle[0].retries = 1
+                    handle = filesystem(self._urls[shard], self._opts, self._instances, client_retries=False)
                 if self._verify:
                     try:
                         self._check_sha256(shard, handle)
@@ -388,6 +511,7 @@ class RangeReader:
             return
 
         def digest() -> str:
+            self._check_open()
             sha = hashlib.sha256()
             if self._local[shard]:
                 pos = 0
@@ -405,14 +529,11 @@ class RangeReader:
         if retrying(f"{display(url)} (sha256 check)", digest, attempts_for(url)) != expected:
             raise CorruptShardError(f"{display(url)}: sha256 mismatch with the index (shard changed or corrupt)")
 
-    def _reader_options(self, shard: int) -> StorageOptions | None:
-        """The user's options; for S3, unless the user configured the client, its own
-        retries are turned off too, so a failing read takes `RETRIES` attempts, not
-        RETRIES x s3fs x botocore attempts."""
-        opts = self._opts or {}
-        if self._urls[shard].split("://", 1)[0] in ("s3", "s3a") and "config_kwargs" not in opts:
-            return {**opts, "config_kwargs": {"retries": {"total_max_attempts": 1}}}
-        return self._opts
+    def _check_open(self) -> None:
+        """Fail a read, or a retry of one, that comes after close(): a `break` out of the
+        loop stops read-ahead threads from going on at the store."""
+        if self._closed:
+            raise ShardkitError("read after the reader was closed")
 
     def is_local(self, shard: int) -> bool:
         return self._local[shard]
@@ -426,8 +547,7 @@ class RangeReader:
         fd, url = self._handle(shard), self._urls[shard]
 
         def read_at(size: int, offset: int) -> bytes:
-            if self._closed:
-                raise ShardkitError("read after the reader was closed")
+            self._check_open()
             try:
                 data = os.pread(fd, size, offset)
                 while 0 < len(data) < size and (more := os.pread(fd, size - len(data), offset + len(data))):
@@ -464,7 +584,8 @@ class RangeReader:
         fs, path = handle
 
         def get() -> bytes:
-            data = fs.cat_file(path, start=start, end=stop)
+            self._check_open()
+            data = _cat_range(fs, path, start, stop)
             if len(data) > stop - start:
                 raise self._short(shard, start, stop, len(data))
             if len(data) < stop - start:

@@ -29,22 +29,23 @@ def verify(url: str, storage_options: StorageOptions | None = None,
     problems = []
     for info in idx.shards:
         shard_url = storage.join(url, info.name)
+        where = storage.display(shard_url)
         problem = None
         try:
             found = scan_shard(shard_url, storage_options).info
         except FileNotFoundError:
-            problem = f"{shard_url}: missing"
+            problem = f"{where}: missing"
         except ShardkitError as e:
             problem = str(e)
         else:
             if found.bytes != info.bytes:
-                problem = f"{shard_url}: {found.bytes} bytes, index says {info.bytes}"
+                problem = f"{where}: {found.bytes} bytes, index says {info.bytes}"
             elif info.sha256 is not None and found.sha256 != info.sha256:
-                problem = f"{shard_url}: sha256 mismatch (shard changed or corrupt)"
+                problem = f"{where}: sha256 mismatch (shard changed or corrupt)"
             elif found.samples != info.samples:
-                problem = f"{shard_url}: {found.samples} samples, index says {info.samples}"
+                problem = f"{where}: {found.samples} samples, index says {info.samples}"
             elif info.offsets is not None and found.offsets != info.offsets:
-                problem = f"{shard_url}: sample offsets differ from the index"
+                problem = f"{where}: sample offsets differ from the index"
         if problem:
             problems.append(problem)
         if on_shard:
@@ -56,24 +57,26 @@ def _verify_lmdb(url: str, idx: Index, storage_options: StorageOptions | None) -
     """The first problem of an LMDB dataset, if any: data.mdb opens and is complete, the
     index stored inside it is index.json's, every sample of the index is there with the
     byte count the index records, and no record belongs to no sample. (LMDB keeps no
-    checksums of values: bytes changed in place are not detected.)"""
+    checksums of values: bytes changed in place are not detected.) Problems name `url`, not
+    the local copy of a remote one."""
     path = local_lmdb(url, storage_options, None)
+    where = storage.display(url)
     try:
         env = lmdb_format.open_reader(path)
-        if Index.from_json(lmdb_format.read_index(env, path), path).to_json() != idx.to_json():
-            return f"{path}: index.json differs from the index stored in data.mdb"
+        if Index.from_json(lmdb_format.read_index(env, where), where).to_json() != idx.to_json():
+            return f"{where}: index.json differs from the index stored in data.mdb"
         keys, sizes = idx.extra.get("keys", []), idx.extra.get("sizes")
         records = 1  # the index's own
         with env.begin(buffers=True) as txn:
             for i, key in enumerate(keys):
-                fields = lmdb_format.read_sample(txn, key, path)
+                fields = lmdb_format.read_sample(txn, key, where)
                 records += len(fields)
                 got = sum(len(v) for v in fields.values())
                 if sizes is not None and got != sizes[i]:
-                    return f"{path}: sample {key}: {got} bytes, index says {sizes[i]}"
+                    return f"{where}: sample {key}: {got} bytes, index says {sizes[i]}"
         extra = env.stat()["entries"] - records
         if extra:
-            return f"{path}: {extra} stray record(s), part of no sample in the index"
-    except ShardkitError as e:
-        return str(e)
+            return f"{where}: {extra} stray record(s), part of no sample in the index"
+    except ShardkitError as e:  # open_reader's name the local copy
+        return str(e).replace(path, where)
     return None

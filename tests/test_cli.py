@@ -273,3 +273,15 @@ def test_commands_that_need_torch_say_so_without_it(photos: Path, tmp_path: Path
         assert proc.returncode == code, proc.stderr
         if code:
             assert proc.stderr == "Error: this command reads through PyTorch, which is not installed: pip install torch\n"
+
+
+def test_verify_says_which_shards_it_could_not_hash(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "out"
+    run("pack", photos, out, "--max-count", "8", "-q")
+    doc = json.loads((out / "index.json").read_text())
+    del doc["shards"][1]["sha256"]
+    (out / "index.json").write_text(json.dumps(doc))
+    result = run("verify", out)
+    assert result.exit_code == 0
+    assert "ok   shard-000001.tar (8 samples) (no sha256 in the index)" in result.output
+    assert "1 shard without a sha256 in the index: sizes, counts and offsets match, their bytes were not checked" in result.output

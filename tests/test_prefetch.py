@@ -4,6 +4,8 @@ real files, no servers."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -60,6 +62,42 @@ def test_byte_budget_bounds_what_is_held() -> None:
         time.sleep(0.002)
         consumed = i + 1
         assert len(submitted) - consumed <= 4  # at most budget / size ahead (plus the one in hand)
+
+
+@pytest.mark.parametrize("sizes", [[60] * 30, [99, 1, 1, 1, 99, 99, 50, 50, 99] * 4, [150, 10, 10, 150, 10]])
+def test_byte_budget_is_never_exceeded(sizes: list[int]) -> None:
+    """At most `budget` bytes fetched and not yet consumed, counting the request about to
+    be sent; a request larger than the budget goes out alone."""
+    lock = threading.Lock()
+    held = peak = 0
+
+    def fetch(size: int) -> int:
+        nonlocal held, peak
+        with lock:
+            held += size
+            peak = max(peak, held)
+        return size
+
+    for size, _ in Prefetcher(sizes, fetch, lambda size: size, depth=8, budget=100):
+        time.sleep(0.005)
+        with lock:
+            held -= size
+    assert peak <= max(100, max(sizes))
+
+
+def test_interpreter_exit_does_not_wait_for_a_stalled_fetch() -> None:
+    script = """if True:
+        import threading, time
+        from shardkit.prefetch import Prefetcher
+        pf = Prefetcher(range(4), lambda i: time.sleep(30), lambda i: 1, depth=2, budget=10)
+        it = iter(pf)
+        threading.Thread(target=lambda: next(it, None), daemon=True).start()
+        time.sleep(0.3)
+        pf.close()  # what a `break` out of the loop does
+    """
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    assert time.monotonic() - start < 10
 
 
 def test_errors_surface_at_their_position() -> None:
@@ -167,6 +205,19 @@ def test_range_cache_housekeeping_never_stops_a_read(tmp_path: Path, monkeypatch
     cache = RangeCache(str(root), limit=1000)
     cache.put("s3://b/x.tar", "v1", 0, 2000, b"a" * 2000)  # over the cap: eviction cannot remove either
     assert stale.exists()
+
+
+def test_range_cache_serves_an_entry_it_cannot_touch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a cache shared by several users another user's entry cannot have its time set:
+    the hit is served all the same (marking it recently used is best effort)."""
+    cache = RangeCache(str(tmp_path / "c"), limit=1000)
+    cache.put("s3://b/x.tar", "v1", 0, 5, b"hello")
+
+    def refuse(path: str, *args: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "utime", refuse)
+    assert cache.get("s3://b/x.tar", "v1", 0, 5) == b"hello"
 
 
 def _fill(root: str, worker: int) -> None:

@@ -1,0 +1,263 @@
+"""Storage failures against real servers on loopback (tests/servers.py): a failed upload
+leaves nothing behind, every failure is one line naming the URL without its credentials,
+errors no retry can fix fail at once, and a truncated shard is bad data, not a store failure."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec.core
+import pytest
+
+import shardkit
+from shardkit import StreamingDataset, storage
+from shardkit.errors import CorruptShardError, ShardkitError
+from shardkit.sources import local_lmdb
+
+from conftest import draw, make_folder
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shardkit", *args], capture_output=True, text=True, timeout=120)
+
+
+def dead_endpoint() -> str:
+    """An address where nothing listens: every connection is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def web(tmp_path: Path, packed: Path) -> Iterator[tuple[str, Path]]:
+    """(base URL, folder) of a plain HTTP server over a folder holding the packed dataset as ds/."""
+    (tmp_path / "www").mkdir()
+    os.symlink(packed, tmp_path / "www" / "ds")
+    handler = functools.partial(_Quiet, directory=str(tmp_path / "www"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", tmp_path / "www"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _fail_an_upload(url: str, opts: dict) -> None:
+    try:
+        with storage.atomic_writer(url, opts) as f:
+            f.write(b"x" * 3000)
+            raise RuntimeError("the caller failed")
+    except RuntimeError:
+        pass  # the traceback, which holds the upload's file, is dropped here: the file is garbage
+
+
+def test_a_failed_upload_leaves_nothing_behind(remote: dict) -> None:
+    """A discarded upload still open would upload what it holds when garbage-collected
+    (GCS: a partial object under the final name; WebHDFS: its temporary file)."""
+    url, opts = remote["url"] + "/ds", remote["storage_options"]
+    storage.makedirs(url, opts)
+    _fail_an_upload(url + "/shard-000000.tar", opts)
+    gc.collect()
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.invalidate_cache()
+    assert fs.find(root) == []
+
+
+def test_a_failed_pack_commits_no_partial_shard(remote: dict, photos: Path) -> None:
+    (photos / "circle" / "img_0002.jpg").write_bytes(b"not an image")
+    url, opts = remote["url"] + "/ds", remote["storage_options"]
+    with pytest.raises(ShardkitError, match="img_0002.jpg: not an image file"):
+        shardkit.pack(str(photos), url, max_count=100, workers=1, shuffle=False, on_error="fail", progress=False,
+                      storage_options=opts)
+    gc.collect()
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.invalidate_cache()
+    assert [p for p in fs.find(root) if ".tar" in p] == []
+
+
+def test_credentials_stay_out_of_messages_and_output(web: tuple[str, Path]) -> None:
+    base, _ = web
+    signed = f"{base}/ds/shard-999999.tar?X-Amz-Signature=SECRETSIG"
+    for call in (lambda: storage.read_bytes(signed), lambda: storage.read_range(signed, 0, 10),
+                 lambda: StreamingDataset([signed])):
+        with pytest.raises(FileNotFoundError) as info:
+            call()
+        assert "SECRETSIG" not in str(info.value) and "shard-999999.tar" in str(info.value)
+    with_password = base.replace("http://", "http://alice:SECRETPW@") + "/ds"
+    assert shardkit.verify(with_password) == []
+    verify, info_out = cli("verify", with_password), cli("info", with_password)
+    assert verify.returncode == 0 and info_out.returncode == 0
+    assert "dataset:  http://***@127.0.0.1" in info_out.stdout
+    for done in (verify, info_out):
+        assert "SECRETPW" not in done.stdout + done.stderr
+
+
+def test_verify_names_bad_shards_without_credentials(web: tuple[str, Path], packed: Path) -> None:
+    base, www = web
+    os.unlink(www / "ds")
+    (www / "ds").mkdir()
+    for p in packed.iterdir():
+        if p.name != "shard-000001.tar":
+            (www / "ds" / p.name).symlink_to(p)
+    url = base.replace("http://", "http://alice:SECRETPW@") + "/ds"
+    problems = shardkit.verify(url)
+    assert problems == [f"http://***@{base.removeprefix('http://')}/ds/shard-000001.tar: missing"]
+    done = cli("verify", "-q", url)
+    assert done.returncode == 1 and "SECRETPW" not in done.stdout + done.stderr
+    assert "BAD  http://***@" in done.stderr
+
+
+def test_a_webhdfs_delegation_token_stays_out_of_errors() -> None:
+    """urllib3 names the request without its scheme ("Max retries exceeded with url:
+    /webhdfs/v1/ds/index.json?op=OPEN&delegation=..."): the query is hidden all the same."""
+    url = dead_endpoint().replace("http://", "webhdfs://") + "/ds"
+    done = cli("info", url, "-o", "token=SECRETTOKEN")
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done
+    assert f"{url}/index.json" in done.stderr and "SECRETTOKEN" not in done.stderr
+
+
+def test_options_a_store_refuses_are_one_line() -> None:
+    done = cli("info", "webhdfs://127.0.0.1:9/ds", "-o", "user=u", "-o", "token=SECRETTOKEN")
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done
+    assert "webhdfs://127.0.0.1:9/ds/index.json: storage options refused by webhdfs://" in done.stderr
+
+
+@pytest.mark.parametrize("block", [1, 64])
+def test_a_truncated_shard_is_bad_data_on_every_store(remote: dict, packed: Path, block: int) -> None:
+    """A range past the new end (S3 answers 416) is the shard's problem, not the store's:
+    CorruptShardError saying where it ends, and only samples past the cut skipped."""
+    url, opts = remote["url"] + "/ds", remote["storage_options"]
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.put(str(packed), root, recursive=True)
+    whole = (packed / "shard-000000.tar").read_bytes()
+    fs.pipe(f"{root}/shard-000000.tar", whole[: len(whole) // 2])
+    with pytest.raises(CorruptShardError, match=rf"shard-000000\.tar .*the shard ends at byte {len(whole) // 2}"):
+        list(StreamingDataset(url, storage_options=opts, block=block))
+    ds = StreamingDataset(url, storage_options=opts, block=block, on_error="skip")
+    assert len(list(ds)) == 120
+    assert 0 < ds.stats()["skipped"] < 7
+
+
+@pytest.mark.parametrize("protocol", ["http", "webhdfs"])
+def test_forbidden_over_http_and_webhdfs_fails_at_once(forbidding: tuple[str, list[str]], protocol: str) -> None:
+    endpoint, log = forbidding
+    url = endpoint.replace("http", protocol, 1) + "/ds/shard-000000.tar"
+    opts = {"user": "u"} if protocol == "webhdfs" else None
+    with pytest.raises(PermissionError, match=f"^{url}: .*403"):
+        storage.read_range(url, 0, 100, opts)
+    with pytest.raises(PermissionError, match=rf"^{url} \(bytes 0-100\): .*403"):
+        storage.RangeReader([url], opts).read(0, 0, 100)
+    assert len(log) == 2, log
+
+
+def test_no_credentials_and_an_invalid_bucket_fail_at_once(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    anonymous = {"client_kwargs": {"endpoint_url": s3_server}, "skip_instance_cache": True}
+    with pytest.raises(PermissionError, match=r"^s3://bucket/ds/index\.json: Unable to locate credentials$"):
+        storage.read_bytes("s3://bucket/ds/index.json", anonymous)
+    opts = {**anonymous, "key": "testing", "secret": "testing"}
+    with pytest.raises(ValueError, match=r"^s3://b!/ds/index\.json: .*Invalid bucket name"):
+        storage.read_bytes("s3://b!/ds/index.json", opts)
+
+
+def test_every_storage_call_fails_in_one_line_naming_the_url(forbidding: tuple[str, list[str]]) -> None:
+    """exists, size, listdir, makedirs, remove, open_read and uploads: no raw client error."""
+    endpoint, _ = forbidding
+    opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint}, "skip_instance_cache": True}
+    url = "s3://bucket/ds/x.tar"
+    calls = {
+        "exists": lambda: storage.exists(url, opts), "size": lambda: storage.size(url, opts),
+        "listdir": lambda: storage.listdir(url, opts), "makedirs": lambda: storage.makedirs(url, opts),
+        "remove": lambda: storage.remove(url, opts), "open_read": lambda: storage.open_read(url, opts),
+        "upload": lambda: storage.write_bytes_atomic(url, b"data", opts),
+    }
+    for name, call in calls.items():
+        with pytest.raises(PermissionError) as info:
+            call()
+        assert isinstance(info.value, ShardkitError) and str(info.value).startswith(url), name
+
+
+def test_a_dead_endpoint_fails_in_seconds_naming_the_url(photos: Path) -> None:
+    endpoint = dead_endpoint()
+    opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint}, "skip_instance_cache": True}
+    with pytest.raises(ShardkitError, match=r"^s3://bucket/ds/shard-000000\.tar: .*gave up after 5 attempts"):
+        StreamingDataset(["s3://bucket/ds/shard-000000.tar"], storage_options=opts)
+    flags = ["-o", "key=k", "-o", "secret=s", "-o", f"endpoint_url={endpoint}"]
+    start = time.monotonic()
+    info = cli("info", "s3://bucket/ds", *flags)  # botocore's own retries were 5 x ours: 39 s
+    assert time.monotonic() - start < 20
+    pack = cli("pack", str(photos), "s3://bucket/out", "-q", *flags)
+    for done, url in ((info, "s3://bucket/ds/index.json"), (pack, "s3://bucket/out")):
+        assert done.returncode == 1 and done.stderr.startswith(f"Error: {url}: "), done
+        assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_reads_stop_retrying_once_the_reader_is_closed() -> None:
+    """A `break` out of the loop closes the reader: read-ahead still retrying a failing
+    store gives up at its next attempt instead of going on at the store."""
+    opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": dead_endpoint()}}
+    reader = storage.RangeReader(["s3://bucket/ds/shard-000000.tar"], opts)
+    failed: list[Exception] = []
+
+    def read() -> None:
+        try:
+            reader.read(0, 0, 100)
+        except ShardkitError as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    time.sleep(0.05)  # the first attempt has failed: backing off
+    reader.close()
+    thread.join(10)
+    assert [str(e) for e in failed] == ["read after the reader was closed"]
+
+
+def _lmdb(photos: Path, dest: Path, seed: int) -> Path:
+    for i, p in enumerate(sorted(photos.rglob("*.jpg"))):  # the same names, other pictures
+        draw(p, 0, seed=seed + i, size=(56, 48))
+    shardkit.pack(str(photos), str(dest), format="lmdb", workers=1, progress=False)
+    return dest
+
+
+def test_a_replaced_remote_lmdb_is_fetched_again(s3: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    photos = make_folder(tmp_path / "photos", per_class=3)
+    old, new = _lmdb(photos, tmp_path / "v1", 1), _lmdb(photos, tmp_path / "v2", 1000)
+    url, opts = s3["url"] + "/ds", s3["storage_options"]
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    cache = str(tmp_path / "cache")
+
+    def upload(folder: Path) -> dict[str, bytes]:
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+        fs.put(str(folder), root, recursive=True)
+        return {s["__key__"]: s["jpg"] for s in StreamingDataset(url, storage_options=opts, cache_dir=cache)}
+
+    upload(old)
+    assert upload(new) == {s["__key__"]: s["jpg"] for s in StreamingDataset(str(new))}
+    assert len(os.listdir(next(Path(cache).glob("lmdb-*")))) == 1  # the old copy is gone
+    with pytest.raises(ShardkitError, match=r"^s3://shardkit-test/ds/data\.mdb: \d+ bytes do not fit in cache_limit"):
+        local_lmdb(url, opts, str(tmp_path / "small"), cache_limit=16_000)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # verify's copy goes to the default cache
+    fs.put_file(str(old / "index.json"), f"{root}/index.json")  # data.mdb of one pack, index.json of another
+    assert shardkit.verify(url, opts) == [f"{url}: index.json differs from the index stored in data.mdb"]
