@@ -154,12 +154,8 @@ def _scan_remote(src: str, storage_options: StorageOptions | None) -> tuple[tupl
     """The same for a bucket prefix: one recursive listing; object stores have no empty folders."""
     import hashlib
 
-    fs, root = storage.filesystem(src, storage_options)
-    root = root.rstrip("/")
-    try:
-        entries = fs.find(root, detail=True)
-    except FileNotFoundError:
-        entries = {}
+    root = storage.filesystem(src, storage_options)[1].rstrip("/")
+    entries = storage.find(src, storage_options)
     skipped: list[Skipped] = []
     files = []
     for path in sorted(entries):

@@ -334,6 +334,15 @@ def endpoint(storage_options: StorageOptions | None) -> str:
     return str(opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") or "")
 
 
+def find(url: str, storage_options: StorageOptions | None = None) -> dict[str, dict[str, Any]]:
+    """Every object under a remote prefix, recursively, with its details: {path: info};
+    empty where there is none."""
+    try:
+        return _ask(url, storage_options, lambda fs, path: fs.find(path.rstrip("/"), detail=True))  # type: ignore[no-any-return]
+    except FileNotFoundError:
+        return {}
+
+
 def listdir(url: str, storage_options: StorageOptions | None = None) -> list[str]:
     """Base names directly under a directory or prefix; [] if it does not exist."""
     if is_local(url):

@@ -261,3 +261,10 @@ def test_a_replaced_remote_lmdb_is_fetched_again(s3: dict, tmp_path: Path, monke
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # verify's copy goes to the default cache
     fs.put_file(str(old / "index.json"), f"{root}/index.json")  # data.mdb of one pack, index.json of another
     assert shardkit.verify(url, opts) == [f"{url}: index.json differs from the index stored in data.mdb"]
+
+
+def test_packing_from_a_dead_endpoint_is_one_line(tmp_path: Path) -> None:
+    flags = ["-o", "key=k", "-o", "secret=s", "-o", f"endpoint_url={dead_endpoint()}"]
+    done = cli("pack", "s3://raw/photos", str(tmp_path / "out"), "-q", *flags)
+    assert done.returncode == 1 and done.stderr.startswith("Error: s3://raw/photos"), done
+    assert len(done.stderr.splitlines()) == 1 and "gave up after" in done.stderr, done.stderr
