@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from . import partition, worker
+from . import partition
+from . import worker  # noqa: F401 - forked workers freeze what they inherit (see worker.py)
 from .batching import Batches
 from .counters import MAX_WORKERS, Shared
 from .partition import Layout, Progress
@@ -271,7 +272,6 @@ class EpochStream:
         # raised at the first sample, not here: torch reports an error from a persistent
         # worker's __iter__ only as the worker dying
         self._refusal: Exception | None = None
-        worker.settle()
         self.history: list[dict[str, Any]] = []
         self.epoch = 0
         self.skip = 0

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from . import worker
+from . import worker  # noqa: F401 - forked workers freeze what they inherit (see worker.py)
 from .decode import decoder
 from .errors import CorruptShardError, describe
 from .formats import lmdb as lmdb_format
@@ -95,7 +95,6 @@ class LMDBDataset(torch.utils.data.Dataset):
         return key, lmdb_format.read_one(lmdb_format.open_reader(self.path, self.readahead), key, self.path)
 
     def _finish(self, key: str, fields: dict[str, bytes]) -> Any:
-        worker.settle()  # every time: a forked worker may inherit a decoder the parent built
         if self._decode is None:
             self._decode = decoder(self.decode)
         try:
