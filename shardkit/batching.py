@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate, default_convert, get_worker_info
 
-from . import worker  # noqa: F401 - forked workers freeze what they inherit (see worker.py)
+from . import worker
 
 HEADER = 64  # byte 0: the busy flag; bytes 8-16: the segment's token; data starts cache-line aligned
 MAX_SEGMENTS = 8  # pooled segments per process; past that, one-off segments
@@ -125,6 +125,7 @@ def _process_pool() -> _Pool:
     if _pool is None or _pool[0] != os.getpid():
         _pool = (os.getpid(), _Pool())
         if get_worker_info() is not None:  # our worker process; the user's main process is theirs
+            worker.settle()
             _keep_heap()
     return _pool[1]
 

@@ -146,8 +146,10 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
     took = time.perf_counter() - start
     where = f"{_plural(len(idx.shards), 'shard')}" if idx.kind == "tar" else "an LMDB"
     samples, size = _plural(idx.samples, "sample"), format_size(idx.bytes)
-    if not stats["written"]:
+    if stats["unchanged"]:
         click.echo(f"{dest}: already holds this pack ({samples} in {where}, {size}): nothing to do")
+    elif not stats["written"]:  # every shard was there: a crash before the index
+        click.echo(f"finished the pack in {dest}: index.json written ({samples} in {where}, {size})")
     else:
         kept = f"; {stats['kept']} kept from an earlier run" if stats["kept"] else ""
         click.echo(f"packed {samples} into {where} ({size}) in {took:.1f} s: "

@@ -1,8 +1,8 @@
 """Turn a sample's raw fields into Python values, WebDataset style.
 
 Images become bytes ("raw"), PIL images ("pil"), HWC uint8 numpy arrays ("rgb8") or CHW
-uint8 torch tensors ("tensor"). The other fields follow webdataset's default handlers:
-`cls cls2 class count index inx id` become ints, `json jsn` dicts, `txt text transcript`
+uint8 torch tensors ("tensor"). The other fields follow webdataset's default decoders:
+`cls cls2 index inx id` become ints, `json jsn` dicts, `txt text transcript`
 strs. Anything else stays bytes: members are never unpickled or passed to torch.load.
 
 Decoding less: `resized` / `resized_tensor` decode an image straight to its training size
@@ -28,7 +28,7 @@ from .errors import FieldError, describe
 
 MODES = ("raw", "pil", "rgb8", "tensor")
 IMAGE_FIELDS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "pbm", "pnm", "tif", "tiff", "gif"})
-_INT_FIELDS = ("cls", "cls2", "class", "count", "index", "inx", "id")  # webdataset's lists
+_INT_FIELDS = ("cls", "cls2", "index", "inx", "id")  # webdataset's decoders (its docstring lists more)
 _JSON_FIELDS = ("json", "jsn")
 _TEXT_FIELDS = ("txt", "text", "transcript")
 _LONG_DIGITS = re.compile(rb"\d{19}")  # orjson reads integers past 64 bits as floats: json it is

@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from . import partition
-from . import worker  # noqa: F401 - forked workers freeze what they inherit (see worker.py)
+from . import partition, worker
 from .batching import Batches
 from .counters import MAX_WORKERS, Shared
 from .partition import Layout, Progress
@@ -140,8 +139,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
             self._shared.set_epoch(int(found[0]["epoch"]))
             return
         first = workers[0]
-        if any(s["epoch"] != first["epoch"] or s["num_workers"] != first["num_workers"] for s in workers):
-            raise ValueError("state dict mixes workers of different epochs or layouts")
+        _check_layout(workers)
         loader = _find_loader(state)
         if loader.get("_iterator_finished"):  # StatefulDataLoader, after a whole pass
             self._drop_resume()
@@ -197,8 +195,15 @@ def stats_summary(total: dict[str, float]) -> dict[str, float]:
     return total
 
 
+def _check_layout(workers: list[dict[str, Any]]) -> None:
+    first = workers[0]
+    if any(s["epoch"] != first["epoch"] or s["num_workers"] != first["num_workers"] for s in workers):
+        raise ValueError("state dict mixes workers of different epochs or layouts")
+
+
 def _history(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The progress behind a loader's worker states: their own history, then how far they got."""
+    _check_layout(workers)
     first = workers[0]
     yielded = [0] * int(first["num_workers"])
     for s in workers:
@@ -272,6 +277,7 @@ class EpochStream:
         # raised at the first sample, not here: torch reports an error from a persistent
         # worker's __iter__ only as the worker dying
         self._refusal: Exception | None = None
+        worker.settle()
         self.history: list[dict[str, Any]] = []
         self.epoch = 0
         self.skip = 0

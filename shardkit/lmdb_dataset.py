@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from . import worker  # noqa: F401 - forked workers freeze what they inherit (see worker.py)
+from . import worker
 from .decode import decoder
 from .errors import CorruptShardError, describe
 from .formats import lmdb as lmdb_format
@@ -95,6 +95,7 @@ class LMDBDataset(torch.utils.data.Dataset):
         return key, lmdb_format.read_one(lmdb_format.open_reader(self.path, self.readahead), key, self.path)
 
     def _finish(self, key: str, fields: dict[str, bytes]) -> Any:
+        worker.settle()
         if self._decode is None:
             self._decode = decoder(self.decode)
         try:

@@ -208,8 +208,8 @@ def pack(
     finished work is kept, the rest is written. A finished dataset made from another source
     or with other options is replaced only with `overwrite=True`. Returns the committed
     Index (`index.skipped` lists every input that was left out). `stats`, if given, is
-    filled with `kept` (source files in work an earlier run finished) and `written` (source
-    files this run packed).
+    filled with `kept` (source files in work an earlier run finished), `written` (source
+    files this run packed) and `unchanged` (1 when DEST already held this very pack, whole).
 
     `executor="ray"` runs the same jobs as Ray tasks on the cluster at `ray_address`
     (inputs and outputs must then be reachable from every node: a shared file system or
@@ -242,7 +242,7 @@ def pack(
               else executors.local(workers or os.cpu_count() or 1))
     run = _pack_tar if format == "tar" else _pack_lmdb
     tally = stats if stats is not None else {}
-    tally.update(kept=len(plan.order), written=0)  # what a finished pack's rerun reports
+    tally.update(kept=len(plan.order), written=0, unchanged=1)  # what a finished pack's rerun reports
     return run(plan, dest, runner, progress, overwrite, tally, storage_options)
 
 
@@ -290,7 +290,7 @@ def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | 
         else:
             results[name] = done
     initial = sum(plan.size(i) for i in range(len(plan.names)) if plan.names[i] in results)
-    stats.update(kept=initial, written=len(plan.order) - initial)
+    stats.update(kept=initial, written=len(plan.order) - initial, unchanged=0)
     with _bar(plan, initial, progress) as bar:
         runner(write_shard, JobList(plan, todo), lambda r: results.__setitem__(r.info.name, r),
                lambda n: bar.update(initial + n - bar.n))
@@ -325,8 +325,11 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
             raise SourceError(f"{dest}: holds tar shards: pack an LMDB into another folder")
         raise SourceError(f"{dest}: destination is not empty and not an LMDB dataset")
     if not overwrite and os.path.exists(os.path.join(path, index.INDEX_NAME)):  # refuse before opening it
-        existing = index.load(dest)
-        if existing.plan != plan.fingerprint:
+        try:
+            existing = index.load(dest)
+        except (OSError, ValueError):  # the index stored inside the LMDB decides, below
+            existing = None
+        if existing is not None and existing.plan != plan.fingerprint:
             _refuse_to_replace(dest, existing)
     os.makedirs(path, exist_ok=True)
     writer = lmdb_format.Writer(path)
@@ -364,7 +367,7 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
 
         todo = JobList(plan, range(done, len(plan.names)))
         initial = sum(plan.size(i) for i in range(done))
-        stats.update(kept=initial, written=len(plan.order) - initial)
+        stats.update(kept=initial, written=len(plan.order) - initial, unchanged=0)
         with _bar(plan, initial, progress) as bar:
             runner(read_chunk, todo, commit, lambda n: bar.update(initial + n - bar.n))
         keys = [k for r in records for k in r["keys"]]

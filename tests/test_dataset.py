@@ -610,6 +610,13 @@ def test_workers_are_frozen_from_the_fork_on(packed: Path) -> None:
     assert len(keys_of(DataLoader(ds, num_workers=1, batch_size=None, worker_init_fn=_frozen_at_start))) == 120
 
 
+def test_spawned_workers_freeze_at_their_first_sample(packed: Path) -> None:
+    """Not forked, no fork hook: a spawned worker imported torch itself, and freezes that."""
+    ds = StreamingDataset(str(packed), transform=frozen_objects)
+    counts = list(DataLoader(ds, num_workers=1, batch_size=None, multiprocessing_context="spawn"))
+    assert min(counts) > 10_000
+
+
 # ---------------------------------------------------------------- shards from other tools
 
 

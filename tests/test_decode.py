@@ -202,13 +202,14 @@ def _tar_of(path: Path, members: dict[str, bytes]) -> str:
 
 
 def test_fields_follow_webdatasets_handlers(tmp_path: Path) -> None:
-    """ints, json and text by webdataset's default extension lists; anything else, `label`
-    and `idx` included, stays bytes (a text label once made every sample unreadable)."""
-    shard = _tar_of(tmp_path / "x.tar", {"s.cls": b"3", "s.class": b"4\n", "s.id": b"7", "s.jsn": b'{"a": 1}',
-                                         "s.text": "é".encode(), "s.label": b"dog\n", "s.idx": b"abc"})
+    """ints, json and text as webdataset's default decoders give them; anything else, `label`,
+    `idx` and `class` included, stays bytes (a text label once made every sample unreadable)."""
+    shard = _tar_of(tmp_path / "x.tar", {"s.cls": b"3", "s.inx": b"4\n", "s.id": b"7", "s.jsn": b'{"a": 1}',
+                                         "s.text": "é".encode(), "s.label": b"dog\n", "s.idx": b"abc",
+                                         "s.class": b"dog"})
     (got,) = StreamingDataset([shard])
     assert {k: v for k, v in got.items() if not k.startswith("__")} == {
-        "cls": 3, "class": 4, "id": 7, "jsn": {"a": 1}, "text": "é", "label": b"dog\n", "idx": b"abc"}
+        "cls": 3, "inx": 4, "id": 7, "jsn": {"a": 1}, "text": "é", "label": b"dog\n", "idx": b"abc", "class": b"dog"}
 
 
 def test_a_field_that_does_not_decode_is_named(tmp_path: Path) -> None:

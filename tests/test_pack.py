@@ -296,12 +296,12 @@ def test_changed_options_replace_a_dataset_only_with_overwrite(photos: Path, tmp
     stats: dict[str, int] = {}
     idx = shardkit.pack(str(photos), str(out), format=fmt, max_count=20, seed=1, workers=1, progress=False,
                         overwrite=True, stats=stats)
-    assert idx.samples == 30 and stats == {"kept": 0, "written": 30}
+    assert idx.samples == 30 and stats == {"kept": 0, "written": 30, "unchanged": 0}
     if fmt == "tar":
         assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-000000.tar", "shard-000001.tar"]
     assert [s["__key__"] for s in shardkit.StreamingDataset(str(out))] != []
     shardkit.pack(str(photos), str(out), format=fmt, max_count=20, seed=1, workers=1, progress=False, stats=stats)
-    assert stats == {"kept": 30, "written": 0}  # the same pack again: nothing to do, no overwrite needed
+    assert stats == {"kept": 30, "written": 0, "unchanged": 1}  # the same pack again: nothing to do, no overwrite needed
 
 
 def test_kill_at_any_moment_then_rerun(tmp_path: Path) -> None:
@@ -450,3 +450,25 @@ def test_an_unreadable_index_in_dest_is_replaced_only_with_overwrite(photos: Pat
         shardkit.pack(str(photos), str(out), workers=1, progress=False)
     assert (out / "index.json").read_text() == "{garbage"
     assert shardkit.pack(str(photos), str(out), workers=1, progress=False, overwrite=True).samples == 30
+
+
+def test_a_rerun_after_a_crash_before_the_index_commits_it(photos: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(shardkit.index, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("killed")))
+        with pytest.raises(RuntimeError, match="killed"):
+            shardkit.pack(str(photos), str(out), max_count=8, workers=1, progress=False)
+    assert not (out / "index.json").exists() and len(list(out.glob("*.tar"))) == 4
+    stats: dict[str, int] = {}
+    assert shardkit.pack(str(photos), str(out), max_count=8, workers=1, progress=False, stats=stats).samples == 30
+    assert stats == {"kept": 30, "written": 0, "unchanged": 0} and (out / "index.json").exists()
+
+
+def test_an_lmdb_whose_index_json_is_damaged_is_repaired_by_the_same_pack(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "db"
+    shardkit.pack(str(photos), str(out), format="lmdb", workers=1, progress=False)
+    good = (out / "index.json").read_text()
+    (out / "index.json").write_text("{garbage")
+    shardkit.pack(str(photos), str(out), format="lmdb", workers=1, progress=False)  # the copy inside the LMDB decides
+    assert (out / "index.json").read_text() == good
