@@ -208,11 +208,11 @@ def verify(url: str, quiet: bool, storage_options: tuple[str, ...]) -> None:
     unhashed = []  # shards whose index entry has no sha256 (a hand-made index): their bytes go unchecked
 
     def report(info: Any, problem: str | None) -> None:
-        if problem is None and info.sha256 is None and info.offsets is not None:  # a tar shard (an LMDB has neither)
+        unchecked = problem is None and info.sha256 is None and info.offsets is not None  # a tar shard (an LMDB has neither)
+        if unchecked:
             unhashed.append(info.name)
         if not quiet and problem is None:
-            click.echo(f"ok   {info.name} ({info.samples} samples)" + (" (no sha256 in the index)" if
-                                                                        info.name in unhashed else ""))
+            click.echo(f"ok   {info.name} ({info.samples} samples)" + (" (no sha256 in the index)" if unchecked else ""))
 
     problems = run_verify(url, _storage_options(storage_options), on_shard=report)
     for p in problems:

@@ -556,7 +556,8 @@ class RangeReader:
         fd, url = self._handle(shard), self._urls[shard]
 
         def read_at(size: int, offset: int) -> bytes:
-            self._check_open()
+            if self._closed:  # _check_open, inlined: this runs for every member of every sample
+                raise ShardkitError("read after the reader was closed")
             try:
                 data = os.pread(fd, size, offset)
                 while 0 < len(data) < size and (more := os.pread(fd, size - len(data), offset + len(data))):
