@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from .errors import ShardkitError, one_line
+from .errors import ShardkitError, one_line, redact
 from .units import format_size, parse_size
 
 
@@ -39,7 +39,7 @@ def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(141)  # a shell's code for a command ended by SIGPIPE
         except OSError as e:  # FileExistsError, NotADirectoryError, ...: the path and the reason
             text = f"{e.filename}: {e.strerror or e}" if e.filename is not None else one_line(e)
-            raise click.ClickException(text) from None
+            raise click.ClickException(redact(text)) from None
 
     return wrapper
 

@@ -3,6 +3,7 @@ message naming the file, shard or URL; subclasses also derive from the builtin a
 expect, so `except ValueError` and `except FileNotFoundError` keep working."""
 
 
+import errno
 import re
 
 _USERINFO = re.compile(r"(\b[a-zA-Z][\w+.-]*://)[^/\s@]+@")
@@ -19,6 +20,19 @@ def redact(text: str) -> str:
     """Hide credentials that URLs can carry: user info (`https://user:pw@host`) and query
     strings (presigned-URL signatures, WebHDFS delegation tokens) become '***'."""
     return _PARAMS.sub("?***", _QUERY.sub(r"\1?***", _USERINFO.sub(r"\1***@", text)))
+
+
+_ABOUT_THE_FILE = frozenset({errno.ELOOP, errno.ENAMETOOLONG, errno.ENXIO})
+
+
+def about_the_file(e: OSError) -> bool:
+    """Whether an error reading a source file is about that file (gone since the scan,
+    not readable by us, not a file, a bad name): a pack skips it and reports it. Any other
+    (too many open files, out of memory, an I/O error, a stale network mount) is about the
+    machine and would hit every file after it: the pack stops instead of turning an outage
+    into a smaller dataset, and a rerun resumes it."""
+    return isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)) or \
+        e.errno in _ABOUT_THE_FILE
 
 
 def describe(e: BaseException) -> str:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from . import executors, images, index, storage
-from .errors import CorruptShardError, SourceError
+from .errors import CorruptShardError, SourceError, about_the_file
 from .executors import tick
 from .formats import lmdb as lmdb_format
 from .formats.tar import TarWriter, parse_sample
@@ -79,6 +79,8 @@ def _samples(job: Job) -> Iterator[tuple[str, dict[str, bytes]] | Skipped]:
         try:
             yield _sample(job, item)
         except (OSError, images.BadImage, CorruptShardError) as e:
+            if isinstance(e, OSError) and not about_the_file(e):  # about the machine: stop
+                raise
             reason = str(e) if isinstance(e, (images.BadImage, CorruptShardError)) else f"cannot read ({e.strerror or e})"
             if job.options.on_error == "fail":
                 raise SourceError(f"{storage.join(job.src, item.path)}: {reason}") from None

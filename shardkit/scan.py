@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import images, index, storage
-from .errors import SourceError
+from .errors import SourceError, about_the_file
 from .formats import lmdb as lmdb_format
 from .index import Index, Skipped
 from .storage import StorageOptions
@@ -81,6 +81,8 @@ def _walk(top: str, rel: str, above: frozenset[tuple[int, int]], skipped: list[S
         above = above | {(st.st_dev, st.st_ino)}
         entries = sorted(os.scandir(top), key=lambda e: e.name)
     except OSError as e:
+        if not about_the_file(e):
+            raise
         skipped.append(Skipped(rel + "/", f"cannot list folder ({e.strerror or e})"))
         return
     for entry in entries:
@@ -97,6 +99,8 @@ def _walk(top: str, rel: str, above: frozenset[tuple[int, int]], skipped: list[S
             else:
                 skipped.append(Skipped(child, "not a regular file"))
         except OSError as e:
+            if not about_the_file(e):
+                raise
             skipped.append(Skipped(child, f"cannot stat ({e.strerror or e})"))
 
 
@@ -146,8 +150,6 @@ def scan_folder(src: str, storage_options: StorageOptions | None = None) -> tupl
     if not len(listing):
         raise SourceError(f"{src}: no image files in {len(classes)} class folders")
     return tuple(classes), listing, skipped
-
-
 
 
 def _scan_remote(src: str, storage_options: StorageOptions | None) -> tuple[tuple[str, ...], Listing, list[Skipped]]:

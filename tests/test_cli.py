@@ -239,6 +239,13 @@ def test_pack_errors_say_what_to_do(run, photos: Path, tmp_path: Path, setup, ar
     assert result.exit_code == 1 and text in result.output and result.output.count("\n") == 1
 
 
+def test_an_os_error_is_one_line_without_what_a_url_would_hide(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "a?token=secret").write_text("a file, not a folder")
+    result = run("pack", photos, tmp_path / "a?token=secret" / "out", "-q")
+    assert result.exit_code == 1 and "Not a directory" in result.output and result.output.count("\n") == 1
+    assert "secret" not in result.output
+
+
 def test_ray_address_needs_the_ray_executor(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     result = run("pack", photos, tmp_path / "out", "--ray-address", "auto")
     assert result.exit_code == 2 and "--ray-address needs --executor ray" in result.output

@@ -223,6 +223,37 @@ def test_a_folder_reached_twice_is_no_loop(tmp_path: Path) -> None:
     assert idx.skipped == ()
 
 
+def test_a_file_gone_since_the_scan_is_skipped_but_the_machine_failing_stops_the_pack(photos: Path) -> None:
+    """A file deleted between scan and read is that file's problem: skipped and listed.
+    Running out of file descriptors (a real EMFILE: the child fills its table) would fail
+    every read after it: the pack raises, naming the file, instead of packing nothing."""
+    script = f"""
+import errno, os, sys
+from shardkit.pack import _samples
+from shardkit.plan import make_plan
+from shardkit.index import Skipped
+plan = make_plan({str(photos)!r}, "unused", max_count=4, shuffle=False)
+job = plan.job(0)
+os.unlink(os.path.join({str(photos)!r}, job.items[1].path))
+got = list(_samples(job))
+assert [isinstance(g, Skipped) for g in got] == [False, True] + [False] * (len(got) - 2), got
+print(got[1].reason)
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError as e:
+    assert e.errno == errno.EMFILE
+try:
+    list(_samples(job))
+except OSError as e:
+    print(errno.errorcode[e.errno], os.path.basename(e.filename))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "cannot read (No such file or directory)"
+    assert out[1] == "EMFILE img_0000.jpg"
+
+
 def test_hidden_and_undecodable_names_are_skipped(photos: Path, tmp_path: Path) -> None:
     good = (photos / "circle" / "img_0000.jpg").read_bytes()
     (photos / "circle" / ".hidden.jpg").write_bytes(good)
