@@ -259,9 +259,19 @@ def read_range(url: str, start: int, stop: int, storage_options: StorageOptions 
             data = os.pread(f.fileno(), stop - start, start)
     else:
         data = _ask(url, storage_options, lambda fs, path: _cat_range(fs, path, start, stop))
+        if len(data) > stop - start:
+            raise _ranges_ignored(url, len(data), stop - start)
     if len(data) != stop - start:
         raise CorruptShardError(f"{display(url)}: {len(data)} bytes at offset {start}, expected {stop - start}")
     return data
+
+
+def _ranges_ignored(url: str, got: int, wanted: int) -> BadRequestError:
+    """More bytes than a range asked for: the server answered 200 with the whole file, as
+    `python -m http.server` does. No retry helps, and the shard is fine."""
+    return BadRequestError(f"{display(url)}: the server sent {got} bytes for a range of {wanted}: it ignores "
+                           "range requests, which streaming needs; serve the shards from one that supports them "
+                           "(nginx, S3, GCS) or copy them to local disk")
 
 
 def open_read(url: str, storage_options: StorageOptions | None = None) -> BinaryIO:
@@ -597,7 +607,7 @@ class RangeReader:
             self._check_open()
             data = _cat_range(fs, path, start, stop)
             if len(data) > stop - start:
-                raise self._short(shard, start, stop, len(data))
+                raise _ranges_ignored(url, len(data), stop - start)
             if len(data) < stop - start:
                 fs.invalidate_cache(path)
                 if fs.size(path) < stop:  # the object does end there
