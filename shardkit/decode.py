@@ -225,6 +225,9 @@ class ImageTransform:
         if field is None:
             raise KeyError(f"no image field in sample {sample.get('__key__')!r} (fields: {', '.join(sample)})")
         image = sample[field]
+        if not isinstance(image, (bytes, bytearray, memoryview, Image.Image)):
+            raise TypeError(f"image_transform decodes the image itself: it takes samples read with decode='raw' "
+                            f"(or 'pil'), not a {type(image).__module__}.{type(image).__name__}")
         tensor = resized_tensor(image, self.size, self.crop, resample=self.resample, reducing_gap=self.reducing_gap)
         return tensor, sample[self.label]
 

@@ -29,22 +29,24 @@ from .errors import CorruptShardError, describe
 from .formats import lmdb as lmdb_format
 from .sources import lmdb_index, local_lmdb
 from .storage import StorageOptions
+from .units import parse_size
 
 
 class LMDBDataset(torch.utils.data.Dataset):
     """`ds[i]` is sample i as a WebDataset-style dict (decoded as `decode` says, like
-    StreamingDataset), or `transform(sample)`. A remote URL is first copied to `cache_dir`."""
+    StreamingDataset), or `transform(sample)`. A remote URL is first copied to `cache_dir`
+    (refused if larger than `cache_limit`)."""
 
     def __init__(self, source: str, *, decode: str = "raw", transform: Callable[[dict[str, Any]], Any] | None = None,
                  storage_options: StorageOptions | None = None, cache_dir: str | None = None,
-                 readahead: bool = False, read_threads: int = 16):
+                 cache_limit: int | str = "20GB", readahead: bool = False, read_threads: int = 16):
         decoder(decode)  # validate now; each process builds its own (closures do not pickle)
         if read_threads < 1:
             raise ValueError(f"read_threads must be at least 1, not {read_threads}")
         self.decode, self.transform, self.source, self.readahead = decode, transform, source, readahead
         self.read_threads = read_threads
         self._threads: tuple[int, ThreadPoolExecutor] | None = None
-        self.path = local_lmdb(source, storage_options, cache_dir)
+        self.path = local_lmdb(source, storage_options, cache_dir, parse_size(cache_limit))
         idx = lmdb_index(self.path)
         if idx.kind != "lmdb":
             raise ValueError(f"{source}: not an LMDB dataset (kind {idx.kind!r})")

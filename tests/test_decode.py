@@ -139,6 +139,9 @@ def test_image_transform_on_a_raw_stream(packed: Path) -> None:
     assert np.array_equal(transform(pil)[0].numpy(), images[0].numpy())
     with pytest.raises(KeyError, match="no image field"):
         transform({"__key__": "x", "cls": 1})
+    tensor = next(iter(StreamingDataset(str(packed), decode="tensor")))  # decoded already: said so
+    with pytest.raises(TypeError, match="takes samples read with decode='raw' .*, not a torch.Tensor"):
+        transform(tensor)
 
 
 def test_module_import_stays_light() -> None:

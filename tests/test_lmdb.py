@@ -305,3 +305,9 @@ def test_remote_lmdb_is_copied_to_the_cache_first(s3: dict, lmdb_pack: Path, tmp
     assert len(ds) == 30 and ds.path.startswith(str(tmp_path / "cache"))
     stream = StreamingDataset(url, storage_options=s3["storage_options"], cache_dir=str(tmp_path / "cache"))
     assert sorted(s["__key__"] for s in stream) == sorted(ds[i]["__key__"] for i in range(30))
+    size = (lmdb_pack / "data.mdb").stat().st_size
+    for make, more in ((LMDBDataset, {}), (StreamingDataset, {"prefetch_bytes": 1})):  # too large: refused
+        with pytest.raises(ShardkitError, match=rf"photos\.lmdb/data\.mdb: {size} bytes do not fit in cache_limit"):
+            make(url, storage_options=s3["storage_options"], cache_dir=str(tmp_path / "small"), cache_limit=size - 1,
+                 **more)
+    assert not (tmp_path / "small").exists() or not any((tmp_path / "small").rglob("data.mdb"))
