@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, SourceError
+from .errors import (CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, SourceError,
+                     UnfinishedPackError)
 from .index import Index, ShardInfo
 from .pack import pack
 from .sources import build_index
@@ -29,6 +30,7 @@ __all__ = [
     "ShardkitError",
     "SourceError",
     "StreamingDataset",
+    "UnfinishedPackError",
     "build_index",
     "collate",
     "pack",

@@ -68,6 +68,10 @@ class DatasetNotFoundError(ShardkitError, FileNotFoundError):
     """No index.json and no shards at the given location."""
 
 
+class UnfinishedPackError(DatasetNotFoundError):
+    """A pack into this folder has started and not finished: its index.json is not written yet."""
+
+
 class NotFoundError(ShardkitError, FileNotFoundError):
     """No such object, bucket or path on a remote store (HTTP 404)."""
 

@@ -16,7 +16,8 @@ import numpy as np
 import orjson
 
 from . import storage
-from .errors import CorruptShardError, DatasetNotFoundError, IndexVersionError
+from .errors import CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, UnfinishedPackError
+from .formats.lmdb import DATA_FILE
 from .storage import StorageOptions
 
 INDEX_NAME = "index.json"
@@ -180,13 +181,32 @@ def load(url: str, storage_options: StorageOptions | None = None) -> Index:
     try:
         text = storage.read_bytes(where, storage_options)
     except FileNotFoundError:
-        if storage.exists(storage.join(url, PROGRESS_DIR), storage_options):
-            raise DatasetNotFoundError(f"{where}: not written yet: a pack into {storage.display(url)} has not "
-                                       "finished (rerun the same `shardkit pack` to finish it)") from None
-        raise DatasetNotFoundError(f"{where}: no such index (not a shardkit dataset?)") from None
+        check_finished(url, storage_options)
+        raise DatasetNotFoundError(f"{where}: no such index ({_guess(url, storage_options)})") from None
     except NotADirectoryError:
         raise DatasetNotFoundError(f"{url}: not a folder (give the dataset folder, which holds {INDEX_NAME})") from None
     return Index.from_json(text, where)
+
+
+def check_finished(url: str, storage_options: StorageOptions | None = None) -> None:
+    """Raise UnfinishedPackError where a pack into `url` has started and not finished: its
+    shards must not be read (or indexed) as if they were a dataset."""
+    if storage.exists(storage.join(url, PROGRESS_DIR), storage_options):
+        raise UnfinishedPackError(f"{storage.join(url, INDEX_NAME)}: not written yet: a pack into "
+                                  f"{storage.display(url)} has not finished (rerun the same `shardkit pack` to finish it)")
+
+
+def _guess(url: str, storage_options: StorageOptions | None) -> str:
+    """What a folder without index.json may be, by its listing (asked only on that failure)."""
+    try:
+        names = storage.listdir(url, storage_options)
+    except (OSError, ShardkitError):
+        names = []
+    if DATA_FILE in names:
+        return "an LMDB pack that has not finished, or whose index.json was removed: rerun the same `shardkit pack`"
+    if any(n.endswith(".tar") for n in names):
+        return f"tar shards from another tool: `shardkit index {storage.display(url)}` writes one"
+    return "not a shardkit dataset?"
 
 
 def save(index: Index, url: str, storage_options: StorageOptions | None = None) -> None:

@@ -192,6 +192,7 @@ def source_kind(src: str, storage_options: StorageOptions | None = None) -> str:
         return index.load(src, storage_options).kind
     if storage.is_local(src) and lmdb_format.is_lmdb(storage.local_path(src)):
         return "lmdb"
+    index.check_finished(src, storage_options)  # an unfinished pack is no image folder either
     return "folder"
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from . import index, storage
-from .errors import DatasetNotFoundError, ShardkitError
+from .errors import DatasetNotFoundError, ShardkitError, UnfinishedPackError
 from .formats import lmdb as lmdb_format
 from .formats import tar
 from .index import Index, ShardInfo
@@ -62,7 +62,7 @@ def shard_urls(url: str, storage_options: StorageOptions | None = None) -> list[
     """The .tar files directly under a folder or prefix, sorted."""
     names = [n for n in storage.listdir(url, storage_options) if n.endswith(".tar")]
     if not names:
-        raise DatasetNotFoundError(f"{url}: no index.json and no .tar shards")
+        raise DatasetNotFoundError(f"{url}: no index.json and no .tar shards (an image folder? `shardkit pack` it first)")
     return [storage.join(url, n) for n in names]
 
 
@@ -79,6 +79,8 @@ def resolve(source: str | Sequence[str], storage_options: StorageOptions | None 
     if isinstance(source, str) and not source.endswith(".tar") and "{" not in source:
         try:
             idx = index.load(source, storage_options)  # one read, no existence check first
+        except UnfinishedPackError:
+            raise  # its shards are not a dataset yet
         except DatasetNotFoundError:
             pass
         else:

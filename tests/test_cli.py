@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tarfile
 import sys
 from pathlib import Path
 
@@ -251,14 +252,46 @@ def test_ray_address_needs_the_ray_executor(run, photos: Path, tmp_path: Path) -
     assert result.exit_code == 2 and "--ray-address needs --executor ray" in result.output
 
 
-def test_info_on_an_unfinished_pack(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_an_unfinished_pack_is_not_read_as_a_dataset(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """What a killed pack leaves (finished shards, its progress records, no index.json) is
+    refused by every reader, by `index` and as a pack's source: never read as foreign shards."""
+    from shardkit import LMDBDataset, StreamingDataset, UnfinishedPackError
+
     out = tmp_path / "out"
     run("pack", photos, out, "--max-count", "8", "-q")
     (out / "index.json").unlink()
     (out / ".shardkit-progress").mkdir()
-    result = run("info", out)
-    assert result.exit_code == 1 and "index.json: not written yet: a pack into" in result.output
-    assert "rerun the same `shardkit pack` to finish it" in result.output
+    said = "index.json: not written yet: a pack into"
+    for args in (("info", out), ("verify", out), ("index", out), ("pack", out, tmp_path / "copy"),
+                 ("preview", out, "--out", tmp_path / "p.png")):
+        result = run(*args)
+        assert result.exit_code == 1 and said in result.output, (args, result.output)
+        assert "rerun the same `shardkit pack` to finish it" in result.output and result.output.count("\n") == 1
+    assert not (out / "index.json").exists() and not (tmp_path / "copy").exists()
+    with pytest.raises(UnfinishedPackError, match=said):
+        StreamingDataset(str(out))
+    run("pack", photos, out, "--max-count", "8", "-q")  # the rerun finishes it
+    assert len(StreamingDataset(str(out))) == 30
+    lmdb = tmp_path / "db"
+    run("pack", photos, lmdb, "--format", "lmdb", "-q")
+    (lmdb / "index.json").unlink()
+    result = run("info", lmdb)
+    assert result.exit_code == 1 and "an LMDB pack that has not finished, or whose index.json was removed" in result.output
+    assert len(LMDBDataset(str(lmdb))) == 30  # the copy of the index inside the LMDB serves the readers
+
+
+def test_folders_that_are_not_datasets_say_what_they_may_be(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from shardkit import DatasetNotFoundError, StreamingDataset
+
+    wds = tmp_path / "wds"
+    wds.mkdir()
+    with tarfile.open(wds / "a-000.tar", "w") as tar:
+        tar.add(photos / "circle" / "img_0000.jpg", "0.jpg")
+    result = run("info", wds)
+    assert result.exit_code == 1 and f"tar shards from another tool: `shardkit index {wds}` writes one" in result.output
+    with pytest.raises(DatasetNotFoundError, match=r"no \.tar shards \(an image folder\? `shardkit pack` it first\)"):
+        StreamingDataset(str(photos))
+    assert run("index", wds).output.startswith("indexed 1 sample in 1 shard (")
 
 
 def test_a_closed_pipe_ends_quietly(photos: Path, tmp_path: Path) -> None:
