@@ -183,6 +183,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
         workers = max(num_workers, 1)
         sizes = [b - a for a, b in (partition.worker_bounds(rank_total, workers, w, self._batch) for w in range(workers))]
         yielded = partition.yielded_after(sizes, batch_size, samples_seen, drop_last)
+        if sum(yielded) == sum(size - (size % batch_size if drop_last else 0) for size in sizes):
+            return {STATE_MARK: 1, "epoch": epoch + 1}  # the whole pass: as StatefulDataLoader's, the next epoch
         return {STATE_MARK: 1, "epoch": epoch, "world_size": world, "num_workers": workers, "batch": self._batch,
                 "history": history,
                 "workers": [{"worker": w, "yielded": k} for w, k in enumerate(yielded)]}

@@ -166,7 +166,12 @@ def remaining(sequence: np.ndarray, layout: Layout, progress: Progress) -> np.nd
 
 def yielded_after(counts: Sequence[int], batch_size: int, samples_seen: int, drop_last: bool = False) -> tuple[int, ...]:
     """Per-worker samples a torch DataLoader has taken after it handed out `samples_seen`
-    samples: batches come from workers in turn, an exhausted worker drops out of the turn."""
+    samples: batches come from workers in turn, an exhausted worker drops out of the turn.
+    Raises ValueError for a count no such loader hands out: negative, past the pass, or
+    not a whole number of its batches."""
+    whole = sum(c - c % batch_size if drop_last else c for c in counts)
+    if not 0 <= samples_seen <= whole:
+        raise ValueError(f"samples_seen={samples_seen}: a pass of this loader hands out 0 to {whole} samples (per rank)")
     left = [c // batch_size if drop_last else -(-c // batch_size) for c in counts]
     taken = [0] * len(counts)
     seen = 0
@@ -177,6 +182,9 @@ def yielded_after(counts: Sequence[int], batch_size: int, samples_seen: int, dro
                 taken[w] += n
                 seen += n
                 left[w] -= 1
+    if seen != samples_seen:
+        raise ValueError(f"samples_seen={samples_seen} is not a whole number of batches of this loader: "
+                         f"it hands out {seen - n} and then {seen}")
     return tuple(taken)
 
 

@@ -523,6 +523,19 @@ def test_plain_dataloader_resume_state(packed: Path, workers: int, batch_size: i
     assert keys_of(loader) == run(ref, new_workers, batch_size)
 
 
+def test_resume_state_after_a_whole_pass_is_the_next_epoch(packed: Path) -> None:
+    """As a StatefulDataLoader state taken after a whole pass: the next epoch, whole."""
+    ds = StreamingDataset(str(packed), shuffle=True, seed=5)
+    ds.load_state_dict(ds.resume_state(epoch=2, samples_seen=120, batch_size=7, num_workers=2))
+    ref = StreamingDataset(str(packed), shuffle=True, seed=5)
+    ref.set_epoch(3)
+    assert run(ds, 2, 7) == run(ref, 2, 7)
+    with pytest.raises(ValueError, match="samples_seen=121: a pass of this loader hands out 0 to 120 samples"):
+        ds.resume_state(epoch=2, samples_seen=121, batch_size=7, num_workers=2)
+    with pytest.raises(ValueError, match="samples_seen=10 is not a whole number of batches"):
+        ds.resume_state(epoch=2, samples_seen=10, batch_size=7, num_workers=2)
+
+
 def test_resume_then_a_training_loop_calling_set_epoch(packed: Path) -> None:
     ds = StreamingDataset(str(packed), shuffle=True, seed=5)
     ds.set_epoch(2)

@@ -336,9 +336,20 @@ def test_yielded_after_round_robin_by_hand() -> None:
     assert partition.yielded_after([10, 10], 3, 0) == (0, 0)
     assert partition.yielded_after([10, 10], 3, 3) == (3, 0)
     assert partition.yielded_after([10, 10], 3, 9) == (6, 3)
+    assert partition.yielded_after([10, 10], 3, 19) == (10, 9)  # the two last batches hold one sample each
     assert partition.yielded_after([10, 10], 3, 20) == (10, 10)
-    assert partition.yielded_after([10, 10], 3, 1000) == (10, 10)
-    assert partition.yielded_after([10, 10], 3, 1000, drop_last=True) == (9, 9)
+    assert partition.yielded_after([10, 10], 3, 18, drop_last=True) == (9, 9)
+
+
+@pytest.mark.parametrize("seen, drop_last, message", [
+    (21, False, "hands out 0 to 20 samples"), (-1, False, "hands out 0 to 20 samples"),
+    (20, True, "hands out 0 to 18 samples"),
+    (4, False, "not a whole number of batches of this loader: it hands out 3 and then 6"),
+    (17, False, "it hands out 15 and then 18"),
+])
+def test_yielded_after_refuses_what_no_loader_hands_out(seen: int, drop_last: bool, message: str) -> None:
+    with pytest.raises(ValueError, match=f"samples_seen={seen}.*{message}"):
+        partition.yielded_after([10, 10], 3, seen, drop_last)
 
 
 # ---------------------------------------------------------------- world()
