@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .decode import image_field
-from .errors import ShardkitError
+from .errors import ShardkitError, describe
 from .storage import StorageOptions
 
 WITHIN = 0.05  # the recommendation: the smallest setting within 5% of the best mean
@@ -86,6 +86,10 @@ def _import(name: str) -> Any:
         return importlib.import_module(name)
 
 
+class TransformError(ShardkitError):
+    """The user's --transform raised."""
+
+
 class Transform:
     """A user's sample transform named by ``module:function``: loaded (and so checked) now,
     pickled by name, so it reaches DataLoader workers under spawn as well as fork."""
@@ -98,7 +102,11 @@ class Transform:
         self.fn = load_function(spec)
 
     def __call__(self, sample: Any) -> Any:
-        return self.fn(sample)
+        try:
+            return self.fn(sample)
+        except Exception as e:  # noqa: BLE001 - the user's code: named, with the sample, in one line
+            key = sample.get("__key__") if isinstance(sample, dict) else None
+            raise TransformError(f"--transform {self.spec} failed on sample {key}: {describe(e)}") from e
 
     def __getstate__(self) -> dict[str, Any]:
         return {"spec": self.spec}
@@ -266,6 +274,7 @@ def bench_setting(url: str | Sequence[str], *, num_workers: int, prefetch: int, 
                   storage_options: StorageOptions | None = None, on_error: str = "raise") -> dict[str, Any]:
     """Measure one setting: warm-up (the first batch timed from a cold start), then `passes`
     passes of `batches` batches, each from a fresh iterator of the same loader."""
+    import torch
     from torch.utils.data import DataLoader
 
     from .dataset import StreamingDataset
@@ -276,6 +285,9 @@ def bench_setting(url: str | Sequence[str], *, num_workers: int, prefetch: int, 
     loader = DataLoader(ds, batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0)
     memory = PeakRss()
     rates: list[float] = []
+    threads = torch.get_num_threads()
+    if not num_workers:  # one torch thread, as DataLoader gives each worker: settings differ in processes only
+        torch.set_num_threads(1)  # (torch's threads on a busy machine made num_workers=0 look 7x slower)
     try:
         start = time.perf_counter()
         it = iter(loader)  # starts the workers
@@ -297,6 +309,7 @@ def bench_setting(url: str | Sequence[str], *, num_workers: int, prefetch: int, 
         gc.collect()  # a pass left unfinished in this process flushes its counters when collected
     finally:
         memory.stop()
+        torch.set_num_threads(threads)
     stats = ds.stats()
     if stats["samples"]:
         per_sample = stats["bytes"] / stats["samples"]

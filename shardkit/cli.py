@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except ShardkitError as e:
-            raise click.ClickException(str(e)) from None
+            raise click.ClickException(_message(e)) from None
         except ModuleNotFoundError as e:
             if (e.name or "").split(".")[0] != "torch":
                 raise
@@ -42,6 +43,17 @@ def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise click.ClickException(redact(text)) from None
 
     return wrapper
+
+
+def _message(e: BaseException) -> str:
+    """An error's message, on one line. One raised in a DataLoader worker comes back with the
+    worker's traceback as its message ("Caught X in DataLoader worker process 0. Original
+    Traceback ..."): its last line is the worker's own message."""
+    text = str(e)
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        last = text.rstrip().splitlines()[-1]
+        text = last.partition(": ")[2] if re.match(r"[\w.]+: ", last) else last
+    return one_line(text)
 
 
 def _plural(n: int, noun: str) -> str:

@@ -32,6 +32,10 @@ def normalised(sample):
 
 def not_an_image(sample):
     return sample["cls"]
+
+
+def crashes(sample):
+    raise ValueError("boom")
 '''
 
 
@@ -100,6 +104,40 @@ def test_slow_transform_makes_workers_pay_off(run, packed: Path, user_module: Pa
     assert rate[2] > 1.5 * rate[0], rate  # sleeping in two workers at once: about twice as fast
     assert doc["recommendation"]["num_workers"] == 2
     assert doc["transform"].endswith("user_transforms.py:slow")
+
+
+@pytest.mark.parametrize("command", ["bench", "preview"])
+def test_a_failing_transform_is_one_line_naming_it(run, packed: Path, tmp_path: Path, user_module: Path,  # type: ignore[no-untyped-def]
+                                                   command: str) -> None:
+    more = ("--workers", "2", *FAST) if command == "bench" else ("--out", tmp_path / "p.png")
+    result = run(command, packed, "--transform", f"{user_module}:crashes", *more)
+    assert result.exit_code == 1 and len(result.output.splitlines()) == 1, result.output
+    assert f"--transform {user_module}:crashes failed on sample " in result.output
+    assert result.output.rstrip().endswith(": ValueError: boom")
+
+
+def test_bench_in_process_runs_on_one_torch_thread_as_a_worker_would(packed: Path) -> None:
+    """num_workers=0 measured on all of torch's threads against workers on one each made the
+    main process look several times slower on a busy machine: one thread, then restored."""
+    import torch
+
+    from shardkit.bench import ResizeTransform, bench_setting
+
+    seen: list[int] = []
+    resize = ResizeTransform(32)
+
+    def transform(sample):  # type: ignore[no-untyped-def]
+        seen.append(torch.get_num_threads())
+        return resize(sample)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        bench_setting(str(packed), num_workers=0, prefetch=2, batch_size=4, decode="tensor", transform=transform,
+                      batches=2, passes=1, warmup=1)
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_bench_usage_errors(run, packed: Path, user_module: Path) -> None:  # type: ignore[no-untyped-def]
@@ -177,6 +215,8 @@ def test_preview_and_bench_skip_bad_samples_when_asked(run, photos: Path, tmp_pa
     whole_epoch = ("--workers", "0", "--batch-size", "10", "--batches", "3", "--passes", "1", "--warmup", "1")
     result = run("bench", dataset, *whole_epoch)
     assert result.exit_code == 1 and shard in result.output
+    result = run("bench", dataset, *whole_epoch[2:], "--workers", "2")  # raised in a worker: one line all the same
+    assert result.exit_code == 1 and shard in result.output and len(result.output.splitlines()) == 1, result.output
     result = run("bench", dataset, *whole_epoch, "--on-error", "skip", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["settings"][0]["stats"]["skipped"] >= 1
