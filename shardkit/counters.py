@@ -28,6 +28,7 @@ MAX_WORKERS = 128  # DataLoader workers per rank that the shared counters have r
 STATS = ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped", "fetched_bytes", "cache_hits",
          "prefetch_depth", "fetch_latency_s")
 GAUGES = frozenset({"prefetch_depth", "fetch_latency_s"})  # last value per worker, not a running sum
+COUNTS = frozenset({"samples", "bytes", "skipped", "fetched_bytes", "cache_hits"})  # whole numbers, shown as ints
 # pass counters: one per (num_workers, worker id), so a pass with another layout (a peek in
 # the main process, a loader with other num_workers) never shifts this layout's epochs
 _PASS_SLOTS = MAX_WORKERS * (MAX_WORKERS + 1) // 2
@@ -100,9 +101,11 @@ class Shared:
         ctypes.memset(ctypes.addressof(self.epoch) + 8, 0, 8 * (_PASS_SLOTS + 1))
 
     def totals(self) -> dict[str, float]:
-        """Counters summed over workers; gauges averaged over the workers that set one."""
+        """Counters summed over workers (the counts as ints); gauges averaged over the
+        workers that set one."""
         arr = np.frombuffer(self.stats, dtype=np.float64).reshape(MAX_WORKERS, len(STATS))
-        total = dict(zip(STATS, arr.sum(axis=0).tolist()))
+        total: dict[str, float] = {name: int(v) if name in COUNTS else v
+                                   for name, v in zip(STATS, arr.sum(axis=0).tolist())}
         active = arr[:, STATS.index("prefetch_depth")] > 0
         for name in GAUGES:
             column = arr[active, STATS.index(name)]

@@ -59,7 +59,7 @@ def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
         start, stop = (int(x) for x in span.split(":"))
         url = storage.join(job.src, shard)
         data = storage.read_range(url, start, stop, job.storage_options)
-        return parse_sample(data, f"{url} (sample at byte {start})")
+        return parse_sample(data, f"{url} (sample at byte {start})", start)
     if job.source == "lmdb":
         path = storage.local_path(job.src)
         return item.key, lmdb_format.read_one(lmdb_format.open_reader(path), item.key, path)

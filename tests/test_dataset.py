@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import shutil
+import tarfile
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -379,7 +380,8 @@ def test_spawned_workers_see_set_epoch_and_share_stats(packed: Path) -> None:
     ref.set_epoch(5)
     assert second == run(ref, 2)
     assert first != second and len(first) == len(second) == 40
-    assert ds.stats()["samples"] == 80
+    stats = ds.stats()
+    assert stats["samples"] == 80 and type(stats["samples"]) is int and type(stats["bytes"]) is int
 
 
 # ---------------------------------------------------------------- resume
@@ -727,6 +729,41 @@ def test_truncated_shard_names_the_file(packed: Path, tmp_path: Path) -> None:
     for workers in (0, 2):
         err = failure(StreamingDataset(str(clone)), workers)
         assert isinstance(err, CorruptShardError) and "shard-000003.tar" in str(err)
+
+
+def test_scan_messages_name_absolute_positions(packed: Path, tmp_path: Path) -> None:
+    """verify on a shard cut inside a member's padding says so (not '1 of 1 bytes
+    truncated'); a damaged header read through a sample's range names the member by its
+    byte in the shard, as the sample is (not 'sample at byte N at byte 0')."""
+    from shardkit import verify
+
+    clone = Path(shutil.copytree(packed, tmp_path / "clone"))
+    shard = clone / "shard-000001.tar"
+    with tarfile.open(shard) as tar:
+        last = tar.getmembers()[-1]
+    os.truncate(shard, last.offset_data + last.size + 1)  # the data whole, its padding cut
+    (problem,) = verify(str(clone))
+    assert f"member {last.name!r} cut off at byte {last.offset_data + last.size + 1} (its padding: 1 of " in problem
+    shutil.copy(packed / shard.name, shard)
+    idx = json.loads((clone / "index.json").read_text())
+    start = idx["shards"][2]["offsets"][3]
+    data = bytearray((clone / "shard-000002.tar").read_bytes())
+    data[start + 257 : start + 263] = b"xxxxxx"  # the ustar magic: off the fast path, into the checked one
+    (clone / "shard-000002.tar").write_bytes(bytes(data))
+    err = failure(StreamingDataset(str(clone)), 0)
+    assert f"shard-000002.tar (sample at byte {start}), member at byte {start}: " in str(err), err
+
+
+def test_members_of_a_sample_apart_are_refused_by_the_scan(photos: Path, tmp_path: Path) -> None:
+    """`tar cf` in directory order can put a.jpg, b.jpg, a.cls: webdataset makes two half
+    samples of `a`; the scan of an index-less shard says what is wrong instead."""
+    shard = tmp_path / "plain.tar"
+    with tarfile.open(shard, "w") as tar:
+        for name in ("a.jpg", "b.jpg", "a.cls", "b.cls"):
+            tar.add(photos / "circle" / "img_0000.jpg", name)
+    with pytest.raises(CorruptShardError, match=r"plain\.tar: the members of sample 'a' are not adjacent \('a\.cls' at "
+                                                r"byte \d+\).*`tar --sort=name`"):
+        StreamingDataset(str(shard))
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -162,14 +162,16 @@ def _pax_path(data: bytes) -> str | None:
     return None
 
 
-def iter_members(f: BinaryIO, where: str, limit: int | None = None) -> Iterator[tuple[int, int, str, bytes]]:
+def iter_members(f: BinaryIO, where: str, limit: int | None = None, base: int = 0
+                 ) -> Iterator[tuple[int, int, str, bytes]]:
     """Yield (start, end, name, data) for every regular file from the current position of `f`.
 
     [start, end) is the member's byte span, pax or long-name headers included, relative to
     the starting position.
 
     Stops at the end-of-archive block, at EOF, or after `limit` bytes (a sample range).
-    `where` names the shard in error messages. A member cut short raises CorruptShardError.
+    `where` names the shard in error messages, with byte positions counted from `base` (the
+    shard's byte at the starting position). A member cut short raises CorruptShardError.
     """
     consumed = 0
     start = 0
@@ -178,7 +180,7 @@ def iter_members(f: BinaryIO, where: str, limit: int | None = None) -> Iterator[
         head = f.read(BLOCK)
         if not head or head == _EMPTY:
             return
-        member = f"{where} at byte {consumed}"
+        member = f"{where}, member at byte {base + consumed}"
         if len(head) < BLOCK:
             raise CorruptShardError(f"{member}: truncated tar header")
         _check_header(head, member)
@@ -186,9 +188,12 @@ def iter_members(f: BinaryIO, where: str, limit: int | None = None) -> Iterator[
         kind = head[156:157]
         pad = _padding(size)
         data = f.read(size)
-        if len(data) < size or (pad and len(f.read(pad)) < pad):
+        padded = len(f.read(pad)) if pad and len(data) == size else pad
+        if len(data) < size or padded < pad:
             name = long_name or head[:100].split(b"\x00", 1)[0].decode("utf-8", "replace")
-            raise CorruptShardError(f"{where}: member {name!r} truncated ({len(data)} of {size} bytes)")
+            got = f"{len(data)} of {size} bytes" if len(data) < size else f"its padding: {padded} of {pad} bytes"
+            raise CorruptShardError(f"{where}: member {name!r} cut off at byte {base + consumed + BLOCK + len(data) + padded} "
+                                    f"({got}): the shard is truncated")
         consumed += BLOCK + size + pad
         if kind == b"L":  # GNU long name for the next member
             long_name = data.rstrip(b"\x00").decode("utf-8")
@@ -221,12 +226,12 @@ def split_name(name: str) -> tuple[str, str]:
 
 
 def iter_samples(
-    f: BinaryIO, where: str, limit: int | None = None
+    f: BinaryIO, where: str, limit: int | None = None, base: int = 0
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     """Group adjacent members with the same key into (key, {ext: bytes}) samples."""
     key: str | None = None
     fields: dict[str, bytes] = {}
-    for _, _, name, data in iter_members(f, where, limit):
+    for _, _, name, data in iter_members(f, where, limit, base):
         k, ext = split_name(name)
         if k != key:
             if key is not None and fields:
@@ -252,9 +257,15 @@ def scan(f: BinaryIO, where: str) -> Scan:
     """Scan a shard written by any tool. Reads it once, start to end."""
     out = Scan()
     end = 0
+    seen: set[str] = set()
     for start, stop, name, _ in iter_members(f, where):
         key, ext = split_name(name)
         if not out.keys or out.keys[-1] != key:
+            if key in seen:  # webdataset would silently make two half samples of it
+                raise CorruptShardError(
+                    f"{where}: the members of sample {key!r} are not adjacent ({name!r} at byte {start}): a sample's "
+                    "files must follow each other in the tar (`tar --sort=name` does that)")
+            seen.add(key)
             out.keys.append(key)
             out.offsets.append(start)
         out.fields.add(ext)
@@ -303,7 +314,7 @@ def read_sample(read_at: ReadAt, start: int, stop: int, where: object) -> tuple[
         if kind not in _REGULAR or (magic != _POSIX and magic != _GNU):
             if buf[h : h + BLOCK] == _EMPTY:
                 break
-            return _parse_general(_read_exactly(read_at, start, stop, where), where)
+            return _parse_general(_read_exactly(read_at, start, stop, where), where, start)
         try:
             size = int(size_field, 8)
         except ValueError:
@@ -338,9 +349,10 @@ def buffer_reader(buf: bytes | memoryview, base: int = 0) -> ReadAt:
     return lambda size, offset: view[offset - base : offset - base + size].tobytes()
 
 
-def parse_sample(buf: bytes | memoryview, where: object) -> tuple[str, dict[str, bytes]]:
-    """`read_sample` over a sample's bytes already in memory."""
-    return read_sample(buffer_reader(buf), 0, len(buf), where)
+def parse_sample(buf: bytes | memoryview, where: object, base: int = 0) -> tuple[str, dict[str, bytes]]:
+    """`read_sample` over a sample's bytes already in memory, bytes [base, base + len(buf))
+    of its shard."""
+    return read_sample(buffer_reader(buf, base), base, base + len(buf), where)
 
 
 def _read_exactly(read_at: ReadAt, start: int, stop: int, where: object) -> bytes:
@@ -356,8 +368,8 @@ def _cut_off(where: object, offset: int, got: int) -> CorruptShardError:
     return CorruptShardError(f"{where}: cut off, the shard ends {end} (truncated or replaced)")
 
 
-def _parse_general(buf: bytes, where: object) -> tuple[str, dict[str, bytes]]:
-    samples = list(iter_samples(io.BytesIO(buf), str(where)))
+def _parse_general(buf: bytes, where: object, base: int) -> tuple[str, dict[str, bytes]]:
+    samples = list(iter_samples(io.BytesIO(buf), str(where), base=base))
     if len(samples) != 1:
         raise CorruptShardError(f"{where}: {len(samples)} samples in one sample's byte range")
     return samples[0]
