@@ -223,6 +223,9 @@ def collate(samples: list[Any]) -> Any:
     that stacks into reused shared memory instead of a fresh segment per batch. In a worker it
     returns a `SharedBatch` that becomes the batch in the main process: pass it as the
     DataLoader's `collate_fn` itself, not inside another collate function."""
+    samples = list(samples)
+    if not samples:
+        raise ValueError("collate needs at least one sample")
     return next(Batches(iter(samples), len(samples)))
 
 

@@ -14,18 +14,17 @@ from typing import Any
 
 import numpy as np
 
-from . import partition, ranges, storage
+from . import checks, partition, ranges, storage
 from .cache import RangeCache
 from .counters import Meter
 from .decode import decoder
 from .epochs import EpochDataset, EpochStream
-from .errors import CorruptShardError, ShardkitError, describe
+from .errors import CorruptShardError, FieldError, ShardkitError, describe
 from .formats import lmdb as lmdb_format
 from .formats.tar import ReadAt, buffer_reader, read_sample
 from .prefetch import Prefetcher
 from .sources import local_lmdb, resolve
 from .storage import StorageOptions
-from .units import parse_size
 
 
 LMDB_WINDOW = 64  # samples of an LMDB dataset that one slow read sends to the threads
@@ -75,24 +74,20 @@ class StreamingDataset(EpochDataset):
         batch_size: int | None = None,
     ):
         super().__init__(rank, world_size)
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1 (or None), not {batch_size}")
-        self.batch_size = batch_size
+        self.batch_size = checks.optional("batch_size", batch_size, 1)
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         if remainder not in partition.REMAINDERS:
             raise ValueError(f"remainder must be one of {partition.REMAINDERS}, not {remainder!r}")
-        if block < 1 or shuffle_window < 1:
-            raise ValueError("block and shuffle_window must be at least 1")
+        seed, block = checks.integer("seed", seed), checks.integer("block", block, 1)
+        shuffle_window, prefetch = checks.integer("shuffle_window", shuffle_window, 1), checks.integer("prefetch", prefetch)
         decoder(decode)  # validate early, in the main process
         self.urls, self.index = resolve(source, storage_options)
         self.shuffle, self.seed, self.decode, self.transform = shuffle, seed, decode, transform
         self.remainder, self.shuffle_window, self.block, self.on_error = remainder, shuffle_window, block, on_error
         self.storage_options, self.verify = storage_options, verify
-        if prefetch < 0:
-            raise ValueError("prefetch must be >= 0 (0 turns read-ahead off)")
-        self.prefetch, self.prefetch_bytes = prefetch, parse_size(prefetch_bytes)
-        self.cache_dir, self.cache_limit = cache_dir, parse_size(cache_limit)
+        self.prefetch, self.prefetch_bytes = prefetch, checks.size("prefetch_bytes", prefetch_bytes, 1)
+        self.cache_dir, self.cache_limit = cache_dir, checks.size("cache_limit", cache_limit, 1)
         if cache_dir is not None and self.cache_limit < self.prefetch_bytes:
             raise ValueError(
                 f"cache_limit ({self.cache_limit} bytes) is smaller than the read-ahead budget prefetch_bytes "
@@ -131,6 +126,9 @@ class StreamingDataset(EpochDataset):
 
     def _total(self) -> int:
         return int(self._counts.sum())
+
+    def _order(self) -> dict[str, Any]:
+        return {**super()._order(), "block": self.block}
 
     def _sequence(self, epoch: int) -> np.ndarray:
         return partition.global_sequence(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self.block)
@@ -173,7 +171,10 @@ class _WorkerStream(EpochStream):
                 raise
             except Exception:  # noqa: BLE001 - undecodable: the next one
                 continue
-            return transform(sample) if transform is not None else sample  # user code: its errors are its own
+            try:
+                return transform(sample) if transform is not None else sample  # user code: its errors are its own
+            except FieldError:  # but bad data it found is bad data
+                continue
         raise CorruptShardError(f"{ds.urls[0]} and the other {len(ds.urls) - 1} shards: no sample could be used")
 
     def _lmdb_reads(self, ids: np.ndarray) -> Iterator[tuple[int, int, tuple[str, dict[str, bytes]]]]:
@@ -265,13 +266,19 @@ class _WorkerStream(EpochStream):
                 t1 = time.perf_counter()
                 url = ds.urls[shard]
                 sample = None
+                transforming = False
                 try:
                     if isinstance(data, CorruptShardError):
                         raise data
                     sample = parse(data, url, start)
                     size = data[0] - start if ds._lmdb is None else sum(map(len, data[1].values()))
                     sample = decode(sample)
+                    t2 = time.perf_counter()
+                    transforming = True
+                    item = transform(sample) if transform is not None else sample
                 except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
+                    if transforming and not isinstance(e, FieldError):
+                        raise  # user code: its errors are its own
                     if isinstance(e, ShardkitError) and (ds.on_error == "raise" or not isinstance(e, CorruptShardError)):
                         raise  # named already; a failing disk or store is never skipped as bad data
                     if ds.on_error == "raise":
@@ -281,8 +288,6 @@ class _WorkerStream(EpochStream):
                     meter.values[5] += 1
                     pending += 1
                     continue
-                t2 = time.perf_counter()
-                item = transform(sample) if transform is not None else sample  # user code: its errors are its own
                 t3 = time.perf_counter()
                 stats = meter.values
                 stats[0] += 1

@@ -131,7 +131,12 @@ BILINEAR = Image.Resampling.BILINEAR  # torchvision's Resize default (PIL always
 
 
 def _pair(size: Size) -> tuple[int, int]:
-    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size, size
+    if not (isinstance(size, (tuple, list)) and len(size) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in size)):
+        raise TypeError(f"a size is an int (the shorter side) or a (width, height) pair of ints, not {size!r}")
+    return int(size[0]), int(size[1])
 
 
 def _check(size: Size, crop: Size | None, reducing_gap: float | None) -> None:
@@ -228,7 +233,13 @@ class ImageTransform:
         if not isinstance(image, (bytes, bytearray, memoryview, Image.Image)):
             raise TypeError(f"image_transform decodes the image itself: it takes samples read with decode='raw' "
                             f"(or 'pil'), not a {type(image).__module__}.{type(image).__name__}")
-        tensor = resized_tensor(image, self.size, self.crop, resample=self.resample, reducing_gap=self.reducing_gap)
+        try:
+            tensor = resized_tensor(image, self.size, self.crop, resample=self.resample, reducing_gap=self.reducing_gap)
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # PIL's words for bad data
+            raise FieldError(f"field {field!r}: {describe(e)}") from e  # bad data: named and skippable by the reader
+        if self.label not in sample:
+            raise KeyError(f"sample {sample.get('__key__')!r} has no field {self.label!r} for the label "
+                           f"(fields: {', '.join(sample)})")
         return tensor, sample[self.label]
 
     def __repr__(self) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from . import partition, worker
+from . import checks, partition, worker
 from .batching import Batches
 from .counters import MAX_WORKERS, Shared
 from .partition import Layout, Progress
@@ -35,6 +35,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, rank: int | None, world_size: int | None) -> None:
         super().__init__()
+        if rank is not None or world_size is not None:
+            partition.world(rank, world_size)  # explicit ones are checked now, not at the first len() or pass
         self._rank_arg, self._world_arg = rank, world_size
         self._world: tuple[int, int] | None = None
         self._shared = Shared()
@@ -86,6 +88,12 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def _batch(self) -> int:
         return self.batch_size or 1
 
+    def _order(self) -> dict[str, Any]:
+        """What an epoch's order depends on besides the layout: progress saved under other
+        values would resume the wrong samples, so a state carries these and must match."""
+        return {"samples": self._total(), "seed": self.seed, "shuffle": bool(self.shuffle),
+                "shuffle_window": self.shuffle_window, "remainder": self.remainder}
+
     def _stream(self, stream: EpochStream) -> Iterator[Any]:
         """What `__iter__` returns: the worker's samples, or its batches."""
         if not self.batch_size:
@@ -98,6 +106,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch `epoch` for the next pass (reaches persistent workers too)."""
+        epoch = checks.integer("epoch", epoch, 0, 2**63 - 1)
         if self._resume is not None and (self._resume["epoch"] != epoch or self._shared.passes_started()):
             self._drop_resume()  # a loaded resume point applies to its own epoch, once
         self._shared.set_epoch(epoch)
@@ -132,6 +141,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         workers = [s for s in found if "worker" in s]
         if not found:
             raise ValueError("not a shardkit state dict")
+        _check_order(found, self._order())
         if torch.utils.data.get_worker_info() is not None:
             return  # inside a worker the iterator restores itself; the dataset has nothing to add
         if not workers:
@@ -163,6 +173,9 @@ class EpochDataset(torch.utils.data.IterableDataset):
         resumed one, `resumed_from` is the state it was resumed from (counted from there:
         `samples_seen` is what the resumed pass handed out), so the new state carries the
         earlier progress too; such states chain any number of times."""
+        epoch, samples_seen = checks.integer("epoch", epoch), checks.integer("samples_seen", samples_seen, None)
+        num_workers, batch_size = checks.integer("num_workers", num_workers), checks.optional("batch_size", batch_size, 1)
+        world_size = checks.optional("world_size", world_size, 1)
         if self.batch_size:
             if batch_size not in (None, self.batch_size):
                 raise ValueError(f"the dataset batches by {self.batch_size}: leave batch_size out")
@@ -177,7 +190,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
             history = _history(earlier)
         elif self._resume is not None and self._resume["epoch"] == epoch:
             raise ValueError("this epoch was itself resumed from a partial state: pass that state as resumed_from")
-        world = world_size or self._rank_world()[1]
+        world = world_size if world_size is not None else self._rank_world()[1]
         total = len(self._left(epoch, history)) if history else self._total()
         rank_total = partition.per_rank(total, world, self.remainder)
         workers = max(num_workers, 1)
@@ -186,7 +199,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         if sum(yielded) == sum(size - (size % batch_size if drop_last else 0) for size in sizes):
             return {STATE_MARK: 1, "epoch": epoch + 1}  # the whole pass: as StatefulDataLoader's, the next epoch
         return {STATE_MARK: 1, "epoch": epoch, "world_size": world, "num_workers": workers, "batch": self._batch,
-                "history": history,
+                "order": self._order(), "history": history,
                 "workers": [{"worker": w, "yielded": k} for w, k in enumerate(yielded)]}
 
 
@@ -237,8 +250,38 @@ def _find_states(state: Any) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     for d in _dicts(state):
         if d.get(STATE_MARK) == 1:  # resume_state() has one dict for all workers
+            if "workers" in d and not (isinstance(d["workers"], list) and all(isinstance(w, dict) for w in d["workers"])):
+                raise ValueError("not a valid shardkit state: 'workers' must be a list of dicts")
             found += [{**d, **w} for w in d["workers"]] if "workers" in d else [d]
+    for s in found:
+        _check_state(s)
     return found
+
+
+def _check_state(s: dict[str, Any]) -> None:
+    """Refuse a state whose values could not have come from a pass: one line saying which."""
+    try:
+        checks.integer("epoch", s["epoch"], 0)
+        if "worker" in s:
+            workers = checks.integer("num_workers", s["num_workers"], 1)
+            checks.integer("worker", s["worker"], 0, workers - 1)
+            checks.integer("world_size", s["world_size"], 1)
+            checks.integer("yielded", s["yielded"], 0)
+            checks.integer("batch", s.get("batch", 1), 1)
+            if not isinstance(s.get("history", []), list):
+                raise TypeError("history must be a list")
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not a valid shardkit state ({type(e).__name__}: {e})") from None
+
+
+def _check_order(found: list[dict[str, Any]], order: dict[str, Any]) -> None:
+    """Refuse progress saved from a dataset whose epochs have another order (another
+    dataset, seed, shuffle, ...): it would resume the wrong samples. States of shardkit
+    versions that did not record it are taken as they are."""
+    saved = next((s["order"] for s in found if "order" in s), None)
+    if saved is not None and saved != order:
+        differ = ", ".join(f"{k} {saved.get(k)!r} there, {v!r} here" for k, v in order.items() if saved.get(k) != v)
+        raise ValueError(f"this state was saved from a dataset whose epochs have another order ({differ})")
 
 
 
@@ -321,11 +364,13 @@ class EpochStream:
     def state_dict(self) -> dict[str, Any]:
         return {STATE_MARK: 1, "epoch": self.epoch, "world_size": self.world, "num_workers": self.num_workers,
                 "batch": self.ds._batch, "worker": self.worker_id, "yielded": self.skip + self.yielded,
-                "history": self.history}
+                "order": self.ds._order(), "history": self.history}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._gen is not None:
             raise RuntimeError("load_state_dict must come before the first sample")
+        (state,) = _find_states(state)
+        _check_order([state], self.ds._order())
         same = (state["world_size"] == self.world and state["num_workers"] == self.num_workers
                 and state.get("batch", 1) == self.ds._batch)
         if not same or state["worker"] != self.worker_id:

@@ -41,8 +41,10 @@ def describe(e: BaseException) -> str:
 
 
 class FieldError(ValueError):
-    """A sample's field that its decoder refused, named with the decoder's error. Bad data,
-    but not a ShardkitError: the reader adds the shard and the sample before it is one."""
+    """A sample's field that its decoder refused (or a transform decoding it, such as
+    `image_transform`), named with the decoder's error. Bad data, but not a ShardkitError:
+    the reader adds the shard and the sample before it is one, or skips it under
+    on_error="skip"."""
 
 
 class ShardkitError(Exception):

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from . import worker
+from . import checks, worker
 from .decode import decoder
-from .errors import CorruptShardError, describe
+from .errors import CorruptShardError, FieldError, describe
 from .formats import lmdb as lmdb_format
 from .sources import lmdb_index, local_lmdb
 from .storage import StorageOptions
@@ -40,6 +40,7 @@ class LMDBDataset(torch.utils.data.Dataset):
     def __init__(self, source: str, *, decode: str = "raw", transform: Callable[[dict[str, Any]], Any] | None = None,
                  storage_options: StorageOptions | None = None, cache_dir: str | None = None,
                  cache_limit: int | str = "20GB", readahead: bool = False, read_threads: int = 16):
+        source = checks.path("source", source)
         decoder(decode)  # validate now; each process builds its own (closures do not pickle)
         if read_threads < 1:
             raise ValueError(f"read_threads must be at least 1, not {read_threads}")
@@ -91,6 +92,7 @@ class LMDBDataset(torch.utils.data.Dataset):
         return self._threads[1]
 
     def _read(self, i: int) -> tuple[str, dict[str, bytes]]:
+        i = checks.integer("an LMDBDataset index", i, None)
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {len(self)} samples")
         key = self._keys[i].decode()
@@ -104,4 +106,7 @@ class LMDBDataset(torch.utils.data.Dataset):
             sample = self._decode({"__key__": key, "__url__": self.source, **fields})
         except Exception as e:  # noqa: BLE001 - bad data: name the sample (a transform's errors are its own)
             raise CorruptShardError(f"{self.path}: sample {key}: {describe(e)}") from e
-        return self.transform(sample) if self.transform is not None else sample
+        try:
+            return self.transform(sample) if self.transform is not None else sample
+        except FieldError as e:  # but bad data it found (image_transform decoding the image) is named too
+            raise CorruptShardError(f"{self.path}: sample {key}: {describe(e)}") from e

@@ -54,6 +54,9 @@ class MixedDataset(EpochDataset):
     def _total(self) -> int:
         return self.samples_per_epoch
 
+    def _order(self) -> dict[str, Any]:
+        return {**super()._order(), "counts": [int(c) for c in self.counts], "sizes": list(self.sizes)}
+
     def _sequence(self, epoch: int) -> np.ndarray:
         return np.arange(self.samples_per_epoch, dtype=np.int64)  # positions; _part_ids maps them to samples
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import executors, images, index, storage
+from . import checks, executors, images, index, storage
 from .errors import CorruptShardError, SourceError, about_the_file
 from .executors import tick
 from .formats import lmdb as lmdb_format
@@ -217,18 +217,22 @@ def pack(
     (inputs and outputs must then be reachable from every node: a shared file system or
     URLs); the output is the same as the local process pool's.
     """
+    src, dest = checks.path("src", src), checks.path("dest", dest)
     if executor not in ("local", "ray"):
         raise ValueError(f"executor must be 'local' or 'ray', not {executor!r}")
     if format not in ("tar", "lmdb"):
-        raise SourceError(f"unknown format {format!r} (supported: tar, lmdb)")
-    if seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, not {seed}")
+        raise ValueError(f"format must be 'tar' or 'lmdb', not {format!r}")
+    seed = checks.integer("seed", seed)
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error must be 'skip' or 'fail', not {on_error!r}")
+    max_count, workers = checks.optional("max_count", max_count, 1), checks.optional("workers", workers, 1)
+    resize, quality = checks.optional("resize", resize, 1), checks.optional("quality", quality, 1, 100)
+    if max_size is not None:
+        max_size = checks.size("max_size", max_size, 1)
+    if stats is not None and not isinstance(stats, dict):
+        raise TypeError(f"stats must be a dict to fill (or None), not {stats!r}")
     if format == "lmdb" and not storage.is_local(dest):
         raise SourceError(f"{storage.display(dest)}: LMDB output must be a local path (copy it up afterwards)")
-    if (max_size is not None and parse_size(max_size) < 1) or (max_count is not None and max_count < 1):
-        raise ValueError(f"max_size and max_count must be positive (or None), not {max_size!r} and {max_count!r}")
     _check_apart(src, dest)
     if storage.is_local(dest) and os.path.isfile(storage.local_path(dest)):
         raise SourceError(f"{dest}: a file, not a folder (DEST is the folder the dataset goes in)")

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import checks
+
 REMAINDERS = ("repeat", "drop")
 
 
@@ -39,16 +41,27 @@ def world(rank: int | None = None, world_size: int | None = None) -> tuple[int, 
     if rank is not None or world_size is not None:
         if rank is None or world_size is None:
             raise ValueError("pass both rank and world_size, or neither")
+        rank, world_size = checks.integer("rank", rank), checks.integer("world_size", world_size, 1)
     else:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
         else:
-            rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+            rank, world_size = _environ("RANK", 0), _environ("WORLD_SIZE", 1)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     return rank, world_size
+
+
+def _environ(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"the environment variable {name}={text!r} is not an integer") from None
 
 
 def worker() -> tuple[int, int]:

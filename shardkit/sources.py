@@ -5,11 +5,12 @@ are scanned once to learn their sample counts and offsets."""
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from . import index, storage
+from . import checks, index, storage
 from .errors import DatasetNotFoundError, ShardkitError, UnfinishedPackError
 from .formats import lmdb as lmdb_format
 from .formats import tar
@@ -53,7 +54,13 @@ def scan_shard(url: str, storage_options: StorageOptions | None = None) -> Shard
 
 
 def build_index(urls: Sequence[str], storage_options: StorageOptions | None = None) -> Index:
-    """An Index for shards written by any tool (shard names are the URLs' base names)."""
+    """An Index for shards written by any tool (shard names are the URLs' base names):
+    `urls` is a list of shard paths or URLs, or one str, a brace pattern included."""
+    if isinstance(urls, (str, os.PathLike)):
+        urls = expand(checks.path("urls", urls))
+    urls = [checks.path("each of urls", u) for u in urls]
+    if not urls:
+        raise ValueError("build_index needs at least one shard")
     scans = [scan_shard(u, storage_options) for u in urls]
     return Index(shards=tuple(s.info for s in scans), fields=tuple(sorted(set().union(*(s.fields for s in scans)))))
 
@@ -76,6 +83,11 @@ def expand(pattern: str) -> list[str]:
 def resolve(source: str | Sequence[str], storage_options: StorageOptions | None = None) -> tuple[list[str], Index]:
     """(shard URLs, Index) for a dataset folder, a brace pattern or a list of shard URLs.
     An LMDB dataset resolves to its folder as the one "shard"."""
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
+    if not isinstance(source, (str, Sequence)) or isinstance(source, (bytes, bytearray)):
+        raise TypeError(f"source must be a dataset folder or URL, a brace pattern or a list of shard paths or URLs, "
+                        f"not a {type(source).__name__}")
     if isinstance(source, str) and not source.endswith(".tar") and "{" not in source:
         try:
             idx = index.load(source, storage_options)  # one read, no existence check first
@@ -93,7 +105,7 @@ def resolve(source: str | Sequence[str], storage_options: StorageOptions | None 
     elif isinstance(source, str):
         urls = expand(source)
     else:
-        urls = [str(u) for u in source]
+        urls = [checks.path("each shard of source", u) for u in source]
     if not urls:
         raise DatasetNotFoundError(f"{source!r}: no shards given")
     for u in urls:
@@ -118,7 +130,6 @@ def local_lmdb(url: str, storage_options: StorageOptions | None, cache_dir: str 
     of the old one removed. One larger than `cache_limit` is refused."""
     if storage.is_local(url):
         return storage.local_path(url)
-    import os
     import tempfile
 
     remote = storage.join(url, "data.mdb")
@@ -143,7 +154,6 @@ def _digest(*parts: str) -> str:
 
 def _download(remote: str, storage_options: StorageOptions | None, root: str, size: int) -> None:
     """`remote` into `root`/data.mdb, written under a temporary name and renamed into place."""
-    import os
     import shutil
 
     from tqdm import tqdm

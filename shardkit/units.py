@@ -14,8 +14,10 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 def parse_size(text: str | int) -> int:
     """Bytes in a size such as 256MB (10^6) or 1GiB (2^30). Raises ValueError on nonsense."""
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
         return text
+    if not isinstance(text, str):
+        raise TypeError(f"not a size: {text!r} (examples: 256MB, 1GiB, 100000)")
     m = _SIZE.match(text.replace("_", ""))
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import index, storage
+from . import checks, index, storage
 from .errors import ShardkitError
 from .formats import lmdb as lmdb_format
 from .index import Index, ShardInfo
@@ -20,6 +20,7 @@ def verify(url: str, storage_options: StorageOptions | None = None,
     for an LMDB, see `_verify_lmdb`. `on_shard(info, problem)` is called after each shard
     (for progress output).
     """
+    url = checks.path("url", url)
     idx = index.load(url, storage_options)
     if idx.kind == "lmdb":
         problem = _verify_lmdb(url, idx, storage_options)

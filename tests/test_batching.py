@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import shardkit
 from shardkit import batching
 from shardkit.dataset import StreamingDataset
 
@@ -155,6 +156,11 @@ def test_samples_that_cannot_be_stacked_raise_a_clear_error(packed: Path, worker
     ds = StreamingDataset(str(packed), transform=shape_by_class, batch_size=120)
     with pytest.raises(ValueError, match=r"batch_size=120: cannot stack sample \d+ .*torch.float32 of shape \(\d, 3\)"):
         next(iter(DataLoader(ds, batch_size=None, num_workers=workers)))
+
+
+def test_collate_of_nothing() -> None:
+    with pytest.raises(ValueError, match="collate needs at least one sample"):
+        shardkit.collate([])
 
 
 def test_invalid_batch_size(packed: Path) -> None:

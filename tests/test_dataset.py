@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import tarfile
 import subprocess
@@ -166,6 +167,72 @@ def test_invalid_arguments_raise_value_error(packed: Path) -> None:
         StreamingDataset(str(packed), on_error="ignore")
     with pytest.raises(ValueError, match="remainder"):
         StreamingDataset(str(packed), remainder="pad")
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"seed": 1.5}, TypeError, "seed must be an integer, not 1.5"),
+    ({"seed": -1}, ValueError, "seed must be at least 0, not -1"),
+    ({"block": 0}, ValueError, "block must be at least 1, not 0"),
+    ({"shuffle_window": "3"}, TypeError, "shuffle_window must be an integer, not '3'"),
+    ({"batch_size": True}, TypeError, "batch_size must be an integer, not True"),
+    ({"prefetch": -1}, ValueError, "prefetch must be at least 0, not -1"),
+    ({"prefetch_bytes": 0}, ValueError, "prefetch_bytes must be at least 1 bytes, not 0"),
+    ({"prefetch_bytes": 1.5}, TypeError, "prefetch_bytes: not a size: 1.5"),
+    ({"cache_limit": "lots"}, ValueError, "cache_limit: not a size: 'lots'"),
+    ({"rank": 2, "world_size": 2}, ValueError, "rank 2 is outside world size 2"),
+    ({"rank": 1.5, "world_size": 2}, TypeError, "rank must be an integer, not 1.5"),
+    ({"rank": 0, "world_size": 0}, ValueError, "world_size must be at least 1, not 0"),
+])
+def test_wrong_values_fail_at_once_naming_the_argument(packed: Path, options: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        StreamingDataset(str(packed), **options)
+
+
+def test_sources_and_epochs_of_the_wrong_kind(packed: Path) -> None:
+    assert len(StreamingDataset(packed)) == len(StreamingDataset([*sorted(packed.glob("*.tar"))])) == 120  # Paths
+    for source in (StreamingDataset(str(packed)), b"x", 3):
+        with pytest.raises(TypeError, match="source must be a dataset folder or URL"):
+            StreamingDataset(source)  # type: ignore[arg-type]
+    ds = StreamingDataset(str(packed))
+    with pytest.raises(ValueError, match="epoch must be from 0 to"):
+        ds.set_epoch(-1)
+    with pytest.raises(TypeError, match="epoch must be an integer, not 1.0"):
+        ds.set_epoch(1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="the environment variable RANK='abc' is not an integer"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RANK", "abc")
+            len(ds)
+
+
+@pytest.mark.parametrize("state, message", [
+    ({"shardkit": 1}, r"not a valid shardkit state \(KeyError: 'epoch'\)"),
+    ({"shardkit": 1, "epoch": 1.7}, "epoch must be an integer, not 1.7"),
+    ({"shardkit": 1, "epoch": 0, "world_size": 1, "num_workers": 1, "workers": "x"}, "'workers' must be a list"),
+    ({"shardkit": 1, "epoch": 0, "world_size": 1, "num_workers": 1, "workers": [{"worker": 1, "yielded": 0}]},
+     "worker must be from 0 to 0, not 1"),
+    ({"shardkit": 1, "epoch": 0, "world_size": 1, "num_workers": 1, "workers": [{"worker": 0, "yielded": -5}]},
+     "yielded must be at least 0, not -5"),
+])
+def test_malformed_states_are_refused(packed: Path, state: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StreamingDataset(str(packed)).load_state_dict(state)
+
+
+def test_a_state_of_another_order_is_refused(packed: Path) -> None:
+    """Progress counted in one order resumed in another would repeat some samples and lose others."""
+    state = StreamingDataset(str(packed), shuffle=True).resume_state(epoch=0, samples_seen=10, batch_size=5,
+                                                                     num_workers=1)
+    for other, differ in (({"seed": 5}, "seed 0 there, 5 here"), ({"shuffle": False}, "shuffle True there, False here"),
+                          ({"block": 8}, "block 64 there, 8 here")):
+        with pytest.raises(ValueError, match=f"another order \\({differ}\\)"):
+            StreamingDataset(str(packed), **{"shuffle": True, **other}).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"samples 120 there, \d+ here"):
+        StreamingDataset(str(packed / "shard-000000.tar").replace("000000", "{000000..000003}"),
+                         shuffle=True).load_state_dict(state)
+    for bad in ({"batch_size": -2}, {"batch_size": 0}, {"world_size": 0}, {"num_workers": -3}, {"epoch": 1.5}):
+        with pytest.raises((TypeError, ValueError), match=next(iter(bad))):
+            StreamingDataset(str(packed)).resume_state(**{"epoch": 0, "samples_seen": 10, "num_workers": 1,
+                                                          "batch_size": 5, **bad})
 
 
 def to_pair(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
@@ -850,6 +917,32 @@ def test_undecodable_image_skipped_keeps_the_count(broken: tuple[Path, str, str]
         assert len(per_rank[-1]) == len(ds) == 15
     assert skipped == 1
     assert set(per_rank[0]) | set(per_rank[1]) == {f"{i:06d}" for i in range(30)} - {key}
+
+
+def test_image_transform_finds_bad_data_as_decode_does(broken: tuple[Path, str, str], tmp_path: Path) -> None:
+    """The quickstart's path (decode="raw", image_transform decoding in the transform): an
+    undecodable image is named with its shard and sample, and skipped under on_error="skip",
+    as with decode="pil"; a bug in the user's own transform is still the user's own error."""
+    from shardkit import LMDBDataset
+    from shardkit.decode import image_transform
+
+    dataset, shard, key = broken
+    augment = image_transform(16, crop=None)
+    for workers in (0, 2):
+        err = failure(StreamingDataset(str(dataset), transform=augment), workers)
+        assert isinstance(err, CorruptShardError) and f"{shard}: sample {key} at byte" in str(err)
+        assert "field 'jpg': UnidentifiedImageError" in str(err)
+    ds = StreamingDataset(str(dataset), transform=augment, on_error="skip")
+    assert len(list(ds)) == 30 and ds.stats()["skipped"] == 1
+    shardkit.pack(str(dataset), str(tmp_path / "db"), format="lmdb", progress=False)
+    with pytest.raises(CorruptShardError, match=f"db: sample {key}: field 'jpg': UnidentifiedImageError"):
+        [x for x in LMDBDataset(str(tmp_path / "db"), transform=augment)]
+
+    def buggy(sample: dict) -> None:
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError, match="a bug"):
+        next(iter(StreamingDataset(str(dataset), transform=buggy, on_error="skip")))
 
 
 def test_skip_keeps_the_count_when_a_worker_has_only_bad_samples(tmp_path: Path) -> None:

@@ -116,6 +116,13 @@ def test_bad_arguments(size: object, crop: object, gap: float) -> None:
         image_transform(size, crop, reducing_gap=gap)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("size", ["256", (32, 16, 8), 2.5, True])
+def test_a_size_is_an_int_or_a_pair_of_ints(size: object) -> None:
+    """'256' used to be read as the pair ('2', '5'): a 2x5 image."""
+    with pytest.raises(TypeError, match="a size is an int .* or a \\(width, height\\) pair of ints"):
+        image_transform(size, None)  # type: ignore[arg-type]
+
+
 def test_resized_tensor(photos: dict) -> None:
     import torch
 

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -122,6 +123,10 @@ def test_lmdb_dataset_with_shuffle_workers_and_samplers(lmdb_pack: Path) -> None
     assert len(ds) == 30 and ds[0]["jpg"].dtype.is_floating_point is False and ds[-1]["__key__"] == ds[29]["__key__"]
     with pytest.raises(IndexError):
         ds[30]
+    assert ds[np.int64(3)]["__key__"] == ds[3]["__key__"]  # a sampler's numpy ints are ints too
+    for bad in (1.0, True, "1"):
+        with pytest.raises(TypeError, match="an LMDBDataset index must be an integer"):
+            ds[bad]
     loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, persistent_workers=True, collate_fn=keys_of)
     for _ in range(2):
         keys = [k for b in loader for k in b]

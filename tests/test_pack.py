@@ -6,6 +6,7 @@ import io
 import json
 import os
 import shutil
+import re
 import signal
 import subprocess
 import sys
@@ -252,6 +253,33 @@ except OSError as e:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[0] == "cannot read (No such file or directory)"
     assert out[1] == "EMFILE img_0000.jpg"
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"resize": -10}, ValueError, "resize must be at least 1, not -10"),  # made every image 1x1
+    ({"resize": 0}, ValueError, "resize must be at least 1, not 0"),  # was ignored
+    ({"quality": 101}, ValueError, "quality must be from 1 to 100, not 101"),
+    ({"quality": 50.5}, TypeError, "quality must be an integer, not 50.5"),
+    ({"workers": 0}, ValueError, "workers must be at least 1, not 0"),
+    ({"max_count": 2.5}, TypeError, "max_count must be an integer, not 2.5"),
+    ({"max_size": "abc"}, ValueError, "max_size: not a size: 'abc'"),
+    ({"seed": 1.5}, TypeError, "seed must be an integer, not 1.5"),
+    ({"format": "LMDB"}, ValueError, "format must be 'tar' or 'lmdb', not 'LMDB'"),
+    ({"stats": []}, TypeError, "stats must be a dict to fill"),
+])
+def test_pack_arguments_fail_at_once_naming_them(photos: Path, tmp_path: Path, options: dict, error: type,
+                                                 message: str) -> None:
+    """The CLI's ranges, checked by the Python API as well, before anything is written."""
+    with pytest.raises(error, match=re.escape(message)):
+        shardkit.pack(str(photos), str(tmp_path / "out"), progress=False, **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_pack_takes_paths(photos: Path, tmp_path: Path) -> None:
+    idx = shardkit.pack(photos, tmp_path / "out", workers=1, progress=False)  # pathlib.Path, as the readers take
+    assert idx.samples == 30 and shardkit.verify(tmp_path / "out") == []
+    with pytest.raises(TypeError, match="dest must be a path or URL"):
+        shardkit.pack(photos, "", progress=False)
 
 
 def test_hidden_and_undecodable_names_are_skipped(photos: Path, tmp_path: Path) -> None:
