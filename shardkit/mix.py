@@ -13,14 +13,21 @@ from (seed, epoch), elastic resume.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from . import partition
+from . import checks, partition
 from .dataset import StreamingDataset, _WorkerStream
 from .epochs import EpochDataset, EpochStream, stats_summary
+
+
+def _weight(w: object) -> float:
+    if isinstance(w, bool) or not isinstance(w, numbers.Real) or not (0 < float(w) < float("inf")):
+        raise ValueError(f"a mix weight is a positive finite number, not {w!r}")
+    return float(w)
 
 
 class MixedDataset(EpochDataset):
@@ -31,25 +38,37 @@ class MixedDataset(EpochDataset):
                  shuffle_window: int = 1024, remainder: str = "repeat", rank: int | None = None,
                  world_size: int | None = None, batch_size: int | None = None, **options: Any):
         super().__init__(rank, world_size)
-        if not parts:
-            raise ValueError("mix needs at least one dataset")
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1 (or None), not {batch_size}")
+        if not isinstance(parts, Sequence) or not parts:
+            raise ValueError("mix needs a list of (dataset, weight) pairs, at least one")
+        for part in parts:
+            if not (isinstance(part, (tuple, list)) and len(part) == 2):
+                raise TypeError(f"each part of a mix is a (dataset, weight) pair, not {part!r}")
+        self.batch_size = checks.optional("batch_size", batch_size, 1)
+        self.seed, self.shuffle_window = checks.integer("seed", seed), checks.integer("shuffle_window", shuffle_window, 1)
+        if remainder not in partition.REMAINDERS:
+            raise ValueError(f"remainder must be one of {partition.REMAINDERS}, not {remainder!r}")
         if any(isinstance(p, StreamingDataset) and p.batch_size for p, _ in parts):
             raise ValueError("the datasets of a mix yield samples: give batch_size to the mix, not to its parts")
-        self.batch_size = batch_size
+        if options and any(isinstance(p, StreamingDataset) for p, _ in parts):
+            raise ValueError(f"options for the parts ({', '.join(sorted(options))}) apply to parts given as URLs: "
+                             "give them to the StreamingDataset parts themselves")
         self.parts = [
             p if isinstance(p, StreamingDataset)
             else StreamingDataset(p, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, **options)
             for p, _ in parts
         ]
-        self.weights = tuple(float(w) for _, w in parts)
+        self.weights = tuple(_weight(w) for _, w in parts)
         self.sizes = tuple(p._total() for p in self.parts)
         if 0 in self.sizes:
             raise ValueError("every dataset of a mix needs at least one sample")
-        self.samples_per_epoch = samples_per_epoch if samples_per_epoch is not None else sum(self.sizes)
+        self.samples_per_epoch = (checks.integer("samples_per_epoch", samples_per_epoch, 1)
+                                  if samples_per_epoch is not None else sum(self.sizes))
         self.counts = partition.mix_counts(self.weights, self.samples_per_epoch)
-        self.shuffle, self.seed, self.shuffle_window, self.remainder = shuffle, seed, shuffle_window, remainder
+        if not self.counts.all():
+            d = int(np.argmin(self.counts))
+            raise ValueError(f"part {d} (weight {self.weights[d]:g}) gets no sample in an epoch of {self.samples_per_epoch}: "
+                             "raise its weight or samples_per_epoch, or leave it out")
+        self.shuffle, self.remainder = shuffle, remainder
 
     def _total(self) -> int:
         return self.samples_per_epoch
@@ -88,8 +107,9 @@ class _MixedStream(EpochStream):
             steps = draw[positions[part_of == d]]
             own_epoch, offset = steps // ds.sizes[d], steps % ds.sizes[d]
             out = np.empty(len(steps), dtype=np.int64)
-            for k in np.unique(own_epoch).tolist():
-                sel = own_epoch == k
+            by_epoch = np.argsort(own_epoch, kind="stable")  # each of the part's own epochs once, not a scan per epoch
+            epochs, starts = np.unique(own_epoch[by_epoch], return_index=True)
+            for k, sel in zip(epochs.tolist(), np.split(by_epoch, starts[1:])):
                 order = partition.global_sequence(part._counts, seed=part.seed, epoch=k, shuffle=part.shuffle,
                                                   block=part.block)
                 out[sel] = order[offset[sel]]

@@ -207,6 +207,7 @@ def mix_counts(weights: Sequence[float], total: int) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if len(w) == 0 or (w <= 0).any() or not np.isfinite(w).all():
         raise ValueError("weights must be positive numbers")
+    w = w / w.max()  # the sum of huge weights would overflow
     share = w / w.sum() * total
     counts = np.floor(share).astype(np.int64)
     order = np.argsort(-(share - counts), kind="stable")

@@ -110,3 +110,23 @@ def test_a_mix_can_batch_in_its_workers(two: tuple[str, str]) -> None:
     assert collections.Counter(got) == collections.Counter(tagged(mix()))
     with pytest.raises(ValueError, match="give batch_size to the mix"):
         StreamingDataset.mix([(StreamingDataset(a, batch_size=2), 1.0)])
+
+
+def test_mix_arguments_fail_at_once_naming_them(two: tuple[str, str]) -> None:
+    a, b = two
+    for parts, options, error, message in [
+        ([(a, 1)], {"samples_per_epoch": 0}, ValueError, "samples_per_epoch must be at least 1, not 0"),
+        ([(a, 1)], {"samples_per_epoch": 2.5}, TypeError, "samples_per_epoch must be an integer"),
+        ([(a, 1), (b, 1e-300)], {}, ValueError, r"part 1 \(weight 1e-300\) gets no sample in an epoch of 42"),
+        ([(a, float("nan"))], {}, ValueError, "a mix weight is a positive finite number, not nan"),
+        ([(a, "a")], {}, ValueError, "a mix weight is a positive finite number, not 'a'"),
+        ([a], {}, TypeError, "each part of a mix is a \\(dataset, weight\\) pair"),
+        ([(a, 1)], {"shuffle_window": 0}, ValueError, "shuffle_window must be at least 1, not 0"),
+        ([(a, 1)], {"remainder": "bogus"}, ValueError, "remainder must be one of"),
+        ([(StreamingDataset(a), 1)], {"decode": "tensor"}, ValueError, r"options for the parts \(decode\) apply to parts "
+                                                                        "given as URLs"),
+    ]:
+        with pytest.raises(error, match=message):
+            StreamingDataset.mix(parts, **options)
+    huge = StreamingDataset.mix([(a, 1e308), (b, 1e308)])  # their sum overflows a float
+    assert huge.counts.tolist() == [21, 21]
