@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .decode import image_field
-from .errors import ShardkitError, describe
+from .errors import FieldError, ShardkitError, describe
 from .storage import StorageOptions
 
 WITHIN = 0.05  # the recommendation: the smallest setting within 5% of the best mean
@@ -104,6 +104,8 @@ class Transform:
     def __call__(self, sample: Any) -> Any:
         try:
             return self.fn(sample)
+        except FieldError:
+            raise  # bad data it found (image_transform decoding the image): the reader names or skips it
         except Exception as e:  # noqa: BLE001 - the user's code: named, with the sample, in one line
             key = sample.get("__key__") if isinstance(sample, dict) else None
             raise TransformError(f"--transform {self.spec} failed on sample {key}: {describe(e)}") from e

@@ -3,7 +3,7 @@ argument and what it takes, instead of deep inside numpy or a worker later."""
 
 from __future__ import annotations
 
-import numbers
+import operator
 import os
 from typing import Any
 
@@ -11,11 +11,15 @@ from .units import parse_size
 
 
 def integer(name: str, value: Any, minimum: int | None = 0, maximum: int | None = None) -> int:
-    """`value` as an int, if it is a whole number (not a bool, a float or a str) within
-    [minimum, maximum]; else TypeError or ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, not {value!r}")
-    value = int(value)
+    """`value` as an int, if it is a whole number (an int, a numpy or 0-d torch integer; not
+    a bool, a float or a str) within [minimum, maximum]; else TypeError or ValueError naming
+    `name`."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, not {value!r}") from None
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         if maximum is None:
             bound = f"at least {minimum}"

@@ -249,9 +249,11 @@ def index_cmd(url: str, force: bool, storage_options: tuple[str, ...]) -> None:
     from .sources import build_index, shard_urls
 
     opts = _storage_options(storage_options)
-    if storage.exists(storage.join(url, index.INDEX_NAME), opts) and not force:
-        raise click.ClickException(f"{storage.join(url, index.INDEX_NAME)} exists (use --force to rebuild)")
-    index.check_finished(url, opts)  # a shardkit pack's own shards: finished by rerunning it, not indexed
+    if storage.exists(storage.join(url, index.INDEX_NAME), opts):
+        if not force:
+            raise click.ClickException(f"{storage.join(url, index.INDEX_NAME)} exists (use --force to rebuild)")
+    else:
+        index.check_finished(url, opts)  # a shardkit pack's own shards: finished by rerunning it, not indexed
     idx = build_index(shard_urls(url, opts), opts)
     index.save(idx, url, opts)
     click.echo(f"indexed {_plural(idx.samples, 'sample')} in {_plural(len(idx.shards), 'shard')} "

@@ -79,7 +79,7 @@ class StreamingDataset(EpochDataset):
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         if remainder not in partition.REMAINDERS:
             raise ValueError(f"remainder must be one of {partition.REMAINDERS}, not {remainder!r}")
-        seed, block = checks.integer("seed", seed), checks.integer("block", block, 1)
+        seed, block = checks.integer("seed", seed, None), checks.integer("block", block, 1)
         shuffle_window, prefetch = checks.integer("shuffle_window", shuffle_window, 1), checks.integer("prefetch", prefetch)
         decoder(decode)  # validate early, in the main process
         self.urls, self.index = resolve(source, storage_options)
@@ -128,7 +128,7 @@ class StreamingDataset(EpochDataset):
         return int(self._counts.sum())
 
     def _order(self) -> dict[str, Any]:
-        return {**super()._order(), "block": self.block}
+        return {**super()._order(), "block": self.block} if self.shuffle else super()._order()
 
     def _sequence(self, epoch: int) -> np.ndarray:
         return partition.global_sequence(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self.block)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import io
+import operator
 import json
 import re
 from collections.abc import Callable
@@ -130,13 +131,24 @@ Size = Union[int, tuple[int, int]]  # an int is the shorter side; a pair is (wid
 BILINEAR = Image.Resampling.BILINEAR  # torchvision's Resize default (PIL always antialiases)
 
 
+def _size(size: Size) -> Size:
+    """`size` as an int or a (width, height) tuple of ints; numpy ints and length-2 arrays or
+    sequences are taken too, strs ('256' is not the pair ('2', '5')) and floats are not."""
+    try:
+        if isinstance(size, (str, bytes, bool)):
+            raise TypeError
+        if not hasattr(size, "__len__"):
+            return operator.index(size)  # type: ignore[arg-type]
+        if len(size) == 2 and not any(isinstance(n, (str, bytes, bool)) for n in size):
+            return operator.index(size[0]), operator.index(size[1])
+    except TypeError:
+        pass
+    raise TypeError(f"a size is an int (the shorter side) or a (width, height) pair of ints, not {size!r}")
+
+
 def _pair(size: Size) -> tuple[int, int]:
-    if isinstance(size, int) and not isinstance(size, bool):
-        return size, size
-    if not (isinstance(size, (tuple, list)) and len(size) == 2
-            and all(isinstance(n, int) and not isinstance(n, bool) for n in size)):
-        raise TypeError(f"a size is an int (the shorter side) or a (width, height) pair of ints, not {size!r}")
-    return int(size[0]), int(size[1])
+    size = _size(size)
+    return (size, size) if isinstance(size, int) else size
 
 
 def _check(size: Size, crop: Size | None, reducing_gap: float | None) -> None:
@@ -158,10 +170,11 @@ def geometry(source: tuple[int, int], size: Size, crop: Size | None = None
     round((resized - crop) / 2), as torchvision's CenterCrop does.
     """
     w, h = source
+    size = _size(size)
     if isinstance(size, int):
         rw, rh = (size, int(size * h / w)) if w <= h else (int(size * w / h), size)
     else:
-        rw, rh = _pair(size)
+        rw, rh = size
     if crop is None:
         return (rw, rh), (rw, rh), (0.0, 0.0, float(w), float(h))
     cw, ch = _pair(crop)
@@ -222,7 +235,8 @@ class ImageTransform:
     def __init__(self, size: Size = 256, crop: Size | None = 224, *, field: str | None = None, label: str = "cls",
                  resample: int = BILINEAR, reducing_gap: float | None = 2.0):
         _check(size, crop, reducing_gap)
-        self.size, self.crop, self.field, self.label = size, crop, field, label
+        self.size, self.crop = _size(size), None if crop is None else _size(crop)
+        self.field, self.label = field, label
         self.resample, self.reducing_gap = int(resample), reducing_gap
 
     def __call__(self, sample: dict[str, Any]) -> tuple[Any, Any]:

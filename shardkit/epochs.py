@@ -91,8 +91,10 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def _order(self) -> dict[str, Any]:
         """What an epoch's order depends on besides the layout: progress saved under other
         values would resume the wrong samples, so a state carries these and must match."""
-        return {"samples": self._total(), "seed": self.seed, "shuffle": bool(self.shuffle),
-                "shuffle_window": self.shuffle_window, "remainder": self.remainder}
+        order = {"samples": self._total(), "shuffle": bool(self.shuffle), "remainder": self.remainder}
+        if self.shuffle:  # without it, the order is the dataset's own, whatever the seed
+            order.update(seed=self.seed, shuffle_window=self.shuffle_window)
+        return order
 
     def _stream(self, stream: EpochStream) -> Iterator[Any]:
         """What `__iter__` returns: the worker's samples, or its batches."""
@@ -187,6 +189,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
             earlier = [s for s in _find_states(resumed_from) if "worker" in s]
             if not earlier or any(s["epoch"] != epoch for s in earlier):
                 raise ValueError(f"resumed_from is not a resume state of epoch {epoch}")
+            _check_order(earlier, self._order())
             history = _history(earlier)
         elif self._resume is not None and self._resume["epoch"] == epoch:
             raise ValueError("this epoch was itself resumed from a partial state: pass that state as resumed_from")
@@ -196,8 +199,6 @@ class EpochDataset(torch.utils.data.IterableDataset):
         workers = max(num_workers, 1)
         sizes = [b - a for a, b in (partition.worker_bounds(rank_total, workers, w, self._batch) for w in range(workers))]
         yielded = partition.yielded_after(sizes, batch_size, samples_seen, drop_last)
-        if sum(yielded) == sum(size - (size % batch_size if drop_last else 0) for size in sizes):
-            return {STATE_MARK: 1, "epoch": epoch + 1}  # the whole pass: as StatefulDataLoader's, the next epoch
         return {STATE_MARK: 1, "epoch": epoch, "world_size": world, "num_workers": workers, "batch": self._batch,
                 "order": self._order(), "history": history,
                 "workers": [{"worker": w, "yielded": k} for w, k in enumerate(yielded)]}
@@ -250,7 +251,8 @@ def _find_states(state: Any) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     for d in _dicts(state):
         if d.get(STATE_MARK) == 1:  # resume_state() has one dict for all workers
-            if "workers" in d and not (isinstance(d["workers"], list) and all(isinstance(w, dict) for w in d["workers"])):
+            if "workers" in d and not (isinstance(d["workers"], (list, tuple))
+                                       and all(isinstance(w, dict) for w in d["workers"])):
                 raise ValueError("not a valid shardkit state: 'workers' must be a list of dicts")
             found += [{**d, **w} for w in d["workers"]] if "workers" in d else [d]
     for s in found:
@@ -268,7 +270,7 @@ def _check_state(s: dict[str, Any]) -> None:
             checks.integer("world_size", s["world_size"], 1)
             checks.integer("yielded", s["yielded"], 0)
             checks.integer("batch", s.get("batch", 1), 1)
-            if not isinstance(s.get("history", []), list):
+            if not isinstance(s.get("history", []), (list, tuple)):
                 raise TypeError("history must be a list")
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"not a valid shardkit state ({type(e).__name__}: {e})") from None

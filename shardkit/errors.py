@@ -31,8 +31,9 @@ def about_the_file(e: OSError) -> bool:
     (too many open files, out of memory, an I/O error, a stale network mount) is about the
     machine and would hit every file after it: the pack stops instead of turning an outage
     into a smaller dataset, and a rerun resumes it."""
-    return isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)) or \
-        e.errno in _ABOUT_THE_FILE
+    return (isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
+            or e.errno is None  # not the system's: PIL's "Truncated File Read", a store's 404
+            or e.errno in _ABOUT_THE_FILE)
 
 
 def describe(e: BaseException) -> str:

@@ -13,7 +13,6 @@ from (seed, epoch), elastic resume.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,10 +23,16 @@ from .dataset import StreamingDataset, _WorkerStream
 from .epochs import EpochDataset, EpochStream, stats_summary
 
 
-def _weight(w: object) -> float:
-    if isinstance(w, bool) or not isinstance(w, numbers.Real) or not (0 < float(w) < float("inf")):
+def _weight(w: Any) -> float:
+    try:
+        if isinstance(w, (str, bytes, bool)):
+            raise TypeError
+        value = float(w)  # numpy and torch scalars, Decimal, Fraction
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0 < value < float("inf"):
         raise ValueError(f"a mix weight is a positive finite number, not {w!r}")
-    return float(w)
+    return value
 
 
 class MixedDataset(EpochDataset):
@@ -44,7 +49,8 @@ class MixedDataset(EpochDataset):
             if not (isinstance(part, (tuple, list)) and len(part) == 2):
                 raise TypeError(f"each part of a mix is a (dataset, weight) pair, not {part!r}")
         self.batch_size = checks.optional("batch_size", batch_size, 1)
-        self.seed, self.shuffle_window = checks.integer("seed", seed), checks.integer("shuffle_window", shuffle_window, 1)
+        self.seed = checks.integer("seed", seed, None)
+        self.shuffle_window = checks.integer("shuffle_window", shuffle_window, 1)
         if remainder not in partition.REMAINDERS:
             raise ValueError(f"remainder must be one of {partition.REMAINDERS}, not {remainder!r}")
         if any(isinstance(p, StreamingDataset) and p.batch_size for p, _ in parts):

@@ -207,7 +207,9 @@ def mix_counts(weights: Sequence[float], total: int) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if len(w) == 0 or (w <= 0).any() or not np.isfinite(w).all():
         raise ValueError("weights must be positive numbers")
-    w = w / w.max()  # the sum of huge weights would overflow
+    with np.errstate(over="ignore"):
+        if not np.isfinite(w.sum()):  # huge weights: scaled, only then (rounding ties must not move)
+            w = w / w.max()
     share = w / w.sum() * total
     counts = np.floor(share).astype(np.int64)
     order = np.argsort(-(share - counts), kind="stable")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -80,12 +81,14 @@ def expand(pattern: str) -> list[str]:
     return list(braceexpand(pattern))
 
 
-def resolve(source: str | Sequence[str], storage_options: StorageOptions | None = None) -> tuple[list[str], Index]:
+def resolve(source: str | Iterable[str], storage_options: StorageOptions | None = None) -> tuple[list[str], Index]:
     """(shard URLs, Index) for a dataset folder, a brace pattern or a list of shard URLs.
     An LMDB dataset resolves to its folder as the one "shard"."""
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
-    if not isinstance(source, (str, Sequence)) or isinstance(source, (bytes, bytearray)):
+    data = sys.modules.get("torch.utils.data")  # a dataset is iterable too: never read through as a list of URLs
+    if (not isinstance(source, (str, Iterable)) or isinstance(source, (bytes, bytearray))
+            or (data is not None and isinstance(source, data.Dataset))):
         raise TypeError(f"source must be a dataset folder or URL, a brace pattern or a list of shard paths or URLs, "
                         f"not a {type(source).__name__}")
     if isinstance(source, str) and not source.endswith(".tar") and "{" not in source:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import shardkit
@@ -123,7 +124,7 @@ def test_lmdb_dataset_with_shuffle_workers_and_samplers(lmdb_pack: Path) -> None
     assert len(ds) == 30 and ds[0]["jpg"].dtype.is_floating_point is False and ds[-1]["__key__"] == ds[29]["__key__"]
     with pytest.raises(IndexError):
         ds[30]
-    assert ds[np.int64(3)]["__key__"] == ds[3]["__key__"]  # a sampler's numpy ints are ints too
+    assert ds[np.int64(3)]["__key__"] == ds[torch.tensor(3)]["__key__"] == ds[3]["__key__"]  # samplers' ints
     for bad in (1.0, True, "1"):
         with pytest.raises(TypeError, match="an LMDBDataset index must be an integer"):
             ds[bad]

@@ -86,4 +86,7 @@ def test_loading_a_large_index_gives_its_parse_memory_back(tmp_path: Path) -> No
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
     samples, grown = map(int, out.stdout.split())
     assert samples == shards * per
-    assert grown < 8 * samples * 2.5, f"{grown / samples:.0f} bytes a sample stayed after loading the index"
+    # 19.5-20 bytes a sample stay here (the arrays and the allocator's leftovers; 2026-11-24, code
+    # before and after that day's changes alike): a bound of 2.5x the arrays' 8 bytes sat right on
+    # it and failed now and then; Python ints kept from the parse would be ~30 bytes a sample
+    assert grown < 8 * samples * 3, f"{grown / samples:.0f} bytes a sample stayed after loading the index"

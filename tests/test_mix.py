@@ -31,6 +31,7 @@ def tagged(ds, workers: int = 0, batch: int | None = None) -> list[tuple[str, st
 def test_mix_counts_are_exact_and_proportional() -> None:
     assert partition.mix_counts([0.7, 0.3], 80).tolist() == [56, 24]
     assert partition.mix_counts([1, 1, 1], 10).sum() == 10
+    assert partition.mix_counts([0.5, 0.7], 54).tolist() == [22, 32]  # ties broken as they always were
     with pytest.raises(ValueError):
         partition.mix_counts([1, 0], 10)
     assert partition.mix_sources([6, 2], seed=0, epoch=0, shuffle=False).tolist() == [0, 0, 1, 0, 0, 0, 1, 0]

@@ -275,6 +275,14 @@ def test_pack_arguments_fail_at_once_naming_them(photos: Path, tmp_path: Path, o
     assert not (tmp_path / "out").exists()
 
 
+def test_a_file_pil_cannot_read_is_skipped_when_re_encoding(photos: Path, tmp_path: Path) -> None:
+    """PIL's OSError for a cut-off image carries no errno: bad data, not the machine failing."""
+    whole = (photos / "circle" / "img_0000.jpg").read_bytes()
+    (photos / "circle" / "img_0000.jpg").write_bytes(whole[:300])
+    idx = shardkit.pack(str(photos), str(tmp_path / "out"), resize=32, workers=1, progress=False)
+    assert idx.samples == 29 and [s.path for s in idx.skipped] == ["circle/img_0000.jpg"]
+
+
 def test_pack_takes_paths(photos: Path, tmp_path: Path) -> None:
     idx = shardkit.pack(photos, tmp_path / "out", workers=1, progress=False)  # pathlib.Path, as the readers take
     assert idx.samples == 30 and shardkit.verify(tmp_path / "out") == []

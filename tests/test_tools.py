@@ -19,6 +19,10 @@ FAST = ("--batch-size", "8", "--batches", "3", "--passes", "2", "--warmup", "1")
 USER_TRANSFORMS = '''
 import time
 
+from shardkit.decode import image_transform
+
+sized = image_transform(16, crop=None)
+
 
 def slow(sample):
     time.sleep(0.015)  # a heavy augmentation: workers run it in parallel
@@ -217,6 +221,11 @@ def test_preview_and_bench_skip_bad_samples_when_asked(run, photos: Path, tmp_pa
     assert result.exit_code == 1 and shard in result.output
     result = run("bench", dataset, *whole_epoch[2:], "--workers", "2")  # raised in a worker: one line all the same
     assert result.exit_code == 1 and shard in result.output and len(result.output.splitlines()) == 1, result.output
+    user = tmp_path / "user_transforms.py"
+    user.write_text(USER_TRANSFORMS)
+    result = run("bench", dataset, *whole_epoch, "--decode", "raw", "--transform", f"{user}:sized", "--on-error", "skip",
+                 "--json")  # image_transform's bad image is bad data, skipped, not the transform failing
+    assert result.exit_code == 0 and json.loads(result.stdout)["settings"][0]["stats"]["skipped"] >= 1, result.output
     result = run("bench", dataset, *whole_epoch, "--on-error", "skip", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["settings"][0]["stats"]["skipped"] >= 1

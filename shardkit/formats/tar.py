@@ -188,7 +188,7 @@ def iter_members(f: BinaryIO, where: str, limit: int | None = None, base: int = 
         kind = head[156:157]
         pad = _padding(size)
         data = f.read(size)
-        padded = len(f.read(pad)) if pad and len(data) == size else pad
+        padded = len(f.read(pad)) if pad and len(data) == size else 0
         if len(data) < size or padded < pad:
             name = long_name or head[:100].split(b"\x00", 1)[0].decode("utf-8", "replace")
             got = f"{len(data)} of {size} bytes" if len(data) < size else f"its padding: {padded} of {pad} bytes"
@@ -257,19 +257,31 @@ def scan(f: BinaryIO, where: str) -> Scan:
     """Scan a shard written by any tool. Reads it once, start to end."""
     out = Scan()
     end = 0
-    seen: set[str] = set()
+    first: dict[str, set[str]] = {}  # each key's fields, as its first run of members had them
+    group: set[str] = set()
+
+    def check(key: str, at: int) -> None:
+        """A key met again must come whole again (concatenated or repeated samples are
+        fine); in parts, it is a sample whose files are apart, which webdataset would
+        silently read as two half samples."""
+        if first.setdefault(key, group) != group:
+            raise CorruptShardError(
+                f"{where}: the members of sample {key!r} are not adjacent (more of them at byte {at}): a sample's "
+                "files must follow each other in the tar (`tar --sort=name` does that)")
+
     for start, stop, name, _ in iter_members(f, where):
         key, ext = split_name(name)
         if not out.keys or out.keys[-1] != key:
-            if key in seen:  # webdataset would silently make two half samples of it
-                raise CorruptShardError(
-                    f"{where}: the members of sample {key!r} are not adjacent ({name!r} at byte {start}): a sample's "
-                    "files must follow each other in the tar (`tar --sort=name` does that)")
-            seen.add(key)
+            if out.keys:
+                check(out.keys[-1], out.offsets[-1])
+            group = set()
             out.keys.append(key)
             out.offsets.append(start)
+        group.add(ext)
         out.fields.add(ext)
         end = stop
+    if out.keys:
+        check(out.keys[-1], out.offsets[-1])
     out.offsets.append(end)
     return out
 
