@@ -73,20 +73,16 @@ class StreamingDataset(EpochDataset):
         storage_options: StorageOptions | None = None,
         batch_size: int | None = None,
     ):
-        super().__init__(rank, world_size)
-        self.batch_size = checks.optional("batch_size", batch_size, 1)
+        super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
+                         remainder=remainder, batch_size=batch_size)
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
-        if remainder not in partition.REMAINDERS:
-            raise ValueError(f"remainder must be one of {partition.REMAINDERS}, not {remainder!r}")
-        seed, block = checks.integer("seed", seed, None), checks.integer("block", block, 1)
-        shuffle_window, prefetch = checks.integer("shuffle_window", shuffle_window, 1), checks.integer("prefetch", prefetch)
+        self.block, self.prefetch = checks.integer("block", block, 1), checks.integer("prefetch", prefetch)
         decoder(decode)  # validate early, in the main process
         self.urls, self.index = resolve(source, storage_options)
-        self.shuffle, self.seed, self.decode, self.transform = shuffle, seed, decode, transform
-        self.remainder, self.shuffle_window, self.block, self.on_error = remainder, shuffle_window, block, on_error
+        self.decode, self.transform, self.on_error = decode, transform, on_error
         self.storage_options, self.verify = storage_options, verify
-        self.prefetch, self.prefetch_bytes = prefetch, checks.size("prefetch_bytes", prefetch_bytes, 1)
+        self.prefetch_bytes = checks.size("prefetch_bytes", prefetch_bytes, 1)
         self.cache_dir, self.cache_limit = cache_dir, checks.size("cache_limit", cache_limit, 1)
         if cache_dir is not None and self.cache_limit < self.prefetch_bytes:
             raise ValueError(

@@ -24,21 +24,21 @@ STATE_MARK = "shardkit"  # identifies our state inside a StatefulDataLoader stat
 
 
 class EpochDataset(torch.utils.data.IterableDataset):
-    """Base of the datasets: subclasses set the attributes below and define `_total()`
-    (samples in an epoch before splitting) and `__iter__`."""
+    """Base of the datasets: subclasses define `_total()` (samples in an epoch before
+    splitting) and `__iter__`. `batch_size` set: the dataset yields batches (see batching.py)."""
 
-    shuffle: bool
-    seed: int
-    shuffle_window: int
-    remainder: str
-    batch_size: int | None = None  # set: the dataset yields batches (see batching.py)
-
-    def __init__(self, rank: int | None, world_size: int | None) -> None:
+    def __init__(self, rank: int | None, world_size: int | None, *, shuffle: bool, seed: int, shuffle_window: int,
+                 remainder: str, batch_size: int | None) -> None:
+        """Checks and keeps what every epoch dataset's order and layout depend on."""
         super().__init__()
-        if rank is not None or world_size is not None:
-            partition.world(rank, world_size)  # explicit ones are checked now, not at the first len() or pass
-        self._rank_arg, self._world_arg = rank, world_size
-        self._world: tuple[int, int] | None = None
+        # explicit ones are checked (and fixed) now; else asked when needed: DDP may start later
+        self._world = partition.world(rank, world_size) if rank is not None or world_size is not None else None
+        if remainder not in partition.REMAINDERS:
+            raise ValueError(f"remainder must be one of {partition.REMAINDERS}, not {remainder!r}")
+        self.shuffle, self.remainder = shuffle, remainder
+        self.seed = checks.integer("seed", seed, None)
+        self.shuffle_window = checks.integer("shuffle_window", shuffle_window, 1)
+        self.batch_size = checks.optional("batch_size", batch_size, 1)
         self._shared = Shared()
         self._resume: dict[str, Any] | None = None
 
@@ -67,9 +67,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         return stats_summary(self._shared.totals())
 
     def _rank_world(self) -> tuple[int, int]:
-        if self._world is None:
-            return partition.world(self._rank_arg, self._world_arg)
-        return self._world
+        return self._world or partition.world()
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled for spawned workers: pin the rank seen by the main process, because a

@@ -175,17 +175,25 @@ class Index:
         return index
 
 
-def load(url: str, storage_options: StorageOptions | None = None) -> Index:
-    """Read DATASET/index.json."""
+def find(url: str, storage_options: StorageOptions | None = None) -> Index | None:
+    """DATASET/index.json, or None where there is none (an unfinished pack raises)."""
     where = storage.join(url, INDEX_NAME)
     try:
         text = storage.read_bytes(where, storage_options)
     except FileNotFoundError:
         check_finished(url, storage_options)
-        raise DatasetNotFoundError(f"{where}: no such index ({_guess(url, storage_options)})") from None
+        return None
     except NotADirectoryError:
         raise DatasetNotFoundError(f"{url}: not a folder (give the dataset folder, which holds {INDEX_NAME})") from None
     return Index.from_json(text, where)
+
+
+def load(url: str, storage_options: StorageOptions | None = None) -> Index:
+    """Read DATASET/index.json; where there is none, say what the folder may be instead."""
+    found = find(url, storage_options)
+    if found is None:
+        raise DatasetNotFoundError(f"{storage.join(url, INDEX_NAME)}: no such index ({_guess(url, storage_options)})")
+    return found
 
 
 def check_finished(url: str, storage_options: StorageOptions | None = None) -> None:

@@ -29,7 +29,6 @@ from .errors import CorruptShardError, FieldError, describe
 from .formats import lmdb as lmdb_format
 from .sources import lmdb_index, local_lmdb
 from .storage import StorageOptions
-from .units import parse_size
 
 
 class LMDBDataset(torch.utils.data.Dataset):
@@ -42,12 +41,10 @@ class LMDBDataset(torch.utils.data.Dataset):
                  cache_limit: int | str = "20GB", readahead: bool = False, read_threads: int = 16):
         source = checks.path("source", source)
         decoder(decode)  # validate now; each process builds its own (closures do not pickle)
-        if read_threads < 1:
-            raise ValueError(f"read_threads must be at least 1, not {read_threads}")
         self.decode, self.transform, self.source, self.readahead = decode, transform, source, readahead
-        self.read_threads = read_threads
+        self.read_threads = checks.integer("read_threads", read_threads, 1)
         self._threads: tuple[int, ThreadPoolExecutor] | None = None
-        self.path = local_lmdb(source, storage_options, cache_dir, parse_size(cache_limit))
+        self.path = local_lmdb(source, storage_options, cache_dir, checks.size("cache_limit", cache_limit))
         idx = lmdb_index(self.path)
         if idx.kind != "lmdb":
             raise ValueError(f"{source}: not an LMDB dataset (kind {idx.kind!r})")
@@ -104,9 +101,6 @@ class LMDBDataset(torch.utils.data.Dataset):
             self._decode = decoder(self.decode)
         try:
             sample = self._decode({"__key__": key, "__url__": self.source, **fields})
-        except Exception as e:  # noqa: BLE001 - bad data: name the sample (a transform's errors are its own)
-            raise CorruptShardError(f"{self.path}: sample {key}: {describe(e)}") from e
-        try:
             return self.transform(sample) if self.transform is not None else sample
-        except FieldError as e:  # but bad data it found (image_transform decoding the image) is named too
+        except FieldError as e:  # bad data, found by the decoder or a transform decoding (image_transform)
             raise CorruptShardError(f"{self.path}: sample {key}: {describe(e)}") from e

@@ -42,17 +42,13 @@ class MixedDataset(EpochDataset):
                  samples_per_epoch: int | None = None, shuffle: bool = True, seed: int = 0,
                  shuffle_window: int = 1024, remainder: str = "repeat", rank: int | None = None,
                  world_size: int | None = None, batch_size: int | None = None, **options: Any):
-        super().__init__(rank, world_size)
+        super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
+                         remainder=remainder, batch_size=batch_size)
         if not isinstance(parts, Sequence) or not parts:
             raise ValueError("mix needs a list of (dataset, weight) pairs, at least one")
         for part in parts:
             if not (isinstance(part, (tuple, list)) and len(part) == 2):
                 raise TypeError(f"each part of a mix is a (dataset, weight) pair, not {part!r}")
-        self.batch_size = checks.optional("batch_size", batch_size, 1)
-        self.seed = checks.integer("seed", seed, None)
-        self.shuffle_window = checks.integer("shuffle_window", shuffle_window, 1)
-        if remainder not in partition.REMAINDERS:
-            raise ValueError(f"remainder must be one of {partition.REMAINDERS}, not {remainder!r}")
         if any(isinstance(p, StreamingDataset) and p.batch_size for p, _ in parts):
             raise ValueError("the datasets of a mix yield samples: give batch_size to the mix, not to its parts")
         if options and any(isinstance(p, StreamingDataset) for p, _ in parts):
@@ -74,7 +70,6 @@ class MixedDataset(EpochDataset):
             d = int(np.argmin(self.counts))
             raise ValueError(f"part {d} (weight {self.weights[d]:g}) gets no sample in an epoch of {self.samples_per_epoch}: "
                              "raise its weight or samples_per_epoch, or leave it out")
-        self.shuffle, self.remainder = shuffle, remainder
 
     def _total(self) -> int:
         return self.samples_per_epoch

@@ -238,7 +238,7 @@ def pack(
         raise SourceError(f"{dest}: a file, not a folder (DEST is the folder the dataset goes in)")
     options = Options(resize=resize, quality=quality, on_error=on_error)
     if format == "lmdb" and max_size is not None:  # one transaction per job: keep them moderate
-        max_size = min(parse_size(max_size), parse_size("64MB"))
+        max_size = min(max_size, parse_size("64MB"))
     plan = make_plan(src, dest, max_count=max_count, max_size=max_size, shuffle=shuffle, seed=seed,
                      options=options, fmt=format, storage_options=storage_options)
     unusable = [s for s in plan.skipped if s.reason != HIDDEN]

@@ -93,12 +93,12 @@ def resolve(source: str | Iterable[str], storage_options: StorageOptions | None 
                         f"not a {type(source).__name__}")
     if isinstance(source, str) and not source.endswith(".tar") and "{" not in source:
         try:
-            idx = index.load(source, storage_options)  # one read, no existence check first
+            idx = index.find(source, storage_options)  # one read, no existence check first
         except UnfinishedPackError:
             raise  # its shards are not a dataset yet
-        except DatasetNotFoundError:
-            pass
-        else:
+        except DatasetNotFoundError:  # not a folder
+            idx = None
+        if idx is not None:
             if idx.kind == "lmdb":
                 return [source], idx
             return [storage.join(source, s.name) for s in idx.shards], idx

@@ -227,15 +227,21 @@ def _ask(url: str, storage_options: StorageOptions | None, op: Callable[[Any, st
     return retrying(display(url), call, attempts_for(url))
 
 
-def _cat_range(fs: Any, path: str, start: int, stop: int) -> bytes:
-    """Bytes [start, stop) of a remote file: fewer where it ends before `stop`, none where it
-    ends before `start` (GCS and WebHDFS answer that with no bytes, S3 and HTTP with 416)."""
+def _cat_range(fs: Any, path: str, start: int, stop: int, url: str) -> bytes:
+    """Bytes [start, stop) of the remote file `url`: fewer where it ends before `stop`, none
+    where it ends before `start` (GCS and WebHDFS answer that with no bytes, S3 and HTTP with
+    416). More is a server that ignores ranges: BadRequestError (no retry helps)."""
     try:
-        return fs.cat_file(path, start=start, end=stop)  # type: ignore[no-any-return]
+        data: bytes = fs.cat_file(path, start=start, end=stop)
     except Exception as e:
         if _status(_root_cause(e)) == 416:
             return b""
         raise
+    if len(data) > stop - start:  # the whole file, as `python -m http.server` sends: the shard is fine
+        raise BadRequestError(f"{display(url)}: the server sent {len(data)} bytes for a range of {stop - start}: it "
+                              "ignores range requests, which streaming needs; serve the shards from one that supports "
+                              "them (nginx, S3, GCS) or copy them to local disk")
+    return data
 
 
 def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes:
@@ -258,20 +264,10 @@ def read_range(url: str, start: int, stop: int, storage_options: StorageOptions 
         with open(local_path(url), "rb") as f:
             data = os.pread(f.fileno(), stop - start, start)
     else:
-        data = _ask(url, storage_options, lambda fs, path: _cat_range(fs, path, start, stop))
-        if len(data) > stop - start:
-            raise _ranges_ignored(url, len(data), stop - start)
+        data = _ask(url, storage_options, lambda fs, path: _cat_range(fs, path, start, stop, url))
     if len(data) != stop - start:
         raise CorruptShardError(f"{display(url)}: {len(data)} bytes at offset {start}, expected {stop - start}")
     return data
-
-
-def _ranges_ignored(url: str, got: int, wanted: int) -> BadRequestError:
-    """More bytes than a range asked for: the server answered 200 with the whole file, as
-    `python -m http.server` does. No retry helps, and the shard is fine."""
-    return BadRequestError(f"{display(url)}: the server sent {got} bytes for a range of {wanted}: it ignores "
-                           "range requests, which streaming needs; serve the shards from one that supports them "
-                           "(nginx, S3, GCS) or copy them to local disk")
 
 
 def open_read(url: str, storage_options: StorageOptions | None = None) -> BinaryIO:
@@ -605,9 +601,7 @@ class RangeReader:
 
         def get() -> bytes:
             self._check_open()
-            data = _cat_range(fs, path, start, stop)
-            if len(data) > stop - start:
-                raise _ranges_ignored(url, len(data), stop - start)
+            data = _cat_range(fs, path, start, stop, url)
             if len(data) < stop - start:
                 fs.invalidate_cache(path)
                 if fs.size(path) < stop:  # the object does end there

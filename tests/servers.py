@@ -13,6 +13,7 @@ Servers: moto (S3), gcp-storage-emulator (GCS), ``scripts/webhdfs_server.py`` (W
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -24,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, Callable, Iterator, NamedTuple
+from typing import IO, Any, Callable, Iterator, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read by gcsfs at import
@@ -306,13 +307,28 @@ def latency_proxy(_server_logs: Path) -> Iterator[Callable[..., tuple[str, Proxy
             server.stop()
 
 
-# -- a store that refuses every request ----------------------------------------------------------
+# -- HTTP servers of our own, in a thread --------------------------------------------------------
+@contextlib.contextmanager
+def serving(handler: Callable[..., Any]) -> Iterator[str]:
+    """The base URL of a threading HTTP server on a free loopback port answering with
+    `handler` (a BaseHTTPRequestHandler class, or a partial of one), shut down on exit."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def forbidding() -> Iterator[tuple[str, list[str]]]:
     """(endpoint URL, request log) of an HTTP server on loopback that answers every request
     403 Forbidden, as S3 (XML) or GCS (JSON) does for credentials without access."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import BaseHTTPRequestHandler
 
     log: list[str] = []
 
@@ -335,11 +351,5 @@ def forbidding() -> Iterator[tuple[str, list[str]]]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", log
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Refuse) as base:
+        yield base, log

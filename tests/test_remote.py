@@ -182,9 +182,9 @@ def test_a_slow_but_moving_gcs_download_is_not_cut_off(monkeypatch: pytest.Monke
     """The deadline is per socket read, not per request: a trickle that takes 4x the
     timeout to finish arrives whole (an endpoint of our own that sends 100 bytes every 0.1 s)."""
     import http.server
-    import threading
     import time
 
+    from servers import serving
     from shardkit import storage
 
     class Trickle(http.server.BaseHTTPRequestHandler):
@@ -200,16 +200,11 @@ def test_a_slow_but_moving_gcs_download_is_not_cut_off(monkeypatch: pytest.Monke
                 self.wfile.flush()
                 time.sleep(0.1)
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with serving(Trickle) as endpoint:
         monkeypatch.setattr(storage, "REQUEST_TIMEOUT_S", 0.5)
-        opts = {"endpoint_url": f"http://127.0.0.1:{server.server_port}", "token": "anon", "skip_instance_cache": True}
+        opts = {"endpoint_url": endpoint, "token": "anon", "skip_instance_cache": True}
         fs, path = storage.filesystem("gs://bucket/slow.tar", opts)
         assert fs.cat_file(path, start=0, end=2000) == b"x" * 2000
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_missing_backend_names_the_extra() -> None:

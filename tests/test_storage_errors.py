@@ -4,7 +4,6 @@ errors no retry can fix fail at once, and a truncated shard is bad data, not a s
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import http.server
@@ -27,6 +26,7 @@ from shardkit.errors import CorruptShardError, ShardkitError
 from shardkit.sources import local_lmdb
 
 from conftest import draw, make_folder
+from servers import serving
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -72,24 +72,13 @@ class _Ranges(_Quiet):
         self.wfile.write(body)
 
 
-@contextlib.contextmanager
-def _serving(folder: Path, handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(folder)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 @pytest.fixture
 def web(tmp_path: Path, packed: Path) -> Iterator[tuple[str, Path]]:
     """(base URL, folder) of an HTTP server with range requests over a folder holding the
     packed dataset as ds/."""
     (tmp_path / "www").mkdir()
     os.symlink(packed, tmp_path / "www" / "ds")
-    with _serving(tmp_path / "www", _Ranges) as base:
+    with serving(functools.partial(_Ranges, directory=str(tmp_path / "www"))) as base:
         yield base, tmp_path / "www"
 
 
@@ -217,7 +206,7 @@ def test_a_truncated_shard_over_http_is_bad_data(web: tuple[str, Path], packed: 
 def test_a_server_that_ignores_ranges_is_named_not_blamed_on_the_shard(packed: Path, tmp_path: Path) -> None:
     (tmp_path / "www").mkdir()
     os.symlink(packed, tmp_path / "www" / "ds")
-    with _serving(tmp_path / "www", _Quiet) as base:
+    with serving(functools.partial(_Quiet, directory=str(tmp_path / "www"))) as base:
         for ds in (StreamingDataset(base + "/ds"), StreamingDataset(base + "/ds", on_error="skip")):
             with pytest.raises(ValueError, match=rf"^{base}/ds/shard-0000\d\d\.tar: the server sent \d+ bytes for a "
                                                  r"range of \d+: it ignores range requests"):
