@@ -7,11 +7,8 @@ into shards (no image is read). Makes N empty files under --dir once (1000 class
 from __future__ import annotations
 
 import argparse
-import os
-import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 MEASURE = """

@@ -85,7 +85,7 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
 
     med = {name: statistics.median(t) for name, t in times.items()}
-    print(f"\n| packer | images/s | MB/s | seconds (median, min-max) |")
+    print("\n| packer | images/s | MB/s | seconds (median, min-max) |")
     print("|---|---|---|---|")
     for name, t in times.items():
         print(f"| {name} | {len(files) / med[name]:,.0f} | {total_bytes / med[name] / 1e6:,.0f} | "

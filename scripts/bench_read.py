@@ -327,5 +327,6 @@ def main() -> None:
             print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), limit)} | "
                   f"{_fmt(firsts, digits=2) if firsts else '-'} | {_fmt(rss, 1e-6)} |")
 
+
 if __name__ == "__main__":
     main()

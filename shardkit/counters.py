@@ -121,7 +121,6 @@ class Shared:
                 self.stats[base + i] += v
 
 
-
 class Meter:
     """A worker's statistics, pushed to the shared counters every few hundred samples."""
 

@@ -129,7 +129,6 @@ class StreamingDataset(EpochDataset):
     def _sequence(self, epoch: int) -> np.ndarray:
         return partition.global_sequence(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self.block)
 
-
     def __iter__(self) -> Iterator[Any]:
         return self._stream(_WorkerStream(self, *self._layout()))
 

@@ -202,7 +202,6 @@ class EpochDataset(torch.utils.data.IterableDataset):
                 "workers": [{"worker": w, "yielded": k} for w, k in enumerate(yielded)]}
 
 
-
 def stats_summary(total: dict[str, float]) -> dict[str, float]:
     busy = total["read_s"] + total["decode_s"] + total["transform_s"]
     total["read_fraction"] = total["read_s"] / busy if busy else 0.0
@@ -282,7 +281,6 @@ def _check_order(found: list[dict[str, Any]], order: dict[str, Any]) -> None:
     if saved is not None and saved != order:
         differ = ", ".join(f"{k} {saved.get(k)!r} there, {v!r} here" for k, v in order.items() if saved.get(k) != v)
         raise ValueError(f"this state was saved from a dataset whose epochs have another order ({differ})")
-
 
 
 class Samples:

@@ -89,7 +89,9 @@ def test_kept_batches_and_views_are_never_overwritten(packed: Path) -> None:
         gc.collect()
     assert len(kept) + len(views) == 30
     for images, labels in kept:
-        assert all(torch.equal(img, ref[k][0]) for img, k in zip(images, _keys(ref, images)))
+        keys = _keys(ref, images)
+        assert all(torch.equal(img, ref[k][0]) for img, k in zip(images, keys))
+        assert labels.tolist() == [ref[k][1] for k in keys]
     for images, labels in views:
         for img, label in zip(images, labels):
             matches = [k for k, (r, lab) in ref.items() if torch.equal(r, img)]
@@ -105,8 +107,7 @@ def test_segments_are_reused_once_freed(packed: Path) -> None:
     pool.segments.clear()
     ds = StreamingDataset(str(packed), decode="tensor", transform=to_pair, batch_size=8)
     for batch in DataLoader(ds, batch_size=None):
-        pass
-    del batch
+        del batch
     gc.collect()
     assert not any(s.busy for s in pool.segments)
     assert len(pool.segments) <= 2  # the batch in hand and the one being filled
@@ -141,7 +142,7 @@ def test_spawned_and_persistent_workers(packed: Path) -> None:
         ds.set_epoch(epoch)
         labels = Counter()
         for images, lab in loader:
-            for img, k, y in zip(images, _keys(ref, images), lab.tolist()):
+            for k, y in zip(_keys(ref, images), lab.tolist()):
                 assert ref[k][1] == y
                 labels[y] += 1
         assert labels == {0: 40, 1: 40, 2: 40}

@@ -45,9 +45,9 @@ def test_worker_rss_is_flat_over_epochs(packed: Path, batched: bool) -> None:
         ds.set_epoch(epoch)
         peak: dict[int, int] = {}
         for item in loader:
-            pids, rsss = (item[1].tolist(), item[2].tolist()) if batched else ([item[0]], [item[1]])
-            for pid, rss in zip(pids, rsss):
-                peak[int(pid)] = max(peak.get(int(pid), 0), int(rss))
+            pids, sizes = (item[1].tolist(), item[2].tolist()) if batched else ([item[0]], [item[1]])
+            for pid, size in zip(pids, sizes):
+                peak[int(pid)] = max(peak.get(int(pid), 0), int(size))
         peaks.append(peak)
     assert peaks[1].keys() == peaks[-1].keys()  # the same persistent workers throughout
     for pid in peaks[1]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-from pathlib import Path
 
 import pytest
 from torch.utils.data import DataLoader
