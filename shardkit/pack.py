@@ -3,8 +3,8 @@ plan -> jobs -> write -> commit.
 
 - plan (plan.py): scan SRC once, sort, optionally shuffle with a seed, cut into shards by
   count and size. Every shard is an independent job with a fingerprint of its inputs.
-- write: a job writes its shard under a temporary name and renames it into place when
-  complete, then drops a small progress record beside it.
+- write: a job drops any earlier progress record of its shard, writes the shard under a
+  temporary name, renames it into place when complete, then records its progress.
 - commit: index.json is written last. A rerun after a crash reuses every shard whose
   progress record matches its fingerprint and size, so it ends with exactly the bytes an
   uninterrupted run makes.
@@ -24,7 +24,7 @@ from . import checks, executors, images, index, storage
 from .errors import CorruptShardError, SourceError, about_the_file
 from .executors import tick
 from .formats import lmdb as lmdb_format
-from .formats.tar import TarWriter, parse_sample
+from .formats.tar import TarWriter, check_key, parse_sample
 from .index import Index, ShardInfo, Skipped
 from .plan import DEFAULT_MAX_SIZE, Item, Job, JobList, Options, Plan, make_plan, sample_meta
 from .scan import HIDDEN
@@ -32,6 +32,9 @@ from .storage import StorageOptions
 from .units import parse_size
 
 _SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
+_TMP_RE = re.compile(r"^(shard-\d{6,}\.tar|index\.json)\.tmp-[0-9a-f]{12}$")  # what an interrupted pack leaves
+_STARTED = "started"  # in the progress folder, written first: even an object store then shows the pack unfinished
+_LMDB_FILES = (index.INDEX_NAME, lmdb_format.DATA_FILE, lmdb_format.LOCK_FILE)  # removal order: the index first
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,12 @@ def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
         start, stop = (int(x) for x in span.split(":"))
         url = storage.join(job.src, shard)
         data = storage.read_range(url, start, stop, job.storage_options)
-        return parse_sample(data, f"{url} (sample at byte {start})", start)
+        key, fields = parse_sample(data, f"{url} (sample at byte {start})", start)
+        try:
+            check_key(key)  # another tool's shard may hold what cannot be written back (`.DS_Store`)
+        except ValueError as e:
+            raise CorruptShardError(f"{url} (sample at byte {start}): {e}") from None
+        return key, fields
     if job.source == "lmdb":
         path = storage.local_path(job.src)
         return item.key, lmdb_format.read_one(lmdb_format.open_reader(path), item.key, path)
@@ -101,9 +109,12 @@ def read_chunk(job: Job) -> ChunkResult:
 
 
 def write_shard(job: Job) -> ShardResult:
-    """Write one shard atomically; bad inputs are skipped (or raise under on_error='fail')."""
+    """Write one shard atomically; bad inputs are skipped (or raise under on_error='fail').
+    An earlier run's progress record goes first: left beside this run's shard by a crash
+    before the new record, it would vouch for bytes it does not describe."""
     skipped: list[Skipped] = []
     fields: set[str] = set()
+    storage.remove(_progress_url(job.dest, job.name), job.storage_options)
     with storage.atomic_writer(storage.join(job.dest, job.name), job.storage_options) as f:
         writer = TarWriter(f)
         for got in _samples(job):
@@ -153,32 +164,38 @@ def _refuse_to_replace(dest: str, existing: Index | None) -> None:
 def _prepare_dest(dest: str, plan: Plan, overwrite: bool, storage_options: StorageOptions | None) -> Index | None:
     """Check DEST holds nothing but shardkit's own files; clear leftovers. Returns an index
     already committed for this very plan, if any. A finished dataset of another plan is
-    replaced only with `overwrite`."""
+    replaced only with `overwrite`. Shard names are shardkit's own only where `shardkit
+    pack` has run (its index, or its progress folder): another tool's `shard-000000.tar`
+    is never overwritten or removed."""
     names = storage.listdir(dest, storage_options)
-    own = (index.INDEX_NAME, index.PROGRESS_DIR)
-    foreign = [n for n in names if not (n in own or _SHARD_RE.match(n) or storage.TMP_MARK in n)]
-    if lmdb_format.DATA_FILE in foreign:
-        raise SourceError(f"{dest}: holds an LMDB dataset: pack tar shards into another folder")
-    if foreign:
-        raise SourceError(f"{dest}: destination is not empty and not a shardkit dataset (found {foreign[0]!r})")
-    for name in names:
-        if storage.TMP_MARK in name:
-            storage.remove(storage.join(dest, name), storage_options)
+    existing, unreadable = None, False
     if index.INDEX_NAME in names:
         try:
             existing = index.load(dest, storage_options)
         except (OSError, ValueError):
-            existing = None
-        if existing is not None and existing.plan == plan.fingerprint:
-            sizes_ok = all(storage.size(storage.join(dest, s.name), storage_options) == s.bytes for s in existing.shards)
-            if sizes_ok:
-                return existing
-        elif not overwrite:
-            _refuse_to_replace(dest, existing)
-        # an older dataset (or a damaged copy of this one) is being replaced: readers must not
-        # see a mix of old and new shards
-        storage.remove(storage.join(dest, index.INDEX_NAME), storage_options)
-    storage.makedirs(storage.join(dest, index.PROGRESS_DIR), storage_options)
+            unreadable = True
+    packed = index.PROGRESS_DIR in names or unreadable or (existing is not None and existing.plan is not None)
+    own = (index.INDEX_NAME, index.PROGRESS_DIR)
+    foreign = [n for n in names if n not in own and not (packed and (_SHARD_RE.match(n) or _TMP_RE.match(n)))]
+    if lmdb_format.DATA_FILE in foreign:
+        raise SourceError(f"{dest}: holds an LMDB dataset: pack tar shards into another folder")
+    if foreign:
+        raise SourceError(f"{dest}: destination is not empty and holds files `shardkit pack` did not write "
+                          f"(found {foreign[0]!r})")
+    if existing is not None and existing.plan == plan.fingerprint:
+        if all(storage.size(storage.join(dest, s.name), storage_options) == s.bytes for s in existing.shards):
+            return existing
+    elif index.INDEX_NAME in names and not overwrite:
+        _refuse_to_replace(dest, existing)
+    for name in names:
+        if _TMP_RE.match(name):
+            storage.remove(storage.join(dest, name), storage_options)
+    progress = storage.join(dest, index.PROGRESS_DIR)
+    storage.makedirs(progress, storage_options)
+    storage.write_bytes_atomic(storage.join(progress, _STARTED), plan.fingerprint.encode(), storage_options)
+    # an older dataset (or a damaged copy of this one) is being replaced: from here on readers
+    # find the pack unfinished, never a mix of old and new shards
+    storage.remove(storage.join(dest, index.INDEX_NAME), storage_options)
     return None
 
 
@@ -286,6 +303,7 @@ def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | 
     storage.makedirs(dest, storage_options)
     committed = _prepare_dest(dest, plan, overwrite, storage_options)
     if committed is not None:
+        _cleanup(dest, plan, storage_options)  # what a crash in the last run's cleanup left
         return committed
     results: dict[str, ShardResult] = {}
     todo = []
@@ -326,10 +344,15 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
     """Workers read and check samples; this process writes them, one transaction per job,
     each recording the progress, so a rerun continues after the last committed job."""
     path = storage.local_path(dest)
-    if os.path.exists(path) and os.listdir(path) and not lmdb_format.is_lmdb(path):
-        if os.path.exists(os.path.join(path, index.INDEX_NAME)):
+    names = os.listdir(path) if os.path.isdir(path) else []
+    others = [n for n in names if n not in _LMDB_FILES and not _TMP_RE.match(n)]
+    if others:
+        if index.INDEX_NAME in names:
             raise SourceError(f"{dest}: holds tar shards: pack an LMDB into another folder")
-        raise SourceError(f"{dest}: destination is not empty and not an LMDB dataset")
+        raise SourceError(f"{dest}: destination is not empty and not an LMDB dataset (found {others[0]!r})")
+    for name in names:
+        if _TMP_RE.match(name):
+            os.remove(os.path.join(path, name))
     if not overwrite and os.path.exists(os.path.join(path, index.INDEX_NAME)):  # refuse before opening it
         try:
             existing = index.load(dest)
@@ -342,6 +365,8 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
     try:
         finished = writer.finished()
         progress_doc = writer.progress()
+        if finished is None and progress_doc is None and writer.entries():
+            raise SourceError(f"{dest}: holds an LMDB that `shardkit pack` did not write: pack into another folder")
         if finished is not None or (progress_doc or {}).get("plan") not in (None, plan.fingerprint):
             existing = Index.from_json(finished, dest) if finished is not None else None
             if existing is not None and existing.plan == plan.fingerprint:
@@ -350,7 +375,7 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
             if existing is not None and not overwrite:
                 _refuse_to_replace(dest, existing)
             writer.close()  # another dataset, or another plan's unfinished one, lives here: replace it
-            for name in ("data.mdb", "lock.mdb", index.INDEX_NAME):
+            for name in _LMDB_FILES:
                 storage.remove(os.path.join(path, name))
             writer = lmdb_format.Writer(path)
             progress_doc = None
@@ -402,11 +427,16 @@ def _chunk_key(i: int) -> bytes:
 
 
 def _cleanup(dest: str, plan: Plan, storage_options: StorageOptions | None) -> None:
-    """After commit: drop progress records and shards of an earlier, different plan."""
+    """After commit: drop shards of an earlier, different plan and the progress records (the
+    folder last: a rerun after a crash in between finds it and cleans up again)."""
     wanted = set(plan.names)
-    for name in storage.listdir(storage.join(dest, index.PROGRESS_DIR), storage_options):
-        storage.remove(storage.join(dest, index.PROGRESS_DIR, name), storage_options)
-    storage.remove_dir(storage.join(dest, index.PROGRESS_DIR), storage_options)
-    for name in storage.listdir(dest, storage_options):
+    progress = storage.join(dest, index.PROGRESS_DIR)
+    names = storage.listdir(dest, storage_options)
+    if index.PROGRESS_DIR not in names:
+        return
+    for name in names:
         if _SHARD_RE.match(name) and name not in wanted:
             storage.remove(storage.join(dest, name), storage_options)
+    for name in storage.listdir(progress, storage_options):
+        storage.remove(storage.join(progress, name), storage_options)
+    storage.remove_dir(progress, storage_options)

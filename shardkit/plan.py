@@ -16,7 +16,7 @@ from typing import overload
 
 import numpy as np
 
-from .formats.tar import BLOCK
+from .formats.tar import BLOCK, RECORD
 from .index import Skipped
 from .scan import Item, Listing, scan_dataset, scan_folder, source_kind
 from .storage import StorageOptions
@@ -183,6 +183,8 @@ def make_plan(
         classes, source_id, order = idx.classes, _fingerprint(idx.to_json()), np.arange(len(listing))
         inherited = idx.skipped
     limit = parse_size(max_size) if max_size is not None else None
+    if limit is not None and fmt == "tar":  # the members' share: a tar ends in 2 zero blocks, padded to a record
+        limit = max(1, limit // RECORD * RECORD - 2 * BLOCK)
     needs = _needs(listing, source, classes)[order]
     bounds = _even_cuts(needs, max_count, limit)
     name_of = SHARD_NAME if fmt == "tar" else CHUNK_NAME
@@ -190,8 +192,9 @@ def make_plan(
     plan = Plan(src, dest, source, classes, tuple(skipped), listing, order, tuple(bounds), names, options,
                 storage_options)
     fingerprints = tuple(_job_fingerprint(plan, i, source_id) for i in range(len(bounds)))
-    return replace(plan, fingerprints=fingerprints, fingerprint=_fingerprint(fmt, classes, fingerprints),
-                   inherited=inherited)
+    # what the scan left out is part of the index, so of what makes this pack the same as another
+    fingerprint = _fingerprint(fmt, classes, fingerprints, [asdict(s) for s in skipped])
+    return replace(plan, fingerprints=fingerprints, fingerprint=fingerprint, inherited=inherited)
 
 
 def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarray:

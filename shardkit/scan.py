@@ -94,7 +94,7 @@ def _walk(top: str, rel: str, above: frozenset[tuple[int, int]], skipped: list[S
                 yield from _walk(entry.path, child, above, skipped)
             elif entry.is_file():
                 yield child, entry.stat()
-            elif entry.is_symlink():
+            elif entry.is_symlink() and not os.path.exists(entry.path):
                 skipped.append(Skipped(child, "broken symlink"))
             else:
                 skipped.append(Skipped(child, "not a regular file"))
@@ -141,7 +141,8 @@ def scan_folder(src: str, storage_options: StorageOptions | None = None) -> tupl
         raise SourceError(f"{src}: no class folders (expected SRC/<class>/<image>){hint}")
     found = _ListingBuilder()
     for label, name in enumerate(classes):
-        for rel, st in _walk(os.path.join(path, name), name, frozenset(), skipped):
+        # by whole path, as a bucket lists them: a copy of the tree packs in the same order
+        for rel, st in sorted(_walk(os.path.join(path, name), name, frozenset(), skipped), key=lambda f: f[0]):
             if images.field_for(rel) is None:
                 skipped.append(Skipped(rel, "not an image file extension"))
                 continue
@@ -153,16 +154,20 @@ def scan_folder(src: str, storage_options: StorageOptions | None = None) -> tupl
 
 
 def _scan_remote(src: str, storage_options: StorageOptions | None) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
-    """The same for a bucket prefix: one recursive listing; object stores have no empty folders."""
+    """The same for a bucket prefix, in one recursive listing. As locally, every folder at the
+    top is a class, whether it holds images or not (object stores have no empty folders)."""
     import hashlib
 
     root = storage.filesystem(src, storage_options)[1].rstrip("/")
     entries = storage.find(src, storage_options)
     skipped: list[Skipped] = []
     files = []
+    tops = set()
     for path in sorted(entries):
         rel = path[len(root):].lstrip("/")
         top, sep, _ = rel.partition("/")
+        if sep and not top.startswith("."):
+            tops.add(top)
         if any(part.startswith(".") for part in rel.split("/")):
             skipped.append(Skipped(rel, HIDDEN))
         elif not sep:
@@ -173,9 +178,11 @@ def _scan_remote(src: str, storage_options: StorageOptions | None) -> tuple[tupl
             files.append((top, rel, entries[path]))
     if not entries:
         raise SourceError(f"{storage.display(src)}: no such folder, or empty")
-    classes = tuple(sorted({top for top, _, _ in files}))
+    classes = tuple(sorted(tops))
     if not classes:
-        raise SourceError(f"{storage.display(src)}: no class folders with images (expected SRC/<class>/<image>)")
+        raise SourceError(f"{storage.display(src)}: no class folders (expected SRC/<class>/<image>)")
+    if not files:
+        raise SourceError(f"{storage.display(src)}: no image files in {len(classes)} class folders")
     found = _ListingBuilder()
     label_of = {c: i for i, c in enumerate(classes)}
     for top, rel, info in files:

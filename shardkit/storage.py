@@ -403,6 +403,7 @@ def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> It
             finally:
                 f.close()
             os.replace(tmp, path)
+            _sync_folder(os.path.dirname(path) or ".")
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
@@ -456,6 +457,19 @@ def _rename_into_place(fs: Any, target: str, path: str, what: str) -> None:
     fs.invalidate_cache(path)
     if not fs.exists(path):  # WebHDFS reports a refused RENAME as `false`, not an error
         raise ShardkitError(f"{what}: could not rename the finished upload into place")
+
+
+def _sync_folder(path: str) -> None:
+    """Make a rename in `path` durable: after a power loss the new name is there, or the old."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # a platform without directory handles (Windows)
+        return
+    try:
+        with contextlib.suppress(OSError):  # some file systems refuse fsync on a folder: nothing more to do there
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_bytes_atomic(url: str, data: bytes, storage_options: StorageOptions | None = None) -> None:

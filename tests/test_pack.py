@@ -128,11 +128,11 @@ def test_shuffle_off_keeps_class_order(photos: Path, tmp_path: Path) -> None:
 
 
 def test_max_size_bounds_shards(photos: Path, tmp_path: Path) -> None:
-    idx = shardkit.pack(str(photos), str(tmp_path / "out"), max_size="8KB", workers=1, progress=False)
+    idx = shardkit.pack(str(photos), str(tmp_path / "out"), max_size="40KB", workers=1, progress=False)
     assert len(idx.shards) > 3
-    for s in idx.shards:
-        payload = s.offsets[-1]  # data before the end-of-archive blocks
-        assert payload <= 8000 or s.samples == 1
+    for s in idx.shards:  # the whole file, end-of-archive blocks and record padding included
+        assert s.bytes == (tmp_path / "out" / s.name).stat().st_size
+        assert s.bytes <= 40_000 or s.samples == 1
 
 
 def test_resize_and_quality(tmp_path: Path) -> None:
@@ -342,7 +342,7 @@ def test_rerun_reuses_shards_and_repairs_damage(photos: Path, tmp_path: Path) ->
     # a stale temporary file lying around
     (out / "index.json").unlink()
     (out / "shard-000002.tar").unlink()
-    (out / "shard-000005.tar.tmp-deadbeef").write_bytes(b"half a shard")
+    (out / "shard-000005.tar.tmp-0123456789ab").write_bytes(b"half a shard")
     (out / ".shardkit-progress").mkdir()
     before = (out / "shard-000000.tar").stat().st_mtime_ns
     shardkit.pack(str(photos), str(out), max_count=4, workers=2, progress=False)
@@ -538,3 +538,144 @@ def test_an_lmdb_whose_index_json_is_damaged_is_repaired_by_the_same_pack(photos
     (out / "index.json").write_text("{garbage")
     shardkit.pack(str(photos), str(out), format="lmdb", workers=1, progress=False)  # the copy inside the LMDB decides
     assert (out / "index.json").read_text() == good
+
+
+def _same_size_folder(root: Path) -> Path:
+    """2 classes x 10 BMPs of one size: every shard of a pack has the same length, whatever the order."""
+    from PIL import Image
+
+    for c in range(2):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(10):
+            Image.new("RGB", (8, 8), (c * 100, i * 20, 7)).save(root / f"c{c}" / f"{i}.bmp")
+    return root
+
+
+def _index_folder(folder: Path) -> None:
+    """What `shardkit index FOLDER` does."""
+    from shardkit.sources import shard_urls
+
+    shardkit.index.save(shardkit.build_index(shard_urls(str(folder))), str(folder))
+
+
+def _crash(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("killed")
+
+
+def test_a_crash_between_a_shard_and_its_record_leaves_no_stale_record(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardkit import storage
+
+    src, out = _same_size_folder(tmp_path / "src"), tmp_path / "out"
+    shardkit.pack(str(src), str(tmp_path / "clean"), max_count=5, workers=1, progress=False)
+    with monkeypatch.context() as m:  # seed 0 stops before its commit: its records stay
+        m.setattr(shardkit.index, "save", _crash)
+        with pytest.raises(RuntimeError):
+            shardkit.pack(str(src), str(out), max_count=5, workers=1, progress=False)
+    write = storage.write_bytes_atomic
+
+    def crash_at_first_record(url: str, *args: object) -> None:
+        if "shard-000000.tar.json" in url:
+            raise RuntimeError("killed")
+        write(url, *args)
+
+    with monkeypatch.context() as m:  # seed 1 renames its first shard into place and dies before its record
+        m.setattr(storage, "write_bytes_atomic", crash_at_first_record)
+        with pytest.raises(RuntimeError):
+            shardkit.pack(str(src), str(out), max_count=5, seed=1, workers=1, progress=False)
+    stats: dict[str, int] = {}
+    shardkit.pack(str(src), str(out), max_count=5, workers=1, progress=False, stats=stats)
+    assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
+    assert stats["written"] == 5  # seed 0's record of shard 0 went before seed 1 wrote over it
+
+
+def test_shard_names_of_another_tool_are_not_taken_for_its_own(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "wds"
+    out.mkdir()
+    with tarfile.open(out / "shard-000000.tar", "w") as tar:  # as webdataset's ShardWriter names them
+        tar.add(next(photos.rglob("*.jpg")), "0.jpg")
+    (out / "results.tmp-2024.csv").write_text("precious")
+    before = tree_bytes(out)
+    with pytest.raises(SourceError, match=r"wds: destination is not empty and holds files `shardkit pack` did not "
+                                          r"write \(found 'results.tmp-2024.csv'\)"):
+        shardkit.pack(str(photos), str(out), workers=1, progress=False)
+    (out / "results.tmp-2024.csv").unlink()
+    _index_folder(out)  # indexed, they are still another tool's
+    with pytest.raises(SourceError, match="found 'shard-000000.tar'"):
+        shardkit.pack(str(photos), str(out), workers=1, progress=False, overwrite=True)
+    assert (out / "shard-000000.tar").read_bytes() == before["shard-000000.tar"]
+
+
+def test_an_lmdb_of_another_tool_is_not_written_into(photos: Path, tmp_path: Path) -> None:
+    import lmdb
+
+    env = lmdb.open(str(tmp_path / "db"))
+    with env.begin(write=True) as txn:
+        txn.put(b"user-key", b"precious")
+    env.close()
+    before = (tmp_path / "db" / "data.mdb").read_bytes()
+    with pytest.raises(SourceError, match=r"db: holds an LMDB that `shardkit pack` did not write"):
+        shardkit.pack(str(photos), str(tmp_path / "db"), format="lmdb", workers=1, progress=False, overwrite=True)
+    assert (tmp_path / "db" / "data.mdb").read_bytes() == before
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "labels.csv").write_text("a,b")
+    with pytest.raises(SourceError, match=r"other: destination is not empty and not an LMDB dataset \(found 'labels.csv'\)"):
+        shardkit.pack(str(photos), str(tmp_path / "other"), format="lmdb", workers=1, progress=False)
+
+
+def test_an_lmdb_overwrite_killed_halfway_is_finished_by_a_rerun(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "db"
+    shardkit.pack(str(photos), str(out), format="lmdb", workers=1, progress=False)
+    (out / "index.json").unlink()  # an overwrite removes the index first, then the data: killed in between
+    (out / "data.mdb").unlink()
+    with pytest.raises(shardkit.DatasetNotFoundError):
+        shardkit.LMDBDataset(str(out))  # no index left to mistake for the old dataset
+    assert shardkit.pack(str(photos), str(out), format="lmdb", seed=1, workers=1, progress=False).samples == 30
+
+
+def test_a_rerun_after_a_crash_in_the_cleanup_finishes_it(photos: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    shardkit.pack(str(photos), str(out), max_count=4, workers=1, progress=False)
+    with monkeypatch.context() as m:
+        m.setattr(sys.modules["shardkit.pack"], "_cleanup", _crash)
+        with pytest.raises(RuntimeError):
+            shardkit.pack(str(photos), str(out), max_count=20, workers=1, progress=False, overwrite=True)
+    assert (out / ".shardkit-progress").exists() and len(list(out.glob("*.tar"))) == 8
+    assert len(shardkit.StreamingDataset(str(out))) == 30  # committed: readers take it already
+    shardkit.pack(str(photos), str(out), max_count=20, workers=1, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-000000.tar", "shard-000001.tar"]
+
+
+def test_files_the_scan_leaves_out_are_part_of_what_makes_a_pack_the_same(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shardkit.pack(str(photos), str(out), workers=1, progress=False)
+    (photos / "circle" / "notes.txt").write_text("a note")
+    with pytest.raises(SourceError, match="already holds a different dataset"):
+        shardkit.pack(str(photos), str(out), workers=1, progress=False)
+    idx = shardkit.pack(str(photos), str(out), workers=1, progress=False, overwrite=True)
+    assert [s.path for s in idx.skipped] == ["circle/notes.txt"]
+
+
+def test_a_foreign_sample_whose_key_cannot_be_written_is_skipped_and_listed(photos: Path, tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    jpg = next(photos.rglob("*.jpg"))
+    with tarfile.open(foreign / "data-0.tar", "w") as tar:
+        tar.add(jpg, "dir/0001.jpg")
+        tar.add(jpg, "dir/.DS_Store")  # webdataset's key: 'dir/', no base name
+    _index_folder(foreign)
+    idx = shardkit.pack(str(foreign), str(tmp_path / "out"), workers=1, progress=False)
+    assert idx.samples == 1 and len(idx.skipped) == 1
+    assert "sample key must have a non-empty base name" in idx.skipped[0].reason
+    with pytest.raises(SourceError, match=r"data-0.tar \(sample at byte \d+\): sample key must"):
+        shardkit.pack(str(foreign), str(tmp_path / "out2"), workers=1, progress=False, on_error="fail")
+
+
+def test_a_symlink_to_something_not_a_file_is_named_so(photos: Path, tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (photos / "circle" / "pipe.jpg").symlink_to(tmp_path / "fifo")
+    (photos / "circle" / "gone.jpg").symlink_to(tmp_path / "nothing")
+    idx = shardkit.pack(str(photos), str(tmp_path / "out"), workers=1, progress=False)
+    reasons = {s.path: s.reason for s in idx.skipped}
+    assert reasons == {"circle/pipe.jpg": "not a regular file", "circle/gone.jpg": "broken symlink"}

@@ -51,17 +51,66 @@ def test_cli_on_s3(s3: dict, photos: Path) -> None:
     assert run("verify", url, "-q").returncode == 0
 
 
-def test_rerun_after_an_interrupted_upload(s3: dict, photos: Path) -> None:
+def test_rerun_after_an_interrupted_upload(s3: dict, photos: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import fsspec.core
 
     url, opts = s3["url"] + "/crash", s3["storage_options"]
-    shardkit.pack(str(photos), url, max_count=4, workers=2, progress=False, storage_options=opts)
     fs, root = fsspec.core.url_to_fs(url, **opts)
-    clean = {p: fs.cat_file(p) for p in fs.find(root)}
-    fs.rm_file(f"{root}/index.json")  # the crash came before the commit...
+    shardkit.pack(str(photos), url + "-clean", max_count=4, workers=2, progress=False, storage_options=opts)
+    clean = {p.rpartition("/")[2]: fs.cat_file(p) for p in fs.find(root + "-clean")}
+    with monkeypatch.context() as m:  # the crash came before the commit...
+        m.setattr(shardkit.index, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("killed")))
+        with pytest.raises(RuntimeError):
+            shardkit.pack(str(photos), url, max_count=4, workers=2, progress=False, storage_options=opts)
+    with pytest.raises(shardkit.UnfinishedPackError):  # the bucket shows the pack unfinished, not as shards to read
+        StreamingDataset(url, storage_options=opts)
     fs.rm_file(f"{root}/shard-000003.tar")  # ...with one shard never uploaded
+    fs.rm_file(f"{root}/.shardkit-progress/shard-000003.tar.json")
     shardkit.pack(str(photos), url, max_count=4, workers=2, progress=False, storage_options=opts)
-    assert {p: fs.cat_file(p) for p in fs.find(root)} == clean
+    fs.invalidate_cache()
+    assert {p.rpartition("/")[2]: fs.cat_file(p) for p in fs.find(root)} == clean
+
+
+def test_an_overwrite_in_a_bucket_is_never_read_half_done(s3: dict, photos: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    url, opts = s3["url"] + "/overwrite", s3["storage_options"]
+    shardkit.pack(str(photos), url, max_count=4, workers=1, progress=False, storage_options=opts)
+    write = shardkit.storage.atomic_writer
+
+    def die_after_the_first_shard(target: str, *args: object):  # type: ignore[no-untyped-def]
+        if target.endswith("shard-000001.tar"):
+            raise RuntimeError("killed")
+        return write(target, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(shardkit.storage, "atomic_writer", die_after_the_first_shard)
+        with pytest.raises(RuntimeError):
+            shardkit.pack(str(photos), url, max_count=4, seed=1, workers=1, progress=False, storage_options=opts,
+                          overwrite=True)
+    with pytest.raises(shardkit.UnfinishedPackError):  # seed 1's first shard beside seed 0's others: not a dataset
+        StreamingDataset(url, storage_options=opts)
+
+
+def test_a_local_tree_and_its_copy_in_a_bucket_scan_alike(s3: dict, tmp_path: Path) -> None:
+    import fsspec.core
+
+    from shardkit.scan import scan_folder
+
+    tree = tmp_path / "tree"
+    for rel in ("a/x.jpg", "a/x-2.jpg", "a/x/1.jpg", "b/readme.txt", "c/y.jpg"):
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_bytes(b"data")
+    url, opts = s3["url"] + "/tree", s3["storage_options"]
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.put(str(tree) + "/", root, recursive=True)
+    local, remote = scan_folder(str(tree)), scan_folder(url, opts)
+    assert local[0] == remote[0] == ("a", "b", "c")  # a class folder without images is a class in both
+
+    def items(listing):  # type: ignore[no-untyped-def]
+        return [(listing.item(i).path, listing.item(i).label) for i in range(len(listing))]
+
+    assert items(local[1]) == items(remote[1]) == [
+        ("a/x-2.jpg", 0), ("a/x.jpg", 0), ("a/x/1.jpg", 0), ("c/y.jpg", 2)]
 
 
 def test_workers_cache_and_second_epoch_from_disk(s3: dict, packed: Path, tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ R = TypeVar("R")
 INDEX_KEY = b"__index__"
 PROGRESS_KEY = b"__progress__"
 DATA_FILE = "data.mdb"
+LOCK_FILE = "lock.mdb"
 _INITIAL_MAP = 1 << 30
 
 
@@ -64,6 +65,9 @@ class Writer:
     def finished(self) -> bytes | None:
         with self.env.begin() as txn:
             return txn.get(INDEX_KEY)
+
+    def entries(self) -> int:
+        return int(self.env.stat()["entries"])
 
     def write(self, samples: Sequence[tuple[str, Mapping[str, bytes]]], meta: Mapping[bytes, bytes],
               delete: Sequence[bytes] = ()) -> None:
