@@ -76,7 +76,7 @@ class UnfinishedPackError(DatasetNotFoundError):
 
 
 class NotFoundError(ShardkitError, FileNotFoundError):
-    """No such object, bucket or path on a remote store (HTTP 404)."""
+    """No such object, bucket or path (HTTP 404 from a store, or a local shard gone)."""
 
 
 class AccessDeniedError(ShardkitError, PermissionError):

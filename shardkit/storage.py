@@ -180,6 +180,22 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
+# A connection dropped, or a body cut short: worth another attempt, wherever in the chain of
+# causes (aiohttp's parse errors carry a `code` of 400 that is no HTTP status).
+_CUT_SHORT = {"ClientPayloadError", "ServerDisconnectedError", "ClientConnectionError", "HttpProcessingError",
+              "IncompleteRead", "ChunkedEncodingError", "ResponseStreamingError", "IncompleteReadError"}
+
+
+def _cut_short(e: BaseException | None) -> bool:
+    for _ in range(8):
+        if e is None:
+            return False
+        if any(c.__name__ in _CUT_SHORT for c in type(e).__mro__):
+            return True
+        e = e.__cause__
+    return False
+
+
 def _status(e: BaseException) -> int | None:
     """The HTTP status a client's error carries: aiohttp's `status`, gcsfs's `code`,
     requests' `response.status_code`, botocore's response metadata."""
@@ -200,6 +216,8 @@ def _from_botocore(e: BaseException, *names: str) -> bool:
 def _permanent(e: BaseException) -> type[ShardkitError] | None:
     """The kind of error to raise for a failure no retry can fix, judged by its root cause;
     None for one worth retrying."""
+    if _cut_short(e):
+        return None
     e = _root_cause(e)
     status = _status(e)
     if status is not None:
@@ -503,56 +521,79 @@ class RangeReader:
         self._local = [is_local(u) for u in urls]
         self._handles: dict[int, Any] = {}  # shard -> fd, or (filesystem, path)
         self._instances: dict[tuple[Any, ...], Any] = {}
-        self._bad: dict[int, CorruptShardError] = {}
-        self._lock = threading.Lock()
+        self._bad: dict[int, ShardkitError] = {}
+        self._opening: dict[int, threading.Lock] = {}
+        self._lock = threading.Lock()  # held for moments only: never across a read or a hash
         self._closed = False
-        self.fetched_bytes = 0  # downloaded from remote storage (cache hits excluded)
+        self.fetched_bytes = 0  # downloaded from remote storage, sha256 checks included (cache hits excluded)
 
     def _handle(self, shard: int) -> Any:
         handle = self._handles.get(shard)
         if handle is not None:
             return handle
-        with self._lock:  # one opener per shard; close() waits for it
+        with self._lock:
             self._check_open()
+            opening = self._opening.setdefault(shard, threading.Lock())
+        with opening:  # one opener per shard; other shards open (and hash) meanwhile
             if shard in self._bad:
                 raise self._bad[shard]
             handle = self._handles.get(shard)
-            if handle is None:
-                if self._local[shard]:
-                    handle = os.open(local_path(self._urls[shard]), os.O_RDONLY)
-                else:
-                    handle = filesystem(self._urls[shard], self._opts, self._instances, client_retries=False)
-                if self._verify:
-                    try:
-                        self._check_sha256(shard, handle)
-                    except ShardkitError as e:
-                        self._bad[shard] = e  # hash (or fail to) once, not once per read in flight
-                        if self._local[shard]:
-                            os.close(handle)
-                        raise
+            if handle is not None:
+                return handle
+            try:
+                handle = self._open(shard)
+            except ShardkitError as e:
+                self._bad[shard] = e  # hash (or fail to) once, not once per read in flight
+                raise
+            with self._lock:
+                if self._closed:  # closed while this shard was opening
+                    if self._local[shard]:
+                        os.close(handle)
+                    self._check_open()
                 self._handles[shard] = handle
         return handle
 
+    def _open(self, shard: int) -> Any:
+        if self._local[shard]:
+            try:
+                handle = os.open(local_path(self._urls[shard]), os.O_RDONLY)
+            except OSError as e:
+                kind = {FileNotFoundError: NotFoundError, PermissionError: AccessDeniedError}.get(type(e), ShardkitError)
+                raise kind(f"{display(self._urls[shard])}: {type(e).__name__}: {one_line(e)}") from e
+        else:
+            handle = filesystem(self._urls[shard], self._opts, self._instances, client_retries=False)
+        if self._verify:
+            try:
+                self._check_sha256(shard, handle)
+            except ShardkitError:
+                if self._local[shard]:
+                    os.close(handle)
+                raise
+        return handle
+
     def _check_sha256(self, shard: int, handle: Any) -> None:
-        """Hash the whole shard once (the first time this reader touches it) against the index."""
+        """Hash the whole shard once (the first time this reader touches it) against the
+        index; a close() stops it at its next chunk."""
         expected = self._versions[shard]
         if expected is None:
             return
 
         def digest() -> str:
-            self._check_open()
-            sha = hashlib.sha256()
-            if self._local[shard]:
-                pos = 0
-                while chunk := os.pread(handle, 8 << 20, pos):
+            sha, done = hashlib.sha256(), 0
+            f = None if self._local[shard] else handle[0].open(handle[1], "rb", block_size=8 << 20)
+            try:
+                while True:
+                    self._check_open()  # a close() stops the hash at its next chunk
+                    chunk = os.pread(handle, 8 << 20, done) if f is None else f.read(8 << 20)
+                    if not chunk:
+                        return sha.hexdigest()
                     sha.update(chunk)
-                    pos += len(chunk)
-            else:
-                fs, path = handle
-                with fs.open(path, "rb", block_size=8 << 20) as f:
-                    while chunk := f.read(8 << 20):
-                        sha.update(chunk)
-            return sha.hexdigest()
+                    done += len(chunk)
+            finally:
+                if f is not None:
+                    f.close()
+                    with self._lock:
+                        self.fetched_bytes += done
 
         url = self._urls[shard]
         if retrying(f"{display(url)} (sha256 check)", digest, attempts_for(url)) != expected:

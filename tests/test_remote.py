@@ -175,7 +175,8 @@ def test_every_sample_exactly_once_through_resets(s3: dict, s3_server: str, pack
     proxied, control = latency_proxy(s3_server, latency_ms=5, seed=1)
     opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
     ds = StreamingDataset(s3["url"] + "/ds", storage_options=opts, shuffle=True, block=4)
-    control.set("reset_prob", 0.05)
+    control.set("reset_prob", 0.15)
+    control.set("reset_max_bytes", 2_000)  # mostly partway through a body
     got = keys(ds, workers=2)
     assert sorted(got) == sorted(set(got)) and len(got) == 120
     assert control.stats()["resets"] > 0  # faults really happened

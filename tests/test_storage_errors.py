@@ -72,6 +72,26 @@ class _Ranges(_Quiet):
         self.wfile.write(body)
 
 
+class _CutShort(_Ranges):
+    """Every other ranged answer stops halfway through its body and drops the connection, as
+    a server restarting or a proxy timing out does."""
+
+    answers = 0
+
+    def end_headers(self) -> None:
+        super().end_headers()
+        if self.headers.get("Range") and self.command == "GET":
+            type(self).answers += 1
+            if type(self).answers % 2:
+                self.wfile.write = self._half  # type: ignore[method-assign]
+
+    def _half(self, body: bytes) -> int:
+        self.close_connection = True
+        self.connection.sendall(body[: len(body) // 2])
+        self.connection.shutdown(socket.SHUT_RDWR)
+        return len(body)
+
+
 @pytest.fixture
 def web(tmp_path: Path, packed: Path) -> Iterator[tuple[str, Path]]:
     """(base URL, folder) of an HTTP server with range requests over a folder holding the
@@ -160,6 +180,46 @@ def test_options_a_store_refuses_are_one_line() -> None:
     done = cli("info", "webhdfs://127.0.0.1:9/ds", "-o", "user=u", "-o", "token=SECRETTOKEN")
     assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done
     assert "webhdfs://127.0.0.1:9/ds/index.json: storage options refused by webhdfs://" in done.stderr
+
+
+def test_a_body_cut_short_is_tried_again(tmp_path: Path, packed: Path) -> None:
+    (tmp_path / "www").mkdir()
+    os.symlink(packed, tmp_path / "www" / "ds")
+    on_disk = {s["__key__"]: s["jpg"] for s in StreamingDataset(str(packed))}
+    with serving(functools.partial(_CutShort, directory=str(tmp_path / "www"))) as base:
+        got = {s["__key__"]: s["jpg"] for s in StreamingDataset(base + "/ds", block=16)}
+    assert got == on_disk and _CutShort.answers >= 2 * len(got) // 16
+
+
+def test_a_shard_being_hashed_holds_up_no_other_shard_nor_close(tmp_path: Path, packed: Path) -> None:
+    asked, gate = threading.Event(), threading.Event()
+
+    class Held(_Ranges):
+        def do_GET(self) -> None:
+            if self.path.endswith("shard-000000.tar"):
+                asked.set()
+                gate.wait(30)
+            super().do_GET()
+
+    (tmp_path / "www").mkdir()
+    os.symlink(packed, tmp_path / "www" / "ds")
+    shards = shardkit.index.load(str(packed)).shards[:2]
+    opened = threading.Timer(15, gate.set)  # only if the reads below wait for the held hash: they must not
+    with serving(functools.partial(Held, directory=str(tmp_path / "www"))) as base:
+        reader = storage.RangeReader([f"{base}/ds/{s.name}" for s in shards], versions=[s.sha256 for s in shards],
+                                     verify=True)
+        errors: list[BaseException] = []
+        first = threading.Thread(target=lambda: errors.append(pytest.raises(ShardkitError, reader.read, 0, 0, 10)))
+        first.start()
+        opened.start()
+        assert asked.wait(30)
+        assert reader.read(1, 0, 512)[:6] == (packed / shards[1].name).read_bytes()[:6]  # hashed and read meanwhile
+        reader.close()
+        assert not gate.is_set()  # neither waited for shard 0's hash
+        gate.set()
+        first.join(30)
+        opened.cancel()
+    assert "closed" in str(errors[0].value)
 
 
 @pytest.mark.parametrize("block", [1, 64])
