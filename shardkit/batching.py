@@ -84,8 +84,13 @@ class _Pool:
     def __init__(self) -> None:
         self.segments: list[_Segment] = []
         self.one_off: list[_Segment] = []
+        self._lock = threading.Lock()
 
     def acquire(self, size: int) -> _Segment:
+        with self._lock:  # two threads of one process (num_workers=0, thread pools) never share one
+            return self._acquire(size)
+
+    def _acquire(self, size: int) -> _Segment:
         self.one_off = [s for s in self.one_off if s.busy]
         free = [s for s in self.segments if not s.busy]
         fit = [s for s in free if s.size >= size]
@@ -185,8 +190,10 @@ def _array_of(leaf: Any) -> np.ndarray | None:
 
 
 class _Layout:
-    """Where each leaf of a batch lives: ("array", offset, shape, dtype) rows of a segment,
-    or ("other",) collated by default_collate. Made from a batch's first sample."""
+    """Where each leaf of a batch lives: ("array", offset, shape, dtype, number) rows of a
+    segment, or ("other",) collated by default_collate. Made from a batch's first sample.
+    `number`: the first sample's leaf was a Python number; default_collate decides the
+    slot's dtype from all of its values (and takes 0-d tensors among them)."""
 
     def __init__(self, spec: _Spec, leaves: list[Any], batch: int):
         self.spec, self.batch = spec, batch
@@ -194,12 +201,13 @@ class _Layout:
         offset = HEADER
         for leaf in leaves:
             arr = _array_of(leaf)
-            if arr is None and type(leaf) in _NUMBERS:
+            number = arr is None and type(leaf) in _NUMBERS
+            if number:
                 arr = np.asarray(leaf, dtype=_NUMBERS[type(leaf)])
             if arr is None:
                 self.slots.append(("other",))
                 continue
-            self.slots.append(("array", offset, arr.shape, arr.dtype))
+            self.slots.append(("array", offset, arr.shape, arr.dtype, number))
             offset += -(-batch * arr.nbytes // 64) * 64
         self.size = offset
 
@@ -208,7 +216,7 @@ class _Layout:
         out: list[np.ndarray | None] = []
         for slot in self.slots:
             if slot[0] == "array":
-                _, offset, shape, dtype = slot
+                _, offset, shape, dtype, _ = slot
                 out.append(np.frombuffer(mm, dtype, self.batch * int(np.prod(shape)), offset).reshape(self.batch, *shape))
             else:
                 out.append(None)
@@ -301,9 +309,9 @@ class Batches:
              leaves: list[Any], n: int) -> None:
         """Copy sample `n`'s leaves into row n of the batch."""
         for j, (leaf, row, slot) in enumerate(zip(leaves, rows, layout.slots)):
-            _, _, shape, dtype = slot if row is not None else (None,) * 4
-            if row is None or (shape == () and type(leaf) in _NUMBERS):
-                others[j].append(leaf)  # numbers too: their dtype is decided by all of them
+            _, _, shape, dtype, number = slot if row is not None else (None,) * 5
+            if row is None or number:
+                others[j].append(leaf)
                 continue
             value = _array_of(leaf)
             ok = value is not None and value.shape == shape and value.dtype == dtype
@@ -430,7 +438,7 @@ def _materialize(base: np.ndarray, key: tuple[int, int], layout: _Layout, n: int
         if slot[0] == "other":
             leaves.append(other)
             continue
-        _, offset, shape, dtype = slot
+        _, offset, shape, dtype, _ = slot
         count = n * int(np.prod(shape))
         arr = base[offset : offset + count * dtype.itemsize].view(dtype).reshape(n, *shape)
         weakref.finalize(arr, release)  # the tensor holds `arr`; so do its views, via the storage

@@ -209,11 +209,11 @@ class _WorkerStream(EpochStream):
         in memory. In place of (stop, read_at), the error of a range that could not be read."""
         ds = self.ds
         shard_of, starts, ends = ranges.bounds(ids, ds._first, ds._offsets)
-        local = storage.is_local(ds.urls[0])
+        local = all(map(storage.is_local, ds.urls))  # one remote shard: its ranges go through the budget
         if local:
             plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=16 << 20)
-        else:
-            plan, range_of = ranges.blocks(ids, ds._first, ds._offsets, ds.block)
+        else:  # a block's samples come within block + 2 windows of each other: further apart, a new use
+            plan, range_of = ranges.blocks(ids, ds._first, ds._offsets, ds.block, ds.block + 2 * ds.shuffle_window)
 
         def fetch(r: ranges.Range) -> ReadAt | CorruptShardError:
             try:

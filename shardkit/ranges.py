@@ -11,7 +11,8 @@ A worker knows its whole stream in advance (partition.py), so its reads can be p
   moves together), each once, in the order the stream first needs them. A shuffle window
   spans a few blocks, so an object store sees a few large requests instead of one per
   sample, and a block has the same byte range in every epoch and layout, so it can be
-  cached. A block's bytes are held until its last sample in the stream is yielded.
+  cached. A block's bytes are held until its last sample in the stream is yielded, or
+  read again where the stream comes back to it much later.
 """
 
 from __future__ import annotations
@@ -72,18 +73,29 @@ def bounds(ids: np.ndarray, first: np.ndarray, offsets: np.ndarray) -> tuple[np.
     return shard_of, offsets[at], offsets[at + 1]
 
 
-def blocks(ids: np.ndarray, first: np.ndarray, offsets: np.ndarray, block: int) -> tuple[Iterator[Range], np.ndarray]:
+def blocks(ids: np.ndarray, first: np.ndarray, offsets: np.ndarray, block: int,
+           max_gap: int | None = None) -> tuple[Iterator[Range], np.ndarray]:
     """Whole-block ranges for the stream `ids` (global sample ids); `first` and `offsets`
-    as in `bounds`."""
+    as in `bounds`. A block needed again more than `max_gap` samples after its previous
+    sample (a mix drawing a part more than once an epoch) is read again, not held between."""
+    n = len(ids)
     shard_of = np.searchsorted(first, ids, side="right") - 1
     block_of = (ids - first[shard_of]) // block
     key = shard_of * (int(block_of.max(initial=0)) + 1) + block_of
-    _, first_pos, range_of, counts = np.unique(key, return_index=True, return_inverse=True, return_counts=True)
-    order = np.argsort(first_pos, kind="stable")  # read blocks in the order first needed
+    by_key = np.lexsort((np.arange(n), key))  # stream positions, each block's together and in order
+    new_use = np.ones(n, dtype=bool)
+    new_use[1:] = key[by_key[1:]] != key[by_key[:-1]]
+    if max_gap is not None:
+        new_use[1:] |= np.diff(by_key) > max_gap
+    use_start = np.flatnonzero(new_use)
+    counts = np.diff(np.append(use_start, n))
+    use_of = np.empty(n, dtype=np.int64)
+    use_of[by_key] = np.cumsum(new_use) - 1
+    order = np.argsort(by_key[use_start], kind="stable")  # read blocks in the order first needed
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
-    pos = first_pos[order]
+    pos = by_key[use_start][order]
     shards, blk = shard_of[pos], block_of[pos]
     lo = first[shards] + blk * block
     hi = np.minimum(lo + block, first[shards + 1])  # one past the block's last sample
-    return _ranges(shards, offsets[lo + shards], offsets[hi + shards], counts[order]), rank[range_of.reshape(-1)]
+    return _ranges(shards, offsets[lo + shards], offsets[hi + shards], counts[order]), rank[use_of]

@@ -253,6 +253,22 @@ def test_mixed_numbers_and_key_order_collate_like_default_collate() -> None:
         assert torch.equal(got[key], want[key]) and got[key].dtype == want[key].dtype
 
 
+@pytest.mark.parametrize("values", [
+    [5, torch.tensor(7)], [0.5, np.float64(0.25)], [1, 2, torch.tensor(3)],  # numbers first: default_collate takes 0-d ones
+    [torch.tensor(7), 5], [torch.tensor(7), 5, 6],  # a 0-d tensor first: it refuses a number after it
+])
+def test_numbers_beside_0d_tensors_collate_like_default_collate(values: list) -> None:
+    samples = [(v,) for v in values]
+    try:
+        want = torch.utils.data.default_collate(samples)
+    except TypeError:
+        with pytest.raises(ValueError, match="cannot stack sample 1 of a batch: field 0 is int"):
+            next(batching.Batches(iter(samples), len(samples)))
+        return
+    got = next(batching.Batches(iter(samples), len(samples)))
+    assert torch.equal(got[0], want[0]) and got[0].dtype == want[0].dtype
+
+
 def test_a_batch_unpickled_twice_keeps_its_buffer_until_both_are_freed() -> None:
     import pickle
 

@@ -153,6 +153,29 @@ def test_blocks_read_each_block_once_in_order_of_need() -> None:
         (all_starts[10], all_ends[13]), (all_starts[0], all_ends[3]), (all_starts[14], all_ends[16]), (all_starts[4], all_ends[7])]
     assert range_of.tolist() == [0, 1, 1, 2, 3, 0]
     assert sum(counts) == 17
+    # the same with block (1,0) needed again 5 samples after its first use: with max_gap 4 it is read again
+    plan, range_of = ranges.blocks(ids, first, offsets, block=4, max_gap=4)
+    assert [(r.shard, r.start, r.samples) for r in plan] == [
+        (1, all_starts[10], 1), (0, all_starts[0], 2), (1, all_starts[14], 1), (0, all_starts[4], 1),
+        (1, all_starts[10], 1)]
+    assert range_of.tolist() == [0, 1, 1, 2, 3, 4]
+    plan, range_of = ranges.blocks(ids, first, offsets, block=4, max_gap=5)  # within the gap: held, read once
+    assert range_of.tolist() == [0, 1, 1, 2, 3, 0]
+
+
+def test_a_part_drawn_again_and_again_is_not_held_whole() -> None:
+    ids = np.tile(np.arange(40), 25)  # a 40-sample part drawn 25 times in a stream of 1000
+    first, offsets = np.array([0, 40]), np.arange(41) * 100
+    plan, range_of = ranges.blocks(ids, first, offsets, block=4, max_gap=4 + 2 * 8)
+    plan, uses = list(plan), range_of.tolist()
+    last = {r: i for i, r in enumerate(uses)}
+    held, peak = set(), 0  # ranges read and not yet done with, as the reader holds them
+    for i, r in enumerate(uses):
+        held.add(r)
+        peak = max(peak, sum(plan[h].size for h in held))
+        if last[r] == i:
+            held.discard(r)
+    assert len(plan) == 250 and peak == 400  # one block at a time, not the whole part
 
 
 def test_range_cache_round_trip_and_eviction(tmp_path: Path) -> None:

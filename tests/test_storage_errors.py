@@ -182,6 +182,14 @@ def test_options_a_store_refuses_are_one_line() -> None:
     assert "webhdfs://127.0.0.1:9/ds/index.json: storage options refused by webhdfs://" in done.stderr
 
 
+def test_local_and_remote_shards_in_one_list(web: tuple[str, Path], packed: Path) -> None:
+    base, _ = web
+    names = [s.name for s in shardkit.index.load(str(packed)).shards]
+    urls = [str(packed / n) if i % 2 else f"{base}/ds/{n}" for i, n in enumerate(names)]
+    on_disk = [s["__key__"] for s in StreamingDataset([str(packed / n) for n in names], shuffle=True, seed=4)]
+    assert [s["__key__"] for s in StreamingDataset(urls, shuffle=True, seed=4, prefetch_bytes="10KB")] == on_disk
+
+
 def test_a_body_cut_short_is_tried_again(tmp_path: Path, packed: Path) -> None:
     (tmp_path / "www").mkdir()
     os.symlink(packed, tmp_path / "www" / "ds")
