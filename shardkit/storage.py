@@ -125,6 +125,9 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     if fs is None:
         try:
             fs = cls(**kwargs)
+        except ImportError as e:  # hdfs://: pyarrow is imported when the client is made
+            raise ShardkitError(f"{display(url)}: {protocol}:// support is not installed ({one_line(e)}; "
+                                "hdfs:// needs `pip install pyarrow` and Hadoop's libhdfs)") from e
         except (TypeError, ValueError) as e:
             raise BadRequestError(f"{display(url)}: storage options refused by {protocol}://: {one_line(e)}") from e
         _time_out(fs)
@@ -648,8 +651,9 @@ class RangeReader:
             return data
         handle = self._handle(shard)
         url, version = self._urls[shard], self._versions[shard]
-        if self._cache is not None:
-            cached = self._cache.get(url, version, start, stop)
+        cache = self._cache if version is not None else None  # without a sha256, a replaced shard looks the same
+        if cache is not None:
+            cached = cache.get(url, version, start, stop)
             if cached is not None:
                 return cached
         fs, path = handle
@@ -669,8 +673,8 @@ class RangeReader:
         data = retrying(f"{display(url)} (bytes {start}-{stop})", get, attempts_for(url))
         with self._lock:
             self.fetched_bytes += len(data)
-        if self._cache is not None and len(data) == stop - start:
-            self._cache.put(url, version, start, stop, data)
+        if cache is not None and len(data) == stop - start:
+            cache.put(url, version, start, stop, data)
         return data
 
     def _short(self, shard: int, start: int, stop: int, got: int) -> CorruptShardError:

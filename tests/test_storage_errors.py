@@ -190,6 +190,26 @@ def test_local_and_remote_shards_in_one_list(web: tuple[str, Path], packed: Path
     assert [s["__key__"] for s in StreamingDataset(urls, shuffle=True, seed=4, prefetch_bytes="10KB")] == on_disk
 
 
+def test_a_shard_without_a_sha256_is_not_cached(web: tuple[str, Path], tmp_path: Path) -> None:
+    from shardkit.cache import RangeCache
+
+    base, www = web
+    (www / "x.tar").write_bytes(b"a" * 4096)
+    cache = RangeCache(str(tmp_path / "cache"), limit=1 << 20)
+    assert storage.RangeReader([f"{base}/x.tar"], versions=[None], cache=cache).read(0, 0, 100) == b"a" * 100
+    (www / "x.tar").write_bytes(b"b" * 4096)  # replaced: nothing tells it apart but the bytes
+    assert storage.RangeReader([f"{base}/x.tar"], versions=[None], cache=cache).read(0, 0, 100) == b"b" * 100
+
+
+def test_hdfs_without_pyarrow_says_what_to_install() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("pyarrow") is not None:
+        pytest.skip("pyarrow is installed here: the message is for machines without it")
+    with pytest.raises(ShardkitError, match=r"^hdfs://nn:8020/ds: hdfs:// support is not installed .*pyarrow"):
+        storage.filesystem("hdfs://nn:8020/ds", None)
+
+
 def test_a_body_cut_short_is_tried_again(tmp_path: Path, packed: Path) -> None:
     (tmp_path / "www").mkdir()
     os.symlink(packed, tmp_path / "www" / "ds")
