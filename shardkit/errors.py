@@ -6,7 +6,7 @@ expect, so `except ValueError` and `except FileNotFoundError` keep working."""
 import errno
 import re
 
-_USERINFO = re.compile(r"(\b[a-zA-Z][\w+.-]*://)[^/\s@]+@")
+_USERINFO = re.compile(r"(\b[a-zA-Z][\w+.-]*://)[^/\s]*@")  # up to the last @ of the host part: a password may hold one
 _QUERY = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^\s?]+)\?\S+")
 _PARAMS = re.compile(r"\?[^\s?#=&'\"]+=[^\s'\"]*")  # ?key=value... of a URL that lost its scheme:// (a path)
 
