@@ -46,7 +46,7 @@ from torch.utils.data import default_collate, default_convert, get_worker_info
 from . import worker
 
 HEADER = 64  # byte 0: the busy flag; bytes 8-16: the segment's token; data starts cache-line aligned
-MAX_SEGMENTS = 8  # pooled segments per process; past that, one-off segments
+MAX_SEGMENTS = 16  # pooled segments per process (prefetch_factor up to ~14); past that, one-off segments
 _NUMBERS = {bool: np.dtype(np.bool_), int: np.dtype(np.int64), float: np.dtype(np.float64)}
 _PROC_FD = os.path.isdir("/proc/self/fd")  # Linux: another process can reopen our descriptors
 
