@@ -141,6 +141,8 @@ _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # posix_fadvise: Linux and
 
 RETRIES = 5
 _TRANSIENT_4XX = {408, 409, 425, 429}  # timeout, conflict, too early, throttled: worth another attempt
+_THROTTLED = {429, 503}  # the store asks for fewer requests (S3's SlowDown is a 503)
+THROTTLED_BASE_S = 1.0  # ...so the backoff starts at a second: 5 attempts span up to ~15 s, not ~3 s
 _BY_STATUS = {401: AccessDeniedError, 403: AccessDeniedError, 404: NotFoundError, 410: NotFoundError}
 
 
@@ -162,7 +164,8 @@ def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: fl
             if attempt == attempts:
                 tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
                 raise ShardkitError(f"{what}: {type(e).__name__}: {one_line(e)} (gave up after {tries})") from e
-            time.sleep(random.uniform(0, min(cap_s, base_s * 2 ** (attempt - 1))))
+            base = max(base_s, THROTTLED_BASE_S) if _status(_root_cause(e)) in _THROTTLED else base_s
+            time.sleep(random.uniform(0, min(cap_s, base * 2 ** (attempt - 1))))
     raise AssertionError("unreachable")
 
 

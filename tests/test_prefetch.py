@@ -230,6 +230,24 @@ def test_range_cache_housekeeping_never_stops_a_read(tmp_path: Path, monkeypatch
     assert stale.exists()
 
 
+def test_throttling_backs_off_from_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Throttled(Exception):
+        status = 503  # as aiohttp and gcsfs carry it; S3's SlowDown
+
+    slept: list[float] = []
+    monkeypatch.setattr(storage.time, "sleep", slept.append)
+    monkeypatch.setattr(storage.random, "uniform", lambda low, high: high)  # the longest wait each time
+    failures = iter([Throttled("slow down"), Throttled("slow down"), TimeoutError("slow")])
+
+    def get() -> bytes:
+        for e in failures:
+            raise e
+        return b"ok"
+
+    assert storage.retrying("s3://b/x.tar", get) == b"ok"
+    assert slept == [1.0, 2.0, 0.8]  # a timeout keeps the short backoff
+
+
 def test_range_cache_serves_an_entry_it_cannot_touch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In a cache shared by several users another user's entry cannot have its time set:
     the hit is served all the same (marking it recently used is best effort)."""
