@@ -147,7 +147,7 @@ class ResizeTransform:
 
         key = image_field(sample)
         if key is None:
-            raise ValueError(f"sample {sample.get('__key__')} has no image field (give --transform)")
+            raise TransformError(f"sample {sample.get('__key__')} has no image field (give --transform)")
         label = int(sample.get("cls", -1))
         image = sample[key]
         if isinstance(image, (bytes, bytearray, memoryview)):

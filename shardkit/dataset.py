@@ -96,7 +96,7 @@ class StreamingDataset(EpochDataset):
         self._keys = np.empty(0, dtype="S1")
         if self.index.kind == "lmdb":
             self._lmdb = local_lmdb(self.urls[0], storage_options, cache_dir, self.cache_limit)
-            self._keys = np.array(self.index.extra.get("keys", []), dtype="S")
+            self._keys = lmdb_format.key_array(self.index.extra["keys"])
             self._offsets = np.empty(0, np.int64)
         else:
             tables = [s.offsets for s in self.index.shards]

@@ -172,7 +172,22 @@ class Index:
             raise CorruptShardError(f"{where}: malformed index ({type(e).__name__}: {e})") from None
         if doc.get("samples") is not None and doc["samples"] != index.samples:
             raise CorruptShardError(f"{where}: total {doc['samples']} samples but shards add up to {index.samples}")
+        if index.kind == "lmdb":
+            _check_lmdb(index, where)
         return index
+
+
+def _check_lmdb(index: Index, where: str) -> None:
+    """An LMDB's index is one `data.mdb` shard and a key (and a size) for every sample."""
+    keys, sizes = index.extra.get("keys"), index.extra.get("sizes")
+    if len(index.shards) != 1:
+        raise CorruptShardError(f"{where}: an LMDB index lists {len(index.shards)} shards, not the one data.mdb")
+    if not isinstance(keys, list) or len(keys) != index.samples:
+        raise CorruptShardError(f"{where}: an LMDB index needs a key for each of its {index.samples} samples, "
+                                f"it lists {len(keys) if isinstance(keys, list) else 'no list of'} keys")
+    if sizes is not None and (not isinstance(sizes, list) or len(sizes) != len(keys)):
+        raise CorruptShardError(f"{where}: an LMDB index lists {len(sizes) if isinstance(sizes, list) else 'no list of'} "
+                                f"sizes for {len(keys)} keys")
 
 
 def find(url: str, storage_options: StorageOptions | None = None) -> Index | None:

@@ -45,10 +45,12 @@ class LMDBDataset(torch.utils.data.Dataset):
         self.read_threads = checks.integer("read_threads", read_threads, 1)
         self._threads: tuple[int, ThreadPoolExecutor] | None = None
         self.path = local_lmdb(source, storage_options, cache_dir, checks.size("cache_limit", cache_limit))
-        idx = lmdb_index(self.path)
+        idx = lmdb_index(self.path, readahead)
         if idx.kind != "lmdb":
             raise ValueError(f"{source}: not an LMDB dataset (kind {idx.kind!r})")
-        self._keys = np.array(idx.extra.get("keys", []), dtype="S")  # numpy: no per-key objects to copy on fork
+        self._keys = lmdb_format.key_array(idx.extra["keys"])  # numpy: no per-key objects to copy on fork
+        sizes = idx.extra.get("sizes")
+        self._sizes = np.array(sizes, dtype=np.int64) if sizes is not None else None
         self.index = idx.slim()
         self._decode: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
@@ -93,7 +95,8 @@ class LMDBDataset(torch.utils.data.Dataset):
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {len(self)} samples")
         key = self._keys[i].decode()
-        return key, lmdb_format.read_one(lmdb_format.open_reader(self.path, self.readahead), key, self.path)
+        size = int(self._sizes[i]) if self._sizes is not None else None
+        return key, lmdb_format.read_one(lmdb_format.open_reader(self.path, self.readahead), key, self.path, size)
 
     def _finish(self, key: str, fields: dict[str, bytes]) -> Any:
         worker.settle()

@@ -117,9 +117,9 @@ def resolve(source: str | Iterable[str], storage_options: StorageOptions | None 
     return urls, build_index(urls, storage_options)
 
 
-def lmdb_index(path: str) -> Index:
-    """The index stored inside a local LMDB dataset."""
-    env = lmdb_format.open_reader(storage.local_path(path))
+def lmdb_index(path: str, readahead: bool = False) -> Index:
+    """The index stored inside a local LMDB dataset (opening it with `readahead`)."""
+    env = lmdb_format.open_reader(storage.local_path(path), readahead)
     return Index.from_json(lmdb_format.read_index(env, path), f"{path} ({lmdb_format.INDEX_KEY.decode()})")
 
 

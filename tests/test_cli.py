@@ -49,6 +49,17 @@ def test_verify_fails_naming_the_shard(run, photos: Path, tmp_path: Path) -> Non
     assert "shard-000003.tar: sha256 mismatch" in result.output
 
 
+def test_verify_goes_on_past_a_shard_it_cannot_read(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "out"
+    run("pack", photos, out, "--max-count", "8", "-q")
+    (out / "shard-000001.tar").unlink()
+    (out / "shard-000001.tar").mkdir()  # a folder in its place
+    (out / "shard-000003.tar").unlink()
+    result = run("verify", out)
+    assert result.exit_code == 1
+    assert "shard-000001.tar: Is a directory" in result.output and "shard-000003.tar: missing" in result.output
+
+
 def test_skipped_files_are_reported(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     (photos / "circle" / "bad.jpg").write_bytes(b"nope")
     result = run("pack", photos, tmp_path / "out")

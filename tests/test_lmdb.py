@@ -113,7 +113,7 @@ def test_kill_then_rerun_finishes_the_same_database(tmp_path: Path) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     if (out / "data.mdb").exists() and b"__index__" not in records(out):  # killed mid-way:
-        with pytest.raises(CorruptShardError, match="no __index__ record"):  # never taken for finished
+        with pytest.raises(shardkit.UnfinishedPackError):  # never taken for finished
             LMDBDataset(str(out))
     subprocess.run(cmd, check=True)
     assert records(out) == records(ref)
@@ -154,10 +154,10 @@ def test_a_batch_is_read_on_threads_and_comes_back_in_order(lmdb_pack: Path, col
     monkeypatch.setattr(lmdb_format, "COLD_READ_S", -1.0 if cold else 60.0)
     read_sample = lmdb_format.read_sample
 
-    def tagged(txn, key: str, path: str) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
+    def tagged(txn, key: str, path: str, size: int | None = None) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
         import threading
 
-        return {**read_sample(txn, key, path), "thread": threading.current_thread().name.encode()}
+        return {**read_sample(txn, key, path, size), "thread": threading.current_thread().name.encode()}
 
     monkeypatch.setattr(lmdb_format, "read_sample", tagged)
     ds = LMDBDataset(str(lmdb_pack), read_threads=8)
@@ -225,11 +225,11 @@ def test_streaming_over_lmdb_from_a_cold_cache_reads_on_threads(lmdb_pack: Path,
     assert stream(prefetch=4) == serial and len(serial) == 60
     read_sample, threads = lmdb_format.read_sample, set()
 
-    def noted(txn, key: str, path: str) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
+    def noted(txn, key: str, path: str, size: int | None = None) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
         import threading
 
         threads.add(threading.current_thread().name.split("_")[0])
-        return read_sample(txn, key, path)
+        return read_sample(txn, key, path, size)
 
     monkeypatch.setattr(lmdb_format, "read_sample", noted)
     list(StreamingDataset(str(lmdb_pack), prefetch=4))
@@ -317,3 +317,77 @@ def test_remote_lmdb_is_copied_to_the_cache_first(s3: dict, lmdb_pack: Path, tmp
             make(url, storage_options=s3["storage_options"], cache_dir=str(tmp_path / "small"), cache_limit=size - 1,
                  **more)
     assert not (tmp_path / "small").exists() or not any((tmp_path / "small").rglob("data.mdb"))
+
+
+def test_one_lmdb_under_several_spellings_and_many_copies(lmdb_pack: Path, tmp_path: Path) -> None:
+    import shutil
+
+    os.symlink(lmdb_pack, tmp_path / "link")
+    first = [LMDBDataset(p)[0]["__key__"] for p in (str(lmdb_pack), str(lmdb_pack) + "/", str(tmp_path / "link"))]
+    assert len(set(first)) == 1  # one environment, found by its file
+    fds = len(os.listdir("/proc/self/fd"))
+    for i in range(12):  # copies read then deleted: their environments go, their inodes may come back
+        copy = tmp_path / f"copy{i}"
+        shutil.copytree(lmdb_pack, copy)
+        assert LMDBDataset(str(copy))[0]["__key__"] == first[0]
+        shutil.rmtree(copy)
+    assert len(os.listdir("/proc/self/fd")) <= fds + 2
+
+
+def test_keys_beyond_ascii(photos: Path, tmp_path: Path) -> None:
+    import tarfile
+
+    (tmp_path / "foreign").mkdir()
+    jpg = next(photos.rglob("*.jpg"))
+    with tarfile.open(tmp_path / "foreign" / "part-0.tar", "w") as tar:
+        for key in ("café", "naïve/日本"):
+            tar.add(jpg, f"{key}.jpg")
+    from shardkit.sources import shard_urls
+
+    shardkit.index.save(shardkit.build_index(shard_urls(str(tmp_path / "foreign"))), str(tmp_path / "foreign"))
+    shardkit.pack(str(tmp_path / "foreign"), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
+    assert sorted(s["__key__"] for s in LMDBDataset(str(tmp_path / "db"))) == ["café", "naïve/日本"]
+    assert sorted(s["__key__"] for s in StreamingDataset(str(tmp_path / "db"))) == ["café", "naïve/日本"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(keys=d["keys"][:10]), "needs a key for each of its 30 samples, it lists 10 keys"),
+    (lambda d: d.update(sizes=d["sizes"][:10]), "lists 10 sizes for 30 keys"),
+    (lambda d: d.update(shards=[], samples=0), "lists 0 shards, not the one data.mdb"),
+])
+def test_an_lmdb_index_that_contradicts_itself_is_refused(lmdb_pack: Path, edit, message: str) -> None:  # type: ignore[no-untyped-def]
+    doc = json.loads((lmdb_pack / "index.json").read_text())
+    edit(doc)
+    (lmdb_pack / "index.json").write_text(json.dumps(doc))
+    for read in (StreamingDataset, shardkit.verify):
+        with pytest.raises(CorruptShardError, match=re.escape(message)):
+            read(str(lmdb_pack))
+
+
+def test_a_record_whose_length_changed_is_named(lmdb_pack: Path) -> None:
+    import lmdb
+
+    keys = shardkit.index.load(str(lmdb_pack)).extra["keys"]
+    lmdb_format.close_reader(str(lmdb_pack))
+    env = lmdb.open(str(lmdb_pack))
+    with env.begin(write=True) as txn:
+        txn.put(f"{keys[2]}.cls".encode(), b"12345")
+    env.close()
+    with pytest.raises(CorruptShardError, match=f"photos.lmdb: sample {keys[2]}: more than .* bytes, the index says"):
+        LMDBDataset(str(lmdb_pack))[2]
+
+
+def test_readahead_and_an_unfinished_pack(lmdb_pack: Path, tmp_path: Path, photos: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = LMDBDataset(str(lmdb_pack), readahead=True)
+    assert lmdb_format.open_reader(ds.path).flags()["readahead"]  # the main process's own reads too
+    with monkeypatch.context() as m:  # killed before the last commit
+        m.setattr(lmdb_format.Writer, "write", lambda self, samples, meta, delete=(): None
+                  if lmdb_format.INDEX_KEY in meta else _original_write(self, samples, meta, delete))
+        shardkit.pack(str(photos), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
+    (tmp_path / "db" / "index.json").unlink()
+    with pytest.raises(shardkit.UnfinishedPackError, match="a pack into this LMDB has not finished"):
+        LMDBDataset(str(tmp_path / "db"))
+
+
+_original_write = lmdb_format.Writer.write

@@ -161,6 +161,20 @@ def test_bench_usage_errors(run, packed: Path, user_module: Path) -> None:  # ty
     assert result.exit_code == 1 and "nothing-here" in result.output
 
 
+def test_bench_on_samples_without_an_image_says_so_in_one_line(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import tarfile
+
+    (tmp_path / "wds").mkdir()
+    (tmp_path / "a.txt").write_text("text")
+    with tarfile.open(tmp_path / "wds" / "part-0.tar", "w") as tar:
+        for key in ("a", "b"):
+            tar.add(tmp_path / "a.txt", f"{key}.txt")
+    result = run("bench", tmp_path / "wds", "--workers", "0", "--batches", "1", "--passes", "1", "--warmup", "1",
+                 "--batch-size", "2")
+    assert result.exit_code == 1 and "has no image field (give --transform)" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
 # ------------------------------------------------------------------ preview
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
-from ..errors import CorruptShardError, DatasetNotFoundError
+from ..errors import CorruptShardError, DatasetNotFoundError, UnfinishedPackError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -42,6 +42,13 @@ def _lmdb() -> Any:
 
         raise ShardkitError("LMDB support is not installed (pip install lmdb)") from None
     return lmdb
+
+
+def key_array(keys: Sequence[str]) -> Any:
+    """Sample keys as one numpy array of UTF-8 bytes (`.decode()` gives a key back)."""
+    import numpy as np
+
+    return np.array([k.encode() for k in keys], dtype="S")
 
 
 def is_lmdb(path: str) -> bool:
@@ -93,29 +100,63 @@ class Writer:
             self.env = None
 
 
-_READERS: dict[str, tuple[int, Any]] = {}  # path -> (pid, environment): LMDB allows one per process
+_READERS: dict[str, tuple[int, Any]] = {}  # path as given -> (pid, environment)
+_FILES: dict[tuple[int, int], tuple[int, str, Any]] = {}  # data.mdb's (device, inode) -> (pid, path, environment)
 _OPENING = threading.Lock()
 
 
 def open_reader(path: str, readahead: bool = False) -> Any:
     """This process's read-only environment for `path`, opened on first use: no lock-file
     writes, and no OS readahead by default (random access; pass readahead=True for large
-    records on a cold page cache). Shared by every reader in the process and its threads,
-    never closed by them. One inherited through fork is closed and reopened: it must not be
-    used there."""
+    records on a cold page cache; the first opener of a file decides). Shared by every
+    reader in the process and its threads, never closed by them. One inherited through fork
+    is closed and reopened: it must not be used there.
+
+    LMDB allows one environment per file and process, so one is found by its file, not by
+    how the path is spelled (`db`, `./db/`, a symlink); one whose file was deleted or
+    replaced is closed when another is opened (its inode may be handed out again)."""
     pid = os.getpid()
     cached = _READERS.get(path)
     if cached is not None and cached[0] == pid:
         return cached[1]
-    with _OPENING:  # LMDB allows one environment per file and process: threads must not race
+    with _OPENING:  # threads must not race to open one file twice
         cached = _READERS.get(path)
-        if cached is not None:
-            if cached[0] == pid:
-                return cached[1]
-            cached[1].close()
-        env = _open(path, readahead)
+        if cached is not None and cached[0] == pid:
+            return cached[1]
+        _drop_stale(pid)
+        file = _identity(path)
+        found = _FILES.get(file) if file is not None else None
+        if found is not None and found[0] == pid:
+            env = found[2]
+        else:
+            env = _open(path, readahead)
+            _FILES[file] = (pid, path, env)  # type: ignore[index]  # _open found data.mdb
         _READERS[path] = (pid, env)
         return env
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(os.path.join(path, DATA_FILE))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _drop_stale(pid: int) -> None:
+    """Close environments inherited through fork, and this process's whose data.mdb is gone
+    or replaced."""
+    for file, (owner, path, env) in list(_FILES.items()):
+        if owner != pid or _identity(path) != file:
+            _forget(env)
+
+
+def _forget(env: Any) -> None:
+    """Close `env`, and forget every path and file that led to it."""
+    for table in (_READERS, _FILES):
+        for key in [k for k, v in table.items() if v[-1] is env]:
+            del table[key]  # type: ignore[arg-type]
+    env.close()
 
 
 def _open(path: str, readahead: bool) -> Any:
@@ -139,10 +180,11 @@ def _open(path: str, readahead: bool) -> Any:
 
 
 def close_reader(path: str) -> None:
-    """Close this process's reader of `path` (before writing to it)."""
-    cached = _READERS.pop(path, None)
-    if cached is not None:
-        cached[1].close()
+    """Close this process's reader of `path`, however spelled (before writing to it)."""
+    with _OPENING:
+        found = _READERS.get(path) or _FILES.get(_identity(path))  # type: ignore[arg-type]
+        if found is not None:
+            _forget(found[-1])
 
 
 def read_index(env: Any, path: str) -> bytes:
@@ -152,14 +194,22 @@ def read_index(env: Any, path: str) -> bytes:
     except _lmdb().Error as e:
         raise CorruptShardError(f"{path}: unreadable LMDB ({e})") from None
     if raw is None:
-        raise CorruptShardError(f"{path}: no {INDEX_KEY.decode()} record (an unfinished pack? rerun it)")
+        with env.begin() as txn:
+            unfinished = txn.get(PROGRESS_KEY) is not None
+        if unfinished:
+            raise UnfinishedPackError(f"{path}: a pack into this LMDB has not finished (rerun the same `shardkit pack` "
+                                      "to finish it)")
+        raise CorruptShardError(f"{path}: no {INDEX_KEY.decode()} record: an LMDB that `shardkit pack` did not write")
     return bytes(raw)
 
 
-def read_sample(txn: Any, key: str, path: str) -> dict[str, bytes]:
-    """All members `KEY.EXT` of one sample."""
+def read_sample(txn: Any, key: str, path: str, size: int | None = None) -> dict[str, bytes]:
+    """All members `KEY.EXT` of one sample; with `size` (the index's), checked to add up to
+    it. A value longer than that is refused before its bytes are touched: a length
+    corrupted past the end of data.mdb would kill the process with SIGBUS."""
     prefix = f"{key}.".encode()
     fields: dict[str, bytes] = {}
+    total = 0
     try:
         with txn.cursor() as cur:
             if cur.set_range(prefix):
@@ -167,11 +217,17 @@ def read_sample(txn: Any, key: str, path: str) -> dict[str, bytes]:
                     k = bytes(k)  # a memoryview in a buffers=True transaction
                     if not k.startswith(prefix):
                         break
+                    total += len(v)
+                    if size is not None and total > size:
+                        break
                     fields[k[len(prefix):].decode()] = bytes(v)
     except _lmdb().Error as e:
         raise CorruptShardError(f"{path}: sample {key}: unreadable LMDB ({e})") from None
     if not fields:
         raise CorruptShardError(f"{path}: sample {key} is missing")
+    if size is not None and total != size:
+        raise CorruptShardError(f"{path}: sample {key}: {'more than ' if total > size else ''}{total} bytes, "
+                                f"the index says {size}")
     return fields
 
 
@@ -195,7 +251,7 @@ def read_when_cold(read: Callable[[T], R], items: Sequence[T], pool: Callable[[]
             return
 
 
-def read_one(env: Any, key: str, path: str) -> dict[str, bytes]:
+def read_one(env: Any, key: str, path: str, size: int | None = None) -> dict[str, bytes]:
     """All members of sample `key`, in a read transaction of its own (one per thread)."""
     with env.begin(buffers=True) as txn:
-        return read_sample(txn, key, path)
+        return read_sample(txn, key, path, size)
