@@ -20,6 +20,8 @@ from .batching import Batches
 from .counters import MAX_WORKERS, Shared
 from .partition import Layout, Progress
 
+MAX_EPOCH = 2**63 - 1  # epochs seed numpy's generators: 64 bits
+
 STATE_MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
 
 
@@ -106,7 +108,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch `epoch` for the next pass (reaches persistent workers too)."""
-        epoch = checks.integer("epoch", epoch, 0, 2**63 - 1)
+        epoch = checks.integer("epoch", epoch, 0, MAX_EPOCH)
         if self._resume is not None and (self._resume["epoch"] != epoch or self._shared.passes_started()):
             self._drop_resume()  # a loaded resume point applies to its own epoch, once
         self._shared.set_epoch(epoch)
@@ -148,9 +150,9 @@ class EpochDataset(torch.utils.data.IterableDataset):
             self._drop_resume()
             self._shared.set_epoch(int(found[0]["epoch"]))
             return
+        loader = _find_loader(state)
         first = workers[0]
         _check_layout(workers)
-        loader = _find_loader(state)
         if loader.get("_iterator_finished"):  # StatefulDataLoader, after a whole pass
             self._drop_resume()
             self._shared.set_epoch(int(first["epoch"]) + 1)
@@ -197,6 +199,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
         workers = max(num_workers, 1)
         sizes = [b - a for a, b in (partition.worker_bounds(rank_total, workers, w, self._batch) for w in range(workers))]
         yielded = partition.yielded_after(sizes, batch_size, samples_seen, drop_last)
+        if samples_seen == partition.pass_length(sizes, batch_size, drop_last):
+            yielded = tuple(sizes)  # a whole pass: what drop_last dropped is done with too
         return {STATE_MARK: 1, "epoch": epoch, "world_size": world, "num_workers": workers, "batch": self._batch,
                 "order": self._order(), "history": history,
                 "workers": [{"worker": w, "yielded": k} for w, k in enumerate(yielded)]}
@@ -212,6 +216,10 @@ def _check_layout(workers: list[dict[str, Any]]) -> None:
     first = workers[0]
     if any(s["epoch"] != first["epoch"] or s["num_workers"] != first["num_workers"] for s in workers):
         raise ValueError("state dict mixes workers of different epochs or layouts")
+    ids = [int(s["worker"]) for s in workers]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"state dict holds {len(ids)} worker states for {first['num_workers']} workers (the states "
+                         "of several loaders?): pass the state of this dataset's loader only")
 
 
 def _history(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -240,7 +248,11 @@ def _dicts(state: Any) -> Iterator[dict[str, Any]]:
 def _find_loader(state: Any) -> dict[str, Any]:
     """The StatefulDataLoader state dict inside `state` (a training checkpoint may nest
     it), or {}."""
-    return next((d for d in _dicts(state) if "_iterator_finished" in d or "_steps_since_snapshot" in d), {})
+    loaders = [d for d in _dicts(state) if "_iterator_finished" in d or "_steps_since_snapshot" in d]
+    if len(loaders) > 1:
+        raise ValueError(f"this state holds the states of {len(loaders)} DataLoaders: pass the state of this "
+                         "dataset's loader only")
+    return loaders[0] if loaders else {}
 
 
 def _find_states(state: Any) -> list[dict[str, Any]]:
@@ -260,7 +272,11 @@ def _find_states(state: Any) -> list[dict[str, Any]]:
 def _check_state(s: dict[str, Any]) -> None:
     """Refuse a state whose values could not have come from a pass: one line saying which."""
     try:
-        checks.integer("epoch", s["epoch"], 0)
+        checks.integer("epoch", s["epoch"], 0, MAX_EPOCH)
+        if not isinstance(s.get("order", {}), dict):
+            raise TypeError("order must be a dict")
+        for h in s.get("history", []):
+            Progress.from_json(h)
         if "worker" in s:
             workers = checks.integer("num_workers", s["num_workers"], 1)
             checks.integer("worker", s["worker"], 0, workers - 1)

@@ -75,7 +75,8 @@ class MixedDataset(EpochDataset):
         return self.samples_per_epoch
 
     def _order(self) -> dict[str, Any]:
-        return {**super()._order(), "counts": [int(c) for c in self.counts], "sizes": list(self.sizes)}
+        return {**super()._order(), "counts": [int(c) for c in self.counts], "sizes": list(self.sizes),
+                "parts": [p._order() for p in self.parts]}  # each part's own seed, shuffle, block
 
     def _sequence(self, epoch: int) -> np.ndarray:
         return np.arange(self.samples_per_epoch, dtype=np.int64)  # positions; _part_ids maps them to samples

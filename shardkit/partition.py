@@ -159,9 +159,14 @@ class Progress:
 
     @classmethod
     def from_json(cls, d: dict) -> Progress:
+        if not isinstance(d, dict):
+            raise TypeError(f"a pass's progress is a dict, not {d!r}")
         p = cls(int(d["world_size"]), int(d["num_workers"]), tuple(int(k) for k in d["yielded"]), int(d.get("batch", 1)))
         if len(p.yielded) != p.num_workers:
             raise ValueError(f"progress lists {len(p.yielded)} worker counts for {p.num_workers} workers")
+        if min(p.world_size, p.num_workers, p.batch) < 1 or min(p.yielded) < 0:
+            raise ValueError(f"progress with world_size {p.world_size}, num_workers {p.num_workers}, batch {p.batch} "
+                             f"and counts {list(p.yielded)} comes from no pass")
         return p
 
 
@@ -177,12 +182,17 @@ def remaining(sequence: np.ndarray, layout: Layout, progress: Progress) -> np.nd
     return sequence[~np.isin(sequence, done)]
 
 
+def pass_length(counts: Sequence[int], batch_size: int, drop_last: bool = False) -> int:
+    """Samples a torch DataLoader hands out in a pass over workers holding `counts`."""
+    return sum(c - c % batch_size if drop_last else c for c in counts)
+
+
 def yielded_after(counts: Sequence[int], batch_size: int, samples_seen: int, drop_last: bool = False) -> tuple[int, ...]:
     """Per-worker samples a torch DataLoader has taken after it handed out `samples_seen`
     samples: batches come from workers in turn, an exhausted worker drops out of the turn.
     Raises ValueError for a count no such loader hands out: negative, past the pass, or
     not a whole number of its batches."""
-    whole = sum(c - c % batch_size if drop_last else c for c in counts)
+    whole = pass_length(counts, batch_size, drop_last)
     if not 0 <= samples_seen <= whole:
         raise ValueError(f"samples_seen={samples_seen}: a pass of this loader hands out 0 to {whole} samples (per rank)")
     left = [c // batch_size if drop_last else -(-c // batch_size) for c in counts]

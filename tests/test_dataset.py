@@ -212,6 +212,15 @@ def test_sources_and_epochs_of_the_wrong_kind(packed: Path) -> None:
      "worker must be from 0 to 0, not 1"),
     ({"shardkit": 1, "epoch": 0, "world_size": 1, "num_workers": 1, "workers": [{"worker": 0, "yielded": -5}]},
      "yielded must be at least 0, not -5"),
+    ({"shardkit": 1, "epoch": 2**64 + 5}, "epoch must be from 0 to"),
+    ({"shardkit": 1, "epoch": 0, "order": "x"}, "order must be a dict"),
+    ({"shardkit": 1, "epoch": 0, "history": ["x"]}, "a pass's progress is a dict, not 'x'"),
+    ({"shardkit": 1, "epoch": 0, "history": [{"foo": 1}]}, r"KeyError: 'world_size'"),
+    ({"shardkit": 1, "epoch": 0, "history": [{"world_size": 0, "num_workers": 1, "yielded": [3]}]},
+     "world_size 0, num_workers 1, batch 1 and counts \\[3\\] comes from no pass"),
+    ({"shardkit": 1, "epoch": 0, "world_size": 1, "num_workers": 2, "workers": [{"worker": 0, "yielded": 3},
+                                                                               {"worker": 0, "yielded": 4}]},
+     "holds 2 worker states for 2 workers"),
 ])
 def test_malformed_states_are_refused(packed: Path, state: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -613,6 +622,41 @@ def test_resume_state_after_a_whole_pass(packed: Path) -> None:
         ds.resume_state(epoch=2, samples_seen=121, batch_size=7, num_workers=2)
     with pytest.raises(ValueError, match="samples_seen=10 is not a whole number of batches"):
         ds.resume_state(epoch=2, samples_seen=10, batch_size=7, num_workers=2)
+
+
+def test_resume_state_after_a_whole_pass_that_dropped_its_last_batches(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True, seed=5)
+    whole = sum(len(b) for b in DataLoader(ds, batch_size=7, num_workers=2, drop_last=True, collate_fn=list))
+    ds.load_state_dict(ds.resume_state(epoch=0, samples_seen=whole, batch_size=7, num_workers=2, drop_last=True))
+    assert whole < 120 and run(ds, 2, 7) == []  # what drop_last dropped is not brought back
+
+
+def test_states_of_two_loaders_in_one_checkpoint_are_refused(packed: Path) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    train, val = StreamingDataset(str(packed), shuffle=True), StreamingDataset(str(packed))
+    loaders = [stateful.StatefulDataLoader(d, batch_size=5, num_workers=2) for d in (train, val)]
+    for loader in loaders:
+        it = iter(loader)
+        next(it)
+    checkpoint = {"train_loader": loaders[0].state_dict(), "val_loader": loaders[1].state_dict()}
+    with pytest.raises(ValueError, match="holds the states of 2 DataLoaders: pass the state of this dataset's loader"):
+        train.load_state_dict(checkpoint)
+    train.load_state_dict({"train_loader": loaders[0].state_dict(), "epoch": 3})  # one loader, nested: fine
+
+
+def test_resume_state_across_batching_on_a_dataset_built_as_at_the_checkpoint(packed: Path) -> None:
+    """A checkpoint of a batching dataset resumed in one that does not batch: resume_state
+    describes the checkpointed run, so it is asked of a dataset built as that one was."""
+    ds = StreamingDataset(str(packed), shuffle=True, seed=3, batch_size=3)
+    it = iter(DataLoader(ds, batch_size=None, num_workers=2))
+    first = [k for _ in range(4) for k in next(it)["__key__"]]
+    del it
+    state = StreamingDataset(str(packed), shuffle=True, seed=3, batch_size=3).resume_state(
+        epoch=0, samples_seen=len(first), num_workers=2)
+    plain = StreamingDataset(str(packed), shuffle=True, seed=3)
+    plain.load_state_dict(state)
+    rest = [s["__key__"] for s in DataLoader(plain, batch_size=None, num_workers=3)]
+    assert Counter(first + rest) == Counter(f"{i:06d}" for i in range(120))
 
 
 def test_resume_then_a_training_loop_calling_set_epoch(packed: Path) -> None:

@@ -95,6 +95,17 @@ def test_deterministic_and_resumable(two: tuple[str, str]) -> None:
     assert collections.Counter(seen + rest) == collections.Counter(full)
 
 
+def test_a_state_of_a_mix_whose_parts_have_another_order_is_refused(two: tuple[str, str]) -> None:
+    a, b = two
+    state = StreamingDataset.mix([(a, 0.5), (b, 0.5)], shuffle=True, block=2).resume_state(
+        epoch=0, samples_seen=10, batch_size=5, num_workers=1)
+    for other in (StreamingDataset.mix([(a, 0.5), (b, 0.5)], shuffle=True, block=64),
+                  StreamingDataset.mix([(StreamingDataset(a, shuffle=True, seed=9, block=2), 0.5),
+                                        (StreamingDataset(b, shuffle=True, block=2), 0.5)], shuffle=True)):
+        with pytest.raises(ValueError, match="whose epochs have another order .*parts"):
+            other.load_state_dict(state)
+
+
 def test_a_mix_can_batch_in_its_workers(two: tuple[str, str]) -> None:
     a, b = two
 
