@@ -56,6 +56,13 @@ def _message(e: BaseException) -> str:
     return one_line(text)
 
 
+def _output(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A file to write at the end: its folder must exist before the work starts."""
+    if value is not None and not os.path.isdir(os.path.dirname(os.path.abspath(value))):
+        raise click.BadParameter(f"{value}: no such folder to write it in")
+    return value
+
+
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
@@ -316,7 +323,7 @@ transform_option = click.option(
 @transform_option
 @click.option("--step-ms", type=click.FloatRange(min=0, min_open=True), metavar="T",
               help="Say, per setting, whether a training step of T ms per batch would wait for data.")
-@click.option("--plot", type=click.Path(dir_okay=False, writable=True), metavar="OUT.png",
+@click.option("--plot", type=click.Path(dir_okay=False, writable=True), metavar="OUT.png", callback=_output,
               help="Write images/s (error bars: std over passes) against the varied setting (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
 @read_error_option
@@ -356,7 +363,7 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
 @click.argument("url")
 @click.option("--n", "n", type=click.IntRange(min=1), default=16, show_default=True, help="Samples to show.")
 @click.option("--out", type=click.Path(dir_okay=False, writable=True), default="batch.png", show_default=True,
-              help="PNG file to write.")
+              callback=_output, help="Image file to write (PNG, or the format its extension names: .jpg, .webp).")
 @transform_option
 @click.option("--decode", type=click.Choice(["raw", "pil", "rgb8", "tensor"]), default="tensor", show_default=True,
               help="How images are decoded before the transform (bench's default too, so one --transform serves both).")

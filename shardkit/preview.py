@@ -4,6 +4,7 @@ will be fed (after the user's transform, if given). PIL only."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -150,7 +151,7 @@ def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.p
     if not tiles:
         raise ShardkitError(f"{url}: no samples")
     grid = draw_grid(tiles, tile)
-    grid.save(out, format="PNG")
+    grid.save(out, format=Image.registered_extensions().get(os.path.splitext(out)[1].lower(), "PNG"))
     cols, rows = grid_shape(len(tiles))
     return {"path": out, "samples": len(tiles), "grid": [cols, rows], "size": list(grid.size), "tile": tile,
             "labels": [[name, key] for _, name, key in tiles], "skipped": int(ds.stats()["skipped"])}

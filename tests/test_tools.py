@@ -204,6 +204,16 @@ def test_preview_writes_a_labelled_grid(run, packed: Path, tmp_path: Path) -> No
     assert other["labels"] != doc["labels"]
 
 
+def test_preview_and_bench_outputs(run, packed: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    result = run("preview", packed, "--n", "4", "--out", tmp_path / "grid.jpg")
+    assert result.exit_code == 0
+    with Image.open(tmp_path / "grid.jpg") as img:
+        assert img.format == "JPEG"  # the format its name says
+    for command in (("preview", packed, "--out"), ("bench", packed, "--plot")):
+        result = run(*command, tmp_path / "missing" / "x.png")  # refused before any work
+        assert result.exit_code == 2 and "no such folder to write it in" in result.output
+
+
 def test_preview_after_a_transform(run, packed: Path, tmp_path: Path, user_module: Path) -> None:  # type: ignore[no-untyped-def]
     png = tmp_path / "normalised.png"
     result = run("preview", packed, "--n", "5", "--out", png, "--decode", "tensor", "--tile", "64",
