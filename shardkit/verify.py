@@ -16,8 +16,8 @@ def verify(url: str, storage_options: StorageOptions | None = None,
            on_shard: Callable[[ShardInfo, str | None], None] | None = None) -> list[str]:
     """Re-read every shard of the dataset at `url`; return one line per problem (empty: all good).
 
-    Checks each shard's size, sha256, sample count and sample offsets against index.json;
-    for an LMDB, see `_verify_lmdb`. `on_shard(info, problem)` is called after each shard
+    Checks each shard's size, sha256, sample count and sample offsets against index.json,
+    and that no .tar file beside them is missing from it; for an LMDB, see `_verify_lmdb`. `on_shard(info, problem)` is called after each shard
     (for progress output).
     """
     url = checks.path("url", url)
@@ -53,6 +53,9 @@ def verify(url: str, storage_options: StorageOptions | None = None,
             problems.append(problem)
         if on_shard:
             on_shard(info, problem)
+    listed = {info.name for info in idx.shards}
+    problems += [f"{storage.display(storage.join(url, name))}: a shard the index does not list (readers skip it)"
+                 for name in storage.listdir(url, storage_options) if name.endswith(".tar") and name not in listed]
     return problems
 
 

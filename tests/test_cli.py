@@ -55,9 +55,11 @@ def test_verify_goes_on_past_a_shard_it_cannot_read(run, photos: Path, tmp_path:
     (out / "shard-000001.tar").unlink()
     (out / "shard-000001.tar").mkdir()  # a folder in its place
     (out / "shard-000003.tar").unlink()
+    (out / "shard-000009.tar").write_bytes(b"")
     result = run("verify", out)
     assert result.exit_code == 1
     assert "shard-000001.tar: Is a directory" in result.output and "shard-000003.tar: missing" in result.output
+    assert "shard-000009.tar: a shard the index does not list" in result.output
 
 
 def test_skipped_files_are_reported(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
