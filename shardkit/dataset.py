@@ -94,9 +94,11 @@ class StreamingDataset(EpochDataset):
         self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._lmdb: str | None = None  # local path of an LMDB dataset
         self._keys = np.empty(0, dtype="S1")
+        self._sizes = np.empty(0, dtype=np.int64)
         if self.index.kind == "lmdb":
             self._lmdb = local_lmdb(self.urls[0], storage_options, cache_dir, self.cache_limit)
             self._keys = lmdb_format.key_array(self.index.extra["keys"])
+            self._sizes = np.asarray(self.index.extra.get("sizes") or [], dtype=np.int64)  # checked at each read
             self._offsets = np.empty(0, np.int64)
         else:
             tables = [s.offsets for s in self.index.shards]
@@ -139,9 +141,10 @@ class _WorkerStream(EpochStream):
     ds: StreamingDataset
 
     def __init__(self, ds: StreamingDataset, rank: int, world: int, worker_id: int, num_workers: int,
-                 ids: np.ndarray | None = None):
+                 ids: np.ndarray | None = None, window: int | None = None):
         super().__init__(ds, rank, world, worker_id, num_workers, fixed=ids)
         self.prefetcher: Prefetcher[ranges.Range, Any] | None = None  # set once reading starts
+        self.window = window or ds.shuffle_window  # the window that spreads this stream's samples (a mix's)
 
     def _borrow(self, reader: storage.RangeReader, decode: Callable[[dict[str, Any]], Any],
                 transform: Callable[[dict[str, Any]], Any] | None, after: int) -> Any:
@@ -183,7 +186,7 @@ class _WorkerStream(EpochStream):
 
         def read(i: int) -> tuple[str, dict[str, bytes]]:
             key = ds._keys[i].decode()
-            return key, lmdb_format.read_one(env, key, path)
+            return key, lmdb_format.read_one(env, key, path, int(ds._sizes[i]) if len(ds._sizes) else None)
 
         pool: ThreadPoolExecutor | None = None
 
@@ -212,8 +215,10 @@ class _WorkerStream(EpochStream):
         local = all(map(storage.is_local, ds.urls))  # one remote shard: its ranges go through the budget
         if local:
             plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=16 << 20)
-        else:  # a block's samples come within block + 2 windows of each other: further apart, a new use
-            plan, range_of = ranges.blocks(ids, ds._first, ds._offsets, ds.block, ds.block + 2 * ds.shuffle_window)
+        else:  # a block's samples come within block + 2 windows of each other: further apart, a new use,
+            # read again rather than held, unless the whole dataset fits in the read-ahead budget
+            gap = None if ds.index.bytes <= ds.prefetch_bytes else ds.block + 2 * self.window
+            plan, range_of = ranges.blocks(ids, ds._first, ds._offsets, ds.block, gap)
 
         def fetch(r: ranges.Range) -> ReadAt | CorruptShardError:
             try:
@@ -272,8 +277,8 @@ class _WorkerStream(EpochStream):
                     transforming = True
                     item = transform(sample) if transform is not None else sample
                 except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
-                    if transforming and not isinstance(e, FieldError):
-                        raise  # user code: its errors are its own
+                    if isinstance(e, MemoryError) or (transforming and not isinstance(e, FieldError)):
+                        raise  # the machine's, or user code's: its errors are its own
                     if isinstance(e, ShardkitError) and (ds.on_error == "raise" or not isinstance(e, CorruptShardError)):
                         raise  # named already; a failing disk or store is never skipped as bad data
                     if ds.on_error == "raise":

@@ -17,6 +17,7 @@ import functools
 import io
 import operator
 import json
+import math
 import re
 from collections.abc import Callable
 from typing import Any, Union
@@ -50,7 +51,7 @@ def _json(value: bytes) -> Any:
             return orjson.loads(value)
         except orjson.JSONDecodeError:
             pass
-    return json.loads(value.decode("utf-8"))
+    return json.loads(value)  # bytes: UTF-8, -16 or -32, a BOM allowed, as webdataset reads them
 
 
 def _text(value: bytes) -> str:
@@ -109,7 +110,7 @@ def decoder(mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
 
     def decode(sample: dict[str, Any]) -> dict[str, Any]:
         for key, value in sample.items():
-            if key[0] == "_":  # __key__, __url__
+            if key.startswith("_"):  # __key__, __url__ (and a member with no extension: field "")
                 continue
             try:
                 handler = chosen[key]
@@ -118,6 +119,8 @@ def decoder(mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
             if handler is not None:
                 try:
                     sample[key] = handler(value)
+                except MemoryError:  # the machine's, not the data's
+                    raise
                 except Exception as e:  # noqa: BLE001 - the field named here, the sample by the reader
                     raise FieldError(f"field {key!r}: {describe(e)}") from e
         return sample
@@ -152,7 +155,7 @@ def _pair(size: Size) -> tuple[int, int]:
 
 
 def _check(size: Size, crop: Size | None, reducing_gap: float | None) -> None:
-    if reducing_gap is not None and reducing_gap < 1.0:
+    if reducing_gap is not None and not (math.isfinite(reducing_gap) and reducing_gap >= 1.0):
         raise ValueError(f"reducing_gap must be None or at least 1.0, not {reducing_gap!r}")
     if min(_pair(size)) < 1 or (crop is not None and min(_pair(crop)) < 1):
         raise ValueError(f"size and crop must be positive, not {size!r} and {crop!r}")
@@ -219,7 +222,7 @@ def resized_tensor(data: bytes | memoryview | Image.Image, size: Size, crop: Siz
 def image_field(sample: dict[str, Any]) -> str | None:
     """The sample's first image field (jpg, png, seg.PNG, ...), or None."""
     for key in sample:
-        if key[0] != "_" and _kind(key) in IMAGE_FIELDS:
+        if not key.startswith("_") and _kind(key) in IMAGE_FIELDS:
             return key
     return None
 
@@ -241,8 +244,9 @@ class ImageTransform:
 
     def __call__(self, sample: dict[str, Any]) -> tuple[Any, Any]:
         field = self.field or image_field(sample)
-        if field is None:
-            raise KeyError(f"no image field in sample {sample.get('__key__')!r} (fields: {', '.join(sample)})")
+        if field is None or field not in sample:  # bad data, as an undecodable image is
+            raise FieldError(f"no image field{f' {field!r}' if field else ''} in sample {sample.get('__key__')!r} "
+                             f"(fields: {', '.join(sample)})")
         image = sample[field]
         if not isinstance(image, (bytes, bytearray, memoryview, Image.Image)):
             raise TypeError(f"image_transform decodes the image itself: it takes samples read with decode='raw' "
@@ -252,8 +256,8 @@ class ImageTransform:
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # PIL's words for bad data
             raise FieldError(f"field {field!r}: {describe(e)}") from e  # bad data: named and skippable by the reader
         if self.label not in sample:
-            raise KeyError(f"sample {sample.get('__key__')!r} has no field {self.label!r} for the label "
-                           f"(fields: {', '.join(sample)})")
+            raise FieldError(f"sample {sample.get('__key__')!r} has no field {self.label!r} for the label "
+                             f"(fields: {', '.join(sample)})")
         return tensor, sample[self.label]
 
     def __repr__(self) -> str:

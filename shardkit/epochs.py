@@ -291,12 +291,14 @@ def _check_state(s: dict[str, Any]) -> None:
 
 def _check_order(found: list[dict[str, Any]], order: dict[str, Any]) -> None:
     """Refuse progress saved from a dataset whose epochs have another order (another
-    dataset, seed, shuffle, ...): it would resume the wrong samples. States of shardkit
-    versions that did not record it are taken as they are."""
+    dataset, seed, shuffle, ...): it would resume the wrong samples. What a state saved by
+    an earlier shardkit version did not record (all of it, or a mixture's parts) is taken
+    as it is."""
     saved = next((s["order"] for s in found if "order" in s), None)
-    if saved is not None and saved != order:
-        differ = ", ".join(f"{k} {saved.get(k)!r} there, {v!r} here" for k, v in order.items() if saved.get(k) != v)
-        raise ValueError(f"this state was saved from a dataset whose epochs have another order ({differ})")
+    differ = [k for k in (saved or {}) if saved[k] != order.get(k)]
+    if differ:
+        said = ", ".join(f"{k} {saved[k]!r} there, {order.get(k)!r} here" for k in differ)
+        raise ValueError(f"this state was saved from a dataset whose epochs have another order ({said})")
 
 
 class Samples:

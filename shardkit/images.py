@@ -8,9 +8,11 @@ the reason they are skipped.
 
 from __future__ import annotations
 
+import contextlib
 import io
+from collections.abc import Iterator
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 # ImageFolder's extensions (torchvision IMG_EXTENSIONS) -> WebDataset field name.
 EXTENSIONS = {
@@ -36,21 +38,74 @@ def field_for(path: str) -> str | None:
 
 
 def _looks_complete(data: bytes, field: str) -> bool:
+    """Whether the bytes are a whole image of `field` that PIL will open, judged from its
+    headers and end marker, without decoding (False sends it to PIL to find out)."""
     if field == "jpg":
-        # 0xFFD9 cannot occur inside entropy-coded data, so finding it near the end means
-        # the scan was not cut short. (Trailing vendor data longer than this falls back to PIL.)
-        return data.startswith(b"\xff\xd8\xff") and data.rfind(b"\xff\xd9", max(0, len(data) - 4096)) >= 0
+        scan = _jpeg_scan(data)
+        # 0xFFD9 cannot occur inside entropy-coded data, so finding it near the end (after the
+        # first scan: an EXIF thumbnail before it has its own) means the scan was not cut short.
+        # (Trailing vendor data longer than 4 KB falls back to PIL.)
+        return (scan is not None and _fits(*scan[:2])
+                and data.rfind(b"\xff\xd9", max(scan[2], len(data) - 4096)) >= 0)
     if field == "png":
-        return data.startswith(_PNG_MAGIC) and data.rstrip(b"\x00").endswith(_PNG_END)
+        return (data.startswith(_PNG_MAGIC) and data.rstrip(b"\x00").endswith(_PNG_END)
+                and _fits(int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")))
     if field == "webp":
-        return data[:4] == b"RIFF" and data[8:12] == b"WEBP" and int.from_bytes(data[4:8], "little") + 8 <= len(data)
+        if not (data[:4] == b"RIFF" and data[8:12] == b"WEBP" and int.from_bytes(data[4:8], "little") + 8 <= len(data)):
+            return False
+        try:
+            return _fits(*Image.open(io.BytesIO(data)).size)  # the header only (its size is not at a fixed place)
+        except Exception:  # noqa: BLE001 - PIL's verdict comes with its reason when it opens it for real
+            return False
     return False  # rarer formats: let PIL check them
+
+
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame markers (not DHT, JPG, DAC)
+
+
+def _jpeg_scan(data: bytes) -> tuple[int, int, int] | None:
+    """(width, height, offset of the first scan) of a JPEG, from its marker segments; None
+    where they do not read as such."""
+    if not data.startswith(b"\xff\xd8"):
+        return None
+    pos, size = 2, None
+    while pos + 4 <= len(data) and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0xDA:
+            return (*size, pos) if size else None
+        if marker in _SOF and pos + 9 <= len(data):
+            size = int.from_bytes(data[pos + 7 : pos + 9], "big"), int.from_bytes(data[pos + 5 : pos + 7], "big")
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+    return None
+
+
+def _fits(width: int, height: int) -> bool:
+    """Whether PIL opens an image of this size (it refuses decompression bombs: past twice
+    `Image.MAX_IMAGE_PIXELS`), and it has pixels at all."""
+    limit = Image.MAX_IMAGE_PIXELS
+    return width > 0 and height > 0 and (limit is None or width * height <= 2 * limit)
+
+
+@contextlib.contextmanager
+def _truncated_refused() -> Iterator[None]:
+    """PIL as it comes: a process that set `ImageFile.LOAD_TRUNCATED_IMAGES` (a common
+    notebook line) would have truncated files decoded gray-padded, and packed."""
+    before = ImageFile.LOAD_TRUNCATED_IMAGES
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    try:
+        yield
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = before
 
 
 def _open(data: bytes) -> Image.Image:
     try:
         img = Image.open(io.BytesIO(data))
-        img.load()
+        with _truncated_refused():
+            img.load()
     except UnidentifiedImageError:
         raise BadImage("not an image file") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
@@ -60,7 +115,7 @@ def _open(data: bytes) -> Image.Image:
 
 def _undecodable(e: Exception) -> BadImage:
     text = str(e)
-    return BadImage("truncated image" if "truncated" in text else f"cannot decode image ({text})")
+    return BadImage("truncated image" if "truncated" in text.lower() else f"cannot decode image ({text})")
 
 
 def check(data: bytes, field: str) -> str:
@@ -84,12 +139,12 @@ def reencode(data: bytes, resize: int | None, quality: int) -> bytes:
         img = Image.open(io.BytesIO(data))
         if resize and img.format == "JPEG":
             img.draft("RGB", (resize, resize))  # let libjpeg decode at 1/2, 1/4, 1/8 scale
+        with _truncated_refused():
+            img = ImageOps.exif_transpose(img)
+            img = img.convert("RGB")
     except UnidentifiedImageError:
         raise BadImage("not an image file") from None
-    try:
-        img = ImageOps.exif_transpose(img)
-        img = img.convert("RGB")
-    except (OSError, SyntaxError, ValueError) as e:
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise _undecodable(e) from None
     if resize and min(img.size) > resize:
         w, h = img.size

@@ -75,8 +75,9 @@ class MixedDataset(EpochDataset):
         return self.samples_per_epoch
 
     def _order(self) -> dict[str, Any]:
+        parts = [{k: v for k, v in p._order().items() if k in ("shuffle", "seed", "block")} for p in self.parts]
         return {**super()._order(), "counts": [int(c) for c in self.counts], "sizes": list(self.sizes),
-                "parts": [p._order() for p in self.parts]}  # each part's own seed, shuffle, block
+                "parts": parts}  # what orders each part's own epochs
 
     def _sequence(self, epoch: int) -> np.ndarray:
         return np.arange(self.samples_per_epoch, dtype=np.int64)  # positions; _part_ids maps them to samples
@@ -120,7 +121,8 @@ class _MixedStream(EpochStream):
 
     def _generate(self) -> Iterator[Any]:
         part_of, ids = self._part_ids(self._plan())
-        streams = [_WorkerStream(p, self.rank, self.world, self.worker_id, self.num_workers, ids=i)
+        window = max(self.ds.shuffle_window, *(p.shuffle_window for p in self.ds.parts))
+        streams = [_WorkerStream(p, self.rank, self.world, self.worker_id, self.num_workers, ids=i, window=window)
                    for p, i in zip(self.ds.parts, ids)]
         try:
             for d in part_of.tolist():

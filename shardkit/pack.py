@@ -24,7 +24,7 @@ from . import checks, executors, images, index, storage
 from .errors import CorruptShardError, SourceError, about_the_file
 from .executors import tick
 from .formats import lmdb as lmdb_format
-from .formats.tar import TarWriter, check_key, parse_sample
+from .formats.tar import RECORD, TarWriter, check_key, parse_sample
 from .index import Index, ShardInfo, Skipped
 from .plan import DEFAULT_MAX_SIZE, Item, Job, JobList, Options, Plan, make_plan, sample_meta
 from .scan import HIDDEN
@@ -70,7 +70,8 @@ def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
         return key, fields
     if job.source == "lmdb":
         path = storage.local_path(job.src)
-        return item.key, lmdb_format.read_one(lmdb_format.open_reader(path), item.key, path)
+        size = item.size if item.size > 0 else None  # the source index's, where it has them
+        return item.key, lmdb_format.read_one(lmdb_format.open_reader(path), item.key, path, size)
     data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
     opts = job.options
     if opts.resize or opts.quality:
@@ -155,7 +156,8 @@ def _done(plan: Plan, i: int) -> ShardResult | None:
 
 
 def _refuse_to_replace(dest: str, existing: Index | None) -> None:
-    what = (f"a different dataset ({existing.samples} samples, from another source or other options)"
+    what = (f"a different dataset ({existing.samples} samples, from another source, other options or another "
+            "shardkit version)"
             if existing is not None else f"an {index.INDEX_NAME} that cannot be read")
     raise SourceError(f"{storage.display(dest)}: already holds {what}; rerun with --overwrite (overwrite=True) "
                       "to replace it")
@@ -164,17 +166,17 @@ def _refuse_to_replace(dest: str, existing: Index | None) -> None:
 def _prepare_dest(dest: str, plan: Plan, overwrite: bool, storage_options: StorageOptions | None) -> Index | None:
     """Check DEST holds nothing but shardkit's own files; clear leftovers. Returns an index
     already committed for this very plan, if any. A finished dataset of another plan is
-    replaced only with `overwrite`. Shard names are shardkit's own only where `shardkit
-    pack` has run (its index, or its progress folder): another tool's `shard-000000.tar`
-    is never overwritten or removed."""
+    replaced only with `overwrite`. Shard names are the dataset's only beside an index or a
+    pack's progress folder: another tool's `shard-000000.tar` in a folder that is no
+    dataset is never overwritten or removed."""
     names = storage.listdir(dest, storage_options)
-    existing, unreadable = None, False
+    existing = None
     if index.INDEX_NAME in names:
         try:
             existing = index.load(dest, storage_options)
         except (OSError, ValueError):
-            unreadable = True
-    packed = index.PROGRESS_DIR in names or unreadable or (existing is not None and existing.plan is not None)
+            pass
+    packed = index.PROGRESS_DIR in names or index.INDEX_NAME in names
     own = (index.INDEX_NAME, index.PROGRESS_DIR)
     foreign = [n for n in names if n not in own and not (packed and (_SHARD_RE.match(n) or _TMP_RE.match(n)))]
     if lmdb_format.DATA_FILE in foreign:
@@ -246,6 +248,9 @@ def pack(
     resize, quality = checks.optional("resize", resize, 1), checks.optional("quality", quality, 1, 100)
     if max_size is not None:
         max_size = checks.size("max_size", max_size, 1)
+        if format == "tar" and max_size < RECORD:
+            raise ValueError(f"max_size must be at least {RECORD} bytes (10KiB) for tar shards, the size of the "
+                             f"smallest tar file, not {max_size}")
     if stats is not None and not isinstance(stats, dict):
         raise TypeError(f"stats must be a dict to fill (or None), not {stats!r}")
     if format == "lmdb" and not storage.is_local(dest):

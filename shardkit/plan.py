@@ -18,7 +18,7 @@ import numpy as np
 
 from .formats.tar import BLOCK, RECORD
 from .index import Skipped
-from .scan import Item, Listing, scan_dataset, scan_folder, source_kind
+from .scan import HIDDEN, Item, Listing, scan_dataset, scan_folder, source_kind
 from .storage import StorageOptions
 from .units import parse_size
 
@@ -192,8 +192,11 @@ def make_plan(
     plan = Plan(src, dest, source, classes, tuple(skipped), listing, order, tuple(bounds), names, options,
                 storage_options)
     fingerprints = tuple(_job_fingerprint(plan, i, source_id) for i in range(len(bounds)))
-    # what the scan left out is part of the index, so of what makes this pack the same as another
-    fingerprint = _fingerprint(fmt, classes, fingerprints, [asdict(s) for s in skipped])
+    # what the scan left out is part of the index, so of what makes this pack the same as
+    # another; hidden entries (.DS_Store) are not, and with nothing else left out the
+    # fingerprint is what it was before it counted them, so older packs still match
+    left_out = [asdict(s) for s in skipped if s.reason != HIDDEN]
+    fingerprint = _fingerprint(fmt, classes, fingerprints, *([left_out] if left_out else []))
     return replace(plan, fingerprints=fingerprints, fingerprint=fingerprint, inherited=inherited)
 
 

@@ -126,8 +126,8 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         try:
             fs = cls(**kwargs)
         except ImportError as e:  # hdfs://: pyarrow is imported when the client is made
-            raise ShardkitError(f"{display(url)}: {protocol}:// support is not installed ({one_line(e)}; "
-                                "hdfs:// needs `pip install pyarrow` and Hadoop's libhdfs)") from e
+            hint = "; it needs `pip install pyarrow` and Hadoop's libhdfs" if protocol == "hdfs" else ""
+            raise ShardkitError(f"{display(url)}: {protocol}:// support is not installed ({one_line(e)}{hint})") from e
         except (TypeError, ValueError) as e:
             raise BadRequestError(f"{display(url)}: storage options refused by {protocol}://: {one_line(e)}") from e
         _time_out(fs)

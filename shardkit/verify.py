@@ -53,10 +53,19 @@ def verify(url: str, storage_options: StorageOptions | None = None,
             problems.append(problem)
         if on_shard:
             on_shard(info, problem)
+    return problems + _unlisted(url, idx, storage_options)
+
+
+def _unlisted(url: str, idx: Index, storage_options: StorageOptions | None) -> list[str]:
+    """A .tar beside the shards that the index does not list. Best effort: a store that lets
+    shards be read but not listed (a CDN, a bucket without ListBucket) has nothing to say."""
+    try:
+        names = storage.listdir(url, storage_options)
+    except (OSError, ShardkitError):
+        return []
     listed = {info.name for info in idx.shards}
-    problems += [f"{storage.display(storage.join(url, name))}: a shard the index does not list (readers skip it)"
-                 for name in storage.listdir(url, storage_options) if name.endswith(".tar") and name not in listed]
-    return problems
+    return [f"{storage.display(storage.join(url, name))}: a shard the index does not list (readers skip it)"
+            for name in names if name.endswith(".tar") and name not in listed]
 
 
 def _verify_lmdb(url: str, idx: Index, storage_options: StorageOptions | None) -> str | None:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from shardkit import CorruptShardError, StreamingDataset
 from shardkit.decode import ImageTransform, geometry, image_transform, resized, resized_tensor
+from shardkit.errors import FieldError
 
 CASES = [(256, 224), (160, 128), (96, None), ((200, 150), None), ((300, 240), (256, 192))]
 
@@ -108,7 +109,7 @@ def test_geometry_follows_torchvision() -> None:
 
 
 @pytest.mark.parametrize(("size", "crop", "gap"), [(0, None, 2.0), (64, 65, 2.0), ((64, 32), (40, 40), 2.0),
-                                                   (64, 32, 0.5)])
+                                                   (64, 32, 0.5), (64, 32, float("nan")), (64, 32, float("inf"))])
 def test_bad_arguments(size: object, crop: object, gap: float) -> None:
     with pytest.raises(ValueError):
         resized(b"", size, crop, reducing_gap=gap)  # type: ignore[arg-type]
@@ -144,8 +145,10 @@ def test_image_transform_on_a_raw_stream(packed: Path) -> None:
     assert label == raw["cls"] and np.array_equal(image.numpy(), images[0].numpy())
     pil = next(iter(StreamingDataset(str(packed), decode="pil")))  # decoded samples work too
     assert np.array_equal(transform(pil)[0].numpy(), images[0].numpy())
-    with pytest.raises(KeyError, match="no image field"):
+    with pytest.raises(FieldError, match="no image field"):  # bad data: the reader names it, or skips it
         transform({"__key__": "x", "cls": 1})
+    with pytest.raises(FieldError, match="has no field 'cls' for the label"):
+        transform({"__key__": "x", "jpg": raw["jpg"]})
     tensor = next(iter(StreamingDataset(str(packed), decode="tensor")))  # decoded already: said so
     with pytest.raises(TypeError, match="takes samples read with decode='raw' .*, not a torch.Tensor"):
         transform(tensor)
@@ -167,6 +170,33 @@ def test_json_fields_decode_as_json_does(raw: bytes) -> None:
     got = decoder("raw")({"json": raw})["json"]
     want = json.loads(raw.decode())
     assert repr(got) == repr(want)  # types too: an int stays an int
+
+
+def test_json_with_a_bom_or_in_utf16_decodes_as_webdataset_reads_it() -> None:
+    from shardkit.decode import decoder
+
+    for raw in (b'\xef\xbb\xbf{"a": 1}', '{"a": 1}'.encode("utf-16")):
+        assert decoder("raw")({"json": raw})["json"] == {"a": 1}
+
+
+def test_a_member_without_an_extension_leaves_its_sample_readable() -> None:
+    from shardkit.decode import decoder, image_field
+
+    sample = decoder("raw")({"__key__": "001", "": b"no extension", "cls": b"3"})
+    assert sample == {"__key__": "001", "": b"no extension", "cls": 3} and image_field(sample) is None
+
+
+def test_running_out_of_memory_is_not_bad_data(monkeypatch: pytest.MonkeyPatch, packed: Path) -> None:
+    from shardkit import decode
+
+    def no_memory(data: bytes) -> None:
+        raise MemoryError
+
+    monkeypatch.setitem(decode._IMAGE, "pil", no_memory)
+    with pytest.raises(MemoryError):
+        decode.decoder("pil")({"jpg": b"..."})
+    with pytest.raises(MemoryError):  # not skipped as a bad sample
+        next(iter(StreamingDataset(str(packed), decode="pil", on_error="skip")))
 
 
 @pytest.mark.parametrize("raw", [b'{"a": ', b"\xff\xfe{}"])

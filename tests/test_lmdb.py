@@ -285,7 +285,9 @@ def test_not_an_lmdb_and_missing_keys(tmp_path: Path, lmdb_pack: Path) -> None:
 
 
 def test_bad_samples_and_wrong_folders_are_named(photos: Path, tmp_path: Path) -> None:
-    (photos / "circle" / "img_0003.jpg").write_bytes((photos / "circle" / "img_0003.jpg").read_bytes()[:300] + b"\xff\xd9")
+    whole = (photos / "circle" / "img_0003.jpg").read_bytes()
+    dqt = whole.find(b"\xff\xdb") + 4  # a quantization table numbered 5 (0-3 exist): whole to the eye, not decodable
+    (photos / "circle" / "img_0003.jpg").write_bytes(whole[:dqt] + b"\x05" + whole[dqt + 1 :])
     out = tmp_path / "photos.lmdb"
     shardkit.pack(str(photos), str(out), format="lmdb", shuffle=False, progress=False)
     ds = LMDBDataset(str(out), decode="tensor")
@@ -325,13 +327,44 @@ def test_one_lmdb_under_several_spellings_and_many_copies(lmdb_pack: Path, tmp_p
     os.symlink(lmdb_pack, tmp_path / "link")
     first = [LMDBDataset(p)[0]["__key__"] for p in (str(lmdb_pack), str(lmdb_pack) + "/", str(tmp_path / "link"))]
     assert len(set(first)) == 1  # one environment, found by its file
-    fds = len(os.listdir("/proc/self/fd"))
-    for i in range(12):  # copies read then deleted: their environments go, their inodes may come back
+    kept = LMDBDataset(str(tmp_path / "link"))
+    for i in range(40):  # copies read then deleted: their inode numbers come back for the next copies
         copy = tmp_path / f"copy{i}"
         shutil.copytree(lmdb_pack, copy)
         assert LMDBDataset(str(copy))[0]["__key__"] == first[0]
         shutil.rmtree(copy)
-    assert len(os.listdir("/proc/self/fd")) <= fds + 2
+    old = tmp_path / "old-copy"
+    shutil.copytree(lmdb_pack, old)
+    reading = LMDBDataset(str(old))
+    shutil.rmtree(old)  # as a remote LMDB's older local copy is, when the bucket's changes
+    assert LMDBDataset(str(lmdb_pack))[1]["__key__"] == reading[1]["__key__"] == kept[1]["__key__"]  # reads on
+
+
+def test_an_inode_number_of_a_deleted_copy_coming_back(lmdb_pack: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """LMDB refuses a file whose inode number an open environment holds: that of a copy
+    deleted since is closed then, and the open tried again."""
+    import shutil
+
+    import lmdb
+
+    old = tmp_path / "old"
+    shutil.copytree(lmdb_pack, old)
+    LMDBDataset(str(old))[0]
+    shutil.rmtree(old)
+    real_open, refused = lmdb.open, []
+
+    def reused(path: str, **kwargs: object):  # type: ignore[no-untyped-def]
+        if not refused:
+            refused.append(path)
+            raise lmdb.Error(f"The environment '{path}' is already open in this process.")
+        return real_open(path, **kwargs)
+
+    monkeypatch.setattr(lmdb, "open", reused)
+    new = tmp_path / "new"
+    shutil.copytree(lmdb_pack, new)
+    assert len(LMDBDataset(str(new))) == 30 and refused
+    assert not any(e.path == str(old) for e in lmdb_format._ENVS)  # the deleted copy's was closed
 
 
 def test_keys_beyond_ascii(photos: Path, tmp_path: Path) -> None:
@@ -375,6 +408,10 @@ def test_a_record_whose_length_changed_is_named(lmdb_pack: Path) -> None:
     env.close()
     with pytest.raises(CorruptShardError, match=f"photos.lmdb: sample {keys[2]}: more than .* bytes, the index says"):
         LMDBDataset(str(lmdb_pack))[2]
+    with pytest.raises(CorruptShardError, match=f"sample {keys[2]}: more than .* bytes, the index says"):
+        list(StreamingDataset(str(lmdb_pack)))
+    idx = shardkit.pack(str(lmdb_pack), str(lmdb_pack.parent / "tar"), workers=1, progress=False)  # converted: skipped
+    assert idx.samples == 29 and "the index says" in idx.skipped[-1].reason
 
 
 def test_readahead_and_an_unfinished_pack(lmdb_pack: Path, tmp_path: Path, photos: Path,

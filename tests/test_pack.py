@@ -128,6 +128,8 @@ def test_shuffle_off_keeps_class_order(photos: Path, tmp_path: Path) -> None:
 
 
 def test_max_size_bounds_shards(photos: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_size must be at least 10240 bytes .* not 8000"):
+        shardkit.pack(str(photos), str(tmp_path / "out"), max_size="8KB", workers=1, progress=False)
     idx = shardkit.pack(str(photos), str(tmp_path / "out"), max_size="40KB", workers=1, progress=False)
     assert len(idx.shards) > 3
     for s in idx.shards:  # the whole file, end-of-archive blocks and record padding included
@@ -600,10 +602,29 @@ def test_shard_names_of_another_tool_are_not_taken_for_its_own(photos: Path, tmp
                                           r"write \(found 'results.tmp-2024.csv'\)"):
         shardkit.pack(str(photos), str(out), workers=1, progress=False)
     (out / "results.tmp-2024.csv").unlink()
-    _index_folder(out)  # indexed, they are still another tool's
-    with pytest.raises(SourceError, match="found 'shard-000000.tar'"):
+    with pytest.raises(SourceError, match="found 'shard-000000.tar'"):  # no dataset here: not ours to replace
         shardkit.pack(str(photos), str(out), workers=1, progress=False, overwrite=True)
     assert (out / "shard-000000.tar").read_bytes() == before["shard-000000.tar"]
+    _index_folder(out)  # indexed, they are a dataset: replaced with --overwrite only, as any other
+    with pytest.raises(SourceError, match="already holds a different dataset"):
+        shardkit.pack(str(photos), str(out), workers=1, progress=False)
+    assert shardkit.pack(str(photos), str(out), workers=1, progress=False, overwrite=True).samples == 30
+
+
+def test_a_pack_reindexed_with_index_force_is_replaced_with_overwrite(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shardkit.pack(str(photos), str(out), max_count=8, workers=1, progress=False)
+    _index_folder(out)  # `shardkit index --force`: the plan is gone from the index
+    assert shardkit.pack(str(photos), str(out), max_count=8, workers=1, progress=False, overwrite=True).samples == 30
+
+
+def test_hidden_files_added_to_the_source_leave_a_finished_pack_finished(photos: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shardkit.pack(str(photos), str(out), workers=1, progress=False)
+    (photos / "circle" / ".DS_Store").write_bytes(b"finder")
+    stats: dict[str, int] = {}
+    shardkit.pack(str(photos), str(out), workers=1, progress=False, stats=stats)
+    assert stats["unchanged"] == 1
 
 
 def test_an_lmdb_of_another_tool_is_not_written_into(photos: Path, tmp_path: Path) -> None:
@@ -679,3 +700,28 @@ def test_a_symlink_to_something_not_a_file_is_named_so(photos: Path, tmp_path: P
     idx = shardkit.pack(str(photos), str(tmp_path / "out"), workers=1, progress=False)
     reasons = {s.path: s.reason for s in idx.skipped}
     assert reasons == {"circle/pipe.jpg": "not a regular file", "circle/gone.jpg": "broken symlink"}
+
+
+def test_images_every_reader_would_refuse_are_skipped_at_pack_time(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from PIL import Image, ImageFile
+
+    src = tmp_path / "src" / "a"
+    src.mkdir(parents=True)
+    for name, size in (("small.png", (8, 8)), ("small.jpg", (8, 8)), ("huge.png", (64, 64)), ("huge.jpg", (64, 64))):
+        Image.new("RGB", size, (200, 30, 30)).save(src / name)
+    whole = io.BytesIO()
+    Image.effect_noise((30, 30), 40).convert("RGB").save(whole, "JPEG")
+    thumbnail = b"Exif\x00\x00\xff\xd8" + bytes(64) + b"\xff\xd9"  # an EXIF thumbnail's end marker, early on
+    app1 = b"\xff\xe1" + (len(thumbnail) + 2).to_bytes(2, "big") + thumbnail
+    (src / "cut.jpg").write_bytes(whole.getvalue()[:2] + app1 + whole.getvalue()[2:len(whole.getvalue()) // 2])
+    (src / "bad.ppm").write_bytes(b"P6\n3Z 32\n255\n" + bytes(100))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 64x64 is past twice that: a decompression bomb
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)  # a notebook's setting must not let cut files in
+    for options in ({}, {"quality": 90}, {"resize": 4}):
+        idx = shardkit.pack(str(tmp_path / "src"), str(tmp_path / f"out{len(options)}{list(options)}"), workers=1,
+                            progress=False, **options)
+        reasons = {s.path: s.reason for s in idx.skipped}
+        assert idx.samples == 2 and sorted(reasons) == ["a/bad.ppm", "a/cut.jpg", "a/huge.jpg", "a/huge.png"], options
+        assert "decompression bomb" in reasons["a/huge.png"].lower() and reasons["a/cut.jpg"] == "truncated image"
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # the caller's setting, as it was

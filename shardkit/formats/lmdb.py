@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import CorruptShardError, DatasetNotFoundError, UnfinishedPackError
@@ -100,8 +101,19 @@ class Writer:
             self.env = None
 
 
-_READERS: dict[str, tuple[int, Any]] = {}  # path as given -> (pid, environment)
-_FILES: dict[tuple[int, int], tuple[int, str, Any]] = {}  # data.mdb's (device, inode) -> (pid, path, environment)
+@dataclass(eq=False)
+class _Env:
+    """An environment this process (`pid`) opened, on the data.mdb `file` (device, inode)
+    that `path` held then."""
+
+    pid: int
+    path: str
+    file: tuple[int, int] | None
+    env: Any
+
+
+_ENVS: list[_Env] = []
+_READERS: dict[str, _Env] = {}  # path as given -> its environment
 _OPENING = threading.Lock()
 
 
@@ -109,30 +121,29 @@ def open_reader(path: str, readahead: bool = False) -> Any:
     """This process's read-only environment for `path`, opened on first use: no lock-file
     writes, and no OS readahead by default (random access; pass readahead=True for large
     records on a cold page cache; the first opener of a file decides). Shared by every
-    reader in the process and its threads, never closed by them. One inherited through fork
-    is closed and reopened: it must not be used there.
+    reader in the process and its threads, never closed by them: a reader of a copy deleted
+    since (a remote LMDB fetched again) reads on from its open file. One inherited through
+    fork is closed and reopened: it must not be used there.
 
     LMDB allows one environment per file and process, so one is found by its file, not by
-    how the path is spelled (`db`, `./db/`, a symlink); one whose file was deleted or
-    replaced is closed when another is opened (its inode may be handed out again)."""
+    how the path is spelled (`db`, `./db/`, a symlink)."""
     pid = os.getpid()
-    cached = _READERS.get(path)
-    if cached is not None and cached[0] == pid:
-        return cached[1]
+    found = _READERS.get(path)
+    if found is not None and found.pid == pid:
+        return found.env
     with _OPENING:  # threads must not race to open one file twice
-        cached = _READERS.get(path)
-        if cached is not None and cached[0] == pid:
-            return cached[1]
-        _drop_stale(pid)
+        found = _READERS.get(path)
+        if found is not None and found.pid == pid:
+            return found.env
+        for inherited in [e for e in _ENVS if e.pid != pid]:
+            _forget(inherited)
         file = _identity(path)
-        found = _FILES.get(file) if file is not None else None
-        if found is not None and found[0] == pid:
-            env = found[2]
-        else:
-            env = _open(path, readahead)
-            _FILES[file] = (pid, path, env)  # type: ignore[index]  # _open found data.mdb
-        _READERS[path] = (pid, env)
-        return env
+        found = next((e for e in _ENVS if file is not None and e.file == file and _identity(e.path) == file), None)
+        if found is None:
+            found = _Env(pid, path, file, _open(path, readahead))
+            _ENVS.append(found)
+        _READERS[path] = found
+        return found.env
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -143,20 +154,12 @@ def _identity(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _drop_stale(pid: int) -> None:
-    """Close environments inherited through fork, and this process's whose data.mdb is gone
-    or replaced."""
-    for file, (owner, path, env) in list(_FILES.items()):
-        if owner != pid or _identity(path) != file:
-            _forget(env)
-
-
-def _forget(env: Any) -> None:
-    """Close `env`, and forget every path and file that led to it."""
-    for table in (_READERS, _FILES):
-        for key in [k for k, v in table.items() if v[-1] is env]:
-            del table[key]  # type: ignore[arg-type]
-    env.close()
+def _forget(found: _Env) -> None:
+    """Close an environment, and forget every path that led to it."""
+    _ENVS.remove(found)
+    for alias in [p for p, e in _READERS.items() if e is found]:
+        del _READERS[alias]
+    found.env.close()
 
 
 def _open(path: str, readahead: bool) -> Any:
@@ -164,11 +167,17 @@ def _open(path: str, readahead: bool) -> Any:
     if not is_lmdb(path):
         hint = " (tar shards: read them with StreamingDataset)" if os.path.isfile(os.path.join(path, "index.json")) else ""
         raise DatasetNotFoundError(f"{path}: not an LMDB dataset (no data.mdb){hint}")
-    try:
-        env = lmdb.open(path, subdir=True, readonly=True, lock=False, readahead=readahead, meminit=False,
-                        max_readers=1024)
-    except lmdb.Error as e:
-        raise DatasetNotFoundError(f"{path}: not an LMDB dataset ({e})") from None
+    while True:
+        try:
+            env = lmdb.open(path, subdir=True, readonly=True, lock=False, readahead=readahead, meminit=False,
+                            max_readers=1024)
+            break
+        except lmdb.Error as e:
+            gone = [found for found in _ENVS if _identity(found.path) != found.file]
+            if "already open" not in str(e) or not gone:
+                raise DatasetNotFoundError(f"{path}: not an LMDB dataset ({e})") from None
+            for found in gone:  # a copy deleted since held this inode number: LMDB takes it for the same file
+                _forget(found)
     # A data.mdb cut short still opens (its meta pages are at the front), but touching a
     # page past the end kills the process with SIGBUS: compare with the pages LMDB uses.
     needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
@@ -182,9 +191,10 @@ def _open(path: str, readahead: bool) -> Any:
 def close_reader(path: str) -> None:
     """Close this process's reader of `path`, however spelled (before writing to it)."""
     with _OPENING:
-        found = _READERS.get(path) or _FILES.get(_identity(path))  # type: ignore[arg-type]
-        if found is not None:
-            _forget(found[-1])
+        file = _identity(path)
+        found = _READERS.get(path) or next((e for e in _ENVS if file is not None and e.file == file), None)
+        if found is not None and found in _ENVS:
+            _forget(found)
 
 
 def read_index(env: Any, path: str) -> bytes:
@@ -205,8 +215,7 @@ def read_index(env: Any, path: str) -> bytes:
 
 def read_sample(txn: Any, key: str, path: str, size: int | None = None) -> dict[str, bytes]:
     """All members `KEY.EXT` of one sample; with `size` (the index's), checked to add up to
-    it. A value longer than that is refused before its bytes are touched: a length
-    corrupted past the end of data.mdb would kill the process with SIGBUS."""
+    it (a record grown or shrunk in place is refused, not read as the sample)."""
     prefix = f"{key}.".encode()
     fields: dict[str, bytes] = {}
     total = 0
