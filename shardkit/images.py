@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import struct
 from collections.abc import Iterator
 
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
@@ -63,22 +64,28 @@ def _looks_complete(data: bytes, field: str) -> bool:
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame markers (not DHT, JPG, DAC)
 
 
+_SEGMENT = struct.Struct(">BBH")  # 0xFF, the marker, the segment's length
+_FRAME = struct.Struct(">HH")  # a start-of-frame's height and width, 5 bytes into it
+
+
 def _jpeg_scan(data: bytes) -> tuple[int, int, int] | None:
     """(width, height, offset of the first scan) of a JPEG, from its marker segments; None
     where they do not read as such."""
     if not data.startswith(b"\xff\xd8"):
         return None
-    pos, size = 2, None
-    while pos + 4 <= len(data) and data[pos] == 0xFF:
-        marker = data[pos + 1]
+    pos, size, last = 2, None, len(data) - 9
+    while pos <= last:
+        ff, marker, length = _SEGMENT.unpack_from(data, pos)
+        if ff != 0xFF:
+            return None
         if marker == 0xFF:  # fill byte
             pos += 1
-            continue
-        if marker == 0xDA:
-            return (*size, pos) if size else None
-        if marker in _SOF and pos + 9 <= len(data):
-            size = int.from_bytes(data[pos + 7 : pos + 9], "big"), int.from_bytes(data[pos + 5 : pos + 7], "big")
-        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+        elif marker == 0xDA:
+            return (size[1], size[0], pos) if size else None
+        else:
+            if marker in _SOF:
+                size = _FRAME.unpack_from(data, pos + 5)
+            pos += 2 + length
     return None
 
 
