@@ -502,10 +502,14 @@ def write_bytes_atomic(url: str, data: bytes, storage_options: StorageOptions | 
 
 
 def remove_dir(url: str, storage_options: StorageOptions | None = None) -> None:
-    """Remove an empty directory (a no-op on object stores, which have none)."""
+    """Remove an empty directory (a no-op on object stores, which have none); best effort."""
     if is_local(url):
         with contextlib.suppress(FileNotFoundError, OSError):
             os.rmdir(local_path(url))
+        return
+    if url.split("://", 1)[0] not in _OBJECT_STORES:  # WebHDFS, HDFS: real folders (fsspec's rmdir is a no-op there)
+        with contextlib.suppress(OSError, ShardkitError):
+            _ask(url, storage_options, lambda fs, path: fs.rm(path, recursive=True) if not fs.ls(path) else None)
 
 
 class RangeReader:

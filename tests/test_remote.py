@@ -29,6 +29,7 @@ def test_pack_to_remote_then_stream_it(remote: dict, photos: Path, tmp_path: Pat
     idx = shardkit.pack(str(photos), url, max_count=7, workers=2, progress=False, storage_options=opts)
     assert idx.to_json() == local.to_json()  # the same bytes, wherever they go
     assert shardkit.verify(url, opts) == []
+    assert sorted(shardkit.storage.listdir(url, opts)) == sorted(["index.json", *(s.name for s in idx.shards)])
     expected = read_shards(tmp_path / "local")
     ds = StreamingDataset(url, storage_options=opts, prefetch=4)
     got = {s["__key__"]: s for s in ds}
