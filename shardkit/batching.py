@@ -30,6 +30,7 @@ memory stays at its high-water mark instead of bouncing off it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -367,6 +368,19 @@ class SharedBatch:
         """The batch in this process (no worker processes: the loader's own process)."""
         seg = self.seg
         return _materialize(np.frombuffer(seg.mm, np.uint8), (seg.token, seg.size), self.layout, self.n, self.collated)
+
+
+def _collated_again(batch: list[SharedBatch], *, collate_fn_map: Any = None) -> Any:
+    raise TypeError("the dataset batches already (batch_size= on the dataset): give the DataLoader batch_size=None, "
+                    "or collate_fn=shardkit.collate to batch there instead")
+
+
+# default_collate's table of types (torch's documented way to extend it): a DataLoader that
+# batches what a batching dataset hands it says so, instead of failing on an unknown type
+with contextlib.suppress(ImportError):
+    from torch.utils.data._utils.collate import default_collate_fn_map
+
+    default_collate_fn_map[SharedBatch] = _collated_again
 
 
 def _rebuild(handle: Any, size: int, token: int, layout: _Layout, n: int, collated: list[Any]) -> Any:

@@ -293,3 +293,9 @@ def test_a_batch_unpickled_twice_keeps_its_buffer_until_both_are_freed() -> None
         assert not seg.busy
     finally:
         monkey.undo()
+
+
+def test_a_dataloader_batching_a_batching_dataset_says_so(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), decode="tensor", transform=to_pair, batch_size=4)
+    with pytest.raises(TypeError, match="the dataset batches already .*give the DataLoader batch_size=None"):
+        next(iter(DataLoader(ds, batch_size=2, num_workers=1)))
