@@ -93,12 +93,10 @@ class StreamingDataset(EpochDataset):
         self._counts = counts
         self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._lmdb: str | None = None  # local path of an LMDB dataset
-        self._keys = np.empty(0, dtype="S1")
-        self._sizes = np.empty(0, dtype=np.int64)
+        self._keys, self._sizes = np.empty(0, dtype="S1"), None  # an LMDB's, sizes checked at each read
         if self.index.kind == "lmdb":
             self._lmdb = local_lmdb(self.urls[0], storage_options, cache_dir, self.cache_limit)
-            self._keys = lmdb_format.key_array(self.index.extra["keys"])
-            self._sizes = np.asarray(self.index.extra.get("sizes") or [], dtype=np.int64)  # checked at each read
+            self._keys, self._sizes = lmdb_format.sample_tables(self.index.extra)
             self._offsets = np.empty(0, np.int64)
         else:
             tables = [s.offsets for s in self.index.shards]
@@ -186,7 +184,7 @@ class _WorkerStream(EpochStream):
 
         def read(i: int) -> tuple[str, dict[str, bytes]]:
             key = ds._keys[i].decode()
-            return key, lmdb_format.read_one(env, key, path, int(ds._sizes[i]) if len(ds._sizes) else None)
+            return key, lmdb_format.read_one(env, key, path, None if ds._sizes is None else int(ds._sizes[i]))
 
         pool: ThreadPoolExecutor | None = None
 

@@ -335,6 +335,7 @@ class EpochStream:
                  fixed: np.ndarray | None = None):
         self.ds, self.rank, self.world, self.worker_id, self.num_workers = ds, rank, world, worker_id, num_workers
         self._fixed = fixed
+        self._order = ds._order()  # a state carries it: asked once, not at every batch's snapshot
         # raised at the first sample, not here: torch reports an error from a persistent
         # worker's __iter__ only as the worker dying
         self._refusal: Exception | None = None
@@ -380,13 +381,13 @@ class EpochStream:
     def state_dict(self) -> dict[str, Any]:
         return {STATE_MARK: 1, "epoch": self.epoch, "world_size": self.world, "num_workers": self.num_workers,
                 "batch": self.ds._batch, "worker": self.worker_id, "yielded": self.skip + self.yielded,
-                "order": self.ds._order(), "history": self.history}
+                "order": self._order, "history": self.history}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._gen is not None:
             raise RuntimeError("load_state_dict must come before the first sample")
         (state,) = _find_states(state)
-        _check_order([state], self.ds._order())
+        _check_order([state], self._order)
         same = (state["world_size"] == self.world and state["num_workers"] == self.num_workers
                 and state.get("batch", 1) == self.ds._batch)
         if not same or state["worker"] != self.worker_id:

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch.utils.data
 
 from . import checks, worker
@@ -48,9 +47,7 @@ class LMDBDataset(torch.utils.data.Dataset):
         idx = lmdb_index(self.path, readahead)
         if idx.kind != "lmdb":
             raise ValueError(f"{source}: not an LMDB dataset (kind {idx.kind!r})")
-        self._keys = lmdb_format.key_array(idx.extra["keys"])  # numpy: no per-key objects to copy on fork
-        sizes = idx.extra.get("sizes")
-        self._sizes = np.array(sizes, dtype=np.int64) if sizes is not None else None
+        self._keys, self._sizes = lmdb_format.sample_tables(idx.extra)
         self.index = idx.slim()
         self._decode: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 

@@ -32,7 +32,8 @@ from .storage import StorageOptions
 from .units import parse_size
 
 _SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
-_TMP_RE = re.compile(r"^(shard-\d{6,}\.tar|index\.json)\.tmp-[0-9a-f]{12}$")  # what an interrupted pack leaves
+_TMP_RE = re.compile(rf"^(shard-\d{{6,}}\.tar|{re.escape(index.INDEX_NAME)}){re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$")
+"""What an interrupted pack leaves: a shard's or the index's temporary file (storage.atomic_writer's names)."""
 _STARTED = "started"  # in the progress folder, written first: even an object store then shows the pack unfinished
 _LMDB_FILES = (index.INDEX_NAME, lmdb_format.DATA_FILE, lmdb_format.LOCK_FILE)  # removal order: the index first
 
@@ -62,11 +63,12 @@ def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
         start, stop = (int(x) for x in span.split(":"))
         url = storage.join(job.src, shard)
         data = storage.read_range(url, start, stop, job.storage_options)
-        key, fields = parse_sample(data, f"{url} (sample at byte {start})", start)
+        where = f"{url} (sample at byte {start})"
+        key, fields = parse_sample(data, where, start)
         try:
             check_key(key)  # another tool's shard may hold what cannot be written back (`.DS_Store`)
         except ValueError as e:
-            raise CorruptShardError(f"{url} (sample at byte {start}): {e}") from None
+            raise CorruptShardError(f"{where}: {e}") from None
         return key, fields
     if job.source == "lmdb":
         path = storage.local_path(job.src)
@@ -111,7 +113,8 @@ def read_chunk(job: Job) -> ChunkResult:
 
 def write_shard(job: Job) -> ShardResult:
     """Write one shard atomically; bad inputs are skipped (or raise under on_error='fail').
-    An earlier run's progress record goes first: left beside this run's shard by a crash
+    An earlier run's progress record goes first (only this shard's: another plan's records
+    of shards this run does not reach stay good): left beside this run's shard by a crash
     before the new record, it would vouch for bytes it does not describe."""
     skipped: list[Skipped] = []
     fields: set[str] = set()
@@ -195,9 +198,9 @@ def _prepare_dest(dest: str, plan: Plan, overwrite: bool, storage_options: Stora
     progress = storage.join(dest, index.PROGRESS_DIR)
     storage.makedirs(progress, storage_options)
     storage.write_bytes_atomic(storage.join(progress, _STARTED), plan.fingerprint.encode(), storage_options)
-    # an older dataset (or a damaged copy of this one) is being replaced: from here on readers
-    # find the pack unfinished, never a mix of old and new shards
-    storage.remove(storage.join(dest, index.INDEX_NAME), storage_options)
+    if index.INDEX_NAME in names:  # an older dataset (or a damaged copy of this one) is being replaced:
+        # from here on readers find the pack unfinished, never a mix of old and new shards
+        storage.remove(storage.join(dest, index.INDEX_NAME), storage_options)
     return None
 
 
@@ -358,7 +361,7 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
     for name in names:
         if _TMP_RE.match(name):
             os.remove(os.path.join(path, name))
-    if not overwrite and os.path.exists(os.path.join(path, index.INDEX_NAME)):  # refuse before opening it
+    if not overwrite and index.INDEX_NAME in names:  # refuse before opening it
         try:
             existing = index.load(dest)
         except (OSError, ValueError):  # the index stored inside the LMDB decides, below

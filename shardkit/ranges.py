@@ -91,10 +91,11 @@ def blocks(ids: np.ndarray, first: np.ndarray, offsets: np.ndarray, block: int,
     counts = np.diff(np.append(use_start, n))
     use_of = np.empty(n, dtype=np.int64)
     use_of[by_key] = np.cumsum(new_use) - 1
-    order = np.argsort(by_key[use_start], kind="stable")  # read blocks in the order first needed
+    first_pos = by_key[use_start]  # each use's first sample in the stream
+    order = np.argsort(first_pos, kind="stable")  # read blocks in the order first needed
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
-    pos = by_key[use_start][order]
+    pos = first_pos[order]
     shards, blk = shard_of[pos], block_of[pos]
     lo = first[shards] + blk * block
     hi = np.minimum(lo + block, first[shards + 1])  # one past the block's last sample

@@ -176,14 +176,20 @@ def attempts_for(url: str) -> int:
     return 1 if url.split("://", 1)[0] in _GCS else RETRIES
 
 
-def _root_cause(e: BaseException) -> BaseException:
-    """The error `e` was raised from, and so on down: fsspec's HTTP client raises
-    FileNotFoundError from a 403 or a refused connection alike, so the cause is what tells."""
-    for _ in range(8):
+def _causes(e: BaseException) -> Iterator[BaseException]:
+    """`e`, the error it was raised from, and so on down (8 causes at most)."""
+    for _ in range(9):
+        yield e
         if e.__cause__ is None:
-            break
+            return
         e = e.__cause__
-    return e
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The last of `_causes`: fsspec's HTTP client raises FileNotFoundError from a 403 or a
+    refused connection alike, so the cause is what tells."""
+    *_, root = _causes(e)
+    return root
 
 
 # A connection dropped, or a body cut short: worth another attempt, wherever in the chain of
@@ -192,14 +198,8 @@ _CUT_SHORT = {"ClientPayloadError", "ServerDisconnectedError", "ClientConnection
               "IncompleteRead", "ChunkedEncodingError", "ResponseStreamingError", "IncompleteReadError"}
 
 
-def _cut_short(e: BaseException | None) -> bool:
-    for _ in range(8):
-        if e is None:
-            return False
-        if any(c.__name__ in _CUT_SHORT for c in type(e).__mro__):
-            return True
-        e = e.__cause__
-    return False
+def _cut_short(e: BaseException) -> bool:
+    return any(c.__name__ in _CUT_SHORT for cause in _causes(e) for c in type(cause).__mro__)
 
 
 def _status(e: BaseException) -> int | None:

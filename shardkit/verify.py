@@ -17,8 +17,8 @@ def verify(url: str, storage_options: StorageOptions | None = None,
     """Re-read every shard of the dataset at `url`; return one line per problem (empty: all good).
 
     Checks each shard's size, sha256, sample count and sample offsets against index.json,
-    and that no .tar file beside them is missing from it; for an LMDB, see `_verify_lmdb`. `on_shard(info, problem)` is called after each shard
-    (for progress output).
+    and that no .tar file beside them is missing from it; for an LMDB, see `_verify_lmdb`.
+    `on_shard(info, problem)` is called after each shard (for progress output).
     """
     url = checks.path("url", url)
     idx = index.load(url, storage_options)

@@ -45,11 +45,15 @@ def _lmdb() -> Any:
     return lmdb
 
 
-def key_array(keys: Sequence[str]) -> Any:
-    """Sample keys as one numpy array of UTF-8 bytes (`.decode()` gives a key back)."""
+def sample_tables(extra: Mapping[str, Any]) -> tuple[Any, Any]:
+    """An LMDB index's per-sample tables as numpy arrays (no per-key objects to copy on
+    fork): the keys as UTF-8 bytes (`.decode()` gives one back), and the sizes (None where
+    the index has none)."""
     import numpy as np
 
-    return np.array([k.encode() for k in keys], dtype="S")
+    sizes = extra.get("sizes")
+    return (np.array([k.encode() for k in extra["keys"]], dtype="S"),
+            None if sizes is None else np.array(sizes, dtype=np.int64))
 
 
 def is_lmdb(path: str) -> bool:
@@ -191,9 +195,11 @@ def _open(path: str, readahead: bool) -> Any:
 def close_reader(path: str) -> None:
     """Close this process's reader of `path`, however spelled (before writing to it)."""
     with _OPENING:
-        file = _identity(path)
-        found = _READERS.get(path) or next((e for e in _ENVS if file is not None and e.file == file), None)
-        if found is not None and found in _ENVS:
+        found = _READERS.get(path)
+        if found is None:
+            file = _identity(path)
+            found = next((e for e in _ENVS if file is not None and e.file == file), None)
+        if found is not None:
             _forget(found)
 
 
