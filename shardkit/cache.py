@@ -2,7 +2,9 @@
 a machine, capped in bytes.
 
 Entries are filled from the bytes a read already downloaded (no second download), written
-to a temporary name and renamed into place (a reader never sees a torn file), and named by
+to a temporary name and renamed into place (a reader never sees a torn file), led by a
+CRC-32 of their bytes (a block torn by a power cut, which rename alone does not rule out,
+or damaged on disk is a miss and is removed, never handed out), and named by
 a hash of the shard's full URL, its sha256 from the index and the byte range: no credentials
 or user names end up in file names, and a shard replaced under the same URL misses.
 Eviction removes the least recently used entries (by mtime, refreshed on every hit) once
@@ -20,8 +22,10 @@ import hashlib
 import os
 import time
 import uuid
+import zlib
 
 SUFFIX = ".blk"
+_CRC = 4  # bytes of the CRC-32 (big-endian) that leads each entry
 TMP = ".tmp-"
 STALE_S = 600.0
 
@@ -42,15 +46,17 @@ class RangeCache:
         path = self._path(url, version, start, stop)
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                crc, data = f.read(_CRC), f.read()  # two reads: the block's bytes are not copied again
         except OSError:  # not cached, evicted meanwhile, or another user's and unreadable
             self.misses += 1
             return None
+        if len(data) != stop - start or int.from_bytes(crc, "big") != zlib.crc32(data):
+            self.misses += 1  # torn or damaged: downloaded again and written anew
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            return None
         with contextlib.suppress(OSError):  # another user's entry cannot be touched: it ages, it still serves
             os.utime(path)  # most recently used
-        if len(data) != stop - start:  # cannot happen with rename-into-place; be safe anyway
-            self.misses += 1
-            return None
         self.hits += 1
         return data
 
@@ -59,13 +65,14 @@ class RangeCache:
         tmp = f"{path}{TMP}{uuid.uuid4().hex[:12]}"
         try:
             with open(tmp, "wb") as f:
+                f.write(zlib.crc32(data).to_bytes(_CRC, "big"))
                 f.write(data)
             os.replace(tmp, path)
         except OSError:  # a full or read-only cache disk must not stop training
             with contextlib.suppress(OSError):
                 os.remove(tmp)
             return
-        self._unseen += len(data)
+        self._unseen += _CRC + len(data)
         if self._unseen >= self.limit / 100:
             self._recount()
 

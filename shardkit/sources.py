@@ -145,7 +145,7 @@ def local_lmdb(url: str, storage_options: StorageOptions | None, cache_dir: str 
     if cache_limit is not None and size > cache_limit:
         raise ShardkitError(f"{storage.display(remote)}: {size} bytes do not fit in cache_limit ({cache_limit} bytes), "
                             "and an LMDB is read from a whole local copy: raise cache_limit")
-    _download(remote, storage_options, root, size)
+    _download(remote, storage_options, root, size, version)
     _remove_others(folder, keep=os.path.basename(root))
     return root
 
@@ -155,7 +155,7 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
-def _download(remote: str, storage_options: StorageOptions | None, root: str, size: int) -> None:
+def _download(remote: str, storage_options: StorageOptions | None, root: str, size: int, version: str) -> None:
     """`remote` into `root`/data.mdb, written under a temporary name and renamed into place."""
     import shutil
 
@@ -169,6 +169,11 @@ def _download(remote: str, storage_options: StorageOptions | None, root: str, si
             while chunk := src.read(8 << 20):
                 dst.write(chunk)
                 bar.update(len(chunk))
+            dst.flush()
+            os.fsync(dst.fileno())  # a copy kept for later runs: whole on disk before it takes its name
+        if bar.n != size or storage.version(remote, storage_options) != (size, version):
+            raise ShardkitError(f"{storage.display(remote)}: replaced while it was copied ({bar.n} of {size} bytes "
+                                "came): run again to copy the new one")
         os.rename(tmp, root)
     except BaseException:  # failed, or (OSError) another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
@@ -179,7 +184,6 @@ def _download(remote: str, storage_options: StorageOptions | None, root: str, si
 def _remove_others(folder: str, keep: str) -> None:
     """Remove the copies of older versions in `folder` (a process still reading one keeps
     its open file); another process's download in progress is left alone."""
-    import os
     import shutil
 
     for name in os.listdir(folder):

@@ -193,7 +193,24 @@ def test_range_cache_round_trip_and_eviction(tmp_path: Path) -> None:
     assert cache.get("s3://b/x.tar", "v1", 0, 400) == b"a" * 400
     names = [p.name for p in (tmp_path / "c").iterdir()]
     assert all("x.tar" not in n and "s3" not in n for n in names)  # hashed names only
-    assert sum(size for _, size, _ in RangeCache(str(tmp_path / "c"), limit=1000)._entries()) == 800
+    assert sum(size for _, size, _ in RangeCache(str(tmp_path / "c"), limit=1000)._entries()) == 2 * (4 + 400)
+
+
+@pytest.mark.parametrize("damage", ["flip", "cut", "empty", "headless"])
+def test_a_torn_or_damaged_cache_block_is_a_miss_and_is_removed(tmp_path: Path, damage: str) -> None:
+    """A block torn by a power cut (rename does not order the data before it) or damaged on
+    disk is never handed out as the shard's bytes."""
+    cache = RangeCache(str(tmp_path / "c"), limit=1 << 20)
+    cache.put("s3://b/x.tar", "v1", 0, 400, bytes(range(200)) * 2)
+    (entry,) = (tmp_path / "c").iterdir()
+    raw = bytearray(entry.read_bytes())
+    if damage == "flip":
+        raw[100] ^= 1
+    entry.write_bytes({"flip": bytes(raw), "cut": raw[:300], "empty": b"", "headless": raw[4:]}[damage])
+    assert cache.get("s3://b/x.tar", "v1", 0, 400) is None and cache.misses == 1
+    assert not entry.exists()
+    cache.put("s3://b/x.tar", "v1", 0, 400, bytes(range(200)) * 2)  # downloaded again: served again
+    assert cache.get("s3://b/x.tar", "v1", 0, 400) == bytes(range(200)) * 2
 
 
 def test_range_cache_cap_holds_across_processes_and_killed_writers(tmp_path: Path) -> None:

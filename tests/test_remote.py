@@ -132,6 +132,12 @@ def test_workers_cache_and_second_epoch_from_disk(s3: dict, packed: Path, tmp_pa
     assert after_second["cache_hits"] > 0
     names = [p.name for p in (tmp_path / "cache").iterdir()]
     assert names and all("shardkit-test" not in n and "testing" not in n for n in names)
+    block = tmp_path / "cache" / names[0]  # a block damaged on disk: fetched again, never handed out
+    damaged = bytearray(block.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    block.write_bytes(damaged)
+    assert {s["__key__"]: s["jpg"] for s in ds} == {s["__key__"]: s["jpg"] for s in StreamingDataset(str(packed))}
+    assert ds.stats()["fetched_bytes"] > after_second["fetched_bytes"]
 
 
 @pytest.mark.parametrize("batch_size", [None, 4])

@@ -412,6 +412,39 @@ def test_a_replaced_remote_lmdb_is_fetched_again(s3: dict, tmp_path: Path, monke
     assert shardkit.verify(url, opts) == [f"{url}: index.json differs from the index stored in data.mdb"]
 
 
+def test_a_remote_lmdb_replaced_while_it_is_copied_is_not_kept(s3: dict, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that mixes two versions of data.mdb must not be kept under the first one's name."""
+    photos = make_folder(tmp_path / "photos", per_class=3)
+    old, new = _lmdb(photos, tmp_path / "v1", 1), _lmdb(photos, tmp_path / "v2", 1000)
+    url, opts = s3["url"] + "/racing", s3["storage_options"]
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.put(str(old), root, recursive=True)
+    open_read = storage.open_read
+
+    def replaced_after_the_first_read(url: str, storage_options: dict) -> object:
+        f = open_read(url, storage_options)
+        read = f.read
+
+        def read_then_replace(n: int = -1) -> bytes:
+            data = read(n)
+            fs.put_file(str(new / "data.mdb"), f"{root}/data.mdb")
+            return data
+
+        f.read = read_then_replace  # type: ignore[method-assign]
+        return f
+
+    monkeypatch.setattr(storage, "open_read", replaced_after_the_first_read)
+    cache = tmp_path / "cache"
+    with pytest.raises(ShardkitError, match=r"^s3://shardkit-test/racing/data\.mdb: replaced while it was copied"):
+        local_lmdb(url, opts, str(cache))
+    assert not [p for p in cache.rglob("data.mdb")]  # nothing kept, no temporary left
+    monkeypatch.undo()
+    fs.put_file(str(new / "index.json"), f"{root}/index.json")
+    copy = local_lmdb(url, opts, str(cache))
+    assert Path(copy, "data.mdb").read_bytes() == (new / "data.mdb").read_bytes()
+
+
 def test_packing_from_a_dead_endpoint_is_one_line(tmp_path: Path) -> None:
     flags = ["-o", "key=k", "-o", "secret=s", "-o", f"endpoint_url={dead_endpoint()}"]
     done = cli("pack", "s3://raw/photos", str(tmp_path / "out"), "-q", *flags)
