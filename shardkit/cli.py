@@ -63,6 +63,16 @@ def _output(ctx: click.Context, param: click.Parameter, value: str | None) -> st
     return value
 
 
+def _plot_output(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--plot's file: its folder must exist and matplotlib must import, before the work starts."""
+    if value is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.BadParameter("needs matplotlib: pip install 'shardkit[bench]'") from None
+    return _output(ctx, param, value)
+
+
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
@@ -323,7 +333,7 @@ transform_option = click.option(
 @transform_option
 @click.option("--step-ms", type=click.FloatRange(min=0, min_open=True), metavar="T",
               help="Say, per setting, whether a training step of T ms per batch would wait for data.")
-@click.option("--plot", type=click.Path(dir_okay=False, writable=True), metavar="OUT.png", callback=_output,
+@click.option("--plot", type=click.Path(dir_okay=False, writable=True), metavar="OUT.png", callback=_plot_output,
               help="Write images/s (error bars: std over passes) against the varied setting (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
 @read_error_option
@@ -335,8 +345,9 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
     """Measure how fast URL streams through a DataLoader, for several num_workers (or prefetch depths).
 
     Per setting: a warm-up, then timed passes; images/s and MB/s (mean ± std over passes),
-    time to the first batch, peak memory of the main process and its workers. Ends with the
-    smallest setting within 5% of the fastest. At most one of --workers and --prefetch may
+    time to the first batch (building the dataset included), peak memory (RSS of the main
+    process plus its workers, Linux only; pages they share count in each, so an upper bound).
+    Ends with the smallest setting within 5% of the fastest. At most one of --workers and --prefetch may
     be a list. Without --transform each sample becomes (its first image resized to 224x224,
     cls) so batches collate; a heavy transform of your own shifts the answer.
     """
@@ -354,9 +365,9 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
                     transform=transform, batches=batches, passes=passes, warmup=warmup, step_ms=step_ms,
                     storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error],
                     progress=progress)
-    if plot:
+    click.echo(json.dumps(doc, indent=2) if as_json else format_report(doc))  # before the plot: a failed
+    if plot:  # write costs no result
         write_plot(doc, plot)
-    click.echo(json.dumps(doc, indent=2) if as_json else format_report(doc))
 
 
 @main.command()

@@ -79,3 +79,11 @@ def test_ddp_train_gives_every_rank_the_same_batches(launcher: str, packed: Path
     # each rank: 60 samples in whole batches of 8 split between 2 workers: 7 full batches and one of 4
     assert re.search(r"epoch 0: batches per rank \[8, 8\], samples per rank \[60, 60\]; 120 samples in [\d.]+ s = "
                      r"\d+ samples/s", out), out
+
+
+@pytest.mark.timeout(120)
+def test_stream_demo(packed: Path, tmp_path: Path) -> None:
+    out = run(example("stream_demo.py", packed, "--batch-size", 16, "--workers", 2), tmp_path)
+    assert "first batch: images (16, 3, 128, 128) torch.uint8, labels (16,)" in out
+    assert re.search(r"120 samples in 8 batches, [\d.]+ s, \d+ images/s", out), out
+    assert "classes: {0: 40, 1: 40, 2: 40}" in out

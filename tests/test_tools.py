@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,32 @@ def test_slow_transform_makes_workers_pay_off(run, packed: Path, user_module: Pa
     assert rate[2] > 1.5 * rate[0], rate  # sleeping in two workers at once: about twice as fast
     assert doc["recommendation"]["num_workers"] == 2
     assert doc["transform"].endswith("user_transforms.py:slow")
+    with_workers = next(s for s in doc["settings"] if s["num_workers"] == 2)
+    if with_workers["peak_rss_bytes"] is not None:  # Linux: the workers' memory is counted too
+        assert with_workers["peak_rss_bytes"] > with_workers["peak_main_rss_bytes"]
+
+
+def test_plot_without_matplotlib_is_refused_before_any_work(run, packed: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    result = run("bench", packed, "--workers", "0", *FAST, "--plot", tmp_path / "p.png")
+    assert result.exit_code == 2 and "--plot" in result.output and "pip install 'shardkit[bench]'" in result.output
+    assert "images/s" not in result.output and not (tmp_path / "p.png").exists()
+
+
+def test_bench_varies_prefetch_on_a_bucket(run, s3: dict, packed: Path) -> None:  # type: ignore[no-untyped-def]
+    import fsspec.core
+
+    url, opts = s3["url"] + "/bench", s3["storage_options"]
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.put(str(packed), root, recursive=True)
+    endpoint = opts["client_kwargs"]["endpoint_url"]
+    result = run("bench", url, "--prefetch", "1,4", *FAST, "--json", "-o", f"endpoint_url={endpoint}",
+                 "-o", "key=testing", "-o", "secret=testing")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["varied"] == "prefetch" and [s["prefetch"] for s in doc["settings"]] == [1, 4]
+    assert all(s["stats"]["fetched_bytes"] > 0 and s["mean_images_per_s"] > 0 for s in doc["settings"])
 
 
 @pytest.mark.parametrize("command", ["bench", "preview"])
