@@ -16,7 +16,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,7 +27,8 @@ from .formats import lmdb as lmdb_format
 from .formats.tar import RECORD, TarWriter, check_key, parse_sample
 from .index import Index, ShardInfo, Skipped
 from .plan import DEFAULT_MAX_SIZE, Item, Job, JobList, Options, Plan, make_plan, sample_meta
-from .scan import HIDDEN
+from .scan import HIDDEN, source_kind
+from .sources import local_lmdb
 from .storage import StorageOptions
 from .units import parse_size
 
@@ -35,6 +36,7 @@ _SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
 _TMP_RE = re.compile(rf"^(shard-\d{{6,}}\.tar|{re.escape(index.INDEX_NAME)}){re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$")
 """What an interrupted pack leaves: a shard's or the index's temporary file (storage.atomic_writer's names)."""
 _STARTED = "started"  # in the progress folder, written first: even an object store then shows the pack unfinished
+LMDB_JOB = parse_size("64MB")  # an LMDB pack's most bytes per job (one transaction, held in memory)
 _LMDB_FILES = (index.INDEX_NAME, lmdb_format.DATA_FILE, lmdb_format.LOCK_FILE)  # removal order: the index first
 
 
@@ -83,12 +85,17 @@ def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
     return item.key, {field: data, "cls": str(item.label).encode(), "json": sample_meta(item, job.classes)}
 
 
-def _samples(job: Job) -> Iterator[tuple[str, dict[str, bytes]] | Skipped]:
-    """The job's samples in order; unusable ones as Skipped (or SourceError under on_error='fail')."""
+def _samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None = None
+             ) -> Iterator[tuple[str, dict[str, bytes]] | Skipped]:
+    """The job's samples in order; unusable ones (by `check` too) as Skipped (or SourceError
+    under on_error='fail')."""
     pending = 0
     for item in job.items:
         try:
-            yield _sample(job, item)
+            sample = _sample(job, item)
+            if check is not None:
+                check(*sample)
+            yield sample
         except (OSError, images.BadImage, CorruptShardError) as e:
             if isinstance(e, OSError) and not about_the_file(e):  # about the machine: stop
                 raise
@@ -106,7 +113,7 @@ def _samples(job: Job) -> Iterator[tuple[str, dict[str, bytes]] | Skipped]:
 def read_chunk(job: Job) -> ChunkResult:
     """Read one job's samples for the LMDB writer."""
     samples, skipped = [], []
-    for got in _samples(job):
+    for got in _samples(job, lmdb_format.check_keys):
         (skipped if isinstance(got, Skipped) else samples).append(got)
     return ChunkResult(job.name, tuple(samples), tuple(skipped))  # type: ignore[arg-type]
 
@@ -262,8 +269,10 @@ def pack(
     if storage.is_local(dest) and os.path.isfile(storage.local_path(dest)):
         raise SourceError(f"{dest}: a file, not a folder (DEST is the folder the dataset goes in)")
     options = Options(resize=resize, quality=quality, on_error=on_error)
-    if format == "lmdb" and max_size is not None:  # one transaction per job: keep them moderate
-        max_size = min(max_size, parse_size("64MB"))
+    if format == "lmdb":  # one transaction per job, held in memory: keep them moderate
+        max_size = min(max_size or LMDB_JOB, LMDB_JOB)
+    if not storage.is_local(src) and source_kind(src, storage_options) == "lmdb":
+        src = local_lmdb(src, storage_options, None)  # an LMDB is read from a whole local copy
     plan = make_plan(src, dest, max_count=max_count, max_size=max_size, shuffle=shuffle, seed=seed,
                      options=options, fmt=format, storage_options=storage_options)
     unusable = [s for s in plan.skipped if s.reason != HIDDEN]

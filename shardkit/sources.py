@@ -119,7 +119,7 @@ def resolve(source: str | Iterable[str], storage_options: StorageOptions | None 
 
 def lmdb_index(path: str, readahead: bool = False) -> Index:
     """The index stored inside a local LMDB dataset (opening it with `readahead`)."""
-    env = lmdb_format.open_reader(storage.local_path(path), readahead)
+    env = lmdb_format.open_reader(storage.local_path(path), readahead, fresh=True)
     return Index.from_json(lmdb_format.read_index(env, path), f"{path} ({lmdb_format.INDEX_KEY.decode()})")
 
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 
 from . import checks, index, storage
@@ -73,21 +78,48 @@ def _verify_lmdb(url: str, idx: Index, storage_options: StorageOptions | None) -
     index stored inside it is index.json's, every sample of the index is there with the
     byte count the index records, and no record belongs to no sample. (LMDB keeps no
     checksums of values: bytes changed in place are not detected.) Problems name `url`, not
-    the local copy of a remote one."""
+    the local copy of a remote one.
+
+    The records are walked in a child process: on some damage LMDB aborts or faults the
+    process reading it, which must not take the caller with it."""
     path = local_lmdb(url, storage_options, None)
     where = storage.display(url)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run([sys.executable, "-c", "from shardkit.verify import _walk_lmdb_child; _walk_lmdb_child()"],
+                           input=json.dumps({"path": path, "index": idx.to_json()}), capture_output=True, text=True,
+                           env=env)
+    said = (child.stderr.strip().splitlines() or [""])[-1]  # LMDB's assertion, a Python error
+    if child.returncode < 0:
+        name = signal.Signals(-child.returncode).name
+        return f"{where}: data.mdb is corrupt (reading its records crashed LMDB: {name}{': ' * bool(said)}{said})"
+    if child.returncode != 0:
+        raise ShardkitError(f"{where}: checking the records failed (exit status {child.returncode}): {said}")
+    problem = json.loads(child.stdout)
+    return problem.replace(path, where) if problem else None  # open_reader's name the local copy
+
+
+def _walk_lmdb_child() -> None:
+    """_verify_lmdb's child: the problem (or null) as JSON on stdout."""
+    job = json.load(sys.stdin)
+    path = job["path"]
+    idx = Index.from_json(job["index"], path)
+    json.dump(_walk_lmdb(path, idx), sys.stdout)
+
+
+def _walk_lmdb(path: str, idx: Index) -> str | None:
     try:
         env = lmdb_format.open_reader(path)
-        if Index.from_json(lmdb_format.read_index(env, where), where).to_json() != idx.to_json():
-            return f"{where}: index.json differs from the index stored in data.mdb"
+        if Index.from_json(lmdb_format.read_index(env, path), path).to_json() != idx.to_json():
+            return f"{path}: index.json differs from the index stored in data.mdb"
         keys, sizes = idx.extra.get("keys", []), idx.extra.get("sizes")
         records = 1  # the index's own
         with env.begin(buffers=True) as txn:
             for i, key in enumerate(keys):
-                records += len(lmdb_format.read_sample(txn, key, where, sizes[i] if sizes is not None else None))
+                records += len(lmdb_format.read_sample(txn, key, path, sizes[i] if sizes is not None else None))
         extra = env.stat()["entries"] - records
         if extra:
-            return f"{where}: {extra} stray record(s), part of no sample in the index"
-    except ShardkitError as e:  # open_reader's name the local copy
-        return str(e).replace(path, where)
+            return f"{path}: {extra} stray record(s), part of no sample in the index"
+    except ShardkitError as e:
+        return str(e)
     return None

@@ -140,6 +140,12 @@ def test_verify_an_lmdb(run, photos: Path, tmp_path: Path) -> None:  # type: ign
     edit(**{"stray.jpg": b"x"})
     result = run("verify", out)
     assert result.exit_code == 1 and "1 stray record(s)" in result.output
+    with open(out / "data.mdb", "r+b") as f:  # pages zeroed: LMDB aborts the process walking them
+        f.seek(4 * 4096)
+        f.write(bytes(10 * 4096))
+    result = run("verify", out)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert f"BAD  {out}: data.mdb is corrupt (reading its records crashed LMDB: SIGABRT: " in result.output
 
 
 def test_index_command_for_foreign_shards(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -112,11 +112,16 @@ def test_kill_then_rerun_finishes_the_same_database(tmp_path: Path) -> None:
     time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    committed = 0
     if (out / "data.mdb").exists() and b"__index__" not in records(out):  # killed mid-way:
         with pytest.raises(shardkit.UnfinishedPackError):  # never taken for finished
             LMDBDataset(str(out))
-    subprocess.run(cmd, check=True)
+        committed = json.loads(records(out).get(b"__progress__", b'{"chunks": 0}'))["chunks"]
+    stats: dict[str, int] = {}
+    shardkit.pack(str(src), str(out), format="lmdb", max_count=2, workers=2, progress=False, stats=stats)
     assert records(out) == records(ref)
+    total = json.loads(records(ref)[b"__index__"])["samples"]
+    assert stats["kept"] == 2 * committed and stats["written"] == total - 2 * committed  # committed work stays
 
 
 def test_lmdb_dataset_with_shuffle_workers_and_samplers(lmdb_pack: Path) -> None:
@@ -211,6 +216,13 @@ def test_subclasses_and_workers_after_a_read_in_the_main_process(lmdb_pack: Path
     before = ds[0]
     counts = [int(c) for b in DataLoader(ds, batch_size=4, num_workers=1) for c in b]
     assert min(counts) > 10_000 and ds[1] == before
+    owned = [bool(o) for b in DataLoader(LMDBDataset(str(lmdb_pack), transform=own_environment), batch_size=4,
+                                         num_workers=2) for o in b]
+    assert len(owned) == 30 and all(owned)  # never the environment inherited through fork
+
+
+def own_environment(sample: dict) -> bool:
+    return bool(lmdb_format._ENVS) and all(e.pid == os.getpid() for e in lmdb_format._ENVS)
 
 
 def test_streaming_over_lmdb_from_a_cold_cache_reads_on_threads(lmdb_pack: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -428,3 +440,104 @@ def test_readahead_and_an_unfinished_pack(lmdb_pack: Path, tmp_path: Path, photo
 
 
 _original_write = lmdb_format.Writer.write
+
+
+def test_a_dataset_built_after_another_process_repacked_reads_the_new_data(photos: Path, tmp_path: Path) -> None:
+    """This process's environment of the old data.mdb is not taken for the file now there:
+    replaced by `--overwrite`, or grown by the pack that finished an unfinished one."""
+    out = tmp_path / "db"
+    shardkit.pack(str(photos), str(out), format="lmdb", workers=1, progress=False)
+    old = LMDBDataset(str(out))
+    more = make_folder(tmp_path / "more", per_class=12)
+    cmd = [sys.executable, "-m", "shardkit.cli", "pack", str(more), str(out), "--format", "lmdb", "-q", "--overwrite"]
+    subprocess.run(cmd, check=True)
+    assert len(LMDBDataset(str(out))) == 36 and len(list(StreamingDataset(str(out)))) == 36
+    with pytest.raises(CorruptShardError, match="the index says"):  # the old one: its index is not this file's
+        old[0]
+
+    grown = tmp_path / "grown"  # opened unfinished, then finished by another process in the same file
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(lmdb_format.Writer, "write", lambda self, samples, meta, delete=(): None
+                  if lmdb_format.INDEX_KEY in meta else _original_write(self, samples, meta, delete))
+        shardkit.pack(str(more), str(grown), format="lmdb", workers=1, progress=False)
+    with pytest.raises(shardkit.UnfinishedPackError):
+        LMDBDataset(str(grown))
+    subprocess.run([sys.executable, "-m", "shardkit.cli", "pack", str(more), str(grown), "--format", "lmdb", "-q"],
+                   check=True)
+    assert len(LMDBDataset(str(grown))) == 36 and len(list(StreamingDataset(str(grown)))) == 36
+
+
+def test_a_key_too_long_for_lmdb_is_skipped_by_the_conversion(tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    (tmp_path / "wds").mkdir()
+    long_key = "d/" * 300 + "x"
+    with tarfile.open(tmp_path / "wds" / "part-0.tar", "w", format=tarfile.PAX_FORMAT) as tar:
+        for key in ("a", long_key, "b"):
+            for ext, data in (("cls", b"1"), ("txt", key.encode())):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    subprocess.run([sys.executable, "-m", "shardkit.cli", "index", str(tmp_path / "wds")], check=True,
+                   capture_output=True)
+    idx = shardkit.pack(str(tmp_path / "wds"), str(tmp_path / "out"), format="lmdb", workers=1, progress=False)
+    assert idx.samples == 2 and len(idx.skipped) == 1
+    assert "605 bytes as an LMDB key, over LMDB's 511" in idx.skipped[0].reason
+    with pytest.raises(shardkit.SourceError, match="over LMDB's 511"):
+        shardkit.pack(str(tmp_path / "wds"), str(tmp_path / "fail"), format="lmdb", on_error="fail", workers=1,
+                      progress=False)
+
+
+def test_lmdb_jobs_stay_moderate_without_a_size_limit(photos: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """One transaction per job, held in memory: max_size=None must not make it one job."""
+    import importlib
+
+    pack_module = importlib.import_module("shardkit.pack")  # the module: shardkit.pack is the function
+    commits: list[int] = []
+
+    def counting(self, samples, meta, delete=()):  # type: ignore[no-untyped-def]
+        commits.append(len(samples))
+        return _original_write(self, samples, meta, delete)
+
+    monkeypatch.setattr(pack_module, "LMDB_JOB", 20_000)
+    monkeypatch.setattr(lmdb_format.Writer, "write", counting)
+    idx = shardkit.pack(str(photos), str(tmp_path / "db"), format="lmdb", max_size=None, workers=1, progress=False)
+    sizes = idx.extra["sizes"]
+    assert len([n for n in commits if n]) > 1 and sum(commits) == 30
+    assert max(commits) <= 20_000 // min(sizes) + 1
+
+
+def test_a_remote_lmdb_converts_to_tar(s3: dict, lmdb_pack: Path, tmp_path: Path) -> None:
+    import fsspec.core
+
+    url, opts = s3["url"] + "/convert.lmdb", s3["storage_options"]
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.put(str(lmdb_pack / "data.mdb"), f"{root}/data.mdb")
+    fs.put(str(lmdb_pack / "index.json"), f"{root}/index.json")
+    idx = shardkit.pack(url, str(tmp_path / "tar"), storage_options=opts, workers=1, progress=False)
+    assert idx.samples == 30 and not idx.skipped
+    local = {s["__key__"]: s["jpg"] for s in StreamingDataset(str(lmdb_pack))}
+    assert {s["__key__"]: s["jpg"] for s in StreamingDataset(str(tmp_path / "tar"))} == local
+
+
+def test_what_is_wrong_with_a_damaged_lmdb_is_said(lmdb_pack: Path) -> None:
+    import lmdb
+
+    keys = shardkit.index.load(str(lmdb_pack)).extra["keys"]
+    lmdb_format.close_reader(str(lmdb_pack))
+    env = lmdb.open(str(lmdb_pack))
+    with env.begin(write=True) as txn:
+        txn.delete(f"{keys[5]}.jpg".encode())
+    env.close()
+    with pytest.raises(CorruptShardError, match=rf"sample {keys[5]}: \d+ bytes in cls, json, the index says \d+ "
+                                                r"\(a member missing or shrunk\)"):
+        LMDBDataset(str(lmdb_pack))[5]
+    lmdb_format.close_reader(str(lmdb_pack))
+    os.truncate(lmdb_pack / "data.mdb", 0)
+    with pytest.raises(CorruptShardError, match=r"photos\.lmdb: data\.mdb is truncated \(0 bytes"):
+        LMDBDataset(str(lmdb_pack))
+    (lmdb_pack / "data.mdb").unlink()
+    with pytest.raises(DatasetNotFoundError, match="its index.json is an LMDB dataset's, data.mdb is gone"):
+        LMDBDataset(str(lmdb_pack))

@@ -33,6 +33,8 @@ PROGRESS_KEY = b"__progress__"
 DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
 _INITIAL_MAP = 1 << 30
+MAX_KEY = 511  # bytes: LMDB's limit on a key (as the lmdb package builds it)
+_PAGE = 4096  # LMDB's smallest page; a data.mdb starts with two meta pages
 
 
 def _lmdb() -> Any:
@@ -58,6 +60,13 @@ def sample_tables(extra: Mapping[str, Any]) -> tuple[Any, Any]:
 
 def is_lmdb(path: str) -> bool:
     return os.path.isfile(os.path.join(path, DATA_FILE))
+
+
+def check_keys(key: str, fields: Mapping[str, bytes]) -> None:
+    """Refuse a sample whose records' keys LMDB cannot hold (a long key from another tool's tar)."""
+    longest = max(len(f"{key}.{ext}".encode()) for ext in fields)
+    if longest > MAX_KEY:
+        raise CorruptShardError(f"sample key {key[:60]!r}...: {longest} bytes as an LMDB key, over LMDB's {MAX_KEY}")
 
 
 class Writer:
@@ -107,12 +116,12 @@ class Writer:
 
 @dataclass(eq=False)
 class _Env:
-    """An environment this process (`pid`) opened, on the data.mdb `file` (device, inode)
-    that `path` held then."""
+    """An environment this process (`pid`) opened, on the data.mdb `file` that `path` held
+    then (device, inode, size and modification time: a file written since is another)."""
 
     pid: int
     path: str
-    file: tuple[int, int] | None
+    file: tuple[int, ...] | None
     env: Any
 
 
@@ -121,28 +130,29 @@ _READERS: dict[str, _Env] = {}  # path as given -> its environment
 _OPENING = threading.Lock()
 
 
-def open_reader(path: str, readahead: bool = False) -> Any:
+def open_reader(path: str, readahead: bool = False, fresh: bool = False) -> Any:
     """This process's read-only environment for `path`, opened on first use: no lock-file
     writes, and no OS readahead by default (random access; pass readahead=True for large
     records on a cold page cache; the first opener of a file decides). Shared by every
     reader in the process and its threads, never closed by them: a reader of a copy deleted
     since (a remote LMDB fetched again) reads on from its open file. One inherited through
-    fork is closed and reopened: it must not be used there.
+    fork is closed and reopened: it must not be used there. With `fresh` (a dataset being
+    built), a data.mdb written or replaced since it was opened is opened anew.
 
     LMDB allows one environment per file and process, so one is found by its file, not by
     how the path is spelled (`db`, `./db/`, a symlink)."""
     pid = os.getpid()
     found = _READERS.get(path)
-    if found is not None and found.pid == pid:
+    if found is not None and found.pid == pid and not fresh:
         return found.env
     with _OPENING:  # threads must not race to open one file twice
+        file = _identity(path)
         found = _READERS.get(path)
-        if found is not None and found.pid == pid:
+        if found is not None and found.pid == pid and (not fresh or found.file == file):
             return found.env
         for inherited in [e for e in _ENVS if e.pid != pid]:
             _forget(inherited)
-        file = _identity(path)
-        found = next((e for e in _ENVS if file is not None and e.file == file and _identity(e.path) == file), None)
+        found = next((e for e in _ENVS if file is not None and e.file == file), None)
         if found is None:
             found = _Env(pid, path, file, _open(path, readahead))
             _ENVS.append(found)
@@ -150,12 +160,12 @@ def open_reader(path: str, readahead: bool = False) -> Any:
         return found.env
 
 
-def _identity(path: str) -> tuple[int, int] | None:
+def _identity(path: str) -> tuple[int, ...] | None:
     try:
         st = os.stat(os.path.join(path, DATA_FILE))
     except OSError:
         return None
-    return st.st_dev, st.st_ino
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _forget(found: _Env) -> None:
@@ -169,8 +179,10 @@ def _forget(found: _Env) -> None:
 def _open(path: str, readahead: bool) -> Any:
     lmdb = _lmdb()
     if not is_lmdb(path):
-        hint = " (tar shards: read them with StreamingDataset)" if os.path.isfile(os.path.join(path, "index.json")) else ""
-        raise DatasetNotFoundError(f"{path}: not an LMDB dataset (no data.mdb){hint}")
+        raise DatasetNotFoundError(f"{path}: not an LMDB dataset (no data.mdb){_no_data_hint(path)}")
+    size = os.path.getsize(os.path.join(path, DATA_FILE))
+    if size < 2 * _PAGE:  # LMDB itself would say only "Bad file descriptor"
+        raise CorruptShardError(f"{path}: data.mdb is truncated ({size} bytes; an LMDB starts with 2 pages of {_PAGE})")
     while True:
         try:
             env = lmdb.open(path, subdir=True, readonly=True, lock=False, readahead=readahead, meminit=False,
@@ -185,11 +197,21 @@ def _open(path: str, readahead: bool) -> Any:
     # A data.mdb cut short still opens (its meta pages are at the front), but touching a
     # page past the end kills the process with SIGBUS: compare with the pages LMDB uses.
     needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    size = os.path.getsize(os.path.join(path, "data.mdb"))
     if size < needed:
         env.close()
         raise CorruptShardError(f"{path}: data.mdb is truncated ({size} bytes, its pages need {needed})")
     return env
+
+
+def _no_data_hint(path: str) -> str:
+    try:
+        with open(os.path.join(path, "index.json"), "rb") as f:
+            kind = json.load(f).get("kind", "tar")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if kind == "lmdb":
+        return ": its index.json is an LMDB dataset's, data.mdb is gone (deleted, or not copied with it)"
+    return " (tar shards: read them with StreamingDataset)"
 
 
 def close_reader(path: str) -> None:
@@ -198,7 +220,7 @@ def close_reader(path: str) -> None:
         found = _READERS.get(path)
         if found is None:
             file = _identity(path)
-            found = next((e for e in _ENVS if file is not None and e.file == file), None)
+            found = next((e for e in _ENVS if file is not None and e.file[:2] == file[:2]), None)
         if found is not None:
             _forget(found)
 
@@ -241,8 +263,9 @@ def read_sample(txn: Any, key: str, path: str, size: int | None = None) -> dict[
     if not fields:
         raise CorruptShardError(f"{path}: sample {key} is missing")
     if size is not None and total != size:
-        raise CorruptShardError(f"{path}: sample {key}: {'more than ' if total > size else ''}{total} bytes, "
-                                f"the index says {size}")
+        found = f"more than {total} bytes" if total > size else f"{total} bytes in {', '.join(sorted(fields))}"
+        raise CorruptShardError(f"{path}: sample {key}: {found}, the index says {size} (a member "
+                                f"{'grown or added' if total > size else 'missing or shrunk'})")
     return fields
 
 
