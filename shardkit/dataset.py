@@ -17,7 +17,7 @@ import numpy as np
 from . import checks, partition, ranges, storage
 from .cache import RangeCache
 from .counters import Meter
-from .decode import decoder
+from .decode import decoder, sample_dict
 from .epochs import EpochDataset, EpochStream
 from .errors import CorruptShardError, FieldError, ShardkitError, describe
 from .formats import lmdb as lmdb_format
@@ -231,7 +231,7 @@ class _WorkerStream(EpochStream):
                                      depth=ds.prefetch, budget=ds.prefetch_bytes, threads=not local)
         fetched = iter(self.prefetcher)
         held: dict[int, tuple[Any, list[int]]] = {}  # range index -> its read_at (or error), samples left
-        for r, shard, start, end in zip(range_of.tolist(), shard_of.tolist(), starts.tolist(), ends.tolist()):
+        for r, shard, start, end in ranges.rows(range_of, shard_of, starts, ends):
             while r not in held:
                 got, read_at = next(fetched)
                 held[got.index] = (read_at, [got.samples])
@@ -261,14 +261,14 @@ class _WorkerStream(EpochStream):
             for count in range(1, len(ids) + 1):
                 t0 = time.perf_counter()
                 shard, start, data = next(reads)
-                t1 = time.perf_counter()
                 url = ds.urls[shard]
                 sample = None
                 transforming = False
                 try:
                     if isinstance(data, CorruptShardError):
                         raise data
-                    sample = parse(data, url, start)
+                    sample = parse(data, url, start)  # a local sample's bytes are read here
+                    t1 = time.perf_counter()
                     size = data[0] - start if ds._lmdb is None else sum(map(len, data[1].values()))
                     sample = decode(sample)
                     t2 = time.perf_counter()
@@ -311,7 +311,7 @@ class _WorkerStream(EpochStream):
 
 def _from_lmdb(data: tuple[str, dict[str, bytes]], url: str, position: int) -> dict[str, Any]:
     key, fields = data
-    return {"__key__": key, "__url__": url, **fields}
+    return sample_dict(key, url, fields)
 
 
 class _Where:
@@ -329,4 +329,4 @@ class _Where:
 def _parse(span: tuple[int, ReadAt], url: str, start: int) -> dict[str, Any]:
     stop, read_at = span
     key, fields = read_sample(read_at, start, stop, _Where(url, start))
-    return {"__key__": key, "__url__": url, **fields}
+    return sample_dict(key, url, fields)

@@ -19,7 +19,7 @@ import operator
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Union
 
 import numpy as np
@@ -40,6 +40,17 @@ def _kind(field: str) -> str:
     """What a field holds, by WebDataset's rule: its last extension, in lower case
     (`seg.png` and `JPG` are images)."""
     return field.rsplit(".", 1)[-1].lower()
+
+
+def sample_dict(key: str, url: str, fields: Mapping[str, bytes]) -> dict[str, Any]:
+    """A sample in WebDataset's convention: `__key__`, `__url__` and one entry per member,
+    named by its extension in lower case (a camera's `.JPG` is `jpg`, as webdataset reads it)."""
+    sample: dict[str, Any] = {"__key__": key, "__url__": url}
+    for ext, data in fields.items():
+        sample[ext.lower()] = data
+    if len(sample) != len(fields) + 2:
+        raise FieldError(f"members {sorted(fields)} name the same field once in lower case")
+    return sample
 
 
 def _json(value: bytes) -> Any:

@@ -23,7 +23,7 @@ from typing import Any
 import torch.utils.data
 
 from . import checks, worker
-from .decode import decoder
+from .decode import decoder, sample_dict
 from .errors import CorruptShardError, FieldError, describe
 from .formats import lmdb as lmdb_format
 from .sources import lmdb_index, local_lmdb
@@ -100,7 +100,7 @@ class LMDBDataset(torch.utils.data.Dataset):
         if self._decode is None:
             self._decode = decoder(self.decode)
         try:
-            sample = self._decode({"__key__": key, "__url__": self.source, **fields})
+            sample = self._decode(sample_dict(key, self.source, fields))
             return self.transform(sample) if self.transform is not None else sample
         except FieldError as e:  # bad data, found by the decoder or a transform decoding (image_transform)
             raise CorruptShardError(f"{self.path}: sample {key}: {describe(e)}") from e

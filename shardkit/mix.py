@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import checks, partition
+from . import checks, partition, ranges
 from .dataset import StreamingDataset, _WorkerStream
 from .epochs import EpochDataset, EpochStream, stats_summary
 
@@ -125,7 +125,7 @@ class _MixedStream(EpochStream):
         streams = [_WorkerStream(p, self.rank, self.world, self.worker_id, self.num_workers, ids=i, window=window)
                    for p, i in zip(self.ds.parts, ids)]
         try:
-            for d in part_of.tolist():
+            for (d,) in ranges.rows(part_of):
                 yield next(streams[d])
         finally:
             for s in streams:

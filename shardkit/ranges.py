@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -36,9 +37,17 @@ class Range:
         return self.stop - self.start
 
 
+def rows(*columns: np.ndarray, chunk: int = 4096) -> Iterator[tuple[Any, ...]]:
+    """`zip` of the columns as Python numbers, converted a chunk at a time: a worker's
+    stream stays in numpy arrays (8 bytes a number), never whole lists of int objects
+    (~36 bytes each, held for the whole pass)."""
+    for lo in range(0, len(columns[0]), chunk):
+        yield from zip(*(c[lo : lo + chunk].tolist() for c in columns))
+
+
 def _ranges(shard: np.ndarray, start: np.ndarray, stop: np.ndarray, samples: np.ndarray) -> Iterator[Range]:
     """Range objects made as the read-ahead takes them (a stream can have millions)."""
-    for i, r in enumerate(zip(shard.tolist(), start.tolist(), stop.tolist(), samples.tolist())):
+    for i, r in enumerate(rows(shard, start, stop, samples)):
         yield Range(i, *r)
 
 

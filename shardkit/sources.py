@@ -111,10 +111,48 @@ def resolve(source: str | Iterable[str], storage_options: StorageOptions | None 
         urls = [checks.path("each shard of source", u) for u in source]
     if not urls:
         raise DatasetNotFoundError(f"{source!r}: no shards given")
+    return urls, _index_of(urls, storage_options)
+
+
+def _index_of(urls: list[str], storage_options: StorageOptions | None) -> Index:
+    """An Index for a list of shards: a shard that the index.json of its folder lists, at
+    the size it has, is taken from there (building stays one read per folder, not a read
+    of every byte); any other is scanned."""
+    folders: dict[str, tuple[Index, dict[str, ShardInfo]] | None] = {}
+    used: set[str] = set()
+    infos, fields, scanned = [], set(), 0
     for u in urls:
-        if not storage.exists(u, storage_options):
+        size = storage.size(u, storage_options)
+        if size is None:
             raise DatasetNotFoundError(f"{u}: no such shard")
-    return urls, build_index(urls, storage_options)
+        folder, _, name = u.rpartition("/")
+        if folder not in folders:
+            idx = _tar_index(folder or ".", storage_options)
+            folders[folder] = None if idx is None else (idx, {sh.name: sh for sh in idx.shards})
+        listed = folders[folder]
+        known = listed[1].get(name) if listed is not None else None
+        if known is not None and known.bytes == size and known.offsets is not None:
+            infos.append(known)
+            used.add(folder)
+        else:
+            found = scan_shard(u, storage_options)
+            infos.append(found.info)
+            fields |= found.fields
+            scanned += 1
+    indexes = [folders[f][0] for f in used]  # type: ignore[index]
+    for idx in indexes:
+        fields |= set(idx.fields)
+    classes = indexes[0].classes if len(indexes) == 1 and not scanned else ()  # its labels' names
+    return Index(shards=tuple(infos), fields=tuple(sorted(fields)), classes=classes)
+
+
+def _tar_index(folder: str, storage_options: StorageOptions | None) -> Index | None:
+    """The index.json of a folder of tar shards, if it has a usable one."""
+    try:
+        idx = index.find(folder, storage_options)
+    except (ShardkitError, OSError):  # none readable, or a pack into it unfinished: its shards are scanned
+        return None
+    return idx if idx is not None and idx.kind == "tar" else None
 
 
 def lmdb_index(path: str, readahead: bool = False) -> Index:

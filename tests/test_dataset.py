@@ -246,6 +246,37 @@ def test_a_state_of_another_order_is_refused(packed: Path) -> None:
                                                           "batch_size": 5, **bad})
 
 
+def test_shards_named_one_by_one_take_what_their_folders_index_says(packed: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A brace pattern or a list of a pack's shards costs one read of index.json, not a read
+    of every byte; a shard the index does not describe (replaced, or no index) is scanned."""
+    from shardkit import sources
+
+    scanned: list[str] = []
+    scan_shard = sources.scan_shard
+    monkeypatch.setattr(sources, "scan_shard", lambda url, opts=None: scanned.append(url) or scan_shard(url, opts))
+    pattern = str(packed / "shard-{000002..000005}.tar")
+    ds = StreamingDataset(pattern)
+    listed = shardkit.index.load(str(packed)).shards
+    assert not scanned and ds.index.classes == tuple(CLASSES)
+    assert [(sh.name, sh.sha256) for sh in ds.index.shards] == [(sh.name, sh.sha256) for sh in listed[2:6]]
+    assert [s["__key__"] for s in ds] == [s["__key__"] for s in StreamingDataset(sources.expand(pattern))]
+
+    copy = tmp_path / "copy"
+    shutil.copytree(packed, copy)
+    with tarfile.open(copy / "shard-000003.tar", "w") as tar:  # replaced by another tool's shard
+        for key in ("p", "q"):
+            info = tarfile.TarInfo(f"{key}.cls")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"7"))
+    ds = StreamingDataset([str(copy / "shard-000002.tar"), str(copy / "shard-000003.tar")])
+    assert scanned == [str(copy / "shard-000003.tar")] and len(ds) == listed[2].samples + 2 and ds.index.classes == ()
+    assert [s["__key__"] for s in ds][-2:] == ["p", "q"]
+    (copy / "index.json").unlink()
+    StreamingDataset(str(copy / "shard-{000000..000001}.tar"))
+    assert scanned[1:] == [str(copy / "shard-000000.tar"), str(copy / "shard-000001.tar")]
+
+
 def to_pair(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
     return sample["jpg"], sample["cls"]
 
@@ -706,6 +737,26 @@ def test_stats_after_a_pass(packed: Path) -> None:
     assert stats["bytes"] == sum(s["offsets"][-1] - s["offsets"][0] for s in doc["shards"]) > 0
     assert stats["skipped"] == 0
     assert stats["decode_s"] > 0 and 0 <= stats["read_fraction"] <= 1
+
+
+def test_a_slow_disk_shows_as_reading_not_decoding(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local shard's bytes are read while the sample is taken out of it: that time is
+    reading, or a data-bound loader would look decode-bound."""
+    import time
+
+    from shardkit import storage
+
+    read_at = storage.RangeReader.read_at
+
+    def slow(self, shard):  # type: ignore[no-untyped-def]
+        fast = read_at(self, shard)
+        return lambda size, offset: time.sleep(0.002) or fast(size, offset)
+
+    monkeypatch.setattr(storage.RangeReader, "read_at", slow)
+    ds = StreamingDataset(str(packed))
+    assert len(list(ds)) == 120
+    stats = ds.stats()
+    assert stats["read_s"] > 120 * 0.002 and stats["read_fraction"] > 0.5, stats
 
 
 def frozen_objects(sample: dict[str, Any]) -> int:

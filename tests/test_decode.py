@@ -208,8 +208,8 @@ def test_bad_json_fields_raise_json_errors(raw: bytes) -> None:
 
 
 def test_upper_case_extensions_and_tiny_images_decode(tmp_path: Path) -> None:
-    """`.JPG` from a camera is an image (WebDataset lower-cases the extension to choose a
-    decoder); a 1x1 image becomes a writable tensor with no warning."""
+    """`.JPG` from a camera is the field `jpg`, an image (WebDataset lower-cases extensions);
+    a 1x1 image becomes a writable tensor with no warning."""
     import tarfile
     import warnings
 
@@ -226,8 +226,19 @@ def test_upper_case_extensions_and_tiny_images_decode(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = list(StreamingDataset([str(tmp_path / "x.tar")], decode="tensor"))
-    assert [tuple(s[k].shape) for s, k in zip(got, ("JPG", "seg.PNG"))] == [(3, 1, 1), (3, 3, 5)]
-    got[0]["JPG"][0, 0, 0] = 1  # writable
+    assert [tuple(s[k].shape) for s, k in zip(got, ("jpg", "seg.png"))] == [(3, 1, 1), (3, 3, 5)]
+    got[0]["jpg"][0, 0, 0] = 1  # writable
+    raw = list(StreamingDataset([str(tmp_path / "x.tar")]))
+    assert [sorted(s) for s in raw] == [["__key__", "__url__", "jpg"], ["__key__", "__url__", "seg.png"]]
+
+
+def test_two_members_that_are_one_field_in_lower_case_are_bad_data(tmp_path: Path) -> None:
+    url = _tar_of(tmp_path / "x.tar", {"a.jpg": b"1", "a.JPG": b"2", "b.cls": b"3"})
+    with pytest.raises(CorruptShardError, match=r"x\.tar: a sample at byte 0: members \['JPG', 'jpg'\] name the same "
+                                                r"field once in lower case"):
+        list(StreamingDataset([url]))
+    ds = StreamingDataset([url], on_error="skip")
+    assert [s["cls"] for s in ds] == [3, 3] and ds.stats()["skipped"] == 1  # replaced, counted
 
 
 def _tar_of(path: Path, members: dict[str, bytes]) -> str:

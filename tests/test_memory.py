@@ -90,3 +90,39 @@ def test_loading_a_large_index_gives_its_parse_memory_back(tmp_path: Path) -> No
     # before and after that day's changes alike): a bound of 2.5x the arrays' 8 bytes sat right on
     # it and failed now and then; Python ints kept from the parse would be ~30 bytes a sample
     assert grown < 8 * samples * 3, f"{grown / samples:.0f} bytes a sample stayed after loading the index"
+
+
+def test_a_workers_plan_stays_in_numpy_arrays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a worker holds for its pass is ~75 bytes a sample of its share (numpy arrays),
+    not lists of Python ints (~300 bytes a sample, which cost 300 MB a worker at 1 M)."""
+    import gc
+    import tracemalloc
+
+    from shardkit import dataset
+
+    shards, per = 20, 10_000
+    write_index(tmp_path, shards, per, 1000)
+    for i in range(shards):  # sparse files of the sizes the index gives: nothing is read
+        with open(tmp_path / f"s-{i:04d}.tar", "wb") as f:
+            f.truncate(1000 * per + 1024)
+    held: list[int] = []
+
+    class Stop(BaseException):  # past the reader's handling of bad data
+        pass
+
+    def first_sample(span, url, start):  # type: ignore[no-untyped-def]
+        gc.collect()
+        held.append(tracemalloc.get_traced_memory()[0])
+        raise Stop
+
+    monkeypatch.setattr(dataset, "_parse", first_sample)
+    ds = StreamingDataset(str(tmp_path), shuffle=True)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        with pytest.raises(Stop):
+            next(iter(ds))
+    finally:
+        tracemalloc.stop()
+    per_sample = (held[0] - before) / (shards * per)
+    assert per_sample < 120, f"{per_sample:.0f} bytes a sample held for the pass"
