@@ -7,6 +7,7 @@ Everything else (open files, the worker's plan) is made inside `__iter__`, in th
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,8 @@ from .sources import local_lmdb, resolve
 from .storage import StorageOptions
 
 
+log = logging.getLogger("shardkit")
+SKIPS_LOGGED = 10  # a worker's first skipped samples are logged (a warning each), the rest only counted
 LMDB_WINDOW = 64  # samples of an LMDB dataset that one slow read sends to the threads
 
 
@@ -250,6 +253,7 @@ class _WorkerStream(EpochStream):
         decode = decoder(ds.decode)
         transform = ds.transform
         pending = 0  # skipped samples still to be replaced, so the rank's count stays exact
+        skipped = 0
         reads: Iterator[tuple[int, int, Any]]
         if ds._lmdb is None:
             reads, parse = self._reads(ids, reader), _parse
@@ -279,12 +283,20 @@ class _WorkerStream(EpochStream):
                         raise  # the machine's, or user code's: its errors are its own
                     if isinstance(e, ShardkitError) and (ds.on_error == "raise" or not isinstance(e, CorruptShardError)):
                         raise  # named already; a failing disk or store is never skipped as bad data
-                    if ds.on_error == "raise":
+                    if isinstance(e, CorruptShardError):
+                        said = str(e)
+                    else:
                         where = f"sample {sample['__key__']}" if sample is not None else "a sample"
                         where += f" at byte {start}" if ds._lmdb is None else ""
-                        raise CorruptShardError(f"{storage.display(url)}: {where}: {describe(e)}") from e
+                        said = f"{storage.display(url)}: {where}: {describe(e)}"
+                    if ds.on_error == "raise":
+                        raise CorruptShardError(said) from e
                     meter.values[5] += 1
                     pending += 1
+                    skipped += 1
+                    if skipped <= SKIPS_LOGGED:
+                        more = " (this worker's further skips are counted in stats() only)" * (skipped == SKIPS_LOGGED)
+                        log.warning("skipped %s%s", said, more)
                     continue
                 t3 = time.perf_counter()
                 stats = meter.values

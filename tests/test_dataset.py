@@ -953,8 +953,12 @@ def test_truncated_shard_skipped_sample_by_sample(packed: Path, tmp_path: Path, 
     shard = idx["shards"][3]
     start = shard["offsets"][2]
     _, image, size, _ = sample_span(clone, 3, 2, "jpg")
-    cut, ends = {"first member": (start + 700, "at byte {cut}"), "image": (image + 100, "at byte {cut}"),
-                 "after the image": (image + size + (-size % 512), "at or before byte {cut}")}[where]
+    with tarfile.open(clone / shard["name"]) as tar:
+        member = [n for n in tar.getnames() if n.endswith(".jpg")][2]
+    cut, said = {"first member": (start + 700, "cut off, the shard ends at byte {cut}"),
+                 "image": (image + 100, "cut off in member '{member}', the shard ends at byte {cut}"),
+                 "after the image": (image + size + (-size % 512), "cut off, the shard ends at or before byte {cut}"),
+                 }[where]
     os.truncate(clone / shard["name"], cut)
     ds = StreamingDataset(str(clone), on_error="skip")
     keys = run(ds, workers)
@@ -963,7 +967,20 @@ def test_truncated_shard_skipped_sample_by_sample(packed: Path, tmp_path: Path, 
     assert ds.stats()["skipped"] == lost
     err = failure(StreamingDataset(str(clone)), workers)
     assert isinstance(err, CorruptShardError)
-    assert f"{shard['name']} (sample at byte {start}): cut off, the shard ends {ends.format(cut=cut)} (truncated" in str(err)
+    assert f"{shard['name']} (sample at byte {start}): {said.format(cut=cut, member=member)} (truncated" in str(err)
+
+
+def test_a_worker_logs_its_first_ten_skips(packed: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    clone = Path(shutil.copytree(packed, tmp_path / "clone"))
+    for name in ("shard-000001.tar", "shard-000002.tar"):
+        os.truncate(clone / name, 0)
+    ds = StreamingDataset(str(clone), on_error="skip")
+    with caplog.at_level("WARNING", logger="shardkit"):
+        assert len(list(ds)) == 120
+    said = [r.getMessage() for r in caplog.records if r.name == "shardkit"]
+    assert ds.stats()["skipped"] > 10 and len(said) == 10
+    assert all(m.startswith("skipped ") and "cut off" in m for m in said)
+    assert said[-1].endswith("(this worker's further skips are counted in stats() only)")
 
 
 def test_a_shard_truncated_while_read_raises(packed: Path, tmp_path: Path) -> None:
@@ -1008,8 +1025,9 @@ def test_undecodable_image_raises_naming_the_shard(broken: tuple[Path, str, str]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_undecodable_image_skipped_keeps_the_count(broken: tuple[Path, str, str], workers: int) -> None:
-    dataset, _, key = broken
+def test_undecodable_image_skipped_keeps_the_count(broken: tuple[Path, str, str], workers: int,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    dataset, shard, key = broken
     ds = StreamingDataset(str(dataset), decode="pil", on_error="skip")
     samples = list(DataLoader(ds, num_workers=workers, batch_size=None))
     keys = [s["__key__"] for s in samples]
@@ -1017,6 +1035,12 @@ def test_undecodable_image_skipped_keeps_the_count(broken: tuple[Path, str, str]
     assert key not in keys and len(set(keys)) == 29
     assert all(isinstance(s["jpg"], Image.Image) for s in samples)
     assert ds.stats()["skipped"] == 1
+    if not workers:  # named in a warning too (a worker's go to its stderr)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="shardkit"):
+            list(ds)
+        (said,) = [r.getMessage() for r in caplog.records if r.name == "shardkit"]
+        assert re.match(rf"skipped \S+{re.escape(shard)}: sample {key} at byte \d+: field 'jpg': ", said), said
     # under two ranks as well: both ranks still yield len(ds)
     per_rank, skipped = [], 0
     for rank in range(2):

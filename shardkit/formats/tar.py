@@ -321,7 +321,7 @@ def read_sample(read_at: ReadAt, start: int, stop: int, where: object) -> tuple[
             want = min(_HEAD, stop - pos)
             buf, at, h = read_at(want, pos), pos, 0
             if len(buf) < want:  # the shard ends before this sample does
-                raise _cut_off(where, pos, len(buf))
+                raise _cut_off(where, pos, len(buf), _member_cut(buf))
         name, size_field, kind, magic, prefix = unpack(buf, h)
         if kind not in _REGULAR or (magic != _POSIX and magic != _GNU):
             if buf[h : h + BLOCK] == _EMPTY:
@@ -348,7 +348,7 @@ def read_sample(read_at: ReadAt, start: int, stop: int, where: object) -> tuple[
         if pos - at <= len(buf):
             fields[ext] = buf[begin - at : pos - at]
         else:
-            fields[ext] = _read_exactly(read_at, begin, pos, where)
+            fields[ext] = _read_exactly(read_at, begin, pos, where, text)
         pos += -size % BLOCK
     if key is None:
         raise CorruptShardError(f"{where}: no tar member in the sample's byte range")
@@ -367,17 +367,34 @@ def parse_sample(buf: bytes | memoryview, where: object, base: int = 0) -> tuple
     return read_sample(buffer_reader(buf, base), base, base + len(buf), where)
 
 
-def _read_exactly(read_at: ReadAt, start: int, stop: int, where: object) -> bytes:
+def _read_exactly(read_at: ReadAt, start: int, stop: int, where: object, member: str | None = None) -> bytes:
     data = read_at(stop - start, start)
     if len(data) < stop - start:
-        raise _cut_off(where, start, len(data))
+        raise _cut_off(where, start, len(data), member)
     return data
 
 
-def _cut_off(where: object, offset: int, got: int) -> CorruptShardError:
-    """A read at `offset` that got only `got` bytes: the shard ends there (or before, if none)."""
+def _member_cut(buf: bytes) -> str | None:
+    """The name of the member whose bytes a short read `buf` (from a header on) ends in."""
+    h = 0
+    while h + BLOCK <= len(buf):
+        name, size_field, _, _, _ = _FIELDS.unpack_from(buf, h)
+        try:
+            size = int(size_field, 8)
+        except ValueError:
+            return None
+        if h + BLOCK + size > len(buf):
+            return name.split(b"\x00", 1)[0].decode("utf-8", "replace")
+        h += BLOCK + size + _padding(size)
+    return None
+
+
+def _cut_off(where: object, offset: int, got: int, member: str | None = None) -> CorruptShardError:
+    """A read at `offset` (of `member`, where known) that got only `got` bytes: the shard
+    ends there (or before, if none)."""
     end = f"at byte {offset + got}" if got else f"at or before byte {offset}"
-    return CorruptShardError(f"{where}: cut off, the shard ends {end} (truncated or replaced)")
+    named = f" in member {member!r}" if member is not None else ""
+    return CorruptShardError(f"{where}: cut off{named}, the shard ends {end} (truncated or replaced)")
 
 
 def _parse_general(buf: bytes, where: object, base: int) -> tuple[str, dict[str, bytes]]:
