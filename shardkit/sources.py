@@ -204,13 +204,15 @@ def _download(remote: str, storage_options: StorageOptions | None, root: str, si
     try:
         with storage.open_read(remote, storage_options) as src, open(os.path.join(tmp, "data.mdb"), "wb") as dst, \
                 tqdm(total=size, unit="B", unit_scale=True, desc=f"copying {storage.display(remote)}") as bar:
+            got = 0  # counted here: bar.n stays 0 where tqdm is turned off (TQDM_DISABLE)
             while chunk := src.read(8 << 20):
                 dst.write(chunk)
+                got += len(chunk)
                 bar.update(len(chunk))
             dst.flush()
             os.fsync(dst.fileno())  # a copy kept for later runs: whole on disk before it takes its name
-        if bar.n != size or storage.version(remote, storage_options) != (size, version):
-            raise ShardkitError(f"{storage.display(remote)}: replaced while it was copied ({bar.n} of {size} bytes "
+        if got != size or storage.version(remote, storage_options) != (size, version):
+            raise ShardkitError(f"{storage.display(remote)}: replaced while it was copied ({got} of {size} bytes "
                                 "came): run again to copy the new one")
         os.rename(tmp, root)
     except BaseException:  # failed, or (OSError) another process finished first

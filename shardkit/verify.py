@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -84,11 +83,10 @@ def _verify_lmdb(url: str, idx: Index, storage_options: StorageOptions | None) -
     process reading it, which must not take the caller with it."""
     path = local_lmdb(url, storage_options, None)
     where = storage.display(url)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.run([sys.executable, "-c", "from shardkit.verify import _walk_lmdb_child; _walk_lmdb_child()"],
-                           input=json.dumps({"path": path, "index": idx.to_json()}), capture_output=True, text=True,
-                           env=env)
+    code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "  # this process's imports, not the cwd's
+            "from shardkit.verify import _walk_lmdb_child; _walk_lmdb_child()")
+    child = subprocess.run([sys.executable, "-I", "-c", code, json.dumps(sys.path)], capture_output=True, text=True,
+                           input=json.dumps({"path": path, "index": idx.to_json()}))
     said = (child.stderr.strip().splitlines() or [""])[-1]  # LMDB's assertion, a Python error
     if child.returncode < 0:
         name = signal.Signals(-child.returncode).name

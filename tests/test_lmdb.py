@@ -541,3 +541,36 @@ def test_what_is_wrong_with_a_damaged_lmdb_is_said(lmdb_pack: Path) -> None:
     (lmdb_pack / "data.mdb").unlink()
     with pytest.raises(DatasetNotFoundError, match="its index.json is an LMDB dataset's, data.mdb is gone"):
         LMDBDataset(str(lmdb_pack))
+
+
+def test_a_file_touched_in_place_keeps_its_readers(lmdb_pack: Path) -> None:
+    """A dataset built while another reads the same data.mdb, written in place since (here
+    only its time), shares the environment: it is never closed under the running pass."""
+    stream = iter(StreamingDataset(str(lmdb_pack)))
+    first = next(stream)["__key__"]
+    os.utime(lmdb_pack / "data.mdb")
+    assert len(LMDBDataset(str(lmdb_pack))) == 30
+    assert [first] + [s["__key__"] for s in stream] == [s["__key__"] for s in StreamingDataset(str(lmdb_pack))]
+
+
+def test_verify_and_remote_copies_under_a_users_environment(s3: dict, lmdb_pack: Path, tmp_path: Path) -> None:
+    """verify's child imports what this process imports, not a same-named module in the
+    working folder; a remote copy counts its bytes itself (with tqdm turned off too)."""
+    import fsspec.core
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "lmdb.py").write_text("raise ImportError('the wrong lmdb')\n")
+    (work / "shardkit.py").write_text("raise ImportError('the wrong shardkit')\n")
+    url, opts = s3["url"] + "/user.lmdb", s3["storage_options"]
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.put(str(lmdb_pack / "data.mdb"), f"{root}/data.mdb")
+    fs.put(str(lmdb_pack / "index.json"), f"{root}/index.json")
+    endpoint = opts["client_kwargs"]["endpoint_url"]
+    env = {**os.environ, "TQDM_DISABLE": "1", "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    shardkit_cli = [sys.executable, "-c", "import sys; sys.path.remove(''); from shardkit.cli import main; main()"]
+    for args in (["verify", str(lmdb_pack)], ["verify", url, "-o", f"endpoint_url={endpoint}"],
+                 ["pack", url, str(tmp_path / "tar"), "-q", "-o", f"endpoint_url={endpoint}"]):
+        done = subprocess.run(shardkit_cli + args, cwd=work, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, (args, done.stdout, done.stderr)
+    assert len(list(StreamingDataset(str(tmp_path / "tar")))) == 30

@@ -137,7 +137,8 @@ def open_reader(path: str, readahead: bool = False, fresh: bool = False) -> Any:
     reader in the process and its threads, never closed by them: a reader of a copy deleted
     since (a remote LMDB fetched again) reads on from its open file. One inherited through
     fork is closed and reopened: it must not be used there. With `fresh` (a dataset being
-    built), a data.mdb written or replaced since it was opened is opened anew.
+    built), a data.mdb replaced since it was opened (another inode) is opened anew, and one
+    written in place (a pack finished by another process) is read at its new size.
 
     LMDB allows one environment per file and process, so one is found by its file, not by
     how the path is spelled (`db`, `./db/`, a symlink)."""
@@ -152,10 +153,12 @@ def open_reader(path: str, readahead: bool = False, fresh: bool = False) -> Any:
             return found.env
         for inherited in [e for e in _ENVS if e.pid != pid]:
             _forget(inherited)
-        found = next((e for e in _ENVS if file is not None and e.file == file), None)
+        found = next((e for e in _ENVS if file is not None and e.file[:2] == file[:2]), None)  # this inode's
         if found is None:
             found = _Env(pid, path, file, _open(path, readahead))
             _ENVS.append(found)
+        elif found.file != file:  # written in place since: the same environment, never closed under a reader
+            found.file = file  # (read_index adopts a map grown past this one's)
         _READERS[path] = found
         return found.env
 
@@ -189,7 +192,7 @@ def _open(path: str, readahead: bool) -> Any:
                             max_readers=1024)
             break
         except lmdb.Error as e:
-            gone = [found for found in _ENVS if _identity(found.path) != found.file]
+            gone = [found for found in _ENVS if (_identity(found.path) or ())[:2] != (found.file or ())[:2]]
             if "already open" not in str(e) or not gone:
                 raise DatasetNotFoundError(f"{path}: not an LMDB dataset ({e})") from None
             for found in gone:  # a copy deleted since held this inode number: LMDB takes it for the same file
@@ -226,10 +229,16 @@ def close_reader(path: str) -> None:
 
 
 def read_index(env: Any, path: str) -> bytes:
+    lmdb = _lmdb()
     try:
-        with env.begin() as txn:
-            raw = txn.get(INDEX_KEY)
-    except _lmdb().Error as e:
+        try:
+            with env.begin() as txn:
+                raw = txn.get(INDEX_KEY)
+        except lmdb.MapResizedError:  # grown in place by a pack that finished since this process opened it
+            env.set_mapsize(0)
+            with env.begin() as txn:
+                raw = txn.get(INDEX_KEY)
+    except lmdb.Error as e:
         raise CorruptShardError(f"{path}: unreadable LMDB ({e})") from None
     if raw is None:
         with env.begin() as txn:
