@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -83,9 +84,12 @@ def _verify_lmdb(url: str, idx: Index, storage_options: StorageOptions | None) -
     process reading it, which must not take the caller with it."""
     path = local_lmdb(url, storage_options, None)
     where = storage.display(url)
-    code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "  # this process's imports, not the cwd's
-            "from shardkit.verify import _walk_lmdb_child; _walk_lmdb_child()")
-    child = subprocess.run([sys.executable, "-I", "-c", code, json.dumps(sys.path)], capture_output=True, text=True,
+    # this process's imports (this shardkit first), never the working folder's modules
+    paths = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    paths += [p for p in sys.path if isinstance(p, str) and os.path.isabs(p)]
+    code = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from shardkit.verify import _walk_lmdb_child; " \
+           "_walk_lmdb_child()"
+    child = subprocess.run([sys.executable, "-I", "-c", code, json.dumps(paths)], capture_output=True, text=True,
                            input=json.dumps({"path": path, "index": idx.to_json()}))
     said = (child.stderr.strip().splitlines() or [""])[-1]  # LMDB's assertion, a Python error
     if child.returncode < 0:

@@ -574,3 +574,19 @@ def test_verify_and_remote_copies_under_a_users_environment(s3: dict, lmdb_pack:
         done = subprocess.run(shardkit_cli + args, cwd=work, env=env, capture_output=True, text=True)
         assert done.returncode == 0, (args, done.stdout, done.stderr)
     assert len(list(StreamingDataset(str(tmp_path / "tar")))) == 30
+
+
+def test_a_file_cut_short_in_place_is_caught_at_the_next_build(lmdb_pack: Path) -> None:
+    """Truncated after this process opened it: named, not a SIGBUS (in a child: a SIGBUS
+    would take the test run with it)."""
+    code = ("import os, sys; from shardkit import LMDBDataset; p = sys.argv[1]; LMDBDataset(p)[0]\n"
+            "os.truncate(os.path.join(p, 'data.mdb'), 3 * 4096)\n"
+            "try:\n    LMDBDataset(p)\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(lmdb_pack)], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("CorruptShardError"), done
+    assert "data.mdb is truncated (12288 bytes, its pages need" in done.stdout
+
+
+def test_verify_takes_only_absolute_import_paths(lmdb_pack: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", [Path("/nowhere"), "relative/dir", "", *sys.path])
+    assert shardkit.verify(str(lmdb_pack)) == []

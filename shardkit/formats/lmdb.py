@@ -24,7 +24,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import CorruptShardError, DatasetNotFoundError, UnfinishedPackError
+from ..errors import CorruptShardError, DatasetNotFoundError, ShardkitError, UnfinishedPackError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -41,8 +41,6 @@ def _lmdb() -> Any:
     try:
         import lmdb
     except ImportError:
-        from ..errors import ShardkitError
-
         raise ShardkitError("LMDB support is not installed (pip install lmdb)") from None
     return lmdb
 
@@ -158,7 +156,8 @@ def open_reader(path: str, readahead: bool = False, fresh: bool = False) -> Any:
             found = _Env(pid, path, file, _open(path, readahead))
             _ENVS.append(found)
         elif found.file != file:  # written in place since: the same environment, never closed under a reader
-            found.file = file  # (read_index adopts a map grown past this one's)
+            _check_pages(found.env, path, file[2])
+            found.file = file
         _READERS[path] = found
         return found.env
 
@@ -187,9 +186,9 @@ def _open(path: str, readahead: bool) -> Any:
     if size < 2 * _PAGE:  # LMDB itself would say only "Bad file descriptor"
         raise CorruptShardError(f"{path}: data.mdb is truncated ({size} bytes; an LMDB starts with 2 pages of {_PAGE})")
     while True:
-        try:
-            env = lmdb.open(path, subdir=True, readonly=True, lock=False, readahead=readahead, meminit=False,
-                            max_readers=1024)
+        try:  # opened by its data file: lmdb would also know it by lock.mdb, which readers never use
+            env = lmdb.open(os.path.join(path, DATA_FILE), subdir=False, readonly=True, lock=False,
+                            readahead=readahead, meminit=False, max_readers=1024)
             break
         except lmdb.Error as e:
             gone = [found for found in _ENVS if (_identity(found.path) or ())[:2] != (found.file or ())[:2]]
@@ -197,13 +196,20 @@ def _open(path: str, readahead: bool) -> Any:
                 raise DatasetNotFoundError(f"{path}: not an LMDB dataset ({e})") from None
             for found in gone:  # a copy deleted since held this inode number: LMDB takes it for the same file
                 _forget(found)
-    # A data.mdb cut short still opens (its meta pages are at the front), but touching a
-    # page past the end kills the process with SIGBUS: compare with the pages LMDB uses.
+    try:
+        _check_pages(env, path, size)
+    except CorruptShardError:
+        env.close()
+        raise
+    return env
+
+
+def _check_pages(env: Any, path: str, size: int) -> None:
+    """A data.mdb cut short still opens (its meta pages are at the front), but touching a
+    page past the end kills the process with SIGBUS: compare with the pages LMDB uses."""
     needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
     if size < needed:
-        env.close()
         raise CorruptShardError(f"{path}: data.mdb is truncated ({size} bytes, its pages need {needed})")
-    return env
 
 
 def _no_data_hint(path: str) -> str:
@@ -231,13 +237,11 @@ def close_reader(path: str) -> None:
 def read_index(env: Any, path: str) -> bytes:
     lmdb = _lmdb()
     try:
-        try:
-            with env.begin() as txn:
-                raw = txn.get(INDEX_KEY)
-        except lmdb.MapResizedError:  # grown in place by a pack that finished since this process opened it
-            env.set_mapsize(0)
-            with env.begin() as txn:
-                raw = txn.get(INDEX_KEY)
+        with env.begin() as txn:
+            raw = txn.get(INDEX_KEY)
+    except lmdb.MapResizedError:  # adopting the new map would pull it from under this process's readers
+        raise ShardkitError(f"{path}: data.mdb grew past its map since this process opened it (a pack finished "
+                            "meanwhile): read it from a new process") from None
     except lmdb.Error as e:
         raise CorruptShardError(f"{path}: unreadable LMDB ({e})") from None
     if raw is None:
