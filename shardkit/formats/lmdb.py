@@ -136,7 +136,8 @@ def open_reader(path: str, readahead: bool = False, fresh: bool = False) -> Any:
     since (a remote LMDB fetched again) reads on from its open file. One inherited through
     fork is closed and reopened: it must not be used there. With `fresh` (a dataset being
     built), a data.mdb replaced since it was opened (another inode) is opened anew, and one
-    written in place (a pack finished by another process) is read at its new size.
+    written in place (a pack finished by another process) keeps its environment, checked
+    again for truncation.
 
     LMDB allows one environment per file and process, so one is found by its file, not by
     how the path is spelled (`db`, `./db/`, a symlink)."""
