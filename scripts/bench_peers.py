@@ -3,7 +3,7 @@
 One run on one generated image folder, page cache warm. Each round packs with every packer,
 then reads every packed dataset raw, then through a DataLoader; contestants are interleaved
 (their order rotates each round) and every measurement is a fresh process, timed after its
-imports. Medians with min-max; a ratio to a limit is the median over rounds of the ratio
+imports and one full garbage collection (bench_read.start_clock). Medians with min-max; a ratio to a limit is the median over rounds of the ratio
 to the limit measured in the same round (bench_read.ratio):
 
 - pack: seconds and images/s, against `tar` of the image folder; shardkit with 2 workers,
@@ -200,14 +200,14 @@ def _dir_bytes(path: str) -> int:
 def run_pack(name: str, data: str, photos: str) -> dict:
     items = len(_items(photos))
     if name == "tar (limit)":
-        start = time.perf_counter()
+        start = br.start_clock()
         subprocess.run(f"tar cf - -C {photos} . | cat > /dev/null", shell=True, check=True)
         return {"seconds": time.perf_counter() - start, "items": items, "bytes": 0}
     if name in ("shardkit", RESIZE):
         import shardkit
 
         resize = {"resize": 256, "quality": 90} if name == RESIZE else {}
-        start = time.perf_counter()
+        start = br.start_clock()
         shardkit.pack(photos, data, workers=WORKERS, max_size=CHUNK, progress=False, **resize)
     else:
         writer = {"webdataset": _pack_wds, "mosaicml-streaming": _pack_mds, "litdata": _pack_litdata}[name]
@@ -215,7 +215,7 @@ def run_pack(name: str, data: str, photos: str) -> dict:
             _import_streaming()
         else:
             __import__(DISTRIBUTION[name])
-        start = time.perf_counter()
+        start = br.start_clock()
         writer(_items(photos), data)  # listing the folder is timed, as it is inside shardkit.pack
     return {"seconds": time.perf_counter() - start, "items": items, "bytes": _dir_bytes(data)}
 
@@ -229,7 +229,7 @@ def run_raw(name: str, data: str, photos: str) -> dict:
         return br.run_contestant("webdataset raw", data, photos)
     if name == "plain files":
         paths = [p for p, _ in _items(photos)]
-        start = time.perf_counter()
+        start = br.start_clock()
         size = sum(len(_read(p)) for p in paths)
         return {"seconds": time.perf_counter() - start, "items": len(paths), "bytes": size}
     make = {"mosaicml-streaming": _mds_dataset, "litdata": _litdata_dataset}[name]
@@ -237,7 +237,7 @@ def run_raw(name: str, data: str, photos: str) -> dict:
         import litdata  # noqa: F401
     else:
         _import_streaming()
-    start = time.perf_counter()
+    start = br.start_clock()
     n = 0
     for sample in make(data, shuffle=False, transform=False):
         bytes(sample["jpg"])  # litdata: a view into the memory map until copied
@@ -280,7 +280,7 @@ def run_decoded(name: str, data: str, photos: str) -> dict:
             return DataLoader(br.Files(photos), batch_size=BATCH, shuffle=True, num_workers=WORKERS)
     else:
         raise SystemExit(f"unknown contestant {name}")
-    start = time.perf_counter()
+    start = br.start_clock()
     loader = make()
     built = time.perf_counter() - start
     first, seconds, n = br._loader_pass(loader)
