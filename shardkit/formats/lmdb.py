@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from ..errors import CorruptShardError, DatasetNotFoundError, ShardkitError, UnfinishedPackError
 
@@ -112,14 +112,27 @@ class Writer:
             self.env = None
 
 
+class _File(NamedTuple):
+    """A data.mdb as found on disk: its inode (device and number), then its size and
+    modification time (the same inode written since is another _File)."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+
+def _inode(file: _File | None) -> tuple[int, int] | None:
+    return None if file is None else (file.dev, file.ino)
+
+
 @dataclass(eq=False)
 class _Env:
-    """An environment this process (`pid`) opened, on the data.mdb `file` that `path` held
-    then (device, inode, size and modification time: a file written since is another)."""
+    """An environment this process (`pid`) opened, on the data.mdb `file` that `path` held then."""
 
     pid: int
     path: str
-    file: tuple[int, ...] | None
+    file: _File | None
     env: Any
 
 
@@ -152,23 +165,28 @@ def open_reader(path: str, readahead: bool = False, fresh: bool = False) -> Any:
             return found.env
         for inherited in [e for e in _ENVS if e.pid != pid]:
             _forget(inherited)
-        found = next((e for e in _ENVS if file is not None and e.file[:2] == file[:2]), None)  # this inode's
+        found = _env_on(file)
         if found is None:
             found = _Env(pid, path, file, _open(path, readahead))
             _ENVS.append(found)
         elif found.file != file:  # written in place since: the same environment, never closed under a reader
-            _check_pages(found.env, path, file[2])
+            _check_pages(found.env, path, file.size)
             found.file = file
         _READERS[path] = found
         return found.env
 
 
-def _identity(path: str) -> tuple[int, ...] | None:
+def _identity(path: str) -> _File | None:
     try:
         st = os.stat(os.path.join(path, DATA_FILE))
     except OSError:
         return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    return _File(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _env_on(file: _File | None) -> _Env | None:
+    """This process's environment on `file`'s inode, however its path was spelled."""
+    return next((e for e in _ENVS if file is not None and _inode(e.file) == _inode(file)), None)
 
 
 def _forget(found: _Env) -> None:
@@ -192,7 +210,7 @@ def _open(path: str, readahead: bool) -> Any:
                             readahead=readahead, meminit=False, max_readers=1024)
             break
         except lmdb.Error as e:
-            gone = [found for found in _ENVS if (_identity(found.path) or ())[:2] != (found.file or ())[:2]]
+            gone = [found for found in _ENVS if _inode(_identity(found.path)) != _inode(found.file)]
             if "already open" not in str(e) or not gone:
                 raise DatasetNotFoundError(f"{path}: not an LMDB dataset ({e})") from None
             for found in gone:  # a copy deleted since held this inode number: LMDB takes it for the same file
@@ -229,8 +247,7 @@ def close_reader(path: str) -> None:
     with _OPENING:
         found = _READERS.get(path)
         if found is None:
-            file = _identity(path)
-            found = next((e for e in _ENVS if file is not None and e.file[:2] == file[:2]), None)
+            found = _env_on(_identity(path))
         if found is not None:
             _forget(found)
 
