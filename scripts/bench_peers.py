@@ -16,7 +16,9 @@ to the limit measured in the same round (bench_read.ratio):
   batch_size=None on the DataLoader: bench_read.py compares both ways), the same decode + resize-to-224 + CHW uint8 code (bench_read.py's) for
   everyone, against that code alone on 2 processes with bytes preloaded and no loader;
 - first batch: seconds from building the dataset to the first batch; peak RSS of the
-  decoded pass, main process + workers, sampled at 20 Hz.
+  decoded pass, main process + workers, sampled at 20 Hz, and peak memory in use (the
+  machine's anonymous + shared memory above its level at the start: each page once, page
+  cache not counted; see shardkit.bench.in_use).
 
 "shardkit --resize 256" packs with resize=256, quality=90: its shards hold different (smaller)
 images, so it is a what-if, not a like-for-like row.
@@ -317,6 +319,7 @@ def measure(stage: str, name: str, data: str, photos: str, timeout: float) -> di
         raise Failed(why[-1] if why else f"exit code {proc.returncode}")
     result = json.loads(lines[-1][len("RESULT "):])
     result["rss"] = rss.peak_total or 0
+    result["in_use"] = rss.peak_in_use or 0
     return result
 
 
@@ -414,12 +417,13 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
 
     def decoded_cells(name: str) -> list[str]:
         if ("decoded", name) in failures:
-            return [failures[("decoded", name)], "–", "–", "–"]
+            return [failures[("decoded", name)], "–", "–", "–", "–"]
         runs = results[("decoded", name)]
         firsts = [x["first"] for x in runs if x.get("first") is not None]
         ips = rate("decoded", name)
         return [br._fmt(ips), br.ratio(ips, limit),
-                br._fmt(firsts, digits=2) if firsts else "–", br._fmt([x["rss"] for x in runs], 1e-6)]
+                br._fmt(firsts, digits=2) if firsts else "–", br._fmt([x["rss"] for x in runs], 1e-6),
+                br._fmt([x.get("in_use", 0) for x in runs], 1e-6)]
 
     photo_bytes = sum(p.stat().st_size for p in photos.rglob("*.jpg"))
     versions = ", ".join(f"{d} {_version(d)}" for d in ("shardkit", "webdataset", "mosaicml-streaming", "litdata", "torch"))
@@ -430,8 +434,8 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
         "",
         f"| | pack s | pack images/s | packed GB | raw read samples/s, 1 process | raw MB/s, % of cat | "
         f"decoded images/s, DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | % of decode limit | "
-        "first batch s | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "first batch s | peak RSS MB | peak in use MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     # The limits row: tar of the photos, cat of shardkit's shards, decode on 2 processes with no loader.
     tar = [x["seconds"] for x in results.get(("pack", "tar (limit)"), [])]
@@ -445,13 +449,14 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
         "100%",
         "–",
         "–",
+        "–",
     ]
     lines.append(f"| limits: `tar` / `cat` / decode on {WORKERS} processes | " + " | ".join(limit_cells) + " |")
     broken = _install_failures()
     for name in ROWS:
         label = f"{name} (pack-time resize: smaller images, not like-for-like)" if name == RESIZE else name
         if name in broken:
-            lines.append(f"| {label} | {_short(broken[name])} |" + " – |" * 8)
+            lines.append(f"| {label} | {_short(broken[name])} |" + " – |" * 9)
             continue
         lines.append("| " + " | ".join([label, *pack_cells(name), *raw_cells(name), *decoded_cells(name)]) + " |")
 

@@ -15,7 +15,10 @@ taken minutes apart would mostly measure the drift):
   with collate_fn=shardkit.collate) with the same
   decode + resize-to-224 + uint8 tensor code for everyone, against that code alone on
   2 processes with no loader (the decode limit);
-- time to first batch and peak RSS (main process + workers, sampled at 20 Hz).
+- time to first batch, peak RSS (main process + workers, sampled at 20 Hz; a page shared
+  by several processes counts in each, a mapped file's cached pages count) and peak memory
+  in use (the machine's anonymous + shared memory above its level before the contestant
+  started: each page once, page cache not counted).
 
 Every clock starts after the contestant's imports and one full garbage collection
 (`start_clock`).
@@ -246,6 +249,7 @@ def measure(name: str, shards: str, photos: str) -> dict:
         raise SystemExit(f"{name} failed with exit code {proc.returncode}")
     result = json.loads(out.strip().splitlines()[-1])
     result["rss"] = rss.peak_total or 0
+    result["in_use"] = rss.peak_in_use or 0
     return result
 
 
@@ -331,14 +335,14 @@ def main() -> None:
             print(f"| {name} | {_fmt(rate(name))} | {_fmt(mbs, 1e-6)} | {ratio(mbs, cat)} |")
     if decoded:
         print(f"\n| decoded, DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s | % of decode limit, "
-              "by round | first batch s | peak RSS MB |")
-        print("|---|---|---|---|---|")
+              "by round | first batch s | peak RSS MB | peak in use MB |")
+        print("|---|---|---|---|---|---|")
         limit = rate("decode limit")
         for name in decoded:
             firsts = [x["first"] for x in results[name] if x["first"] is not None]
-            rss = [x["rss"] for x in results[name]]
+            rss, in_use = ([x[k] for x in results[name]] for k in ("rss", "in_use"))
             print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), limit)} | "
-                  f"{_fmt(firsts, digits=2) if firsts else '-'} | {_fmt(rss, 1e-6)} |")
+                  f"{_fmt(firsts, digits=2) if firsts else '-'} | {_fmt(rss, 1e-6)} | {_fmt(in_use, 1e-6)} |")
 
 
 if __name__ == "__main__":

@@ -189,11 +189,27 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def in_use() -> int:
+    """The machine's anonymous and shared memory in bytes (/proc/meminfo's AnonPages + Shmem):
+    every page once, whichever processes map it (or none: a batch waiting in a queue), and
+    no page cache. 0 without /proc."""
+    total = 0
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith((b"AnonPages:", b"Shmem:")):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total
+
+
 class PeakRss:
     """Samples VmRSS of process `pid` (default: this one) and its descendants (DataLoader
     workers) every `interval` seconds from a thread; keeps the peaks. Linux only: elsewhere
     peaks stay None. Shared copy-on-write pages count in every process, so the total is an
-    upper bound."""
+    upper bound. `peak_in_use` is the rise of the whole machine's `in_use()` over its value
+    when this was made: each page once, but anything else running counts too."""
 
     def __init__(self, interval: float = 0.05, pid: int | None = None):
         self.interval = interval
@@ -201,6 +217,8 @@ class PeakRss:
         self.available = os.path.exists(f"/proc/{self.pid}/status")
         self.peak_main: int | None = None
         self.peak_total: int | None = None
+        self._idle = in_use()
+        self.peak_in_use: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -217,6 +235,7 @@ class PeakRss:
                 todo.extend(_children(pid))
         self.peak_main = max(self.peak_main or 0, main)
         self.peak_total = max(self.peak_total or 0, total)
+        self.peak_in_use = max(self.peak_in_use or 0, in_use() - self._idle)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

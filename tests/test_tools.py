@@ -171,6 +171,39 @@ def test_bench_in_process_runs_on_one_torch_thread_as_a_worker_would(packed: Pat
         torch.set_num_threads(before)
 
 
+HOLD_MEMORY = """
+import mmap, os, time
+shared = mmap.mmap(-1, 64 << 20)                          # 64 MB of shared memory, touched
+shared.write(b"x" * (64 << 20))
+private = bytearray(b"y" * (64 << 20))                    # and 64 MB of the process's own
+if os.fork() == 0:                                        # a child that maps the same shared pages
+    shared[::4096]
+    time.sleep(1.5)
+    os._exit(0)
+time.sleep(1.5)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_peak_memory_counts_rss_per_process_and_pages_in_use_once() -> None:
+    """RSS sums count the shared pages in both processes (and the child's copy-on-write view
+    of the parent's heap); the machine's memory in use counts each page once."""
+    import subprocess
+
+    from shardkit.bench import PeakRss
+
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_MEMORY])
+    peak = PeakRss(interval=0.02, pid=proc.pid)
+    peak.start()
+    proc.wait()
+    peak.stop()
+    assert proc.returncode == 0
+    mb = 1 << 20
+    assert peak.peak_total is not None and peak.peak_in_use is not None
+    assert peak.peak_total >= 2 * 64 * mb + 64 * mb    # shared twice, the heap at least once
+    assert 120 * mb <= peak.peak_in_use < peak.peak_total
+
+
 def test_bench_usage_errors(run, packed: Path, user_module: Path) -> None:  # type: ignore[no-untyped-def]
     result = run("bench", packed, "--transform", "no_such_module_xyz:fn")
     assert result.exit_code == 2
