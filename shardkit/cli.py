@@ -22,7 +22,8 @@ from .units import format_size, parse_size
 
 
 def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn ShardkitError (and a few OS errors) into a one-line message and exit code 1."""
+    """Turn ShardkitError (and a few OS errors) into a one-line message and exit code 1; Ctrl-C
+    into 130."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -35,6 +36,9 @@ def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             raise click.ClickException("this command reads through PyTorch, which is not installed: "
                                        "pip install torch") from None
+        except KeyboardInterrupt:  # Ctrl-C: the shell's code for SIGINT, not bad input's 1
+            click.echo("interrupted", err=True)
+            sys.exit(130)
         except BrokenPipeError:  # `shardkit info URL | head`: the reader left early; not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second one at exit's flush
             sys.exit(141)  # a shell's code for a command ended by SIGPIPE
@@ -122,7 +126,7 @@ def main() -> None:
               help="Output format: WebDataset tar shards, or one LMDB (local random access).")
 @click.option("--max-count", type=click.IntRange(min=1), help="At most this many samples per shard.")
 @click.option("--max-size", default="256MB", show_default=True, callback=_size,
-              help="At most this many bytes per shard (256MB, 1GiB, ...).")
+              help="At most this many bytes per shard (256MB, 1GiB, ...; tar: at least 10KiB).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Processes writing shards in parallel.  [default: CPU count]")
 @click.option("--shuffle/--no-shuffle", default=True, show_default=True,
@@ -157,8 +161,13 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
     from .pack import pack as run_pack
     from .scan import HIDDEN
 
+    from .formats.tar import RECORD
+
     if ray_address is not None and executor != "ray":
         raise click.UsageError("--ray-address needs --executor ray")
+    if fmt == "tar" and max_size is not None and max_size < RECORD:
+        raise click.BadParameter(f"at least 10KiB for tar shards (the smallest tar file), not {max_size} bytes",
+                                 param_hint="'--max-size'")
 
     start = time.perf_counter()
     stats: dict[str, int] = {}

@@ -97,7 +97,9 @@ def _samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None = N
                 check(*sample)
             yield sample
         except (OSError, images.BadImage, CorruptShardError) as e:
-            if isinstance(e, OSError) and not about_the_file(e):  # about the machine: stop
+            if isinstance(e, OSError) and not about_the_file(e):  # about the machine: stop, naming the file
+                if e.filename is None:
+                    e.filename = storage.join(job.src, item.path)
                 raise
             reason = str(e) if isinstance(e, (images.BadImage, CorruptShardError)) else f"cannot read ({e.strerror or e})"
             if job.options.on_error == "fail":

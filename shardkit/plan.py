@@ -16,6 +16,8 @@ from typing import overload
 
 import numpy as np
 
+from . import storage
+from .errors import SourceError
 from .formats.tar import BLOCK, RECORD
 from .index import Skipped
 from .scan import HIDDEN, Item, Listing, scan_dataset, scan_folder, source_kind
@@ -179,6 +181,9 @@ def make_plan(
         order = np.random.default_rng(seed).permutation(len(listing)) if shuffle else np.arange(len(listing))
         source_id = None
     else:
+        if options.resize or options.quality:
+            raise SourceError(f"{storage.display(src)}: a {source} dataset, converted byte for byte; resize and "
+                              "quality re-encode the images of an image folder (pack the folder itself)")
         idx, listing = scan_dataset(src, source, storage_options)
         classes, source_id, order = idx.classes, _fingerprint(idx.to_json()), np.arange(len(listing))
         inherited = idx.skipped

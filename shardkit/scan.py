@@ -185,6 +185,7 @@ def _scan_remote(src: str, storage_options: StorageOptions | None) -> tuple[tupl
         raise SourceError(f"{storage.display(src)}: no image files in {len(classes)} class folders")
     found = _ListingBuilder()
     label_of = {c: i for i, c in enumerate(classes)}
+    files.sort(key=lambda f: (label_of[f[0]], f[1]))  # class by class, as locally ("a-b/x" lists before "a/x")
     for top, rel, info in files:
         # object stores give no mtime in nanoseconds: any change marker will do for resume checks
         marker = str(info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("mtime") or "")

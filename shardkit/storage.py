@@ -428,9 +428,11 @@ def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> It
                 f.close()
             os.replace(tmp, path)
             _sync_folder(os.path.dirname(path) or ".")
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
+            if isinstance(e, OSError) and e.filename is None:  # a full disk, an I/O error: say where
+                e.filename = path
             raise
         return
     fs, path = filesystem(url, storage_options)  # the client's own retries on: only it can retry an upload

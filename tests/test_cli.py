@@ -344,3 +344,44 @@ def test_verify_says_which_shards_it_could_not_hash(run, photos: Path, tmp_path:
     assert result.exit_code == 0
     assert "ok   shard-000001.tar (8 samples) (no sha256 in the index)" in result.output
     assert "1 shard without a sha256 in the index: sizes, counts and offsets match, their bytes were not checked" in result.output
+
+
+def test_max_size_below_a_tar_record_is_a_usage_error(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    result = run("pack", photos, tmp_path / "out", "--max-size", "100")
+    assert result.exit_code == 2 and "'--max-size': at least 10KiB for tar shards" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_exits_130(run, photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Not 1, the code of bad data: a script can tell an interruption from a refusal."""
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys.modules["shardkit.pack"], "pack", interrupted)
+    result = run("pack", photos, tmp_path / "out")
+    assert result.exit_code == 130 and result.output.strip() == "interrupted"
+
+
+def test_resize_is_refused_on_a_dataset_converted_byte_for_byte(run, packed: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    for option in (("--resize", "64"), ("--quality", "80")):
+        result = run("pack", packed, tmp_path / "out", *option)
+        assert result.exit_code == 1 and "converted byte for byte; resize and quality re-encode" in result.output
+        assert str(packed) in result.output and not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/mem and RLIMIT_FSIZE")
+def test_errors_about_the_machine_name_the_file(photos: Path, tmp_path: Path) -> None:
+    """An I/O error reading a source file or writing a shard stops the pack (not skipped:
+    it would hit every file after it) and names the file."""
+    src = tmp_path / "src"
+    subprocess.run(["cp", "-r", str(photos), str(src)], check=True)
+    (src / "circle" / "eio.jpg").symlink_to("/proc/self/mem")  # reading it fails with EIO
+    cmd = [sys.executable, "-m", "shardkit", "pack", str(src), str(tmp_path / "a"), "--workers", "1", "-q"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr == f"Error: {src}/circle/eio.jpg: Input/output error\n"
+
+    limit = "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); " \
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); from shardkit.cli import main; main()"
+    cmd = [sys.executable, "-c", limit, "pack", str(photos), str(tmp_path / "b"), "--workers", "1", "-q"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr == f"Error: {tmp_path}/b/shard-000000.tar: File too large\n"

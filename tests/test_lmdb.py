@@ -593,3 +593,79 @@ def test_a_file_cut_short_in_place_is_caught_at_the_next_build(lmdb_pack: Path) 
 def test_verify_takes_only_absolute_import_paths(lmdb_pack: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "path", [Path("/nowhere"), "relative/dir", "", *sys.path])
     assert shardkit.verify(str(lmdb_pack)) == []
+
+
+def _foreign_tar(folder: Path, members: list[tuple[str, bytes]], name: str = "part-0.tar") -> None:
+    """A tar of `members` in that order, as another tool writes it, indexed."""
+    import io
+    import tarfile
+
+    folder.mkdir(exist_ok=True)
+    with tarfile.open(folder / name, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for member, data in members:
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _index(folder: Path) -> None:
+    from shardkit.sources import shard_urls
+
+    shardkit.index.save(shardkit.build_index(shard_urls(str(folder))), str(folder))
+
+
+def test_a_key_that_comes_twice_is_refused_not_overwritten(tmp_path: Path) -> None:
+    """Two writers each starting at key 000000: tar keeps both samples, an LMDB cannot, and
+    says so instead of keeping the last one."""
+    for s in range(2):
+        _foreign_tar(tmp_path / "wds", [("000000.cls", str(s).encode()), ("000000.txt", b"shard %d" % s)],
+                     f"part-{s}.tar")
+    _index(tmp_path / "wds")
+    with pytest.raises(ShardkitError, match=r"db: sample key '000000' comes twice in the source.*pack to tar"):
+        shardkit.pack(str(tmp_path / "wds"), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
+    shardkit.pack(str(tmp_path / "wds"), str(tmp_path / "t"), workers=1, progress=False)
+    assert [s["txt"] for s in StreamingDataset(str(tmp_path / "t"))] == ["shard 0", "shard 1"]
+
+
+def test_a_key_that_prefixes_a_folder_reads_only_its_own_records(tmp_path: Path) -> None:
+    """`v1` and `v1.2/0001`: the records `v1.cls` and `v1.2/0001.cls` share the prefix `v1.`."""
+    _foreign_tar(tmp_path / "wds", [("v1.cls", b"1"), ("v1.txt", b"one"), ("v1.2/0001.cls", b"2"),
+                                    ("v1.2/0001.txt", b"two"), ("v1.d/0001.cls", b"3")])
+    _index(tmp_path / "wds")
+    shardkit.pack(str(tmp_path / "wds"), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
+    want = [("v1", {"cls": 1, "txt": "one"}), ("v1.2/0001", {"cls": 2, "txt": "two"}), ("v1.d/0001", {"cls": 3})]
+    for ds in (LMDBDataset(str(tmp_path / "db")), StreamingDataset(str(tmp_path / "db"))):
+        assert [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("_")}) for s in ds] == want
+    assert shardkit.verify(str(tmp_path / "db")) == []
+
+
+def test_a_member_without_extension_keeps_its_name(tmp_path: Path) -> None:
+    import tarfile
+
+    _foreign_tar(tmp_path / "wds", [("LICENSE", b"text"), ("000000.cls", b"0")])
+    _index(tmp_path / "wds")
+    shardkit.pack(str(tmp_path / "wds"), str(tmp_path / "t"), workers=1, progress=False)
+    shardkit.pack(str(tmp_path / "wds"), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
+    shardkit.pack(str(tmp_path / "db"), str(tmp_path / "back"), workers=1, progress=False)
+    for out in ("t", "back"):
+        with tarfile.open(tmp_path / out / "shard-000000.tar") as tar:
+            assert tar.getnames() == ["LICENSE", "000000.cls"]
+    assert (tmp_path / "t" / "shard-000000.tar").read_bytes() == (tmp_path / "back" / "shard-000000.tar").read_bytes()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"not an lmdb", "data.mdb is truncated (11 bytes"),
+    (b"", "data.mdb is truncated (0 bytes"),
+    ("cut", "data.mdb is truncated (8192 bytes, its pages need"),
+])
+def test_a_bad_data_mdb_in_dest_is_refused_in_one_line(photos: Path, lmdb_pack: Path, tmp_path: Path,
+                                                       content, message: str) -> None:  # type: ignore[no-untyped-def]
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    data = (lmdb_pack / "data.mdb").read_bytes()[:8192] if content == "cut" else content
+    (dest / "data.mdb").write_bytes(data)
+    result = subprocess.run([sys.executable, "-m", "shardkit", "pack", str(photos), str(dest), "--format", "lmdb", "-q"],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and message in result.stderr and "pack into another folder" in result.stderr
+    assert (dest / "data.mdb").read_bytes() == data  # left as it was

@@ -98,20 +98,20 @@ def test_a_local_tree_and_its_copy_in_a_bucket_scan_alike(s3: dict, tmp_path: Pa
     from shardkit.scan import scan_folder
 
     tree = tmp_path / "tree"
-    for rel in ("a/x.jpg", "a/x-2.jpg", "a/x/1.jpg", "b/readme.txt", "c/y.jpg"):
+    for rel in ("a/x.jpg", "a/x-2.jpg", "a/x/1.jpg", "a-b/z.jpg", "b/readme.txt", "c/y.jpg"):  # "a-b/" lists before "a/"
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         (tree / rel).write_bytes(b"data")
     url, opts = s3["url"] + "/tree", s3["storage_options"]
     fs, root = fsspec.core.url_to_fs(url, **opts)
     fs.put(str(tree) + "/", root, recursive=True)
     local, remote = scan_folder(str(tree)), scan_folder(url, opts)
-    assert local[0] == remote[0] == ("a", "b", "c")  # a class folder without images is a class in both
+    assert local[0] == remote[0] == ("a", "a-b", "b", "c")  # a class folder without images is a class in both
 
     def items(listing):  # type: ignore[no-untyped-def]
         return [(listing.item(i).path, listing.item(i).label) for i in range(len(listing))]
 
     assert items(local[1]) == items(remote[1]) == [
-        ("a/x-2.jpg", 0), ("a/x.jpg", 0), ("a/x/1.jpg", 0), ("c/y.jpg", 2)]
+        ("a/x-2.jpg", 0), ("a/x.jpg", 0), ("a/x/1.jpg", 0), ("a-b/z.jpg", 1), ("c/y.jpg", 3)]
 
 
 def test_workers_cache_and_second_epoch_from_disk(s3: dict, packed: Path, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
-from ..errors import CorruptShardError, DatasetNotFoundError, ShardkitError, UnfinishedPackError
+from ..errors import CorruptShardError, DatasetNotFoundError, ShardkitError, SourceError, UnfinishedPackError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -72,8 +72,13 @@ class Writer:
 
     def __init__(self, path: str):
         lmdb = _lmdb()
-        self._lmdb = lmdb
+        self._lmdb, self.path = lmdb, path
         close_reader(path)
+        if is_lmdb(path):  # one that is not an LMDB, or is cut short, is refused here, not met with SIGBUS
+            try:
+                _open(path, False).close()
+            except (DatasetNotFoundError, CorruptShardError) as e:
+                raise SourceError(f"{e}: pack into another folder, or remove it") from None
         self.env = lmdb.open(path, subdir=True, map_size=_INITIAL_MAP, readahead=False, meminit=False)
 
     def progress(self) -> dict | None:
@@ -96,7 +101,9 @@ class Writer:
                 with self.env.begin(write=True) as txn:
                     for key, fields in samples:
                         for ext in sorted(fields):
-                            txn.put(f"{key}.{ext}".encode(), fields[ext])
+                            if not txn.put(f"{key}.{ext}".encode(), fields[ext], overwrite=False):
+                                raise SourceError(f"{self.path}: sample key {key!r} comes twice in the source; an "
+                                                  "LMDB holds one record per KEY.EXT (pack to tar, which keeps both)")
                     for k, v in meta.items():
                         txn.put(k, v)
                     for k in delete:
@@ -280,15 +287,20 @@ def read_sample(txn: Any, key: str, path: str, size: int | None = None) -> dict[
     total = 0
     try:
         with txn.cursor() as cur:
-            if cur.set_range(prefix):
-                for k, v in cur:
-                    k = bytes(k)  # a memoryview in a buffers=True transaction
-                    if not k.startswith(prefix):
-                        break
-                    total += len(v)
-                    if size is not None and total > size:
-                        break
-                    fields[k[len(prefix):].decode()] = bytes(v)
+            more = cur.set_range(prefix)
+            while more:
+                k, v = bytes(cur.key()), cur.value()  # the key: a memoryview in a buffers=True transaction
+                if not k.startswith(prefix):
+                    break
+                slash = k.find(b"/", len(prefix))
+                if slash >= 0:  # another sample's, in a folder named like this key plus a dot (v1 and v1.2/x)
+                    more = cur.set_range(k[:slash] + b"0")  # past that folder ("0" follows "/")
+                    continue
+                total += len(v)
+                if size is not None and total > size:
+                    break
+                fields[k[len(prefix):].decode()] = bytes(v)
+                more = cur.next()
     except _lmdb().Error as e:
         raise CorruptShardError(f"{path}: sample {key}: unreadable LMDB ({e})") from None
     if not fields:

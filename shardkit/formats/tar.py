@@ -105,7 +105,7 @@ class TarWriter:
         check_key(key)
         for ext in sorted(fields):
             data = fields[ext]
-            name = f"{key}.{ext}"
+            name = f"{key}.{ext}" if ext else key  # a member without extension (LICENSE) keeps its name
             if len(name.encode("utf-8")) > 100:  # too long for ustar: a pax header names it
                 record = _pax_record(name)
                 self._member(header("././@PaxHeader", len(record), b"x"), record)
