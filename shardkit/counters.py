@@ -42,11 +42,12 @@ class Shared:
     """The shared arrays (see the module docstring)."""
 
     def __init__(self) -> None:
-        # [set epoch, pass counters..., num_workers of the latest pass]
+        # [set epoch, pass counters..., num_workers of the latest DataLoader workers' pass]
         self.epoch = multiprocessing.RawArray("q", 2 + _PASS_SLOTS)
         self.stats = multiprocessing.RawArray("d", MAX_WORKERS * len(STATS))
-        # [token of the resume point in force (0: none), the last token handed out]
-        self.resume = multiprocessing.RawArray("q", 2)
+        # [token of the resume point in force (0: none), the last token handed out, the token
+        # of the last resume point a pass ran to its end under]
+        self.resume = multiprocessing.RawArray("q", 3)
 
     def __getstate__(self) -> dict[str, Any]:
         # Shared memory travels to processes this one starts (DataLoader workers); any other
@@ -62,12 +63,15 @@ class Shared:
         self.__init__()  # type: ignore[misc]
         self.epoch[:], self.stats[:], self.resume[:] = state["values"]
 
-    def start_pass(self, worker_id: int, num_workers: int) -> tuple[int, int]:
-        """(epoch, passes since set_epoch) for a new pass of this worker of this layout."""
+    def start_pass(self, worker_id: int, num_workers: int, in_worker: bool) -> tuple[int, int]:
+        """(epoch, passes since set_epoch) for a new pass of this worker of this layout. A pass
+        in the main process (a peek at one sample) sets the layout `next_epoch` follows only
+        while no DataLoader worker has made one."""
         slot = _pass_slot(worker_id, num_workers)
         passes = self.epoch[slot]
         self.epoch[slot] = passes + 1
-        self.epoch[-1] = num_workers
+        if in_worker or not self.epoch[-1]:
+            self.epoch[-1] = num_workers
         return self.epoch[0] + passes, passes
 
     def resumed(self, worker_id: int, num_workers: int, epoch: int) -> None:
@@ -83,10 +87,6 @@ class Shared:
         first = _pass_slot(0, workers)
         return int(self.epoch[0] + max(self.epoch[first : first + workers]))
 
-    def passes_started(self) -> bool:
-        """Whether any pass began since the last set_epoch."""
-        return any(self.epoch[1 : 1 + _PASS_SLOTS])
-
     def new_resume(self) -> int:
         """Put a new resume point in force; its token (workers apply only the one in force)."""
         self.resume[1] += 1
@@ -95,6 +95,13 @@ class Shared:
 
     def drop_resume(self) -> None:
         self.resume[0] = 0
+
+    def finished_under(self, token: int) -> None:
+        """A pass resumed from the point `token` ran to its end: that point is used up."""
+        self.resume[2] = token
+
+    def used_up(self, token: int) -> bool:
+        return bool(token) and self.resume[2] == token
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch[0] = epoch

@@ -7,6 +7,7 @@ Everything else (open files, the worker's plan) is made inside `__iter__`, in th
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -127,7 +128,11 @@ class StreamingDataset(EpochDataset):
         return int(self._counts.sum())
 
     def _order(self) -> dict[str, Any]:
-        return {**super()._order(), "block": self.block} if self.shuffle else super()._order()
+        if not self.shuffle:
+            return super()._order()
+        # the shuffled order goes shard by shard: the same samples cut into other shards are another order
+        digest = hashlib.sha256(np.asarray(self._counts, dtype="<i8").tobytes()).hexdigest()[:12]
+        return {**super()._order(), "block": self.block, "shard_sizes": f"{len(self._counts)} shards, sha256 {digest}"}
 
     def _sequence(self, epoch: int) -> np.ndarray:
         return partition.global_sequence(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self.block)

@@ -10,6 +10,7 @@ resume. Subclasses say what the global sequence is and how a position becomes a 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 import numpy as np
@@ -72,10 +73,12 @@ class EpochDataset(torch.utils.data.IterableDataset):
         return self._world or partition.world()
 
     def __getstate__(self) -> dict[str, Any]:
-        # Pickled for spawned workers: pin the rank seen by the main process, because a
-        # spawned worker has no process group of its own.
+        # Pickled for a spawned worker: pin the rank seen by the main process, because a
+        # spawned worker has no process group of its own. Any other copy (deepcopy, a
+        # framework shipping the dataset) finds its rank where it runs, as the original does.
         state = self.__dict__.copy()
-        state["_world"] = self._rank_world()
+        if get_spawning_popen() is not None:
+            state["_world"] = self._rank_world()
         return state
 
     def __len__(self) -> int:
@@ -109,8 +112,9 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Use epoch `epoch` for the next pass (reaches persistent workers too)."""
         epoch = checks.integer("epoch", epoch, 0, MAX_EPOCH)
-        if self._resume is not None and (self._resume["epoch"] != epoch or self._shared.passes_started()):
-            self._drop_resume()  # a loaded resume point applies to its own epoch, once
+        resume = self._resume
+        if resume is not None and (resume["epoch"] != epoch or self._shared.used_up(resume["token"])):
+            self._drop_resume()  # a loaded resume point applies to its own epoch, until a pass used it up
         self._shared.set_epoch(epoch)
 
     def _drop_resume(self) -> None:
@@ -181,6 +185,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
         if self.batch_size:
             if batch_size not in (None, self.batch_size):
                 raise ValueError(f"the dataset batches by {self.batch_size}: leave batch_size out")
+            if drop_last:  # DataLoader(batch_size=None) takes no drop_last: its last batch is always handed out
+                raise ValueError(f"the dataset batches by {self.batch_size}: leave drop_last out")
             batch_size = self.batch_size
         elif batch_size is None:
             raise ValueError("batch_size: the DataLoader's batch size is needed")
@@ -345,6 +351,7 @@ class EpochStream:
         self.skip = 0
         self.yielded = 0
         self._gen: Iterator[Any] | None = None
+        self._resume_token = 0  # the resume point this pass follows, if any
         if fixed is None:
             resume, in_force = ds._resume, ds._shared.resume[0]
             if in_force and (resume is None or resume["token"] != in_force):
@@ -353,10 +360,13 @@ class EpochStream:
                     "started, and they keep the dataset they started with: load the state before the "
                     "loader's first iteration, or build a new DataLoader")
                 return
-            self.epoch, passes = ds._shared.start_pass(worker_id, num_workers)
-            # a loaded resume point applies to the first pass of its epoch only
+            in_worker = torch.utils.data.get_worker_info() is not None
+            self.epoch, passes = ds._shared.start_pass(worker_id, num_workers, in_worker)
+            # a loaded resume point applies to the first pass of its epoch of each layout (a peek
+            # in the main process is one, the loader's workers another), until one runs to its end
             if resume is not None and resume["token"] == in_force and passes == 0 and resume["epoch"] == self.epoch:
                 self.history = list(resume["history"])
+                self._resume_token = in_force
 
     def __iter__(self) -> EpochStream:
         return self
@@ -366,7 +376,12 @@ class EpochStream:
             if self._refusal is not None:
                 raise self._refusal
             self._gen = self._generate()
-        item = next(self._gen)
+        try:
+            item = next(self._gen)
+        except StopIteration:
+            if self._resume_token:
+                self.ds._shared.finished_under(self._resume_token)
+            raise
         self.yielded += 1
         return item
 

@@ -75,7 +75,7 @@ class MixedDataset(EpochDataset):
         return self.samples_per_epoch
 
     def _order(self) -> dict[str, Any]:
-        parts = [{k: v for k, v in p._order().items() if k in ("shuffle", "seed", "block")} for p in self.parts]
+        parts = [{k: v for k, v in p._order().items() if k in ("shuffle", "seed", "block", "shard_sizes")} for p in self.parts]
         return {**super()._order(), "counts": [int(c) for c in self.counts], "sizes": list(self.sizes),
                 "parts": parts}  # what orders each part's own epochs
 

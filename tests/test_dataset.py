@@ -1169,6 +1169,58 @@ def test_a_resume_point_applies_once_even_if_its_epoch_is_set_again(packed: Path
     assert len(keys_of(loader)) == 120
 
 
+def test_a_peek_after_loading_a_resume_point_leaves_it_to_the_loader(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True)
+    ds.set_epoch(2)
+    before = take(DataLoader(ds, num_workers=2, batch_size=5), 2)
+    ds2 = StreamingDataset(str(packed), shuffle=True)
+    ds2.load_state_dict(ds2.resume_state(epoch=2, samples_seen=10, batch_size=5, num_workers=2))
+    next(iter(ds2))  # a look at one sample's shape
+    ds2.set_epoch(2)  # the training loop's
+    rest = keys_of(DataLoader(ds2, num_workers=2, batch_size=5))
+    assert len(rest) == 110 and Counter(before) + Counter(rest) == Counter(ALL_KEYS)
+
+
+def test_state_dict_after_the_loaders_passes_and_a_peek(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), shuffle=True)
+    loader = DataLoader(ds, num_workers=2, batch_size=None)
+    for _ in range(3):
+        keys_of(loader)
+    next(iter(ds))  # a peek in the main process sets nothing the loader's next pass follows
+    assert ds.state_dict()["epoch"] == 3
+
+
+def test_a_copy_finds_its_rank_where_it_runs(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a spawned worker's pickle pins the rank: a copy made before DDP starts (a
+    framework's deepcopy at setup) sees the rank and world size that come later."""
+    import copy
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ds = StreamingDataset(str(packed))
+    early = copy.deepcopy(ds)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert len(ds) == len(early) == len(copy.deepcopy(ds)) == 60
+
+
+def test_a_state_is_refused_by_the_same_samples_cut_into_other_shards(tmp_path: Path) -> None:
+    photos = make_folder(tmp_path / "photos", per_class=4)
+    a = pack(photos, tmp_path / "a", max_count=3)
+    b = pack(photos, tmp_path / "b", max_count=5)
+    state = StreamingDataset(str(a), shuffle=True).resume_state(epoch=0, samples_seen=4, batch_size=2, num_workers=0)
+    with pytest.raises(ValueError, match=r"another order \(shard_sizes '4 shards, sha256 \w+' there, '3 shards"):
+        StreamingDataset(str(b), shuffle=True).load_state_dict(state)
+    StreamingDataset(str(b)).load_state_dict(  # in the dataset's own order the cut does not matter
+        StreamingDataset(str(a)).resume_state(epoch=0, samples_seen=4, batch_size=2, num_workers=0))
+
+
+def test_resume_state_of_a_batching_dataset_takes_no_drop_last(packed: Path) -> None:
+    ds = StreamingDataset(str(packed), batch_size=4)
+    with pytest.raises(ValueError, match="the dataset batches by 4: leave drop_last out"):
+        ds.resume_state(epoch=0, samples_seen=8, num_workers=2, drop_last=True)
+
+
 def test_loading_a_state_after_persistent_workers_started_is_refused(packed: Path) -> None:
     """Persistent workers keep the dataset they were started with: a resume point loaded
     later would silently not reach them, so their next pass refuses, in the main process."""
