@@ -190,7 +190,8 @@ def _prepare_dest(dest: str, plan: Plan, overwrite: bool, storage_options: Stora
             pass
     packed = index.PROGRESS_DIR in names or index.INDEX_NAME in names
     own = (index.INDEX_NAME, index.PROGRESS_DIR)
-    foreign = [n for n in names if n not in own and not (packed and (_SHARD_RE.match(n) or _TMP_RE.match(n)))]
+    foreign = [n for n in names if n not in own and not n.startswith(".")  # .DS_Store: hidden, as in SRC
+               and not (packed and (_SHARD_RE.match(n) or _TMP_RE.match(n)))]
     if lmdb_format.DATA_FILE in foreign:
         raise SourceError(f"{dest}: holds an LMDB dataset: pack tar shards into another folder")
     if foreign:
@@ -364,7 +365,7 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
     each recording the progress, so a rerun continues after the last committed job."""
     path = storage.local_path(dest)
     names = os.listdir(path) if os.path.isdir(path) else []
-    others = [n for n in names if n not in _LMDB_FILES and not _TMP_RE.match(n)]
+    others = [n for n in names if n not in _LMDB_FILES and not _TMP_RE.match(n) and not n.startswith(".")]
     if others:
         if index.INDEX_NAME in names:
             raise SourceError(f"{dest}: holds tar shards: pack an LMDB into another folder")

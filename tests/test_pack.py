@@ -336,6 +336,18 @@ def test_refuses_a_foreign_destination(photos: Path, tmp_path: Path) -> None:
     assert (tmp_path / "out" / "thesis.pdf").read_text() == "precious"
 
 
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_a_hidden_file_in_the_destination_is_left_alone(photos: Path, tmp_path: Path, fmt: str) -> None:
+    """A Finder's .DS_Store is no reason to refuse DEST (SRC ignores hidden entries too),
+    and the pack neither reads nor removes it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".DS_Store").write_bytes(b"finder")
+    idx = shardkit.pack(str(photos), str(out), format=fmt, workers=1, progress=False)
+    assert idx.samples == 30 and (out / ".DS_Store").read_bytes() == b"finder"
+    assert shardkit.pack(str(photos), str(out), format=fmt, workers=1, progress=False).samples == 30
+
+
 def test_rerun_reuses_shards_and_repairs_damage(photos: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     shardkit.pack(str(photos), str(out), max_count=4, workers=2, progress=False)
