@@ -46,7 +46,7 @@ class Shared:
         self.epoch = multiprocessing.RawArray("q", 2 + _PASS_SLOTS)
         self.stats = multiprocessing.RawArray("d", MAX_WORKERS * len(STATS))
         # [token of the resume point in force (0: none), the last token handed out, the token
-        # of the last resume point a pass ran to its end under]
+        # of the last resume point a pass used up]
         self.resume = multiprocessing.RawArray("q", 3)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -64,15 +64,19 @@ class Shared:
         self.epoch[:], self.stats[:], self.resume[:] = state["values"]
 
     def start_pass(self, worker_id: int, num_workers: int, in_worker: bool) -> tuple[int, int]:
-        """(epoch, passes since set_epoch) for a new pass of this worker of this layout. A pass
-        in the main process (a peek at one sample) sets the layout `next_epoch` follows only
-        while no DataLoader worker has made one."""
+        """(epoch, passes since set_epoch) for a new pass of this worker of this layout. A
+        DataLoader worker's pass sets the layout `next_epoch` follows as it starts; a pass in
+        the main process (num_workers=0, or a peek at one sample) only while none is set,
+        then as it ends (`ended_in_main`): a peek never does."""
         slot = _pass_slot(worker_id, num_workers)
         passes = self.epoch[slot]
         self.epoch[slot] = passes + 1
         if in_worker or not self.epoch[-1]:
             self.epoch[-1] = num_workers
         return self.epoch[0] + passes, passes
+
+    def ended_in_main(self, num_workers: int) -> None:
+        self.epoch[-1] = num_workers
 
     def resumed(self, worker_id: int, num_workers: int, epoch: int) -> None:
         """A worker restored mid-`epoch`: its next pass reads epoch + 1."""
@@ -96,8 +100,8 @@ class Shared:
     def drop_resume(self) -> None:
         self.resume[0] = 0
 
-    def finished_under(self, token: int) -> None:
-        """A pass resumed from the point `token` ran to its end: that point is used up."""
+    def use_up(self, token: int) -> None:
+        """A pass resumed from the point `token` took it: set that epoch again for a whole one."""
         self.resume[2] = token
 
     def used_up(self, token: int) -> bool:

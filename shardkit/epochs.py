@@ -301,10 +301,18 @@ def _check_order(found: list[dict[str, Any]], order: dict[str, Any]) -> None:
     an earlier shardkit version did not record (all of it, or a mixture's parts) is taken
     as it is."""
     saved = next((s["order"] for s in found if "order" in s), None)
-    differ = [k for k in (saved or {}) if saved[k] != order.get(k)]
+    differ = [k for k in (saved or {}) if not _same(saved[k], order.get(k))]
     if differ:
         said = ", ".join(f"{k} {saved[k]!r} there, {order.get(k)!r} here" for k in differ)
         raise ValueError(f"this state was saved from a dataset whose epochs have another order ({said})")
+
+
+def _same(saved: Any, here: Any) -> bool:
+    """Whether a saved value of the order matches this dataset's: a mixture's parts item by
+    item, on the keys the saved part has (an earlier version recorded fewer)."""
+    if isinstance(saved, list) and isinstance(here, list) and all(isinstance(x, dict) for x in saved + here):
+        return len(saved) == len(here) and all(all(a[k] == b.get(k) for k in a) for a, b in zip(saved, here))
+    return bool(saved == here)
 
 
 class Samples:
@@ -352,6 +360,7 @@ class EpochStream:
         self.yielded = 0
         self._gen: Iterator[Any] | None = None
         self._resume_token = 0  # the resume point this pass follows, if any
+        self._in_worker = False
         if fixed is None:
             resume, in_force = ds._resume, ds._shared.resume[0]
             if in_force and (resume is None or resume["token"] != in_force):
@@ -360,13 +369,16 @@ class EpochStream:
                     "started, and they keep the dataset they started with: load the state before the "
                     "loader's first iteration, or build a new DataLoader")
                 return
-            in_worker = torch.utils.data.get_worker_info() is not None
-            self.epoch, passes = ds._shared.start_pass(worker_id, num_workers, in_worker)
-            # a loaded resume point applies to the first pass of its epoch of each layout (a peek
-            # in the main process is one, the loader's workers another), until one runs to its end
+            self._in_worker = torch.utils.data.get_worker_info() is not None
+            self.epoch, passes = ds._shared.start_pass(worker_id, num_workers, self._in_worker)
+            # a loaded resume point applies to the first pass of its epoch of each layout: a
+            # DataLoader worker's pass uses it up as it starts, a pass in the main process (a
+            # peek at one sample, or num_workers=0) only if it runs to its end
             if resume is not None and resume["token"] == in_force and passes == 0 and resume["epoch"] == self.epoch:
                 self.history = list(resume["history"])
                 self._resume_token = in_force
+                if self._in_worker:
+                    ds._shared.use_up(in_force)
 
     def __iter__(self) -> EpochStream:
         return self
@@ -379,8 +391,10 @@ class EpochStream:
         try:
             item = next(self._gen)
         except StopIteration:
-            if self._resume_token:
-                self.ds._shared.finished_under(self._resume_token)
+            if self._fixed is None and not self._in_worker:  # a whole pass in the main process
+                self.ds._shared.ended_in_main(self.num_workers)
+                if self._resume_token:
+                    self.ds._shared.use_up(self._resume_token)
             raise
         self.yielded += 1
         return item

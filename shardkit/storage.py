@@ -431,7 +431,7 @@ def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> It
         except BaseException as e:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
-            if isinstance(e, OSError) and e.filename is None:  # a full disk, an I/O error: say where
+            if isinstance(e, OSError) and e.errno is not None and e.filename is None:  # a full disk, an I/O error: say where
                 e.filename = path
             raise
         return

@@ -1188,6 +1188,22 @@ def test_state_dict_after_the_loaders_passes_and_a_peek(packed: Path) -> None:
         keys_of(loader)
     next(iter(ds))  # a peek in the main process sets nothing the loader's next pass follows
     assert ds.state_dict()["epoch"] == 3
+    in_main = DataLoader(ds, num_workers=0, batch_size=None)  # whole passes in the main process do
+    for _ in range(3):
+        keys_of(in_main)
+    assert ds.state_dict()["epoch"] == 4  # the peek was this layout's first pass
+
+
+@pytest.mark.parametrize("workers, left", [(2, 120), (0, 110)])
+def test_an_interrupted_resumed_pass(packed: Path, workers: int, left: int) -> None:
+    """A pass with workers uses the resume point up as it starts (they read ahead: how far
+    the trainer got is not theirs to know); one in the main process only at its end."""
+    ds = StreamingDataset(str(packed), shuffle=True)
+    ds.load_state_dict(ds.resume_state(epoch=2, samples_seen=10, batch_size=5, num_workers=2))
+    ds.set_epoch(2)
+    next(iter(DataLoader(ds, num_workers=workers, batch_size=5)))  # interrupted after a batch
+    ds.set_epoch(2)
+    assert len(keys_of(DataLoader(ds, num_workers=workers, batch_size=5))) == left
 
 
 def test_a_copy_finds_its_rank_where_it_runs(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -104,6 +104,9 @@ def test_a_state_of_a_mix_whose_parts_have_another_order_is_refused(two: tuple[s
                                         (StreamingDataset(b, shuffle=True, block=2), 0.5)], shuffle=True)):
         with pytest.raises(ValueError, match="whose epochs have another order .*parts"):
             other.load_state_dict(state)
+    for part in state["order"]["parts"]:  # as shardkit saved it before it recorded the shards' counts
+        del part["shard_sizes"]
+    StreamingDataset.mix([(a, 0.5), (b, 0.5)], shuffle=True, block=2).load_state_dict(state)
     del state["order"]["parts"]  # as shardkit saved it before it recorded the parts' order
     StreamingDataset.mix([(a, 0.5), (b, 0.5)], shuffle=True, block=2).load_state_dict(state)
 
