@@ -16,7 +16,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -323,6 +323,7 @@ def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | 
     storage.makedirs(dest, storage_options)
     committed = _prepare_dest(dest, plan, overwrite, storage_options)
     if committed is not None:
+        _refuse_earlier_skips(plan, committed.skipped)
         _cleanup(dest, plan, storage_options)  # what a crash in the last run's cleanup left
         return committed
     results: dict[str, ShardResult] = {}
@@ -333,6 +334,7 @@ def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | 
             todo.append(i)
         else:
             results[name] = done
+    _refuse_earlier_skips(plan, [s for r in results.values() for s in r.skipped])
     initial = sum(plan.size(i) for i in range(len(plan.names)) if plan.names[i] in results)
     stats.update(kept=initial, written=len(plan.order) - initial, unchanged=0)
     with _bar(plan, initial, progress) as bar:
@@ -352,6 +354,19 @@ def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | 
     index.save(idx, dest, storage_options)
     _cleanup(dest, plan, storage_options)
     return idx
+
+
+def _refuse_earlier_skips(plan: Plan, skipped: Sequence[Skipped]) -> None:
+    """Under on_error="fail", refuse to keep work of an earlier run that left a file out
+    (that run was under "skip"); hidden entries and what a converted dataset's own pack
+    left out do not count."""
+    if plan.options.on_error != "fail":
+        return
+    inherited = set(plan.inherited)
+    first = next((s for s in skipped if s.reason != HIDDEN and s not in inherited), None)
+    if first is not None:
+        raise SourceError(f"{storage.join(plan.src, first.path)}: {first.reason} (left out by an earlier run "
+                          "of this pack under --on-error skip)")
 
 
 def _all_skipped(plan: Plan, more: list[Skipped]) -> tuple[Skipped, ...]:
@@ -390,6 +405,7 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
         if finished is not None or (progress_doc or {}).get("plan") not in (None, plan.fingerprint):
             existing = Index.from_json(finished, dest) if finished is not None else None
             if existing is not None and existing.plan == plan.fingerprint:
+                _refuse_earlier_skips(plan, existing.skipped)
                 index.save(existing, dest)  # in case the crash came between the two commits
                 return existing
             if existing is not None and not overwrite:
@@ -404,6 +420,7 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
         for i in range(done):
             with writer.env.begin() as txn:
                 records.append(json.loads(txn.get(_chunk_key(i))))
+        _refuse_earlier_skips(plan, [Skipped(**s) for r in records for s in r["skipped"]])
 
         def commit(result: ChunkResult) -> None:
             i = len(records)

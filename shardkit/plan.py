@@ -31,7 +31,8 @@ DEFAULT_MAX_SIZE = "256MB"
 
 @dataclass(frozen=True)
 class Options:
-    """What shapes the bytes of a shard (part of every job's fingerprint)."""
+    """How the jobs run: what shapes the bytes of a shard (part of every job's fingerprint),
+    and `on_error`."""
 
     resize: int | None = None
     quality: int | None = None
@@ -232,7 +233,10 @@ def _job_fingerprint(plan: Plan, i: int, source_id: str | None) -> str:
     lo, hi = plan.bounds[i]
     listing, ids = plan.listing, plan.order[lo:hi]
     starts = np.where(ids > 0, listing.ends[ids - 1], 0).tolist()  # this job's items only, not the listing
-    h = hashlib.sha256(json.dumps([plan.names[i], plan.source, plan.classes, asdict(plan.options), source_id,
+    # on_error decides whether a pack goes on past a bad file, not what a shard holds: a shard
+    # written under "fail" is the one "skip" writes (kept under "fail" only if it skipped nothing)
+    options = asdict(replace(plan.options, on_error="skip"))
+    h = hashlib.sha256(json.dumps([plan.names[i], plan.source, plan.classes, options, source_id,
                                    lo, hi, len(plan.order)]).encode())
     for column in (ids, listing.labels[ids], listing.sizes[ids], listing.mtimes[ids]):
         h.update(np.ascontiguousarray(column, "<i8").tobytes())

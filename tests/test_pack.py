@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -183,6 +184,37 @@ def test_on_error_fail_names_the_file(photos: Path, tmp_path: Path) -> None:
         shardkit.pack(str(photos), str(tmp_path / "out"), on_error="fail", workers=2, max_count=3, progress=False)
     assert not (tmp_path / "out" / "index.json").exists()
     assert not [p for p in (tmp_path / "out").iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_on_error_is_no_part_of_what_a_pack_is(photos: Path, tmp_path: Path, fmt: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rerun under the other --on-error keeps the work (it would write the same bytes),
+    unless that work left a file out and the rerun says fail: then it fails, naming it."""
+    out = tmp_path / "out"
+    shardkit.pack(str(photos), str(out), format=fmt, workers=1, max_count=7, progress=False)
+    again = shardkit.pack(str(photos), str(out), format=fmt, workers=1, max_count=7, on_error="fail", progress=False)
+    assert again.samples == 30
+
+    (photos / "square" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0garbage")
+    shutil.rmtree(out)
+    shardkit.pack(str(photos), str(out), format=fmt, workers=1, max_count=7, progress=False)  # under skip
+    message = r"square/broken\.jpg: .*\(left out by an earlier run of this pack under --on-error skip\)"
+    with pytest.raises(SourceError, match=message):  # the finished pack
+        shardkit.pack(str(photos), str(out), format=fmt, workers=1, max_count=7, on_error="fail", progress=False)
+    if fmt == "tar":  # and one that a crash stopped before its index: its shards are kept work
+        shutil.rmtree(out)
+
+        def crash(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("killed before the index")
+
+        with monkeypatch.context() as m:
+            m.setattr(sys.modules["shardkit.index"], "save", crash)
+            with pytest.raises(RuntimeError, match="killed before the index"):
+                shardkit.pack(str(photos), str(out), workers=1, max_count=7, progress=False)
+        with pytest.raises(SourceError, match=message):
+            shardkit.pack(str(photos), str(out), workers=1, max_count=7, on_error="fail", progress=False)
+        assert shardkit.pack(str(photos), str(out), workers=1, max_count=7, progress=False).samples == 30
 
 
 def test_on_error_fail_passes_over_hidden_entries(photos: Path, tmp_path: Path) -> None:
