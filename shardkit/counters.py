@@ -29,20 +29,25 @@ STATS = ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped", "fe
          "prefetch_depth", "fetch_latency_s")
 GAUGES = frozenset({"prefetch_depth", "fetch_latency_s"})  # last value per worker, not a running sum
 COUNTS = frozenset({"samples", "bytes", "skipped", "fetched_bytes", "cache_hits"})  # whole numbers, shown as ints
-# pass counters: one per (num_workers, worker id), so a pass with another layout (a peek in
-# the main process, a loader with other num_workers) never shifts this layout's epochs
-_PASS_SLOTS = MAX_WORKERS * (MAX_WORKERS + 1) // 2
+# pass counters: one per (layout, worker id), the layout being a DataLoader's num_workers or
+# 0 for the main process (num_workers=0, a peek at one sample), so a pass of one layout never
+# shifts another's epochs
+_PASS_SLOTS = (MAX_WORKERS + 1) * (MAX_WORKERS + 2) // 2
 
 
-def _pass_slot(worker_id: int, num_workers: int) -> int:
-    return 1 + num_workers * (num_workers - 1) // 2 + worker_id
+def _pass_slot(worker_id: int, layout: int) -> int:
+    return 1 + layout * (layout + 1) // 2 + worker_id
+
+
+def _layout(num_workers: int, in_worker: bool) -> int:
+    return num_workers if in_worker else 0
 
 
 class Shared:
     """The shared arrays (see the module docstring)."""
 
     def __init__(self) -> None:
-        # [set epoch, pass counters..., num_workers of the latest DataLoader workers' pass]
+        # [set epoch, pass counters..., 1 + the layout `next_epoch` follows (0: none yet)]
         self.epoch = multiprocessing.RawArray("q", 2 + _PASS_SLOTS)
         self.stats = multiprocessing.RawArray("d", MAX_WORKERS * len(STATS))
         # [token of the resume point in force (0: none), the last token handed out, the token
@@ -65,31 +70,33 @@ class Shared:
 
     def start_pass(self, worker_id: int, num_workers: int, in_worker: bool) -> tuple[int, int]:
         """(epoch, passes since set_epoch) for a new pass of this worker of this layout. A
-        DataLoader worker's pass sets the layout `next_epoch` follows as it starts; a pass in
-        the main process (num_workers=0, or a peek at one sample) only while none is set,
-        then as it ends (`ended_in_main`): a peek never does."""
-        slot = _pass_slot(worker_id, num_workers)
+        DataLoader worker's pass makes its layout the one `next_epoch` follows as it starts; a
+        pass in the main process only once it ends (`ended_in_main`): a peek never does."""
+        slot = _pass_slot(worker_id, _layout(num_workers, in_worker))
         passes = self.epoch[slot]
         self.epoch[slot] = passes + 1
-        if in_worker or not self.epoch[-1]:
-            self.epoch[-1] = num_workers
+        if in_worker:
+            self.epoch[-1] = 1 + num_workers
         return self.epoch[0] + passes, passes
 
-    def ended_in_main(self, num_workers: int) -> None:
-        self.epoch[-1] = num_workers
+    def ended_in_main(self) -> None:
+        self.epoch[-1] = 1
 
-    def resumed(self, worker_id: int, num_workers: int, epoch: int) -> None:
+    def resumed(self, worker_id: int, num_workers: int, in_worker: bool, epoch: int) -> None:
         """A worker restored mid-`epoch`: its next pass reads epoch + 1."""
+        layout = _layout(num_workers, in_worker)
         self.epoch[0] = epoch
-        self.epoch[_pass_slot(worker_id, num_workers)] = 1
-        self.epoch[-1] = num_workers
+        self.epoch[_pass_slot(worker_id, layout)] = 1
+        self.epoch[-1] = 1 + layout
 
     def next_epoch(self) -> int:
-        """The epoch the next pass of the latest layout reads: set_epoch's value plus the
-        passes that layout ran since (peeks with another layout don't count)."""
-        workers = self.epoch[-1] or 1
-        first = _pass_slot(0, workers)
-        return int(self.epoch[0] + max(self.epoch[first : first + workers]))
+        """The epoch the next pass of the layout followed reads: set_epoch's value plus the
+        passes that layout ran since (other layouts' passes, a peek's, don't count)."""
+        if not self.epoch[-1]:
+            return int(self.epoch[0])
+        layout = self.epoch[-1] - 1
+        first = _pass_slot(0, layout)
+        return int(self.epoch[0] + max(self.epoch[first : first + max(layout, 1)]))
 
     def new_resume(self) -> int:
         """Put a new resume point in force; its token (workers apply only the one in force)."""

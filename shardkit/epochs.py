@@ -392,7 +392,7 @@ class EpochStream:
             item = next(self._gen)
         except StopIteration:
             if self._fixed is None and not self._in_worker:  # a whole pass in the main process
-                self.ds._shared.ended_in_main(self.num_workers)
+                self.ds._shared.ended_in_main()
                 if self._resume_token:
                     self.ds._shared.use_up(self._resume_token)
             raise
@@ -425,7 +425,8 @@ class EpochStream:
                 "the dataset's load_state_dict to resume under a new world size or num_workers"
             )
         self.epoch, self.history, self.skip = int(state["epoch"]), list(state["history"]), int(state["yielded"])
-        self.ds._shared.resumed(self.worker_id, self.num_workers, self.epoch)
+        in_worker = torch.utils.data.get_worker_info() is not None
+        self.ds._shared.resumed(self.worker_id, self.num_workers, in_worker, self.epoch)
 
     def _plan(self) -> np.ndarray:
         """This worker's samples for this pass, in order, minus those already yielded."""

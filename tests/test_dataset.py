@@ -1169,16 +1169,23 @@ def test_a_resume_point_applies_once_even_if_its_epoch_is_set_again(packed: Path
     assert len(keys_of(loader)) == 120
 
 
-def test_a_peek_after_loading_a_resume_point_leaves_it_to_the_loader(packed: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("set_epoch", [False, True])
+def test_a_peek_after_loading_a_resume_point_leaves_it_to_the_loader(packed: Path, workers: int,
+                                                                      set_epoch: bool) -> None:
+    """The main process's passes are a layout of their own, even beside one worker."""
     ds = StreamingDataset(str(packed), shuffle=True)
     ds.set_epoch(2)
-    before = take(DataLoader(ds, num_workers=2, batch_size=5), 2)
+    before = take(DataLoader(ds, num_workers=workers, batch_size=5), 2)
     ds2 = StreamingDataset(str(packed), shuffle=True)
-    ds2.load_state_dict(ds2.resume_state(epoch=2, samples_seen=10, batch_size=5, num_workers=2))
+    ds2.load_state_dict(ds2.resume_state(epoch=2, samples_seen=10, batch_size=5, num_workers=workers))
     next(iter(ds2))  # a look at one sample's shape
-    ds2.set_epoch(2)  # the training loop's
-    rest = keys_of(DataLoader(ds2, num_workers=2, batch_size=5))
+    assert ds2.state_dict()["epoch"] == 2  # a peek is no pass that a checkpoint counts
+    if set_epoch:
+        ds2.set_epoch(2)  # the training loop's
+    rest = keys_of(DataLoader(ds2, num_workers=workers, batch_size=5))
     assert len(rest) == 110 and Counter(before) + Counter(rest) == Counter(ALL_KEYS)
+    assert ds2.state_dict()["epoch"] == 3
 
 
 def test_state_dict_after_the_loaders_passes_and_a_peek(packed: Path) -> None:
