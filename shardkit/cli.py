@@ -158,10 +158,9 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
     index.json is written last. A finished dataset already in DEST from another source or
     with other options is left alone unless --overwrite is given.
     """
+    from .formats.tar import RECORD
     from .pack import pack as run_pack
     from .scan import HIDDEN
-
-    from .formats.tar import RECORD
 
     if ray_address is not None and executor != "ray":
         raise click.UsageError("--ray-address needs --executor ray")

@@ -39,10 +39,6 @@ def _pass_slot(worker_id: int, layout: int) -> int:
     return 1 + layout * (layout + 1) // 2 + worker_id
 
 
-def _layout(num_workers: int, in_worker: bool) -> int:
-    return num_workers if in_worker else 0
-
-
 class Shared:
     """The shared arrays (see the module docstring)."""
 
@@ -68,23 +64,22 @@ class Shared:
         self.__init__()  # type: ignore[misc]
         self.epoch[:], self.stats[:], self.resume[:] = state["values"]
 
-    def start_pass(self, worker_id: int, num_workers: int, in_worker: bool) -> tuple[int, int]:
+    def start_pass(self, worker_id: int, layout: int) -> tuple[int, int]:
         """(epoch, passes since set_epoch) for a new pass of this worker of this layout. A
         DataLoader worker's pass makes its layout the one `next_epoch` follows as it starts; a
         pass in the main process only once it ends (`ended_in_main`): a peek never does."""
-        slot = _pass_slot(worker_id, _layout(num_workers, in_worker))
+        slot = _pass_slot(worker_id, layout)
         passes = self.epoch[slot]
         self.epoch[slot] = passes + 1
-        if in_worker:
-            self.epoch[-1] = 1 + num_workers
+        if layout:
+            self.epoch[-1] = 1 + layout
         return self.epoch[0] + passes, passes
 
     def ended_in_main(self) -> None:
         self.epoch[-1] = 1
 
-    def resumed(self, worker_id: int, num_workers: int, in_worker: bool, epoch: int) -> None:
+    def resumed(self, worker_id: int, layout: int, epoch: int) -> None:
         """A worker restored mid-`epoch`: its next pass reads epoch + 1."""
-        layout = _layout(num_workers, in_worker)
         self.epoch[0] = epoch
         self.epoch[_pass_slot(worker_id, layout)] = 1
         self.epoch[-1] = 1 + layout

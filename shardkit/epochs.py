@@ -360,7 +360,8 @@ class EpochStream:
         self.yielded = 0
         self._gen: Iterator[Any] | None = None
         self._resume_token = 0  # the resume point this pass follows, if any
-        self._in_worker = False
+        # the pass counters' layout: the DataLoader's num_workers, 0 in the main process
+        self._layout = num_workers if torch.utils.data.get_worker_info() is not None else 0
         if fixed is None:
             resume, in_force = ds._resume, ds._shared.resume[0]
             if in_force and (resume is None or resume["token"] != in_force):
@@ -369,15 +370,14 @@ class EpochStream:
                     "started, and they keep the dataset they started with: load the state before the "
                     "loader's first iteration, or build a new DataLoader")
                 return
-            self._in_worker = torch.utils.data.get_worker_info() is not None
-            self.epoch, passes = ds._shared.start_pass(worker_id, num_workers, self._in_worker)
+            self.epoch, passes = ds._shared.start_pass(worker_id, self._layout)
             # a loaded resume point applies to the first pass of its epoch of each layout: a
             # DataLoader worker's pass uses it up as it starts, a pass in the main process (a
             # peek at one sample, or num_workers=0) only if it runs to its end
             if resume is not None and resume["token"] == in_force and passes == 0 and resume["epoch"] == self.epoch:
                 self.history = list(resume["history"])
                 self._resume_token = in_force
-                if self._in_worker:
+                if self._layout:
                     ds._shared.use_up(in_force)
 
     def __iter__(self) -> EpochStream:
@@ -391,7 +391,7 @@ class EpochStream:
         try:
             item = next(self._gen)
         except StopIteration:
-            if self._fixed is None and not self._in_worker:  # a whole pass in the main process
+            if self._fixed is None and not self._layout:  # a whole pass in the main process
                 self.ds._shared.ended_in_main()
                 if self._resume_token:
                     self.ds._shared.use_up(self._resume_token)
@@ -425,8 +425,7 @@ class EpochStream:
                 "the dataset's load_state_dict to resume under a new world size or num_workers"
             )
         self.epoch, self.history, self.skip = int(state["epoch"]), list(state["history"]), int(state["yielded"])
-        in_worker = torch.utils.data.get_worker_info() is not None
-        self.ds._shared.resumed(self.worker_id, self.num_workers, in_worker, self.epoch)
+        self.ds._shared.resumed(self.worker_id, self._layout, self.epoch)
 
     def _plan(self) -> np.ndarray:
         """This worker's samples for this pass, in order, minus those already yielded."""

@@ -36,6 +36,12 @@ def about_the_file(e: OSError) -> bool:
             or e.errno in _ABOUT_THE_FILE)
 
 
+def name_file(e: OSError, path: str) -> None:
+    """Have a system error (one with an errno) that names no file name `path`."""
+    if e.errno is not None and e.filename is None:
+        e.filename = path
+
+
 def describe(e: BaseException) -> str:
     """`Type: message` on one line, for errors raised inside a sample's reading or decoding."""
     return one_line(e) if isinstance(e, FieldError) else f"{type(e).__name__}: {one_line(e)}"

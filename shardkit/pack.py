@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from . import checks, executors, images, index, storage
-from .errors import CorruptShardError, SourceError, about_the_file
+from .errors import CorruptShardError, SourceError, about_the_file, name_file
 from .executors import tick
 from .formats import lmdb as lmdb_format
 from .formats.tar import RECORD, TarWriter, check_key, parse_sample
@@ -98,8 +98,7 @@ def _samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None = N
             yield sample
         except (OSError, images.BadImage, CorruptShardError) as e:
             if isinstance(e, OSError) and not about_the_file(e):  # about the machine: stop, naming the file
-                if e.filename is None:
-                    e.filename = storage.join(job.src, item.path)
+                name_file(e, storage.join(job.src, item.path))
                 raise
             reason = str(e) if isinstance(e, (images.BadImage, CorruptShardError)) else f"cannot read ({e.strerror or e})"
             if job.options.on_error == "fail":

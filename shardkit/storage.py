@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 
 from .errors import (AccessDeniedError, BadRequestError, CorruptShardError, NotFoundError, ShardkitError, one_line,
-                     redact)
+                     name_file, redact)
 from .seqwrite import SequentialWriter
 
 if TYPE_CHECKING:
@@ -431,8 +431,8 @@ def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> It
         except BaseException as e:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
-            if isinstance(e, OSError) and e.errno is not None and e.filename is None:  # a full disk, an I/O error: say where
-                e.filename = path
+            if isinstance(e, OSError):  # a full disk, an I/O error: say where
+                name_file(e, path)
             raise
         return
     fs, path = filesystem(url, storage_options)  # the client's own retries on: only it can retry an upload
