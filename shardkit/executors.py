@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import signal
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
@@ -19,20 +20,38 @@ R = TypeVar("R")
 Runner = Callable[[Callable[[J], R], Sequence[J], Callable[[R], None], Callable[[int], None]], None]
 
 _counter: Any = None  # multiprocessing.Value shared with pool workers, for the progress bar
+_stop: Any = None  # a shared flag, raised by the pack process when it gives up
 
 
-def init_worker(counter, die_with_parent: bool = False) -> None:  # type: ignore[no-untyped-def]
-    global _counter
-    _counter = counter
-    if die_with_parent:
-        _die_with_parent()
+class Stopped(Exception):
+    """A job ended early: the pack was given up (Ctrl-C, or another job failed)."""
+
+
+def init_worker(counter, stop=None) -> None:  # type: ignore[no-untyped-def]
+    global _counter, _stop
+    _counter, _stop = counter, stop
+
+
+def _init_pool_worker(counter, stop) -> None:  # type: ignore[no-untyped-def]
+    """A pool worker leaves Ctrl-C to the pack process, which raises `stop` instead: the
+    terminal sends SIGINT to the whole process group, and a worker interrupted (or killed)
+    while it sends a result leaves half a message in the pool's pipe, on which the pool's
+    shutdown waits forever."""
+    init_worker(counter, stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+
+
+def stop_point() -> None:
+    """Where a job may end early: raises Stopped once the pack process has given up."""
+    if _stop is not None and _stop.value:
+        raise Stopped
 
 
 def _die_with_parent() -> None:
     """Linux: have the kernel send this pool worker SIGTERM when the pack process dies, so
     killing `shardkit pack` (even with SIGKILL, where no cleanup runs) leaves no workers behind."""
     import ctypes
-    import signal
 
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
@@ -57,6 +76,7 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
     `on_done` in job order as they complete, with at most 2 x workers jobs in flight (their
     results can be large); report images done so far."""
     counter = multiprocessing.Value("q", 0)
+    stop = multiprocessing.RawValue("b", 0)
     if workers <= 1 or len(jobs) <= 1:
         init_worker(counter)
         try:
@@ -66,7 +86,7 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
         finally:
             init_worker(None)
         return
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=init_worker, initargs=(counter, True)) as pool:
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=_init_pool_worker, initargs=(counter, stop)) as pool:
         queued = iter(jobs)
         running: deque[Future[R]] = deque()
         try:
@@ -82,9 +102,9 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
                 while running and running[0].done():
                     on_done(running.popleft().result())
                 on_progress(counter.value)
-        except BaseException:
-            for fut in running:
-                fut.cancel()
+        except BaseException:  # the jobs in flight end at their next sample; the rest never start
+            stop.value = 1
+            pool.shutdown(wait=True, cancel_futures=True)
             raise
 
 

@@ -91,6 +91,7 @@ def _samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None = N
     under on_error='fail')."""
     pending = 0
     for item in job.items:
+        executors.stop_point()
         try:
             sample = _sample(job, item)
             if check is not None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import shardkit
+from shardkit import executors
 from shardkit.errors import SourceError
 from shardkit.formats.tar import iter_samples
 
@@ -463,6 +464,63 @@ def test_killing_the_pack_process_stops_its_workers(tmp_path: Path) -> None:
     finally:
         for c in alive():
             os.kill(c, signal.SIGKILL)
+
+
+def _job_that_fails_or_waits(job: int) -> int:
+    if job == 0:
+        time.sleep(0.2)  # the other jobs are under way
+        raise SourceError("job 0 failed")
+    while True:  # until the pack gives up
+        executors.stop_point()
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_job_ends_the_jobs_in_flight() -> None:
+    """Not a wait for jobs that could run for minutes (or forever) before the error shows."""
+    start = time.monotonic()
+    with pytest.raises(SourceError, match="job 0 failed"):
+        executors.local(2)(_job_that_fails_or_waits, list(range(6)), lambda r: None, lambda n: None)
+    assert time.monotonic() - start < 10
+
+
+_INTERRUPTED_POOL = """
+import os, sys, time
+from shardkit import executors
+
+def job(i):
+    open(os.path.join(sys.argv[1], str(i)), "w").close()
+    while True:
+        executors.stop_point()
+        time.sleep(0.01)
+
+executors.local(2)(job, list(range(8)), print, lambda n: None)
+"""
+
+
+def test_ctrl_c_ends_a_pool_at_once_with_one_traceback(tmp_path: Path) -> None:
+    """The terminal sends SIGINT to the whole process group: the workers leave it to the
+    pack process, which ends their jobs; none is cut off halfway through sending a result
+    (the pool's shutdown would then wait forever for the rest of it)."""
+    script = tmp_path / "pool.py"
+    script.write_text(_INTERRUPTED_POOL)
+    started = tmp_path / "started"
+    started.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script), str(started)], start_new_session=True,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while len(list(started.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+        workers = [int(c) for c in f.read().split()]
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and err.count("Traceback") == 1 and err.rstrip().endswith("KeyboardInterrupt")
+    assert len(workers) == 2 and not any(Path(f"/proc/{w}").exists() for w in workers)
 
 
 def test_verify_catches_a_flipped_byte(photos: Path, tmp_path: Path) -> None:
