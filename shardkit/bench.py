@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .decode import image_field
+from .decode import image_field, to_rgb
 from .errors import FieldError, ShardkitError, describe
 from .storage import StorageOptions
 
@@ -127,7 +127,7 @@ def to_chw(image: Any) -> Any:
     if isinstance(image, torch.Tensor):
         return image
     if not isinstance(image, np.ndarray):  # PIL
-        image = np.asarray(image.convert("RGB"))
+        image = np.asarray(to_rgb(image))
     if image.ndim == 2:
         image = image[:, :, None]
     return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))

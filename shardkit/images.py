@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
+from .decode import to_rgb
+
 # ImageFolder's extensions (torchvision IMG_EXTENSIONS) -> WebDataset field name.
 EXTENSIONS = {
     ".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp", ".bmp": "bmp",
@@ -148,7 +150,7 @@ def reencode(data: bytes, resize: int | None, quality: int) -> bytes:
             img.draft("RGB", (resize, resize))  # let libjpeg decode at 1/2, 1/4, 1/8 scale
         with _truncated_refused():
             img = ImageOps.exif_transpose(img)
-            img = img.convert("RGB")
+            img = to_rgb(img)
     except UnidentifiedImageError:
         raise BadImage("not an image file") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:

@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from .bench import Transform
-from .decode import image_field
+from .decode import image_field, to_rgb
 from .errors import ShardkitError
 from .storage import StorageOptions
 
@@ -57,11 +57,11 @@ def to_pil(image: Any) -> Image.Image:
     """An RGB PIL image from encoded bytes, a PIL image, a CHW torch tensor or an HWC (or
     CHW) array; floats in [0, 1] are scaled by 255, other floats (normalised) by min-max."""
     if isinstance(image, Image.Image):
-        return image.convert("RGB")
+        return to_rgb(image)
     if isinstance(image, (bytes, bytearray, memoryview)):
         import io
 
-        return Image.open(io.BytesIO(bytes(image))).convert("RGB")
+        return to_rgb(Image.open(io.BytesIO(bytes(image))))
     chw = False
     if hasattr(image, "detach"):  # torch tensor: CHW by convention
         image = image.detach().cpu().numpy()

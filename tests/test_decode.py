@@ -14,6 +14,7 @@ from make_images import make_image_folder
 from PIL import Image
 from torch.utils.data import DataLoader
 
+import shardkit
 from shardkit import CorruptShardError, StreamingDataset
 from shardkit.decode import ImageTransform, geometry, image_transform, resized, resized_tensor
 from shardkit.errors import FieldError
@@ -152,6 +153,33 @@ def test_image_transform_on_a_raw_stream(packed: Path) -> None:
     tensor = next(iter(StreamingDataset(str(packed), decode="tensor")))  # decoded already: said so
     with pytest.raises(TypeError, match="takes samples read with decode='raw' .*, not a torch.Tensor"):
         transform(tensor)
+
+
+def test_16_bit_grayscale_keeps_its_contrast(tmp_path: Path) -> None:
+    """A depth map or scan decodes to its high byte in every decoder, `resized` and a pack
+    with `--resize`; PIL's `convert("RGB")` alone makes 99% of this ramp white."""
+    ramp = (np.arange(40 * 60).reshape(40, 60) * 27).astype(np.uint16)
+    high = (ramp >> 8).astype(np.uint8)
+    src = tmp_path / "src" / "depth"
+    src.mkdir(parents=True)
+    for fmt in ("PNG", "TIFF"):
+        Image.fromarray(ramp).save(src / f"ramp.{fmt.lower()}", fmt)
+        with Image.open(src / f"ramp.{fmt.lower()}") as img:
+            assert img.mode == "I;16"
+    Image.fromarray(ramp.astype(np.int32)).save(src / "wide.tiff", "TIFF")  # mode "I"
+    shardkit.pack(str(src.parent), str(tmp_path / "out"), workers=1, progress=False, shuffle=False)
+    for mode, as_array in (("rgb8", np.asarray), ("pil", np.asarray), ("tensor", lambda t: t.numpy().transpose(1, 2, 0))):
+        samples = list(StreamingDataset(str(tmp_path / "out"), decode=mode))
+        assert len(samples) == 3
+        for sample in samples:
+            image = as_array(sample.get("png", sample.get("tiff")))
+            assert image.shape == (40, 60, 3) and all((image[..., c] == high).all() for c in range(3)), mode
+    data = (src / "ramp.png").read_bytes()
+    expected = Image.fromarray(high).convert("RGB").resize((30, 20), Image.Resampling.BILINEAR)
+    assert diff(resized(data, 20, reducing_gap=None), expected).max() == 0
+    shardkit.pack(str(src.parent), str(tmp_path / "small"), resize=20, workers=1, progress=False, shuffle=False)
+    for sample in StreamingDataset(str(tmp_path / "small"), decode="rgb8"):
+        assert sample["jpg"].shape == (20, 30, 3) and abs(sample["jpg"].mean() - high.mean()) < 2
 
 
 def test_module_import_stays_light() -> None:
