@@ -182,6 +182,9 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
         return
     took = time.perf_counter() - start
     where = f"{_plural(len(idx.shards), 'shard')}" if idx.kind == "tar" else "an LMDB"
+    empty = sum(s.samples == 0 for s in idx.shards)
+    if empty and idx.kind == "tar":  # valid shards (readers skip them), but worth knowing about
+        where += f" ({empty} empty: every file in {'it' if empty == 1 else 'them'} was skipped)"
     samples, size = _plural(idx.samples, "sample"), format_size(idx.bytes)
     if stats["unchanged"]:
         click.echo(f"{dest}: already holds this pack ({samples} in {where}, {size}): nothing to do")

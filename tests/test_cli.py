@@ -14,6 +14,8 @@ from click.testing import CliRunner
 import shardkit
 from shardkit.cli import main
 
+from conftest import draw
+
 
 @pytest.fixture
 def run():  # type: ignore[no-untyped-def]
@@ -344,6 +346,19 @@ def test_verify_says_which_shards_it_could_not_hash(run, photos: Path, tmp_path:
     assert result.exit_code == 0
     assert "ok   shard-000001.tar (8 samples) (no sha256 in the index)" in result.output
     assert "1 shard without a sha256 in the index: sizes, counts and offsets match, their bytes were not checked" in result.output
+
+
+def test_shards_whose_files_were_all_skipped_are_counted_as_empty(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "b").mkdir()
+    for i in range(4):
+        draw(src / "a" / f"{i}.jpg", 0, i)
+        (src / "b" / f"{i}.jpg").write_bytes(b"\xff\xd8\xff\xe0 not the rest of a jpeg")  # passes the scan
+    result = run("pack", src, tmp_path / "out", "--no-shuffle", "--max-count", "2")
+    assert result.exit_code == 0
+    assert "packed 4 samples into 4 shards (2 empty: every file in them was skipped)" in result.output
+    assert "skipped 4 files:" in result.output
 
 
 def test_max_size_below_a_tar_record_is_a_usage_error(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
