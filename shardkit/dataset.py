@@ -31,7 +31,7 @@ from .storage import StorageOptions
 
 log = logging.getLogger("shardkit")
 SKIPS_LOGGED = 10  # a worker's first skipped samples are logged (a warning each), the rest only counted
-LMDB_WINDOW = 64  # samples of an LMDB dataset that one slow read sends to the threads
+LMDB_WINDOW = 64  # samples of an LMDB dataset that one read from the disk sends to the threads
 
 
 class StreamingDataset(EpochDataset):
@@ -181,18 +181,25 @@ class _WorkerStream(EpochStream):
                 continue
         raise CorruptShardError(f"{ds.urls[0]} and the other {len(ds.urls) - 1} shards: no sample could be used")
 
-    def _lmdb_reads(self, ids: np.ndarray) -> Iterator[tuple[int, int, tuple[str, dict[str, bytes]]]]:
-        """(0, sample id, (key, fields)) from the LMDB environment, opened in this process.
-        In windows of `LMDB_WINDOW` samples: once a read in a window is slow, the rest of
-        that window on `prefetch` threads (formats/lmdb.read_when_cold)."""
+    def _lmdb_reads(self, ids: np.ndarray
+                    ) -> Iterator[tuple[int, int, tuple[str, dict[str, bytes]] | CorruptShardError]]:
+        """(0, sample id, (key, fields) or the record's error) from the LMDB environment, opened
+        in this process. In windows of `LMDB_WINDOW` samples: once a read in a window waited
+        for the disk, the rest of that window on `prefetch` threads (formats/lmdb.read_when_cold)."""
         ds = self.ds
         path = ds._lmdb
         assert path is not None
         env = lmdb_format.open_reader(path)
 
-        def read(i: int) -> tuple[str, dict[str, bytes]]:
+        def read(i: int) -> tuple[str, dict[str, bytes]] | CorruptShardError:
             key = ds._keys[i].decode()
-            return key, lmdb_format.read_one(env, key, path, None if ds._sizes is None else int(ds._sizes[i]))
+            try:
+                return key, lmdb_format.read_one(env, key, path, None if ds._sizes is None else int(ds._sizes[i]))
+            except CorruptShardError as e:  # a record missing or resized: skipped or raised, as bad data
+                return e
+
+        def touch(i: int) -> None:
+            lmdb_format.touch_one(env, ds._keys[i].decode())
 
         pool: ThreadPoolExecutor | None = None
 
@@ -205,7 +212,7 @@ class _WorkerStream(EpochStream):
         try:
             for k in range(0, len(ids), LMDB_WINDOW):
                 window = ids[k : k + LMDB_WINDOW].tolist()
-                for i, sample in zip(window, lmdb_format.read_when_cold(read, window, when_cold)):
+                for i, sample in zip(window, lmdb_format.read_when_cold(read, touch, window, when_cold)):
                     yield 0, i, sample
         finally:
             if pool is not None:

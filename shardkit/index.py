@@ -188,6 +188,12 @@ def _check_lmdb(index: Index, where: str) -> None:
     if sizes is not None and (not isinstance(sizes, list) or len(sizes) != len(keys)):
         raise CorruptShardError(f"{where}: an LMDB index lists {len(sizes) if isinstance(sizes, list) else 'no list of'} "
                                 f"sizes for {len(keys)} keys")
+    bad = next((i for i, k in enumerate(keys) if not isinstance(k, str) or not k or "\0" in k), None)
+    if bad is not None:  # a NUL: numpy's bytes table would cut the key there and read another record
+        raise CorruptShardError(f"{where}: LMDB key {bad} is {keys[bad]!r}, not a sample key (a non-empty string)")
+    bad = next((i for i, n in enumerate(sizes or ()) if type(n) is not int or n < 0), None)
+    if bad is not None:
+        raise CorruptShardError(f"{where}: LMDB size {bad} is {sizes[bad]!r}, not a size in bytes")
 
 
 def find(url: str, storage_options: StorageOptions | None = None) -> Index | None:

@@ -8,9 +8,10 @@ without OS readahead, which only wastes I/O on random access of small records.
 Cold page cache: py-lmdb faults in every page of a value (one byte a page, with the GIL
 released), and without readahead each page is its own 4 KB disk read, one after another:
 ~3 ms for a 100 KB image here, 2x slower than opening the file. So a DataLoader batch
-(`__getitems__`) in a DataLoader worker reads its records on `read_threads` threads at
-once, the disk seeing that many requests in flight instead of one; only once a read turns
-out slow, though: with the records cached, handing each to a thread cost 3-5x the read.
+(`__getitems__`) in a DataLoader worker has `read_threads` threads fault its records in
+at once, the disk seeing that many requests in flight instead of one (the threads copy
+nothing: formats/lmdb.touch_one); only once a read waited for the disk, though: with the
+records cached, handing each to a thread cost 3-5x the read.
 """
 
 from __future__ import annotations
@@ -75,11 +76,11 @@ class LMDBDataset(torch.utils.data.Dataset):
         return [self._finish(key, fields) for key, fields in self._records(indices)]
 
     def _records(self, indices: list[int]) -> Iterator[tuple[str, dict[str, bytes]]]:
-        """The records, on `read_threads` threads once one read is slow (see
+        """The records, on `read_threads` threads once one read waited for the disk (see
         formats/lmdb.read_when_cold). Threads only in DataLoader workers: threads left in the
         process you train in would be there when it forks its workers."""
         threads = self.read_threads > 1 and torch.utils.data.get_worker_info() is not None
-        return lmdb_format.read_when_cold(self._read, indices, self._pool if threads else None)
+        return lmdb_format.read_when_cold(self._read, self._touch, indices, self._pool if threads else None)
 
     def _pool(self) -> ThreadPoolExecutor:
         """This process's reading threads (a pool inherited through fork has none)."""
@@ -94,6 +95,9 @@ class LMDBDataset(torch.utils.data.Dataset):
         key = self._keys[i].decode()
         size = int(self._sizes[i]) if self._sizes is not None else None
         return key, lmdb_format.read_one(lmdb_format.open_reader(self.path, self.readahead), key, self.path, size)
+
+    def _touch(self, i: int) -> None:
+        lmdb_format.touch_one(lmdb_format.open_reader(self.path, self.readahead), self._keys[i].decode())
 
     def _finish(self, key: str, fields: dict[str, bytes]) -> Any:
         worker.settle()

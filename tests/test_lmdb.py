@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -147,39 +148,45 @@ def test_lmdb_dataset_with_shuffle_workers_and_samplers(lmdb_pack: Path) -> None
     assert len(halves[0]) == len(halves[1]) == 15 and set(halves[0]) | set(halves[1]) == set(ds[i]["__key__"] for i in range(30))
 
 
-def reading_thread(sample: dict) -> str:
-    return sample["thread"].decode()
+def note_touches(monkeypatch: pytest.MonkeyPatch, log: Path) -> None:
+    """Log each touch_one call as 'thread key' (in DataLoader workers too: a file)."""
+    touch_one = lmdb_format.touch_one
+
+    def noted(env, key: str) -> None:  # type: ignore[no-untyped-def]
+        import threading
+
+        with open(log, "a") as f:
+            f.write(f"{threading.current_thread().name.split('_')[0]} {key}\n")
+        touch_one(env, key)
+
+    monkeypatch.setattr(lmdb_format, "touch_one", noted)
 
 
 @pytest.mark.parametrize("cold", [False, True])
-def test_a_batch_is_read_on_threads_and_comes_back_in_order(lmdb_pack: Path, cold: bool,
+def test_a_batch_is_read_on_threads_and_comes_back_in_order(lmdb_pack: Path, cold: bool, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """DataLoader hands a batch's indices to __getitems__. In a worker, once a read is slow
-    (its pages came from the disk; here: every read, when `cold`) the rest of the batch is
-    read on several threads at once. Either way the samples come back in the batch's order,
-    exactly as one at a time; the process you train in never starts threads."""
-    # every read counts as slow when `cold`, none otherwise (a busy machine can take 1 ms on a cached one)
+    """DataLoader hands a batch's indices to __getitems__. In a worker, once a read waited
+    for the disk (here: every read, when `cold`) threads fault the rest of the batch in at
+    once, and this thread reads (copies) each as soon as it is in. Either way the samples
+    come back in the batch's order, exactly as one at a time; the process you train in never
+    starts threads."""
+    # every read waits for the disk when `cold` (slow, with a major fault), none otherwise
     monkeypatch.setattr(lmdb_format, "COLD_READ_S", -1.0 if cold else 60.0)
-    read_sample = lmdb_format.read_sample
-
-    def tagged(txn, key: str, path: str, size: int | None = None) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
-        import threading
-
-        return {**read_sample(txn, key, path, size), "thread": threading.current_thread().name.encode()}
-
-    monkeypatch.setattr(lmdb_format, "read_sample", tagged)
+    monkeypatch.setattr(lmdb_format, "major_faults", itertools.count().__next__)
+    log = tmp_path / "touched"
+    note_touches(monkeypatch, log)
     ds = LMDBDataset(str(lmdb_pack), read_threads=8)
     order = [29, 0, 17, 3, 3, -1, 12]
     one_by_one = [ds[i] for i in order]
     for _ in range(3):
         lmdb_format.close_reader(str(lmdb_pack))
         assert ds.__getitems__(order) == one_by_one
-    assert ds._threads is None
+    assert ds._threads is None and not log.exists()
     for _ in range(3):
         batch = next(iter(DataLoader(ds, batch_size=7, sampler=order, num_workers=1, collate_fn=lambda b: b)))
-        assert [{**s, "thread": b""} for s in batch] == [{**s, "thread": b""} for s in one_by_one]
-        threads = [reading_thread(s) for s in batch]
-        assert threads[0] == "MainThread" and all(t.startswith("shardkit-lmdb") == cold for t in threads[1:])
+        assert batch == one_by_one
+    touched = log.read_text().split("\n")[:-1] if log.exists() else []
+    assert sorted(touched) == sorted(f"shardkit-lmdb {s['__key__']}" for s in one_by_one[1:] * 3 if cold)
     assert LMDBDataset(str(lmdb_pack), read_threads=1).__getitems__(order) == one_by_one
     with pytest.raises(IndexError):
         ds.__getitems__([1, 30])
@@ -228,7 +235,8 @@ def own_environment(sample: dict) -> bool:
     return bool(lmdb_format._ENVS) and all(e.pid == os.getpid() for e in lmdb_format._ENVS)
 
 
-def test_streaming_over_lmdb_from_a_cold_cache_reads_on_threads(lmdb_pack: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_streaming_over_lmdb_from_a_cold_cache_reads_on_threads(lmdb_pack: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Every read counted as slow (as from a cold page cache): the rest of each window is
     read on threads, and the stream is the same, sample for sample, as one read at a time."""
     def stream(**kw):  # type: ignore[no-untyped-def]
@@ -237,18 +245,12 @@ def test_streaming_over_lmdb_from_a_cold_cache_reads_on_threads(lmdb_pack: Path,
 
     serial = stream(prefetch=0)
     monkeypatch.setattr(lmdb_format, "COLD_READ_S", -1.0)
+    monkeypatch.setattr(lmdb_format, "major_faults", itertools.count().__next__)
     assert stream(prefetch=4) == serial and len(serial) == 60
-    read_sample, threads = lmdb_format.read_sample, set()
-
-    def noted(txn, key: str, path: str, size: int | None = None) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
-        import threading
-
-        threads.add(threading.current_thread().name.split("_")[0])
-        return read_sample(txn, key, path, size)
-
-    monkeypatch.setattr(lmdb_format, "read_sample", noted)
-    list(StreamingDataset(str(lmdb_pack), prefetch=4))
-    assert threads == {"MainThread", "shardkit-lmdb"}
+    log = tmp_path / "touched"
+    note_touches(monkeypatch, log)
+    keys = [s["__key__"] for s in StreamingDataset(str(lmdb_pack), prefetch=4)]
+    assert sorted(log.read_text().split("\n")[:-1]) == sorted(f"shardkit-lmdb {k}" for k in keys[1:])  # one window
 
 
 def test_streaming_over_lmdb_keeps_the_guarantees(lmdb_pack: Path) -> None:
@@ -402,6 +404,9 @@ def test_keys_beyond_ascii(photos: Path, tmp_path: Path) -> None:
     (lambda d: d.update(keys=d["keys"][:10]), "needs a key for each of its 30 samples, it lists 10 keys"),
     (lambda d: d.update(sizes=d["sizes"][:10]), "lists 10 sizes for 30 keys"),
     (lambda d: d.update(shards=[], samples=0), "lists 0 shards, not the one data.mdb"),
+    (lambda d: d["keys"].__setitem__(3, 0), "LMDB key 3 is 0, not a sample key"),
+    (lambda d: d["keys"].__setitem__(4, d["keys"][4] + "\0"), "LMDB key 4 is '000004\\x00', not a sample key"),
+    (lambda d: d["sizes"].__setitem__(5, None), "LMDB size 5 is None, not a size in bytes"),
 ])
 def test_an_lmdb_index_that_contradicts_itself_is_refused(lmdb_pack: Path, edit, message: str) -> None:  # type: ignore[no-untyped-def]
     doc = json.loads((lmdb_pack / "index.json").read_text())
@@ -425,8 +430,32 @@ def test_a_record_whose_length_changed_is_named(lmdb_pack: Path) -> None:
         LMDBDataset(str(lmdb_pack))[2]
     with pytest.raises(CorruptShardError, match=f"sample {keys[2]}: more than .* bytes, the index says"):
         list(StreamingDataset(str(lmdb_pack)))
+    stream = StreamingDataset(str(lmdb_pack), on_error="skip")
+    assert len(list(stream)) == 30 and stream.stats()["skipped"] == 1  # replaced, as a tar sample would be
     idx = shardkit.pack(str(lmdb_pack), str(lmdb_pack.parent / "tar"), workers=1, progress=False)  # converted: skipped
     assert idx.samples == 29 and "the index says" in idx.skipped[-1].reason
+
+
+def test_an_lmdb_grown_past_the_readers_map_is_named(lmdb_pack: Path) -> None:
+    """A pack finished in place while a training process holds the environment: one line
+    naming the file, from datasets made before as after (not lmdb's bare MapResizedError)."""
+    import lmdb
+
+    lmdb_format.close_reader(str(lmdb_pack))
+    size = (lmdb_pack / "data.mdb").stat().st_size
+    env = lmdb.open(str(lmdb_pack), map_size=size + (1 << 20))  # the map readers open with: just above the data
+    with env.begin(write=True) as txn:
+        txn.put(b"zz", b"")  # (a commit records it)
+    env.close()
+    ds, stream = LMDBDataset(str(lmdb_pack)), StreamingDataset(str(lmdb_pack))
+    assert ds[0]["__key__"] == next(iter(stream))["__key__"]
+    grow = (f"import lmdb; env = lmdb.open({str(lmdb_pack)!r}, map_size={size + (64 << 20)})\n"
+            "with env.begin(write=True) as txn: txn.put(b'zz', bytes(16 << 20))")  # past py-lmdb's 10 MB least map
+    subprocess.run([sys.executable, "-c", grow], check=True)
+    message = "photos.lmdb: data.mdb grew past its map since this process opened it"
+    for read in (lambda: ds[1], lambda: next(iter(stream)), lambda: LMDBDataset(str(lmdb_pack))):
+        with pytest.raises(ShardkitError, match=message):
+            read()
 
 
 def test_readahead_and_an_unfinished_pack(lmdb_pack: Path, tmp_path: Path, photos: Path,

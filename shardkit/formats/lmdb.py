@@ -15,12 +15,14 @@ consistent, resumable, and never taken for finished: `__index__` is written last
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import resource
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -148,6 +150,16 @@ _READERS: dict[str, _Env] = {}  # path as given -> its environment
 _OPENING = threading.Lock()
 
 
+def _new_lock_in_child() -> None:
+    """A DataLoader worker forked while another thread held the lock (opening a dataset)
+    would wait on it forever."""
+    global _OPENING
+    _OPENING = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def open_reader(path: str, readahead: bool = False, fresh: bool = False) -> Any:
     """This process's read-only environment for `path`, opened on first use: no lock-file
     writes, and no OS readahead by default (random access; pass readahead=True for large
@@ -264,9 +276,8 @@ def read_index(env: Any, path: str) -> bytes:
     try:
         with env.begin() as txn:
             raw = txn.get(INDEX_KEY)
-    except lmdb.MapResizedError:  # adopting the new map would pull it from under this process's readers
-        raise ShardkitError(f"{path}: data.mdb grew past its map since this process opened it (a pack finished "
-                            "meanwhile): read it from a new process") from None
+    except lmdb.MapResizedError:
+        raise _grown(path) from None
     except lmdb.Error as e:
         raise CorruptShardError(f"{path}: unreadable LMDB ({e})") from None
     if raw is None:
@@ -312,27 +323,68 @@ def read_sample(txn: Any, key: str, path: str, size: int | None = None) -> dict[
     return fields
 
 
-COLD_READ_S = 0.001  # a sample read slower than this came from the disk (cached: ~50 us here)
+COLD_READ_S = 0.001  # a read from the disk takes longer (cached: ~50 us here)
+
+if hasattr(resource, "RUSAGE_THREAD"):  # Linux
+    def major_faults() -> int:
+        """This thread's major page faults: waits for the storage under the page cache."""
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
+else:
+    major_faults = itertools.count().__next__  # a number that changes at every call: the clock alone decides
 
 
-def read_when_cold(read: Callable[[T], R], items: Sequence[T], pool: Callable[[], Executor] | None) -> Iterator[R]:
-    """`read(item)` for each item, in order: one by one while that is fast (the page cache
-    has them: a thread hand-off would cost more than the read); once a read takes longer
-    than `COLD_READ_S` (its pages came from the disk), the rest on `pool()`'s threads at
-    once. Why: py-lmdb faults in every 4 KB page of a value before returning it, and
-    without readahead each page is its own disk read, one after another (~3 ms for a
-    100 KB image here); with many reads in flight the disk's queue does the work."""
+def read_when_cold(read: Callable[[T], R], touch: Callable[[T], None], items: Sequence[T],
+                   pool: Callable[[], Executor] | None) -> Iterator[R]:
+    """`read(item)` for each item, in order, on this thread. Once a read waited for the disk,
+    `pool()`'s threads `touch` all the rest at once (fault their pages in; see `touch_one`)
+    and each is read as soon as its touch is done. Why: py-lmdb faults in every 4 KB page of
+    a value before returning it, and without readahead each page is its own disk read, one
+    after another (~3 ms for a 100 KB image here); with many reads in flight the disk's
+    queue does the work. While the page cache has them, no thread: the hand-off would cost
+    more than the read. Waited for the disk: slower than COLD_READ_S *and* with a major page
+    fault; on a busy machine a cached read is often slow (the process lost its core), and a
+    major fault can be quick (a virtual disk served from its host's cache)."""
     for n, item in enumerate(items):
-        start = time.perf_counter()
+        faults, start = major_faults(), time.perf_counter()
         record = read(item)
-        cold = time.perf_counter() - start > COLD_READ_S
+        cold = time.perf_counter() - start > COLD_READ_S and major_faults() != faults
         yield record
         if cold and pool is not None and n + 1 < len(items):
-            yield from pool().map(read, items[n + 1 :])
+            rest = items[n + 1 :]
+            touches = [pool().submit(touch, item) for item in rest]
+            for item, touched in zip(rest, touches):
+                wait((touched,))  # a touch's error is left to the read, which reports it
+                yield read(item)
             return
+
+
+def touch_one(env: Any, key: str) -> None:
+    """Bring sample `key`'s records into the page cache without copying them: py-lmdb faults a
+    value's pages in (with the GIL released) when it hands out a buffer over it. A reading
+    thread that copied the values instead would keep their memory in a malloc arena of its
+    own (+20-40 MB over a DataLoader pass, growing with the threads and the cores)."""
+    prefix = f"{key}.".encode()
+    with env.begin(buffers=True) as txn, txn.cursor() as cur:
+        more = cur.set_range(prefix)
+        while more and bytes(cur.key()).startswith(prefix):
+            cur.value()
+            more = cur.next()
 
 
 def read_one(env: Any, key: str, path: str, size: int | None = None) -> dict[str, bytes]:
     """All members of sample `key`, in a read transaction of its own (one per thread)."""
-    with env.begin(buffers=True) as txn:
+    try:
+        txn = env.begin(buffers=True)
+    except _lmdb().MapResizedError:
+        raise _grown(path) from None
+    except _lmdb().Error as e:  # the machine's (the reader table full), not the data's
+        raise ShardkitError(f"{path}: cannot start a read ({e})") from None
+    with txn:
         return read_sample(txn, key, path, size)
+
+
+def _grown(path: str) -> ShardkitError:
+    """A data.mdb written past this process's map (a pack finished in place meanwhile):
+    adopting the new map would pull it from under this process's other readers."""
+    return ShardkitError(f"{path}: data.mdb grew past its map since this process opened it (a pack finished "
+                         "meanwhile): read it from a new process")
