@@ -6,7 +6,8 @@ its own endless sequence of epochs (its own shuffle of epoch k for k = 0, 1, ...
 epoch e takes its samples e*counts[d] .. (e+1)*counts[d] - 1 of that sequence. So a part
 weighted above its size repeats (it runs through several of its own epochs in one mixture
 epoch), one weighted below is spread over several mixture epochs, and within each of its
-own epochs every sample comes once. The positions themselves are split across ranks and
+own epochs every sample comes once (a mixture epoch that holds the end of one of them and
+the start of the next can hold a sample twice). The positions themselves are split across ranks and
 workers exactly as a StreamingDataset's samples are: equal counts per rank, reproducible
 from (seed, epoch), elastic resume.
 """
