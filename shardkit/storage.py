@@ -8,6 +8,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import random
 import threading
@@ -57,6 +58,7 @@ def join(base: str, *names: str) -> str:
 
 _FILESYSTEMS: dict[tuple[Any, ...], Any] = {}  # this process's filesystem instances
 _GCS = ("gs", "gcs")
+_WEBHDFS = ("webhdfs", "swebhdfs")
 _S3 = ("s3", "s3a")
 _ONE_ATTEMPT = {"retries": {"total_max_attempts": 1}}  # botocore's config: no retries of its own
 REQUEST_TIMEOUT_S = 60  # a connection silent this long fails (and the read is retried)
@@ -76,16 +78,31 @@ def _timeout_adapter() -> Any:
     return TimeoutAdapter
 
 
-def _time_out(fs: Any) -> None:
-    """Give a requests-based filesystem (WebHDFS) a deadline per request."""
+def _harden(fs: Any, protocol: str) -> None:
+    """Give a requests-based filesystem (WebHDFS) a deadline per request, and have a
+    datanode's error raise: fsspec checks the namenode's answers, but takes a datanode's
+    error page for the file's bytes (an index that reads as JSON garbage, a shard whose
+    sha256 "changed"). And keep gcsfs's log of a request it gave up on (a traceback, on
+    stderr where logging is not set up) out of the way of shardkit's one-line error."""
+    if protocol in _GCS:
+        logging.getLogger("gcsfs").addHandler(logging.NullHandler())
     try:
         import requests
     except ImportError:  # then no filesystem in use is built on it
         return
     session = getattr(fs, "session", None)
-    if isinstance(session, requests.Session):
-        for prefix in ("http://", "https://"):
-            session.mount(prefix, _timeout_adapter()())
+    if not isinstance(session, requests.Session):
+        return
+    for prefix in ("http://", "https://"):
+        session.mount(prefix, _timeout_adapter()())
+    if protocol in _WEBHDFS:
+        namenode = fs._apply_proxy(fs.url)
+
+        def datanode_errors(response: Any, *args: Any, **kwargs: Any) -> None:
+            if response.status_code >= 400 and not response.url.startswith(namenode):
+                response.raise_for_status()
+
+        session.hooks["response"].append(datanode_errors)
 
 
 def filesystem(url: str, storage_options: StorageOptions | None = None,
@@ -129,8 +146,11 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
             hint = "; it needs `pip install pyarrow` and Hadoop's libhdfs" if protocol == "hdfs" else ""
             raise ShardkitError(f"{display(url)}: {protocol}:// support is not installed ({one_line(e)}{hint})") from e
         except (TypeError, ValueError) as e:
-            raise BadRequestError(f"{display(url)}: storage options refused by {protocol}://: {one_line(e)}") from e
-        _time_out(fs)
+            raise BadRequestError(f"{display(url)}: storage options refused by {protocol}://: {redact(one_line(e))}") from e
+        except Exception as e:  # noqa: BLE001 - a client that checks its credentials as it is made (gcsfs)
+            raise ShardkitError(f"{display(url)}: cannot set up {protocol}://: {type(e).__name__}: "
+                                f"{redact(one_line(e))}") from e
+        _harden(fs, protocol)
         if ours:
             fs.retries = 1  # a class attribute of s3fs, not an option
         fs = cache.setdefault(key, fs)
@@ -233,8 +253,8 @@ def _permanent(e: BaseException) -> type[ShardkitError] | None:
     if (isinstance(e, PermissionError) or _from_botocore(e, "NoCredentialsError", "PartialCredentialsError")
             or (type(e) is OSError and str(e).startswith("Forbidden"))):  # gcsfs's HTTP 403
         return AccessDeniedError
-    if isinstance(e, (ValueError, IsADirectoryError, NotADirectoryError, FileExistsError)) or \
-            _from_botocore(e, "ParamValidationError"):  # an invalid bucket name, an invalid request
+    if isinstance(e, (ValueError, TypeError, IsADirectoryError, NotADirectoryError, FileExistsError)) or \
+            _from_botocore(e, "ParamValidationError"):  # an invalid bucket name, request or option (a typo)
         return BadRequestError
     return None
 
@@ -256,7 +276,8 @@ def _cat_range(fs: Any, path: str, start: int, stop: int, url: str) -> bytes:
     where it ends before `start` (GCS and WebHDFS answer that with no bytes, S3 and HTTP with
     416). More is a server that ignores ranges: BadRequestError (no retry helps)."""
     try:
-        data: bytes = fs.cat_file(path, start=start, end=stop)
+        data: bytes = (_webhdfs_range(fs, path, start, stop) if url.split("://", 1)[0] in _WEBHDFS
+                       else fs.cat_file(path, start=start, end=stop))
     except Exception as e:
         if _status(_root_cause(e)) == 416:
             return b""
@@ -266,6 +287,21 @@ def _cat_range(fs: Any, path: str, start: int, stop: int, url: str) -> bytes:
                               "ignores range requests, which streaming needs; serve the shards from one that supports "
                               "them (nginx, S3, GCS) or copy them to local disk")
     return data
+
+
+def _webhdfs_range(fs: Any, path: str, start: int, stop: int) -> bytes:
+    """Bytes [start, stop) in one OPEN. fsspec's WebHDFS reads a range through a buffered
+    file: a size lookup first, then up to 4 MiB past the range (8x the bytes of a small
+    block). HDFS refuses an offset past the end: no bytes there, as GCS answers it."""
+    try:
+        out = fs._call("OPEN", path=path, offset=start, length=stop - start, redirect=False)
+    except Exception:
+        if start > 0 and start > fs.info(path)["size"]:
+            return b""
+        raise
+    if "Location" in out.headers:  # the namenode sends the client on to a datanode
+        out = fs.session.get(fs._apply_proxy(out.headers["Location"]))
+    return out.content  # type: ignore[no-any-return]
 
 
 def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes:

@@ -182,6 +182,101 @@ def test_options_a_store_refuses_are_one_line() -> None:
     assert "webhdfs://127.0.0.1:9/ds/index.json: storage options refused by webhdfs://" in done.stderr
 
 
+class _Datanode(http.server.BaseHTTPRequestHandler):
+    """In front of a WebHDFS datanode: passes reads on, counting the bytes sent, and answers
+    every `fail_every`-th with a 500 and HDFS's RemoteException JSON, as a failing datanode does."""
+    upstream = ""
+    fail_every = 0
+    answers = sent = 0
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        import json
+        import urllib.request
+
+        cls = type(self)
+        cls.answers += 1
+        if cls.fail_every and cls.answers % cls.fail_every == 0:
+            status, body = 500, json.dumps({"RemoteException": {
+                "exception": "IOException", "javaClassName": "java.io.IOException",
+                "message": "DataNode is overloaded, try again"}}).encode()
+        else:
+            with urllib.request.urlopen(cls.upstream + self.path) as answer:
+                status, body = answer.status, answer.read()
+        cls.sent += len(body)
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.mark.parametrize("fail_every", [0, 2])
+def test_webhdfs_reads_take_their_range_and_no_error_page(webhdfs: dict, webhdfs_server, packed: Path,  # type: ignore[no-untyped-def]
+                                                           fail_every: int) -> None:
+    """A block is one OPEN of its bytes (fsspec's buffered file read 4 MiB past each: 8x the
+    data here), and a datanode's error page is a failed read, tried again, never the file's
+    bytes (it was: an index.json that "is not a shardkit index", a sha256 "changed")."""
+    url, opts = webhdfs["url"] + "/ds", webhdfs["storage_options"]
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.put(str(packed), root, recursive=True)
+    datanode = type("Datanode", (_Datanode,), {"upstream": webhdfs_server.datanode, "fail_every": fail_every})
+    with serving(datanode) as proxy:
+        opts = {**opts, "data_proxy": {webhdfs_server.datanode.removeprefix("http://"): proxy.removeprefix("http://")}}
+        index = (packed / "index.json").read_bytes()
+        assert [storage.read_bytes(url + "/index.json", opts) for _ in range(3)] == [index] * 3
+        datanode.sent = 0
+        want = [s["__key__"] for s in StreamingDataset(str(packed), shuffle=True, seed=2, block=2)]
+        ds = StreamingDataset(url, storage_options=opts, shuffle=True, seed=2, block=2, verify=bool(fail_every))
+        assert [s["__key__"] for s in ds] == want  # with verify, each shard's sha256 is read too
+    shards = sum(p.stat().st_size for p in packed.glob("*.tar"))
+    assert datanode.answers > 10
+    if not fail_every:  # each block of 2 samples once (the rest of its shard, and more, before)
+        assert datanode.sent < 1.1 * shards
+
+
+def test_a_gcs_client_that_fails_as_it_is_made_is_one_line_naming_the_url() -> None:
+    """gcsfs checks credentials as it is made: a key that does not parse (or a token check
+    that cannot reach Google) was a bare KeyError (or a ConnectionError holding the token)."""
+    account = {"type": "service_account", "client_email": "a@b.iam.gserviceaccount.com", "private_key_id": "k1",
+               "private_key": "-----BEGIN PRIVATE KEY-----\nnot-a-key\n-----END PRIVATE KEY-----\n",
+               "token_uri": dead_endpoint() + "/token"}
+    with pytest.raises(ShardkitError, match=r"^gs://bkt/ds/index\.json: cannot set up gs://: \w+"):
+        StreamingDataset("gs://bkt/ds", storage_options={"token": account, "endpoint_url": dead_endpoint()})
+
+
+def test_gcsfs_prints_no_traceback_of_its_own() -> None:
+    """gcsfs logs a request it gives up on with its traceback (Python's last-resort handler
+    prints it where logging is not set up): only shardkit's one line reaches stderr."""
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            body = b'{"error": {"code": 400, "message": "no such thing here"}}'
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    with serving(Refuse) as base:
+        done = cli("info", "gs://bkt/ds", "-o", f"endpoint_url={base}", "-o", "token=anon")
+    assert done.returncode == 1 and done.stderr.splitlines() == [
+        "Error: gs://bkt/ds/index.json: no such thing here, 400"], done.stderr
+
+
+def test_a_client_option_with_a_typo_fails_at_once(s3: dict) -> None:
+    opts = s3["storage_options"]
+    typo = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint": "x"}}
+    start = time.monotonic()
+    with pytest.raises(ShardkitError, match=r"^s3://shardkit-test/ds/index\.json: .*unexpected keyword argument "
+                                            r"'endpoint'$"):
+        StreamingDataset(s3["url"] + "/ds", storage_options=typo)
+    assert time.monotonic() - start < 2  # not 5 attempts with backoff
+
+
 def test_local_and_remote_shards_in_one_list(web: tuple[str, Path], packed: Path) -> None:
     base, _ = web
     names = [s.name for s in shardkit.index.load(str(packed)).shards]
