@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from . import checks, index, storage
-from .errors import DatasetNotFoundError, ShardkitError, UnfinishedPackError
+from .errors import (AccessDeniedError, CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError,
+                     UnfinishedPackError)
 from .formats import lmdb as lmdb_format
 from .formats import tar
 from .index import Index, ShardInfo
@@ -147,11 +148,12 @@ def _index_of(urls: list[str], storage_options: StorageOptions | None) -> Index:
 
 
 def _tar_index(folder: str, storage_options: StorageOptions | None) -> Index | None:
-    """The index.json of a folder of tar shards, if it has a usable one."""
+    """The index.json of a folder of tar shards, if it has a usable one (None: its shards are
+    scanned). A store that keeps failing raises: a scan would read every shard whole, from it."""
     try:
         idx = index.find(folder, storage_options)
-    except (ShardkitError, OSError):  # none readable, or a pack into it unfinished: its shards are scanned
-        return None
+    except (CorruptShardError, IndexVersionError, DatasetNotFoundError, AccessDeniedError, OSError):
+        return None  # none usable, or a pack into it unfinished
     return idx if idx is not None and idx.kind == "tar" else None
 
 

@@ -277,6 +277,28 @@ def test_a_client_option_with_a_typo_fails_at_once(s3: dict) -> None:
     assert time.monotonic() - start < 2  # not 5 attempts with backoff
 
 
+class _IndexDown(_Ranges):
+    """The shards as usual; index.json answers 503 every time."""
+
+    def do_GET(self) -> None:
+        if self.path.endswith("/index.json"):
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        super().do_GET()
+
+
+def test_shards_listed_by_url_beside_an_index_the_store_keeps_failing_raise(tmp_path: Path, packed: Path) -> None:
+    """Not a scan of every shard instead (each read whole, from the same failing store)."""
+    (tmp_path / "www").mkdir()
+    os.symlink(packed, tmp_path / "www" / "ds")
+    with serving(functools.partial(_IndexDown, directory=str(tmp_path / "www"))) as base:
+        urls = [f"{base}/ds/{p.name}" for p in sorted(packed.glob("*.tar"))]
+        with pytest.raises(ShardkitError, match=rf"^{base}/ds/index\.json: .*503.*\(gave up after 5 attempts\)$"):
+            StreamingDataset(urls)
+
+
 def test_local_and_remote_shards_in_one_list(web: tuple[str, Path], packed: Path) -> None:
     base, _ = web
     names = [s.name for s in shardkit.index.load(str(packed)).shards]
