@@ -59,6 +59,7 @@ def join(base: str, *names: str) -> str:
 _FILESYSTEMS: dict[tuple[Any, ...], Any] = {}  # this process's filesystem instances
 _GCS = ("gs", "gcs")
 _WEBHDFS = ("webhdfs", "swebhdfs")
+_HTTP = ("http", "https")
 _S3 = ("s3", "s3a")
 _ONE_ATTEMPT = {"retries": {"total_max_attempts": 1}}  # botocore's config: no retries of its own
 REQUEST_TIMEOUT_S = 60  # a connection silent this long fails (and the read is retried)
@@ -76,6 +77,14 @@ def _timeout_adapter() -> Any:
             return super().send(request, **kwargs)
 
     return TimeoutAdapter
+
+
+def _socket_timeout() -> Any:
+    """An aiohttp deadline per socket operation, as requests has: a connection silent for
+    REQUEST_TIMEOUT_S fails (and is retried); a slow download that keeps moving is not cut off."""
+    import aiohttp
+
+    return aiohttp.ClientTimeout(total=None, sock_connect=REQUEST_TIMEOUT_S, sock_read=REQUEST_TIMEOUT_S)
 
 
 def _harden(fs: Any, protocol: str) -> None:
@@ -128,14 +137,15 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         raise ShardkitError(f"{display(url)}: unknown storage protocol {protocol}://") from e
     kwargs = {**cls._get_kwargs_from_urls(url), **(storage_options or {})}
     if protocol in _GCS and "requests_timeout" not in kwargs:  # gcsfs waits forever on a stalled connection
-        import aiohttp
-
-        # per socket operation, as for requests: a slow but moving download is not cut off
-        kwargs["requests_timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=REQUEST_TIMEOUT_S,
-                                                           sock_read=REQUEST_TIMEOUT_S)
+        kwargs["requests_timeout"] = _socket_timeout()
+    if protocol in _HTTP and "timeout" not in kwargs.get("client_kwargs", {}):
+        # aiohttp's default: 300 s a request, so a black hole takes 5 x 300 s to fail, and a
+        # slow download is cut off at 300 s
+        kwargs["client_kwargs"] = {**kwargs.get("client_kwargs", {}), "timeout": _socket_timeout()}
     ours = protocol in _S3 and not client_retries
-    if ours:
+    if ours:  # an instance of its own (fs.retries is set below): never fsspec's, shared with uploads
         kwargs["config_kwargs"] = {**_ONE_ATTEMPT, **kwargs.get("config_kwargs", {})}
+        kwargs["skip_instance_cache"] = True
     key = (os.getpid(), protocol, ours, json.dumps(kwargs, sort_keys=True, default=repr))
     cache = _FILESYSTEMS if instances is None else instances
     fs = cache.get(key)

@@ -235,6 +235,21 @@ def test_a_stalled_connection_fails_in_bounded_time(store: str, request: pytest.
     control.set("stall_prob", 0.0)
 
 
+def test_shardkits_s3_client_without_retries_is_its_own(s3: dict) -> None:
+    """Reads retry themselves, on an s3fs instance with its retries off; with options that
+    set botocore's retries, that instance was fsspec's cached one, shared with uploads."""
+    import fsspec
+
+    from shardkit import storage
+
+    opts = {k: v for k, v in s3["storage_options"].items() if k != "skip_instance_cache"}
+    opts["config_kwargs"] = {"retries": {"max_attempts": 7}}
+    theirs = fsspec.filesystem("s3", **opts)
+    before = theirs.retries
+    ours, _ = storage.filesystem(s3["url"] + "/x", opts, instances={}, client_retries=False)
+    assert ours is not theirs and ours.retries == 1 and theirs.retries == before
+
+
 def test_a_slow_but_moving_gcs_download_is_not_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """The deadline is per socket read, not per request: a trickle that takes 4x the
     timeout to finish arrives whole (an endpoint of our own that sends 100 bytes every 0.1 s)."""

@@ -408,6 +408,22 @@ def test_a_truncated_shard_over_http_is_bad_data(web: tuple[str, Path], packed: 
     assert len(list(ds)) == 120 and 0 < ds.stats()["skipped"] < 7
 
 
+def test_a_stalled_http_connection_fails_in_bounded_time(web: tuple[str, Path], latency_proxy,  # type: ignore[no-untyped-def]
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiohttp's own deadline is 300 s a request (5 attempts: 25 minutes for a black hole,
+    and a slow download cut off at 5 minutes): shardkit gives each socket read one instead."""
+    monkeypatch.setattr(storage, "REQUEST_TIMEOUT_S", 1)
+    base, _ = web
+    proxied, control = latency_proxy(base)
+    ds = StreamingDataset(f"{proxied}/ds")
+    control.set("stall_prob", 1.0)
+    start = time.monotonic()
+    with pytest.raises(ShardkitError, match=r"shard-\d+\.tar \(bytes \d+-\d+\): .*gave up after 5 attempts"):
+        next(iter(ds))
+    assert time.monotonic() - start < 60
+    control.set("stall_prob", 0.0)
+
+
 def test_a_server_that_ignores_ranges_is_named_not_blamed_on_the_shard(packed: Path, tmp_path: Path) -> None:
     (tmp_path / "www").mkdir()
     os.symlink(packed, tmp_path / "www" / "ds")
