@@ -76,7 +76,6 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
     `on_done` in job order as they complete, with at most 2 x workers jobs in flight (their
     results can be large); report images done so far."""
     counter = multiprocessing.Value("q", 0)
-    stop = multiprocessing.RawValue("b", 0)
     if workers <= 1 or len(jobs) <= 1:
         init_worker(counter)
         try:
@@ -86,6 +85,7 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
         finally:
             init_worker(None)
         return
+    stop = multiprocessing.RawValue("b", 0)
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=_init_pool_worker, initargs=(counter, stop)) as pool:
         queued = iter(jobs)
         running: deque[Future[R]] = deque()

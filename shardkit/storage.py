@@ -87,6 +87,13 @@ def _socket_timeout() -> Any:
     return aiohttp.ClientTimeout(total=None, sock_connect=REQUEST_TIMEOUT_S, sock_read=REQUEST_TIMEOUT_S)
 
 
+@functools.cache
+def _quiet_gcsfs() -> None:
+    """A handler, so that Python's last-resort one (stderr) does not print gcsfs's records;
+    they still reach the handlers of an application that set logging up."""
+    logging.getLogger("gcsfs").addHandler(logging.NullHandler())
+
+
 def _harden(fs: Any, protocol: str) -> None:
     """Give a requests-based filesystem (WebHDFS) a deadline per request, and have a
     datanode's error raise: fsspec checks the namenode's answers, but takes a datanode's
@@ -94,7 +101,7 @@ def _harden(fs: Any, protocol: str) -> None:
     sha256 "changed"). And keep gcsfs's log of a request it gave up on (a traceback, on
     stderr where logging is not set up) out of the way of shardkit's one-line error."""
     if protocol in _GCS:
-        logging.getLogger("gcsfs").addHandler(logging.NullHandler())
+        _quiet_gcsfs()
     try:
         import requests
     except ImportError:  # then no filesystem in use is built on it
