@@ -215,8 +215,8 @@ class Handler(BaseHTTPRequestHandler):
     def namenode_GET_OPEN(self) -> None:
         size = self.need("file").st_size
         offset = int(self.query.get("offset", 0))
-        if offset < 0 or offset > size:
-            raise HDFSError("IOException", f"Offset={offset} out of the range [0, {size}]")
+        if offset < 0 or (offset >= size > 0):  # as HDFS's namenode: an empty file lets any offset through
+            raise HDFSError("IOException", f"Offset={offset} out of the range [0, {size}); OPEN, path={self.hpath}")
         self.redirect()
 
     # -- datanode -------------------------------------------------------------------------------
@@ -239,6 +239,8 @@ class Handler(BaseHTTPRequestHandler):
     def datanode_GET_OPEN(self) -> None:
         size = self.need("file").st_size
         offset = max(0, int(self.query.get("offset", 0)))
+        if offset > size:  # the datanode's seek, as HDFS's DFSInputStream
+            raise HDFSError("IOException", "Cannot seek after EOF")
         length = max(0, min(size - offset, int(self.query.get("length", size))))
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")

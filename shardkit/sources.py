@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from . import checks, index, storage
-from .errors import (AccessDeniedError, CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError,
+from .errors import (AccessDeniedError, BadRequestError, CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError,
                      UnfinishedPackError)
 from .formats import lmdb as lmdb_format
 from .formats import tar
@@ -152,8 +152,8 @@ def _tar_index(folder: str, storage_options: StorageOptions | None) -> Index | N
     scanned). A store that keeps failing raises: a scan would read every shard whole, from it."""
     try:
         idx = index.find(folder, storage_options)
-    except (CorruptShardError, IndexVersionError, DatasetNotFoundError, AccessDeniedError, OSError):
-        return None  # none usable, or a pack into it unfinished
+    except (CorruptShardError, IndexVersionError, DatasetNotFoundError, AccessDeniedError, BadRequestError, OSError):
+        return None  # none usable, a pack into it unfinished, or not ours to read (signed shard URLs)
     return idx if idx is not None and idx.kind == "tar" else None
 
 

@@ -58,7 +58,7 @@ def join(base: str, *names: str) -> str:
 
 _FILESYSTEMS: dict[tuple[Any, ...], Any] = {}  # this process's filesystem instances
 _GCS = ("gs", "gcs")
-_WEBHDFS = ("webhdfs", "swebhdfs")
+_WEBHDFS = ("webhdfs",)
 _HTTP = ("http", "https")
 _S3 = ("s3", "s3a")
 _ONE_ATTEMPT = {"retries": {"total_max_attempts": 1}}  # botocore's config: no retries of its own
@@ -107,18 +107,32 @@ def _harden(fs: Any, protocol: str) -> None:
     except ImportError:  # then no filesystem in use is built on it
         return
     session = getattr(fs, "session", None)
-    if not isinstance(session, requests.Session):
-        return
+    if not isinstance(session, requests.Session) or getattr(session, "_shardkit", False):
+        return  # fsspec hands out one instance for the same options: harden it once
+    session._shardkit = True
     for prefix in ("http://", "https://"):
         session.mount(prefix, _timeout_adapter()())
     if protocol in _WEBHDFS:
-        namenode = fs._apply_proxy(fs.url)
+        session.hooks["response"].append(functools.partial(_datanode_errors, _netloc(fs._apply_proxy(fs.url))))
 
-        def datanode_errors(response: Any, *args: Any, **kwargs: Any) -> None:
-            if response.status_code >= 400 and not response.url.startswith(namenode):
-                response.raise_for_status()
 
-        session.hooks["response"].append(datanode_errors)
+def _netloc(url: str) -> tuple[str | None, int | None]:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return parts.hostname, parts.port
+
+
+def _datanode_errors(namenode: tuple[str | None, int | None], response: Any, *args: Any, **kwargs: Any) -> None:
+    """A datanode's error answer raises (fsspec reads its body as the file's bytes). 404 is a
+    missing file; anything else is tried again: HDFS's datanodes answer every IOException
+    with 403 (a bad replica, an expired block token), and a new OPEN may get another one."""
+    if response.status_code < 400 or _netloc(response.url) == namenode:
+        return
+    if response.status_code == 404:
+        response.raise_for_status()
+    raise ConnectionError(f"the datanode answered {response.status_code} {response.reason}: "
+                          f"{one_line(response.text[:300])}")
 
 
 def filesystem(url: str, storage_options: StorageOptions | None = None,
@@ -145,16 +159,16 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     kwargs = {**cls._get_kwargs_from_urls(url), **(storage_options or {})}
     if protocol in _GCS and "requests_timeout" not in kwargs:  # gcsfs waits forever on a stalled connection
         kwargs["requests_timeout"] = _socket_timeout()
-    if protocol in _HTTP and "timeout" not in kwargs.get("client_kwargs", {}):
+    if protocol in _HTTP and "timeout" not in (kwargs.get("client_kwargs") or {}):
         # aiohttp's default: 300 s a request, so a black hole takes 5 x 300 s to fail, and a
         # slow download is cut off at 300 s
-        kwargs["client_kwargs"] = {**kwargs.get("client_kwargs", {}), "timeout": _socket_timeout()}
+        kwargs["client_kwargs"] = {**(kwargs.get("client_kwargs") or {}), "timeout": _socket_timeout()}
     ours = protocol in _S3 and not client_retries
-    if ours:  # an instance of its own (fs.retries is set below): never fsspec's, shared with uploads
-        kwargs["config_kwargs"] = {**_ONE_ATTEMPT, **kwargs.get("config_kwargs", {})}
+    if ours:  # an instance of its own (fs.retries is set below), never fsspec's shared one, made once a process
+        kwargs["config_kwargs"] = {**_ONE_ATTEMPT, **(kwargs.get("config_kwargs") or {})}
         kwargs["skip_instance_cache"] = True
     key = (os.getpid(), protocol, ours, json.dumps(kwargs, sort_keys=True, default=repr))
-    cache = _FILESYSTEMS if instances is None else instances
+    cache = _FILESYSTEMS if instances is None or ours else instances
     fs = cache.get(key)
     if fs is None:
         try:
@@ -200,7 +214,7 @@ def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: fl
                 raise kind(f"{what}: {reason or type(e).__name__}") from e
             if attempt == attempts:
                 tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
-                raise ShardkitError(f"{what}: {type(e).__name__}: {one_line(e)} (gave up after {tries})") from e
+                raise ShardkitError(f"{what}: {type(e).__name__}: {redact(one_line(e))} (gave up after {tries})") from e
             base = max(base_s, THROTTLED_BASE_S) if _status(_root_cause(e)) in _THROTTLED else base_s
             time.sleep(random.uniform(0, min(cap_s, base * 2 ** (attempt - 1))))
     raise AssertionError("unreachable")
@@ -309,15 +323,15 @@ def _cat_range(fs: Any, path: str, start: int, stop: int, url: str) -> bytes:
 def _webhdfs_range(fs: Any, path: str, start: int, stop: int) -> bytes:
     """Bytes [start, stop) in one OPEN. fsspec's WebHDFS reads a range through a buffered
     file: a size lookup first, then up to 4 MiB past the range (8x the bytes of a small
-    block). HDFS refuses an offset past the end: no bytes there, as GCS answers it."""
+    block)."""
     try:
         out = fs._call("OPEN", path=path, offset=start, length=stop - start, redirect=False)
-    except Exception:
-        if start > 0 and start > fs.info(path)["size"]:
+        if "Location" in out.headers:  # the namenode sends the client on to a datanode
+            out = fs.session.get(fs._apply_proxy(out.headers["Location"]))
+    except Exception:  # HDFS refuses an offset at or past the end (403), where other stores say "no bytes"
+        if start >= fs.info(path)["size"]:
             return b""
         raise
-    if "Location" in out.headers:  # the namenode sends the client on to a datanode
-        out = fs.session.get(fs._apply_proxy(out.headers["Location"]))
     return out.content  # type: ignore[no-any-return]
 
 

@@ -666,6 +666,9 @@ def test_a_key_that_prefixes_a_folder_reads_only_its_own_records(tmp_path: Path)
     for ds in (LMDBDataset(str(tmp_path / "db")), StreamingDataset(str(tmp_path / "db"))):
         assert [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("_")}) for s in ds] == want
     assert shardkit.verify(str(tmp_path / "db")) == []
+    env = lmdb_format.open_reader(str(tmp_path / "db"))
+    with env.begin(buffers=True) as txn, txn.cursor() as cur:  # what reads and touches walk (not a whole folder)
+        assert list(lmdb_format._members(cur, b"v1.")) == [b"v1.cls", b"v1.txt"]
 
 
 def test_a_member_without_extension_keeps_its_name(tmp_path: Path) -> None:

@@ -184,10 +184,13 @@ def test_options_a_store_refuses_are_one_line() -> None:
 
 class _Datanode(http.server.BaseHTTPRequestHandler):
     """In front of a WebHDFS datanode: passes reads on, counting the bytes sent, and answers
-    every `fail_every`-th with a 500 and HDFS's RemoteException JSON, as a failing datanode does."""
+    the first request for every `fail_every`-th range with `fail_status` and HDFS's
+    RemoteException JSON, as a failing datanode does (its retry goes through)."""
     upstream = ""
     fail_every = 0
+    fail_status = 500
     answers = sent = 0
+    seen: set[str] = set()
 
     def log_message(self, *args: object) -> None:
         pass
@@ -198,8 +201,10 @@ class _Datanode(http.server.BaseHTTPRequestHandler):
 
         cls = type(self)
         cls.answers += 1
-        if cls.fail_every and cls.answers % cls.fail_every == 0:
-            status, body = 500, json.dumps({"RemoteException": {
+        first = self.path not in cls.seen
+        cls.seen.add(self.path)
+        if cls.fail_every and first and len(cls.seen) % cls.fail_every == 0:
+            status, body = cls.fail_status, json.dumps({"RemoteException": {
                 "exception": "IOException", "javaClassName": "java.io.IOException",
                 "message": "DataNode is overloaded, try again"}}).encode()
         else:
@@ -212,16 +217,18 @@ class _Datanode(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-@pytest.mark.parametrize("fail_every", [0, 2])
+@pytest.mark.parametrize("fail_every, fail_status", [(0, 500), (2, 500), (2, 403)])
 def test_webhdfs_reads_take_their_range_and_no_error_page(webhdfs: dict, webhdfs_server, packed: Path,  # type: ignore[no-untyped-def]
-                                                           fail_every: int) -> None:
+                                                           fail_every: int, fail_status: int) -> None:
     """A block is one OPEN of its bytes (fsspec's buffered file read 4 MiB past each: 8x the
     data here), and a datanode's error page is a failed read, tried again, never the file's
-    bytes (it was: an index.json that "is not a shardkit index", a sha256 "changed")."""
+    bytes (it was: an index.json that "is not a shardkit index", a sha256 "changed"). HDFS's
+    datanodes answer any IOException (a bad replica, an expired block token) with 403."""
     url, opts = webhdfs["url"] + "/ds", webhdfs["storage_options"]
     fs, root = fsspec.core.url_to_fs(url, **opts)
     fs.put(str(packed), root, recursive=True)
-    datanode = type("Datanode", (_Datanode,), {"upstream": webhdfs_server.datanode, "fail_every": fail_every})
+    datanode = type("Datanode", (_Datanode,), {"upstream": webhdfs_server.datanode, "fail_every": fail_every,
+                                               "fail_status": fail_status, "seen": {"(index.json: the 2nd)"}})
     with serving(datanode) as proxy:
         opts = {**opts, "data_proxy": {webhdfs_server.datanode.removeprefix("http://"): proxy.removeprefix("http://")}}
         index = (packed / "index.json").read_bytes()
@@ -234,6 +241,17 @@ def test_webhdfs_reads_take_their_range_and_no_error_page(webhdfs: dict, webhdfs
     assert datanode.answers > 10
     if not fail_every:  # each block of 2 samples once (the rest of its shard, and more, before)
         assert datanode.sent < 1.1 * shards
+
+
+def test_filesystems_are_set_up_once_and_take_fsspecs_defaults(webhdfs: dict) -> None:
+    """fsspec hands out one instance for the same options, and each reader asks again: its
+    session gets shardkit's hook once. An option left at fsspec's default None works."""
+    url, opts = webhdfs["url"], {k: v for k, v in webhdfs["storage_options"].items() if k != "skip_instance_cache"}
+    first, _ = storage.filesystem(url, opts, instances={})
+    again, _ = storage.filesystem(url, opts, instances={})
+    assert again is first and len(first.session.hooks["response"]) == 1
+    fs, _ = storage.filesystem("https://example.invalid/ds", {"client_kwargs": None})
+    assert fs.client_kwargs["timeout"].sock_read == storage.REQUEST_TIMEOUT_S
 
 
 def test_a_gcs_client_that_fails_as_it_is_made_is_one_line_naming_the_url() -> None:
@@ -381,6 +399,23 @@ def test_a_truncated_shard_is_bad_data_on_every_store(remote: dict, packed: Path
     ds = StreamingDataset(url, storage_options=opts, block=block, on_error="skip")
     assert len(list(ds)) == 120
     assert 0 < ds.stats()["skipped"] < 7
+
+
+@pytest.mark.parametrize("cut", ["at a sample's start", "to nothing"])
+def test_a_shard_cut_at_a_sample_boundary_or_emptied_is_bad_data_on_every_store(remote: dict, packed: Path,
+                                                                              cut: str) -> None:
+    """A range that starts exactly at the new end: HDFS refuses that offset (the namenode
+    with 403, or for an empty file the datanode), where the other stores answer no bytes."""
+    url, opts = remote["url"] + "/ds", remote["storage_options"]
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.put(str(packed), root, recursive=True)
+    shard = shardkit.index.load(str(packed)).shards[0]
+    keep = shard.offsets[3] if cut == "at a sample's start" else 0  # type: ignore[index]
+    fs.pipe(f"{root}/{shard.name}", (packed / shard.name).read_bytes()[:keep])
+    with pytest.raises(CorruptShardError, match=rf"{shard.name} .*the shard ends at"):
+        list(StreamingDataset(url, storage_options=opts, block=1))
+    ds = StreamingDataset(url, storage_options=opts, block=1, on_error="skip")
+    assert len(list(ds)) == 120 and ds.stats()["skipped"] == shard.samples - (3 if keep else 0)
 
 
 def test_streaming_over_http_gives_the_samples_on_disk(web: tuple[str, Path], packed: Path) -> None:

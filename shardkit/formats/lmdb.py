@@ -290,6 +290,23 @@ def read_index(env: Any, path: str) -> bytes:
     return bytes(raw)
 
 
+def _members(cur: Any, prefix: bytes) -> Iterator[bytes]:
+    """The keys `KEY.EXT` of one sample (`prefix` is `KEY.`), the cursor on each in turn.
+    Records of a folder named like the key plus a dot (`v1.2/x` beside `v1`) are another
+    sample's: jumped over."""
+    more = cur.set_range(prefix)
+    while more:
+        k = bytes(cur.key())  # a memoryview in a buffers=True transaction
+        if not k.startswith(prefix):
+            return
+        slash = k.find(b"/", len(prefix))
+        if slash >= 0:
+            more = cur.set_range(k[:slash] + b"0")  # past that folder ("0" follows "/")
+            continue
+        yield k
+        more = cur.next()
+
+
 def read_sample(txn: Any, key: str, path: str, size: int | None = None) -> dict[str, bytes]:
     """All members `KEY.EXT` of one sample; with `size` (the index's), checked to add up to
     it (a record grown or shrunk in place is refused, not read as the sample)."""
@@ -298,20 +315,12 @@ def read_sample(txn: Any, key: str, path: str, size: int | None = None) -> dict[
     total = 0
     try:
         with txn.cursor() as cur:
-            more = cur.set_range(prefix)
-            while more:
-                k, v = bytes(cur.key()), cur.value()  # the key: a memoryview in a buffers=True transaction
-                if not k.startswith(prefix):
-                    break
-                slash = k.find(b"/", len(prefix))
-                if slash >= 0:  # another sample's, in a folder named like this key plus a dot (v1 and v1.2/x)
-                    more = cur.set_range(k[:slash] + b"0")  # past that folder ("0" follows "/")
-                    continue
+            for k in _members(cur, prefix):
+                v = cur.value()
                 total += len(v)
                 if size is not None and total > size:
                     break
                 fields[k[len(prefix):].decode()] = bytes(v)
-                more = cur.next()
     except _lmdb().Error as e:
         raise CorruptShardError(f"{path}: sample {key}: unreadable LMDB ({e})") from None
     if not fields:
@@ -363,12 +372,9 @@ def touch_one(env: Any, key: str) -> None:
     value's pages in (with the GIL released) when it hands out a buffer over it. A reading
     thread that copied the values instead would keep their memory in a malloc arena of its
     own (+20-40 MB over a DataLoader pass, growing with the threads and the cores)."""
-    prefix = f"{key}.".encode()
     with env.begin(buffers=True) as txn, txn.cursor() as cur:
-        more = cur.set_range(prefix)
-        while more and bytes(cur.key()).startswith(prefix):
+        for _ in _members(cur, f"{key}.".encode()):
             cur.value()
-            more = cur.next()
 
 
 def read_one(env: Any, key: str, path: str, size: int | None = None) -> dict[str, bytes]:
