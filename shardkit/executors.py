@@ -7,11 +7,12 @@ jobs in flight (results can be large), and reports how many images are done.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import signal
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from typing import Any, TypeVar
 
@@ -36,10 +37,25 @@ def _init_pool_worker(counter, stop) -> None:  # type: ignore[no-untyped-def]
     """A pool worker leaves Ctrl-C to the pack process, which raises `stop` instead: the
     terminal sends SIGINT to the whole process group, and a worker interrupted (or killed)
     while it sends a result leaves half a message in the pool's pipe, on which the pool's
-    shutdown waits forever."""
+    shutdown waits forever. It starts with SIGINT held (`_sigint_held`): one that came
+    since is dropped here."""
     init_worker(counter, stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent()
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold Ctrl-C back while the pool starts workers (a submit forks them): interrupted
+    there, the pool has workers but not yet the thread that would tell them to stop, and
+    they would wait for work forever; and a worker forked meanwhile must not take it before
+    it ignores it. A Ctrl-C that came meanwhile is raised as the block ends."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def stop_point() -> None:
@@ -92,7 +108,8 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
         try:
             while True:
                 while len(running) < 2 * workers and (job := next(queued, None)) is not None:
-                    running.append(pool.submit(fn, job))
+                    with _sigint_held():
+                        running.append(pool.submit(fn, job))
                 if not running:
                     return
                 wait(running, timeout=0.2, return_when=FIRST_EXCEPTION)

@@ -328,8 +328,8 @@ def _webhdfs_range(fs: Any, path: str, start: int, stop: int) -> bytes:
         out = fs._call("OPEN", path=path, offset=start, length=stop - start, redirect=False)
         if "Location" in out.headers:  # the namenode sends the client on to a datanode
             out = fs.session.get(fs._apply_proxy(out.headers["Location"]))
-    except Exception:  # HDFS refuses an offset at or past the end (403), where other stores say "no bytes"
-        if start >= fs.info(path)["size"]:
+    except (RuntimeError, ConnectionError):  # an IOException: HDFS refuses an offset at or past the end (403),
+        if start >= fs.info(path)["size"]:  # where other stores answer no bytes
             return b""
         raise
     return out.content  # type: ignore[no-any-return]

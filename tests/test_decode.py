@@ -166,7 +166,7 @@ def test_16_bit_grayscale_keeps_its_contrast(tmp_path: Path) -> None:
         Image.fromarray(ramp).save(src / f"ramp.{fmt.lower()}", fmt)
         with Image.open(src / f"ramp.{fmt.lower()}") as img:
             assert img.mode == "I;16"
-    Image.fromarray(ramp.astype(np.int32)).save(src / "wide.tiff", "TIFF")  # mode "I"
+    Image.fromarray((ramp >> 8).astype(np.int32)).save(src / "labels.tiff", "TIFF")  # mode "I": as PIL converts it
     shardkit.pack(str(src.parent), str(tmp_path / "out"), workers=1, progress=False, shuffle=False)
     for mode, as_array in (("rgb8", np.asarray), ("pil", np.asarray), ("tensor", lambda t: t.numpy().transpose(1, 2, 0))):
         samples = list(StreamingDataset(str(tmp_path / "out"), decode=mode))
@@ -180,6 +180,20 @@ def test_16_bit_grayscale_keeps_its_contrast(tmp_path: Path) -> None:
     shardkit.pack(str(src.parent), str(tmp_path / "small"), resize=20, workers=1, progress=False, shuffle=False)
     for sample in StreamingDataset(str(tmp_path / "small"), decode="rgb8"):
         assert sample["jpg"].shape == (20, 30, 3) and abs(sample["jpg"].mean() - high.mean()) < 2
+
+
+def test_pil_images_come_decoded_so_a_bad_one_is_the_samples_error(tmp_path: Path) -> None:
+    """Not an image PIL decodes later, in the caller's hands (a DataLoader worker failing to
+    pickle it drops the batch): a JPEG cut in half is skipped like any bad sample."""
+    buf = io.BytesIO()
+    noise = np.random.default_rng(0).integers(0, 56, (48, 64, 3), dtype=np.uint8)
+    Image.fromarray(noise + np.array([200, 0, 0], dtype=np.uint8)).save(buf, "JPEG")
+    whole = buf.getvalue()  # mostly scan data: its first half opens, and fails as it decodes
+    url = _tar_of(tmp_path / "x.tar", {"a.jpg": whole, "b.jpg": whole[: len(whole) // 2], "c.jpg": whole})
+    ds = StreamingDataset([url], decode="pil", on_error="skip")
+    samples = list(ds)
+    assert len(samples) == 3 and ds.stats()["skipped"] == 1
+    assert all(s["jpg"].getpixel((0, 0))[0] > 150 for s in samples)
 
 
 def test_module_import_stays_light() -> None:

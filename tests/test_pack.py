@@ -523,6 +523,43 @@ def test_ctrl_c_ends_a_pool_at_once_with_one_traceback(tmp_path: Path) -> None:
     assert len(workers) == 2 and not any(Path(f"/proc/{w}").exists() for w in workers)
 
 
+_INTERRUPTED_START = """
+import os, signal, time
+from concurrent.futures import process
+from shardkit import executors
+
+launch = process.ProcessPoolExecutor._launch_processes
+
+def launch_then_ctrl_c(self):  # Ctrl-C once the workers are forked, before the pool's thread starts
+    launch(self)
+    time.sleep(0.3)
+    os.killpg(0, signal.SIGINT)
+    time.sleep(0.1)
+
+process.ProcessPoolExecutor._launch_processes = launch_then_ctrl_c
+
+def job(i):
+    return i
+
+executors.local(2)(job, list(range(4)), print, lambda n: None)
+"""
+
+
+def test_ctrl_c_as_the_pool_starts_ends_it_too(tmp_path: Path) -> None:
+    """Interrupted there, the pool had workers but not the thread that tells them to stop;
+    they waited for work forever, and so did the pack's exit."""
+    script = tmp_path / "start.py"
+    script.write_text(_INTERRUPTED_START)
+    proc = subprocess.Popen([sys.executable, str(script)], start_new_session=True, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0 and err.rstrip().endswith("KeyboardInterrupt")
+
+
 def test_verify_catches_a_flipped_byte(photos: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     shardkit.pack(str(photos), str(out), max_count=10, workers=1, progress=False)
