@@ -51,11 +51,11 @@ def _sigint_held() -> Iterator[None]:
     there, the pool has workers but not yet the thread that would tell them to stop, and
     they would wait for work forever; and a worker forked meanwhile must not take it before
     it ignores it. A Ctrl-C that came meanwhile is raised as the block ends."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def stop_point() -> None:
