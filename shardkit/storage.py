@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 
+from . import executors
 from .errors import (AccessDeniedError, BadRequestError, CorruptShardError, NotFoundError, ShardkitError, one_line,
                      name_file, redact)
 from .seqwrite import SequentialWriter
@@ -215,6 +216,7 @@ def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: fl
             if attempt == attempts:
                 tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
                 raise ShardkitError(f"{what}: {type(e).__name__}: {redact(one_line(e))} (gave up after {tries})") from e
+            executors.stop_point()  # a pack given up (Ctrl-C) tries no more: an attempt can take a minute
             base = max(base_s, THROTTLED_BASE_S) if _status(_root_cause(e)) in _THROTTLED else base_s
             time.sleep(random.uniform(0, min(cap_s, base * 2 ** (attempt - 1))))
     raise AssertionError("unreachable")

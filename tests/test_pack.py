@@ -523,6 +523,25 @@ def test_ctrl_c_ends_a_pool_at_once_with_one_traceback(tmp_path: Path) -> None:
     assert len(workers) == 2 and not any(Path(f"/proc/{w}").exists() for w in workers)
 
 
+def test_a_pack_given_up_tries_a_failing_read_no_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool worker's remote read stops retrying once the pack process raised the stop flag:
+    a stalled connection takes a minute an attempt, and Ctrl-C would wait out five."""
+    import multiprocessing
+
+    from shardkit import storage
+
+    attempts = []
+
+    def reset() -> None:
+        attempts.append(1)
+        raise ConnectionResetError("connection reset by peer")
+
+    monkeypatch.setattr(executors, "_stop", multiprocessing.RawValue("b", 1))
+    with pytest.raises(executors.Stopped):
+        storage.retrying("s3://b/x", reset)
+    assert len(attempts) == 1
+
+
 _INTERRUPTED_START = """
 import os, signal, time
 from concurrent.futures import process
