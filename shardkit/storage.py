@@ -80,6 +80,10 @@ def _timeout_adapter() -> Any:
     return TimeoutAdapter
 
 
+def _protocol(url: str) -> str:
+    return url.split("://", 1)[0]
+
+
 def _socket_timeout() -> Any:
     """An aiohttp deadline per socket operation, as requests has: a connection silent for
     REQUEST_TIMEOUT_S fails (and is retried); a slow download that keeps moving is not cut off."""
@@ -90,8 +94,9 @@ def _socket_timeout() -> Any:
 
 @functools.cache
 def _quiet_gcsfs() -> None:
-    """A handler, so that Python's last-resort one (stderr) does not print gcsfs's records;
-    they still reach the handlers of an application that set logging up."""
+    """gcsfs logs a request it gave up on with its traceback: a handler of its own keeps
+    Python's last-resort one from printing it on stderr, over shardkit's one-line error
+    (an application that set logging up still gets the records)."""
     logging.getLogger("gcsfs").addHandler(logging.NullHandler())
 
 
@@ -99,10 +104,7 @@ def _harden(fs: Any, protocol: str) -> None:
     """Give a requests-based filesystem (WebHDFS) a deadline per request, and have a
     datanode's error raise: fsspec checks the namenode's answers, but takes a datanode's
     error page for the file's bytes (an index that reads as JSON garbage, a shard whose
-    sha256 "changed"). And keep gcsfs's log of a request it gave up on (a traceback, on
-    stderr where logging is not set up) out of the way of shardkit's one-line error."""
-    if protocol in _GCS:
-        _quiet_gcsfs()
+    sha256 "changed")."""
     try:
         import requests
     except ImportError:  # then no filesystem in use is built on it
@@ -146,7 +148,7 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     import fsspec
     import fsspec.core
 
-    protocol = url.split("://", 1)[0]
+    protocol = _protocol(url)
     try:
         if "::" in url:  # chained URLs (simplecache::s3://...): let fsspec assemble them
             return fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -158,12 +160,15 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     except ValueError as e:  # fsspec: "Protocol not known"
         raise ShardkitError(f"{display(url)}: unknown storage protocol {protocol}://") from e
     kwargs = {**cls._get_kwargs_from_urls(url), **(storage_options or {})}
-    if protocol in _GCS and "requests_timeout" not in kwargs:  # gcsfs waits forever on a stalled connection
-        kwargs["requests_timeout"] = _socket_timeout()
-    if protocol in _HTTP and "timeout" not in (kwargs.get("client_kwargs") or {}):
+    if protocol in _GCS:
+        _quiet_gcsfs()
+        if "requests_timeout" not in kwargs:  # gcsfs waits forever on a stalled connection
+            kwargs["requests_timeout"] = _socket_timeout()
+    client = kwargs.get("client_kwargs") or {}  # None: fsspec's default
+    if protocol in _HTTP and "timeout" not in client:
         # aiohttp's default: 300 s a request, so a black hole takes 5 x 300 s to fail, and a
         # slow download is cut off at 300 s
-        kwargs["client_kwargs"] = {**(kwargs.get("client_kwargs") or {}), "timeout": _socket_timeout()}
+        kwargs["client_kwargs"] = {**client, "timeout": _socket_timeout()}
     ours = protocol in _S3 and not client_retries
     if ours:  # an instance of its own (fs.retries is set below), never fsspec's shared one, made once a process
         kwargs["config_kwargs"] = {**_ONE_ATTEMPT, **(kwargs.get("config_kwargs") or {})}
@@ -226,7 +231,7 @@ def attempts_for(url: str) -> int:
     """Our attempts at a request to `url`. gcsfs retries every failed request up to 6 times
     itself, with backoff (no option turns that off; a body cut short and a silent connection
     included): those are the retries on GCS, not multiplied by ours."""
-    return 1 if url.split("://", 1)[0] in _GCS else RETRIES
+    return 1 if _protocol(url) in _GCS else RETRIES
 
 
 def _causes(e: BaseException) -> Iterator[BaseException]:
@@ -309,7 +314,7 @@ def _cat_range(fs: Any, path: str, start: int, stop: int, url: str) -> bytes:
     where it ends before `start` (GCS and WebHDFS answer that with no bytes, S3 and HTTP with
     416). More is a server that ignores ranges: BadRequestError (no retry helps)."""
     try:
-        data: bytes = (_webhdfs_range(fs, path, start, stop) if url.split("://", 1)[0] in _WEBHDFS
+        data: bytes = (_webhdfs_range(fs, path, start, stop) if _protocol(url) in _WEBHDFS
                        else fs.cat_file(path, start=start, end=stop))
     except Exception as e:
         if _status(_root_cause(e)) == 416:
@@ -578,7 +583,7 @@ def remove_dir(url: str, storage_options: StorageOptions | None = None) -> None:
         with contextlib.suppress(FileNotFoundError, OSError):
             os.rmdir(local_path(url))
         return
-    if url.split("://", 1)[0] not in _OBJECT_STORES:  # WebHDFS, HDFS: real folders (fsspec's rmdir is a no-op there)
+    if _protocol(url) not in _OBJECT_STORES:  # WebHDFS, HDFS: real folders (fsspec's rmdir is a no-op there)
         with contextlib.suppress(OSError, ShardkitError):
             _ask(url, storage_options, lambda fs, path: fs.rm(path, recursive=True) if not fs.ls(path) else None)
 

@@ -359,8 +359,8 @@ def read_when_cold(read: Callable[[T], R], touch: Callable[[T], None], items: Se
         cold = time.perf_counter() - start > COLD_READ_S and major_faults() != faults
         yield record
         if cold and pool is not None and n + 1 < len(items):
-            rest = items[n + 1 :]
-            touches = [pool().submit(touch, item) for item in rest]
+            rest, threads = items[n + 1 :], pool()
+            touches = [threads.submit(touch, item) for item in rest]
             for item, touched in zip(rest, touches):
                 wait((touched,))  # a touch's error is left to the read, which reports it
                 yield read(item)
