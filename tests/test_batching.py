@@ -4,6 +4,7 @@ after the main process freed every tensor over it."""
 from __future__ import annotations
 
 import gc
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,26 @@ def test_spawned_and_persistent_workers(packed: Path) -> None:
                 assert ref[k][1] == y
                 labels[y] += 1
         assert labels == {0: 40, 1: 40, 2: 40}
+
+
+def megabyte_and_pid(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    return torch.full((256, 1024), float(sample["cls"])), os.getpid()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssShmem from /proc")
+def test_a_worker_does_not_map_the_batches_it_handed_over(packed: Path) -> None:
+    """A worker writes its batches through the segment's descriptor: the batches held in the
+    main process (and the ones queued) count in the worker's RSS not at all (they did, twice
+    over, when the worker wrote them through its mapping)."""
+    ds = StreamingDataset(str(packed), decode="tensor", transform=megabyte_and_pid, batch_size=16)
+    batches = iter(DataLoader(ds, batch_size=None, num_workers=1))
+    held = [next(batches) for _ in range(5)]  # 16 MB each, the worker alive with two more queued
+    assert all(torch.equal(x[i], torch.full((256, 1024), float(x[i, 0, 0]))) for x, _ in held for i in range(16))
+    pid = int(held[0][1][0])
+    status = Path(f"/proc/{pid}/status").read_text()
+    shared_kb = int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssShmem:")))
+    assert shared_kb < 4096, f"the worker maps {shared_kb} KB of shared memory with 7 batches of 16 MB out"
+    del batches
 
 
 def shape_by_class(sample: dict[str, Any]) -> torch.Tensor:
