@@ -79,7 +79,7 @@ class _Segment:
         """Copy `value` in at `offset` through the descriptor, not the mapping: this process
         never maps the data pages (only the header's), so a batch handed to the main process
         counts in that process's RSS alone, and a reused segment costs no page faults here."""
-        data = memoryview(np.ascontiguousarray(value)).cast("B")
+        data = memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8))  # empty arrays too
         while data:
             written = os.pwrite(self.fd, data, offset)
             data, offset = data[written:], offset + written

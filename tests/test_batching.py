@@ -266,6 +266,14 @@ def test_collate_is_a_drop_in_for_map_style_datasets(packed: Path, tmp_path: Pat
         assert all(torch.equal(img, ref[k][0]) for img, k in zip(images, keys))
 
 
+def test_empty_bool_complex_and_strided_leaves_stack_like_default_collate() -> None:
+    samples = [(torch.zeros((0, 4)), np.array([i % 2 == 0, True]), np.full(3, 1j * i, np.complex64),
+                torch.arange(6).reshape(2, 3).T + i) for i in range(4)]
+    got, want = next(batching.Batches(iter(samples), 4)), torch.utils.data.default_collate(samples)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w) and g.dtype == w.dtype and g.shape == w.shape
+
+
 def test_mixed_numbers_and_key_order_collate_like_default_collate() -> None:
     samples = [{"w": 0, "x": 1.5, "y": True}, {"y": 1, "x": 2, "w": 0.5}, {"x": 3.0, "w": 1, "y": False}]
     got, want = next(batching.Batches(iter(samples), 3)), torch.utils.data.default_collate(samples)
