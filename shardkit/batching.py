@@ -53,6 +53,7 @@ HEADER = 64  # byte 0: the busy flag; bytes 8-16: the segment's token; data star
 MAX_SEGMENTS = 16  # pooled segments per process (prefetch_factor up to ~14); past that, one-off segments
 _NUMBERS = {bool: np.dtype(np.bool_), int: np.dtype(np.int64), float: np.dtype(np.float64)}
 _PROC_FD = os.path.isdir("/proc/self/fd")  # Linux: another process can reopen our descriptors
+_MAX_WRITE = 1 << 30  # bytes a pwrite: macOS refuses counts over INT_MAX (Linux writes at most ~2 GB a call)
 
 
 class _Segment:
@@ -81,7 +82,7 @@ class _Segment:
         counts in that process's RSS alone, and a reused segment costs no page faults here."""
         data = memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8))  # empty arrays too
         while data:
-            written = os.pwrite(self.fd, data, offset)
+            written = os.pwrite(self.fd, data[:_MAX_WRITE], offset)
             data, offset = data[written:], offset + written
 
     def __del__(self) -> None:
@@ -194,7 +195,7 @@ def _array_of(leaf: Any) -> np.ndarray | None:
         if leaf.device.type != "cpu" or leaf.requires_grad or leaf.is_sparse:
             return None
         try:
-            return leaf.numpy()
+            return leaf.resolve_conj().resolve_neg().numpy()  # a lazy conj()/neg view: its values
         except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, ...)
             return None
     if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "biufc":

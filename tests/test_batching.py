@@ -266,9 +266,10 @@ def test_collate_is_a_drop_in_for_map_style_datasets(packed: Path, tmp_path: Pat
         assert all(torch.equal(img, ref[k][0]) for img, k in zip(images, keys))
 
 
-def test_empty_bool_complex_and_strided_leaves_stack_like_default_collate() -> None:
+def test_empty_bool_complex_strided_and_lazy_leaves_stack_like_default_collate() -> None:
     samples = [(torch.zeros((0, 4)), np.array([i % 2 == 0, True]), np.full(3, 1j * i, np.complex64),
-                torch.arange(6).reshape(2, 3).T + i) for i in range(4)]
+                torch.arange(6).reshape(2, 3).T + i, torch.full((2,), 1 + 1j * i).conj() if i else torch.ones(2) + 0j,
+                torch._neg_view(torch.arange(3.0) + i) if i else torch.arange(3.0)) for i in range(4)]
     got, want = next(batching.Batches(iter(samples), 4)), torch.utils.data.default_collate(samples)
     for g, w in zip(got, want):
         assert torch.equal(g, w) and g.dtype == w.dtype and g.shape == w.shape
