@@ -205,9 +205,10 @@ def _array_of(leaf: Any) -> np.ndarray | None:
 
 class _Layout:
     """Where each leaf of a batch lives: ("array", offset, shape, dtype, number), a (batch,
-    *shape) block of a segment, or ("other",) collated by default_collate. Made from a batch's first sample.
-    `number`: the first sample's leaf was a Python number; default_collate decides the
-    slot's dtype from all of its values (and takes 0-d tensors among them)."""
+    *shape) block of a segment, or ("other",) collated by default_collate. Made from a
+    batch's first sample. `number`: the first sample's leaf was a Python number;
+    default_collate decides the slot's dtype from all of its values (and takes 0-d tensors
+    among them)."""
 
     def __init__(self, spec: _Spec, leaves: list[Any], batch: int):
         self.spec, self.batch = spec, batch
