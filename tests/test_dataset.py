@@ -277,6 +277,22 @@ def test_shards_named_one_by_one_take_what_their_folders_index_says(packed: Path
     assert scanned[1:] == [str(copy / "shard-000000.tar"), str(copy / "shard-000001.tar")]
 
 
+def test_a_shard_replaced_during_a_run_is_caught_range_by_range(packed: Path, tmp_path: Path) -> None:
+    """A repack into the same place while a dataset built on the old index reads on: its
+    sample ranges no longer hold whole samples, and each one says so, naming the shard."""
+    copy = tmp_path / "copy"
+    shutil.copytree(packed, copy)
+    ds = StreamingDataset(str(copy), on_error="skip")
+    strict, verified = StreamingDataset(str(copy)), StreamingDataset(str(copy), verify=True)
+    shutil.copyfile(packed / "shard-000002.tar", copy / "shard-000001.tar")  # other images: other sizes
+    with pytest.raises(CorruptShardError, match=r"shard-000001\.tar.*sample at byte"):
+        list(strict)
+    with pytest.raises(CorruptShardError, match=r"shard-000001\.tar.*sha256"):
+        list(verified)
+    keys = [s["__key__"] for s in ds]
+    assert len(keys) == len(ds) and 0 < ds.stats()["skipped"] <= 7
+
+
 def to_pair(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
     return sample["jpg"], sample["cls"]
 
