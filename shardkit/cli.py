@@ -6,13 +6,16 @@ Exit codes: 0 success, 1 a shardkit error (bad input, corrupt shard; the message
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -21,14 +24,43 @@ from .errors import ShardkitError, one_line, redact
 from .units import format_size, parse_size
 
 
+@contextlib.contextmanager
+def _second_ctrl_c_exits() -> Iterator[None]:
+    """The first Ctrl-C raises KeyboardInterrupt and the command stops cleanly: a pack waits
+    for its workers' jobs to reach their next image, which a stalled remote read puts off by
+    up to a minute. A second one exits at once with 130, as a kill would: the pool workers
+    die with the process (Linux), and a pack resumes on a rerun. Only where Ctrl-C has
+    Python's default handler (not ignored, as in a background job), in the main thread."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    pressed = False
+
+    def on_ctrl_c(signum: int, frame: Any) -> None:
+        nonlocal pressed
+        if pressed:
+            os.write(2, b"\ninterrupted again: exiting now (a pack resumes where it stopped on a rerun)\n")
+            os._exit(130)
+        pressed = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn ShardkitError (and a few OS errors) into a one-line message and exit code 1; Ctrl-C
-    into 130."""
+    into 130 (a second Ctrl-C: at once)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with _second_ctrl_c_exits():
+                return fn(*args, **kwargs)
         except ShardkitError as e:
             raise click.ClickException(_message(e)) from None
         except ModuleNotFoundError as e:

@@ -579,6 +579,53 @@ def test_ctrl_c_as_the_pool_starts_ends_it_too(tmp_path: Path) -> None:
     assert proc.returncode != 0 and err.rstrip().endswith("KeyboardInterrupt")
 
 
+_STALLED_PACK = """
+import os, sys, time
+from shardkit import cli
+
+def stalled(job, check=None):  # a remote read that never answers: no next image, no stop point
+    open(os.path.join(sys.argv[3], str(os.getpid())), "w").close()
+    time.sleep(600)
+    yield
+
+sys.modules["shardkit.pack"]._samples = stalled
+cli.main(["pack", sys.argv[1], sys.argv[2], "--workers", "2", "--max-count", "5", "-q"])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pool workers die with the pack process on Linux")
+def test_a_second_ctrl_c_ends_a_stalled_pack_at_once(photos: Path, tmp_path: Path) -> None:
+    """The first Ctrl-C waits for the jobs in flight to reach their next image (a stalled read
+    can put that off by a minute); the second exits at once, as a kill would, and a rerun
+    finishes the pack."""
+    script, started, out = tmp_path / "stalled.py", tmp_path / "started", tmp_path / "out"
+    script.write_text(_STALLED_PACK)
+    started.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script), str(photos), str(out), str(started)],
+                            start_new_session=True, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(started.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        workers = [int(p.name) for p in started.iterdir()]
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(1)
+        assert proc.poll() is None, "the first Ctrl-C waits for the jobs in flight"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and err.strip() == "interrupted again: exiting now (a pack resumes where it stopped on a rerun)"
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(workers) == 2 and not any(Path(f"/proc/{w}").exists() for w in workers)
+    shardkit.pack(str(photos), str(out), max_count=5, workers=2, progress=False)
+    assert shardkit.verify(str(out)) == [] and shardkit.index.load(str(out)).samples == 30
+
+
 def test_verify_catches_a_flipped_byte(photos: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     shardkit.pack(str(photos), str(out), max_count=10, workers=1, progress=False)
