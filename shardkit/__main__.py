@@ -1,5 +1,5 @@
 """`python -m shardkit`: the `shardkit` command, for environments without its script on PATH."""
 
-from .cli import main
+from .cli import run
 
-main(prog_name="shardkit")
+run(prog_name="shardkit")

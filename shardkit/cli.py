@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -24,43 +24,14 @@ from .errors import ShardkitError, one_line, redact
 from .units import format_size, parse_size
 
 
-@contextlib.contextmanager
-def _second_ctrl_c_exits() -> Iterator[None]:
-    """The first Ctrl-C raises KeyboardInterrupt and the command stops cleanly: a pack waits
-    for its workers' jobs to reach their next image, which a stalled remote read puts off by
-    up to a minute. A second one exits at once with 130, as a kill would: the pool workers
-    die with the process (Linux), and a pack resumes on a rerun. Only where Ctrl-C has
-    Python's default handler (not ignored, as in a background job), in the main thread."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    pressed = False
-
-    def on_ctrl_c(signum: int, frame: Any) -> None:
-        nonlocal pressed
-        if pressed:
-            os.write(2, b"\ninterrupted again: exiting now (a pack resumes where it stopped on a rerun)\n")
-            os._exit(130)
-        pressed = True
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_ctrl_c)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn ShardkitError (and a few OS errors) into a one-line message and exit code 1; Ctrl-C
-    into 130 (a second Ctrl-C: at once)."""
+    into 130."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            with _second_ctrl_c_exits():
-                return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         except ShardkitError as e:
             raise click.ClickException(_message(e)) from None
         except ModuleNotFoundError as e:
@@ -446,3 +417,35 @@ def preview(url: str, n: int, out: str, transform: Any, decode: str, seed: int, 
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def _exit_on_second_ctrl_c() -> None:
+    """For the life of this process: the first Ctrl-C raises KeyboardInterrupt and the command
+    stops cleanly (a pack waits for its jobs in flight to reach their next image, which a
+    stalled remote read puts off by up to a minute); a second one exits at once with 130, as
+    a kill would (pool workers die with the process on Linux; a pack resumes on a rerun).
+    Processes forked from this one keep Python's behaviour. Not where Ctrl-C is ignored (a
+    background job) or handled by someone else."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+    owner, pressed = os.getpid(), False
+
+    def on_ctrl_c(signum: int, frame: Any) -> None:
+        nonlocal pressed
+        if pressed and os.getpid() == owner:
+            with contextlib.suppress(OSError):  # stderr gone: `| tee` ended by the first Ctrl-C
+                os.write(2, b"\ninterrupted again: exiting now (a rerun of pack resumes)\n")
+            os._exit(130)
+        pressed = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
+
+
+def run(*args: Any, **kwargs: Any) -> Any:
+    """The `shardkit` command (its script and `python -m shardkit`): `main` with a second
+    Ctrl-C that exits at once. `main` itself, called in a user's process (a notebook, a test's
+    CliRunner), leaves that process's Ctrl-C alone."""
+    _exit_on_second_ctrl_c()
+    return main(*args, **kwargs)

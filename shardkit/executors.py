@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import multiprocessing
+import os
 import signal
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
@@ -50,12 +52,23 @@ def _sigint_held() -> Iterator[None]:
     """Hold Ctrl-C back while the pool starts workers (a submit forks them): interrupted
     there, the pool has workers but not yet the thread that would tell them to stop, and
     they would wait for work forever; and a worker forked meanwhile must not take it before
-    it ignores it. A Ctrl-C that came meanwhile is raised as the block ends."""
+    it ignores it (it starts with SIGINT blocked). The kernel may deliver SIGINT to any
+    thread that does not block it (tqdm's monitor thread, say), and Python then runs the
+    handler in the main thread all the same, so the handler is swapped too: a Ctrl-C that
+    came meanwhile is raised again as the block ends."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    came: list[int] = []
+    handler = None
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
     try:
         yield
     finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        if came:
+            signal.raise_signal(signal.SIGINT)
 
 
 def stop_point() -> None:
@@ -66,13 +79,17 @@ def stop_point() -> None:
 
 def _die_with_parent() -> None:
     """Linux: have the kernel send this pool worker SIGTERM when the pack process dies, so
-    killing `shardkit pack` (even with SIGKILL, where no cleanup runs) leaves no workers behind."""
+    killing `shardkit pack` (even with SIGKILL, where no cleanup runs) leaves no workers behind.
+    A parent that died before that (between the fork and here) is not waited for."""
     import ctypes
 
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and not parent.is_alive():
+        os._exit(1)
 
 
 def tick(n: int) -> None:
@@ -102,7 +119,8 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
             init_worker(None)
         return
     stop = multiprocessing.RawValue("b", 0)
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=_init_pool_worker, initargs=(counter, stop)) as pool:
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=_init_pool_worker,
+                             initargs=(counter, stop)) as pool:
         queued = iter(jobs)
         running: deque[Future[R]] = deque()
         try:

@@ -377,6 +377,51 @@ def test_ctrl_c_exits_130(run, photos: Path, tmp_path: Path, monkeypatch: pytest
     assert result.exit_code == 130 and result.output.strip() == "interrupted"
 
 
+_CTRL_C = """
+import os, signal, sys, time
+from shardkit import cli
+
+def ctrl_c_twice():
+    caught = 0
+    for _ in range(2):
+        try:
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(0.2)
+        except KeyboardInterrupt:
+            caught += 1
+    return caught
+
+mode = sys.argv[1]
+if mode == "in-process":  # main() in a user's process leaves its Ctrl-C alone
+    cli.main(["--help"], standalone_mode=False)
+    sys.exit(ctrl_c_twice())
+cli._exit_on_second_ctrl_c()
+if mode == "forked":  # a DataLoader worker, say: Python's behaviour, the pack's message never
+    pid = os.fork()
+    if pid == 0:
+        os._exit(ctrl_c_twice())
+    sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+if mode == "no-stderr":  # `shardkit pack ... | tee log`: the first Ctrl-C ended tee
+    os.close(2)
+ctrl_c_twice()
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(("mode", "code", "said"), [
+    ("twice", 130, "interrupted again: exiting now (a rerun of pack resumes)"),
+    ("in-process", 2, ""), ("forked", 2, ""), ("no-stderr", 130, ""),
+])
+def test_a_second_ctrl_c_exits_at_once_in_the_command_only(tmp_path: Path, mode: str, code: int, said: str) -> None:
+    """The `shardkit` command exits at a second Ctrl-C (tests/test_pack.py runs a stalled
+    pack); main() called in a user's process and processes forked from the command raise
+    KeyboardInterrupt each time, as Python does."""
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(_CTRL_C)
+    result = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr.strip()) == (code, said)
+
+
 def test_resize_is_refused_on_a_dataset_converted_byte_for_byte(run, packed: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     for option in (("--resize", "64"), ("--quality", "80")):
         result = run("pack", packed, tmp_path / "out", *option)
