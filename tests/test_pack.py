@@ -586,6 +586,37 @@ def test_ctrl_c_as_the_pool_starts_ends_it_too(tmp_path: Path, threads: list[str
     assert proc.returncode != 0 and err.rstrip().endswith("KeyboardInterrupt")
 
 
+_ORPHANED_START = """
+import multiprocessing, os, sys, time
+from shardkit import executors
+
+def worker(marker):
+    time.sleep(1)  # its parent is gone before it asks to die with it
+    executors._die_with_parent()
+    open(marker, "w").close()
+
+def parent(marker):
+    multiprocessing.get_context("fork").Process(target=worker, args=(marker,)).start()
+    os._exit(0)
+
+if __name__ == "__main__":
+    p = multiprocessing.get_context("fork").Process(target=parent, args=(sys.argv[1],))
+    p.start()
+    p.join()
+    time.sleep(3)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_pool_worker_whose_parent_died_before_it_started_exits(tmp_path: Path) -> None:
+    """The parent's death signal is asked for in the worker's initializer; a parent killed
+    between the fork and that never sends it, and the worker would wait for work forever."""
+    script, marker = tmp_path / "orphan.py", tmp_path / "survived"
+    script.write_text(_ORPHANED_START)
+    subprocess.run([sys.executable, str(script), str(marker)], check=True, timeout=60)
+    assert not marker.exists()
+
+
 _STALLED_PACK = """
 import os, sys, time
 from shardkit import cli
