@@ -415,10 +415,6 @@ def preview(url: str, n: int, out: str, transform: Any, decode: str, seed: int, 
     click.echo(f"wrote {out}: {result['samples']} samples, {cols}x{rows} grid, {width}x{height} px{skipped}")
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
-
-
 def _exit_on_second_ctrl_c() -> None:
     """For the life of this process: the first Ctrl-C raises KeyboardInterrupt and the command
     stops cleanly (a pack waits for its jobs in flight to reach their next image, which a
@@ -449,3 +445,7 @@ def run(*args: Any, **kwargs: Any) -> Any:
     CliRunner), leaves that process's Ctrl-C alone."""
     _exit_on_second_ctrl_c()
     return main(*args, **kwargs)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(run())

@@ -73,12 +73,14 @@ _GRAY_16 = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
-    """`img` decoded, as 8-bit RGB (PIL's `convert`). 16-bit grayscale (depth maps, scans, PNG
-    or TIFF) keeps its contrast, by its high byte, where `convert` clips every value over
-    255 to white. (32-bit "I" says nothing of its range: label maps hold small numbers.)"""
+    """`img` decoded (a bad file raises here), as 8-bit RGB (PIL's `convert`). 16-bit
+    grayscale (depth maps, scans, PNG or TIFF) keeps its contrast, by its high byte, where
+    `convert` clips every value over 255 to white. (32-bit "I" says nothing of its range:
+    label maps hold small numbers.)"""
+    img.load()
     if img.mode in _GRAY_16:
         img = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8))
-    return img.convert("RGB")
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 def _pil(data: bytes) -> Image.Image:
@@ -231,9 +233,7 @@ def resized(data: bytes | memoryview | Image.Image, size: Size, crop: Size | Non
     if drafted is not None and img.size != source:  # box: the source's extent in the drafted pixels
         fx, fy = drafted[1][2] / source[0], drafted[1][3] / source[1]
         box = (box[0] * fx, box[1] * fy, box[2] * fx, box[3] * fy)
-    if img.mode != "RGB":
-        img = to_rgb(img)
-    return img.resize(out, resample, box=box, reducing_gap=reducing_gap)
+    return to_rgb(img).resize(out, resample, box=box, reducing_gap=reducing_gap)
 
 
 def resized_tensor(data: bytes | memoryview | Image.Image, size: Size, crop: Size | None = None, *,

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -498,6 +499,19 @@ executors.local(2)(job, list(range(8)), print, lambda n: None)
 """
 
 
+def _foreground(*args: str) -> subprocess.Popen[str]:
+    """A Python script in a session of its own, Ctrl-C at Python's default, as a terminal's
+    foreground job: `os.killpg(proc.pid, signal.SIGINT)` is the terminal's Ctrl-C."""
+    return subprocess.Popen([sys.executable, *args], start_new_session=True, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def _until(done: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_ctrl_c_ends_a_pool_at_once_with_one_traceback(tmp_path: Path) -> None:
     """The terminal sends SIGINT to the whole process group: the workers leave it to the
     pack process, which ends their jobs; none is cut off halfway through sending a result
@@ -506,12 +520,8 @@ def test_ctrl_c_ends_a_pool_at_once_with_one_traceback(tmp_path: Path) -> None:
     script.write_text(_INTERRUPTED_POOL)
     started = tmp_path / "started"
     started.mkdir()
-    proc = subprocess.Popen([sys.executable, str(script), str(started)], start_new_session=True,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 60
-    while len(list(started.iterdir())) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    proc = _foreground(str(script), str(started))
+    _until(lambda: len(list(started.iterdir())) >= 2, 60)
     with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
         workers = [int(c) for c in f.read().split()]
     os.killpg(proc.pid, signal.SIGINT)
@@ -575,9 +585,7 @@ def test_ctrl_c_as_the_pool_starts_ends_it_too(tmp_path: Path, threads: list[str
     alone did not hold it back."""
     script = tmp_path / "start.py"
     script.write_text(_INTERRUPTED_START)
-    proc = subprocess.Popen([sys.executable, str(script), *threads], start_new_session=True, stderr=subprocess.PIPE,
-                            text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = _foreground(str(script), *threads)
     try:
         _, err = proc.communicate(timeout=30)
     finally:
@@ -639,13 +647,9 @@ def test_a_second_ctrl_c_ends_a_stalled_pack_at_once(photos: Path, tmp_path: Pat
     script, started, out = tmp_path / "stalled.py", tmp_path / "started", tmp_path / "out"
     script.write_text(_STALLED_PACK)
     started.mkdir()
-    proc = subprocess.Popen([sys.executable, str(script), str(photos), str(out), str(started)],
-                            start_new_session=True, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = _foreground(str(script), str(photos), str(out), str(started))
     try:
-        deadline = time.monotonic() + 60
-        while len(list(started.iterdir())) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until(lambda: len(list(started.iterdir())) >= 2, 60)
         workers = [int(p.name) for p in started.iterdir()]
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(1)
@@ -656,9 +660,7 @@ def test_a_second_ctrl_c_ends_a_stalled_pack_at_once(photos: Path, tmp_path: Pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130 and err.strip() == "interrupted again: exiting now (a rerun of pack resumes)"
-    deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _until(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), 10)
     assert len(workers) == 2 and not any(Path(f"/proc/{w}").exists() for w in workers)
     shardkit.pack(str(photos), str(out), max_count=5, workers=2, progress=False)
     assert shardkit.verify(str(out)) == [] and shardkit.index.load(str(out)).samples == 30
