@@ -170,11 +170,24 @@ class Index:
             if isinstance(e, CorruptShardError):  # a shard entry that contradicts itself
                 raise CorruptShardError(f"{where}: {e}") from None
             raise CorruptShardError(f"{where}: malformed index ({type(e).__name__}: {e})") from None
+        _check_names(index, where)
         if doc.get("samples") is not None and doc["samples"] != index.samples:
             raise CorruptShardError(f"{where}: total {doc['samples']} samples but shards add up to {index.samples}")
         if index.kind == "lmdb":
             _check_lmdb(index, where)
         return index
+
+
+def _check_names(index: Index, where: str) -> None:
+    """Shards are files of the dataset's folder, each listed once: a name with a folder in it
+    (`../x.tar`) would be read from elsewhere, a name listed twice read twice."""
+    seen: set[str] = set()
+    for s in index.shards:
+        if not isinstance(s.name, str) or s.name in ("", ".", "..") or any(c in s.name for c in "/\\\0"):
+            raise CorruptShardError(f"{where}: shard name {s.name!r} is not the name of a file in the dataset's folder")
+        if s.name in seen:
+            raise CorruptShardError(f"{where}: shard {s.name!r} is listed twice")
+        seen.add(s.name)
 
 
 def _check_lmdb(index: Index, where: str) -> None:

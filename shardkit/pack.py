@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from . import checks, executors, images, index, storage
-from .errors import CorruptShardError, SourceError, about_the_file, name_file
+from .errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
 from .executors import tick
 from .formats import lmdb as lmdb_format
 from .formats.tar import RECORD, TarWriter, check_key, parse_sample
@@ -31,6 +31,7 @@ from .scan import HIDDEN, source_kind
 from .sources import local_lmdb
 from .storage import StorageOptions
 from .units import parse_size
+from .verify import shard_problem
 
 _SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
 _TMP_RE = re.compile(rf"^(shard-\d{{6,}}\.tar|{re.escape(index.INDEX_NAME)}){re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$")
@@ -63,6 +64,7 @@ def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
     if job.source == "tar":
         shard, _, span = item.path.rpartition("@")
         start, stop = (int(x) for x in span.split(":"))
+        _check_source_shard(job, shard)
         url = storage.join(job.src, shard)
         data = storage.read_range(url, start, stop, job.storage_options)
         where = f"{url} (sample at byte {start})"
@@ -83,6 +85,36 @@ def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
     else:
         field = images.check(data, images.field_for(item.path) or "")
     return item.key, {field: data, "cls": str(item.label).encode(), "json": sample_meta(item, job.classes)}
+
+
+_source_shards: dict[str, str | None] = {}  # this process's checks in one run: url -> problem
+_source_run = ""
+
+
+def _check_source_shard(job: Job, shard: str) -> None:
+    """Raise CorruptShardError if the shard being converted is not the one its index
+    describes (its samples are then skipped, or stop the pack under on_error="fail"), so
+    that damage is never copied into shards with fresh checksums. Each process of a run
+    reads and hashes a shard whole once, before it copies the shard's first sample. A shard
+    that cannot be read at all stops the pack: an outage, not bad data."""
+    global _source_run
+    if job.run != _source_run:
+        _source_shards.clear()
+        _source_run = job.run
+    url = storage.join(job.src, shard)
+    if url not in _source_shards:
+        info = next(info for info in job.shards if info.name == shard)
+        where = storage.display(url)
+        try:
+            problem = shard_problem(url, info, job.storage_options)
+        except CorruptShardError as e:
+            problem = str(e).removeprefix(f"{where}: ")
+        except OSError as e:
+            detail = one_line(e) if isinstance(e, ShardkitError) else f"{where}: {e.strerror or e}"
+            raise SourceError(f"{detail} (a shard of the dataset being converted)") from None
+        _source_shards[url] = problem and f"source shard {shard}: {problem}; `shardkit verify` checks them all"
+    if _source_shards[url]:
+        raise CorruptShardError(_source_shards[url])
 
 
 def _samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None = None

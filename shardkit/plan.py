@@ -6,8 +6,10 @@ tell finished work from stale work. A job's items are built only when the job ru
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -19,7 +21,7 @@ import numpy as np
 from . import storage
 from .errors import SourceError
 from .formats.tar import BLOCK, RECORD
-from .index import Skipped
+from .index import ShardInfo, Skipped
 from .scan import HIDDEN, Item, Listing, scan_dataset, scan_folder, source_kind
 from .storage import StorageOptions
 from .units import parse_size
@@ -50,6 +52,8 @@ class Job:
     fingerprint: str
     storage_options: StorageOptions | None = None
     source: str = "folder"  # or "tar", "lmdb": a dataset being converted
+    shards: tuple[ShardInfo, ...] = ()  # a tar source's index entries of the shards the items come from
+    run: str = ""  # this pack call's id: what a worker learns about source shards holds for one run
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class Plan:
     fingerprints: tuple[str, ...] = ()
     fingerprint: str = ""
     inherited: tuple[Skipped, ...] = ()  # a converted dataset's own list of what its pack skipped
+    shards: tuple[ShardInfo, ...] = ()  # a tar source's index entries
+    run: str = ""
 
     def items(self, i: int) -> tuple[Item, ...]:
         lo, hi = self.bounds[i]
@@ -87,8 +93,16 @@ class Plan:
 
     def job(self, i: int) -> Job:
         fp = self.fingerprints[i] if self.fingerprints else ""
-        return Job(self.names[i], self.src, self.dest, self.items(i), self.classes, self.options, fp,
-                   self.storage_options, self.source)
+        items = self.items(i)
+        shards = ()
+        if self.source == "tar":
+            shards = tuple(self._shard[name] for name in dict.fromkeys(it.path.rpartition("@")[0] for it in items))
+        return Job(self.names[i], self.src, self.dest, items, self.classes, self.options, fp,
+                   self.storage_options, self.source, shards, self.run)
+
+    @functools.cached_property
+    def _shard(self) -> dict[str, ShardInfo]:
+        return {info.name: info for info in self.shards}
 
     def size(self, i: int) -> int:
         return self.bounds[i][1] - self.bounds[i][0]
@@ -177,6 +191,7 @@ def make_plan(
     source = source_kind(src, storage_options)
     skipped: list[Skipped] = []
     inherited: tuple[Skipped, ...] = ()
+    shards: tuple[ShardInfo, ...] = ()
     if source == "folder":
         classes, listing, skipped = scan_folder(src, storage_options)
         order = np.random.default_rng(seed).permutation(len(listing)) if shuffle else np.arange(len(listing))
@@ -187,7 +202,7 @@ def make_plan(
                               "quality re-encode the images of an image folder (pack the folder itself)")
         idx, listing = scan_dataset(src, source, storage_options)
         classes, source_id, order = idx.classes, _fingerprint(idx.to_json()), np.arange(len(listing))
-        inherited = idx.skipped
+        inherited, shards = idx.skipped, idx.shards if source == "tar" else ()
     limit = parse_size(max_size) if max_size is not None else None
     if limit is not None and fmt == "tar":  # the members' share: a tar ends in 2 zero blocks, padded to a record
         limit = max(1, limit // RECORD * RECORD - 2 * BLOCK)
@@ -203,7 +218,8 @@ def make_plan(
     # fingerprint is what it was before it counted them, so older packs still match
     left_out = [asdict(s) for s in skipped if s.reason != HIDDEN]
     fingerprint = _fingerprint(fmt, classes, fingerprints, *([left_out] if left_out else []))
-    return replace(plan, fingerprints=fingerprints, fingerprint=fingerprint, inherited=inherited)
+    return replace(plan, fingerprints=fingerprints, fingerprint=fingerprint, inherited=inherited, shards=shards,
+                   run=os.urandom(8).hex())
 
 
 def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarray:

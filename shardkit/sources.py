@@ -51,6 +51,8 @@ def scan_shard(url: str, storage_options: StorageOptions | None = None) -> Shard
         h = _Hashing(f)
         found = tar.scan(h, url)
         h.drain()
+    if not h.count:  # what a failed copy leaves; tar and Python's tarfile refuse it too
+        raise CorruptShardError(f"{storage.display(url)}: an empty file (0 bytes), not a tar archive")
     info = ShardInfo(url.rsplit("/", 1)[-1], len(found.keys), h.count, h.sha.hexdigest(), tuple(found.offsets))
     return ShardScan(info, frozenset(found.fields))
 

@@ -351,6 +351,9 @@ def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes
             while chunks[-1]:  # up to end of file, should it have grown or the read come up short
                 chunks.append(os.read(fd, 1 << 20))
             return chunks[0] if len(chunks) == 2 else b"".join(chunks)
+        except OSError as e:  # os.read names no file: a folder (EISDIR), an I/O error
+            name_file(e, local_path(url))
+            raise
         finally:
             os.close(fd)
     return _ask(url, storage_options, lambda fs, path: fs.cat_file(path))  # type: ignore[no-any-return]

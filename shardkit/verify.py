@@ -36,29 +36,36 @@ def verify(url: str, storage_options: StorageOptions | None = None,
     for info in idx.shards:
         shard_url = storage.join(url, info.name)
         where = storage.display(shard_url)
-        problem = None
         try:
-            found = scan_shard(shard_url, storage_options).info
+            problem = shard_problem(shard_url, info, storage_options)
+            problem = problem and f"{where}: {problem}"
         except FileNotFoundError:
             problem = f"{where}: missing"
         except ShardkitError as e:
             problem = str(e)
         except OSError as e:  # a folder in its place, unreadable: say so and go on to the next shard
             problem = f"{where}: {e.strerror or e}"
-        else:
-            if found.bytes != info.bytes:
-                problem = f"{where}: {found.bytes} bytes, index says {info.bytes}"
-            elif info.sha256 is not None and found.sha256 != info.sha256:
-                problem = f"{where}: sha256 mismatch (shard changed or corrupt)"
-            elif found.samples != info.samples:
-                problem = f"{where}: {found.samples} samples, index says {info.samples}"
-            elif info.offsets is not None and found.offsets != info.offsets:
-                problem = f"{where}: sample offsets differ from the index"
         if problem:
             problems.append(problem)
         if on_shard:
             on_shard(info, problem)
     return problems + _unlisted(url, idx, storage_options)
+
+
+def shard_problem(url: str, info: ShardInfo, storage_options: StorageOptions | None = None) -> str | None:
+    """How the shard at `url` differs from `info`, its entry in the index (None: it does
+    not): size, sha256, sample count, sample offsets. Reads it whole; a shard that cannot be
+    read or parsed raises (FileNotFoundError, CorruptShardError naming it, ...)."""
+    found = scan_shard(url, storage_options).info
+    if found.bytes != info.bytes:
+        return f"{found.bytes} bytes, index says {info.bytes}"
+    if info.sha256 is not None and found.sha256 != info.sha256:
+        return "sha256 mismatch (shard changed or corrupt)"
+    if found.samples != info.samples:
+        return f"{found.samples} samples, index says {info.samples}"
+    if info.offsets is not None and found.offsets != info.offsets:
+        return "sample offsets differ from the index"
+    return None
 
 
 def _unlisted(url: str, idx: Index, storage_options: StorageOptions | None) -> list[str]:

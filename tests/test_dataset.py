@@ -942,6 +942,39 @@ def test_scan_messages_name_absolute_positions(packed: Path, tmp_path: Path) -> 
     assert f"shard-000002.tar (sample at byte {start}), member at byte {start}: " in str(err), err
 
 
+def test_member_names_that_are_not_utf8_are_named_errors(tmp_path: Path) -> None:
+    """Another tool's tar may carry Latin-1 names: the scan and the indexed fast path both
+    say which shard and member, instead of a bare UnicodeDecodeError; an empty file is no
+    tar (a failed copy), and a pax record that would loop is refused."""
+    folder = tmp_path / "latin"
+    folder.mkdir()
+    with tarfile.open(folder / "a.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in ("ok_.jpg", "ok_.cls"):
+            info = tarfile.TarInfo(name)
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"123"))
+    shardkit.index.save(shardkit.build_index(str(folder / "a.tar")), str(folder))
+    data = bytearray((folder / "a.tar").read_bytes())
+    data[2] = 0xE9  # "ok\xe9.jpg": Latin-1 for "oké.jpg", and the header's checksum to match
+    data[148:156] = b"%06o\0 " % (sum(data[:148]) + sum(data[156:512]) + 8 * ord(" "))
+    (folder / "a.tar").write_bytes(bytes(data))
+    err = failure(StreamingDataset(str(folder)), 0)
+    assert isinstance(err, CorruptShardError) and re.search(r"a\.tar \(sample at byte 0\): the member at byte 0 of the "
+                                                            r"sample has a name that is not UTF-8", str(err)), err
+    with pytest.raises(CorruptShardError, match=r"a\.tar, member at byte 0: its name b'ok\\xe9\.jpg' is not UTF-8"):
+        shardkit.build_index(str(folder / "a.tar"))
+    (folder / "b.tar").write_bytes(b"")
+    with pytest.raises(CorruptShardError, match=r"b\.tar: an empty file \(0 bytes\), not a tar archive"):
+        shardkit.build_index(str(folder / "b.tar"))
+    pax = b"0 path=x\n"  # a record length of 0 would never move on
+    with tarfile.open(folder / "c.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        info = tarfile.TarInfo("PaxHeader")
+        info.type, info.size = tarfile.XHDTYPE, len(pax)
+        tar.addfile(info, io.BytesIO(pax))
+    with pytest.raises(CorruptShardError, match=r"c\.tar, member at byte 0: a malformed pax header record at byte 0"):
+        shardkit.build_index(str(folder / "c.tar"))
+
+
 def test_members_of_a_sample_apart_are_refused_by_the_scan(photos: Path, tmp_path: Path) -> None:
     """`tar cf` in directory order can put a.jpg, b.jpg, a.cls: webdataset makes two half
     samples of `a`; the scan of an index-less shard says what is wrong instead."""

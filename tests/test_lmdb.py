@@ -469,6 +469,10 @@ def test_readahead_and_an_unfinished_pack(lmdb_pack: Path, tmp_path: Path, photo
     (tmp_path / "db" / "index.json").unlink()
     with pytest.raises(shardkit.UnfinishedPackError, match="a pack into this LMDB has not finished"):
         LMDBDataset(str(tmp_path / "db"))
+    lmdb_format.Writer(str(tmp_path / "empty")).close()  # what a pack killed before its first commit leaves
+    for read in (lambda: LMDBDataset(str(tmp_path / "empty")), lambda: shardkit.StreamingDataset(str(tmp_path / "empty"))):
+        with pytest.raises(shardkit.UnfinishedPackError, match="a pack into this LMDB has not finished"):
+            read()
 
 
 _original_write = lmdb_format.Writer.write

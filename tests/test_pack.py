@@ -680,6 +680,28 @@ def test_verify_catches_a_flipped_byte(photos: Path, tmp_path: Path) -> None:
     assert any("shard-000002.tar: missing" in p for p in shardkit.verify(str(out)))
 
 
+def test_a_conversion_does_not_copy_damage_into_fresh_checksums(photos: Path, tmp_path: Path) -> None:
+    """A shard being converted that does not match its index has its samples skipped, each
+    listed (or stops the pack under "fail"), rather than copied into shards that `verify`
+    would then pass; a shard gone stops the pack, as it stops a reader."""
+    src = tmp_path / "src"
+    shardkit.pack(str(photos), str(src), max_count=10, workers=1, progress=False)
+    shard = src / "shard-000001.tar"
+    data = bytearray(shard.read_bytes())
+    data[2000] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(SourceError, match=r"shard-000001\.tar@0:\d+: source shard shard-000001\.tar: sha256 mismatch"):
+        shardkit.pack(str(src), str(tmp_path / "fail"), on_error="fail", workers=1, progress=False)
+    for fmt in ("tar", "lmdb"):
+        idx = shardkit.pack(str(src), str(tmp_path / fmt), format=fmt, workers=2, progress=False)
+        assert idx.samples == 20 and len(idx.skipped) == 10 and shardkit.verify(str(tmp_path / fmt)) == []
+        assert all(s.path.startswith("shard-000001.tar@") and "sha256 mismatch" in s.reason for s in idx.skipped)
+    (src / "shard-000002.tar").unlink()
+    with pytest.raises(SourceError, match=r"shard-000002\.tar: No such file or directory"):
+        shardkit.pack(str(src), str(tmp_path / "gone"), workers=1, progress=False)
+    assert not (tmp_path / "gone" / "index.json").exists()
+
+
 def test_build_index_for_foreign_shards(tmp_path: Path) -> None:
     import webdataset as wds
 
@@ -745,6 +767,9 @@ _SHARD = {"name": "a.tar", "samples": 2, "bytes": 4096}
     ({"shards": [{**_SHARD, "offsets": [0, 1024, 8192]}]}, "outside the shard's 4096 bytes"),
     ({"shards": [{**_SHARD, "offsets": [0, 2048, 1024]}]}, "a.tar: index offsets do not increase at sample 1"),
     ({"shards": [{**_SHARD, "offsets": [0, 0, 1024]}]}, "do not increase at sample 0 (0 then 0)"),
+    ({"shards": [{**_SHARD, "name": "../a.tar"}]}, "shard name '../a.tar' is not the name of a file in the dataset's"),
+    ({"shards": [{**_SHARD, "name": ".."}]}, "shard name '..' is not the name of a file"),
+    ({"shards": [_SHARD, _SHARD]}, "shard 'a.tar' is listed twice"),
 ])
 def test_a_malformed_index_is_one_line_naming_it(tmp_path: Path, doc: object, message: str) -> None:
     if isinstance(doc, dict):
@@ -754,6 +779,12 @@ def test_a_malformed_index_is_one_line_naming_it(tmp_path: Path, doc: object, me
         shardkit.StreamingDataset(str(tmp_path))
     text = str(err.value)
     assert text.startswith(str(tmp_path / "index.json")) and message in text and "\n" not in text
+
+
+def test_an_index_that_is_a_folder_is_named(tmp_path: Path) -> None:
+    (tmp_path / "index.json").mkdir()
+    with pytest.raises(IsADirectoryError, match=re.escape(str(tmp_path / "index.json"))):
+        shardkit.StreamingDataset(str(tmp_path))
 
 
 def test_an_unreadable_index_in_dest_is_replaced_only_with_overwrite(photos: Path, tmp_path: Path) -> None:
@@ -888,6 +919,9 @@ def test_an_lmdb_of_another_tool_is_not_written_into(photos: Path, tmp_path: Pat
     (tmp_path / "other" / "labels.csv").write_text("a,b")
     with pytest.raises(SourceError, match=r"other: destination is not empty and not an LMDB dataset \(found 'labels.csv'\)"):
         shardkit.pack(str(photos), str(tmp_path / "other"), format="lmdb", workers=1, progress=False)
+    (tmp_path / "folder" / "data.mdb").mkdir(parents=True)  # LMDB's own error, on one line
+    with pytest.raises(SourceError, match=r"folder: cannot write an LMDB there \(.*folder: Is a directory\)"):
+        shardkit.pack(str(photos), str(tmp_path / "folder"), format="lmdb", workers=1, progress=False)
 
 
 def test_an_lmdb_overwrite_killed_halfway_is_finished_by_a_rerun(photos: Path, tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
-from ..errors import CorruptShardError, DatasetNotFoundError, ShardkitError, SourceError, UnfinishedPackError
+from ..errors import CorruptShardError, DatasetNotFoundError, ShardkitError, SourceError, UnfinishedPackError, one_line
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -81,7 +81,10 @@ class Writer:
                 _open(path, False).close()
             except (DatasetNotFoundError, CorruptShardError) as e:
                 raise SourceError(f"{e}: pack into another folder, or remove it") from None
-        self.env = lmdb.open(path, subdir=True, map_size=_INITIAL_MAP, readahead=False, meminit=False)
+        try:
+            self.env = lmdb.open(path, subdir=True, map_size=_INITIAL_MAP, readahead=False, meminit=False)
+        except lmdb.Error as e:  # not writable, data.mdb a folder or a dangling link: LMDB's words, one line
+            raise SourceError(f"{path}: cannot write an LMDB there ({one_line(e)})") from None
 
     def progress(self) -> dict | None:
         with self.env.begin() as txn:
@@ -282,7 +285,7 @@ def read_index(env: Any, path: str) -> bytes:
         raise CorruptShardError(f"{path}: unreadable LMDB ({e})") from None
     if raw is None:
         with env.begin() as txn:
-            unfinished = txn.get(PROGRESS_KEY) is not None
+            unfinished = txn.get(PROGRESS_KEY) is not None or not env.stat()["entries"]  # none: killed before its first commit
         if unfinished:
             raise UnfinishedPackError(f"{path}: a pack into this LMDB has not finished (rerun the same `shardkit pack` "
                                       "to finish it)")

@@ -146,18 +146,20 @@ def _check_header(head: bytes, where: str) -> None:
         raise CorruptShardError(f"{where}: tar header checksum mismatch (not a tar file, or corrupt)")
 
 
-def _pax_path(data: bytes) -> str | None:
+def _pax_path(data: bytes, where: str) -> str | None:
     """The `path` record of a pax extended header, if any ("LEN path=VALUE\\n" records)."""
     pos = 0
     while pos < len(data):
         space = data.find(b" ", pos)
         if space < 0:
             break
+        if not data[pos:space].isdigit() or int(data[pos:space]) <= space - pos:
+            raise CorruptShardError(f"{where}: a malformed pax header record at byte {pos} of its data")
         length = int(data[pos:space])
         record = data[space + 1 : pos + length - 1]
         key, _, value = record.partition(b"=")
         if key == b"path":
-            return value.decode("utf-8")
+            return _utf8(value, where)
         pos += length
     return None
 
@@ -196,10 +198,10 @@ def iter_members(f: BinaryIO, where: str, limit: int | None = None, base: int = 
                                     f"({got}): the shard is truncated")
         consumed += BLOCK + size + pad
         if kind == b"L":  # GNU long name for the next member
-            long_name = data.rstrip(b"\x00").decode("utf-8")
+            long_name = _utf8(data.rstrip(b"\x00"), member)
             continue
         if kind == b"x":  # pax extended header for the next member
-            long_name = _pax_path(data) or long_name
+            long_name = _pax_path(data, member) or long_name
             continue
         if kind == b"g":  # pax global header: nothing we use
             start = consumed
@@ -207,13 +209,20 @@ def iter_members(f: BinaryIO, where: str, limit: int | None = None, base: int = 
         name = long_name
         long_name = None
         if name is None:
-            name = head[:100].split(b"\x00", 1)[0].decode("utf-8")
-            prefix = head[345:500].split(b"\x00", 1)[0].decode("utf-8")
+            name = _utf8(head[:100].split(b"\x00", 1)[0], member)
+            prefix = _utf8(head[345:500].split(b"\x00", 1)[0], member)
             if prefix and head[257:263] == _POSIX:  # GNU's format keeps other fields there
                 name = f"{prefix}/{name}"
         if kind in (b"0", b"\x00", b"7"):  # regular file (and contiguous file)
             yield start, consumed, name, data
         start = consumed
+
+
+def _utf8(name: bytes, where: str) -> str:
+    try:
+        return name.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptShardError(f"{where}: its name {name!r} is not UTF-8 (WebDataset keys are text)") from None
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -336,9 +345,13 @@ def read_sample(read_at: ReadAt, start: int, stop: int, where: object) -> tuple[
         if pos > stop:
             raise CorruptShardError(f"{where}: the member at byte {begin - BLOCK - start} of the sample runs past "
                                     "the sample's end")
-        text = name.split(b"\x00", 1)[0].decode("utf-8")
-        if prefix[0] and magic == _POSIX:  # a long path's folders
-            text = prefix.split(b"\x00", 1)[0].decode("utf-8") + "/" + text
+        try:
+            text = name.split(b"\x00", 1)[0].decode("utf-8")
+            if prefix[0] and magic == _POSIX:  # a long path's folders
+                text = prefix.split(b"\x00", 1)[0].decode("utf-8") + "/" + text
+        except UnicodeDecodeError:
+            raise CorruptShardError(f"{where}: the member at byte {begin - BLOCK - start} of the sample has a name "
+                                    f"that is not UTF-8 ({name.rstrip(bytes(1))!r})") from None
         dot = text.find(".", text.rfind("/") + 1)  # split_name, inlined
         k, ext = (text, "") if dot < 0 else (text[:dot], text[dot + 1 :])
         if key is None:
