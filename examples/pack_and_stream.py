@@ -2,7 +2,7 @@
 
     python examples/pack_and_stream.py [--dir /tmp/shardkit-tour] [--images 600] [--small]
 
-1. scripts/make_images.py writes DIR/photos/class_NNN/*.jpg (real photo crops, ~400 px);
+1. scripts/make_images.py writes DIR/photos-N-C/class_NNN/*.jpg (real photo crops, ~400 px);
 2. shardkit.pack turns it into tar shards plus index.json under DIR/shards;
 3. StreamingDataset streams them through a DataLoader with 2 workers, each JPEG decoded
    straight to 224x224 by shardkit.decode.image_transform (DCT-domain downscaling, only the
@@ -59,7 +59,7 @@ def main() -> None:
     index = shardkit.pack(str(photos), str(shards), max_size=args.max_size, workers=2, progress=False)
     took = time.perf_counter() - start
     counts = [s.samples for s in index.shards]
-    print(f"2. packed into {shards} in {took:.1f} s: {index.samples} samples, {len(index.shards)} shards "
+    print(f"2. packed into {shards} in {took:.1f} s: {index.samples} samples, {len(index.shards)} shard{'s' * (len(index.shards) != 1)} "
           f"({min(counts)}-{max(counts)} samples each), {index.bytes / 1e6:.1f} MB, "
           f"fields {', '.join(index.fields)}, classes {', '.join(index.classes)}")
 

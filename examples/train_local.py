@@ -5,7 +5,7 @@
 
 Shows the recipe: shuffle with a seed, set_epoch every epoch, batches made in the workers
 (batch_size on the dataset, None on the DataLoader), workers + pin_memory +
-persistent_workers, and a resumable checkpoint of the data position.
+persistent_workers, and (in a comment) how to resume mid-epoch from (epoch, samples seen).
 """
 
 from __future__ import annotations

@@ -372,7 +372,7 @@ class SharedBatch:
 
 def _collated_again(batch: list[SharedBatch], *, collate_fn_map: Any = None) -> Any:
     raise TypeError("the dataset batches already (batch_size= on the dataset): give the DataLoader batch_size=None, "
-                    "or collate_fn=shardkit.collate to batch there instead")
+                    "or drop batch_size from the dataset and give the DataLoader collate_fn=shardkit.collate")
 
 
 # default_collate's table of types (torch's documented way to extend it): a DataLoader that

@@ -160,7 +160,7 @@ class ResizeTransform:
         return chw, label
 
     def __repr__(self) -> str:
-        return f"default: first image resized to {self.size}x{self.size}, cls"
+        return f"default: first image resized to {self.size}x{self.size} (its byte count with decode raw), cls"
 
 
 # ------------------------------------------------------------------ memory
@@ -428,7 +428,8 @@ def format_report(doc: dict[str, Any]) -> str:
                      f"{_mib(s['peak_rss_bytes'])} ({_mib(_minus(s['peak_rss_bytes'], s['peak_main_rss_bytes']))})"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [f"{doc['url']}: batch size {doc['batch_size']}, decode {doc['decode']}, transform {doc['transform']}; "
-             f"{doc['passes']} passes of {doc['batches']} batches after {doc['warmup']} warm-up batches"]
+             f"{doc['passes']} pass{'es' * (doc['passes'] != 1)} of {doc['batches']} batches after {doc['warmup']} "
+             "warm-up batches"]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     step = doc.get("step_ms")
     if step is not None:

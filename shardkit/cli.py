@@ -271,21 +271,29 @@ def verify(url: str, quiet: bool, storage_options: tuple[str, ...]) -> None:
 
 @main.command("index")
 @click.argument("url")
-@click.option("--force", is_flag=True, help="Overwrite an existing index.json.")
+@click.option("--force", is_flag=True,
+              help="Rebuild an existing index.json from the shards (keeping its class names and list of skipped files).")
 @storage_option
 @_errors_to_exit
 def index_cmd(url: str, force: bool, storage_options: tuple[str, ...]) -> None:
     """Write index.json for .tar shards made by another tool (webdataset, plain tar)."""
+    from dataclasses import replace
+
     from . import index, storage
     from .sources import build_index, shard_urls
 
     opts = _storage_options(storage_options)
+    old = None
     if storage.exists(storage.join(url, index.INDEX_NAME), opts):
         if not force:
             raise click.ClickException(f"{storage.join(url, index.INDEX_NAME)} exists (use --force to rebuild)")
+        with contextlib.suppress(ShardkitError, OSError):  # one that cannot be read has nothing to keep
+            old = index.load(url, opts)
     else:
         index.check_finished(url, opts)  # a shardkit pack's own shards: finished by rerunning it, not indexed
     idx = build_index(shard_urls(url, opts), opts)
+    if old is not None and old.kind == "tar":  # what the shards cannot tell; not the plan, which vouches for bytes
+        idx = replace(idx, classes=old.classes, skipped=old.skipped)
     index.save(idx, url, opts)
     click.echo(f"indexed {_plural(idx.samples, 'sample')} in {_plural(len(idx.shards), 'shard')} "
                f"({format_size(idx.bytes)})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -88,6 +89,8 @@ class StreamingDataset(EpochDataset):
         self.storage_options, self.verify = storage_options, verify
         self.prefetch_bytes = checks.size("prefetch_bytes", prefetch_bytes, 1)
         self.cache_dir, self.cache_limit = cache_dir, checks.size("cache_limit", cache_limit, 1)
+        if cache_dir is not None and os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
+            raise ValueError(f"cache_dir {cache_dir!r} is a file, not a folder")
         if cache_dir is not None and self.cache_limit < self.prefetch_bytes:
             raise ValueError(
                 f"cache_limit ({self.cache_limit} bytes) is smaller than the read-ahead budget prefetch_bytes "

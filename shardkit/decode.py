@@ -24,7 +24,7 @@ from typing import Any, Union
 
 import numpy as np
 import orjson
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from .errors import FieldError, describe
 
@@ -83,8 +83,18 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
+def open_image(data: bytes) -> Image.Image:
+    """PIL's lazy open of an encoded image; bytes it cannot tell the format of raise
+    UnidentifiedImageError saying how they start (PIL's own names the buffer object)."""
+    try:
+        return Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise UnidentifiedImageError(f"cannot identify an image format in {len(data)} bytes starting "
+                                     f"{bytes(data[:8])!r}") from None
+
+
 def _pil(data: bytes) -> Image.Image:
-    img = Image.open(io.BytesIO(data))
+    img = open_image(data)
     img.draft("RGB", img.size)  # lets libjpeg decode straight to RGB
     return to_rgb(img)
 
@@ -224,7 +234,7 @@ def resized(data: bytes | memoryview | Image.Image, size: Size, crop: Size | Non
     exact two-step result, larger is closer and slower, None resamples the full image exactly.
     """
     _check(size, crop, reducing_gap)
-    img = data if isinstance(data, Image.Image) else Image.open(io.BytesIO(data))
+    img = data if isinstance(data, Image.Image) else open_image(data)
     source = img.size
     full, out, box = geometry(source, size, crop)
     drafted = None

@@ -356,7 +356,7 @@ def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | 
     committed = _prepare_dest(dest, plan, overwrite, storage_options)
     if committed is not None:
         _refuse_earlier_skips(plan, committed.skipped)
-        _cleanup(dest, plan, storage_options)  # what a crash in the last run's cleanup left
+        _cleanup(dest, set(plan.names), storage_options)  # what a crash in the last run's cleanup left
         return committed
     results: dict[str, ShardResult] = {}
     todo = []
@@ -374,7 +374,11 @@ def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | 
                lambda n: bar.update(initial + n - bar.n))
     ordered = [results[name] for name in plan.names]
     skipped = _all_skipped(plan, [s for r in ordered for s in r.skipped])
-    _require_samples(plan, sum(r.info.samples for r in ordered), skipped)
+    try:
+        _require_samples(plan, sum(r.info.samples for r in ordered), skipped)
+    except SourceError:  # leave no unfinished pack whose rerun could only fail again
+        _cleanup(dest, set(), storage_options)
+        raise
     idx = Index(
         shards=tuple(r.info for r in ordered),
         kind="tar",
@@ -384,7 +388,7 @@ def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | 
         plan=plan.fingerprint,
     )
     index.save(idx, dest, storage_options)
-    _cleanup(dest, plan, storage_options)
+    _cleanup(dest, set(plan.names), storage_options)
     return idx
 
 
@@ -472,7 +476,13 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
             runner(read_chunk, todo, commit, lambda n: bar.update(initial + n - bar.n))
         keys = [k for r in records for k in r["keys"]]
         skipped = _all_skipped(plan, [Skipped(**s) for r in records for s in r["skipped"]])
-        _require_samples(plan, len(keys), skipped)
+        try:
+            _require_samples(plan, len(keys), skipped)
+        except SourceError:  # leave no unfinished pack whose rerun could only fail again
+            writer.close()
+            for name in _LMDB_FILES:
+                storage.remove(os.path.join(path, name))
+            raise
         idx = Index(
             shards=(ShardInfo("data.mdb", len(keys), sum(n for r in records for n in r["sizes"])),),
             kind="lmdb",
@@ -495,16 +505,16 @@ def _chunk_key(i: int) -> bytes:
     return f"{lmdb_format.PROGRESS_KEY.decode()}/{i:08d}".encode()
 
 
-def _cleanup(dest: str, plan: Plan, storage_options: StorageOptions | None) -> None:
-    """After commit: drop shards of an earlier, different plan and the progress records (the
-    folder last: a rerun after a crash in between finds it and cleans up again)."""
-    wanted = set(plan.names)
+def _cleanup(dest: str, keep: set[str], storage_options: StorageOptions | None) -> None:
+    """After commit: drop the shards not named in `keep` (an earlier, different plan's) and
+    the progress records (the folder last: a rerun after a crash in between finds it and
+    cleans up again)."""
     progress = storage.join(dest, index.PROGRESS_DIR)
     names = storage.listdir(dest, storage_options)
     if index.PROGRESS_DIR not in names:
         return
     for name in names:
-        if _SHARD_RE.match(name) and name not in wanted:
+        if _SHARD_RE.match(name) and name not in keep:
             storage.remove(storage.join(dest, name), storage_options)
     for name in storage.listdir(progress, storage_options):
         storage.remove(storage.join(progress, name), storage_options)

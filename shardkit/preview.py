@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from .bench import Transform
-from .decode import image_field, to_rgb
+from .decode import image_field, open_image, to_rgb
 from .errors import ShardkitError
 from .storage import StorageOptions
 
@@ -59,9 +59,7 @@ def to_pil(image: Any) -> Image.Image:
     if isinstance(image, Image.Image):
         return to_rgb(image)
     if isinstance(image, (bytes, bytearray, memoryview)):
-        import io
-
-        return to_rgb(Image.open(io.BytesIO(bytes(image))))
+        return to_rgb(open_image(bytes(image)))
     chw = False
     if hasattr(image, "detach"):  # torch tensor: CHW by convention
         image = image.detach().cpu().numpy()

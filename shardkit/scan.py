@@ -140,9 +140,11 @@ def scan_folder(src: str, storage_options: StorageOptions | None = None) -> tupl
         hint = f"; tar shards from another tool are converted once `shardkit index {src}` has indexed them" if shards else ""
         raise SourceError(f"{src}: no class folders (expected SRC/<class>/<image>){hint}")
     found = _ListingBuilder()
+    top = os.stat(path)
+    above = frozenset({(top.st_dev, top.st_ino)})  # a class folder linked to SRC itself is a loop too
     for label, name in enumerate(classes):
         # by whole path, as a bucket lists them: a copy of the tree packs in the same order
-        for rel, st in sorted(_walk(os.path.join(path, name), name, frozenset(), skipped), key=lambda f: f[0]):
+        for rel, st in sorted(_walk(os.path.join(path, name), name, above, skipped), key=lambda f: f[0]):
             if images.field_for(rel) is None:
                 skipped.append(Skipped(rel, "not an image file extension"))
                 continue

@@ -73,6 +73,8 @@ def shard_urls(url: str, storage_options: StorageOptions | None = None) -> list[
     """The .tar files directly under a folder or prefix, sorted."""
     names = [n for n in storage.listdir(url, storage_options) if n.endswith(".tar")]
     if not names:
+        if storage.is_local(url) and not os.path.isdir(storage.local_path(url)):
+            raise DatasetNotFoundError(f"{url}: no such folder")
         raise DatasetNotFoundError(f"{url}: no index.json and no .tar shards (an image folder? `shardkit pack` it first)")
     return [storage.join(url, n) for n in names]
 

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import random
+import re
 import threading
 import time
 import uuid
@@ -196,10 +197,14 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
 
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # posix_fadvise: Linux and BSDs, not macOS
 
-RETRIES = 5
+RETRIES = 5  # attempts at a request to a store that has not answered this process yet: a wrong endpoint fails fast
+OUTAGE_RETRIES = 10  # once it has: its backoff spans up to ~43 s (~21 s on average), so a blip or a restart
+# of the store does not end a training run
+_ANSWERED: set[str] = set()  # the stores (protocol and bucket or host) that answered this process
 _TRANSIENT_4XX = {408, 409, 425, 429}  # timeout, conflict, too early, throttled: worth another attempt
 _THROTTLED = {429, 503}  # the store asks for fewer requests (S3's SlowDown is a 503)
 THROTTLED_BASE_S = 1.0  # ...so the backoff starts at a second: 5 attempts span up to ~15 s, not ~3 s
+_SAY = {NotFoundError: "not found (no such object, or no such bucket)", AccessDeniedError: "access denied"}
 _BY_STATUS = {401: AccessDeniedError, 403: AccessDeniedError, 404: NotFoundError, 410: NotFoundError}
 
 
@@ -217,10 +222,15 @@ def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: fl
             kind = _permanent(e)
             if kind is not None:
                 reason = redact(one_line(e)).removeprefix(what).lstrip(": ")  # some name the URL, some only it
+                if re.fullmatch(r"\S+://\S*", reason):  # gcsfs's 404 says nothing but the request's URL
+                    reason = _SAY.get(kind, "")
                 raise kind(f"{what}: {reason or type(e).__name__}") from e
             if attempt == attempts:
                 tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
-                raise ShardkitError(f"{what}: {type(e).__name__}: {redact(one_line(e))} (gave up after {tries})") from e
+                if what.startswith(tuple(f"{p}://" for p in _GCS)):
+                    tries = "gcsfs's own retries"  # ours is 1 attempt: see attempts_for
+                said = redact(one_line(e)) or ("no answer within the timeout" if "Timeout" in type(e).__name__ else "")
+                raise ShardkitError(f"{what}: {type(e).__name__}{': ' * bool(said)}{said} (gave up after {tries})") from e
             executors.stop_point()  # a pack given up (Ctrl-C) tries no more: an attempt can take a minute
             base = max(base_s, THROTTLED_BASE_S) if _status(_root_cause(e)) in _THROTTLED else base_s
             time.sleep(random.uniform(0, min(cap_s, base * 2 ** (attempt - 1))))
@@ -228,10 +238,23 @@ def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: fl
 
 
 def attempts_for(url: str) -> int:
-    """Our attempts at a request to `url`. gcsfs retries every failed request up to 6 times
-    itself, with backoff (no option turns that off; a body cut short and a silent connection
-    included): those are the retries on GCS, not multiplied by ours."""
-    return 1 if _protocol(url) in _GCS else RETRIES
+    """Our attempts at a request to `url`: more once its store has answered this process
+    (forked DataLoader workers inherit what the main process learned). gcsfs retries every
+    failed request up to 6 times itself, with backoff (no option turns that off; a body cut
+    short and a silent connection included): those are the retries on GCS, not multiplied
+    by ours."""
+    if _protocol(url) in _GCS:
+        return 1
+    return OUTAGE_RETRIES if _store(url) in _ANSWERED else RETRIES
+
+
+def _store(url: str) -> str:
+    """`s3://bucket`, `https://host:port`: what one outage takes down."""
+    return "/".join(url.split("/", 3)[:3])
+
+
+def _answered(url: str) -> None:
+    _ANSWERED.add(_store(url))
 
 
 def _causes(e: BaseException) -> Iterator[BaseException]:
@@ -304,7 +327,9 @@ def _ask(url: str, storage_options: StorageOptions | None, op: Callable[[Any, st
 
     def call() -> T:
         fs.invalidate_cache(path)
-        return op(fs, path)
+        out = op(fs, path)
+        _answered(url)
+        return out
 
     return retrying(display(url), call, attempts_for(url))
 
@@ -474,9 +499,12 @@ def remove(url: str, storage_options: StorageOptions | None = None) -> None:
 
 
 def makedirs(url: str, storage_options: StorageOptions | None = None) -> None:
+    """Make the folder `url`. Object stores have none to make, and fsspec's makedirs would
+    create the bucket: a typo in its name would make a new one, so it is left alone (a write
+    into a bucket that is not there fails, naming it)."""
     if is_local(url):
         os.makedirs(local_path(url), exist_ok=True)
-    else:
+    elif _protocol(url) not in _OBJECT_STORES:
         _ask(url, storage_options, lambda fs, path: fs.makedirs(path, exist_ok=True))
 
 
@@ -747,6 +775,7 @@ class RangeReader:
         def get() -> bytes:
             self._check_open()
             data = _cat_range(fs, path, start, stop, url)
+            _answered(url)
             if len(data) < stop - start:
                 fs.invalidate_cache(path)
                 if fs.size(path) < stop:  # the object does end there

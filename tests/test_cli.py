@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import shardkit
 from shardkit.cli import main
 
-from conftest import draw
+from conftest import CLASSES, draw
 
 
 @pytest.fixture
@@ -161,6 +161,17 @@ def test_index_command_for_foreign_shards(run, tmp_path: Path) -> None:  # type:
     assert result.exit_code == 0 and "indexed 7 samples in 3 shards" in result.output
     assert run("index", tmp_path / "wds").exit_code == 1  # exists: needs --force
     assert run("verify", tmp_path / "wds", "-q").exit_code == 0
+
+
+def test_index_force_on_a_pack_keeps_what_the_shards_cannot_tell(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (photos / "circle" / "notes.txt").write_text("not an image")
+    out = tmp_path / "out"
+    shardkit.pack(str(photos), str(out), max_count=10, workers=1, progress=False)
+    before = shardkit.index.load(str(out))
+    assert run("index", out, "--force").exit_code == 0
+    after = shardkit.index.load(str(out))
+    assert after.classes == before.classes == tuple(CLASSES) and after.skipped == before.skipped != ()
+    assert after.shards == before.shards and after.plan is None  # a pack's rerun no longer takes it for its own
 
 
 def test_cli_and_packer_do_not_import_torch() -> None:

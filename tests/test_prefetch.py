@@ -304,8 +304,15 @@ def test_retrying_gives_up_with_the_url_named() -> None:
     # gcsfs's HTTP 403 is a plain OSError("Forbidden: ..."): permanent too
     with pytest.raises(PermissionError, match=r"^gs://b/q\.tar: Forbidden: q detail$"):
         storage.retrying("gs://b/q.tar", lambda: (_ for _ in ()).throw(OSError("Forbidden: q\ndetail")), base_s=10)
-    with pytest.raises(ShardkitError, match=r"^gs://b/r\.tar: OSError: gone \(gave up after 1 attempt\)$"):
+    with pytest.raises(ShardkitError, match=r"^gs://b/r\.tar: OSError: gone \(gave up after gcsfs's own retries\)$"):
         storage.retrying("gs://b/r.tar", lambda: (_ for _ in ()).throw(OSError("gone")), storage.attempts_for("gs://b/r.tar"))
+    # a timeout that says nothing (fsspec's FSTimeoutError) says what it was; a 404 that says only its URL, too
+    import fsspec.exceptions
+
+    with pytest.raises(ShardkitError, match=r"^s3://b/t\.tar: FSTimeoutError: no answer within the timeout \(gave up"):
+        storage.retrying("s3://b/t.tar", lambda: (_ for _ in ()).throw(fsspec.exceptions.FSTimeoutError()), 1)
+    with pytest.raises(FileNotFoundError, match=r"^gs://b/n\.tar: not found \(no such object, or no such bucket\)$"):
+        storage.retrying("gs://b/n.tar", lambda: (_ for _ in ()).throw(FileNotFoundError("https://x/b/o/n.tar?alt=media")))
 
 
 def test_read_ahead_without_threads_runs_fetches_early_in_place() -> None:

@@ -172,6 +172,9 @@ def test_breaking_out_of_the_loop_frees_the_read_ahead(s3: dict, packed: Path, b
 def test_cache_too_small_for_the_read_ahead(s3: dict, packed: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cache_limit .* smaller than the read-ahead budget"):
         StreamingDataset(str(packed), cache_dir=str(tmp_path), cache_limit="10MB", prefetch_bytes="64MB")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="cache_dir '.*file' is a file, not a folder"):
+        StreamingDataset(str(packed), cache_dir=str(tmp_path / "file"))
 
 
 def test_every_sample_exactly_once_through_resets(s3: dict, s3_server: str, packed: Path, latency_proxy) -> None:  # type: ignore[no-untyped-def]
@@ -187,6 +190,33 @@ def test_every_sample_exactly_once_through_resets(s3: dict, s3_server: str, pack
     got = keys(ds, workers=2)
     assert sorted(got) == sorted(set(got)) and len(got) == 120
     assert control.stats()["resets"] > 0  # faults really happened
+
+
+def test_a_store_down_for_seconds_mid_epoch_loses_nothing(s3: dict, s3_server: str, packed: Path, latency_proxy,  # type: ignore[no-untyped-def]
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that has answered gets retries spanning ~21 s on average (a restart, a blip),
+    where a first contact gives up after 5 (a wrong endpoint fails fast)."""
+    import threading
+    import time
+
+    import fsspec.core
+
+    from shardkit import storage
+
+    monkeypatch.setattr(storage, "OUTAGE_RETRIES", 10)
+    fs, root = fsspec.core.url_to_fs(s3["url"] + "/ds", **s3["storage_options"])
+    fs.put(str(packed), root, recursive=True)
+    proxied, control = latency_proxy(s3_server)
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    ds = StreamingDataset(s3["url"] + "/ds", storage_options=opts, block=4, prefetch=2)
+    got, it = [], iter(ds)
+    got.append(next(it)["__key__"])
+    control.set("reset_prob", 1.0)  # every connection refused its answer: the store is down...
+    threading.Timer(3.0, control.set, ("reset_prob", 0.0)).start()  # ...for 3 s
+    start = time.monotonic()
+    got += [s["__key__"] for s in it]
+    assert sorted(got) == sorted(set(got)) and len(got) == 120
+    assert control.stats()["resets"] > 0 and time.monotonic() - start > 2.5
 
 
 def test_unreachable_store_fails_with_the_url(s3: dict, packed: Path, latency_proxy, s3_server: str) -> None:  # type: ignore[no-untyped-def]
