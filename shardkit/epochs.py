@@ -21,7 +21,7 @@ from .batching import Batches
 from .counters import MAX_WORKERS, Shared
 from .partition import Layout, Progress
 
-MAX_EPOCH = 2**63 - 1  # epochs seed numpy's generators: 64 bits
+MAX_EPOCH = 2**32 - 1  # far past any run; a mixture counts epoch x samples of a part in 64 bits
 
 STATE_MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
 
@@ -179,7 +179,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         resumed one, `resumed_from` is the state it was resumed from (counted from there:
         `samples_seen` is what the resumed pass handed out), so the new state carries the
         earlier progress too; such states chain any number of times."""
-        epoch, samples_seen = checks.integer("epoch", epoch), checks.integer("samples_seen", samples_seen, None)
+        epoch, samples_seen = checks.integer("epoch", epoch, 0, MAX_EPOCH), checks.integer("samples_seen", samples_seen, None)
         num_workers, batch_size = checks.integer("num_workers", num_workers), checks.optional("batch_size", batch_size, 1)
         world_size = checks.optional("world_size", world_size, 1)
         if self.batch_size:

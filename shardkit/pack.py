@@ -106,7 +106,7 @@ def _check_source_shard(job: Job, shard: str) -> None:
         info = next(info for info in job.shards if info.name == shard)
         where = storage.display(url)
         try:
-            problem = shard_problem(url, info, job.storage_options)
+            problem = shard_problem(url, info, job.storage_options, parse=False)
         except CorruptShardError as e:
             problem = str(e).removeprefix(f"{where}: ")
         except OSError as e:

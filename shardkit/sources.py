@@ -35,7 +35,7 @@ class _Hashing:
         return data
 
     def drain(self) -> None:
-        while self.read(1 << 20):
+        while self.read(8 << 20):
             pass
 
 
@@ -55,6 +55,14 @@ def scan_shard(url: str, storage_options: StorageOptions | None = None) -> Shard
         raise CorruptShardError(f"{storage.display(url)}: an empty file (0 bytes), not a tar archive")
     info = ShardInfo(url.rsplit("/", 1)[-1], len(found.keys), h.count, h.sha.hexdigest(), tuple(found.offsets))
     return ShardScan(info, frozenset(found.fields))
+
+
+def shard_digest(url: str, storage_options: StorageOptions | None = None) -> tuple[int, str]:
+    """A whole shard's size and sha256, without parsing it."""
+    with storage.open_read(url, storage_options) as f:
+        h = _Hashing(f)
+        h.drain()
+    return h.count, h.sha.hexdigest()
 
 
 def build_index(urls: Sequence[str], storage_options: StorageOptions | None = None) -> Index:
