@@ -264,7 +264,8 @@ class _WorkerStream(EpochStream):
         ids = self._plan()
         cache = RangeCache(ds.cache_dir, ds.cache_limit) if ds.cache_dir is not None else None
         versions = [sh.sha256 for sh in ds.index.shards]
-        reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache, verify=ds.verify)
+        # the dataset read its index (or scanned its shards) there: the store was reachable
+        reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache, verify=ds.verify, patient=True)
         decode = decoder(ds.decode)
         transform = ds.transform
         pending = 0  # skipped samples still to be replaced, so the rank's count stays exact

@@ -183,7 +183,7 @@ def _check_names(index: Index, where: str) -> None:
     (`../x.tar`) would be read from elsewhere, a name listed twice read twice."""
     seen: set[str] = set()
     for s in index.shards:
-        if not isinstance(s.name, str) or s.name in ("", ".", "..") or any(c in s.name for c in "/\\\0"):
+        if not isinstance(s.name, str) or s.name in ("", ".", "..") or "/" in s.name or "\0" in s.name:
             raise CorruptShardError(f"{where}: shard name {s.name!r} is not the name of a file in the dataset's folder")
         if s.name in seen:
             raise CorruptShardError(f"{where}: shard {s.name!r} is listed twice")
@@ -252,5 +252,6 @@ def _guess(url: str, storage_options: StorageOptions | None) -> str:
 
 
 def save(index: Index, url: str, storage_options: StorageOptions | None = None) -> None:
-    """Write DATASET/index.json atomically."""
+    """Write DATASET/index.json atomically (one that a reader would refuse is refused here)."""
+    _check_names(index, storage.join(url, INDEX_NAME))
     storage.write_bytes_atomic(storage.join(url, INDEX_NAME), index.to_json().encode(), storage_options)

@@ -36,6 +36,7 @@ from .verify import shard_problem
 _SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
 _TMP_RE = re.compile(rf"^(shard-\d{{6,}}\.tar|{re.escape(index.INDEX_NAME)}){re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$")
 """What an interrupted pack leaves: a shard's or the index's temporary file (storage.atomic_writer's names)."""
+_DAMAGED = "source shard "  # how a skip for a converted shard that does not match its index begins
 _STARTED = "started"  # in the progress folder, written first: even an object store then shows the pack unfinished
 LMDB_JOB = parse_size("64MB")  # an LMDB pack's most bytes per job (one transaction, held in memory)
 _LMDB_FILES = (index.INDEX_NAME, lmdb_format.DATA_FILE, lmdb_format.LOCK_FILE)  # removal order: the index first
@@ -109,10 +110,12 @@ def _check_source_shard(job: Job, shard: str) -> None:
             problem = shard_problem(url, info, job.storage_options, parse=False)
         except CorruptShardError as e:
             problem = str(e).removeprefix(f"{where}: ")
+        except FileNotFoundError:
+            raise SourceError(f"{where}: missing (a shard of the dataset being converted)") from None
         except OSError as e:
             detail = one_line(e) if isinstance(e, ShardkitError) else f"{where}: {e.strerror or e}"
             raise SourceError(f"{detail} (a shard of the dataset being converted)") from None
-        _source_shards[url] = problem and f"source shard {shard}: {problem}; `shardkit verify` checks them all"
+        _source_shards[url] = problem and f"{_DAMAGED}{shard}: {problem}; `shardkit verify` checks them all"
     if _source_shards[url]:
         raise CorruptShardError(_source_shards[url])
 
@@ -191,9 +194,18 @@ def _done(plan: Plan, i: int) -> ShardResult | None:
     if record.get("fingerprint") != plan.fingerprints[i]:
         return None
     info = ShardInfo.from_json(record["shard"])
-    if storage.size(storage.join(plan.dest, name), opts) != info.bytes:
+    skipped = tuple(Skipped(**s) for s in record["skipped"])
+    if storage.size(storage.join(plan.dest, name), opts) != info.bytes or _left_out_damage(plan, skipped):
         return None
-    return ShardResult(info, tuple(record["fields"]), tuple(Skipped(**s) for s in record["skipped"]))
+    return ShardResult(info, tuple(record["fields"]), skipped)
+
+
+def _left_out_damage(plan: Plan, skipped: Sequence[Skipped]) -> bool:
+    """Whether work left out samples of a source shard that did not match its index: such
+    work is done again, never kept, since the shard may have been repaired since (the plan's
+    fingerprint, made from the source's index, cannot tell)."""
+    inherited = set(plan.inherited)
+    return any(s.reason.startswith(_DAMAGED) and s not in inherited for s in skipped)
 
 
 # ---------------------------------------------------------------- run
@@ -230,7 +242,8 @@ def _prepare_dest(dest: str, plan: Plan, overwrite: bool, storage_options: Stora
         raise SourceError(f"{dest}: destination is not empty and holds files `shardkit pack` did not write "
                           f"(found {foreign[0]!r})")
     if existing is not None and existing.plan == plan.fingerprint:
-        if all(storage.size(storage.join(dest, s.name), storage_options) == s.bytes for s in existing.shards):
+        if not _left_out_damage(plan, existing.skipped) and all(
+                storage.size(storage.join(dest, s.name), storage_options) == s.bytes for s in existing.shards):
             return existing
     elif index.INDEX_NAME in names and not overwrite:
         _refuse_to_replace(dest, existing)
@@ -440,11 +453,12 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
             raise SourceError(f"{dest}: holds an LMDB that `shardkit pack` did not write: pack into another folder")
         if finished is not None or (progress_doc or {}).get("plan") not in (None, plan.fingerprint):
             existing = Index.from_json(finished, dest) if finished is not None else None
-            if existing is not None and existing.plan == plan.fingerprint:
+            ours = existing is not None and existing.plan == plan.fingerprint
+            if ours and not _left_out_damage(plan, existing.skipped):
                 _refuse_earlier_skips(plan, existing.skipped)
                 index.save(existing, dest)  # in case the crash came between the two commits
                 return existing
-            if existing is not None and not overwrite:
+            if existing is not None and not ours and not overwrite:
                 _refuse_to_replace(dest, existing)
             writer.close()  # another dataset, or another plan's unfinished one, lives here: replace it
             for name in _LMDB_FILES:
@@ -456,6 +470,11 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
         for i in range(done):
             with writer.env.begin() as txn:
                 records.append(json.loads(txn.get(_chunk_key(i))))
+        if _left_out_damage(plan, [Skipped(**s) for r in records for s in r["skipped"]]):  # start again
+            writer.close()
+            for name in _LMDB_FILES:
+                storage.remove(os.path.join(path, name))
+            writer, done, records = lmdb_format.Writer(path), 0, []
         _refuse_earlier_skips(plan, [Skipped(**s) for r in records for s in r["skipped"]])
 
         def commit(result: ChunkResult) -> None:

@@ -197,13 +197,12 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
 
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # posix_fadvise: Linux and BSDs, not macOS
 
-RETRIES = 5  # attempts at a request to a store that has not answered this process yet: a wrong endpoint fails fast
-OUTAGE_RETRIES = 10  # once it has: its backoff spans up to ~43 s (~21 s on average), so a blip or a restart
-# of the store does not end a training run
-_ANSWERED: set[str] = set()  # the stores (protocol and bucket or host) that answered this process
+RETRIES = 5  # attempts at a request: a wrong endpoint or dead store fails in seconds
+OUTAGE_RETRIES = 10  # a dataset's reads, once it has read its index: waits of up to ~43 s (~21 s on average),
+# so a blip or a restart of the store does not end a training run
 _TRANSIENT_4XX = {408, 409, 425, 429}  # timeout, conflict, too early, throttled: worth another attempt
 _THROTTLED = {429, 503}  # the store asks for fewer requests (S3's SlowDown is a 503)
-THROTTLED_BASE_S = 1.0  # ...so the backoff starts at a second: 5 attempts span up to ~15 s, not ~3 s
+THROTTLED_BASE_S = 1.0  # ...so the backoff starts at a second: 5 attempts span up to ~15 s, not ~3 s (10: ~65 s)
 _SAY = {NotFoundError: "not found (no such object, or no such bucket)", AccessDeniedError: "access denied"}
 _BY_STATUS = {401: AccessDeniedError, 403: AccessDeniedError, 404: NotFoundError, 410: NotFoundError}
 
@@ -222,8 +221,8 @@ def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: fl
             kind = _permanent(e)
             if kind is not None:
                 reason = redact(one_line(e)).removeprefix(what).lstrip(": ")  # some name the URL, some only it
-                if re.fullmatch(r"\S+://\S*", reason):  # gcsfs's 404 says nothing but the request's URL
-                    reason = _SAY.get(kind, "")
+                if re.fullmatch(r"\S+://\S*", reason) or (reason and " " not in reason and reason in what):
+                    reason = _SAY.get(kind, "")  # gcsfs's 404 says nothing but the request's URL, s3fs's the path
                 raise kind(f"{what}: {reason or type(e).__name__}") from e
             if attempt == attempts:
                 tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
@@ -237,24 +236,14 @@ def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: fl
     raise AssertionError("unreachable")
 
 
-def attempts_for(url: str) -> int:
-    """Our attempts at a request to `url`: more once its store has answered this process
-    (forked DataLoader workers inherit what the main process learned). gcsfs retries every
-    failed request up to 6 times itself, with backoff (no option turns that off; a body cut
-    short and a silent connection included): those are the retries on GCS, not multiplied
-    by ours."""
+def attempts_for(url: str, patient: bool = False) -> int:
+    """Our attempts at a request to `url`; `patient` ones ride out an outage (see
+    OUTAGE_RETRIES). gcsfs retries every failed request up to 6 times itself, with backoff
+    (no option turns that off; a body cut short and a silent connection included): those
+    are the retries on GCS, not multiplied by ours."""
     if _protocol(url) in _GCS:
         return 1
-    return OUTAGE_RETRIES if _store(url) in _ANSWERED else RETRIES
-
-
-def _store(url: str) -> str:
-    """`s3://bucket`, `https://host:port`: what one outage takes down."""
-    return "/".join(url.split("/", 3)[:3])
-
-
-def _answered(url: str) -> None:
-    _ANSWERED.add(_store(url))
+    return OUTAGE_RETRIES if patient else RETRIES
 
 
 def _causes(e: BaseException) -> Iterator[BaseException]:
@@ -327,9 +316,7 @@ def _ask(url: str, storage_options: StorageOptions | None, op: Callable[[Any, st
 
     def call() -> T:
         fs.invalidate_cache(path)
-        out = op(fs, path)
-        _answered(url)
-        return out
+        return op(fs, path)
 
     return retrying(display(url), call, attempts_for(url))
 
@@ -624,13 +611,16 @@ class RangeReader:
 
     Local files are read with pread, straight into the caller's bytes (`read_at`), and
     `advise` starts the disk read-ahead of a range before it is needed. Remote shards take
-    ranged GETs through fsspec, retried on transient errors, and go through the optional
-    local cache.
+    ranged GETs through fsspec, retried on transient errors (`patient`: for as long as an
+    outage of the store may last, see OUTAGE_RETRIES), and go through the optional local
+    cache.
     """
 
     def __init__(self, urls: list[str], storage_options: StorageOptions | None = None,
-                 versions: list[str | None] | None = None, cache: RangeCache | None = None, verify: bool = False):
+                 versions: list[str | None] | None = None, cache: RangeCache | None = None, verify: bool = False,
+                 patient: bool = False):
         self._urls = urls
+        self._patient = patient  # the caller has reached the store: reads ride out an outage
         self._opts = storage_options
         self._versions = versions or [None] * len(urls)
         self._cache = cache
@@ -713,7 +703,7 @@ class RangeReader:
                         self.fetched_bytes += done
 
         url = self._urls[shard]
-        if retrying(f"{display(url)} (sha256 check)", digest, attempts_for(url)) != expected:
+        if retrying(f"{display(url)} (sha256 check)", digest, attempts_for(url, self._patient)) != expected:
             raise CorruptShardError(f"{display(url)}: sha256 mismatch with the index (shard changed or corrupt)")
 
     def _check_open(self) -> None:
@@ -775,7 +765,6 @@ class RangeReader:
         def get() -> bytes:
             self._check_open()
             data = _cat_range(fs, path, start, stop, url)
-            _answered(url)
             if len(data) < stop - start:
                 fs.invalidate_cache(path)
                 if fs.size(path) < stop:  # the object does end there
@@ -785,7 +774,7 @@ class RangeReader:
                 raise OSError(f"short read: {len(data)} of {stop - start} bytes")  # a cut-short body: retried
             return data
 
-        data = retrying(f"{display(url)} (bytes {start}-{stop})", get, attempts_for(url))
+        data = retrying(f"{display(url)} (bytes {start}-{stop})", get, attempts_for(url, self._patient))
         with self._lock:
             self.fetched_bytes += len(data)
         if cache is not None and len(data) == stop - start:

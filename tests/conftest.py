@@ -46,9 +46,8 @@ def make_folder(root: Path, per_class: int = 10, classes: tuple[str, ...] = CLAS
 
 @pytest.fixture(autouse=True)
 def _impatient_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A store that answered once gets ~21 s of retries on average before a read fails: the
-    tests of failures take the first contact's 5 attempts instead (test_remote's outage test
-    restores the real count)."""
+    """A dataset's reads get ~21 s of retries on average before one fails: the tests of
+    failures take 5 attempts instead (test_remote's outage test restores the real count)."""
     from shardkit import storage
 
     monkeypatch.setattr(storage, "OUTAGE_RETRIES", storage.RETRIES)

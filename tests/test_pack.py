@@ -683,10 +683,12 @@ def test_verify_catches_a_flipped_byte(photos: Path, tmp_path: Path) -> None:
     assert any("shard-000002.tar: missing" in p for p in shardkit.verify(str(out)))
 
 
-def test_a_conversion_does_not_copy_damage_into_fresh_checksums(photos: Path, tmp_path: Path) -> None:
+def test_a_conversion_does_not_copy_damage_into_fresh_checksums(photos: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A shard being converted that does not match its index has its samples skipped, each
     listed (or stops the pack under "fail"), rather than copied into shards that `verify`
-    would then pass; a shard gone stops the pack, as it stops a reader."""
+    would then pass; once repaired, a rerun packs it; a shard gone stops the pack, as it
+    stops a reader."""
     src = tmp_path / "src"
     shardkit.pack(str(photos), str(src), max_count=10, workers=1, progress=False)
     shard = src / "shard-000001.tar"
@@ -699,8 +701,20 @@ def test_a_conversion_does_not_copy_damage_into_fresh_checksums(photos: Path, tm
         idx = shardkit.pack(str(src), str(tmp_path / fmt), format=fmt, workers=2, progress=False)
         assert idx.samples == 20 and len(idx.skipped) == 10 and shardkit.verify(str(tmp_path / fmt)) == []
         assert all(s.path.startswith("shard-000001.tar@") and "sha256 mismatch" in s.reason for s in idx.skipped)
+    shard.write_bytes(bytes(data[:2000]) + bytes([data[2000] ^ 0x01]) + bytes(data[2001:]))  # repaired
+    for fmt in ("tar", "lmdb"):  # what was left out for the damage is not kept: the plan's fingerprint cannot tell
+        assert shardkit.pack(str(src), str(tmp_path / fmt), format=fmt, workers=1, progress=False).samples == 30
+    data[2000] ^= 0x01
+    shard.write_bytes(bytes(data))  # damaged again; a conversion killed before its commit, then repaired
+    with monkeypatch.context() as m:
+        m.setattr(shardkit.index, "save", lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            shardkit.pack(str(src), str(tmp_path / "killed"), max_count=5, workers=1, progress=False)
+    shard.write_bytes(bytes(data[:2000]) + bytes([data[2000] ^ 0x01]) + bytes(data[2001:]))
+    idx = shardkit.pack(str(src), str(tmp_path / "killed"), max_count=5, workers=1, progress=False)
+    assert idx.samples == 30 and idx.skipped == ()
     (src / "shard-000002.tar").unlink()
-    with pytest.raises(SourceError, match=r"shard-000002\.tar: No such file or directory"):
+    with pytest.raises(SourceError, match=r"shard-000002\.tar: missing \(a shard of the dataset being converted\)"):
         shardkit.pack(str(src), str(tmp_path / "gone"), workers=1, progress=False)
     assert not (tmp_path / "gone" / "index.json").exists()
 
@@ -782,6 +796,19 @@ def test_a_malformed_index_is_one_line_naming_it(tmp_path: Path, doc: object, me
         shardkit.StreamingDataset(str(tmp_path))
     text = str(err.value)
     assert text.startswith(str(tmp_path / "index.json")) and message in text and "\n" not in text
+
+
+def test_an_index_a_reader_would_refuse_is_not_written(packed: Path, tmp_path: Path) -> None:
+    """A shard listed twice (shards of two folders with one name: an index that reads them
+    both, not one to save); a backslash is a file name like any other on POSIX."""
+    (tmp_path / "a").mkdir()
+    shutil.copy(packed / "shard-000000.tar", tmp_path / "a" / "part\\1.tar")
+    shardkit.index.save(shardkit.build_index([str(tmp_path / "a" / "part\\1.tar")]), str(tmp_path / "a"))
+    assert len(shardkit.StreamingDataset(str(tmp_path / "a"))) == shardkit.index.load(str(packed)).shards[0].samples
+    one = shardkit.build_index(str(packed / "shard-000000.tar")).shards[0]
+    with pytest.raises(shardkit.CorruptShardError, match="shard 'shard-000000.tar' is listed twice"):
+        shardkit.index.save(shardkit.index.Index(shards=(one, one)), str(tmp_path / "b"))
+    assert not (tmp_path / "b" / "index.json").exists()
 
 
 def test_an_index_that_is_a_folder_is_named(tmp_path: Path) -> None:

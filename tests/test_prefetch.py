@@ -313,6 +313,8 @@ def test_retrying_gives_up_with_the_url_named() -> None:
         storage.retrying("s3://b/t.tar", lambda: (_ for _ in ()).throw(fsspec.exceptions.FSTimeoutError()), 1)
     with pytest.raises(FileNotFoundError, match=r"^gs://b/n\.tar: not found \(no such object, or no such bucket\)$"):
         storage.retrying("gs://b/n.tar", lambda: (_ for _ in ()).throw(FileNotFoundError("https://x/b/o/n.tar?alt=media")))
+    with pytest.raises(FileNotFoundError, match=r"^s3://b/m\.tar \(bytes 0-9\): not found \(no such object, or no"):
+        storage.retrying("s3://b/m.tar (bytes 0-9)", lambda: (_ for _ in ()).throw(FileNotFoundError("b/m.tar")))
 
 
 def test_read_ahead_without_threads_runs_fetches_early_in_place() -> None:

@@ -194,8 +194,8 @@ def test_every_sample_exactly_once_through_resets(s3: dict, s3_server: str, pack
 
 def test_a_store_down_for_seconds_mid_epoch_loses_nothing(s3: dict, s3_server: str, packed: Path, latency_proxy,  # type: ignore[no-untyped-def]
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """A store that has answered gets retries spanning ~21 s on average (a restart, a blip),
-    where a first contact gives up after 5 (a wrong endpoint fails fast)."""
+    """A dataset's reads get retries spanning ~21 s on average (a restart, a blip); reading
+    its index, a first contact, gives up after 5 (a wrong endpoint fails fast)."""
     import threading
     import time
 
@@ -217,6 +217,9 @@ def test_a_store_down_for_seconds_mid_epoch_loses_nothing(s3: dict, s3_server: s
     got += [s["__key__"] for s in it]
     assert sorted(got) == sorted(set(got)) and len(got) == 120
     assert control.stats()["resets"] > 0 and time.monotonic() - start > 2.5
+    control.set("reset_prob", 1.0)
+    with pytest.raises(ShardkitError, match=r"s3://shardkit-test/ds/index\.json: .*\(gave up after 5 attempts\)"):
+        StreamingDataset(s3["url"] + "/ds", storage_options=opts)
 
 
 def test_unreachable_store_fails_with_the_url(s3: dict, packed: Path, latency_proxy, s3_server: str) -> None:  # type: ignore[no-untyped-def]
