@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
@@ -199,10 +199,15 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
                    f"{stats['written'] / took:.0f} source files/s{kept}")
     if idx.skipped:
         click.echo(f"skipped {_plural(len(idx.skipped), 'file')}:", err=True)
-        for s in idx.skipped[:10]:
-            click.echo(f"  {s.path}: {s.reason}", err=True)
-        if len(idx.skipped) > 10:
-            click.echo(f"  ... and {len(idx.skipped) - 10} more (shardkit info --json {dest})", err=True)
+        _list_skipped(idx.skipped, dest, err=True)
+
+
+def _list_skipped(skipped: Sequence[Any], url: str, err: bool = False) -> None:
+    """The first ten files left out, a line each (a name with a newline in it shown quoted)."""
+    for s in skipped[:10]:
+        click.echo(f"  {s.path if s.path.isprintable() else repr(s.path)}: {s.reason}", err=err)
+    if len(skipped) > 10:
+        click.echo(f"  ... and {len(skipped) - 10} more (shardkit info --json {url})", err=err)
 
 
 @main.command()
@@ -228,10 +233,7 @@ def info(url: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     names = ", ".join(idx.classes[:8]) + (", ..." if len(idx.classes) > 8 else "")
     click.echo(f"classes:  {len(idx.classes)}" + (f" ({names})" if idx.classes else ""))
     click.echo(f"skipped:  {_plural(len(idx.skipped), 'file')}")
-    for s in idx.skipped[:10]:
-        click.echo(f"  {s.path}: {s.reason}")
-    if len(idx.skipped) > 10:
-        click.echo(f"  ... and {len(idx.skipped) - 10} more (shardkit info --json {display(url)})")
+    _list_skipped(idx.skipped, display(url))
 
 
 @main.command()

@@ -314,8 +314,8 @@ def pack(
     if format == "lmdb" and not storage.is_local(dest):
         raise SourceError(f"{storage.display(dest)}: LMDB output must be a local path (copy it up afterwards)")
     _check_apart(src, dest)
-    if storage.is_local(dest) and os.path.isfile(storage.local_path(dest)):
-        raise SourceError(f"{dest}: a file, not a folder (DEST is the folder the dataset goes in)")
+    if storage.is_local(dest) and os.path.exists(storage.local_path(dest)) and not os.path.isdir(storage.local_path(dest)):
+        raise SourceError(f"{dest}: a file, not a folder (DEST is the folder the dataset goes in)")  # or a device
     options = Options(resize=resize, quality=quality, on_error=on_error)
     if format == "lmdb":  # one transaction per job, held in memory: keep them moderate
         max_size = min(max_size or LMDB_JOB, LMDB_JOB)

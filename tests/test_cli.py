@@ -258,8 +258,17 @@ def test_quiet_still_names_unusable_files(run, photos: Path, tmp_path: Path) -> 
     assert result.exit_code == 0 and result.output == f"skipped 1 unusable file (shardkit info {tmp_path / 'b'} lists them)\n"
 
 
+def test_a_file_name_with_a_newline_is_listed_on_one_line(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (photos / "circle" / "bad\nname.jpg").write_bytes(b"nope")
+    packed = run("pack", photos, tmp_path / "out")
+    listed = run("info", tmp_path / "out")
+    for result in (packed, listed):
+        assert "  'circle/bad\\nname.jpg': not an image file\n" in result.output, result.output
+
+
 @pytest.mark.parametrize("setup, args, text", [
     (lambda t: (t / "x.txt").write_text("x"), ["{photos}", "{t}/x.txt"], "x.txt: a file, not a folder"),
+    (lambda t: None, ["{photos}", "/dev/null"], "/dev/null: a file, not a folder"),
     (lambda t: (t / "db").mkdir() or (t / "db" / "data.mdb").write_bytes(b"x"), ["{photos}", "{t}/db"],
      "db: holds an LMDB dataset: pack tar shards into another folder"),
     (lambda t: (t / "wds").mkdir() or (t / "wds" / "a-000.tar").write_bytes(b""), ["{t}/wds", "{t}/out"],
