@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import default_collate, default_convert, get_worker_info
+from torch.utils.data import default_collate, get_worker_info
 
 from . import worker
 
@@ -170,6 +170,17 @@ def _flatten(item: Any, leaves: list[Any], like: _Spec = None) -> _Spec:
     return len(leaves) - 1
 
 
+def _leaves_of(spec: _Spec, path: str = "", in_sequence: bool = False) -> list[tuple[str, bool]]:
+    """(path, in_sequence) of each leaf of `spec`, in leaf order: its place in the sample
+    for messages (`['image']`, `[0]`), and whether it sits in a tuple or list, where
+    default_collate batches values that it does not stack as a tuple (zip's), not a list."""
+    if isinstance(spec, int):
+        return [(path, in_sequence)]
+    if spec[0] == "dict":
+        return [leaf for k, sub in zip(spec[2], spec[3]) for leaf in _leaves_of(sub, f"{path}[{k!r}]")]
+    return [leaf for i, sub in enumerate(spec[-1]) for leaf in _leaves_of(sub, f"{path}[{i}]", True)]
+
+
 def _sub(subs: Any, i: int) -> _Spec:
     return subs[i] if isinstance(subs, tuple) and i < len(subs) else None
 
@@ -212,6 +223,7 @@ class _Layout:
 
     def __init__(self, spec: _Spec, leaves: list[Any], batch: int):
         self.spec, self.batch = spec, batch
+        self.places = _leaves_of(spec)
         self.slots: list[tuple[Any, ...]] = []
         offset = HEADER
         for leaf in leaves:
@@ -235,6 +247,9 @@ def collate(samples: list[Any]) -> Any:
     that stacks into reused shared memory instead of a fresh segment per batch. In a worker it
     returns a `SharedBatch` that becomes the batch in the main process: pass it as the
     DataLoader's `collate_fn` itself, not inside another collate function."""
+    if not isinstance(samples, (list, tuple)):  # a DataLoader with batch_size=None hands it one sample
+        raise TypeError(f"collate takes a list of samples, not {type(samples).__name__}: give the DataLoader a "
+                        "batch_size (with batch_size=None it passes collate_fn one sample at a time)")
     samples = list(samples)
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -295,7 +310,7 @@ class Batches:
                 if not values:
                     collated.append(None)
                     continue
-                batch = default_collate(values)
+                batch = default_collate(tuple(values) if layout.places[j][1] else values)
                 if slot[0] == "array" and isinstance(batch, torch.Tensor) and batch.numpy().dtype == slot[3]:
                     seg.write(slot[1], batch.numpy())
                     collated.append(None)
@@ -317,8 +332,9 @@ class Batches:
             _, offset, shape, dtype, _ = slot
             value = _array_of(leaf)
             if value is None or value.shape != shape or value.dtype != dtype:
+                field = f"field {layout.places[j][0]}" if layout.places[j][0] else "the sample"
                 raise ValueError(
-                    f"batch_size={self.batch_size}: cannot stack sample {n} of a batch: field {j} is "
+                    f"batch_size={self.batch_size}: cannot stack sample {n} of a batch: {field} is "
                     f"{_describe(leaf)}, in the batch's first sample it is {dtype} of shape {tuple(shape)}"
                 )
             seg.write(offset + n * value.nbytes, value)
@@ -326,7 +342,8 @@ class Batches:
 
 def _describe(leaf: Any) -> str:
     shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-    return f"{dtype} of shape {tuple(shape)}" if shape is not None else type(leaf).__name__
+    grad = " that requires grad" if getattr(leaf, "requires_grad", False) else ""
+    return f"{dtype} of shape {tuple(shape)}{grad}" if shape is not None else type(leaf).__name__
 
 
 # ------------------------------------------------------------------ crossing to the main process
@@ -457,4 +474,4 @@ def _materialize(base: np.ndarray, key: tuple[int, int], layout: _Layout, n: int
         arr = base[offset : offset + count * dtype.itemsize].view(dtype).reshape(n, *shape)
         weakref.finalize(arr, release)  # the tensor holds `arr`; so do its views, via the storage
         leaves.append(torch.from_numpy(arr))
-    return default_convert(_unflatten(layout.spec, leaves))
+    return _unflatten(layout.spec, leaves)

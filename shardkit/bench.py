@@ -476,4 +476,5 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
     ax.set_title(f"batch size {doc['batch_size']}, decode {doc['decode']}", fontsize=10)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    ext = os.path.splitext(path)[1].lower().lstrip(".")  # b.jpg a JPEG, as preview writes; anything else a PNG
+    fig.savefig(path, format=ext if ext in fig.canvas.get_supported_filetypes() else "png")

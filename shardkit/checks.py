@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from .units import parse_size
@@ -15,7 +16,8 @@ def integer(name: str, value: Any, minimum: int | None = 0, maximum: int | None 
     a bool, a float or a str) within [minimum, maximum]; else TypeError or ValueError naming
     `name`."""
     try:
-        if isinstance(value, bool):
+        # a bool is no count; nor is an array or tensor of one element, or a 0-d bool tensor (operator.index takes them)
+        if isinstance(value, bool) or getattr(value, "ndim", 0) or "bool" in str(getattr(value, "dtype", "")):
             raise TypeError
         value = operator.index(value)
     except TypeError:
@@ -54,4 +56,25 @@ def path(name: str, value: Any) -> str:
         value = os.fspath(value)
     if not isinstance(value, str) or not value:
         raise TypeError(f"{name} must be a path or URL (a non-empty str or pathlib.Path), not {value!r}")
+    return value
+
+
+def flag(name: str, value: Any) -> bool:
+    """True or False (a numpy bool too): a str such as "false" would read as true."""
+    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+        raise TypeError(f"{name} must be True or False, not {value!r}")
+    return bool(value)
+
+
+def function(name: str, value: Any) -> Any:
+    """A callable, or None."""
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be a function (or None), not {value!r}")
+    return value
+
+
+def mapping(name: str, value: Any) -> Any:
+    """A dict of options, or None."""
+    if value is not None and not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict (or None), not {value!r}")
     return value

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import re
 import signal
@@ -78,6 +79,12 @@ def _plot_output(ctx: click.Context, param: click.Parameter, value: str | None) 
         except ImportError:
             raise click.BadParameter("needs matplotlib: pip install 'shardkit[bench]'") from None
     return _output(ctx, param, value)
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):  # FloatRange lets nan through (and --json writes NaN)
+        raise click.BadParameter(f"a number of milliseconds, not {value}")
+    return value
 
 
 def _plural(n: int, noun: str) -> str:
@@ -355,7 +362,7 @@ transform_option = click.option(
 @click.option("--warmup", type=click.IntRange(min=1), default=5, show_default=True,
               help="Batches before timing; the first one gives the time to first batch.")
 @transform_option
-@click.option("--step-ms", type=click.FloatRange(min=0, min_open=True), metavar="T",
+@click.option("--step-ms", type=click.FloatRange(min=0, min_open=True), metavar="T", callback=_finite,
               help="Say, per setting, whether a training step of T ms per batch would wait for data.")
 @click.option("--plot", type=click.Path(dir_okay=False, writable=True), metavar="OUT.png", callback=_plot_output,
               help="Write images/s (error bars: std over passes) against the varied setting (needs matplotlib).")
@@ -385,10 +392,13 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
         click.echo(f"  num_workers={s['num_workers']} prefetch={s['prefetch']}: "
                    f"{s['mean_images_per_s']:.0f} ± {s['std_images_per_s']:.0f} images/s", err=True)
 
-    doc = run_bench(url, workers=workers, prefetch=prefetch or [8], batch_size=batch_size, decode=decode,
-                    transform=transform, batches=batches, passes=passes, warmup=warmup, step_ms=step_ms,
-                    storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error],
-                    progress=progress)
+    try:
+        doc = run_bench(url, workers=workers, prefetch=prefetch or [8], batch_size=batch_size, decode=decode,
+                        transform=transform, batches=batches, passes=passes, warmup=warmup, step_ms=step_ms,
+                        storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error],
+                        progress=progress)
+    except (ValueError, TypeError) as e:  # results that do not batch (images of several sizes), from a worker
+        raise click.ClickException(_message(e)) from None
     click.echo(json.dumps(doc, indent=2) if as_json else format_report(doc))  # before the plot: a failed
     if plot:  # write costs no result
         write_plot(doc, plot)

@@ -84,9 +84,9 @@ class StreamingDataset(EpochDataset):
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         self.block, self.prefetch = checks.integer("block", block, 1), checks.integer("prefetch", prefetch)
         decoder(decode)  # validate early, in the main process
-        self.urls, self.index = resolve(source, storage_options)
-        self.decode, self.transform, self.on_error = decode, transform, on_error
-        self.storage_options, self.verify = storage_options, verify
+        self.urls, self.index = resolve(source, checks.mapping("storage_options", storage_options))
+        self.decode, self.transform, self.on_error = decode, checks.function("transform", transform), on_error
+        self.storage_options, self.verify = storage_options, checks.flag("verify", verify)
         self.prefetch_bytes = checks.size("prefetch_bytes", prefetch_bytes, 1)
         self.cache_dir, self.cache_limit = cache_dir, checks.size("cache_limit", cache_limit, 1)
         if cache_dir is not None and os.path.exists(cache_dir) and not os.path.isdir(cache_dir):

@@ -38,7 +38,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         self._world = partition.world(rank, world_size) if rank is not None or world_size is not None else None
         if remainder not in partition.REMAINDERS:
             raise ValueError(f"remainder must be one of {partition.REMAINDERS}, not {remainder!r}")
-        self.shuffle, self.remainder = shuffle, remainder
+        self.shuffle, self.remainder = checks.flag("shuffle", shuffle), remainder
         self.seed = checks.integer("seed", seed, None)
         self.shuffle_window = checks.integer("shuffle_window", shuffle_window, 1)
         self.batch_size = checks.optional("batch_size", batch_size, 1)

@@ -41,11 +41,12 @@ class LMDBDataset(torch.utils.data.Dataset):
                  cache_limit: int | str = "20GB", readahead: bool = False, read_threads: int = 16):
         source = checks.path("source", source)
         decoder(decode)  # validate now; each process builds its own (closures do not pickle)
-        self.decode, self.transform, self.source, self.readahead = decode, transform, source, readahead
-        self.read_threads = checks.integer("read_threads", read_threads, 1)
+        self.decode, self.transform, self.source = decode, checks.function("transform", transform), source
+        self.readahead, self.read_threads = checks.flag("readahead", readahead), checks.integer("read_threads", read_threads, 1)
         self._threads: tuple[int, ThreadPoolExecutor] | None = None
+        storage_options = checks.mapping("storage_options", storage_options)
         self.path = local_lmdb(source, storage_options, cache_dir, checks.size("cache_limit", cache_limit))
-        idx = lmdb_index(self.path, readahead)
+        idx = lmdb_index(self.path, self.readahead)
         if idx.kind != "lmdb":
             raise ValueError(f"{source}: not an LMDB dataset (kind {idx.kind!r})")
         self._keys, self._sizes = lmdb_format.sample_tables(idx.extra)

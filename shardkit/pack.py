@@ -299,7 +299,8 @@ def pack(
         raise ValueError(f"executor must be 'local' or 'ray', not {executor!r}")
     if format not in ("tar", "lmdb"):
         raise ValueError(f"format must be 'tar' or 'lmdb', not {format!r}")
-    seed = checks.integer("seed", seed)
+    seed, shuffle, overwrite = checks.integer("seed", seed), checks.flag("shuffle", shuffle), checks.flag("overwrite", overwrite)
+    storage_options = checks.mapping("storage_options", storage_options)
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error must be 'skip' or 'fail', not {on_error!r}")
     max_count, workers = checks.optional("max_count", max_count, 1), checks.optional("workers", workers, 1)

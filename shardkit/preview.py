@@ -62,7 +62,8 @@ def to_pil(image: Any) -> Image.Image:
         return to_rgb(open_image(bytes(image)))
     chw = False
     if hasattr(image, "detach"):  # torch tensor: CHW by convention
-        image = image.detach().cpu().numpy()
+        image = image.detach().cpu()
+        image = (image.float() if image.is_floating_point() else image).numpy()  # bfloat16: numpy has none
         chw = image.ndim == 3
     if not isinstance(image, np.ndarray) or image.ndim not in (2, 3):
         what = type(image).__name__ + (f" of shape {tuple(image.shape)}" if hasattr(image, "shape") else "")

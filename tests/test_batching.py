@@ -292,7 +292,7 @@ def test_numbers_beside_0d_tensors_collate_like_default_collate(values: list) ->
     try:
         want = torch.utils.data.default_collate(samples)
     except TypeError:
-        with pytest.raises(ValueError, match="cannot stack sample 1 of a batch: field 0 is int"):
+        with pytest.raises(ValueError, match=r"cannot stack sample 1 of a batch: field \[0\] is int"):
             next(batching.Batches(iter(samples), len(samples)))
         return
     got = next(batching.Batches(iter(samples), len(samples)))
@@ -329,3 +329,22 @@ def test_a_dataloader_batching_a_batching_dataset_says_so(packed: Path) -> None:
     ds = StreamingDataset(str(packed), decode="tensor", transform=to_pair, batch_size=4)
     with pytest.raises(TypeError, match="the dataset batches already .*give the DataLoader batch_size=None"):
         next(iter(DataLoader(ds, batch_size=2, num_workers=1)))
+
+
+def test_strings_and_paths_collate_as_default_collate_does() -> None:
+    """Values that are not stacked come back in default_collate's containers: a tuple (zip's)
+    inside a tuple or list, a list inside a dict or at the top; a stacking error names the
+    field by its place in the sample."""
+    samples = [(torch.zeros(2), i, f"k{i}", {"name": f"n{i}", "id": i}) for i in range(3)]
+    want = torch.utils.data.default_collate(samples)
+    got = next(batching.Batches(iter(samples), 3))
+    assert got[2] == want[2] == ("k0", "k1", "k2") and got[3]["name"] == want[3]["name"] == ["n0", "n1", "n2"]
+    assert next(batching.Batches(iter(["a", "b"]), 2)) == torch.utils.data.default_collate(["a", "b"]) == ["a", "b"]
+    nested = [{"meta": {"id": i}, "image": torch.zeros(2 + (i == 1))} for i in range(2)]
+    with pytest.raises(ValueError, match=r"sample 1 of a batch: field \['image'\] is torch.float32 of shape \(3,\), in"):
+        next(batching.Batches(iter(nested), 2))
+    with pytest.raises(ValueError, match=r"sample 1 of a batch: the sample is torch.float32 of shape \(2,\) that "
+                                         r"requires grad, in the batch's first sample it is float32 of shape \(2,\)"):
+        next(batching.Batches(iter([torch.zeros(2), torch.zeros(2, requires_grad=True)]), 2))
+    with pytest.raises(TypeError, match="collate takes a list of samples, not dict: give the DataLoader a batch_size"):
+        shardkit.collate({"image": torch.zeros(2)})

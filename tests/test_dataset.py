@@ -182,6 +182,10 @@ def test_invalid_arguments_raise_value_error(packed: Path) -> None:
     ({"rank": 2, "world_size": 2}, ValueError, "rank 2 is outside world size 2"),
     ({"rank": 1.5, "world_size": 2}, TypeError, "rank must be an integer, not 1.5"),
     ({"rank": 0, "world_size": 0}, ValueError, "world_size must be at least 1, not 0"),
+    ({"shuffle": "false"}, TypeError, "shuffle must be True or False, not 'false'"),
+    ({"verify": 1}, TypeError, "verify must be True or False, not 1"),
+    ({"transform": "resize"}, TypeError, "transform must be a function (or None), not 'resize'"),
+    ({"storage_options": ["anon"]}, TypeError, "storage_options must be a dict (or None), not ['anon']"),
 ])
 def test_wrong_values_fail_at_once_naming_the_argument(packed: Path, options: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=re.escape(message)):

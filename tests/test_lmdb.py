@@ -134,9 +134,14 @@ def test_lmdb_dataset_with_shuffle_workers_and_samplers(lmdb_pack: Path) -> None
     with pytest.raises(IndexError):
         ds[30]
     assert ds[np.int64(3)]["__key__"] == ds[torch.tensor(3)]["__key__"] == ds[3]["__key__"]  # samplers' ints
-    for bad in (1.0, True, "1"):
+    for bad in (1.0, True, "1", np.True_, torch.tensor(True), torch.tensor([3]), np.array([3])):
         with pytest.raises(TypeError, match="an LMDBDataset index must be an integer"):
             ds[bad]
+    for options, message in (({"transform": 5}, "transform must be a function (or None), not 5"),
+                             ({"readahead": "no"}, "readahead must be True or False, not 'no'"),
+                             ({"storage_options": 5}, "storage_options must be a dict (or None), not 5")):
+        with pytest.raises(TypeError, match=re.escape(message)):
+            LMDBDataset(str(lmdb_pack), **options)
     loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, persistent_workers=True, collate_fn=keys_of)
     for _ in range(2):
         keys = [k for b in loader for k in b]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -19,6 +21,8 @@ FAST = ("--batch-size", "8", "--batches", "3", "--passes", "2", "--warmup", "1")
 
 USER_TRANSFORMS = '''
 import time
+
+import torch
 
 from shardkit.decode import image_transform
 
@@ -41,6 +45,14 @@ def not_an_image(sample):
 
 def crashes(sample):
     raise ValueError("boom")
+
+
+def uneven(sample):  # sizes that differ from sample to sample do not stack into a batch
+    return sample["jpg"][:, : 8 + int(sample["__key__"]) % 3, :8]
+
+
+def half(sample):  # bfloat16: numpy has no such type
+    return (sample["jpg"].float() / 255).to(torch.bfloat16)
 '''
 
 
@@ -145,6 +157,21 @@ def test_a_failing_transform_is_one_line_naming_it(run, packed: Path, tmp_path: 
     assert result.exit_code == 1 and len(result.output.splitlines()) == 1, result.output
     assert f"--transform {user_module}:crashes failed on sample " in result.output
     assert result.output.rstrip().endswith(": ValueError: boom")
+
+
+def test_bench_and_preview_odd_results_and_options(run, packed: Path, tmp_path: Path, user_module: Path) -> None:  # type: ignore[no-untyped-def]
+    result = run("bench", packed, "--workers", "1", *FAST, "--transform", f"{user_module}:uneven")
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert re.search(r"^Error: batch_size=8: cannot stack sample \d of a batch: the sample is torch.uint8 of shape", result.output)
+    result = run("bench", packed, "--step-ms", "nan")
+    assert result.exit_code == 2 and "a number of milliseconds, not nan" in result.output
+    result = run("preview", packed, "--n", "2", "--out", tmp_path / "h.png", "--decode", "tensor",
+                 "--transform", f"{user_module}:half")
+    assert result.exit_code == 0, result.output
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert run("bench", packed, "--workers", "0", *FAST, "--plot", tmp_path / "b.jpg").exit_code == 0
+        with Image.open(tmp_path / "b.jpg") as img:
+            assert img.format == "JPEG"
 
 
 def test_bench_in_process_runs_on_one_torch_thread_as_a_worker_would(packed: Path) -> None:
