@@ -184,6 +184,7 @@ def test_invalid_arguments_raise_value_error(packed: Path) -> None:
     ({"rank": 0, "world_size": 0}, ValueError, "world_size must be at least 1, not 0"),
     ({"shuffle": "false"}, TypeError, "shuffle must be True or False, not 'false'"),
     ({"verify": 1}, TypeError, "verify must be True or False, not 1"),
+    ({"verify": np.True_, "prefetch_bytes": 0}, ValueError, "prefetch_bytes must be at least 1"),  # a numpy bool is a flag
     ({"transform": "resize"}, TypeError, "transform must be a function (or None), not 'resize'"),
     ({"storage_options": ["anon"]}, TypeError, "storage_options must be a dict (or None), not ['anon']"),
 ])
