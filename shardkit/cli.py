@@ -148,6 +148,9 @@ def main() -> None:
               help="Shrink each image so its shorter side is at most PX, re-encoded as JPEG.")
 @click.option("--quality", type=click.IntRange(1, 100), metavar="Q",
               help="Re-encode images as JPEG at this quality (default 90 with --resize).")
+@click.option("--decode-check", is_flag=True,
+              help="Decode every image in full (a slower pack), so that a corrupt one is skipped now, not met in "
+                   "training.")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Run the per-shard jobs on a local process pool or as Ray tasks on a cluster.")
 @click.option("--ray-address", metavar="ADDRESS", help="Ray cluster to join (e.g. auto); default: a local one.")
@@ -158,7 +161,8 @@ def main() -> None:
 @storage_option
 @_errors_to_exit
 def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | None, workers: int | None,
-         shuffle: bool, seed: int, on_error: str, resize: int | None, quality: int | None, executor: str,
+         shuffle: bool, seed: int, on_error: str, resize: int | None, quality: int | None, decode_check: bool,
+         executor: str,
          ray_address: str | None, overwrite: bool, quiet: bool, storage_options: tuple[str, ...]) -> None:
     """Pack the image folder SRC (SRC/<class>/<image>) into shards under DEST.
 
@@ -182,6 +186,7 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
     stats: dict[str, int] = {}
     idx = run_pack(src, dest, format=fmt, max_count=max_count, max_size=max_size, workers=workers,
                    shuffle=shuffle, seed=seed, on_error=on_error, resize=resize, quality=quality,
+                   decode_check=decode_check,
                    progress=None if not quiet else False, executor=executor, ray_address=ray_address,
                    storage_options=_storage_options(storage_options), overwrite=overwrite, stats=stats)
     if quiet:

@@ -127,11 +127,13 @@ def _undecodable(e: Exception) -> BadImage:
     return BadImage("truncated image" if "truncated" in text.lower() else f"cannot decode image ({text})")
 
 
-def check(data: bytes, field: str) -> str:
-    """Validate image bytes claimed to be `field`; return the field they really are."""
+def check(data: bytes, field: str, decode: bool = False) -> str:
+    """Validate image bytes claimed to be `field`; return the field they really are. The
+    cheap checks (magic bytes, end marker) decide unless they fail or `decode` asks for the
+    whole image to be decoded, as a reader's decoder would."""
     if not data:
         raise BadImage("empty file")
-    if _looks_complete(data, field):
+    if not decode and _looks_complete(data, field):
         return field
     img = _open(data)
     real = _PIL_FORMATS.get(img.format or "")

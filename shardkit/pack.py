@@ -62,6 +62,25 @@ class ChunkResult:
 
 def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
     """(key, fields) of one item, read, checked and optionally re-encoded."""
+    if job.source != "folder":
+        key, fields = _converted(job, item)
+        if job.options.decode_check:
+            for ext, data in fields.items():
+                kind = images.field_for(f"x.{ext}")
+                if kind is not None:
+                    images.check(data, kind, decode=True)
+        return key, fields
+    data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
+    opts = job.options
+    if opts.resize or opts.quality:
+        field, data = "jpg", images.reencode(data, opts.resize, opts.quality or 90)
+    else:
+        field = images.check(data, images.field_for(item.path) or "", decode=opts.decode_check)
+    return item.key, {field: data, "cls": str(item.label).encode(), "json": sample_meta(item, job.classes)}
+
+
+def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
+    """(key, fields) of one sample of the dataset being converted, as its source holds it."""
     if job.source == "tar":
         shard, _, span = item.path.rpartition("@")
         start, stop = (int(x) for x in span.split(":"))
@@ -78,14 +97,7 @@ def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
     if job.source == "lmdb":
         path = storage.local_path(job.src)
         size = item.size if item.size > 0 else None  # the source index's, where it has them
-        return item.key, lmdb_format.read_one(lmdb_format.open_reader(path), item.key, path, size)
-    data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
-    opts = job.options
-    if opts.resize or opts.quality:
-        field, data = "jpg", images.reencode(data, opts.resize, opts.quality or 90)
-    else:
-        field = images.check(data, images.field_for(item.path) or "")
-    return item.key, {field: data, "cls": str(item.label).encode(), "json": sample_meta(item, job.classes)}
+    return item.key, lmdb_format.read_one(lmdb_format.open_reader(path), item.key, path, size)
 
 
 _source_shards: dict[str, str | None] = {}  # this process's checks in one run: url -> problem
@@ -272,6 +284,7 @@ def pack(
     on_error: str = "skip",
     resize: int | None = None,
     quality: int | None = None,
+    decode_check: bool = False,
     progress: bool | None = None,
     executor: str = "local",
     ray_address: str | None = None,
@@ -289,6 +302,10 @@ def pack(
     Index (`index.skipped` lists every input that was left out). `stats`, if given, is
     filled with `kept` (source files in work an earlier run finished), `written` (source
     files this run packed) and `unchanged` (1 when DEST already held this very pack, whole).
+
+    `decode_check=True` decodes every image in full, as a reader's decoder would (a slower
+    pack), so that a corrupt image whose ends look right is skipped, listed, at pack time
+    (or stops the pack under on_error="fail") instead of failing in training.
 
     `executor="ray"` runs the same jobs as Ray tasks on the cluster at `ray_address`
     (inputs and outputs must then be reachable from every node: a shared file system or
@@ -317,7 +334,7 @@ def pack(
     _check_apart(src, dest)
     if storage.is_local(dest) and os.path.exists(storage.local_path(dest)) and not os.path.isdir(storage.local_path(dest)):
         raise SourceError(f"{dest}: a file, not a folder (DEST is the folder the dataset goes in)")  # or a device
-    options = Options(resize=resize, quality=quality, on_error=on_error)
+    options = Options(resize=resize, quality=quality, on_error=on_error, decode_check=checks.flag("decode_check", decode_check))
     if format == "lmdb":  # one transaction per job, held in memory: keep them moderate
         max_size = min(max_size or LMDB_JOB, LMDB_JOB)
     if not storage.is_local(src) and source_kind(src, storage_options) == "lmdb":

@@ -39,6 +39,7 @@ class Options:
     resize: int | None = None
     quality: int | None = None
     on_error: str = "skip"
+    decode_check: bool = False  # decode every image in full, so a corrupt one is skipped at pack time
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,8 @@ def _job_fingerprint(plan: Plan, i: int, source_id: str | None) -> str:
     # on_error decides whether a pack goes on past a bad file, not what a shard holds: a shard
     # written under "fail" is the one "skip" writes (kept under "fail" only if it skipped nothing)
     options = asdict(replace(plan.options, on_error="skip"))
+    if not options["decode_check"]:  # absent when off: packs made before the option still match
+        del options["decode_check"]
     h = hashlib.sha256(json.dumps([plan.names[i], plan.source, plan.classes, options, source_id,
                                    lo, hi, len(plan.order)]).encode())
     for column in (ids, listing.labels[ids], listing.sizes[ids], listing.mtimes[ids]):

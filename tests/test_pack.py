@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 import shardkit
 from shardkit import executors
@@ -237,6 +239,27 @@ def test_unusable_source(tmp_path: Path, setup, message: str) -> None:  # type: 
     setup(src)
     with pytest.raises(SourceError, match=message):
         shardkit.pack(str(src), str(tmp_path / "out"), progress=False)
+
+
+def test_decode_check_finds_what_the_cheap_checks_miss(photos: Path, tmp_path: Path) -> None:
+    """A PNG whose compressed pixels are damaged has its magic bytes and end chunk: packed as
+    good by default (a reader's decoder then refuses it), skipped with `decode_check`, from an
+    image folder and in a conversion alike."""
+    rng = np.random.default_rng(0)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(out, "PNG")
+    data = bytearray(out.getvalue())
+    data[data.index(b"IDAT") + 200] ^= 0xFF
+    (photos / "circle" / "damaged.png").write_bytes(bytes(data))
+    plain = shardkit.pack(str(photos), str(tmp_path / "plain"), workers=1, progress=False)
+    assert plain.samples == 31 and plain.skipped == ()
+    with pytest.raises(shardkit.CorruptShardError, match="field 'png'"):
+        list(shardkit.StreamingDataset(str(tmp_path / "plain"), decode="rgb8"))
+    for src, dest in ((photos, "checked"), (tmp_path / "plain", "converted")):
+        idx = shardkit.pack(str(src), str(tmp_path / dest), workers=2, progress=False, decode_check=True)
+        assert idx.samples == 30 and [s.reason.split(" (")[0] for s in idx.skipped] == ["cannot decode image"]
+    with pytest.raises(SourceError, match=r"damaged\.png: cannot decode image"):
+        shardkit.pack(str(photos), str(tmp_path / "fail"), workers=1, progress=False, decode_check=True, on_error="fail")
 
 
 def test_symlink_loops_do_not_hang(photos: Path, tmp_path: Path) -> None:
