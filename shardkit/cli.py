@@ -251,15 +251,23 @@ def info(url: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
 @main.command()
 @click.argument("url")
 @click.option("-q", "--quiet", is_flag=True, help="Print problems only.")
+@click.option("--decode", is_flag=True,
+              help="Then decode every image in full (DataLoader workers; needs PyTorch) and name each one that "
+                   "does not decode.")
+@click.option("--workers", type=click.IntRange(min=0), metavar="N",
+              help="DataLoader workers for --decode.  [default: CPU count]")
 @storage_option
 @_errors_to_exit
-def verify(url: str, quiet: bool, storage_options: tuple[str, ...]) -> None:
+def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_options: tuple[str, ...]) -> None:
     """Re-read every shard and check size, sha256, sample count and offsets against the index.
 
     For an LMDB: every sample of the index present with its recorded byte count, and no
-    stray records. Exits 1 naming every bad shard.
+    stray records. Exits 1 naming every bad shard. With --decode, every image is then
+    decoded too (damaged pixel data between intact ends passes the checks above), and
+    each one that does not decode is named by shard, sample and field.
     """
     from .storage import display
+    from .verify import undecodable
     from .verify import verify as run_verify
 
     unhashed = []  # shards whose index entry has no sha256 (a hand-made index): their bytes go unchecked
@@ -281,6 +289,14 @@ def verify(url: str, quiet: bool, storage_options: tuple[str, ...]) -> None:
                    "match, their bytes were not checked", err=True)
     if not quiet:
         click.echo("all shards match the index")
+    if decode:
+        bad = undecodable(url, _storage_options(storage_options), workers)
+        for p in bad:
+            click.echo(f"BAD  {p}", err=True)
+        if bad:
+            raise click.ClickException(f"images that do not decode in {display(url)}: {len(bad)}")
+        if not quiet:
+            click.echo("every image decodes")
 
 
 @main.command("index")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from . import checks, index, storage
+from . import checks, images, index, storage
 from .errors import ShardkitError
 from .formats import lmdb as lmdb_format
 from .index import Index, ShardInfo
@@ -74,6 +74,34 @@ def shard_problem(url: str, info: ShardInfo, storage_options: StorageOptions | N
     if info.offsets is not None and found.offsets != info.offsets:
         return "sample offsets differ from the index"
     return None
+
+
+def undecodable(url: str, storage_options: StorageOptions | None = None, workers: int | None = None) -> list[str]:
+    """One line per image that does not decode in full (every image field of every sample,
+    decoded as `shardkit pack --decode-check` does), read through a DataLoader with
+    `workers` processes (default: the CPU count). Needs PyTorch."""
+    from torch.utils.data import DataLoader
+
+    from .dataset import StreamingDataset
+
+    workers = checks.optional("workers", workers, 0)
+    ds = StreamingDataset(checks.path("url", url), storage_options=storage_options, transform=_image_problems)
+    loader = DataLoader(ds, batch_size=None, num_workers=(os.cpu_count() or 1) if workers is None else workers)
+    return [problem for problems in loader for problem in problems]
+
+
+def _image_problems(sample: dict) -> list[str]:
+    """What is wrong with the sample's images, a line each (a DataLoader worker's transform)."""
+    out = []
+    for ext, value in sample.items():
+        kind = images.field_for(f"x.{ext}") if isinstance(value, bytes) else None
+        if kind is None:
+            continue
+        try:
+            images.check(value, kind, decode=True)
+        except images.BadImage as e:
+            out.append(f"{storage.display(sample['__url__'])}: sample {sample['__key__']!r}: field {ext!r}: {e}")
+    return out
 
 
 def _unlisted(url: str, idx: Index, storage_options: StorageOptions | None) -> list[str]:

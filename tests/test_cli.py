@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import tarfile
 import sys
@@ -148,6 +149,31 @@ def test_verify_an_lmdb(run, photos: Path, tmp_path: Path) -> None:  # type: ign
     result = run("verify", out)
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert f"BAD  {out}: data.mdb is corrupt (reading its records crashed LMDB: SIGABRT: " in result.output
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_verify_decode_names_images_that_do_not_decode(run, photos: Path, tmp_path: Path, fmt: str) -> None:  # type: ignore[no-untyped-def]
+    """Damaged pixel data between intact ends passes the byte checks (the shard is as packed);
+    --decode names the sample."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    out = tmp_path / "out"
+    shardkit.pack(str(photos), str(out), format=fmt, workers=1, progress=False)
+    assert run("verify", out, "--decode", "--workers", "0").output.endswith("every image decodes\n")
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    data[data.index(b"IDAT") + 200] ^= 0xFF
+    (photos / "circle" / "damaged.png").write_bytes(bytes(data))
+    shardkit.pack(str(photos), str(out), format=fmt, workers=1, progress=False, overwrite=True)
+    result = run("verify", out, "--decode", "--workers", "2")
+    assert result.exit_code == 1, result.output
+    bad = [line for line in result.output.splitlines() if line.startswith("BAD  ")]
+    assert len(bad) == 1 and re.search(r"sample '\d+': field 'png': cannot decode image", bad[0]), result.output
+    assert result.output.endswith(f"images that do not decode in {out}: 1\n")
 
 
 def test_index_command_for_foreign_shards(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
