@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -270,6 +271,11 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
     from .verify import undecodable
     from .verify import verify as run_verify
 
+    if workers is not None and not decode:
+        raise click.UsageError("--workers goes with --decode")
+    if decode and importlib.util.find_spec("torch") is None:  # before the byte checks, which may take hours
+        raise click.UsageError("--decode reads through PyTorch, which is not installed: pip install torch")
+
     unhashed = []  # shards whose index entry has no sha256 (a hand-made index): their bytes go unchecked
 
     def report(info: Any, problem: str | None) -> None:
@@ -283,7 +289,8 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
     for p in problems:
         click.echo(f"BAD  {p}", err=True)
     if problems:
-        raise click.ClickException(f"{len(problems)} bad shard(s) in {display(url)}")
+        skipped = "; the images were not decoded" if decode else ""
+        raise click.ClickException(f"{len(problems)} bad shard(s) in {display(url)}{skipped}")
     if unhashed:
         click.echo(f"{_plural(len(unhashed), 'shard')} without a sha256 in the index: sizes, counts and offsets "
                    "match, their bytes were not checked", err=True)

@@ -252,12 +252,14 @@ def resized_tensor(data: bytes | memoryview | Image.Image, size: Size, crop: Siz
     return _chw(resized(data, size, crop, resample=resample, reducing_gap=reducing_gap))
 
 
+def is_image(field: str) -> bool:
+    """Whether the decoders take `field` for an image (jpg, png, seg.PNG, pbm, ...)."""
+    return not field.startswith("_") and _kind(field) in IMAGE_FIELDS
+
+
 def image_field(sample: dict[str, Any]) -> str | None:
     """The sample's first image field (jpg, png, seg.PNG, ...), or None."""
-    for key in sample:
-        if not key.startswith("_") and _kind(key) in IMAGE_FIELDS:
-            return key
-    return None
+    return next((key for key in sample if is_image(key)), None)
 
 
 class ImageTransform:

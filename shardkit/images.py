@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import struct
+import warnings
 from collections.abc import Iterator
 
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
@@ -140,6 +141,17 @@ def check(data: bytes, field: str, decode: bool = False) -> str:
     if real is None:
         raise BadImage(f"unsupported image format {img.format}")
     return real
+
+
+def check_decodes(data: bytes) -> None:
+    """Raise BadImage unless PIL decodes `data` in full, whatever its format: what the
+    readers' decoders would refuse. (Damage that still decodes, to wrong pixels, passes:
+    no decoder can tell it.)"""
+    if not data:
+        raise BadImage("empty file")
+    with warnings.catch_warnings():  # PIL's "Corrupt EXIF data" and the like: the image decodes
+        warnings.simplefilter("ignore")
+        _open(data)
 
 
 def reencode(data: bytes, resize: int | None, quality: int) -> bytes:

@@ -22,6 +22,7 @@ from typing import Any
 
 from . import checks, executors, images, index, storage
 from .errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
+from .decode import is_image
 from .executors import tick
 from .formats import lmdb as lmdb_format
 from .formats.tar import RECORD, TarWriter, check_key, parse_sample
@@ -66,9 +67,8 @@ def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
         key, fields = _converted(job, item)
         if job.options.decode_check:
             for ext, data in fields.items():
-                kind = images.field_for(f"x.{ext}")
-                if kind is not None:
-                    images.check(data, kind, decode=True)
+                if is_image(ext):
+                    images.check_decodes(data)
         return key, fields
     data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
     opts = job.options

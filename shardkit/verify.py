@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 
 from . import checks, images, index, storage
+from .decode import is_image
 from .errors import ShardkitError
 from .formats import lmdb as lmdb_format
 from .index import Index, ShardInfo
@@ -85,20 +86,21 @@ def undecodable(url: str, storage_options: StorageOptions | None = None, workers
     from .dataset import StreamingDataset
 
     workers = checks.optional("workers", workers, 0)
-    ds = StreamingDataset(checks.path("url", url), storage_options=storage_options, transform=_image_problems)
+    # rank 0 of 1 whatever RANK and WORLD_SIZE say: every image once, no share of them
+    ds = StreamingDataset(checks.path("url", url), storage_options=storage_options, transform=_image_problems,
+                          rank=0, world_size=1)
     loader = DataLoader(ds, batch_size=None, num_workers=(os.cpu_count() or 1) if workers is None else workers)
-    return [problem for problems in loader for problem in problems]
+    return sorted(problem for problems in loader for problem in problems)
 
 
 def _image_problems(sample: dict) -> list[str]:
     """What is wrong with the sample's images, a line each (a DataLoader worker's transform)."""
     out = []
     for ext, value in sample.items():
-        kind = images.field_for(f"x.{ext}") if isinstance(value, bytes) else None
-        if kind is None:
+        if not (isinstance(value, bytes) and is_image(ext)):
             continue
         try:
-            images.check(value, kind, decode=True)
+            images.check_decodes(value)
         except images.BadImage as e:
             out.append(f"{storage.display(sample['__url__'])}: sample {sample['__key__']!r}: field {ext!r}: {e}")
     return out

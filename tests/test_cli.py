@@ -152,9 +152,10 @@ def test_verify_an_lmdb(run, photos: Path, tmp_path: Path) -> None:  # type: ign
 
 
 @pytest.mark.parametrize("fmt", ["tar", "lmdb"])
-def test_verify_decode_names_images_that_do_not_decode(run, photos: Path, tmp_path: Path, fmt: str) -> None:  # type: ignore[no-untyped-def]
-    """Damaged pixel data between intact ends passes the byte checks (the shard is as packed);
-    --decode names the sample."""
+def test_verify_decode_names_images_that_do_not_decode(run, photos: Path, tmp_path: Path, fmt: str,  # type: ignore[no-untyped-def]
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken data stream between intact ends passes the byte checks (the shard is as
+    packed); --decode names the sample, every image once whatever RANK and WORLD_SIZE say."""
     import io
 
     import numpy as np
@@ -169,6 +170,9 @@ def test_verify_decode_names_images_that_do_not_decode(run, photos: Path, tmp_pa
     data[data.index(b"IDAT") + 200] ^= 0xFF
     (photos / "circle" / "damaged.png").write_bytes(bytes(data))
     shardkit.pack(str(photos), str(out), format=fmt, workers=1, progress=False, overwrite=True)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a shell inside a job: this rank's share would miss the image
+    monkeypatch.setenv("RANK", "1")
+    assert run("verify", out, "--workers", "2").exit_code == 2  # --workers goes with --decode
     result = run("verify", out, "--decode", "--workers", "2")
     assert result.exit_code == 1, result.output
     bad = [line for line in result.output.splitlines() if line.startswith("BAD  ")]
