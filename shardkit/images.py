@@ -12,11 +12,12 @@ import contextlib
 import io
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from .decode import to_rgb
+from .decode import is_image, to_rgb
 
 # ImageFolder's extensions (torchvision IMG_EXTENSIONS) -> WebDataset field name.
 EXTENSIONS = {
@@ -141,6 +142,17 @@ def check(data: bytes, field: str, decode: bool = False) -> str:
     if real is None:
         raise BadImage(f"unsupported image format {img.format}")
     return real
+
+
+def bad_images(fields: Mapping[str, Any]) -> Iterator[tuple[str, BadImage]]:
+    """(field, why) for each image of a sample (a field the decoders take for one) that does
+    not decode in full (see check_decodes)."""
+    for field, value in fields.items():
+        if isinstance(value, bytes) and is_image(field):
+            try:
+                check_decodes(value)
+            except BadImage as e:
+                yield field, e
 
 
 def check_decodes(data: bytes) -> None:

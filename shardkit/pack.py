@@ -22,7 +22,6 @@ from typing import Any
 
 from . import checks, executors, images, index, storage
 from .errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
-from .decode import is_image
 from .executors import tick
 from .formats import lmdb as lmdb_format
 from .formats.tar import RECORD, TarWriter, check_key, parse_sample
@@ -65,10 +64,9 @@ def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
     """(key, fields) of one item, read, checked and optionally re-encoded."""
     if job.source != "folder":
         key, fields = _converted(job, item)
-        if job.options.decode_check:
-            for ext, data in fields.items():
-                if is_image(ext):
-                    images.check_decodes(data)
+        bad = next(images.bad_images(fields), None) if job.options.decode_check else None
+        if bad is not None:
+            raise bad[1]
         return key, fields
     data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
     opts = job.options
@@ -332,7 +330,7 @@ def pack(
     if format == "lmdb" and not storage.is_local(dest):
         raise SourceError(f"{storage.display(dest)}: LMDB output must be a local path (copy it up afterwards)")
     _check_apart(src, dest)
-    if storage.is_local(dest) and os.path.exists(storage.local_path(dest)) and not os.path.isdir(storage.local_path(dest)):
+    if storage.is_local(dest) and os.path.exists(there := storage.local_path(dest)) and not os.path.isdir(there):
         raise SourceError(f"{dest}: a file, not a folder (DEST is the folder the dataset goes in)")  # or a device
     options = Options(resize=resize, quality=quality, on_error=on_error, decode_check=checks.flag("decode_check", decode_check))
     if format == "lmdb":  # one transaction per job, held in memory: keep them moderate
@@ -478,9 +476,7 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
                 return existing
             if existing is not None and not ours and not overwrite:
                 _refuse_to_replace(dest, existing)
-            writer.close()  # another dataset, or another plan's unfinished one, lives here: replace it
-            for name in _LMDB_FILES:
-                storage.remove(os.path.join(path, name))
+            _remove_lmdb(writer, path)  # another dataset, or another plan's unfinished one, lives here: replace it
             writer = lmdb_format.Writer(path)
             progress_doc = None
         done = int((progress_doc or {}).get("chunks", 0))
@@ -489,9 +485,7 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
             with writer.env.begin() as txn:
                 records.append(json.loads(txn.get(_chunk_key(i))))
         if _left_out_damage(plan, [Skipped(**s) for r in records for s in r["skipped"]]):  # start again
-            writer.close()
-            for name in _LMDB_FILES:
-                storage.remove(os.path.join(path, name))
+            _remove_lmdb(writer, path)
             writer, done, records = lmdb_format.Writer(path), 0, []
         _refuse_earlier_skips(plan, [Skipped(**s) for r in records for s in r["skipped"]])
 
@@ -516,9 +510,7 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
         try:
             _require_samples(plan, len(keys), skipped)
         except SourceError:  # leave no unfinished pack whose rerun could only fail again
-            writer.close()
-            for name in _LMDB_FILES:
-                storage.remove(os.path.join(path, name))
+            _remove_lmdb(writer, path)
             raise
         idx = Index(
             shards=(ShardInfo("data.mdb", len(keys), sum(n for r in records for n in r["sizes"])),),
@@ -536,6 +528,13 @@ def _pack_lmdb(plan: Plan, dest: str, runner: executors.Runner, progress: bool |
         writer.close()
     index.save(idx, dest)
     return idx
+
+
+def _remove_lmdb(writer: lmdb_format.Writer, path: str) -> None:
+    """Close the writer and remove the LMDB's files, the index first."""
+    writer.close()
+    for name in _LMDB_FILES:
+        storage.remove(os.path.join(path, name))
 
 
 def _chunk_key(i: int) -> bytes:

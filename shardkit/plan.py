@@ -97,8 +97,9 @@ class Plan:
         items = self.items(i)
         shards = ()
         if self.source == "tar":
-            shards = tuple(self._shard[name] for name in dict.fromkeys(it.path.rpartition("@")[0] for it in items))
-            shards = tuple(replace(s, offsets=None) if s.sha256 else s for s in shards)  # a hash checks them
+            names = dict.fromkeys(it.path.rpartition("@")[0] for it in items)
+            shards = tuple(replace(s, offsets=None) if s.sha256 else s  # a hash checks them
+                           for s in map(self._shard.__getitem__, names))
         return Job(self.names[i], self.src, self.dest, items, self.classes, self.options, fp,
                    self.storage_options, self.source, shards, self.run)
 

@@ -10,7 +10,6 @@ import sys
 from collections.abc import Callable
 
 from . import checks, images, index, storage
-from .decode import is_image
 from .errors import ShardkitError
 from .formats import lmdb as lmdb_format
 from .index import Index, ShardInfo
@@ -95,15 +94,8 @@ def undecodable(url: str, storage_options: StorageOptions | None = None, workers
 
 def _image_problems(sample: dict) -> list[str]:
     """What is wrong with the sample's images, a line each (a DataLoader worker's transform)."""
-    out = []
-    for ext, value in sample.items():
-        if not (isinstance(value, bytes) and is_image(ext)):
-            continue
-        try:
-            images.check_decodes(value)
-        except images.BadImage as e:
-            out.append(f"{storage.display(sample['__url__'])}: sample {sample['__key__']!r}: field {ext!r}: {e}")
-    return out
+    where = f"{storage.display(sample['__url__'])}: sample {sample['__key__']!r}"
+    return [f"{where}: field {field!r}: {e}" for field, e in images.bad_images(sample)]
 
 
 def _unlisted(url: str, idx: Index, storage_options: StorageOptions | None) -> list[str]:
