@@ -166,7 +166,9 @@ class EpochDataset(torch.utils.data.IterableDataset):
             raise ValueError(
                 f"this StatefulDataLoader state was taken {lag} step(s) after its last snapshot of the workers "
                 "(snapshot_every_n_steps > 1): resume it under the same layout with the loader's own "
-                "load_state_dict, or checkpoint with snapshot_every_n_steps=1 to resume under a new layout")
+                "load_state_dict, or checkpoint with snapshot_every_n_steps=1 to resume under a new layout "
+                "(a loader with in_order=False gives such states too, and no resume of it is exact: "
+                "checkpoint with in_order=True, the default)")
         self._resume = {"epoch": int(first["epoch"]), "history": _history(workers), "token": self._shared.new_resume()}
         self._shared.set_epoch(int(first["epoch"]))
 
