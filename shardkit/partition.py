@@ -1,11 +1,12 @@
 """Who reads which sample, in which order: plain arithmetic on sample counts.
 
 An epoch's order is a pure function of (seed, epoch, shard sample counts) and the layout
-(world size W, workers per rank N). Every worker computes its own part; nothing is shared
-or negotiated between processes.
+(world size W, workers per rank N). Every worker computes its own part, in time and memory
+proportional to that part; nothing is shared or negotiated between processes.
 
 1. Global sequence: samples are grouped in blocks of `block` consecutive samples of one
-   shard; with shuffle the blocks are permuted by (seed, epoch). Blocks keep reads
+   shard; with shuffle the blocks are permuted by (seed, epoch) (blockplan.BlockOrder, which
+   finds the samples at any positions without building the sequence). Blocks keep reads
    sequential inside a shard while neighbouring blocks come from unrelated shards.
 2. Ranks: the sequence is padded by repeating its start ("repeat", the default: every
    sample is seen, a few twice) or truncated ("drop") to W * R samples, and rank r takes
@@ -16,10 +17,12 @@ or negotiated between processes.
    rank whatever N, only the last one short.
 4. Within a worker, with shuffle, each window of `window` samples is permuted.
 
-Resume: a worker's stream is known in advance, so "k samples yielded" identifies exactly
-which samples it delivered. A checkpoint records the layout and each worker's count
-(`Progress`); the samples not yet delivered form the sequence of a new segment that any
-layout can split again (elastic resume).
+Everything here works on positions in the sequence (`worker_positions`); the dataset turns
+them into samples. Resume: a worker's stream is known in advance, so "k samples yielded"
+identifies exactly which positions it delivered. A checkpoint records the layout and each
+worker's count (`Progress`); the positions not yet delivered form the sequence of a new
+segment that any layout can split again (elastic resume). `Segments` keeps them as spans
+of positions, so a re-plan costs O(W * N * window), not O(samples).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import checks
+from . import blockplan, checks
 
 REMAINDERS = ("repeat", "drop")
 
@@ -72,27 +75,11 @@ def worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-def _rng(*key: int) -> np.random.Generator:
-    """A generator for `key`: every bit of each part counts (seeds of any size), a negative
-    part as its 64-bit two's complement."""
-    return np.random.default_rng([k if k >= 0 else k & 0xFFFF_FFFF_FFFF_FFFF for k in key])
-
-
-def global_sequence(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bool, block: int) -> np.ndarray:
-    """Global sample ids (0..T-1, shard by shard) in the epoch's order."""
-    counts = np.asarray(counts, dtype=np.int64)
-    total = int(counts.sum())
-    if not shuffle or total == 0:
-        return np.arange(total, dtype=np.int64)
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    # blocks: (start id, length), `block` samples at a time within each shard
-    nblocks = -(-counts // block)
-    starts = np.repeat(first, nblocks) + block * (np.arange(nblocks.sum()) - np.repeat(np.cumsum(nblocks) - nblocks, nblocks))
-    ends = np.minimum(starts + block, np.repeat(first + counts, nblocks))
-    order = _rng(seed, epoch, 0x5EED).permutation(len(starts))
-    starts, lengths = starts[order], (ends - starts)[order]
-    # ids = start of own block + position inside it
-    return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total, dtype=np.int64)
+def epoch_order(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bool, block: int) -> blockplan.BlockOrder:
+    """The global sequence of an epoch over shards of `counts` samples (sample ids 0..T-1,
+    shard by shard), as a lookup by position."""
+    keys = blockplan.key(seed, epoch, 0x5EED, n=blockplan.ROUNDS) if shuffle else None
+    return blockplan.BlockOrder(np.asarray(counts, dtype=np.int64), block, keys)
 
 
 def per_rank(total: int, world_size: int, remainder: str) -> int:
@@ -130,17 +117,25 @@ class Layout:
     batch: int = 1  # samples per batch when the dataset batches (workers split whole batches)
 
 
-def worker_stream(sequence: np.ndarray, layout: Layout, rank: int, worker_id: int) -> np.ndarray:
-    """The ids worker `worker_id` of rank `rank` yields, in order."""
-    r = per_rank(len(sequence), layout.world_size, layout.remainder)
+def worker_positions(total: int, layout: Layout, rank: int, worker_id: int) -> np.ndarray:
+    """The positions (in a sequence of `total`) that worker `worker_id` of rank `rank`
+    yields, in order."""
+    r = per_rank(total, layout.world_size, layout.remainder)
     lo, hi = worker_bounds(r, layout.num_workers, worker_id, layout.batch)
-    positions = np.arange(rank * r + lo, rank * r + hi, dtype=np.int64)
-    ids = sequence[positions % len(sequence)] if len(sequence) else positions
-    if layout.shuffle and layout.window > 1 and len(ids) > 1:
-        rng = _rng(layout.seed, layout.epoch, layout.segment, rank, worker_id, layout.world_size, layout.num_workers)
-        for start in range(0, len(ids), layout.window):
-            rng.shuffle(ids[start : start + layout.window])
-    return ids
+    if _windowed(layout):
+        stream = blockplan.window_order(_window_key(layout, rank, worker_id), 0, hi - lo, layout.window)
+    else:
+        stream = np.arange(hi - lo, dtype=np.int64)
+    return (rank * r + lo + stream) % total if total else stream
+
+
+def _windowed(layout: Layout) -> bool:
+    return layout.shuffle and layout.window > 1
+
+
+def _window_key(layout: Layout, rank: int, worker_id: int) -> np.uint64:
+    return blockplan.key(layout.seed, layout.epoch, layout.segment, rank, worker_id, layout.world_size,
+                         layout.num_workers)[0]
 
 
 @dataclass(frozen=True)
@@ -170,16 +165,75 @@ class Progress:
         return p
 
 
-def remaining(sequence: np.ndarray, layout: Layout, progress: Progress) -> np.ndarray:
-    """The samples of `sequence` that `progress` under `layout` has not yet delivered, in
-    sequence order (ids already delivered are removed even where padding repeated them)."""
-    seen = [
-        worker_stream(sequence, layout, rank, w)[: progress.yielded[w]]
-        for rank in range(layout.world_size)
-        for w in range(layout.num_workers)
-    ]
-    done = np.concatenate(seen) if seen else np.empty(0, dtype=np.int64)
-    return sequence[~np.isin(sequence, done)]
+def remaining(total: int, layout: Layout, progress: Progress) -> np.ndarray:
+    """The positions of a sequence of `total` that `progress` under `layout` has not yet
+    delivered, as spans [start, stop) in order (rows of an (n, 2) array); positions that
+    padding repeated count as delivered wherever they sit."""
+    if total == 0:
+        return np.empty((0, 2), dtype=np.int64)
+    r = per_rank(total, layout.world_size, layout.remainder)
+    starts, stops = [], []
+    for w, k in enumerate(progress.yielded):
+        lo, hi = worker_bounds(r, layout.num_workers, w, layout.batch)
+        k = min(k, hi - lo)
+        whole = k // layout.window * layout.window if _windowed(layout) else k
+        first = np.arange(layout.world_size, dtype=np.int64) * r + lo  # each rank's first position of w
+        starts.append(first)
+        stops.append(first + whole)
+        if k > whole:  # the partial window: its first k - whole positions in shuffled order
+            end = min(whole + layout.window, hi - lo)
+            for rank in range(layout.world_size):
+                part = blockplan.window_order(_window_key(layout, rank, w), whole, end, layout.window)[: k - whole]
+                starts.append(first[rank] + part)
+                stops.append(first[rank] + part + 1)
+    return _complement(np.concatenate(starts), np.concatenate(stops), total)
+
+
+def _complement(starts: np.ndarray, stops: np.ndarray, total: int) -> np.ndarray:
+    """The spans of [0, total) outside the spans [starts, stops). A span may start past
+    `total` or run over it (padding repeats the sequence's start): it wraps around, at
+    most once since none is longer than `total`."""
+    lengths = stops - starts
+    starts = starts[lengths > 0] % total
+    ends = starts + lengths[lengths > 0]
+    over = ends[ends > total] - total
+    starts = np.concatenate([starts, np.zeros(len(over), dtype=np.int64)])
+    ends = np.concatenate([np.minimum(ends, total), over])
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    covered = np.concatenate([[0], np.maximum.accumulate(ends)]) if len(ends) else np.zeros(1, dtype=np.int64)
+    gap = starts > covered[:-1]  # the positions between what came before and this span
+    spans = [np.stack([covered[:-1][gap], starts[gap]], axis=1)]
+    if covered[-1] < total:
+        spans.append(np.array([[covered[-1], total]], dtype=np.int64))
+    return np.concatenate(spans).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """What is left of an epoch of `total` positions after interrupted segments: for each
+    segment, the spans of its own positions that it left (see `remaining`)."""
+
+    total: int
+    spans: tuple[np.ndarray, ...] = ()
+
+    @property
+    def left(self) -> int:
+        """The length of the sequence the next segment splits."""
+        return int(np.diff(self.spans[-1], axis=1).sum()) if self.spans else self.total
+
+    def after(self, layout: Layout, progress: Progress) -> Segments:
+        """These segments, then one under `layout` that got as far as `progress`."""
+        return Segments(self.total, (*self.spans, remaining(self.left, layout, progress)))
+
+    def base(self, positions: np.ndarray) -> np.ndarray:
+        """Positions in the last segment's sequence as positions in the epoch's."""
+        for spans in reversed(self.spans):
+            lengths = spans[:, 1] - spans[:, 0]
+            before = np.cumsum(lengths) - lengths
+            i = np.searchsorted(before, positions, side="right") - 1
+            positions = spans[i, 0] + positions - before[i]
+        return positions
 
 
 def pass_length(counts: Sequence[int], batch_size: int, drop_last: bool = False) -> int:
@@ -227,13 +281,9 @@ def mix_counts(weights: Sequence[float], total: int) -> np.ndarray:
     return counts
 
 
-def mix_sources(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+def mix_order(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bool) -> blockplan.Interleave:
     """Which dataset each position of a mixed epoch draws from: each dataset exactly
-    counts[d] times, interleaved at random (shuffle) or evenly spread."""
-    counts = np.asarray(counts, dtype=np.int64)
-    labels = np.repeat(np.arange(len(counts)), counts)
-    if shuffle:
-        return _rng(seed, epoch, 0x313).permutation(labels)
-    # evenly spread: dataset d's i-th draw sits at (i + 0.5) / counts[d] of the epoch
-    within = np.arange(len(labels)) - np.repeat(np.cumsum(counts) - counts, counts)
-    return labels[np.argsort((within + 0.5) / np.repeat(counts, counts), kind="stable")]
+    counts[d] times, its j-th draw at a random point of the j-th 1/counts[d] of the epoch
+    (shuffle) or at its middle (evenly spread)."""
+    keys = blockplan.key(seed, epoch, 0x313) if shuffle else None
+    return blockplan.Interleave(np.asarray(counts, dtype=np.int64), keys)

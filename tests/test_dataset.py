@@ -243,6 +243,11 @@ def test_a_state_of_another_order_is_refused(packed: Path) -> None:
             StreamingDataset(str(packed), **{"shuffle": True, **other}).load_state_dict(state)
     unshuffled = StreamingDataset(str(packed), seed=1).resume_state(epoch=0, samples_seen=10, batch_size=5, num_workers=1)
     StreamingDataset(str(packed), seed=2, block=16).load_state_dict(unshuffled)  # the same order: no shuffle
+    first_generation = {**state, "order": {k: v for k, v in state["order"].items() if k != "shuffle_version"}}
+    with pytest.raises(ValueError, match=r"shuffled order differs from this one's \(shuffle version 1, here 2\)"):
+        StreamingDataset(str(packed), shuffle=True).load_state_dict(first_generation)  # shardkit 0.1's
+    old_unshuffled = {**unshuffled, "order": {k: v for k, v in unshuffled["order"].items() if k != "shuffle_version"}}
+    StreamingDataset(str(packed)).load_state_dict(old_unshuffled)  # its own order then as now
     with pytest.raises(ValueError, match=r"samples 120 there, \d+ here"):
         StreamingDataset(str(packed / "shard-000000.tar").replace("000000", "{000000..000003}"),
                          shuffle=True).load_state_dict(state)

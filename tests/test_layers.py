@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "shardkit"
 # lowest first; a module may import from its own layer's unit (same file, or same package) and below
 LAYERS: list[dict[str, str]] = [
     {"errors": "errors", "units": "units"},
-    {"checks": "checks"},
+    {"checks": "checks", "blockplan": "blockplan"},
     {"storage": "storage"},
     {"index": "index"},
     {"formats": "formats", "partition": "partition", "ranges": "ranges", "prefetch": "prefetch", "decode": "decode"},

@@ -33,9 +33,12 @@ def test_mix_counts_are_exact_and_proportional() -> None:
     assert partition.mix_counts([0.5, 0.7], 54).tolist() == [22, 32]  # ties broken as they always were
     with pytest.raises(ValueError):
         partition.mix_counts([1, 0], 10)
-    assert partition.mix_sources([6, 2], seed=0, epoch=0, shuffle=False).tolist() == [0, 0, 1, 0, 0, 0, 1, 0]
-    shuffled = partition.mix_sources([6, 2], seed=0, epoch=0, shuffle=True)
+    spread, draws = partition.mix_order([6, 2], seed=0, epoch=0, shuffle=False).at(0, 8)
+    assert spread.tolist() == [0, 0, 1, 0, 0, 0, 1, 0]  # as it always was
+    assert draws.tolist() == [0, 1, 0, 2, 3, 4, 1, 5]
+    shuffled, draws = partition.mix_order([6, 2], seed=0, epoch=0, shuffle=True).at(0, 8)
     assert sorted(shuffled.tolist()) == [0] * 6 + [1] * 2
+    assert draws[shuffled == 0].tolist() == list(range(6))  # each part's draws in order
 
 
 def test_each_part_runs_through_its_own_epochs(two: tuple[str, str]) -> None:

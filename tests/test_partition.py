@@ -36,10 +36,25 @@ def layout(world: int, workers: int, *, shuffle: bool = True, remainder: str = "
     return Layout(world, workers, seed, epoch, shuffle, window, remainder, segment)
 
 
+def global_sequence(counts: list[int], *, seed: int, epoch: int, shuffle: bool, block: int) -> np.ndarray:
+    """The whole epoch's sequence of sample ids (what a worker looks up a part of)."""
+    order = partition.epoch_order(counts, seed=seed, epoch=epoch, shuffle=shuffle, block=block)
+    return order.ids(np.arange(order.total))
+
+
+def worker_stream(sequence: np.ndarray, lay: Layout, rank: int, worker: int) -> np.ndarray:
+    return sequence[partition.worker_positions(len(sequence), lay, rank, worker)]
+
+
+def remaining(sequence: np.ndarray, lay: Layout, progress: Progress) -> np.ndarray:
+    """The ids of `sequence` that `progress` has not delivered, in order."""
+    spans = partition.remaining(len(sequence), lay, progress)
+    return np.concatenate([sequence[a:b] for a, b in spans.tolist()] or [np.empty(0, np.int64)])
+
+
 def streams(sequence: np.ndarray, lay: Layout) -> dict[tuple[int, int], np.ndarray]:
     """{(rank, worker): ids} for every worker of every rank."""
-    return {(r, w): partition.worker_stream(sequence, lay, r, w)
-            for r in range(lay.world_size) for w in range(lay.num_workers)}
+    return {(r, w): worker_stream(sequence, lay, r, w) for r in range(lay.world_size) for w in range(lay.num_workers)}
 
 
 def rank_ids(st: dict[tuple[int, int], np.ndarray], rank: int) -> list[int]:
@@ -55,7 +70,7 @@ def rank_ids(st: dict[tuple[int, int], np.ndarray], rank: int) -> list[int]:
 def test_every_layout_splits_the_epoch_evenly(name: str, shuffle: bool, remainder: str) -> None:
     counts = COUNTS[name]
     total = sum(counts)
-    seq = partition.global_sequence(counts, seed=1, epoch=2, shuffle=shuffle, block=4)
+    seq = global_sequence(counts, seed=1, epoch=2, shuffle=shuffle, block=4)
     for world, workers in LAYOUTS:
         lay = layout(world, workers, shuffle=shuffle, remainder=remainder, window=5)
         st = streams(seq, lay)
@@ -109,16 +124,16 @@ def test_batched_worker_bounds_split_whole_batches() -> None:
 
 
 def test_worker_stream_window_shuffle_permutes_only_within_windows() -> None:
-    seq = partition.global_sequence([40, 33, 27], seed=5, epoch=1, shuffle=True, block=8)
-    plain = partition.worker_stream(seq, layout(2, 3, shuffle=False), 1, 2)
-    mixed = partition.worker_stream(seq, layout(2, 3, window=6), 1, 2)
-    again = partition.worker_stream(seq, layout(2, 3, window=6), 1, 2)
+    seq = global_sequence([40, 33, 27], seed=5, epoch=1, shuffle=True, block=8)
+    plain = worker_stream(seq, layout(2, 3, shuffle=False), 1, 2)
+    mixed = worker_stream(seq, layout(2, 3, window=6), 1, 2)
+    again = worker_stream(seq, layout(2, 3, window=6), 1, 2)
     assert np.array_equal(mixed, again)  # reproducible
     assert not np.array_equal(mixed, plain)
     for start in range(0, len(plain), 6):
         assert sorted(mixed[start : start + 6]) == sorted(plain[start : start + 6])
     # the input sequence is left untouched
-    assert np.array_equal(seq, partition.global_sequence([40, 33, 27], seed=5, epoch=1, shuffle=True, block=8))
+    assert np.array_equal(seq, global_sequence([40, 33, 27], seed=5, epoch=1, shuffle=True, block=8))
 
 
 def test_per_rank_rejects_unknown_remainder() -> None:
@@ -133,15 +148,15 @@ def test_per_rank_rejects_unknown_remainder() -> None:
 def test_global_sequence_is_a_reproducible_permutation(name: str) -> None:
     counts = COUNTS[name]
     total = sum(counts)
-    seq = partition.global_sequence(counts, seed=7, epoch=3, shuffle=True, block=4)
+    seq = global_sequence(counts, seed=7, epoch=3, shuffle=True, block=4)
     assert seq.dtype == np.int64
     assert sorted(seq.tolist()) == list(range(total))
-    assert np.array_equal(seq, partition.global_sequence(counts, seed=7, epoch=3, shuffle=True, block=4))
-    assert not np.array_equal(seq, partition.global_sequence(counts, seed=7, epoch=4, shuffle=True, block=4))
-    assert not np.array_equal(seq, partition.global_sequence(counts, seed=8, epoch=3, shuffle=True, block=4))
+    assert np.array_equal(seq, global_sequence(counts, seed=7, epoch=3, shuffle=True, block=4))
+    assert not np.array_equal(seq, global_sequence(counts, seed=7, epoch=4, shuffle=True, block=4))
+    assert not np.array_equal(seq, global_sequence(counts, seed=8, epoch=3, shuffle=True, block=4))
     assert not np.array_equal(seq, np.arange(total))
     for seed, epoch in [(0, 0), (7, 3), (-1, 2**40)]:
-        plain = partition.global_sequence(counts, seed=seed, epoch=epoch, shuffle=False, block=4)
+        plain = global_sequence(counts, seed=seed, epoch=epoch, shuffle=False, block=4)
         assert np.array_equal(plain, np.arange(total))
 
 
@@ -149,7 +164,7 @@ def test_global_sequence_keeps_blocks_of_one_shard_together() -> None:
     counts = [10, 0, 7, 16]
     block = 4
     first = np.concatenate([[0], np.cumsum(counts)])
-    seq = partition.global_sequence(counts, seed=2, epoch=0, shuffle=True, block=block)
+    seq = global_sequence(counts, seed=2, epoch=0, shuffle=True, block=block)
     # cut the sequence where it stops counting up by one: every run is whole blocks of one shard
     runs = np.split(seq, np.flatnonzero(np.diff(seq) != 1) + 1)
     blocks = set()
@@ -169,7 +184,7 @@ def test_global_sequence_keeps_blocks_of_one_shard_together() -> None:
 
 def test_global_sequence_of_nothing() -> None:
     for counts in ([], [0], [0, 0]):
-        assert partition.global_sequence(counts, seed=0, epoch=0, shuffle=True, block=64).tolist() == []
+        assert global_sequence(counts, seed=0, epoch=0, shuffle=True, block=64).tolist() == []
         assert partition.per_rank(0, 3, "repeat") == 0 == partition.per_rank(0, 3, "drop")
 
 
@@ -177,7 +192,7 @@ def test_shuffle_mixes_classes_of_a_class_sorted_dataset() -> None:
     """10 shards of 100 samples, each shard one class (as when packing without shuffle):
     every 32-sample stretch a worker yields must hold several classes, not one."""
     counts = [100] * 10
-    seq = partition.global_sequence(counts, seed=0, epoch=0, shuffle=True, block=64)
+    seq = global_sequence(counts, seed=0, epoch=0, shuffle=True, block=64)
     lay = layout(2, 2, window=1024)
     for (rank, worker), ids in streams(seq, lay).items():
         classes = ids // 100
@@ -186,8 +201,8 @@ def test_shuffle_mixes_classes_of_a_class_sorted_dataset() -> None:
         assert min(len(w) for w in windows) >= 2, (rank, worker)
         assert np.mean([len(w) for w in windows]) >= 3, (rank, worker)
     # the same check fails without shuffling: the test does tell the two apart
-    plain = partition.global_sequence(counts, seed=0, epoch=0, shuffle=False, block=64)
-    ids = partition.worker_stream(plain, layout(2, 2, shuffle=False), 0, 0)
+    plain = global_sequence(counts, seed=0, epoch=0, shuffle=False, block=64)
+    ids = worker_stream(plain, layout(2, 2, shuffle=False), 0, 0)
     assert len(set((ids[:32] // 100).tolist())) == 1
 
 
@@ -222,11 +237,11 @@ RESUMES = [
 @pytest.mark.parametrize("counts, before, after, batch, k", RESUMES)
 def test_elastic_resume_delivers_the_rest_once(counts, before, after, batch, k, remainder) -> None:
     total = sum(counts)
-    seq = partition.global_sequence(counts, seed=4, epoch=6, shuffle=True, block=4)
+    seq = global_sequence(counts, seed=4, epoch=6, shuffle=True, block=4)
     first = layout(*before, remainder=remainder, seed=4, epoch=6)
     prog = progress_after(seq, first, batch, k)
     done = delivered(seq, first, prog)
-    rest = partition.remaining(seq, first, prog)
+    rest = remaining(seq, first, prog)
     assert set(rest.tolist()).isdisjoint(done)
     assert set(rest.tolist()) | set(done) == set(range(total))
     assert len(set(rest.tolist())) == len(rest) == total - len(set(done))
@@ -254,7 +269,9 @@ def test_elastic_resume_delivers_the_rest_once(counts, before, after, batch, k, 
 def test_chained_resumes_deliver_every_sample() -> None:
     counts = [13, 1, 70, 100, 3]
     total = sum(counts)
-    seq = partition.global_sequence(counts, seed=9, epoch=2, shuffle=True, block=8)
+    seq = global_sequence(counts, seed=9, epoch=2, shuffle=True, block=8)
+    epoch = seq
+    left = partition.Segments(total)  # what the dataset keeps: spans, not ids
     seen: list[int] = []
     segments = [((3, 2), 4, 5), ((2, 5), 3, 2), ((4, 1), 6, 1)]
     for segment, ((world, workers), batch, k) in enumerate(segments):
@@ -264,9 +281,14 @@ def test_chained_resumes_deliver_every_sample() -> None:
         got = delivered(seq, lay, prog)
         assert set(got).isdisjoint(seen)
         seen += got
-        seq = partition.remaining(seq, lay, prog)
+        seq = remaining(seq, lay, prog)
+        left = left.after(lay, prog)
+        assert left.left == len(seq)
         assert set(seq.tolist()) == set(range(total)) - set(seen)
     final = layout(3, 3, seed=9, epoch=2, segment=len(segments))
+    for (rank, worker), ids in streams(seq, final).items():
+        positions = partition.worker_positions(left.left, final, rank, worker)
+        assert np.array_equal(epoch[left.base(positions)], ids)
     tail = [int(i) for ids in streams(seq, final).values() for i in ids]
     assert set(seen) | set(tail) == set(range(total))
     assert set(seen).isdisjoint(tail)
@@ -274,12 +296,12 @@ def test_chained_resumes_deliver_every_sample() -> None:
 
 
 def test_remaining_of_a_finished_or_untouched_segment() -> None:
-    seq = partition.global_sequence([7] * 5, seed=0, epoch=0, shuffle=True, block=2)
+    seq = global_sequence([7] * 5, seed=0, epoch=0, shuffle=True, block=2)
     lay = layout(2, 2)
-    assert np.array_equal(partition.remaining(seq, lay, Progress(2, 2, (0, 0))), seq)
+    assert np.array_equal(remaining(seq, lay, Progress(2, 2, (0, 0))), seq)
     r = partition.per_rank(len(seq), 2, "repeat")
     full = tuple(b - a for a, b in (partition.worker_bounds(r, 2, w) for w in range(2)))
-    assert partition.remaining(seq, lay, Progress(2, 2, full)).tolist() == []
+    assert remaining(seq, lay, Progress(2, 2, full)).tolist() == []
 
 
 def test_progress_json_round_trip_and_validation() -> None:
@@ -373,7 +395,7 @@ def test_world_from_arguments_and_environment(monkeypatch: pytest.MonkeyPatch) -
 def test_repeat_pads_with_the_first_samples_of_the_order() -> None:
     """With repeat, the samples delivered twice are exactly the first ones of the order."""
     counts = [5, 0, 2, 9]
-    seq = partition.global_sequence(counts, seed=1, epoch=0, shuffle=True, block=3)
+    seq = global_sequence(counts, seed=1, epoch=0, shuffle=True, block=3)
     lay = layout(3, 2)
     c = Counter(int(i) for ids in streams(seq, lay).values() for i in ids)
     twice = sorted(i for i, n in c.items() if n == 2)

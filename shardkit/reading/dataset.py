@@ -126,8 +126,10 @@ class StreamingDataset(EpochDataset):
         digest = hashlib.sha256(np.asarray(self._counts, dtype="<i8").tobytes()).hexdigest()[:12]
         return {**super()._order(), "block": self.block, "shard_sizes": f"{len(self._counts)} shards, sha256 {digest}"}
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        return partition.global_sequence(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self.block)
+    def ids_at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The samples at `positions` of epoch `epoch`'s global sequence."""
+        order = partition.epoch_order(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self.block)
+        return order.ids(positions)
 
     def __iter__(self) -> Iterator[Any]:
         return self._stream(WorkerStream(self, *self._layout()))

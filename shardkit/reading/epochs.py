@@ -4,7 +4,7 @@ An `EpochDataset` knows its rank and world, the epoch (set by `set_epoch` or adv
 each pass), how many samples a rank yields, and how to save and restore progress. An
 `EpochStream` is one pass of one worker: it plans its samples (positions of the epoch's
 global sequence, see partition.py), counts what it yields, and skips exactly that on
-resume. Subclasses say what the global sequence is and how a position becomes a sample.
+resume. Subclasses say how a position of the sequence becomes a sample.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from ..partition import Layout, Progress
 MAX_EPOCH = 2**32 - 1  # far past any run; a mixture counts epoch x samples of a part in 64 bits
 
 STATE_MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
+# The shuffled orders' generation: 2 since shardkit 0.2 (blocks permuted by a Feistel network, windows
+# by hashes, mixtures by jittered keys); a state of another generation names other samples.
+SHUFFLE_VERSION = 2
 
 
 class EpochDataset(torch.utils.data.IterableDataset):
@@ -49,20 +52,16 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def total_samples(self) -> int:
         raise NotImplementedError
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """The epoch's global sequence (sample ids, or positions)."""
-        raise NotImplementedError
-
     def _segment(self, epoch: int, world: int, workers: int, segment: int, batch: int) -> Layout:
         return Layout(world, workers, self.seed, epoch, self.shuffle, self.shuffle_window, self.remainder, segment, batch)
 
-    def _left(self, epoch: int, history: Sequence[dict[str, Any]]) -> np.ndarray:
+    def _left(self, epoch: int, history: Sequence[dict[str, Any]]) -> partition.Segments:
         """The epoch's sequence minus what the interrupted segments in `history` delivered."""
-        sequence = self.epoch_order(epoch)
+        left = partition.Segments(self.total_samples())
         for segment, done in enumerate(history):
             p = Progress.from_json(done)
-            sequence = partition.remaining(sequence, self._segment(epoch, p.world_size, p.num_workers, segment, p.batch), p)
-        return sequence
+            left = left.after(self._segment(epoch, p.world_size, p.num_workers, segment, p.batch), p)
+        return left
 
     def stats(self) -> dict[str, float]:
         """What all workers of this rank did so far: samples, bytes, seconds reading (waiting
@@ -97,7 +96,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         values would resume the wrong samples, so a state carries these and must match."""
         order = {"samples": self.total_samples(), "shuffle": bool(self.shuffle), "remainder": self.remainder}
         if self.shuffle:  # without it, the order is the dataset's own, whatever the seed
-            order.update(seed=self.seed, shuffle_window=self.shuffle_window)
+            order.update(seed=self.seed, shuffle_window=self.shuffle_window, shuffle_version=SHUFFLE_VERSION)
         return order
 
     def _stream(self, stream: EpochStream) -> Iterator[Any]:
@@ -203,7 +202,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         elif self._resume is not None and self._resume["epoch"] == epoch:
             raise ValueError("this epoch was itself resumed from a partial state: pass that state as resumed_from")
         world = world_size if world_size is not None else self._rank_world()[1]
-        total = len(self._left(epoch, history)) if history else self.total_samples()
+        total = self._left(epoch, history).left
         rank_total = partition.per_rank(total, world, self.remainder)
         workers = max(num_workers, 1)
         sizes = [b - a for a, b in (partition.worker_bounds(rank_total, workers, w, self._batch) for w in range(workers))]
@@ -302,12 +301,21 @@ def _check_order(found: list[dict[str, Any]], order: dict[str, Any]) -> None:
     """Refuse progress saved from a dataset whose epochs have another order (another
     dataset, seed, shuffle, ...): it would resume the wrong samples. What a state saved by
     an earlier shardkit version did not record (all of it, or a mixture's parts) is taken
-    as it is."""
+    as it is, but for the shuffle version: a shuffled order that records none is of the
+    first generation, whose samples sit elsewhere."""
     saved = next((s["order"] for s in found if "order" in s), None)
-    differ = [k for k in (saved or {}) if not _same(saved[k], order.get(k))]
+    if saved is None:
+        return
+    differ = [k for k in saved if k != "shuffle_version" and not _same(saved[k], order.get(k))]
     if differ:
         said = ", ".join(f"{k} {saved[k]!r} there, {order.get(k)!r} here" for k in differ)
         raise ValueError(f"this state was saved from a dataset whose epochs have another order ({said})")
+    if saved.get("shuffle_version") != order.get("shuffle_version"):
+        raise ValueError(
+            f"this state was saved by a shardkit whose shuffled order differs from this one's (shuffle version "
+            f"{saved.get('shuffle_version', 1)}, here {order.get('shuffle_version')}): its counts would resume other "
+            "samples; finish that epoch with the shardkit that saved it, or start the epoch over "
+            "(load_state_dict({'shardkit': 1, 'epoch': N}))")
 
 
 def _same(saved: Any, here: Any) -> bool:
@@ -431,9 +439,11 @@ class EpochStream:
         self.ds._shared.resumed(self.worker_id, self._layout, self.epoch)
 
     def _plan(self) -> np.ndarray:
-        """This worker's samples for this pass, in order, minus those already yielded."""
+        """This worker's positions in the epoch's sequence for this pass, in order, minus
+        those already yielded (or the `fixed` ones)."""
         if self._fixed is not None:
             return self._fixed
         ds = self.ds
         here = ds._segment(self.epoch, self.world, self.num_workers, len(self.history), ds._batch)
-        return partition.worker_stream(ds._left(self.epoch, self.history), here, self.rank, self.worker_id)[self.skip :]
+        left = ds._left(self.epoch, self.history)
+        return left.base(partition.worker_positions(left.left, here, self.rank, self.worker_id)[self.skip :])

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import checks, partition, ranges
 from .stream import WorkerStream
-from .epochs import EpochDataset, EpochStream, stats_summary
+from .epochs import SHUFFLE_VERSION, EpochDataset, EpochStream, stats_summary
 
 
 def _weight(w: Any) -> float:
@@ -78,11 +78,11 @@ class MixedDataset(EpochDataset):
 
     def _order(self) -> dict[str, Any]:
         parts = [{k: v for k, v in p._order().items() if k in ("shuffle", "seed", "block", "shard_sizes")} for p in self.parts]
-        return {**super()._order(), "counts": [int(c) for c in self.counts], "sizes": list(self.sizes),
-                "parts": parts}  # what orders each part's own epochs
-
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        return np.arange(self.samples_per_epoch, dtype=np.int64)  # positions; _part_ids maps them to samples
+        order = {**super()._order(), "counts": [int(c) for c in self.counts], "sizes": list(self.sizes),
+                 "parts": parts}  # what orders each part's own epochs
+        if any(p.shuffle for p in self.parts):
+            order["shuffle_version"] = SHUFFLE_VERSION
+        return order
 
     def __iter__(self) -> Iterator[Any]:
         return self._stream(_MixedStream(self, *self._layout()))
@@ -98,25 +98,22 @@ class _MixedStream(EpochStream):
     ds: MixedDataset
 
     def _part_ids(self, positions: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-        """(part of each position, each part's sample ids in the order of `positions`)."""
+        """(part of each position, each part's sample ids in the order of `positions`): the
+        j-th draw of part d in mixture epoch e is its (e * counts[d] + j)-th sample overall."""
         ds = self.ds
-        sources = partition.mix_sources(ds.counts, seed=ds.seed, epoch=self.epoch, shuffle=ds.shuffle)
-        # the j-th draw of part d in this epoch is its (epoch * counts[d] + j)-th sample overall
-        draw = np.empty(len(sources), dtype=np.int64)
-        for d in range(len(ds.parts)):
-            mine = sources == d
-            draw[mine] = self.epoch * ds.counts[d] + np.arange(int(mine.sum()))
-        part_of = sources[positions]
+        order = partition.mix_order(ds.counts, seed=ds.seed, epoch=self.epoch, shuffle=ds.shuffle)
+        part_of, draw = order.draws(positions)
+        by_part = np.argsort(part_of, kind="stable")  # each part's positions, in order
+        bounds = np.searchsorted(part_of[by_part], np.arange(len(ds.parts) + 1))
         ids = []
         for d, part in enumerate(ds.parts):
-            steps = draw[positions[part_of == d]]
-            own_epoch, offset = steps // ds.sizes[d], steps % ds.sizes[d]
+            steps = self.epoch * int(ds.counts[d]) + draw[by_part[bounds[d] : bounds[d + 1]]]
+            own_epoch, offset = np.divmod(steps, ds.sizes[d])
             out = np.empty(len(steps), dtype=np.int64)
-            by_epoch = np.argsort(own_epoch, kind="stable")  # each of the part's own epochs once, not a scan per epoch
+            by_epoch = np.argsort(own_epoch, kind="stable")  # each of the part's own epochs once
             epochs, starts = np.unique(own_epoch[by_epoch], return_index=True)
             for k, sel in zip(epochs.tolist(), np.split(by_epoch, starts[1:])):
-                order = part.epoch_order(k)
-                out[sel] = order[offset[sel]]
+                out[sel] = part.ids_at(k, offset[sel])
             ids.append(out)
         return part_of, ids
 

@@ -66,6 +66,10 @@ class WorkerStream(EpochStream):
         self._key: str | None = None  # the sample being processed, once parsed: named if it fails
         self._in_transform = False  # ...and whether it failed in the user's transform
 
+    def _plan(self) -> np.ndarray:
+        planned = super()._plan()  # positions, or a mixture's sample ids
+        return planned if self._fixed is not None else self.ds.ids_at(self.epoch, planned)
+
     def _generate(self) -> Iterator[Any]:
         ds = self.ds
         ids = self._plan()

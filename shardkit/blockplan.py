@@ -1,0 +1,216 @@
+"""An epoch's order at any position, without building the whole epoch: pure numpy.
+
+A worker needs the samples of its own share only, so every function here maps a batch of
+positions to what sits there, in time and memory proportional to the batch (plus the
+number of shards), never to the dataset:
+
+- `BlockOrder`: the global sequence of a shuffled epoch. Samples are grouped in blocks of
+  `block` consecutive samples of one shard (each shard's last block may be short) and the
+  blocks are permuted by `permute` (above 65,536 blocks a keyed Feistel network, which
+  maps any block position to its block on its own). Only the short blocks are located up front (one per
+  shard at most), which is what turns a sample position into a block position.
+- `window_order`: the shuffle of a worker's stream within windows of `window` samples,
+  each window permuted by hashes of its stream indices, so that any one window can be
+  recomputed alone (a resume needs the partial window of each worker, not the streams).
+- `Interleave`: which part of a mixture each position of a mixed epoch draws from. Part
+  d's j-th draw sits at key (j + u) / counts[d], u = 0.5 (evenly spread) or a hash in
+  [0, 1) (shuffled), positions in the order of the keys; a part's draws keep their order,
+  so a part's own sequence is read front to back, and any range of positions is found by
+  a search over the keys.
+
+Keys come from `key(*ints)`, so an order is a pure function of the integers it is keyed by.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+ROUNDS = 6  # Feistel rounds (4 make a pseudo-random permutation; 2 more for margin)
+SMALL = 1 << 16  # up to this many values a permutation is a table
+RUN_GAP = 1 << 16  # positions further apart are looked up in separate runs
+_U = np.uint64
+
+
+def key(*parts: int, n: int = 1) -> np.ndarray:
+    """`n` 64-bit keys from integers of any size (a negative one as its 64-bit two's complement)."""
+    seq = np.random.SeedSequence([p if p >= 0 else p & MASK64 for p in parts])
+    return seq.generate_state(n, np.uint64)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 whose every output bit depends on every
+    input bit."""
+    x = (x ^ (x >> _U(30))) * _U(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> _U(27))) * _U(0x94D049BB133111EB)
+    return x ^ (x >> _U(31))
+
+
+def hashed(k: np.uint64, x: np.ndarray) -> np.ndarray:
+    """A keyed hash of each element of `x` (non-negative integers)."""
+    return mix64(x.astype(np.uint64) + k)
+
+
+def permute(x: np.ndarray, n: int, keys: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """A keyed permutation of [0, n) applied to `x` (or its inverse). Up to `SMALL` values,
+    the values sorted by their hashes (made whole: a few KB); above, a balanced Feistel
+    network on the smallest even number of bits that holds n, walked in cycles until the
+    value falls inside [0, n) again. (Feistel networks on a few bits are far from uniform:
+    4 values under 6 rounds come out in some orders twice as often as in others.)"""
+    if n <= SMALL:
+        table = np.argsort(hashed(keys[0], np.arange(n)), kind="stable")
+        if inverse:
+            table = np.argsort(table)
+        return table[np.asarray(x, dtype=np.int64)]
+    half = ((n - 1).bit_length() + 1) // 2
+    mask, shift = _U((1 << half) - 1), _U(half)
+    rounds = keys[::-1] if inverse else keys
+    out = x.astype(np.uint64)
+    todo = np.arange(len(out))
+    while len(todo):
+        v = out[todo]
+        left, right = v >> shift, v & mask
+        for k in rounds:
+            if inverse:
+                left, right = right ^ (mix64(left + k) >> _U(64 - half)), left
+            else:
+                left, right = right, left ^ (mix64(right + k) >> _U(64 - half))
+        out[todo] = (left << shift) | right
+        todo = todo[out[todo] >= _U(n)]
+    return out.astype(np.int64)
+
+
+class BlockOrder:
+    """The global sequence of an epoch: `ids(positions)` gives the sample ids (0..T-1, shard
+    by shard) at those positions. `keys=None`: the samples in their own order."""
+
+    def __init__(self, counts: np.ndarray, block: int, keys: np.ndarray | None):
+        counts = np.asarray(counts, dtype=np.int64)
+        self.block, self.keys, self.total = block, keys, int(counts.sum())
+        self.first = np.cumsum(counts) - counts  # id of each shard's first sample
+        nblocks = -(-counts // block)
+        self.first_block = np.cumsum(nblocks) - nblocks
+        self.blocks = int(nblocks.sum())
+        short = np.flatnonzero(counts % block)  # shards whose last block is short, and by how much
+        last = self.first_block[short] + nblocks[short] - 1
+        where = permute(last, self.blocks, keys, inverse=True) if keys is not None else last
+        by_position = np.argsort(where, kind="stable")
+        deficit = np.cumsum((block - counts[short] % block)[by_position])
+        self._deficit = np.append(0, deficit)  # samples missing from the short blocks up to each one
+        self._short_end = block * (where[by_position] + 1) - deficit  # first position after each short block
+
+    def ids(self, positions: np.ndarray) -> np.ndarray:
+        if self.keys is None:
+            return np.asarray(positions, dtype=np.int64)
+        positions = np.asarray(positions, dtype=np.int64)
+        before = np.searchsorted(self._short_end, positions, side="right")  # short blocks wholly before
+        q = positions + self._deficit[before]
+        slot, offset = np.divmod(q, self.block)
+        keys = self.keys
+        blocks = _runs(slot, lambda s: permute(s, self.blocks, keys))
+        shard = np.searchsorted(self.first_block, blocks, side="right") - 1
+        return self.first[shard] + (blocks - self.first_block[shard]) * self.block + offset
+
+
+def _runs(x: np.ndarray, f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """f(x) computed once per run of equal neighbours (a block's samples sit together)."""
+    if len(x) == 0:
+        return x.astype(np.int64)
+    new = np.ones(len(x), dtype=bool)
+    new[1:] = x[1:] != x[:-1]
+    heads = np.flatnonzero(new)
+    values = f(x[heads])
+    return np.repeat(values, np.diff(np.append(heads, len(x))))
+
+
+def window_order(k: np.uint64, start: int, stop: int, window: int) -> np.ndarray:
+    """Indices start..stop-1 of a stream (start a multiple of `window`) in shuffled order:
+    each window of `window` indices permuted, by hashes of the indices under key `k`."""
+    idx = np.arange(start, stop, dtype=np.int64)
+    h = hashed(k, idx)
+    whole = (stop - start) // window * window
+    out = np.empty_like(idx)
+    if whole:
+        rows = h[:whole].reshape(-1, window)
+        out[:whole] = (np.argsort(rows, axis=1, kind="stable") + np.arange(0, whole, window)[:, None]).ravel() + start
+    tail = np.argsort(h[whole:], kind="stable")
+    out[whole:] = idx[whole:][tail]
+    return out
+
+
+class Interleave:
+    """The positions of a mixed epoch: part d fills counts[d] of them. `at(lo, hi)` gives
+    the (part, draw) of positions lo..hi-1; `keys=None` spreads each part evenly."""
+
+    def __init__(self, counts: np.ndarray, keys: np.ndarray | None):
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.total = int(self.counts.sum())
+        self._k = None if keys is None else keys[0]
+
+    def _key(self, part: np.ndarray, draw: np.ndarray) -> np.ndarray:
+        """Each draw's place in the epoch, in [0, 1]: increasing with the draw in a part."""
+        if self._k is None:
+            u = 0.5
+        else:
+            u = (hashed(self._k, part * (1 << 40) + draw) >> _U(11)).astype(np.float64) * 2.0**-53
+        return (draw + u) / self.counts[part]
+
+    def _at_most(self, x: float) -> np.ndarray:
+        """Draws of each part with a key <= x. A key lies in [j, j + 1) / counts, so only a
+        few draws around x * counts need a look."""
+        parts = np.arange(len(self.counts))
+        guess = np.minimum(np.floor(x * self.counts).astype(np.int64), self.counts)
+        low = np.maximum(guess - 2, 0)
+        n = low.copy()
+        for step in range(5):
+            draw = low + step
+            inside = draw < self.counts
+            n += inside & (self._key(parts, np.minimum(draw, self.counts - 1)) <= x)
+        return n
+
+    def before(self, position: int) -> np.ndarray:
+        """Draws of each part at positions before `position`: the draws are ordered by
+        (key, part, draw), and the key of the draw at `position` is found by bisecting the
+        floats in [0, 1] (in their bit patterns, which sort as the floats do)."""
+        if position <= 0:
+            return np.zeros_like(self.counts)
+        if position >= self.total:
+            return self.counts.copy()
+        lo, hi = 0, int(np.float64(1.0).view(np.int64))  # smallest x with more than `position` keys <= x
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if int(self._at_most(float(np.int64(mid).view(np.float64))).sum()) > position:
+                hi = mid
+            else:
+                lo = mid + 1
+        x = float(np.int64(lo).view(np.float64))
+        below = self._at_most(float(np.nextafter(x, -1.0))) if lo else np.zeros_like(self.counts)
+        tied = self._at_most(x) - below
+        taken = np.clip(position - int(below.sum()) - (np.cumsum(tied) - tied), 0, tied)
+        return below + taken
+
+    def at(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(part, draw within the part) of positions lo..hi-1."""
+        first, last = self.before(lo), self.before(hi)
+        n = last - first
+        part = np.repeat(np.arange(len(n)), n)
+        draw = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n - first, n)
+        order = np.lexsort((draw, part, self._key(part, draw)))
+        return part[order], draw[order]
+
+    def draws(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`at` for any positions: looked up run by run, a run being positions less than
+        `RUN_GAP` apart (a worker's positions fill a few ranges of the epoch)."""
+        sort = np.argsort(positions, kind="stable")
+        p = positions[sort]
+        part, draw = np.empty(len(p), dtype=np.int64), np.empty(len(p), dtype=np.int64)
+        cuts = np.flatnonzero(np.diff(p) > RUN_GAP) + 1
+        for lo, hi in zip(np.append(0, cuts).tolist(), np.append(cuts, len(p)).tolist()):
+            if lo == hi:
+                continue
+            first = int(p[lo])
+            run_part, run_draw = self.at(first, int(p[hi - 1]) + 1)
+            part[sort[lo:hi]], draw[sort[lo:hi]] = run_part[p[lo:hi] - first], run_draw[p[lo:hi] - first]
+        return part, draw
