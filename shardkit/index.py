@@ -1,21 +1,30 @@
 """index.json: the manifest a reader needs before it touches a shard.
 
-It lists every shard with its sample count, byte size, sha256 and per-sample byte offsets,
-plus totals, field names, class names and the files the packer skipped. Versioned: a reader
-refuses an index from a newer format loudly instead of misreading it.
+It lists every shard with its sample count, byte size and sha256, plus totals, field names,
+class names and the files the packer skipped. Versioned: a reader refuses an index from a
+newer format loudly instead of misreading it.
+
+- Version 2 (written since shardkit 0.2): a tar dataset's per-sample byte offsets live in a
+  binary sidecar beside index.json (sidecar.py), named under "offsets", so index.json grows
+  with the shards only (~150 bytes a shard) and reading it never touches a sample.
+- Version 1: each shard entry holds its "offsets" list. Still read; `shardkit index
+  --upgrade` rewrites it as version 2.
+
+A shard entry's fields that this version does not know are kept as they are.
 """
 
 from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import orjson
 
-from . import storage
+from . import sidecar, storage
 from .errors import CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, UnfinishedPackError
 from .storage import StorageOptions
 
@@ -23,8 +32,10 @@ LMDB_DATA_FILE = "data.mdb"  # the lmdb library's name for its data file: a fold
 INDEX_NAME = "index.json"
 PROGRESS_DIR = ".shardkit-progress"  # a tar pack's records of finished shards, until index.json commits
 FORMAT = "shardkit"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # the versions this shardkit reads
 _PER_SAMPLE = ("keys", "sizes")  # an LMDB index's per-sample lists, in `extra`
+_SHARD_KEYS = ("name", "samples", "bytes", "sha256", "offsets")
 
 
 @dataclass(frozen=True)
@@ -37,13 +48,16 @@ class ShardInfo:
     bytes: int
     sha256: str | None = None
     offsets: Sequence[int] | None = field(default=None, hash=False)
+    extra: tuple[tuple[str, Any], ...] = field(default=(), hash=False)  # fields of the entry not named above
 
     def __post_init__(self) -> None:
         if self.samples < 0 or self.bytes < 0:
             raise CorruptShardError(f"{self.name}: index lists {self.samples} samples of {self.bytes} bytes")
         if self.offsets is None:
             return
-        if not (isinstance(self.offsets, array) and self.offsets.typecode == "q"):
+        if isinstance(self.offsets, np.ndarray):
+            object.__setattr__(self, "offsets", array("q", np.asarray(self.offsets, dtype=np.int64).tobytes()))
+        elif not (isinstance(self.offsets, array) and self.offsets.typecode == "q"):
             object.__setattr__(self, "offsets", array("q", self.offsets))
         if len(self.offsets) != self.samples + 1:
             raise CorruptShardError(
@@ -55,19 +69,17 @@ class ShardInfo:
         out: dict = {"name": self.name, "samples": self.samples, "bytes": self.bytes}
         if self.sha256 is not None:
             out["sha256"] = self.sha256
-        if self.offsets is not None:
-            out["offsets"] = list(self.offsets)
-        return out
+        return {**out, **dict(self.extra)}
 
     @classmethod
     def from_json(cls, d: dict) -> ShardInfo:
-        offsets = d.get("offsets")
         return cls(
             name=d["name"],
             samples=int(d["samples"]),
             bytes=int(d["bytes"]),
             sha256=d.get("sha256"),
-            offsets=offsets,
+            offsets=d.get("offsets"),
+            extra=tuple((k, v) for k, v in d.items() if k not in _SHARD_KEYS),
         )
 
 
@@ -93,6 +105,16 @@ class Skipped:
 
 
 @dataclass(frozen=True)
+class Sidecar:
+    """Where an index of version 2 keeps its sample offsets: a file of the dataset's folder
+    (`folder`: where the index was read from, not saved)."""
+
+    file: str
+    sha256: str
+    folder: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
 class Index:
     shards: tuple[ShardInfo, ...]
     kind: str = "tar"
@@ -101,6 +123,7 @@ class Index:
     skipped: tuple[Skipped, ...] = ()
     plan: str | None = None  # fingerprint of the pack plan: a rerun with the same plan is a no-op
     extra: dict = field(default_factory=dict)
+    sidecar: Sidecar | None = None  # version 2: the file of the shards' offsets (else in the shards, or none)
 
     @property
     def samples(self) -> int:
@@ -119,6 +142,7 @@ class Index:
                        extra={k: v for k, v in self.extra.items() if k not in _PER_SAMPLE})
 
     def to_json(self) -> str:
+        """index.json's text, version 2: the shards' offsets go in the sidecar (see `save`)."""
         doc = {
             "format": FORMAT,
             "version": VERSION,
@@ -130,6 +154,7 @@ class Index:
             "plan": self.plan,
             "skipped": [{"path": s.path, "reason": s.reason} for s in self.skipped],
             **self.extra,
+            **({"offsets": {"file": self.sidecar.file, "sha256": self.sidecar.sha256}} if self.sidecar else {}),
             "shards": [s.to_json() for s in self.shards],
         }
         return json.dumps(doc, ensure_ascii=False, separators=(",", ":")) + "\n"
@@ -143,11 +168,13 @@ class Index:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise CorruptShardError(f"{where}: not a shardkit index")
         version = doc.get("version")
-        if version != VERSION:
+        if version not in READS:
             raise IndexVersionError(
-                f"{where}: index version {version!r}, this shardkit reads version {VERSION}; upgrade shardkit"
+                f"{where}: index version {version!r}, this shardkit reads versions {READS[0]} to {READS[-1]}; "
+                "upgrade shardkit"
             )
-        known = {"format", "version", "kind", "samples", "bytes", "fields", "classes", "plan", "skipped", "shards"}
+        known = {"format", "version", "kind", "samples", "bytes", "fields", "classes", "plan", "skipped", "shards",
+                 "offsets"}
         try:
             tables = [array("q", s.pop("offsets")) if s.get("offsets") is not None else None for s in doc["shards"]]
             if any(t is not None for t in tables):
@@ -165,6 +192,7 @@ class Index:
                 skipped=tuple(Skipped(s["path"], s["reason"]) for s in doc.get("skipped", ())),
                 plan=doc.get("plan"),
                 extra={k: v for k, v in doc.items() if k not in known},
+                sidecar=_sidecar(doc, where) if version >= 2 else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             if isinstance(e, CorruptShardError):  # a shard entry that contradicts itself
@@ -176,6 +204,21 @@ class Index:
         if index.kind == "lmdb":
             _check_lmdb(index, where)
         return index
+
+
+def _sidecar(doc: dict, where: str) -> Sidecar | None:
+    """The "offsets" entry of a version 2 index: a file of the dataset's folder."""
+    entry = doc.get("offsets")
+    if entry is None:
+        if doc.get("kind", "tar") == "tar":
+            raise CorruptShardError(f"{where}: a version 2 index of tar shards names no file of sample offsets")
+        return None
+    if any(s.get("offsets") is not None for s in doc["shards"]):
+        raise CorruptShardError(f"{where}: lists sample offsets both in its shards and in {entry.get('file')!r}")
+    name, sha = entry["file"], entry["sha256"]
+    if not (isinstance(name, str) and sidecar.PATTERN.match(name) and isinstance(sha, str)):
+        raise CorruptShardError(f"{where}: \"offsets\" names {name!r}, not a shardkit offsets file of the folder")
+    return Sidecar(name, sha)
 
 
 def _check_names(index: Index, where: str) -> None:
@@ -219,7 +262,8 @@ def find(url: str, storage_options: StorageOptions | None = None) -> Index | Non
         return None
     except NotADirectoryError:
         raise DatasetNotFoundError(f"{url}: not a folder (give the dataset folder, which holds {INDEX_NAME})") from None
-    return Index.from_json(text, where)
+    index = Index.from_json(text, where)
+    return replace(index, sidecar=replace(index.sidecar, folder=url)) if index.sidecar else index
 
 
 def load(url: str, storage_options: StorageOptions | None = None) -> Index:
@@ -251,7 +295,52 @@ def _guess(url: str, storage_options: StorageOptions | None) -> str:
     return "not a shardkit dataset?"
 
 
-def save(index: Index, url: str, storage_options: StorageOptions | None = None) -> None:
-    """Write DATASET/index.json atomically (one that a reader would refuse is refused here)."""
+def save(index: Index, url: str, storage_options: StorageOptions | None = None) -> Index:
+    """Write DATASET/index.json atomically (one that a reader would refuse is refused here),
+    after the sidecar of the offsets its tar shards carry; then remove other sidecars.
+    Returns the index as saved."""
     _check_names(index, storage.join(url, INDEX_NAME))
+    if index.kind == "tar" and index.sidecar is None:
+        tables = [s.offsets for s in index.shards]
+        if any(t is None for t in tables):
+            raise ShardkitError(f"{storage.join(url, INDEX_NAME)}: not saved: shards without sample offsets")
+        index = with_sidecar(index, url, tables, storage_options)
     storage.write_bytes_atomic(storage.join(url, INDEX_NAME), index.to_json().encode(), storage_options)
+    keep = index.sidecar.file if index.sidecar else None
+    for name in storage.listdir(url, storage_options):
+        if sidecar.PATTERN.match(name) and name != keep:
+            storage.remove(storage.join(url, name), storage_options)
+    return index
+
+
+def with_sidecar(index: Index, url: str, tables: Iterable[Any], storage_options: StorageOptions | None = None) -> Index:
+    """`index`, its shards' offset `tables` (one per shard, in order; a generator holds
+    one at a time) written to its sidecar in the folder `url`, without them in the shards."""
+    name = sidecar.name_for((s.name, s.samples, s.bytes, s.sha256) for s in index.shards)
+    sha = sidecar.write(storage.join(url, name), tables, index.samples + len(index.shards), storage_options)
+    return replace(index, shards=tuple(replace(s, offsets=None) for s in index.shards), sidecar=Sidecar(name, sha, url))
+
+
+def sample_offsets(index: Index, storage_options: StorageOptions | None = None,
+                   cache_dir: str | None = None) -> np.ndarray | sidecar.Offsets:
+    """Every shard's offset table back to back (see sidecar.py): the sidecar mapped into
+    memory (version 2), or the tables of the index's own shards (version 1, shards scanned)."""
+    if index.sidecar is not None:
+        side = index.sidecar
+        return sidecar.open_table(side.folder, side.file, side.sha256, index.samples + len(index.shards),
+                                  storage_options, cache_dir)
+    tables = [s.offsets for s in index.shards]
+    lacking = next((s.name for s in index.shards if s.offsets is None), None)
+    if lacking is not None:
+        raise ShardkitError(f"{lacking}: the index lists no sample offsets; rebuild it with `shardkit index`")
+    return np.concatenate([np.asarray(t, dtype=np.int64) for t in tables] or [np.empty(0, np.int64)])
+
+
+def with_offsets(index: Index, storage_options: StorageOptions | None = None) -> Index:
+    """`index` with each shard's offset table in its entry (tools that compare or copy
+    shards one by one; a reader maps the sidecar instead)."""
+    if index.sidecar is None:
+        return index
+    table = sample_offsets(index, storage_options)
+    each = sidecar.tables(table, [s.samples for s in index.shards])
+    return replace(index, shards=tuple(replace(s, offsets=t) for s, t in zip(index.shards, each)), sidecar=None)

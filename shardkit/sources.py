@@ -165,7 +165,7 @@ def _tar_index(folder: str, storage_options: StorageOptions | None) -> Index | N
         idx = index.find(folder, storage_options)
     except (CorruptShardError, IndexVersionError, DatasetNotFoundError, AccessDeniedError, BadRequestError, OSError):
         return None  # none usable, a pack into it unfinished, or not ours to read (signed shard URLs)
-    return idx if idx is not None and idx.kind == "tar" else None
+    return index.with_offsets(idx, storage_options) if idx is not None and idx.kind == "tar" else None
 
 
 def lmdb_index(path: str, readahead: bool = False) -> Index:

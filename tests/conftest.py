@@ -83,3 +83,38 @@ def webdataset_samples(urls: list[str]) -> list[dict]:
         samples = list(wds.WebDataset(urls, shardshuffle=False, empty_check=False))
         gc.collect()
     return samples
+
+
+def shard_offsets(folder: Path) -> dict[str, list[int]]:
+    """{shard name: its sample offsets} of a packed dataset (from its sidecar)."""
+    import shardkit
+
+    idx = shardkit.index.with_offsets(shardkit.index.load(str(folder)))
+    return {s.name: list(s.offsets) for s in idx.shards}  # type: ignore[arg-type]
+
+
+def as_version_1(folder: Path, dest: Path) -> Path:
+    """A copy of the tar dataset `folder` whose index.json is of version 1 (each shard's
+    offsets inside its entry, no sidecar), as shardkit 0.1 wrote them."""
+    import json
+    import shutil
+
+    shutil.copytree(folder, dest, ignore=shutil.ignore_patterns("offsets-*.npy", "index.json"))
+    doc = json.loads((folder / "index.json").read_text())
+    tables = shard_offsets(folder)
+    doc.update(version=1, shards=[{**s, "offsets": tables[s["name"]]} for s in doc["shards"]])
+    del doc["offsets"]
+    (dest / "index.json").write_text(json.dumps(doc))
+    return dest
+
+
+@pytest.fixture(scope="session")
+def packed_v1(packed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`packed` with an index.json of version 1."""
+    return as_version_1(packed, tmp_path_factory.mktemp("packed-v1") / "shards")
+
+
+@pytest.fixture(params=["v2", "v1"])
+def any_index(request: pytest.FixtureRequest, packed: Path) -> Path:
+    """`packed` under each index version a reader takes: a test of a guarantee runs on both."""
+    return packed if request.param == "v2" else request.getfixturevalue("packed_v1")

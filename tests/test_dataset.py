@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import CLASSES, make_folder
+from conftest import CLASSES, make_folder, shard_offsets
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -88,11 +88,10 @@ def odd(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def sample_span(dataset: Path, shard: int, sample: int, ext: str) -> tuple[Path, int, int, str]:
     """(shard file, byte offset, size, key) of one member of one sample, from index.json."""
-    doc = json.loads((dataset / "index.json").read_text())
-    info = doc["shards"][shard]
-    path = dataset / info["name"]
+    name = json.loads((dataset / "index.json").read_text())["shards"][shard]["name"]
+    path = dataset / name
     data = path.read_bytes()
-    pos, end = info["offsets"][sample], info["offsets"][sample + 1]
+    pos, end = shard_offsets(dataset)[name][sample : sample + 2]
     while pos < end:
         name = data[pos : pos + 100].split(b"\0")[0].decode()
         size = int(data[pos + 124 : pos + 135], 8)
@@ -383,6 +382,10 @@ def test_construction_and_len_need_only_the_index(packed: Path, tmp_path: Path) 
     only_index = tmp_path / "only-index"
     only_index.mkdir()
     shutil.copy(packed / "index.json", only_index / "index.json")
+    side = shardkit.index.load(str(packed)).sidecar.file
+    with pytest.raises(CorruptShardError, match=rf"only-index/{side}: no such file, and index.json names it"):
+        StreamingDataset(str(only_index))
+    shutil.copy(packed / side, only_index / side)
     ds = StreamingDataset(str(only_index), rank=1, world_size=2, shuffle=True)
     assert len(ds) == 60 and ds.classes == CLASSES
     with pytest.raises(FileNotFoundError, match=r"shard-0000\d\d\.tar"):
@@ -760,8 +763,7 @@ def test_stats_after_a_pass(packed: Path) -> None:
     keys = run(ds, 2)
     stats = ds.stats()
     assert stats["samples"] == len(keys) == 120
-    doc = json.loads((packed / "index.json").read_text())
-    assert stats["bytes"] == sum(s["offsets"][-1] - s["offsets"][0] for s in doc["shards"]) > 0
+    assert stats["bytes"] == sum(t[-1] - t[0] for t in shard_offsets(packed).values()) > 0
     assert stats["skipped"] == 0
     assert stats["decode_s"] > 0 and 0 <= stats["read_fraction"] <= 1
 
@@ -944,8 +946,7 @@ def test_scan_messages_name_absolute_positions(packed: Path, tmp_path: Path) -> 
     (problem,) = verify(str(clone))
     assert f"member {last.name!r} cut off at byte {last.offset_data + last.size + 1} (its padding: 1 of " in problem
     shutil.copy(packed / shard.name, shard)
-    idx = json.loads((clone / "index.json").read_text())
-    start = idx["shards"][2]["offsets"][3]
+    start = shard_offsets(clone)["shard-000002.tar"][3]
     data = bytearray((clone / "shard-000002.tar").read_bytes())
     data[start + 257 : start + 263] = b"xxxxxx"  # the ustar magic: off the fast path, into the checked one
     (clone / "shard-000002.tar").write_bytes(bytes(data))
@@ -1011,7 +1012,7 @@ def test_truncated_shard_skipped_sample_by_sample(packed: Path, tmp_path: Path, 
     clone = Path(shutil.copytree(packed, tmp_path / "clone"))
     idx = json.loads((clone / "index.json").read_text())
     shard = idx["shards"][3]
-    start = shard["offsets"][2]
+    start = shard_offsets(clone)[shard["name"]][2]
     _, image, size, _ = sample_span(clone, 3, 2, "jpg")
     with tarfile.open(clone / shard["name"]) as tar:
         member = [n for n in tar.getnames() if n.endswith(".jpg")][2]

@@ -16,6 +16,7 @@ LAYERS: list[dict[str, str]] = [
     {"errors": "errors", "units": "units"},
     {"checks": "checks", "blockplan": "blockplan"},
     {"storage": "storage"},
+    {"sidecar": "sidecar"},
     {"index": "index"},
     {"formats": "formats", "partition": "partition", "ranges": "ranges", "prefetch": "prefetch", "decode": "decode"},
     {"sources": "sources"},

@@ -24,7 +24,7 @@ from shardkit.packing import executors
 from shardkit.errors import SourceError
 from shardkit.formats.tar import iter_samples
 
-from conftest import draw, make_folder, webdataset_samples
+from conftest import draw, make_folder, shard_offsets, webdataset_samples
 
 
 def read_shards(dest: Path) -> dict[str, dict[str, bytes]]:
@@ -63,14 +63,24 @@ def test_index_records_counts_offsets_and_checksums(photos: Path, tmp_path: Path
 
     shardkit.pack(str(photos), str(tmp_path / "out"), max_count=8, workers=1, progress=False)
     doc = json.loads((tmp_path / "out" / "index.json").read_text())
-    assert doc["format"] == "shardkit" and doc["version"] == 1 and doc["samples"] == 30
+    assert doc["format"] == "shardkit" and doc["version"] == 2 and doc["samples"] == 30
+    side = tmp_path / "out" / doc["offsets"]["file"]
+    assert doc["offsets"]["sha256"] == hashlib.sha256(side.read_bytes()).hexdigest()
+    table = np.load(side)  # a plain .npy: every shard's offsets back to back
+    assert table.dtype == np.dtype("<i8") and len(table) == 30 + len(doc["shards"])
+    at = 0
     for s in doc["shards"]:
+        assert set(s) == {"name", "samples", "bytes", "sha256"}  # per shard only: no per-sample list
         data = (tmp_path / "out" / s["name"]).read_bytes()
         assert s["bytes"] == len(data)
         assert s["sha256"] == hashlib.sha256(data).hexdigest()
-        assert len(s["offsets"]) == s["samples"] + 1
-        for a, b in zip(s["offsets"], s["offsets"][1:]):
+        offsets = table[at : at + s["samples"] + 1].tolist()
+        at += s["samples"] + 1
+        assert offsets == shard_offsets(tmp_path / "out")[s["name"]]
+        for a, b in zip(offsets, offsets[1:]):
             assert len(list(iter_samples(io.BytesIO(data[a:b]), s["name"]))) == 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([*(s["name"] for s in doc["shards"]),
+                                                                          "index.json", side.name])
 
 
 def test_webdataset_and_tar_read_the_output(photos: Path, tmp_path: Path) -> None:
@@ -113,7 +123,7 @@ def test_planned_sizes_are_exact(tmp_path: Path, escaped: bool) -> None:
         draw(src / ("class ü" if i % 2 else "b") / name, 0, seed=i, fmt="PNG" if name.endswith("png") else "JPEG")
     plan = make_plan(str(src), str(tmp_path / "out"), max_size=None, shuffle=False)
     idx = shardkit.pack(str(src), str(tmp_path / "out"), max_size=None, shuffle=False, workers=1, progress=False)
-    offsets = idx.shards[0].offsets
+    offsets = shard_offsets(tmp_path / "out")[idx.shards[0].name]
     assert list(_needs(plan.listing, "folder", plan.classes)[plan.order]) == [b - a for a, b in zip(offsets, offsets[1:])]
 
 
@@ -438,7 +448,8 @@ def test_changed_options_replace_a_dataset_only_with_overwrite(photos: Path, tmp
                         overwrite=True, stats=stats)
     assert idx.samples == 30 and stats == {"kept": 0, "written": 30, "unchanged": 0}
     if fmt == "tar":
-        assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-000000.tar", "shard-000001.tar"]
+        assert sorted(p.name for p in out.iterdir()) == ["index.json", idx.sidecar.file, "shard-000000.tar",
+                                                          "shard-000001.tar"]  # the old sidecar gone too
     assert [s["__key__"] for s in shardkit.StreamingDataset(str(out))] != []
     shardkit.pack(str(photos), str(out), format=fmt, max_count=20, seed=1, workers=1, progress=False, stats=stats)
     assert stats == {"kept": 30, "written": 0, "unchanged": 1}  # the same pack again: nothing to do, no overwrite needed
@@ -997,8 +1008,9 @@ def test_a_rerun_after_a_crash_in_the_cleanup_finishes_it(photos: Path, tmp_path
             shardkit.pack(str(photos), str(out), max_count=20, workers=1, progress=False, overwrite=True)
     assert (out / ".shardkit-progress").exists() and len(list(out.glob("*.tar"))) == 8
     assert len(shardkit.StreamingDataset(str(out))) == 30  # committed: readers take it already
-    shardkit.pack(str(photos), str(out), max_count=20, workers=1, progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-000000.tar", "shard-000001.tar"]
+    idx = shardkit.pack(str(photos), str(out), max_count=20, workers=1, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["index.json", idx.sidecar.file, "shard-000000.tar",
+                                                     "shard-000001.tar"]
 
 
 def test_files_the_scan_leaves_out_are_part_of_what_makes_a_pack_the_same(photos: Path, tmp_path: Path) -> None:

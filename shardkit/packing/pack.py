@@ -20,7 +20,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .. import checks, index, storage
+import numpy as np
+
+from .. import checks, index, sidecar, storage
 from . import executors, images
 from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
 from .executors import tick
@@ -34,7 +36,8 @@ from ..storage import StorageOptions
 from ..units import parse_size
 
 _SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
-_TMP_RE = re.compile(rf"^(shard-\d{{6,}}\.tar|{re.escape(index.INDEX_NAME)}){re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$")
+_TMP_RE = re.compile(rf"^(shard-\d{{6,}}\.tar|offsets-[0-9a-f]{{16}}\.npy|{re.escape(index.INDEX_NAME)})"
+                     rf"{re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$")
 """What an interrupted pack leaves: a shard's or the index's temporary file (storage.atomic_writer's names)."""
 _DAMAGED = "source shard "  # how a skip for a converted shard that does not match its index begins
 _STARTED = "started"  # in the progress folder, written first: even an object store then shows the pack unfinished
@@ -182,16 +185,35 @@ def write_shard(job: Job) -> ShardResult:
                 writer.write(*got)
                 fields.update(got[1])
         sha = writer.close()
-    info = ShardInfo(job.name, len(writer.offsets) - 1, writer.size, sha, tuple(writer.offsets))
+    info = ShardInfo(job.name, len(writer.offsets) - 1, writer.size, sha)
     result = ShardResult(info, tuple(sorted(fields)), tuple(skipped))
     record = {"fingerprint": job.fingerprint, "shard": info.to_json(), "fields": result.fields,
               "skipped": [asdict(s) for s in skipped]}
+    table = np.asarray(writer.offsets, dtype=sidecar.DTYPE).tobytes()  # the shard's offsets, for the commit
+    storage.write_bytes_atomic(_table_url(job.dest, job.name), table, job.storage_options)
     storage.write_bytes_atomic(_progress_url(job.dest, job.name), json.dumps(record).encode(), job.storage_options)
     return result
 
 
 def _progress_url(dest: str, name: str) -> str:
     return storage.join(dest, index.PROGRESS_DIR, name + ".json")
+
+
+def _table_url(dest: str, name: str) -> str:
+    return storage.join(dest, index.PROGRESS_DIR, name + ".offsets")
+
+
+def _tables(dest: str, names: Sequence[str], storage_options: StorageOptions | None) -> Iterator[np.ndarray]:
+    """The offset tables the jobs wrote, in the order of `names`: read on threads a few
+    dozen ahead (an object store answers each read in tens of ms), one batch held at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read(name: str) -> np.ndarray:
+        return np.frombuffer(storage.read_bytes(_table_url(dest, name), storage_options), dtype=sidecar.DTYPE)
+
+    with ThreadPoolExecutor(16, thread_name_prefix="shardkit-commit") as pool:
+        for at in range(0, len(names), 64):
+            yield from pool.map(read, names[at : at + 64])
 
 
 def _done(plan: Plan, i: int) -> ShardResult | None:
@@ -207,6 +229,8 @@ def _done(plan: Plan, i: int) -> ShardResult | None:
     skipped = tuple(Skipped(**s) for s in record["skipped"])
     if storage.size(storage.join(plan.dest, name), opts) != info.bytes or _left_out_damage(plan, skipped):
         return None
+    if storage.size(_table_url(plan.dest, name), opts) != (info.samples + 1) * sidecar.DTYPE.itemsize:
+        return None  # a record of shardkit 0.1 (its offsets inside), or a table gone
     return ShardResult(info, tuple(record["fields"]), skipped)
 
 
@@ -245,14 +269,15 @@ def _prepare_dest(dest: str, plan: Plan, overwrite: bool, storage_options: Stora
     packed = index.PROGRESS_DIR in names or index.INDEX_NAME in names
     own = (index.INDEX_NAME, index.PROGRESS_DIR)
     foreign = [n for n in names if n not in own and not n.startswith(".")  # .DS_Store: hidden, as in SRC
-               and not (packed and (_SHARD_RE.match(n) or _TMP_RE.match(n)))]
+               and not (packed and (_SHARD_RE.match(n) or sidecar.PATTERN.match(n) or _TMP_RE.match(n)))]
     if lmdb_format.DATA_FILE in foreign:
         raise SourceError(f"{dest}: holds an LMDB dataset: pack tar shards into another folder")
     if foreign:
         raise SourceError(f"{dest}: destination is not empty and holds files `shardkit pack` did not write "
                           f"(found {foreign[0]!r})")
     if existing is not None and existing.plan == plan.fingerprint:
-        if not _left_out_damage(plan, existing.skipped) and all(
+        whole = existing.sidecar is None or existing.sidecar.file in names
+        if whole and not _left_out_damage(plan, existing.skipped) and all(
                 storage.size(storage.join(dest, s.name), storage_options) == s.bytes for s in existing.shards):
             return existing
     elif index.INDEX_NAME in names and not overwrite:
@@ -416,6 +441,7 @@ def _pack_tar(plan: Plan, dest: str, runner: executors.Runner, progress: bool | 
         skipped=skipped,
         plan=plan.fingerprint,
     )
+    idx = index.with_sidecar(idx, dest, _tables(dest, plan.names, storage_options), storage_options)
     index.save(idx, dest, storage_options)
     _cleanup(dest, set(plan.names), storage_options)
     return idx

@@ -219,7 +219,7 @@ def scan_dataset(src: str, kind: str, storage_options: StorageOptions | None = N
         for key, size in zip(keys, idx.extra.get("sizes") or [0] * len(keys)):
             found.add(key, -1, size, 0)
         return idx, found.build()
-    idx = index.load(src, storage_options)
+    idx = index.with_offsets(index.load(src, storage_options), storage_options)
     for shard in idx.shards:
         if shard.offsets is None:
             raise SourceError(f"{storage.join(src, shard.name)}: index lacks sample offsets (run `shardkit index`)")

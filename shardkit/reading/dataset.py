@@ -14,11 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import checks, partition
+from .. import checks, index, partition
 from ..decode import decoder
 from .epochs import EpochDataset
 from .stream import WorkerStream
-from ..errors import ShardkitError
 from ..formats import lmdb as lmdb_format
 from ..sources import local_lmdb, resolve
 from ..storage import StorageOptions
@@ -95,10 +94,7 @@ class StreamingDataset(EpochDataset):
             self._keys, self._sizes = lmdb_format.sample_tables(self.index.extra)
             self._offsets = np.empty(0, np.int64)
         else:
-            tables = [s.offsets for s in self.index.shards]
-            if any(t is None for t in tables):
-                raise ShardkitError(f"{source!r}: index lacks sample offsets; rebuild it with `shardkit index`")
-            self._offsets = np.concatenate([np.asarray(t, dtype=np.int64) for t in tables] or [np.empty(0, np.int64)])
+            self._offsets = index.sample_offsets(self.index, storage_options, cache_dir)
         self.index = self.index.slim()  # the per-sample tables live on in the arrays above only
 
     @property

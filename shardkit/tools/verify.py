@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -33,7 +34,11 @@ def verify(url: str, storage_options: StorageOptions | None = None,
         if on_shard:
             on_shard(idx.shards[0], problem)
         return [problem] if problem else []
-    problems = []
+    problems = _sidecar_problem(idx, storage_options)
+    try:
+        idx = index.with_offsets(idx, storage_options)
+    except ShardkitError as e:  # the offsets cannot be read: the shards' bytes can still be checked
+        problems.append(str(e))
     for info in idx.shards:
         shard_url = storage.join(url, info.name)
         where = storage.display(shard_url)
@@ -51,6 +56,23 @@ def verify(url: str, storage_options: StorageOptions | None = None,
         if on_shard:
             on_shard(info, problem)
     return problems + _unlisted(url, idx, storage_options)
+
+
+def _sidecar_problem(idx: Index, storage_options: StorageOptions | None) -> list[str]:
+    """The sidecar of sample offsets against the sha256 index.json records for it."""
+    if idx.sidecar is None:
+        return []
+    url = storage.join(idx.sidecar.folder, idx.sidecar.file)
+    try:
+        with storage.open_read(url, storage_options) as f:
+            sha = hashlib.sha256()
+            while chunk := f.read(8 << 20):
+                sha.update(chunk)
+    except FileNotFoundError:
+        return [f"{storage.display(url)}: missing (index.json names it for its sample offsets)"]
+    if sha.hexdigest() != idx.sidecar.sha256:
+        return [f"{storage.display(url)}: sha256 mismatch with the index (sample offsets changed or corrupt)"]
+    return []
 
 
 def undecodable(url: str, storage_options: StorageOptions | None = None, workers: int | None = None) -> list[str]:
