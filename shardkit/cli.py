@@ -310,9 +310,12 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
 @click.argument("url")
 @click.option("--force", is_flag=True,
               help="Rebuild an existing index.json from the shards (keeping its class names and list of skipped files).")
+@click.option("--upgrade", is_flag=True,
+              help="Rewrite an index.json of version 1 as version 2 (sample offsets in a file beside it), reading "
+                   "no shard.")
 @storage_option
 @_errors_to_exit
-def index_cmd(url: str, force: bool, storage_options: tuple[str, ...]) -> None:
+def index_cmd(url: str, force: bool, upgrade: bool, storage_options: tuple[str, ...]) -> None:
     """Write index.json for .tar shards made by another tool (webdataset, plain tar)."""
     from dataclasses import replace
 
@@ -320,6 +323,12 @@ def index_cmd(url: str, force: bool, storage_options: tuple[str, ...]) -> None:
     from .sources import build_index, shard_urls
 
     opts = _storage_options(storage_options)
+    if upgrade:
+        if force:
+            raise click.UsageError("--upgrade rewrites index.json as it is, --force rebuilds it from the shards: "
+                                   "give one")
+        _upgrade(url, opts)
+        return
     old = None
     if storage.exists(storage.join(url, index.INDEX_NAME), opts):
         if not force:
@@ -334,6 +343,20 @@ def index_cmd(url: str, force: bool, storage_options: tuple[str, ...]) -> None:
     index.save(idx, url, opts)
     click.echo(f"indexed {_plural(idx.samples, 'sample')} in {_plural(len(idx.shards), 'shard')} "
                f"({format_size(idx.bytes)})")
+
+
+def _upgrade(url: str, opts: dict[str, Any] | None) -> None:
+    from . import index
+
+    idx = index.load(url, opts)
+    if idx.kind != "tar" or idx.sidecar is not None:
+        what = "an LMDB's index (its keys stay inside it)" if idx.kind != "tar" else "of version 2 already"
+        click.echo(f"{index.INDEX_NAME} is {what}: nothing to upgrade")
+        return
+    saved = index.save(idx, url, opts)
+    assert saved.sidecar is not None
+    click.echo(f"upgraded {index.INDEX_NAME} to version {index.VERSION}: the offsets of "
+               f"{_plural(idx.samples, 'sample')} are in {saved.sidecar.file}")
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:

@@ -109,9 +109,9 @@ def as_version_1(folder: Path, dest: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def packed_v1(packed: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`packed` with an index.json of version 1."""
-    return as_version_1(packed, tmp_path_factory.mktemp("packed-v1") / "shards")
+def packed_v1(packed: Path) -> Path:
+    """`packed` with an index.json of version 1 (beside it, as its source images are)."""
+    return as_version_1(packed, packed.parent / "shards-v1")
 
 
 @pytest.fixture(params=["v2", "v1"])

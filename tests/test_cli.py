@@ -204,6 +204,29 @@ def test_index_force_on_a_pack_keeps_what_the_shards_cannot_tell(run, photos: Pa
     assert after.shards == before.shards and after.plan is None  # a pack's rerun no longer takes it for its own
 
 
+def test_index_upgrade_writes_version_2_from_version_1_reading_no_shard(run, packed_v1: Path, packed: Path,  # type: ignore[no-untyped-def]
+                                                                        tmp_path: Path) -> None:
+    """The upgrade takes the offsets from index.json alone (no shard here), keeps a shard
+    entry's fields it does not know, and writes what a pack writes."""
+    out = tmp_path / "v1"
+    out.mkdir()
+    doc = json.loads((packed_v1 / "index.json").read_text())
+    doc["shards"][1]["version"] = {"etag": "abc"}  # a field of another shardkit
+    (out / "index.json").write_text(json.dumps(doc))
+    assert run("index", out, "--upgrade", "--force").exit_code == 2
+    result = run("index", out, "--upgrade")
+    assert result.exit_code == 0, result.output
+    side = shardkit.index.load(str(packed)).sidecar.file
+    assert result.output == f"upgraded index.json to version 2: the offsets of 120 samples are in {side}\n"
+    assert (out / side).read_bytes() == (packed / side).read_bytes()
+    new = json.loads((out / "index.json").read_text())
+    assert new["version"] == 2 and new["shards"][1]["version"] == {"etag": "abc"}
+    assert all("offsets" not in s for s in new["shards"])
+    assert run("index", out, "--upgrade").output == "index.json is of version 2 already: nothing to upgrade\n"
+    (out / side).unlink()  # `info` reads index.json only, whatever the size
+    assert "samples:  120" in run("info", out).output
+
+
 def test_cli_and_packer_do_not_import_torch() -> None:
     code = "import sys, shardkit.cli, shardkit.packing.pack; print(sorted(m for m in ('torch', 'lmdb') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -113,12 +113,12 @@ def break_image(dataset: Path, shard: int, sample: int) -> tuple[str, str]:
 # ---------------------------------------------------------------- samples and decoding
 
 
-def test_raw_samples_match_the_source_files(packed: Path) -> None:
-    photos = packed.parent / "photos"
-    ds = StreamingDataset(str(packed))
+def test_raw_samples_match_the_source_files(any_index: Path) -> None:
+    photos = any_index.parent / "photos"
+    ds = StreamingDataset(str(any_index))
     samples = list(ds)
     assert [s["__key__"] for s in samples] == ALL_KEYS
-    shards = {p.name for p in packed.glob("*.tar")}
+    shards = {p.name for p in any_index.glob("*.tar")}
     per_class = Counter()
     for s in samples:
         assert set(s) == {"__key__", "__url__", "jpg", "cls", "json"}
@@ -340,8 +340,8 @@ def check_ranks(per_rank: list[list[str]], everything: list[str], remainder: str
 @pytest.mark.parametrize("remainder", ["repeat", "drop"])
 @pytest.mark.parametrize("num_workers", [0, 1, 3])
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_every_rank_yields_len_samples(packed: Path, odd: Path, world: int, num_workers: int, remainder: str) -> None:
-    for dataset, total in ((packed, 120), (odd, 29)):
+def test_every_rank_yields_len_samples(any_index: Path, odd: Path, world: int, num_workers: int, remainder: str) -> None:
+    for dataset, total in ((any_index, 120), (odd, 29)):
         everything = keys_of(StreamingDataset(str(dataset)))
         assert len(everything) == total
         per_rank = []
@@ -442,15 +442,15 @@ def test_shuffle_false_yields_key_order(packed: Path) -> None:
     assert keys[0::2] == ALL_KEYS[:60] and keys[1::2] == ALL_KEYS[60:]
 
 
-def test_shuffle_is_reproducible_and_depends_on_seed_and_epoch(packed: Path) -> None:
+def test_shuffle_is_reproducible_and_depends_on_seed_and_epoch(any_index: Path) -> None:
     def order(seed: int, epoch: int | None = None) -> list[str]:
-        ds = StreamingDataset(str(packed), shuffle=True, seed=seed)
+        ds = StreamingDataset(str(any_index), shuffle=True, seed=seed)
         if epoch is not None:
             ds.set_epoch(epoch)
         return run(ds, 2)
 
     a = order(0)
-    assert sorted(a) == ALL_KEYS and a != run(StreamingDataset(str(packed)), 2)
+    assert sorted(a) == ALL_KEYS and a != run(StreamingDataset(str(any_index)), 2)
     assert order(0) == a == order(0, 0)
     assert order(0, 1) != a and sorted(order(0, 1)) == ALL_KEYS
     assert order(1) != a
@@ -540,12 +540,12 @@ def full_epoch(dataset: Path, epoch: int, rank: int = 0, world: int = 1) -> list
 
 @needs_torchdata
 @pytest.mark.parametrize("k", [1, 7])
-def test_stateful_dataloader_resume_and_elastic_resume(packed: Path, k: int) -> None:
+def test_stateful_dataloader_resume_and_elastic_resume(any_index: Path, k: int) -> None:
     """Two ranks checkpoint after k batches of epoch 3; (a) each resumes with the same layout;
     (b) the checkpoint of one rank resumes the epoch under 3 ranks or 1 rank, other workers."""
 
     def loader(rank: int) -> tuple[StreamingDataset, Any]:
-        ds = StreamingDataset(str(packed), shuffle=True, seed=5, rank=rank, world_size=2)
+        ds = StreamingDataset(str(any_index), shuffle=True, seed=5, rank=rank, world_size=2)
         return ds, StatefulDataLoader(ds, num_workers=2, batch_size=5)
 
     before, states = [], []
@@ -561,8 +561,8 @@ def test_stateful_dataloader_resume_and_elastic_resume(packed: Path, k: int) -> 
         _, dl = loader(rank)  # no set_epoch: the state carries the epoch
         dl.load_state_dict(states[rank])
         after = keys_of(dl)
-        assert Counter(before[rank]) + Counter(after) == Counter(full_epoch(packed, 3, rank, 2))
-        assert Counter(keys_of(dl)) == Counter(full_epoch(packed, 4, rank, 2))
+        assert Counter(before[rank]) + Counter(after) == Counter(full_epoch(any_index, 3, rank, 2))
+        assert Counter(keys_of(dl)) == Counter(full_epoch(any_index, 4, rank, 2))
 
     done = set(before[0]) | set(before[1])
     assert len(done) == 10 * k
@@ -570,7 +570,7 @@ def test_stateful_dataloader_resume_and_elastic_resume(packed: Path, k: int) -> 
     for world, workers in ((3, 3), (1, 0)):
         rest = []
         for rank in range(world):
-            ds = StreamingDataset(str(packed), shuffle=True, seed=5, rank=rank, world_size=world)
+            ds = StreamingDataset(str(any_index), shuffle=True, seed=5, rank=rank, world_size=world)
             ds.load_state_dict(states[rank % 2])
             rest.append(run(ds, workers))
         assert len({len(r) for r in rest}) == 1, "ranks yield different counts after an elastic resume"
@@ -626,17 +626,17 @@ def test_stateful_dataloader_resumes_twice_in_one_epoch(packed: Path) -> None:
 
 
 @needs_torchdata
-def test_chained_elastic_resumes(packed: Path) -> None:
-    ds = StreamingDataset(str(packed), shuffle=True)
+def test_chained_elastic_resumes(any_index: Path) -> None:
+    ds = StreamingDataset(str(any_index), shuffle=True)
     dl = StatefulDataLoader(ds, num_workers=2, batch_size=5)
     first = take(dl, 5)
     sd = dl.state_dict()
-    ds = StreamingDataset(str(packed), shuffle=True)
+    ds = StreamingDataset(str(any_index), shuffle=True)
     ds.load_state_dict(sd)
     dl = StatefulDataLoader(ds, num_workers=3, batch_size=4)
     second = take(dl, 6)
     sd = dl.state_dict()
-    ds = StreamingDataset(str(packed), shuffle=True)
+    ds = StreamingDataset(str(any_index), shuffle=True)
     ds.load_state_dict(sd)
     third = run(ds, 1)
     assert Counter(first + second + third) == Counter(ALL_KEYS)
@@ -647,19 +647,19 @@ def test_chained_elastic_resumes(packed: Path) -> None:
     "workers, batch_size, k, new_workers, persistent",
     [(2, 5, 7, 2, False), (3, 7, 16, 3, True), (0, 5, 3, 0, False), (3, 7, 5, 1, False), (1, 8, 2, 3, True)],
 )
-def test_plain_dataloader_resume_state(packed: Path, workers: int, batch_size: int, k: int, new_workers: int,
+def test_plain_dataloader_resume_state(any_index: Path, workers: int, batch_size: int, k: int, new_workers: int,
                                        persistent: bool) -> None:
-    ds = StreamingDataset(str(packed), shuffle=True, seed=5)
+    ds = StreamingDataset(str(any_index), shuffle=True, seed=5)
     ds.set_epoch(2)
     before = take(DataLoader(ds, num_workers=workers, batch_size=batch_size), k)
-    ds2 = StreamingDataset(str(packed), shuffle=True, seed=5)
+    ds2 = StreamingDataset(str(any_index), shuffle=True, seed=5)
     ds2.load_state_dict(ds2.resume_state(epoch=2, samples_seen=len(before), batch_size=batch_size,
                                          num_workers=workers))
     loader = DataLoader(ds2, num_workers=new_workers, batch_size=batch_size, persistent_workers=persistent)
     after = keys_of(loader)
     assert Counter(before) + Counter(after) == Counter(ALL_KEYS)
     # (d) the resume applies to epoch 2 only: the next pass is the whole of epoch 3
-    ref = StreamingDataset(str(packed), shuffle=True, seed=5)
+    ref = StreamingDataset(str(any_index), shuffle=True, seed=5)
     ref.set_epoch(3)
     assert keys_of(loader) == run(ref, new_workers, batch_size)
 
@@ -735,14 +735,14 @@ def test_resume_then_a_training_loop_calling_set_epoch(packed: Path) -> None:
     assert keys_of(loader) == run(ref, 2, 5)
 
 
-def test_resume_state_under_ddp_ranks(packed: Path) -> None:
+def test_resume_state_under_ddp_ranks(any_index: Path) -> None:
     before = []
     for rank in range(3):
-        ds = StreamingDataset(str(packed), shuffle=True, seed=5, rank=rank, world_size=3)
+        ds = StreamingDataset(str(any_index), shuffle=True, seed=5, rank=rank, world_size=3)
         before += take(DataLoader(ds, num_workers=2, batch_size=4), 3)
     later = []
     for rank in range(2):
-        ds = StreamingDataset(str(packed), shuffle=True, seed=5, rank=rank, world_size=2)
+        ds = StreamingDataset(str(any_index), shuffle=True, seed=5, rank=rank, world_size=2)
         ds.load_state_dict(ds.resume_state(epoch=0, samples_seen=12, batch_size=4, num_workers=2, world_size=3))
         later.append(run(ds, 3))
     assert len(later[0]) == len(later[1])
@@ -952,6 +952,20 @@ def test_scan_messages_name_absolute_positions(packed: Path, tmp_path: Path) -> 
     (clone / "shard-000002.tar").write_bytes(bytes(data))
     err = failure(StreamingDataset(str(clone)), 0)
     assert f"shard-000002.tar (sample at byte {start}), member at byte {start}: " in str(err), err
+
+
+def test_offsets_that_do_not_fit_their_shard_fail_naming_it(packed: Path, tmp_path: Path) -> None:
+    """A sidecar is mapped, not read whole: offsets that cannot be their shard's (a file
+    damaged or replaced) fail before the first read, in the pass that would use them."""
+    clone = Path(shutil.copytree(packed, tmp_path / "clone"))
+    side = clone / shardkit.index.load(str(clone)).sidecar.file
+    table = np.load(side)
+    table[3 * 8 + 2] = 10**9  # shard 3's sample 2 ends far past its shard (each shard: 7 samples, 8 offsets)
+    np.save(side, table)
+    ds = StreamingDataset(str(clone))
+    with pytest.raises(CorruptShardError, match=r"shard-000003.tar: the index's offsets put a sample at bytes "
+                                                 r"\d+-1000000000 of the shard's \d+$"):
+        list(ds)
 
 
 def test_member_names_that_are_not_utf8_are_named_errors(tmp_path: Path) -> None:

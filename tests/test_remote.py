@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit import StreamingDataset
-from shardkit.errors import ShardkitError
+from shardkit.errors import CorruptShardError, ShardkitError
 
 from test_pack import read_shards
 
@@ -29,7 +29,8 @@ def test_pack_to_remote_then_stream_it(remote: dict, photos: Path, tmp_path: Pat
     idx = shardkit.pack(str(photos), url, max_count=7, workers=2, progress=False, storage_options=opts)
     assert idx.to_json() == local.to_json()  # the same bytes, wherever they go
     assert shardkit.verify(url, opts) == []
-    assert sorted(shardkit.storage.listdir(url, opts)) == sorted(["index.json", *(s.name for s in idx.shards)])
+    assert sorted(shardkit.storage.listdir(url, opts)) == sorted(["index.json", idx.sidecar.file,
+                                                                 *(s.name for s in idx.shards)])
     expected = read_shards(tmp_path / "local")
     ds = StreamingDataset(url, storage_options=opts, prefetch=4)
     got = {s["__key__"]: s for s in ds}
@@ -37,6 +38,28 @@ def test_pack_to_remote_then_stream_it(remote: dict, photos: Path, tmp_path: Pat
     for key, fields in expected.items():
         assert got[key]["jpg"] == fields["jpg"]
         assert got[key]["cls"] == int(fields["cls"])
+
+
+def test_a_remote_sidecar_is_copied_once_and_checked(s3: dict, photos: Path, tmp_path: Path) -> None:
+    """The offsets file of a remote dataset: one download per machine (every rank and
+    dataset after the first maps the same copy), checked against index.json's sha256."""
+    import fsspec.core
+
+    url, opts = s3["url"] + "/side", s3["storage_options"]
+    idx = shardkit.pack(str(photos), url, max_count=7, workers=1, progress=False, storage_options=opts)
+    cache = tmp_path / "cache"
+    first = StreamingDataset(url, storage_options=opts, cache_dir=str(cache))
+    (copy,) = (cache / "offsets").glob("*.npy")
+    made = copy.stat().st_mtime_ns
+    second = StreamingDataset(url, storage_options=opts, cache_dir=str(cache), shuffle=True)
+    assert copy.stat().st_mtime_ns == made and first._offsets.path == second._offsets.path == str(copy)
+    assert len(keys(second, workers=2)) == 30
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    data = bytearray(fs.cat_file(f"{root}/{idx.sidecar.file}"))
+    data[-8:] = bytes(8)
+    fs.pipe_file(f"{root}/{idx.sidecar.file}", bytes(data))
+    with pytest.raises(CorruptShardError, match=rf"{idx.sidecar.file}: sha256 mismatch with index.json"):
+        StreamingDataset(url, storage_options=opts, cache_dir=str(tmp_path / "other"))
 
 
 def test_cli_on_s3(s3: dict, photos: Path) -> None:

@@ -87,6 +87,7 @@ class StreamingDataset(EpochDataset):
         counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
         self._counts = counts
         self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._shard_bytes = np.array([s.bytes for s in self.index.shards], dtype=np.int64)
         self._lmdb: str | None = None  # local path of an LMDB dataset
         self._keys, self._sizes = np.empty(0, dtype="S1"), None  # an LMDB's, sizes checked at each read
         if self.index.kind == "lmdb":

@@ -170,6 +170,7 @@ class WorkerStream(EpochStream):
         in memory. In place of (stop, read_at), the error of a range that could not be read."""
         ds = self.ds
         shard_of, starts, ends = ranges.bounds(ids, ds._first, ds._offsets)
+        self._check(shard_of, starts, ends)
         local = all(map(storage.is_local, ds.urls))  # one remote shard: its ranges go through the budget
         if local:
             plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=16 << 20)
@@ -200,6 +201,16 @@ class WorkerStream(EpochStream):
             left[0] -= 1
             if not left[0]:
                 del held[r]
+
+    def _check(self, shard_of: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Offsets that cannot be the samples of their shard (a sidecar replaced or damaged:
+        it is mapped, not read whole) fail before the first read, naming the shard."""
+        sizes = self.ds._shard_bytes[shard_of]
+        bad = np.flatnonzero((starts < 0) | (ends <= starts) | (ends > sizes))
+        if len(bad):
+            i = int(bad[0])
+            raise CorruptShardError(f"{storage.display(self.ds.urls[int(shard_of[i])])}: the index's offsets put a "
+                                    f"sample at bytes {starts[i]}-{ends[i]} of the shard's {sizes[i]}")
 
     def _lmdb_reads(self, ids: np.ndarray) -> Iterator[Read]:
         """(0, sample id, (key, fields) or the record's error) from the LMDB environment, opened

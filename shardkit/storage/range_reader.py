@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import threading
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AccessDeniedError, CorruptShardError, NotFoundError, ShardkitError, one_line
 from .clients import filesystem
+from .descriptors import FILES
 from .files import cat_range
 from .retry import attempts_for, retrying
 from .urls import StorageOptions, display, is_local, local_path
@@ -21,13 +23,15 @@ if TYPE_CHECKING:
 
 
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # posix_fadvise: Linux and BSDs, not macOS
+_READERS = itertools.count()  # a number for each reader: its local files' keys in FILES
 
 
 class RangeReader:
     """Byte ranges of a fixed list of shards, thread-safe.
 
     Local files are read with pread, straight into the caller's bytes (`read_at`), and
-    `advise` starts the disk read-ahead of a range before it is needed. Remote shards take
+    `advise` starts the disk read-ahead of a range before it is needed; their descriptors
+    are the process's bounded set (descriptors.FILES), opened again when needed. Remote shards take
     ranged GETs through fsspec, retried on transient errors (`patient`: for as long as an
     outage of the store may last, see OUTAGE_RETRIES), and go through the optional local
     cache.
@@ -43,7 +47,8 @@ class RangeReader:
         self._cache = cache
         self._verify = verify
         self._local = [is_local(u) for u in urls]
-        self._handles: dict[int, Any] = {}  # shard -> fd, or (filesystem, path)
+        self._handles: dict[int, Any] = {}  # shard -> its key in FILES (local), or (filesystem, path)
+        self._number = next(_READERS)
         self._instances: dict[tuple[Any, ...], Any] = {}
         self._bad: dict[int, ShardkitError] = {}
         self._opening: dict[int, threading.Lock] = {}
@@ -74,16 +79,22 @@ class RangeReader:
                     if self._local[shard]:
                         os.close(handle)
                     self._check_open()
+                if self._local[shard]:
+                    FILES.adopt((self._number, shard), handle)
+                    handle = (self._number, shard)
                 self._handles[shard] = handle
         return handle
 
+    def _open_local(self, shard: int) -> int:
+        try:
+            return os.open(local_path(self._urls[shard]), os.O_RDONLY)
+        except OSError as e:
+            kind = {FileNotFoundError: NotFoundError, PermissionError: AccessDeniedError}.get(type(e), ShardkitError)
+            raise kind(f"{display(self._urls[shard])}: {type(e).__name__}: {one_line(e)}") from e
+
     def _open(self, shard: int) -> Any:
         if self._local[shard]:
-            try:
-                handle = os.open(local_path(self._urls[shard]), os.O_RDONLY)
-            except OSError as e:
-                kind = {FileNotFoundError: NotFoundError, PermissionError: AccessDeniedError}.get(type(e), ShardkitError)
-                raise kind(f"{display(self._urls[shard])}: {type(e).__name__}: {one_line(e)}") from e
+            handle = self._open_local(shard)
         else:
             handle = filesystem(self._urls[shard], self._opts, self._instances, client_retries=False)
         if self._verify:
@@ -138,11 +149,15 @@ class RangeReader:
         continued). An I/O error is a ShardkitError naming the shard: not bad data."""
         if not self._local[shard]:
             raise ValueError(f"{display(self._urls[shard])}: a remote shard is read by range, not read_at")
-        fd, url = self._handle(shard), self._urls[shard]
+        key, url = self._handle(shard), self._urls[shard]
+
+        def reopen() -> int:
+            return self._open_local(shard)
 
         def read_at(size: int, offset: int) -> bytes:
             if self._closed:  # _check_open, inlined: this runs for every member of every sample
                 raise ShardkitError("read after the reader was closed")
+            fd = FILES.acquire(key, reopen)
             try:
                 data = os.pread(fd, size, offset)
                 while 0 < len(data) < size and (more := os.pread(fd, size - len(data), offset + len(data))):
@@ -150,6 +165,8 @@ class RangeReader:
             except OSError as e:
                 raise ShardkitError(f"{display(url)}: reading bytes {offset}-{offset + size}: "
                                     f"{type(e).__name__}: {one_line(e)}") from e
+            finally:
+                FILES.release(fd)
             return data
 
         return read_at
@@ -158,8 +175,12 @@ class RangeReader:
         """Ask the kernel to start reading bytes [start, stop) of a local shard into the page
         cache, and return. A hint: where it cannot be given (macOS), nothing."""
         if self._local[shard] and stop > start and _WILLNEED is not None:
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(self._handle(shard), start, stop - start, _WILLNEED)
+            fd = FILES.acquire(self._handle(shard), lambda: self._open_local(shard))
+            try:
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fd, start, stop - start, _WILLNEED)
+            finally:
+                FILES.release(fd)
 
     def read(self, shard: int, start: int, stop: int, partial: bool = False) -> bytes:
         """Bytes [start, stop) of a shard. A shard that ends before `stop` (truncated or
@@ -208,7 +229,5 @@ class RangeReader:
         """Close the files. Reads still running on read-ahead threads fail cleanly after this."""
         with self._lock:
             self._closed = True
-            for shard, handle in self._handles.items():
-                if self._local[shard]:
-                    os.close(handle)
             self._handles.clear()
+        FILES.forget(lambda key: key[0] == self._number)
