@@ -1,68 +1,224 @@
-"""What a large index costs a reader: time to build StreamingDataset from index.json, the
-memory it leaves behind and the size of its pickle (what each spawned worker receives).
-Writes a generated index.json of --samples samples in --shards shards under --dir once (no
-shard is read: building the dataset reads the index only). Each measurement runs in a
-fresh process.
+"""What a dataset's size costs a reader, from 10 thousand to 1 billion samples: building
+StreamingDataset from index.json, the memory each rank keeps, the pickle a spawned worker
+receives, a worker's epoch start (its plan, then its samples' offsets out of the sidecar)
+at world sizes 8 and 512 (8 workers a rank), and an elastic re-plan from a checkpoint
+taken under 8 ranks. A worker's memory is its allocations' peak (tracemalloc) and its
+private dirty pages after the plan (what it owns; the sidecar's pages are page cache).
 
-    python scripts/bench_index.py --samples 14000000
+Synthetic datasets, index files only (index.json of version 2 and its sidecar of offsets,
+written once under --dir; no shard exists and none is read). Every measurement runs in a
+fresh process, the sizes interleaved round after round; each worker-side measurement in a
+child forked from the rank that built the dataset, as a DataLoader worker is. Medians.
+
+    python scripts/bench_index.py --samples 10000 1000000 10000000 100000000 1000000000
+    python scripts/bench_index.py --samples 10000000 --version 1   # the same dataset, index of version 1
+    python scripts/bench_index.py --samples --parts 100 1000       # mixtures of 1M samples in 100, 1000 parts
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-MEASURE = """
-import gc, os, pickle, resource, sys, time
+import numpy as np
+
+MEASURE = r"""
+import gc, json, multiprocessing, os, pickle, resource, sys, time, tracemalloc
 import torch  # imported before the baseline, as in a training script
-from shardkit import StreamingDataset
+from shardkit import StreamingDataset, ranges
+from shardkit.reading.stream import WorkerStream
 from shardkit.tools.bench import rss
+
+WORKERS = 8
+
+
+def private() -> int:
+    # the worker's own memory: pages it wrote (its allocations, copies of its parent's); the
+    # sidecar's pages it maps are the page cache's, shared by the machine's processes
+    with open("/proc/self/smaps_rollup") as f:
+        return sum(int(line.split()[1]) * 1024 for line in f if line.startswith("Private_Dirty"))
+
+
+def in_worker(ds, world, resume, out):
+    # a forked worker of rank world // 2: its plan, then its samples' offsets (what a pass does first)
+    if resume is not None:
+        ds.load_state_dict(resume)
+    tracemalloc.start()
+    start = time.perf_counter()
+    ids = WorkerStream(ds, world // 2, world, 3, WORKERS)._plan()
+    bounds = ranges.bounds(ids, ds._first, ds._offsets)
+    took = time.perf_counter() - start
+    out.put((took, tracemalloc.get_traced_memory()[1], private(), len(ids)))
+
+
+def forked(ds, world, resume=None):
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=in_worker, args=(ds, world, resume, q))
+    p.start()
+    got = q.get()
+    p.join()
+    return got
+
 
 before = rss(os.getpid())
 start = time.perf_counter()
-ds = StreamingDataset(sys.argv[1], shuffle=True)
+ds = StreamingDataset(sys.argv[1], shuffle=True, rank=0, world_size=8)
 took = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 gc.collect()
 kept = rss(os.getpid()) - before
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-print(len(ds), took, kept, peak, len(pickle.dumps(ds)))
+pickled = len(pickle.dumps(ds))
+out = {"build_s": took, "build_peak": peak, "kept": kept, "pickle": pickled}
+for world in (8, 512):
+    t, p, u, n = forked(ds, world)
+    out.update({f"start_s_{world}": t, f"start_peak_{world}": p, f"uss_{world}": u, f"share_{world}": n})
+seen = len(ds) // 2 // 16 * 16  # half an epoch under 8 ranks x 8 workers, batches of 16
+state = ds.resume_state(epoch=0, samples_seen=seen, batch_size=16, num_workers=WORKERS, world_size=8)
+t, p, u, n = forked(StreamingDataset(sys.argv[1], shuffle=True, rank=0, world_size=512), 512, state)
+out.update({"replan_s": t, "replan_peak": p})
+print(json.dumps(out))
 """
 
 
-def write_index(folder: Path, samples: int, shards: int) -> None:
-    per = samples // shards
+MIX = r"""
+import json, multiprocessing, sys, time, tracemalloc
+import torch
+from shardkit import StreamingDataset
+from shardkit.reading.mix import _MixedStream
+
+parts = [(folder, 1.0) for folder in sys.argv[1:]]
+mix = StreamingDataset.mix(parts, shuffle=True, seed=1)
+out = {}
+
+
+def in_worker(world, q):
+    tracemalloc.start()
+    start = time.perf_counter()
+    stream = _MixedStream(mix, world // 2, world, 1, 2)
+    part_of, ids = stream._part_ids(stream._plan())
+    q.put((time.perf_counter() - start, tracemalloc.get_traced_memory()[1]))
+
+
+for world in (1, 512):  # 2 workers a rank
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=in_worker, args=(world, q))
+    p.start()
+    out[f"s_{world}"], out[f"peak_{world}"] = q.get()
+    p.join()
+print(json.dumps(out))
+"""
+
+
+def shard_counts(samples: int, shards: int) -> np.ndarray:
+    counts = np.full(shards, samples // shards, dtype=np.int64)
+    counts[: samples % shards] += 1
+    return counts
+
+
+def write_dataset(folder: Path, samples: int, shards: int, version: int) -> None:
+    """index.json and its sidecar: samples of ~110 KB (ImageNet-like), real offsets."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from shardkit import sidecar
+
+    counts = shard_counts(samples, shards)
     folder.mkdir(parents=True, exist_ok=True)
-    entries = [{"name": f"shard-{i:06d}.tar", "samples": per, "bytes": per * 110_000 + 1024, "sha256": f"{i:064x}",
-                "offsets": list(range(0, (per + 1) * 110_000, 110_000))} for i in range(shards)]
-    doc = {"format": "shardkit", "version": 1, "kind": "tar", "samples": per * shards,
+    entries = [{"name": f"shard-{i:06d}.tar", "samples": int(n), "bytes": int(n) * 110_000 + 1024,
+                "sha256": f"{i:064x}"} for i, n in enumerate(counts)]
+
+    def tables():
+        for n in counts:
+            yield np.arange(n + 1, dtype=np.int64) * 110_000
+
+    doc = {"format": "shardkit", "version": version, "kind": "tar", "samples": samples,
            "bytes": sum(e["bytes"] for e in entries), "fields": ["cls", "jpg"],
-           "classes": [f"class_{i:04d}" for i in range(1000)], "plan": None, "skipped": [], "shards": entries}
-    (folder / "index.json").write_text(json.dumps(doc, separators=(",", ":")))
+           "classes": [f"class_{i:04d}" for i in range(1000)], "plan": None, "skipped": []}
+    if version == 2:
+        name = sidecar.name_for((e["name"], e["samples"], e["bytes"], e["sha256"]) for e in entries)
+        sha = sidecar.write(str(folder / name), tables(), samples + shards)
+        doc["offsets"] = {"file": name, "sha256": sha}
+    else:
+        entries = [{**e, "offsets": t.tolist()} for e, t in zip(entries, tables())]
+    (folder / "index.json").write_text(json.dumps({**doc, "shards": entries}, separators=(",", ":")))
+
+
+def measure(folder: Path) -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(folder)], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(out.stderr[-3000:])
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def row(samples: int, shards: int, size: int, runs: list[dict[str, float]]) -> str:
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    mb = 1e6
+    return (f"| {samples:,} | {shards:,} | {size / mb:,.1f} | {med['build_s']:.3f} | {med['build_peak'] / mb:,.0f} | "
+            f"{med['kept'] / mb:,.0f} | {med['pickle'] / mb:,.1f} | "
+            f"{med['start_s_8']:.2f} / {med['start_peak_8'] / mb:,.0f} / {med['uss_8'] / mb:,.0f} | "
+            f"{med['start_s_512']:.3f} / {med['start_peak_512'] / mb:,.1f} / {med['uss_512'] / mb:,.0f} | "
+            f"{med['replan_s']:.3f} / {med['replan_peak'] / mb:,.1f} |")
+
+
+def mixtures(counts: list[int], rounds: int, root: Path) -> None:
+    """A worker's epoch start in a mixture of 1M samples in `parts` datasets of one shard."""
+    folders = {}
+    for parts in counts:
+        folders[parts] = [root / f"part-{1_000_000 // parts}-{i}" for i in range(parts)]
+        for folder in folders[parts]:
+            if not (folder / "index.json").exists():
+                write_dataset(folder, 1_000_000 // parts, 1, 2)
+    runs: dict[int, list[dict[str, float]]] = {n: [] for n in counts}
+    for _ in range(rounds):
+        for parts in counts:
+            out = subprocess.run([sys.executable, "-c", MIX, *map(str, folders[parts])], capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(out.stderr[-3000:])
+            runs[parts].append(json.loads(out.stdout.splitlines()[-1]))
+    print("mixtures of 1,000,000 samples, a worker's epoch start (its parts and samples): time s / peak MB")
+    print("| parts | 1 rank x 2 workers | 512 ranks x 2 workers |")
+    print("|---|---|---|")
+    for parts in counts:
+        med = {k: statistics.median(r[k] for r in runs[parts]) for k in runs[parts][0]}
+        print(f"| {parts:,} | {med['s_1']:.3f} / {med['peak_1'] / 1e6:.1f} | {med['s_512']:.3f} / "
+              f"{med['peak_512'] / 1e6:.2f} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--samples", type=int, default=14_000_000)
-    ap.add_argument("--shards", type=int, default=1000)
+    ap.add_argument("--samples", type=float, nargs="*", default=[1e4, 1e6, 1e7, 1e8, 1e9])
+    ap.add_argument("--shards", type=int, default=100_000, help="shards (at most one per 100 samples)")
+    ap.add_argument("--version", type=int, choices=(1, 2), default=2, help="index version to write")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--parts", type=int, nargs="*", default=[], help="also mixtures of 1M samples in this many parts")
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
     args = ap.parse_args()
-    folder = Path(args.dir) / f"index-{args.samples}"
-    if not (folder / "index.json").exists():
-        write_index(folder, args.samples, args.shards)
-    size = (folder / "index.json").stat().st_size
-    runs = []
+    if args.parts:
+        mixtures(args.parts, args.rounds, Path(args.dir))
+    sizes = [(int(n), min(args.shards, int(n) // 100)) for n in args.samples]
+    folders = {}
+    for samples, shards in sizes:
+        folder = Path(args.dir) / f"index-v{args.version}-{samples}-{shards}"
+        if not (folder / "index.json").exists():
+            write_dataset(folder, samples, shards, args.version)
+        folders[samples] = folder
+    if not sizes:
+        return
+    runs: dict[int, list[dict[str, float]]] = {n: [] for n, _ in sizes}
     for _ in range(args.rounds):
-        out = subprocess.run([sys.executable, "-c", MEASURE, str(folder)], capture_output=True, text=True, check=True)
-        runs.append([float(x) for x in out.stdout.split()])
-    runs.sort(key=lambda r: r[1])
-    n, took, kept, peak, pickled = runs[len(runs) // 2]  # the median build time's run
-    print("| samples | index.json MB | build s | memory kept MB | peak during build MB | pickle MB |")
-    print("|---|---|---|---|---|---|")
-    print(f"| {int(n):,} | {size / 1e6:,.0f} | {took:.2f} | {kept / 1e6:,.0f} | {peak / 1e6:,.0f} | {pickled / 1e6:,.0f} |")
+        for samples, _shards in sizes:  # interleaved: a busy moment of the machine hits every size
+            runs[samples].append(measure(folders[samples]))
+    print(f"index version {args.version}; per worker: time s / peak MB (tracemalloc) / private dirty MB")
+    print("| samples | shards | index.json MB | build s | build peak MB | kept per rank MB | spawn pickle MB | "
+          "epoch start, W=8 | epoch start, W=512 | elastic re-plan 8 -> 512 ranks |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for samples, shards in sizes:
+        size = (folders[samples] / "index.json").stat().st_size
+        print(row(samples, shards, size, runs[samples]))
 
 
 if __name__ == "__main__":

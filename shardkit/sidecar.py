@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import io
 import json
+import mmap
 import os
 import re
 import tempfile
@@ -86,17 +87,34 @@ class Offsets:
 
 
 def _map(path: str, entries: int, where: str) -> np.ndarray:
+    """The file's table, mapped read-only with random access advised: a worker's samples
+    touch a page of offsets here and there, and the kernel's read-around would otherwise pull
+    in the pages about each one too (the whole file, in every process's memory count)."""
     try:
-        table = np.load(path, mmap_mode="r", allow_pickle=False)
+        with open(path, "rb") as f:
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(np.lib.format.read_magic(f))
+            if read_header is None:
+                raise ValueError("a .npy format version this shardkit does not read")
+            shape, fortran, dtype = read_header(f)
+            start = f.tell()
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if entries else None
     except FileNotFoundError:
         raise CorruptShardError(f"{where}: no such file, and index.json names it for its sample offsets (the "
                                 "dataset copied without it?)") from None
     except ValueError as e:
         raise CorruptShardError(f"{where}: not a table of sample offsets ({e})") from None
-    if table.dtype != DTYPE or table.shape != (entries,):
-        raise CorruptShardError(f"{where}: holds {table.shape} {table.dtype} values; index.json expects {entries} "
+    if dtype != DTYPE or shape != (entries,) or fortran:
+        raise CorruptShardError(f"{where}: holds {shape} {dtype} values; index.json expects {entries} "
                                 "int64 sample offsets")
-    return table
+    if mapped is None:
+        return np.empty(0, dtype=DTYPE)
+    if len(mapped) < start + entries * DTYPE.itemsize:
+        raise CorruptShardError(f"{where}: cut short ({len(mapped)} bytes, {entries} offsets need "
+                                f"{start + entries * DTYPE.itemsize})")
+    if hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mapped, dtype=DTYPE, count=entries, offset=start)
 
 
 def open_table(folder: str, name: str, sha256: str, entries: int, storage_options: StorageOptions | None = None,

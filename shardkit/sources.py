@@ -113,7 +113,8 @@ def resolve(source: str | Iterable[str], storage_options: StorageOptions | None 
         if idx is not None:
             if idx.kind == "lmdb":
                 return [source], idx
-            return [storage.join(source, s.name) for s in idx.shards], idx
+            folder = storage.join(source, "")
+            return [folder + s.name for s in idx.shards], idx
         if storage.is_local(source) and lmdb_format.is_lmdb(storage.local_path(source)):
             return [source], lmdb_index(source)
         urls = shard_urls(source, storage_options)
