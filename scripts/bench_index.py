@@ -44,13 +44,14 @@ def private() -> int:
 
 
 def in_worker(ds, world, resume, out):
-    # a forked worker of rank world // 2: its plan, then its samples' offsets (what a pass does first)
+    # a forked worker of rank world // 2: its plan, its samples' offsets, its reads (what a pass does first)
     if resume is not None:
         ds.load_state_dict(resume)
     tracemalloc.start()
     start = time.perf_counter()
     ids = WorkerStream(ds, world // 2, world, 3, WORKERS)._plan()
-    bounds = ranges.bounds(ids, ds._first, ds._offsets)
+    shard_of, starts, ends = ranges.bounds(ids, ds._first, ds._offsets)
+    reads, range_of = ranges.coalesce(shard_of, starts, ends, 16 << 20)  # a local dataset's read plan
     took = time.perf_counter() - start
     out.put((took, tracemalloc.get_traced_memory()[1], private(), len(ids)))
 
@@ -168,7 +169,7 @@ def mixtures(counts: list[int], rounds: int, root: Path) -> None:
     """A worker's epoch start in a mixture of 1M samples in `parts` datasets of one shard."""
     folders = {}
     for parts in counts:
-        folders[parts] = [root / f"part-{1_000_000 // parts}-{i}" for i in range(parts)]
+        folders[parts] = [root / f"mix-{parts}" / f"part-{i}" for i in range(parts)]
         for folder in folders[parts]:
             if not (folder / "index.json").exists():
                 write_dataset(folder, 1_000_000 // parts, 1, 2)

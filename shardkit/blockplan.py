@@ -102,27 +102,30 @@ class BlockOrder:
         self._short_end = block * (where[by_position] + 1) - deficit  # first position after each short block
 
     def ids(self, positions: np.ndarray) -> np.ndarray:
-        if self.keys is None:
-            return np.asarray(positions, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
-        before = np.searchsorted(self._short_end, positions, side="right")  # short blocks wholly before
-        q = positions + self._deficit[before]
-        slot, offset = np.divmod(q, self.block)
-        keys = self.keys
-        blocks = _runs(slot, lambda s: permute(s, self.blocks, keys))
+        if self.keys is None or len(positions) == 0:
+            return positions.copy()
+        # short blocks wholly before each position, searched among those of the positions' stretch
+        lo, hi = np.searchsorted(self._short_end, [positions.min(), positions.max()], side="right")
+        before = lo + np.searchsorted(self._short_end[lo:hi], positions, side="right")
+        slot, offset = np.divmod(positions + self._deficit[before], self.block)
+        return _once_each(slot, self._first_id) + offset
+
+    def _first_id(self, slots: np.ndarray) -> np.ndarray:
+        """The first sample of the block at each block position."""
+        blocks = permute(slots, self.blocks, self.keys)  # type: ignore[arg-type]
         shard = np.searchsorted(self.first_block, blocks, side="right") - 1
-        return self.first[shard] + (blocks - self.first_block[shard]) * self.block + offset
+        return self.first[shard] + (blocks - self.first_block[shard]) * self.block
 
 
-def _runs(x: np.ndarray, f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """f(x) computed once per run of equal neighbours (a block's samples sit together)."""
-    if len(x) == 0:
-        return x.astype(np.int64)
-    new = np.ones(len(x), dtype=bool)
-    new[1:] = x[1:] != x[:-1]
-    heads = np.flatnonzero(new)
-    values = f(x[heads])
-    return np.repeat(values, np.diff(np.append(heads, len(x))))
+def _once_each(x: np.ndarray, f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """f(x), computed once per value: over the stretch of values x spans where that is short
+    (a worker's samples fill a stretch of blocks), else over x's distinct values."""
+    lo, hi = int(x.min()), int(x.max())
+    if hi - lo < 2 * len(x) + 1024:
+        return f(np.arange(lo, hi + 1, dtype=np.int64))[x - lo]
+    values, inverse = np.unique(x, return_inverse=True)
+    return f(values)[inverse]
 
 
 def window_order(k: np.uint64, start: int, stop: int, window: int) -> np.ndarray:
