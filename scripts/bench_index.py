@@ -43,11 +43,12 @@ def private() -> int:
         return sum(int(line.split()[1]) * 1024 for line in f if line.startswith("Private_Dirty"))
 
 
-def in_worker(ds, world, resume, out):
+def in_worker(ds, world, resume, traced, out):
     # a forked worker of rank world // 2: its plan, its samples' offsets, its reads (what a pass does first)
     if resume is not None:
         ds.load_state_dict(resume)
-    tracemalloc.start()
+    if traced:
+        tracemalloc.start()
     start = time.perf_counter()
     ids = WorkerStream(ds, world // 2, world, 3, WORKERS)._plan()
     shard_of, starts, ends = ranges.bounds(ids, ds._first, ds._offsets)
@@ -57,13 +58,17 @@ def in_worker(ds, world, resume, out):
 
 
 def forked(ds, world, resume=None):
+    # twice: timed, then traced (tracemalloc slows every allocation of Python objects)
     ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=in_worker, args=(ds, world, resume, q))
-    p.start()
-    got = q.get()
-    p.join()
-    return got
+    got = []
+    for traced in (False, True):
+        q = ctx.Queue()
+        p = ctx.Process(target=in_worker, args=(ds, world, resume, traced, q))
+        p.start()
+        got.append(q.get())
+        p.join()
+    (took, _, _, n), (_, peak, own, _) = got
+    return took, peak, own, n
 
 
 before = rss(os.getpid())
@@ -97,21 +102,24 @@ mix = StreamingDataset.mix(parts, shuffle=True, seed=1)
 out = {}
 
 
-def in_worker(world, q):
-    tracemalloc.start()
+def in_worker(world, traced, q):
+    if traced:
+        tracemalloc.start()
     start = time.perf_counter()
     stream = _MixedStream(mix, world // 2, world, 1, 2)
     part_of, ids = stream._part_ids(stream._plan())
     q.put((time.perf_counter() - start, tracemalloc.get_traced_memory()[1]))
 
 
-for world in (1, 512):  # 2 workers a rank
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=in_worker, args=(world, q))
-    p.start()
-    out[f"s_{world}"], out[f"peak_{world}"] = q.get()
-    p.join()
+for world in (1, 512):  # 2 workers a rank; timed, then traced (tracemalloc slows allocations)
+    for traced in (False, True):
+        ctx = multiprocessing.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=in_worker, args=(world, traced, q))
+        p.start()
+        took, peak = q.get()
+        p.join()
+        out[f"peak_{world}" if traced else f"s_{world}"] = peak if traced else took
 print(json.dumps(out))
 """
 

@@ -65,10 +65,13 @@ class ShardInfo:
             )
         _check_offsets(self.name, np.frombuffer(self.offsets, dtype=np.int64), self.bytes)
 
-    def to_json(self) -> dict:
+    def to_json(self, offsets: bool = False) -> dict:
+        """The entry of index.json; with `offsets`, as version 1 wrote it (offsets inside)."""
         out: dict = {"name": self.name, "samples": self.samples, "bytes": self.bytes}
         if self.sha256 is not None:
             out["sha256"] = self.sha256
+        if offsets and self.offsets is not None:
+            out["offsets"] = list(self.offsets)
         return {**out, **dict(self.extra)}
 
     @classmethod
@@ -142,10 +145,12 @@ class Index:
         return replace(self, shards=shards, extra={k: v for k, v in self.extra.items() if k not in _PER_SAMPLE})
 
     def to_json(self) -> str:
-        """index.json's text, version 2: the shards' offsets go in the sidecar (see `save`)."""
+        """index.json's text: version 2 (the shards' offsets in the sidecar, see `save`), or
+        version 1 for an index whose shards carry their offsets (read from one, or scanned)."""
+        inline = self.sidecar is None and any(s.offsets is not None for s in self.shards)
         doc = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": 1 if inline else VERSION,
             "kind": self.kind,
             "samples": self.samples,
             "bytes": self.bytes,
@@ -155,7 +160,7 @@ class Index:
             "skipped": [{"path": s.path, "reason": s.reason} for s in self.skipped],
             **self.extra,
             **({"offsets": {"file": self.sidecar.file, "sha256": self.sidecar.sha256}} if self.sidecar else {}),
-            "shards": [s.to_json() for s in self.shards],
+            "shards": [s.to_json(inline) for s in self.shards],
         }
         return json.dumps(doc, ensure_ascii=False, separators=(",", ":")) + "\n"
 

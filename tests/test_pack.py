@@ -13,6 +13,7 @@ import sys
 import tarfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -821,6 +822,12 @@ _SHARD = {"name": "a.tar", "samples": 2, "bytes": 4096}
     ({"shards": [{**_SHARD, "name": "../a.tar"}]}, "shard name '../a.tar' is not the name of a file in the dataset's"),
     ({"shards": [{**_SHARD, "name": ".."}]}, "shard name '..' is not the name of a file"),
     ({"shards": [_SHARD, _SHARD]}, "shard 'a.tar' is listed twice"),
+    ({"version": 2, "shards": [_SHARD]}, "a version 2 index of tar shards names no file of sample offsets"),
+    ({"version": 2, "offsets": {"file": "../offsets-0123456789abcdef.npy", "sha256": "0"}, "shards": [_SHARD]},
+     "\"offsets\" names '../offsets-0123456789abcdef.npy', not a shardkit offsets file of the folder"),
+    ({"version": 2, "offsets": {"file": "offsets-0123456789abcdef.npy"}, "shards": [_SHARD]}, "malformed index"),
+    ({"version": 2, "offsets": {"file": "offsets-0123456789abcdef.npy", "sha256": "0"},
+      "shards": [{**_SHARD, "offsets": [0, 1024, 2048]}]}, "lists sample offsets both in its shards and in"),
 ])
 def test_a_malformed_index_is_one_line_naming_it(tmp_path: Path, doc: object, message: str) -> None:
     if isinstance(doc, dict):
@@ -830,6 +837,29 @@ def test_a_malformed_index_is_one_line_naming_it(tmp_path: Path, doc: object, me
         shardkit.StreamingDataset(str(tmp_path))
     text = str(err.value)
     assert text.startswith(str(tmp_path / "index.json")) and message in text and "\n" not in text
+
+
+def test_index_json_keeps_its_version_through_a_round_trip(packed: Path, packed_v1: Path, tmp_path: Path) -> None:
+    """A version 1 index reads and prints as version 1 (offsets inside, as `info --json`
+    shows it), a version 2 one as version 2; saving either writes version 2 and its sidecar."""
+    for folder, version in ((packed_v1, 1), (packed, 2)):
+        text = (folder / "index.json").read_text()
+        idx = shardkit.index.Index.from_json(text)
+        assert json.loads(idx.to_json()) == json.loads(text) and json.loads(text)["version"] == version
+    out = tmp_path / "out"
+    out.mkdir()
+    saved = shardkit.index.save(shardkit.index.load(str(packed_v1)), str(out))
+    assert (out / "index.json").read_text() == (packed / "index.json").read_text()
+    assert (out / saved.sidecar.file).read_bytes() == (packed / saved.sidecar.file).read_bytes()
+    with pytest.raises(shardkit.ShardkitError, match="not saved: shards without sample offsets"):
+        shardkit.index.save(replace(shardkit.index.load(str(packed_v1)).slim(), sidecar=None), str(out))
+
+
+def test_a_newer_index_version_is_refused_by_name(tmp_path: Path) -> None:
+    (tmp_path / "index.json").write_text(json.dumps({"format": "shardkit", "version": 3, "shards": []}))
+    with pytest.raises(shardkit.IndexVersionError, match=r"index version 3, this shardkit reads versions 1 to 2; "
+                                                         "upgrade shardkit"):
+        shardkit.StreamingDataset(str(tmp_path))
 
 
 def test_an_index_a_reader_would_refuse_is_not_written(packed: Path, tmp_path: Path) -> None:
