@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from torch.utils.data import DataLoader
@@ -29,6 +29,23 @@ SIZE = (48, 40)  # conftest.draw's default image size (W, H)
 def keys_of(loader: Any) -> list[str]:
     """Sample keys in the order a loader (or a dataset) yields them, batched or not."""
     return [k for item in loader for k in sample_keys(item)]
+
+
+def loader_of(dataset: Path, options: dict[str, Any] | None = None, *, epoch: int | None = None,
+              stateful: bool = False, **loader: Any) -> Callable[[], Any]:
+    """A function that makes a fresh (Stateful)DataLoader over a fresh shuffled dataset (seed 5
+    unless `options` say otherwise), set to `epoch` if one is given: a build for check_save_load."""
+
+    def build() -> Any:
+        ds = StreamingDataset(str(dataset), **{"shuffle": True, "seed": 5, **(options or {})})
+        if epoch is not None:
+            ds.set_epoch(epoch)
+        if stateful:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return StatefulDataLoader(ds, **loader)
+        return DataLoader(ds, **loader)
+    return build
 
 
 def run(ds: StreamingDataset, num_workers: int = 0, batch_size: int | None = None, **kw: Any) -> list[str]:

@@ -56,6 +56,16 @@ def into_dataset(loader: Any, state: Any) -> Iterable[Any]:
     return loader
 
 
+def into_dataset_at(epoch: int) -> Load:
+    """`into_dataset`, then the training loop's `set_epoch(epoch)` (`for epoch in range(start, n)`)."""
+
+    def load(loader: Any, state: Any) -> Iterable[Any]:
+        loader.dataset.load_state_dict(state)
+        loader.dataset.set_epoch(epoch)
+        return loader
+    return load
+
+
 def into_iterator(dataset: Any, state: Any) -> Iterable[Any]:
     it = iter(dataset)
     it.load_state_dict(state)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Iterator
 
 import pytest
 from torch.utils.data import DataLoader
 
 from shardkit.reading.dataset import StreamingDataset
 
-from readers import ALL_KEYS, WARNINGS, keys_of, run, take
+from readers import ALL_KEYS, WARNINGS, keys_of, loader_of, run, take
+from resume import check_save_load, into_dataset, into_dataset_at, resume_state
 
 pytestmark = WARNINGS
 
@@ -21,6 +22,31 @@ try:
 except ImportError:  # pragma: no cover - torchdata is a test dependency
     StatefulDataLoader = None
 needs_torchdata = pytest.mark.skipif(StatefulDataLoader is None, reason="needs torchdata")
+
+
+class Numbers:
+    """Ten samples, its state the count handed out; a resume `slip`s that many samples."""
+
+    def __init__(self, slip: int = 0) -> None:
+        self.slip, self.done = slip, 0
+
+    def __iter__(self) -> Iterator[dict[str, str]]:
+        while self.done < 10:
+            self.done += 1
+            yield {"__key__": str(self.done - 1)}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"done": self.done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.done = state["done"] + self.slip
+
+
+@pytest.mark.parametrize("slip, said", [(1, r"missing \[\('3', 1\)\]"), (-1, r"repeated or foreign \[\('2', 1\)\]")])
+def test_check_save_load_catches_a_lost_or_a_repeated_sample(slip: int, said: str) -> None:
+    assert check_save_load(Numbers, [3, 4], same_order=True).pieces == [list("012"), list("3456"), list("789")]
+    with pytest.raises(AssertionError, match=said):
+        check_save_load(lambda: Numbers(slip), 3)
 
 
 def full_epoch(dataset: Path, epoch: int, rank: int = 0, world: int = 1) -> list[str]:
@@ -35,25 +61,17 @@ def test_stateful_dataloader_resume_and_elastic_resume(packed: Path, k: int) -> 
     """Two ranks checkpoint after k batches of epoch 3; (a) each resumes with the same layout;
     (b) the checkpoint of one rank resumes the epoch under 3 ranks or 1 rank, other workers."""
 
-    def loader(rank: int) -> tuple[StreamingDataset, Any]:
-        ds = StreamingDataset(str(packed), shuffle=True, seed=5, rank=rank, world_size=2)
-        return ds, StatefulDataLoader(ds, num_workers=2, batch_size=5)
-
     before, states = [], []
-    for rank in range(2):
-        ds, dl = loader(rank)
-        ds.set_epoch(3)
-        before.append(take(dl, k))
-        states.append(dl.state_dict())
-        assert len(before[rank]) == 5 * k
-
     # (a) same layout through StatefulDataLoader, then (d) the next pass is all of epoch 4
     for rank in range(2):
-        _, dl = loader(rank)  # no set_epoch: the state carries the epoch
-        dl.load_state_dict(states[rank])
-        after = keys_of(dl)
-        assert Counter(before[rank]) + Counter(after) == Counter(full_epoch(packed, 3, rank, 2))
-        assert Counter(keys_of(dl)) == Counter(full_epoch(packed, 4, rank, 2))
+        options = {"rank": rank, "world_size": 2}
+        first, then = (loader_of(packed, options, epoch=epoch, stateful=True, num_workers=2, batch_size=5)
+                       for epoch in (3, None))  # no set_epoch after the checkpoint: the state carries the epoch
+        resumed = check_save_load([first, then], k, expected=full_epoch(packed, 3, rank, 2))
+        assert Counter(keys_of(resumed.reader)) == Counter(full_epoch(packed, 4, rank, 2))
+        before.append(resumed.pieces[0])
+        states += resumed.states
+        assert len(before[rank]) == 5 * k
 
     done = set(before[0]) | set(before[1])
     assert len(done) == 10 * k
@@ -77,16 +95,10 @@ def test_elastic_resume_refuses_a_lagging_snapshot_and_moves_past_a_finished_pas
     """snapshot_every_n_steps > 1 leaves the workers' counts behind the loader: an elastic
     resume from such a state would repeat samples, so it is refused (the loader's own resume
     still works). A state taken after a whole pass resumes at the next epoch, not an empty one."""
-    ds = StreamingDataset(str(packed), shuffle=True)
-    dl = StatefulDataLoader(ds, num_workers=2, batch_size=5, snapshot_every_n_steps=4)
-    before = take(dl, 6)
-    state = dl.state_dict()
+    lagging = loader_of(packed, {"seed": 0}, stateful=True, num_workers=2, batch_size=5, snapshot_every_n_steps=4)
+    (state,) = check_save_load(lagging, 6, expected=full_epoch(packed, 0, 0, 1)).states  # the loader's own resume
     with pytest.raises(ValueError, match=r"2 step\(s\) after its last snapshot"):
         StreamingDataset(str(packed), shuffle=True).load_state_dict(state)
-    again = StatefulDataLoader(StreamingDataset(str(packed), shuffle=True), num_workers=2, batch_size=5,
-                               snapshot_every_n_steps=4)
-    again.load_state_dict(state)
-    assert Counter(before) + Counter(keys_of(again)) == Counter(full_epoch(packed, 0, 0, 1))
 
     dl = StatefulDataLoader(StreamingDataset(str(packed), shuffle=True), num_workers=2, batch_size=5)
     keys_of(dl)
@@ -99,39 +111,18 @@ def test_elastic_resume_refuses_a_lagging_snapshot_and_moves_past_a_finished_pas
 
 @needs_torchdata
 def test_stateful_dataloader_resumes_twice_in_one_epoch(packed: Path) -> None:
-    def loader() -> Any:
-        return StatefulDataLoader(StreamingDataset(str(packed), shuffle=True, seed=5), num_workers=2, batch_size=5)
-
-    dl = loader()
-    first = take(dl, 3)
-    sd = dl.state_dict()
-    dl = loader()
-    dl.load_state_dict(sd)
-    second = take(dl, 4)  # resumed workers skip what they had yielded; the next state counts both
-    sd = dl.state_dict()
-    dl = loader()
-    dl.load_state_dict(sd)
-    third = keys_of(dl)
-    assert len(first) == 15 and len(second) == 20
-    assert Counter(first + second + third) == Counter(ALL_KEYS)
+    # resumed workers skip what they had yielded; the next state counts both
+    resumed = check_save_load(loader_of(packed, stateful=True, num_workers=2, batch_size=5), [3, 4], expected=ALL_KEYS)
+    assert [len(piece) for piece in resumed.pieces[:2]] == [15, 20]
 
 
 @needs_torchdata
 def test_chained_elastic_resumes(packed: Path) -> None:
-    ds = StreamingDataset(str(packed), shuffle=True)
-    dl = StatefulDataLoader(ds, num_workers=2, batch_size=5)
-    first = take(dl, 5)
-    sd = dl.state_dict()
-    ds = StreamingDataset(str(packed), shuffle=True)
-    ds.load_state_dict(sd)
-    dl = StatefulDataLoader(ds, num_workers=3, batch_size=4)
-    second = take(dl, 6)
-    sd = dl.state_dict()
-    ds = StreamingDataset(str(packed), shuffle=True)
-    ds.load_state_dict(sd)
-    third = run(ds, 1)
-    assert Counter(first + second + third) == Counter(ALL_KEYS)
-    assert len(first) == 25 and len(second) == 24
+    layouts = [loader_of(packed, {"seed": 0}, stateful=True, num_workers=2, batch_size=5),
+               loader_of(packed, {"seed": 0}, stateful=True, num_workers=3, batch_size=4),
+               loader_of(packed, {"seed": 0}, num_workers=1, batch_size=None)]
+    resumed = check_save_load(layouts, [5, 6], load=into_dataset, expected=ALL_KEYS)
+    assert [len(piece) for piece in resumed.pieces[:2]] == [25, 24]
 
 
 @pytest.mark.parametrize(
@@ -140,19 +131,13 @@ def test_chained_elastic_resumes(packed: Path) -> None:
 )
 def test_plain_dataloader_resume_state(packed: Path, workers: int, batch_size: int, k: int, new_workers: int,
                                        persistent: bool) -> None:
-    ds = StreamingDataset(str(packed), shuffle=True, seed=5)
-    ds.set_epoch(2)
-    before = take(DataLoader(ds, num_workers=workers, batch_size=batch_size), k)
-    ds2 = StreamingDataset(str(packed), shuffle=True, seed=5)
-    ds2.load_state_dict(ds2.resume_state(epoch=2, samples_seen=len(before), batch_size=batch_size,
-                                         num_workers=workers))
-    loader = DataLoader(ds2, num_workers=new_workers, batch_size=batch_size, persistent_workers=persistent)
-    after = keys_of(loader)
-    assert Counter(before) + Counter(after) == Counter(ALL_KEYS)
+    first = loader_of(packed, epoch=2, num_workers=workers, batch_size=batch_size)
+    then = loader_of(packed, num_workers=new_workers, batch_size=batch_size, persistent_workers=persistent)
+    resumed = check_save_load([first, then], k, save=resume_state(epoch=2), load=into_dataset, expected=ALL_KEYS)
     # (d) the resume applies to epoch 2 only: the next pass is the whole of epoch 3
     ref = StreamingDataset(str(packed), shuffle=True, seed=5)
     ref.set_epoch(3)
-    assert keys_of(loader) == run(ref, new_workers, batch_size)
+    assert keys_of(resumed.reader) == run(ref, new_workers, batch_size)
 
 
 def test_resume_state_after_a_whole_pass(packed: Path) -> None:
@@ -186,28 +171,17 @@ def test_resume_state_after_a_whole_pass_that_dropped_its_last_batches(packed: P
 def test_resume_state_across_batching_on_a_dataset_built_as_at_the_checkpoint(packed: Path) -> None:
     """A checkpoint of a batching dataset resumed in one that does not batch: resume_state
     describes the checkpointed run, so it is asked of a dataset built as that one was."""
-    ds = StreamingDataset(str(packed), shuffle=True, seed=3, batch_size=3)
-    it = iter(DataLoader(ds, batch_size=None, num_workers=2))
-    first = [k for _ in range(4) for k in next(it)["__key__"]]
-    del it
-    state = StreamingDataset(str(packed), shuffle=True, seed=3, batch_size=3).resume_state(
-        epoch=0, samples_seen=len(first), num_workers=2)
-    plain = StreamingDataset(str(packed), shuffle=True, seed=3)
-    plain.load_state_dict(state)
-    rest = [s["__key__"] for s in DataLoader(plain, batch_size=None, num_workers=3)]
-    assert Counter(first + rest) == Counter(f"{i:06d}" for i in range(120))
+    batching = loader_of(packed, {"seed": 3, "batch_size": 3}, batch_size=None, num_workers=2)
+    plain = loader_of(packed, {"seed": 3}, batch_size=None, num_workers=3)
+    check_save_load([batching, plain], 4, save=resume_state(epoch=0), load=into_dataset, expected=ALL_KEYS)
 
 
 def test_resume_then_a_training_loop_calling_set_epoch(packed: Path) -> None:
-    ds = StreamingDataset(str(packed), shuffle=True, seed=5)
-    ds.set_epoch(2)
-    before = take(DataLoader(ds, num_workers=2, batch_size=5), 4)
-    ds2 = StreamingDataset(str(packed), shuffle=True, seed=5)
-    ds2.load_state_dict(ds2.resume_state(epoch=2, samples_seen=20, batch_size=5, num_workers=2))
-    loader = DataLoader(ds2, num_workers=2, batch_size=5, persistent_workers=True)
-    ds2.set_epoch(2)  # `for epoch in range(start_epoch, epochs): ds.set_epoch(epoch); ...`
-    assert Counter(before) + Counter(keys_of(loader)) == Counter(ALL_KEYS)
-    ds2.set_epoch(3)
+    first = loader_of(packed, epoch=2, num_workers=2, batch_size=5)
+    then = loader_of(packed, num_workers=2, batch_size=5, persistent_workers=True)
+    loader = check_save_load([first, then], 4, save=resume_state(epoch=2), load=into_dataset_at(2),
+                             expected=ALL_KEYS).reader
+    loader.dataset.set_epoch(3)
     ref = StreamingDataset(str(packed), shuffle=True, seed=5)
     ref.set_epoch(3)
     assert keys_of(loader) == run(ref, 2, 5)
@@ -232,18 +206,8 @@ def test_resume_state_under_ddp_ranks(packed: Path) -> None:
 def test_plain_dataloader_resumes_chain(packed: Path, layouts: tuple[tuple[int, int, int | None], ...]) -> None:
     """A plain DataLoader's resumed pass interrupted again (and again): each state names the
     one its pass resumed from, and the epoch still delivers every sample exactly once."""
-    delivered: list[str] = []
-    state = None
-    for workers, batch_size, batches in layouts:
-        ds = StreamingDataset(str(packed), shuffle=True, seed=5)
-        if state is not None:
-            ds.load_state_dict(state)
-        ds.set_epoch(2)
-        loader = DataLoader(ds, num_workers=workers, batch_size=batch_size)
-        got = take(loader, batches) if batches is not None else keys_of(loader)
-        delivered += got
-        if batches is not None:
-            state = ds.resume_state(epoch=2, samples_seen=len(got), batch_size=batch_size, num_workers=workers,
-                                    resumed_from=state)
-    assert Counter(delivered) == Counter(ALL_KEYS)
-    json.dumps(state)  # a checkpoint can hold it
+    builds = [loader_of(packed, epoch=None if i else 2, num_workers=workers, batch_size=batch_size)
+              for i, (workers, batch_size, _) in enumerate(layouts)]
+    stops = [batches for _, _, batches in layouts[:-1]]
+    resumed = check_save_load(builds, stops, save=resume_state(epoch=2), load=into_dataset_at(2), expected=ALL_KEYS)
+    json.dumps(resumed.states[-1])  # a checkpoint can hold it

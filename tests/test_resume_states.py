@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,8 @@ from torch.utils.data import DataLoader
 
 from shardkit.reading.dataset import StreamingDataset
 
-from readers import ALL_KEYS, WARNINGS, keys_of, pack, take
+from readers import ALL_KEYS, WARNINGS, keys_of, loader_of, pack
+from resume import check_save_load, resume_state
 
 pytestmark = WARNINGS
 
@@ -109,18 +109,19 @@ def test_a_resume_point_applies_once_even_if_its_epoch_is_set_again(packed: Path
 def test_a_peek_after_loading_a_resume_point_leaves_it_to_the_loader(packed: Path, workers: int,
                                                                       set_epoch: bool) -> None:
     """The main process's passes are a layout of their own, even beside one worker."""
-    ds = StreamingDataset(str(packed), shuffle=True)
-    ds.set_epoch(2)
-    before = take(DataLoader(ds, num_workers=workers, batch_size=5), 2)
-    ds2 = StreamingDataset(str(packed), shuffle=True)
-    ds2.load_state_dict(ds2.resume_state(epoch=2, samples_seen=10, batch_size=5, num_workers=workers))
-    next(iter(ds2))  # a look at one sample's shape
-    assert ds2.state_dict()["epoch"] == 2  # a peek is no pass that a checkpoint counts
-    if set_epoch:
-        ds2.set_epoch(2)  # the training loop's
-    rest = keys_of(DataLoader(ds2, num_workers=workers, batch_size=5))
-    assert len(rest) == 110 and Counter(before) + Counter(rest) == Counter(ALL_KEYS)
-    assert ds2.state_dict()["epoch"] == 3
+
+    def load_and_peek(loader: DataLoader, state: dict) -> DataLoader:
+        ds = loader.dataset
+        ds.load_state_dict(state)
+        next(iter(ds))  # a look at one sample's shape
+        assert ds.state_dict()["epoch"] == 2  # a peek is no pass that a checkpoint counts
+        if set_epoch:
+            ds.set_epoch(2)  # the training loop's
+        return loader
+
+    first, then = (loader_of(packed, {"seed": 0}, epoch=epoch, num_workers=workers, batch_size=5) for epoch in (2, None))
+    resumed = check_save_load([first, then], 2, save=resume_state(epoch=2), load=load_and_peek, expected=ALL_KEYS)
+    assert len(resumed.pieces[1]) == 110 and resumed.reader.dataset.state_dict()["epoch"] == 3
 
 
 def test_state_dict_after_the_loaders_passes_and_a_peek(packed: Path) -> None:
