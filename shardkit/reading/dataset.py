@@ -17,10 +17,9 @@ import numpy as np
 from .. import checks, partition
 from ..decode import decoder
 from .epochs import EpochDataset
+from .samples import source_for
 from .stream import WorkerStream
-from ..errors import ShardkitError
-from ..formats import lmdb as lmdb_format
-from ..sources import local_lmdb, resolve
+from ..sources import resolve
 from ..storage import StorageOptions
 
 
@@ -85,21 +84,9 @@ class StreamingDataset(EpochDataset):
                 f"cache_limit ({self.cache_limit} bytes) is smaller than the read-ahead budget prefetch_bytes "
                 f"({self.prefetch_bytes} bytes): raise cache_limit or lower prefetch_bytes"
             )
-        counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
-        self._counts = counts
-        self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self._lmdb: str | None = None  # local path of an LMDB dataset
-        self._keys, self._sizes = np.empty(0, dtype="S1"), None  # an LMDB's, sizes checked at each read
-        if self.index.kind == "lmdb":
-            self._lmdb = local_lmdb(self.urls[0], storage_options, cache_dir, self.cache_limit)
-            self._keys, self._sizes = lmdb_format.sample_tables(self.index.extra)
-            self._offsets = np.empty(0, np.int64)
-        else:
-            tables = [s.offsets for s in self.index.shards]
-            if any(t is None for t in tables):
-                raise ShardkitError(f"{source!r}: index lacks sample offsets; rebuild it with `shardkit index`")
-            self._offsets = np.concatenate([np.asarray(t, dtype=np.int64) for t in tables] or [np.empty(0, np.int64)])
-        self.index = self.index.slim()  # the per-sample tables live on in the arrays above only
+        self._counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
+        self._samples = source_for(self.index, self.urls, storage_options, cache_dir, self.cache_limit)
+        self.index = self.index.slim()  # the per-sample tables live on in the source's arrays only
 
     @property
     def classes(self) -> tuple[str, ...]:
