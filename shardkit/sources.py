@@ -132,7 +132,9 @@ def _index_of(urls: list[str], storage_options: StorageOptions | None) -> Index:
     of every byte); any other is scanned."""
     folders: dict[str, tuple[Index, dict[str, ShardInfo]] | None] = {}
     used: set[str] = set()
-    infos, fields, scanned = [], set(), 0
+    infos: list[ShardInfo] = []
+    fields: set[str] = set()
+    scanned = 0
     for u in urls:
         size = storage.size(u, storage_options)
         if size is None:
@@ -151,7 +153,7 @@ def _index_of(urls: list[str], storage_options: StorageOptions | None) -> Index:
             infos.append(found.info)
             fields |= found.fields
             scanned += 1
-    indexes = [folders[f][0] for f in used]  # type: ignore[index]
+    indexes = [listed[0] for f in used if (listed := folders[f]) is not None]  # (used: listed ones only)
     for idx in indexes:
         fields |= set(idx.fields)
     classes = indexes[0].classes if len(indexes) == 1 and not scanned else ()  # its labels' names

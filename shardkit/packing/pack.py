@@ -21,13 +21,14 @@ from ..index import Index
 from ..sources import local_lmdb
 from ..storage import StorageOptions
 from . import commit, executors
+from .commit import Sink
 from .lmdb_sink import LmdbSink
 from .plan import DEFAULT_MAX_SIZE, Options, make_plan
 from .scan import HIDDEN, source_kind
 from .tar_sink import TarSink
 
 
-SINKS: dict[str, type[TarSink] | type[LmdbSink]] = {"tar": TarSink, "lmdb": LmdbSink}  # by formats.FORMATS
+SINKS: dict[str, type[Sink]] = {"tar": TarSink, "lmdb": LmdbSink}  # by formats.FORMATS
 
 
 def pack(

@@ -80,7 +80,7 @@ class _Segment:
         """Copy `value` in at `offset` through the descriptor, not the mapping: this process
         never maps the data pages (only the header's), so a batch handed to the main process
         counts in that process's RSS alone, and a reused segment costs no page faults here."""
-        data = memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8))  # empty arrays too
+        data = memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)  # empty arrays too
         while data:
             written = os.pwrite(self.fd, data[:_MAX_WRITE], offset)
             data, offset = data[written:], offset + written
@@ -271,7 +271,8 @@ class Batches:
         return self
 
     def state_dict(self) -> dict[str, Any]:
-        return self.stream.state_dict()
+        state: dict[str, Any] = self.stream.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stream.load_state_dict(state)
@@ -310,7 +311,7 @@ class Batches:
                 if not values:
                     collated.append(None)
                     continue
-                batch = default_collate(tuple(values) if layout.places[j][1] else values)
+                batch = default_collate(tuple(values) if layout.places[j][1] else values)  # type: ignore[arg-type]  # torch's hint says list; any sequence works
                 if slot[0] == "array" and isinstance(batch, torch.Tensor) and batch.numpy().dtype == slot[3]:
                     seg.write(slot[1], batch.numpy())
                     collated.append(None)

@@ -32,7 +32,7 @@ from ..sources import lmdb_index, local_lmdb
 from ..storage import StorageOptions
 
 
-class LMDBDataset(torch.utils.data.Dataset):
+class LMDBDataset(torch.utils.data.Dataset[Any]):
     """`ds[i]` is sample i as a WebDataset-style dict (decoded as `decode` says, like
     StreamingDataset), or `transform(sample)`. A remote URL is first copied to `cache_dir`
     (refused if larger than `cache_limit`)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import json
 import os
 import signal
@@ -69,7 +71,7 @@ def undecodable(url: str, storage_options: StorageOptions | None = None, workers
     return sorted(problem for problems in loader for problem in problems)
 
 
-def _image_problems(sample: dict) -> list[str]:
+def _image_problems(sample: dict[str, Any]) -> list[str]:
     """What is wrong with the sample's images, a line each (a DataLoader worker's transform)."""
     where = f"{storage.display(sample['__url__'])}: sample {sample['__key__']!r}"
     return [f"{where}: field {field!r}: {e}" for field, e in images.bad_images(sample)]
