@@ -65,8 +65,13 @@ def shard_digest(url: str, storage_options: StorageOptions | None = None) -> tup
 
 
 def build_index(urls: Sequence[str], storage_options: StorageOptions | None = None) -> Index:
-    """An Index for shards written by any tool (shard names are the URLs' base names):
-    `urls` is a list of shard paths or URLs, or one str, a brace pattern included."""
+    """An Index for shards written by any tool (shard names are the URLs' base names); each
+    shard is read whole once.
+
+    Args:
+        urls: a list of shard paths or URLs, or one str, a brace pattern included.
+        storage_options: passed to fsspec unchanged.
+    """
     if isinstance(urls, (str, os.PathLike)):
         urls = expand(checks.path("urls", urls))
     urls = [checks.path("each of urls", u) for u in urls]

@@ -246,7 +246,11 @@ def collate(samples: list[Any]) -> Any:
     """A drop-in for `default_collate` (`DataLoader(ds, batch_size=B, collate_fn=shardkit.collate)`)
     that stacks into reused shared memory instead of a fresh segment per batch. In a worker it
     returns a `SharedBatch` that becomes the batch in the main process: pass it as the
-    DataLoader's `collate_fn` itself, not inside another collate function."""
+    DataLoader's `collate_fn` itself, not inside another collate function.
+
+    Args:
+        samples: the samples of one batch, of equal shapes and dtypes where they are stacked.
+    """
     if not isinstance(samples, (list, tuple)):  # a DataLoader with batch_size=None hands it one sample
         raise TypeError(f"collate takes a list of samples, not {type(samples).__name__}: give the DataLoader a "
                         "batch_size (with batch_size=None it passes collate_fn one sample at a time)")

@@ -27,6 +27,11 @@ def verify(url: str, storage_options: StorageOptions | None = None,
     Checks each shard's size, sha256, sample count and sample offsets against index.json,
     and that no .tar file beside them is missing from it; for an LMDB, see `_verify_lmdb`.
     `on_shard(info, problem)` is called after each shard (for progress output).
+
+    Args:
+        url: the dataset's folder or URL prefix.
+        storage_options: passed to fsspec unchanged.
+        on_shard: called with each shard's index entry and its problem (None: good).
     """
     url = checks.path("url", url)
     idx = index.load(url, storage_options)
