@@ -51,7 +51,8 @@ def in_worker(ds, world, resume, traced, out):
         tracemalloc.start()
     start = time.perf_counter()
     ids = WorkerStream(ds, world // 2, world, 3, WORKERS)._plan()
-    shard_of, starts, ends = ranges.bounds(ids, ds._first, ds._offsets)
+    src = ds._samples
+    shard_of, starts, ends = ranges.bounds(ids, src.first, src.offsets)
     reads, range_of = ranges.coalesce(shard_of, starts, ends, 16 << 20)  # a local dataset's read plan
     took = time.perf_counter() - start
     out.put((took, tracemalloc.get_traced_memory()[1], private(), len(ids)))

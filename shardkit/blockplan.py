@@ -45,7 +45,8 @@ def mix64(x: np.ndarray) -> np.ndarray:
     input bit."""
     x = (x ^ (x >> _U(30))) * _U(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> _U(27))) * _U(0x94D049BB133111EB)
-    return x ^ (x >> _U(31))
+    out: np.ndarray = x ^ (x >> _U(31))
+    return out
 
 
 def hashed(k: np.uint64, x: np.ndarray) -> np.ndarray:
@@ -102,20 +103,22 @@ class BlockOrder:
         self._short_end = block * (where[by_position] + 1) - deficit  # first position after each short block
 
     def ids(self, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, dtype=np.int64)
+        positions = np.array(positions, dtype=np.int64)  # a copy: the caller's stays theirs
         if self.keys is None or len(positions) == 0:
-            return positions.copy()
+            return positions
         # short blocks wholly before each position, searched among those of the positions' stretch
         lo, hi = np.searchsorted(self._short_end, [positions.min(), positions.max()], side="right")
         before = lo + np.searchsorted(self._short_end[lo:hi], positions, side="right")
         slot, offset = np.divmod(positions + self._deficit[before], self.block)
-        return _once_each(slot, self._first_id) + offset
+        ids: np.ndarray = _once_each(slot, self._first_id) + offset
+        return ids
 
     def _first_id(self, slots: np.ndarray) -> np.ndarray:
         """The first sample of the block at each block position."""
         blocks = permute(slots, self.blocks, self.keys)  # type: ignore[arg-type]
         shard = np.searchsorted(self.first_block, blocks, side="right") - 1
-        return self.first[shard] + (blocks - self.first_block[shard]) * self.block
+        first: np.ndarray = self.first[shard] + (blocks - self.first_block[shard]) * self.block
+        return first
 
 
 def _once_each(x: np.ndarray, f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
@@ -123,9 +126,11 @@ def _once_each(x: np.ndarray, f: Callable[[np.ndarray], np.ndarray]) -> np.ndarr
     (a worker's samples fill a stretch of blocks), else over x's distinct values."""
     lo, hi = int(x.min()), int(x.max())
     if hi - lo < 2 * len(x) + 1024:
-        return f(np.arange(lo, hi + 1, dtype=np.int64))[x - lo]
+        out: np.ndarray = f(np.arange(lo, hi + 1, dtype=np.int64))[x - lo]
+        return out
     values, inverse = np.unique(x, return_inverse=True)
-    return f(values)[inverse]
+    out = f(values)[inverse]
+    return out
 
 
 def window_order(k: np.uint64, start: int, stop: int, window: int) -> np.ndarray:
@@ -158,7 +163,8 @@ class Interleave:
             u = 0.5
         else:
             u = (hashed(self._k, part * (1 << 40) + draw) >> _U(11)).astype(np.float64) * 2.0**-53
-        return (draw + u) / self.counts[part]
+        where: np.ndarray = (draw + u) / self.counts[part]
+        return where
 
     def _at_most(self, x: float) -> np.ndarray:
         """Draws of each part with a key <= x. A key lies in [j, j + 1) / counts, so only a
@@ -171,7 +177,8 @@ class Interleave:
             draw = low + step
             inside = draw < self.counts
             n += inside & (self._key(parts, np.minimum(draw, self.counts - 1)) <= x)
-        return n
+        out: np.ndarray = n
+        return out
 
     def before(self, position: int) -> np.ndarray:
         """Draws of each part at positions before `position`: the draws are ordered by
@@ -180,7 +187,7 @@ class Interleave:
         if position <= 0:
             return np.zeros_like(self.counts)
         if position >= self.total:
-            return self.counts.copy()
+            return np.array(self.counts)
         lo, hi = 0, int(np.float64(1.0).view(np.int64))  # smallest x with more than `position` keys <= x
         while lo < hi:
             mid = (lo + hi) // 2
@@ -192,7 +199,8 @@ class Interleave:
         below = self._at_most(float(np.nextafter(x, -1.0))) if lo else np.zeros_like(self.counts)
         tied = self._at_most(x) - below
         taken = np.clip(position - int(below.sum()) - (np.cumsum(tied) - tied), 0, tied)
-        return below + taken
+        out: np.ndarray = below + taken
+        return out
 
     def at(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """(part, draw within the part) of positions lo..hi-1."""

@@ -15,6 +15,7 @@ A shard entry's fields that this version does not know are kept as they are.
 
 from __future__ import annotations
 
+import builtins
 import json
 from array import array
 from collections.abc import Iterable, Sequence
@@ -55,19 +56,17 @@ class ShardInfo:
             raise CorruptShardError(f"{self.name}: index lists {self.samples} samples of {self.bytes} bytes")
         if self.offsets is None:
             return
-        if isinstance(self.offsets, np.ndarray):
-            object.__setattr__(self, "offsets", array("q", np.asarray(self.offsets, dtype=np.int64).tobytes()))
-        elif not (isinstance(self.offsets, array) and self.offsets.typecode == "q"):
+        if not (isinstance(self.offsets, array) and self.offsets.typecode == "q"):
             object.__setattr__(self, "offsets", array("q", self.offsets))
         if len(self.offsets) != self.samples + 1:
             raise CorruptShardError(
                 f"{self.name}: index lists {len(self.offsets)} offsets for {self.samples} samples"
             )
-        _check_offsets(self.name, np.frombuffer(self.offsets, dtype=np.int64), self.bytes)
+        _check_offsets(self.name, np.asarray(self.offsets, dtype=np.int64), self.bytes)
 
-    def to_json(self, offsets: bool = False) -> dict:
+    def to_json(self, offsets: bool = False) -> dict[str, Any]:
         """The entry of index.json; with `offsets`, as version 1 wrote it (offsets inside)."""
-        out: dict = {"name": self.name, "samples": self.samples, "bytes": self.bytes}
+        out: dict[str, Any] = {"name": self.name, "samples": self.samples, "bytes": self.bytes}
         if self.sha256 is not None:
             out["sha256"] = self.sha256
         if offsets and self.offsets is not None:
@@ -75,7 +74,7 @@ class ShardInfo:
         return {**out, **dict(self.extra)}
 
     @classmethod
-    def from_json(cls, d: dict) -> ShardInfo:
+    def from_json(cls, d: dict[str, Any]) -> ShardInfo:
         return cls(
             name=d["name"],
             samples=int(d["samples"]),
@@ -125,7 +124,7 @@ class Index:
     classes: tuple[str, ...] = ()
     skipped: tuple[Skipped, ...] = ()
     plan: str | None = None  # fingerprint of the pack plan: a rerun with the same plan is a no-op
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     sidecar: Sidecar | None = None  # version 2: the file of the shards' offsets (else in the shards, or none)
 
     @property
@@ -165,7 +164,7 @@ class Index:
         return json.dumps(doc, ensure_ascii=False, separators=(",", ":")) + "\n"
 
     @classmethod
-    def from_json(cls, text: str | bytes, where: str = INDEX_NAME) -> Index:
+    def from_json(cls, text: str | builtins.bytes, where: str = INDEX_NAME) -> Index:  # (bytes: Index.bytes here)
         try:
             doc = orjson.loads(text)  # ~3x json's speed on the offsets of millions of samples
         except ValueError as e:
@@ -211,7 +210,7 @@ class Index:
         return index
 
 
-def _sidecar(doc: dict, where: str) -> Sidecar | None:
+def _sidecar(doc: dict[str, Any], where: str) -> Sidecar | None:
     """The "offsets" entry of a version 2 index: a file of the dataset's folder."""
     entry = doc.get("offsets")
     if entry is None:
@@ -258,7 +257,7 @@ def _check_lmdb(index: Index, where: str) -> None:
     if bad is not None:  # a NUL: numpy's bytes table would cut the key there and read another record
         raise CorruptShardError(f"{where}: LMDB key {bad} is {keys[bad]!r}, not a sample key (a non-empty string)")
     bad = next((i for i, n in enumerate(sizes or ()) if type(n) is not int or n < 0), None)
-    if bad is not None:
+    if bad is not None and sizes is not None:
         raise CorruptShardError(f"{where}: LMDB size {bad} is {sizes[bad]!r}, not a size in bytes")
 
 
@@ -336,9 +335,7 @@ def sample_offsets(index: Index, storage_options: StorageOptions | None = None,
     """Every shard's offset table back to back (see sidecar.py): the sidecar mapped into
     memory (version 2), or the tables of the index's own shards (version 1, shards scanned)."""
     if index.sidecar is not None:
-        side = index.sidecar
-        return sidecar.open_table(side.folder, side.file, side.sha256, index.samples + len(index.shards),
-                                  storage_options, cache_dir)
+        return _open_sidecar(index, index.sidecar, storage_options, cache_dir)
     tables = [s.offsets for s in index.shards]
     lacking = next((s.name for s in index.shards if s.offsets is None), None)
     if lacking is not None:
@@ -351,6 +348,12 @@ def with_offsets(index: Index, storage_options: StorageOptions | None = None) ->
     shards one by one; a reader maps the sidecar instead)."""
     if index.sidecar is None:
         return index
-    table = sample_offsets(index, storage_options)
-    each = sidecar.tables(table, [s.samples for s in index.shards])
+    table = _open_sidecar(index, index.sidecar, storage_options, None).array
+    each = [array("q", t.tobytes()) for t in sidecar.tables(table, [s.samples for s in index.shards])]
     return replace(index, shards=tuple(replace(s, offsets=t) for s, t in zip(index.shards, each)), sidecar=None)
+
+
+def _open_sidecar(index: Index, side: Sidecar, storage_options: StorageOptions | None,
+                  cache_dir: str | None) -> sidecar.Offsets:
+    return sidecar.open_table(side.folder, side.file, side.sha256, index.samples + len(index.shards),
+                              storage_options, cache_dir)

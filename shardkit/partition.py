@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -75,7 +76,8 @@ def worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-def epoch_order(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bool, block: int) -> blockplan.BlockOrder:
+def epoch_order(counts: Sequence[int] | np.ndarray, *, seed: int, epoch: int, shuffle: bool,
+                block: int) -> blockplan.BlockOrder:
     """The global sequence of an epoch over shards of `counts` samples (sample ids 0..T-1,
     shard by shard), as a lookup by position."""
     keys = blockplan.key(seed, epoch, 0x5EED, n=blockplan.ROUNDS) if shuffle else None
@@ -134,8 +136,9 @@ def _windowed(layout: Layout) -> bool:
 
 
 def _window_key(layout: Layout, rank: int, worker_id: int) -> np.uint64:
-    return blockplan.key(layout.seed, layout.epoch, layout.segment, rank, worker_id, layout.world_size,
-                         layout.num_workers)[0]
+    k: np.uint64 = blockplan.key(layout.seed, layout.epoch, layout.segment, rank, worker_id, layout.world_size,
+                                 layout.num_workers)[0]
+    return k
 
 
 @dataclass(frozen=True)
@@ -148,12 +151,12 @@ class Progress:
     yielded: tuple[int, ...]
     batch: int = 1
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "num_workers": self.num_workers, "yielded": list(self.yielded),
                 "batch": self.batch}
 
     @classmethod
-    def from_json(cls, d: dict) -> Progress:
+    def from_json(cls, d: dict[str, Any]) -> Progress:
         if not isinstance(d, dict):
             raise TypeError(f"a pass's progress is a dict, not {d!r}")
         p = cls(int(d["world_size"]), int(d["num_workers"]), tuple(int(k) for k in d["yielded"]), int(d.get("batch", 1)))
@@ -275,13 +278,13 @@ def mix_counts(weights: Sequence[float], total: int) -> np.ndarray:
         if not np.isfinite(w.sum()):  # huge weights: scaled, only then (rounding ties must not move)
             w = w / w.max()
     share = w / w.sum() * total
-    counts = np.floor(share).astype(np.int64)
+    counts: np.ndarray = np.floor(share).astype(np.int64)
     order = np.argsort(-(share - counts), kind="stable")
     counts[order[: total - int(counts.sum())]] += 1
     return counts
 
 
-def mix_order(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bool) -> blockplan.Interleave:
+def mix_order(counts: Sequence[int] | np.ndarray, *, seed: int, epoch: int, shuffle: bool) -> blockplan.Interleave:
     """Which dataset each position of a mixed epoch draws from: each dataset exactly
     counts[d] times, its j-th draw at a random point of the j-th 1/counts[d] of the epoch
     (shuffle) or at its middle (evenly spread)."""

@@ -63,8 +63,8 @@ def write(url: str, tables: Iterable[np.ndarray], entries: int, storage_options:
 
 
 class Offsets:
-    """A sidecar mapped into memory, read-only, indexed like the array it holds. It maps
-    itself at first use in each process and pickles as its path (never its contents)."""
+    """A sidecar mapped into memory, read-only (`array`). It maps itself at first use in
+    each process and pickles as its path (never its contents)."""
 
     def __init__(self, path: str, entries: int, where: str):
         self.path, self.entries, self.where = path, entries, where
@@ -75,12 +75,6 @@ class Offsets:
         if self._array is None:
             self._array = _map(self.path, self.entries, self.where)
         return self._array
-
-    def __len__(self) -> int:
-        return self.entries
-
-    def __getitem__(self, key: Any) -> Any:
-        return self.array[key]
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_array": None}
@@ -160,7 +154,7 @@ def _fetch(url: str, sha256: str, storage_options: StorageOptions | None, cache_
     return path
 
 
-def tables(offsets: Any, samples: Sequence[int]) -> list[np.ndarray]:
+def tables(offsets: np.ndarray, samples: Sequence[int]) -> list[np.ndarray]:
     """Each shard's own table, out of the tables back to back."""
     first = np.cumsum(samples) - samples + np.arange(len(samples))
     return [np.asarray(offsets[int(f) : int(f) + n + 1]) for f, n in zip(first, samples)]

@@ -52,7 +52,7 @@ def test_a_remote_sidecar_is_copied_once_and_checked(s3: dict, photos: Path, tmp
     (copy,) = (cache / "offsets").glob("*.npy")
     made = copy.stat().st_mtime_ns
     second = StreamingDataset(url, storage_options=opts, cache_dir=str(cache), shuffle=True)
-    assert copy.stat().st_mtime_ns == made and first._offsets.path == second._offsets.path == str(copy)
+    assert copy.stat().st_mtime_ns == made and first._samples._table.path == second._samples._table.path == str(copy)
     assert len(keys(second, workers=2)) == 30
     fs, root = fsspec.core.url_to_fs(url, **opts)
     data = bytearray(fs.cat_file(f"{root}/{idx.sidecar.file}"))

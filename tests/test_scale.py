@@ -64,24 +64,25 @@ def test_open_files_stay_under_the_limit_and_reopen(many: Path) -> None:
     files = descriptors.Descriptors(limit=5)
     opened: list[str] = []
 
-    def opener(name: str) -> int:
-        opened.append(name)
-        return os.open(many / name, os.O_RDONLY)
+    def opener(shard: int) -> int:
+        opened.append(shard)
+        return os.open(many / f"part-{shard:05d}.tar", os.O_RDONLY)
 
-    names = [f"part-{s:05d}.tar" for s in range(8)]
-    for name in names + names[:2]:
-        files.release(files.acquire(name, lambda n=name: opener(n)))  # type: ignore[misc]
+    shards = list(range(8))
+    for s in shards + shards[:2]:
+        files.release(files.acquire((1, s), lambda s=s: opener(s)))  # type: ignore[misc]
         assert files.count() <= 5
-    assert opened == names + names[:2]  # the first two were closed, and opened again
-    pinned = files.acquire(names[2], lambda: opener(names[2]))  # a read in progress...
-    for name in names[3:]:  # five more: the pinned one leaves the set
-        files.release(files.acquire(name, lambda n=name: opener(n)))  # type: ignore[misc]
+    assert opened == shards + shards[:2]  # the first two were closed, and opened again
+    pinned = files.acquire((1, 2), lambda: opener(2))  # a read in progress...
+    for s in shards[3:]:  # five more: the pinned one leaves the set
+        files.release(files.acquire((1, s), lambda s=s: opener(s)))  # type: ignore[misc]
     assert os.pread(pinned, 10, 0)  # ...keeps its file open though it left the set
     files.release(pinned)
     with pytest.raises(OSError):
         os.fstat(pinned)  # and closes it when done
-    files.forget(lambda key: True)
-    assert files.count() == 0
+    files.release(files.acquire((2, 0), lambda: opener(0)))  # another owner's
+    files.forget(1)
+    assert files.count() == 1
 
 
 def synthetic(folder: Path, shards: int, per_shard: int) -> Path:

@@ -9,7 +9,7 @@ resume. Subclasses say how a position of the sequence becomes a sample.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
@@ -30,7 +30,7 @@ STATE_MARK = "shardkit"  # identifies our state inside a StatefulDataLoader stat
 SHUFFLE_VERSION = 2
 
 
-class EpochDataset(torch.utils.data.IterableDataset):
+class EpochDataset(torch.utils.data.IterableDataset[Any]):
     """Base of the datasets: subclasses define `total_samples()` (samples in an epoch before
     splitting) and `__iter__`. `batch_size` set: the dataset yields batches (see batching.py)."""
 
@@ -369,7 +369,7 @@ class EpochStream:
         self.epoch = 0
         self.skip = 0
         self.yielded = 0
-        self._gen: Iterator[Any] | None = None
+        self._gen: Generator[Any, None, None] | None = None
         self._resume_token = 0  # the resume point this pass follows, if any
         # the pass counters' layout: the DataLoader's num_workers, 0 in the main process
         self._layout = num_workers if torch.utils.data.get_worker_info() is not None else 0
@@ -410,7 +410,7 @@ class EpochStream:
         self.yielded += 1
         return item
 
-    def _generate(self) -> Iterator[Any]:
+    def _generate(self) -> Generator[Any, None, None]:
         raise NotImplementedError
 
     def close(self) -> None:

@@ -15,9 +15,10 @@ import os
 import resource
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 MOST = 256  # files open at once, at most; fewer under a low RLIMIT_NOFILE (a quarter of it)
+Key = tuple[int, int]  # (owner: a reader's number, the file's number in it)
 
 
 def default_limit() -> int:
@@ -26,16 +27,16 @@ def default_limit() -> int:
 
 
 class Descriptors:
-    """Open files by key, least recently used closed first beyond `limit`."""
+    """Open files by key (owner, file), least recently used closed first beyond `limit`."""
 
     def __init__(self, limit: int | None = None):
         self.limit = limit or default_limit()
         self._lock = threading.Lock()
-        self._open: OrderedDict[Hashable, int] = OrderedDict()  # key -> descriptor, least recently used first
+        self._open: OrderedDict[Key, int] = OrderedDict()  # key -> descriptor, least recently used first
         self._reads: dict[int, int] = {}  # descriptor -> reads in progress
         self._doomed: set[int] = set()  # closed by their last read in progress
 
-    def acquire(self, key: Hashable, opener: Callable[[], int]) -> int:
+    def acquire(self, key: Key, opener: Callable[[], int]) -> int:
         """The descriptor of `key` (opened by `opener` if it is not open), pinned until `release`."""
         with self._lock:
             fd = self._open.get(key)
@@ -58,14 +59,14 @@ class Descriptors:
                 self._doomed.discard(fd)
                 os.close(fd)
 
-    def adopt(self, key: Hashable, fd: int) -> None:
+    def adopt(self, key: Key, fd: int) -> None:
         """Keep `fd`, just opened, as `key`'s."""
         self.release(self.acquire(key, lambda: fd))
 
-    def forget(self, keys: Callable[[Hashable], bool]) -> None:
-        """Close the files whose key `keys` accepts (a reader closing)."""
+    def forget(self, owner: int) -> None:
+        """Close the files of `owner` (a reader closing)."""
         with self._lock:
-            for key in [k for k in self._open if keys(k)]:
+            for key in [k for k in self._open if k[0] == owner]:
                 self._close(self._open.pop(key))
 
     def count(self) -> int:

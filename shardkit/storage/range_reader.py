@@ -93,6 +93,7 @@ class RangeReader:
             raise kind(f"{display(self._urls[shard])}: {type(e).__name__}: {one_line(e)}") from e
 
     def _open(self, shard: int) -> Any:
+        handle: Any
         if self._local[shard]:
             handle = self._open_local(shard)
         else:
@@ -230,4 +231,4 @@ class RangeReader:
         with self._lock:
             self._closed = True
             self._handles.clear()
-        FILES.forget(lambda key: key[0] == self._number)
+        FILES.forget(self._number)
