@@ -1,13 +1,21 @@
-"""formats/gzip.py: inflating compressed shards and members as streams, on bytes in memory."""
+"""Compressed shards and members: formats/gzip.py on bytes in memory, then shards written by\nwebdataset (compress=True) and `tar czf`, read as webdataset reads them."""
 
 from __future__ import annotations
 
 import gzip
 import io
+import json
 import os
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
+from torch.utils.data import DataLoader
 
+import shardkit
+from shardkit import StreamingDataset
 from shardkit.errors import CorruptShardError
 from shardkit.formats.gzip import Inflater, Ranges, gunzip, is_gzip, open_stream
 
@@ -119,3 +127,144 @@ def test_ranges_further_back_than_keep_start_again() -> None:
     assert ranges.read(len(data) - 10, len(data) + 100) == data[-10:]  # short where the tar ends
     assert ranges.read(len(data) + 5, len(data) + 9) == b""
     assert ranges.passes == 2
+
+
+# ------------------------------------------------------------------ compressed shards, read whole
+
+
+def write_gz(folder: Path, photos: Path, count: int = 23) -> list[str]:
+    """Compressed shards as webdataset's ShardWriter writes them (compress=True), with a
+    caption and a gzip-compressed json member in each sample; their URLs."""
+    import webdataset as wds
+
+    folder.mkdir()
+    files = sorted(photos.glob("*/*.jpg"))[:count]
+    with wds.ShardWriter(str(folder / "wds-%06d.tar.gz"), maxcount=5, verbose=0, compress=True) as sink:
+        for i, f in enumerate(files):
+            sink.write({"__key__": f"s{i:04d}", "jpg": f.read_bytes(), "cls": i % 3, "txt": f"caption {i}",
+                        "json.gz": {"i": i, "name": f.name}})
+    return [str(p) for p in sorted(folder.glob("*.tar.gz"))]
+
+
+def webdataset_decoded(urls: list[str]) -> list[dict]:
+    """What webdataset yields with its default decoders (images left as bytes)."""
+    import gc
+    import warnings
+
+    import webdataset as wds
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        samples = fields_of(wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode())
+        gc.collect()
+    return samples
+
+
+def fields_of(samples: Iterable[dict]) -> list[dict]:
+    return [{k: v for k, v in s.items() if k == "__key__" or not k.startswith("__")} for s in samples]
+
+
+def test_webdataset_compressed_shards_read_as_webdataset_reads_them(photos: Path, tmp_path: Path) -> None:
+    urls = write_gz(tmp_path / "gz", photos)
+    assert len(urls) == 5 and all(is_gzip(Path(u).read_bytes()[:3]) for u in urls)
+    expected = webdataset_decoded(urls)
+    assert expected[7]["json.gz"] == {"i": 7, "name": "img_0007.jpg"} and expected[7]["txt"] == "caption 7"
+    for source in (str(tmp_path / "gz" / "wds-{000000..000004}.tar.gz"), urls, str(tmp_path / "gz")):
+        ds = StreamingDataset(source)
+        assert len(ds) == 23 and fields_of(ds) == expected
+    # indexed once, read by offsets into the inflated stream, shuffled across ranks and workers
+    idx = shardkit.build_index(urls)
+    assert all(s.compression == "gzip" for s in idx.shards)
+    assert [s.bytes for s in idx.shards] == [os.path.getsize(u) for u in urls]  # the compressed files' sizes
+    shardkit.index.save(idx, str(tmp_path / "gz"))
+    assert fields_of(StreamingDataset(str(tmp_path / "gz"))) == expected
+    everything = sorted(s["__key__"] for s in expected)
+    seen = []
+    for rank in range(2):
+        ds = StreamingDataset(str(tmp_path / "gz"), shuffle=True, rank=rank, world_size=2, decode="rgb8")
+        got = [s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=2)]
+        assert len(got) == len(set(got)) == 12
+        seen += got
+    assert set(seen) == set(everything)
+    assert shardkit.verify(str(tmp_path / "gz")) == []
+
+
+def test_tar_czf_shards_whatever_their_name(photos: Path, tmp_path: Path) -> None:
+    src = tmp_path / "files"
+    src.mkdir()
+    names = []
+    for i, f in enumerate(sorted(photos.glob("*/*.jpg"))[:6]):
+        (src / f"{i:04d}.jpg").write_bytes(f.read_bytes())
+        (src / f"{i:04d}.cls").write_text(str(i % 3))
+        (src / f"{i:04d}.json.gz").write_bytes(gzip.compress(json.dumps({"i": i}).encode()))
+        names += [f"{i:04d}.cls", f"{i:04d}.jpg", f"{i:04d}.json.gz"]
+    (tmp_path / "shards").mkdir()
+    subprocess.run(["tar", "czf", str(tmp_path / "shards" / "a.tgz"), "-C", str(src), *names[:9]], check=True)
+    subprocess.run(["tar", "czf", str(tmp_path / "shards" / "b.tar"), "-C", str(src), *names[9:]], check=True)  # gzip inside
+    urls = [str(tmp_path / "shards" / n) for n in ("a.tgz", "b.tar")]
+    expected = webdataset_decoded(urls)
+    assert [s["json.gz"] for s in expected] == [{"i": i} for i in range(6)]
+    assert fields_of(StreamingDataset(urls)) == expected
+    result = subprocess.run([sys.executable, "-m", "shardkit", "index", str(tmp_path / "shards")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "indexed 6 samples in 2 shards" in result.stdout
+    assert fields_of(StreamingDataset(str(tmp_path / "shards"))) == expected
+    info = subprocess.run([sys.executable, "-m", "shardkit", "info", str(tmp_path / "shards")],
+                          capture_output=True, text=True, check=True).stdout
+    assert "compressed: 2 of 2 shards (gzip: read as streams, no random access)" in info
+
+
+def test_compressed_shards_in_a_bucket(s3: dict, photos: Path, tmp_path: Path) -> None:
+    urls = write_gz(tmp_path / "gz", photos)
+    expected = webdataset_decoded(urls)
+    opts = s3["storage_options"]
+    for u in urls:
+        shardkit.storage.write_bytes_atomic(s3["url"] + "/gz/" + Path(u).name, Path(u).read_bytes(), opts)
+    ds = StreamingDataset(s3["url"] + "/gz", storage_options=opts, prefetch=4)
+    assert fields_of(ds) == expected
+    loader = DataLoader(StreamingDataset(s3["url"] + "/gz", storage_options=opts, shuffle=True), batch_size=None,
+                        num_workers=2)
+    assert sorted(s["__key__"] for s in loader) == sorted(s["__key__"] for s in expected)
+
+
+def test_decompression_bombs_are_refused(tmp_path: Path) -> None:
+    import tarfile
+
+    with tarfile.open(tmp_path / "bomb.tar.gz", "w:gz") as tar:
+        info = tarfile.TarInfo("x.bin")
+        info.size = 20 << 20
+        tar.addfile(info, io.BytesIO(bytes(info.size)))  # 20 MB of zeros, ~20 KB compressed
+    assert os.path.getsize(tmp_path / "bomb.tar.gz") < 100_000
+    message = r"bomb.tar.gz: sample 'x' inflates to 20971\d\d\d bytes, over max_member_size \(1048576 bytes\)"
+    with pytest.raises(CorruptShardError, match=message):
+        list(StreamingDataset(str(tmp_path / "bomb.tar.gz"), max_member_size="1MiB"))
+    assert len(list(StreamingDataset(str(tmp_path / "bomb.tar.gz")))) == 1  # under the default cap
+    (tmp_path / "gzm").mkdir()
+    with tarfile.open(tmp_path / "gzm" / "a.tar", "w") as tar:
+        data = gzip.compress(bytes(20 << 20))
+        info = tarfile.TarInfo("k.txt.gz")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(CorruptShardError, match=r"a.tar: sample k: field 'txt.gz': inflates to more than 1048576 bytes"):
+        list(StreamingDataset(str(tmp_path / "gzm" / "a.tar"), max_member_size=1 << 20))
+
+
+def test_a_damaged_compressed_shard_is_named(photos: Path, tmp_path: Path) -> None:
+    urls = write_gz(tmp_path / "gz", photos)
+    shardkit.index.save(shardkit.build_index(urls), str(tmp_path / "gz"))
+    data = bytearray(Path(urls[2]).read_bytes())
+    Path(urls[2]).write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(CorruptShardError, match=r"wds-000002.tar.gz: cut off inside its gzip stream"):
+        list(StreamingDataset(str(tmp_path / "gz")))
+    problems = shardkit.verify(str(tmp_path / "gz"))
+    assert len(problems) == 1 and "wds-000002.tar.gz" in problems[0]
+
+
+def test_converting_compressed_shards_gives_random_access(photos: Path, tmp_path: Path) -> None:
+    urls = write_gz(tmp_path / "gz", photos)
+    shardkit.index.save(shardkit.build_index(urls), str(tmp_path / "gz"))
+    idx = shardkit.pack(str(tmp_path / "gz"), str(tmp_path / "plain"), max_count=4, workers=2, progress=False)
+    assert idx.samples == 23 and all(s.compression is None for s in idx.shards)
+    ds = shardkit.TarDataset(str(tmp_path / "plain"))
+    assert fields_of(ds[i] for i in range(len(ds))) == webdataset_decoded(urls)
