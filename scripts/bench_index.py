@@ -19,7 +19,7 @@ MEASURE = """
 import gc, os, pickle, resource, sys, time
 import torch  # imported before the baseline, as in a training script
 from shardkit import StreamingDataset
-from shardkit.bench import rss
+from shardkit.tools.bench import rss
 
 before = rss(os.getpid())
 start = time.perf_counter()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 MEASURE = """
 import resource, sys, time
-from shardkit.plan import make_plan
+from shardkit.packing.plan import make_plan
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
 plan = make_plan(sys.argv[1], "/tmp/unused-dest", max_count=1000)

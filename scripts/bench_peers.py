@@ -18,7 +18,7 @@ to the limit measured in the same round (bench_read.ratio):
 - first batch: seconds from building the dataset to the first batch; peak RSS of the
   decoded pass, main process + workers, sampled at 20 Hz, and peak memory in use (the
   machine's anonymous + shared memory above its level at the start: each page once, page
-  cache not counted; see shardkit.bench.in_use).
+  cache not counted; see shardkit.tools.bench.in_use).
 
 "shardkit --resize 256" packs with resize=256, quality=90: its shards hold different (smaller)
 images, so it is a what-if, not a like-for-like row.
@@ -60,7 +60,7 @@ def _bootstrap() -> None:
 if __name__ == "__main__" and "--stage" not in sys.argv:
     _bootstrap()
 
-from shardkit.bench import PeakRss  # noqa: E402
+from shardkit.tools.bench import PeakRss  # noqa: E402
 
 import bench_read as br  # noqa: E402  (decode_resize, Files, transforms, limits, _fmt)
 

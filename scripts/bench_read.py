@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from shardkit.bench import PeakRss
+from shardkit.tools.bench import PeakRss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import (CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, SourceError,
-                     UnfinishedPackError)
+from .errors import (CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, SourceError, UnfinishedPackError)
 from .index import Index, ShardInfo
-from .pack import pack
+from .packing.pack import pack
 from .sources import build_index
-from .verify import verify
+from .tools.verify import verify
 
 if TYPE_CHECKING:
-    from .batching import collate
-    from .dataset import StreamingDataset
-    from .lmdb_dataset import LMDBDataset
+    from .reading.batching import collate
+    from .reading.dataset import StreamingDataset
+    from .reading.lmdb_dataset import LMDBDataset
 
 __all__ = [
     "CorruptShardError",
@@ -38,7 +37,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"LMDBDataset": "lmdb_dataset", "StreamingDataset": "dataset", "collate": "batching"}
+_LAZY = {"LMDBDataset": "reading.lmdb_dataset", "StreamingDataset": "reading.dataset", "collate": "reading.batching"}
 
 
 def __getattr__(name: str) -> Any:

@@ -174,8 +174,8 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
     with other options is left alone unless --overwrite is given.
     """
     from .formats.tar import RECORD
-    from .pack import pack as run_pack
-    from .scan import HIDDEN
+    from .packing.pack import pack as run_pack
+    from .packing.scan import HIDDEN
 
     if ray_address is not None and executor != "ray":
         raise click.UsageError("--ray-address needs --executor ray")
@@ -268,8 +268,8 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
     each one that does not decode is named by shard, sample and field.
     """
     from .storage import display
-    from .verify import undecodable
-    from .verify import verify as run_verify
+    from .tools.verify import undecodable
+    from .tools.verify import verify as run_verify
 
     if workers is not None and not decode:
         raise click.UsageError("--workers goes with --decode")
@@ -353,7 +353,7 @@ def _transform(ctx: click.Context, param: click.Parameter, value: str | None) ->
     """Import --transform now, so a wrong name is a usage error before anything starts."""
     if value is None:
         return None
-    from .bench import Transform
+    from .tools.bench import Transform
 
     try:
         return Transform(value)
@@ -414,7 +414,7 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
         raise click.UsageError("vary one setting at a time: --workers or --prefetch may be a list, not both")
     if workers is None:
         workers = [2] if prefetch is not None and len(prefetch) > 1 else [0, 1, 2]
-    from .bench import format_report, run_bench, write_plot
+    from .tools.bench import format_report, run_bench, write_plot
 
     def progress(s: dict[str, Any]) -> None:
         click.echo(f"  num_workers={s['num_workers']} prefetch={s['prefetch']}: "
@@ -453,7 +453,7 @@ def preview(url: str, n: int, out: str, transform: Any, decode: str, seed: int, 
     Each tile shows the image (a CHW tensor, an HWC array or a PIL image, or the first
     element of a tuple the transform returns) with its class name and key.
     """
-    from .preview import render_preview
+    from .tools.preview import render_preview
 
     result = render_preview(url, n=n, out=out, transform=transform, decode=decode, seed=seed, tile=tile,
                             storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error])

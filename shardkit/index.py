@@ -17,9 +17,9 @@ import orjson
 
 from . import storage
 from .errors import CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, UnfinishedPackError
-from .formats.lmdb import DATA_FILE
 from .storage import StorageOptions
 
+LMDB_DATA_FILE = "data.mdb"  # the lmdb library's name for its data file: a folder holding one is an LMDB
 INDEX_NAME = "index.json"
 PROGRESS_DIR = ".shardkit-progress"  # a tar pack's records of finished shards, until index.json commits
 FORMAT = "shardkit"
@@ -244,7 +244,7 @@ def _guess(url: str, storage_options: StorageOptions | None) -> str:
         names = storage.listdir(url, storage_options)
     except (OSError, ShardkitError):
         names = []
-    if DATA_FILE in names:
+    if LMDB_DATA_FILE in names:
         return "an LMDB pack that has not finished, or whose index.json was removed: rerun the same `shardkit pack`"
     if any(n.endswith(".tar") for n in names):
         return f"tar shards from another tool: `shardkit index {storage.display(url)}` writes one"

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from . import checks, index, storage
-from .errors import (AccessDeniedError, BadRequestError, CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError,
-                     UnfinishedPackError)
+from .errors import (AccessDeniedError, BadRequestError, CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, UnfinishedPackError)
 from .formats import lmdb as lmdb_format
 from .formats import tar
 from .index import Index, ShardInfo
@@ -243,3 +242,27 @@ def _remove_others(folder: str, keep: str) -> None:
     for name in os.listdir(folder):
         if name != keep and storage.TMP_MARK not in name:
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def shard_problem(url: str, info: ShardInfo, storage_options: StorageOptions | None = None,
+                  parse: bool = True) -> str | None:
+    """How the shard at `url` differs from `info`, its entry in the index (None: it does
+    not): size, sha256, sample count, sample offsets. Reads it whole; a shard that cannot be
+    read or parsed raises (FileNotFoundError, CorruptShardError naming it, ...). With
+    `parse=False`, a shard the index has a sha256 for is only hashed: the same bytes as
+    when it was indexed (a third faster than parsing them too)."""
+    if not parse and info.sha256 is not None:
+        size, sha256 = shard_digest(url, storage_options)
+        if size != info.bytes:
+            return f"{size} bytes, index says {info.bytes}"
+        return "sha256 mismatch (shard changed or corrupt)" if sha256 != info.sha256 else None
+    found = scan_shard(url, storage_options).info
+    if found.bytes != info.bytes:
+        return f"{found.bytes} bytes, index says {info.bytes}"
+    if info.sha256 is not None and found.sha256 != info.sha256:
+        return "sha256 mismatch (shard changed or corrupt)"
+    if found.samples != info.samples:
+        return f"{found.samples} samples, index says {info.samples}"
+    if info.offsets is not None and found.offsets != info.offsets:
+        return "sample offsets differ from the index"
+    return None

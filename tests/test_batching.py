@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import shardkit
-from shardkit import batching
-from shardkit.dataset import StreamingDataset
+from shardkit.reading import batching
+from shardkit.reading.dataset import StreamingDataset
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),

@@ -205,7 +205,7 @@ def test_index_force_on_a_pack_keeps_what_the_shards_cannot_tell(run, photos: Pa
 
 
 def test_cli_and_packer_do_not_import_torch() -> None:
-    code = "import sys, shardkit.cli, shardkit.pack; print(sorted(m for m in ('torch', 'lmdb') if m in sys.modules))"
+    code = "import sys, shardkit.cli, shardkit.packing.pack; print(sorted(m for m in ('torch', 'lmdb') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -422,7 +422,7 @@ def test_ctrl_c_exits_130(run, photos: Path, tmp_path: Path, monkeypatch: pytest
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sys.modules["shardkit.pack"], "pack", interrupted)
+    monkeypatch.setattr(sys.modules["shardkit.packing.pack"], "pack", interrupted)
     result = run("pack", photos, tmp_path / "out")
     assert result.exit_code == 130 and result.output.strip() == "interrupted"
 

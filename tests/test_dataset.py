@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit import CorruptShardError
-from shardkit.dataset import StreamingDataset
+from shardkit.reading.dataset import StreamingDataset
 from shardkit.errors import ShardkitError
 
 pytestmark = [

@@ -25,7 +25,7 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, port: int, dataset: str, out: str) -> None:
-    from shardkit.dataset import StreamingDataset
+    from shardkit.reading.dataset import StreamingDataset
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:

@@ -535,7 +535,7 @@ def test_lmdb_jobs_stay_moderate_without_a_size_limit(photos: Path, tmp_path: Pa
     """One transaction per job, held in memory: max_size=None must not make it one job."""
     import importlib
 
-    pack_module = importlib.import_module("shardkit.pack")  # the module: shardkit.pack is the function
+    pack_module = importlib.import_module("shardkit.packing.pack")
     commits: list[int] = []
 
     def counting(self, samples, meta, delete=()):  # type: ignore[no-untyped-def]

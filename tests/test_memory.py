@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardkit import StreamingDataset
-from shardkit.bench import rss
+from shardkit.tools.bench import rss
 from shardkit.index import Index, ShardInfo, save
 
 
@@ -79,7 +79,7 @@ def test_loading_a_large_index_gives_its_parse_memory_back(tmp_path: Path) -> No
     code = (
         "import gc, os, sys, torch\n"
         "from shardkit import StreamingDataset\n"
-        "from shardkit.bench import rss\n"
+        "from shardkit.tools.bench import rss\n"
         "before = rss(os.getpid()); ds = StreamingDataset(sys.argv[1]); gc.collect()\n"
         "print(len(ds), rss(os.getpid()) - before)\n"
     )
@@ -98,7 +98,7 @@ def test_a_workers_plan_stays_in_numpy_arrays(tmp_path: Path, monkeypatch: pytes
     import gc
     import tracemalloc
 
-    from shardkit import dataset
+    from shardkit.reading import stream
 
     shards, per = 20, 10_000
     write_index(tmp_path, shards, per, 1000)
@@ -115,7 +115,7 @@ def test_a_workers_plan_stays_in_numpy_arrays(tmp_path: Path, monkeypatch: pytes
         held.append(tracemalloc.get_traced_memory()[0])
         raise Stop
 
-    monkeypatch.setattr(dataset, "_parse", first_sample)
+    monkeypatch.setattr(stream, "_parse", first_sample)
     ds = StreamingDataset(str(tmp_path), shuffle=True)
     tracemalloc.start()
     try:

@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 import shardkit
-from shardkit import executors
+from shardkit.packing import executors
 from shardkit.errors import SourceError
 from shardkit.formats.tar import iter_samples
 
@@ -105,7 +105,7 @@ def test_odd_file_names(tmp_path: Path) -> None:
 @pytest.mark.parametrize("escaped", [False, True])
 def test_planned_sizes_are_exact(tmp_path: Path, escaped: bool) -> None:
     """Shards are cut from sizes computed before any byte is read: they must be exact."""
-    from shardkit.plan import _needs, make_plan
+    from shardkit.packing.plan import _needs, make_plan
 
     src = tmp_path / "src"
     names = ["a.jpg", "ünïcödé 画像.jpeg", "deep/er/x.png"] + (['quo"te.jpg', "back\\slash.jpg", "tab\there.jpg"] if escaped else [])
@@ -289,8 +289,8 @@ def test_a_file_gone_since_the_scan_is_skipped_but_the_machine_failing_stops_the
     every read after it: the pack raises, naming the file, instead of packing nothing."""
     script = f"""
 import errno, os, sys
-from shardkit.pack import _samples
-from shardkit.plan import make_plan
+from shardkit.packing.pack import _samples
+from shardkit.packing.plan import make_plan
 from shardkit.index import Skipped
 plan = make_plan({str(photos)!r}, "unused", max_count=4, shuffle=False)
 job = plan.job(0)
@@ -513,7 +513,7 @@ def test_a_failed_job_ends_the_jobs_in_flight() -> None:
 
 _INTERRUPTED_POOL = """
 import os, sys, time
-from shardkit import executors
+from shardkit.packing import executors
 
 def job(i):
     open(os.path.join(sys.argv[1], str(i)), "w").close()
@@ -581,7 +581,7 @@ def test_a_pack_given_up_tries_a_failing_read_no_more(monkeypatch: pytest.Monkey
 _INTERRUPTED_START = """
 import os, signal, sys, threading, time
 from concurrent.futures import process
-from shardkit import executors
+from shardkit.packing import executors
 
 if sys.argv[1:] == ["bystander"]:  # a thread that does not block SIGINT (tqdm's monitor): it may take it
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
@@ -622,7 +622,7 @@ def test_ctrl_c_as_the_pool_starts_ends_it_too(tmp_path: Path, threads: list[str
 
 _ORPHANED_START = """
 import multiprocessing, os, sys, time
-from shardkit import executors
+from shardkit.packing import executors
 
 def worker(marker):
     time.sleep(1)  # its parent is gone before it asks to die with it
@@ -660,7 +660,7 @@ def stalled(job, check=None):  # a remote read that never answers: no next image
     time.sleep(600)
     yield
 
-sys.modules["shardkit.pack"]._samples = stalled
+sys.modules["shardkit.packing.pack"]._samples = stalled
 cli.run(["pack", sys.argv[1], sys.argv[2], "--workers", "2", "--max-count", "5", "-q"])
 """
 
@@ -992,7 +992,7 @@ def test_a_rerun_after_a_crash_in_the_cleanup_finishes_it(photos: Path, tmp_path
     out = tmp_path / "out"
     shardkit.pack(str(photos), str(out), max_count=4, workers=1, progress=False)
     with monkeypatch.context() as m:
-        m.setattr(sys.modules["shardkit.pack"], "_cleanup", _crash)
+        m.setattr(sys.modules["shardkit.packing.pack"], "_cleanup", _crash)
         with pytest.raises(RuntimeError):
             shardkit.pack(str(photos), str(out), max_count=20, workers=1, progress=False, overwrite=True)
     assert (out / ".shardkit-progress").exists() and len(list(out.glob("*.tar"))) == 8

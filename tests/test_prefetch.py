@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from shardkit import ranges, storage
-from shardkit.cache import RangeCache
+from shardkit.storage.cache import RangeCache
 from shardkit.errors import ShardkitError
 from shardkit.prefetch import Prefetcher
 
@@ -252,8 +252,8 @@ def test_throttling_backs_off_from_a_second(monkeypatch: pytest.MonkeyPatch) -> 
         status = 503  # as aiohttp and gcsfs carry it; S3's SlowDown
 
     slept: list[float] = []
-    monkeypatch.setattr(storage.time, "sleep", slept.append)
-    monkeypatch.setattr(storage.random, "uniform", lambda low, high: high)  # the longest wait each time
+    monkeypatch.setattr(storage.retry.time, "sleep", slept.append)
+    monkeypatch.setattr(storage.retry.random, "uniform", lambda low, high: high)  # the longest wait each time
     failures = iter([Throttled("slow down"), Throttled("slow down"), TimeoutError("slow")])
 
     def get() -> bytes:

@@ -95,7 +95,7 @@ def test_an_overwrite_in_a_bucket_is_never_read_half_done(s3: dict, photos: Path
 def test_a_local_tree_and_its_copy_in_a_bucket_scan_alike(s3: dict, tmp_path: Path) -> None:
     import fsspec.core
 
-    from shardkit.scan import scan_folder
+    from shardkit.packing.scan import scan_folder
 
     tree = tmp_path / "tree"
     for rel in ("a/x.jpg", "a/x-2.jpg", "a/x/1.jpg", "a-b/z.jpg", "b/readme.txt", "c/y.jpg"):  # "a-b/" lists before "a/"
@@ -203,7 +203,7 @@ def test_a_store_down_for_seconds_mid_epoch_loses_nothing(s3: dict, s3_server: s
 
     from shardkit import storage
 
-    monkeypatch.setattr(storage, "OUTAGE_RETRIES", 10)
+    monkeypatch.setattr(storage.retry, "OUTAGE_RETRIES", 10)
     fs, root = fsspec.core.url_to_fs(s3["url"] + "/ds", **s3["storage_options"])
     fs.put(str(packed), root, recursive=True)
     proxied, control = latency_proxy(s3_server)
@@ -248,7 +248,7 @@ def test_a_stalled_connection_fails_in_bounded_time(store: str, request: pytest.
 
     from shardkit import storage
 
-    monkeypatch.setattr(storage, "REQUEST_TIMEOUT_S", 1)
+    monkeypatch.setattr(storage.clients, "REQUEST_TIMEOUT_S", 1)
     remote = request.getfixturevalue(store)
     shardkit.pack(str(packed.parent / "photos"), remote["url"] + "/ds", max_count=7, workers=1, progress=False,
                   storage_options=remote["storage_options"])
@@ -306,7 +306,7 @@ def test_a_slow_but_moving_gcs_download_is_not_cut_off(monkeypatch: pytest.Monke
                 time.sleep(0.1)
 
     with serving(Trickle) as endpoint:
-        monkeypatch.setattr(storage, "REQUEST_TIMEOUT_S", 0.5)
+        monkeypatch.setattr(storage.clients, "REQUEST_TIMEOUT_S", 0.5)
         opts = {"endpoint_url": endpoint, "token": "anon", "skip_instance_cache": True}
         fs, path = storage.filesystem("gs://bucket/slow.tar", opts)
         assert fs.cat_file(path, start=0, end=2000) == b"x" * 2000

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.seqwrite import ALIGN, CHUNK, SequentialWriter
+from shardkit.storage.seqwrite import ALIGN, CHUNK, SequentialWriter
 
 
 @pytest.mark.parametrize("sizes", [[], [1], [ALIGN - 1, 1], [ALIGN], [512] * 9000, [CHUNK + 1], [3 * CHUNK + 77, 5, CHUNK]])

@@ -326,7 +326,7 @@ def test_local_and_remote_shards_in_one_list(web: tuple[str, Path], packed: Path
 
 
 def test_a_shard_without_a_sha256_is_not_cached(web: tuple[str, Path], tmp_path: Path) -> None:
-    from shardkit.cache import RangeCache
+    from shardkit.storage.cache import RangeCache
 
     base, www = web
     (www / "x.tar").write_bytes(b"a" * 4096)
@@ -447,7 +447,7 @@ def test_a_stalled_http_connection_fails_in_bounded_time(web: tuple[str, Path], 
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """aiohttp's own deadline is 300 s a request (5 attempts: 25 minutes for a black hole,
     and a slow download cut off at 5 minutes): shardkit gives each socket read one instead."""
-    monkeypatch.setattr(storage, "REQUEST_TIMEOUT_S", 1)
+    monkeypatch.setattr(storage.clients, "REQUEST_TIMEOUT_S", 1)
     base, _ = web
     proxied, control = latency_proxy(base)
     ds = StreamingDataset(f"{proxied}/ds")

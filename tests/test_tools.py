@@ -15,7 +15,7 @@ from PIL import Image
 
 from conftest import CLASSES
 from shardkit.cli import main
-from shardkit.preview import LABEL_H, TILE, TILE_BACKGROUND, grid_size, render_preview, tile_box
+from shardkit.tools.preview import LABEL_H, TILE, TILE_BACKGROUND, grid_size, render_preview, tile_box
 
 FAST = ("--batch-size", "8", "--batches", "3", "--passes", "2", "--warmup", "1")
 
@@ -179,7 +179,7 @@ def test_bench_in_process_runs_on_one_torch_thread_as_a_worker_would(packed: Pat
     main process look several times slower on a busy machine: one thread, then restored."""
     import torch
 
-    from shardkit.bench import ResizeTransform, bench_setting
+    from shardkit.tools.bench import ResizeTransform, bench_setting
 
     seen: list[int] = []
     resize = ResizeTransform(32)
@@ -217,7 +217,7 @@ def test_peak_memory_counts_rss_per_process_and_pages_in_use_once() -> None:
     of the parent's heap); the machine's memory in use counts each page once."""
     import subprocess
 
-    from shardkit.bench import PeakRss
+    from shardkit.tools.bench import PeakRss
 
     proc = subprocess.Popen([sys.executable, "-c", HOLD_MEMORY])
     peak = PeakRss(interval=0.02, pid=proc.pid)

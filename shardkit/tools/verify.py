@@ -9,12 +9,13 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from . import checks, images, index, storage
-from .errors import ShardkitError
-from .formats import lmdb as lmdb_format
-from .index import Index, ShardInfo
-from .sources import local_lmdb, scan_shard, shard_digest
-from .storage import StorageOptions
+from .. import checks, index, storage
+from ..packing import images
+from ..errors import ShardkitError
+from ..formats import lmdb as lmdb_format
+from ..index import Index, ShardInfo
+from ..sources import local_lmdb, shard_problem
+from ..storage import StorageOptions
 
 
 def verify(url: str, storage_options: StorageOptions | None = None,
@@ -52,37 +53,13 @@ def verify(url: str, storage_options: StorageOptions | None = None,
     return problems + _unlisted(url, idx, storage_options)
 
 
-def shard_problem(url: str, info: ShardInfo, storage_options: StorageOptions | None = None,
-                  parse: bool = True) -> str | None:
-    """How the shard at `url` differs from `info`, its entry in the index (None: it does
-    not): size, sha256, sample count, sample offsets. Reads it whole; a shard that cannot be
-    read or parsed raises (FileNotFoundError, CorruptShardError naming it, ...). With
-    `parse=False`, a shard the index has a sha256 for is only hashed: the same bytes as
-    when it was indexed (a third faster than parsing them too)."""
-    if not parse and info.sha256 is not None:
-        size, sha256 = shard_digest(url, storage_options)
-        if size != info.bytes:
-            return f"{size} bytes, index says {info.bytes}"
-        return "sha256 mismatch (shard changed or corrupt)" if sha256 != info.sha256 else None
-    found = scan_shard(url, storage_options).info
-    if found.bytes != info.bytes:
-        return f"{found.bytes} bytes, index says {info.bytes}"
-    if info.sha256 is not None and found.sha256 != info.sha256:
-        return "sha256 mismatch (shard changed or corrupt)"
-    if found.samples != info.samples:
-        return f"{found.samples} samples, index says {info.samples}"
-    if info.offsets is not None and found.offsets != info.offsets:
-        return "sample offsets differ from the index"
-    return None
-
-
 def undecodable(url: str, storage_options: StorageOptions | None = None, workers: int | None = None) -> list[str]:
     """One line per image that does not decode in full (every image field of every sample,
     decoded as `shardkit pack --decode-check` does), read through a DataLoader with
     `workers` processes (default: the CPU count). Needs PyTorch."""
     from torch.utils.data import DataLoader
 
-    from .dataset import StreamingDataset
+    from ..reading.dataset import StreamingDataset
 
     workers = checks.optional("workers", workers, 0)
     # rank 0 of 1 whatever RANK and WORLD_SIZE say: every image once, no share of them
@@ -124,7 +101,7 @@ def _verify_lmdb(url: str, idx: Index, storage_options: StorageOptions | None) -
     # this process's imports (this shardkit first), never the working folder's modules
     paths = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     paths += [p for p in sys.path if isinstance(p, str) and os.path.isabs(p)]
-    code = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from shardkit.verify import _walk_lmdb_child; " \
+    code = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from shardkit.tools.verify import _walk_lmdb_child; " \
            "_walk_lmdb_child()"
     child = subprocess.run([sys.executable, "-I", "-c", code, json.dumps(paths)], capture_output=True, text=True,
                            input=json.dumps({"path": path, "index": idx.to_json()}))

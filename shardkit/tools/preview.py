@@ -12,9 +12,9 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from .bench import Transform
-from .decode import image_field, open_image, to_rgb
-from .errors import ShardkitError
-from .storage import StorageOptions
+from ..decode import image_field, open_image, to_rgb
+from ..errors import ShardkitError
+from ..storage import StorageOptions
 
 TILE = 128  # pixels per image square
 LABEL_H = 30  # the two label lines below each image: class name, key
@@ -118,7 +118,7 @@ def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.p
     """Decode the first `n` samples of the seed's shuffled order (epoch 0), apply `transform`
     (a callable or ``module:function``), and write them as a labelled PNG grid to `out`.
     With on_error="skip" bad samples are left out (and counted) instead of stopping it."""
-    from .dataset import StreamingDataset
+    from ..reading.dataset import StreamingDataset
 
     if n < 1 or tile < 16:
         raise ValueError("n must be at least 1 and tile at least 16")

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from .decode import image_field, to_rgb
-from .errors import FieldError, ShardkitError, describe
-from .storage import StorageOptions
+from ..decode import image_field, to_rgb
+from ..errors import FieldError, ShardkitError, describe
+from ..storage import StorageOptions
 
 WITHIN = 0.05  # the recommendation: the smallest setting within 5% of the best mean
 IMAGE_SIZE = 224  # the default transform resizes every image to this square, so batches collate
@@ -298,7 +298,7 @@ def bench_setting(url: str | Sequence[str], *, num_workers: int, prefetch: int, 
     import torch
     from torch.utils.data import DataLoader
 
-    from .dataset import StreamingDataset
+    from ..reading.dataset import StreamingDataset
 
     gc.collect()  # else the process's first full collection after importing torch (~0.15 s) lands in a first batch
     start = time.perf_counter()  # the first batch counts building the dataset too (a remote index.json)

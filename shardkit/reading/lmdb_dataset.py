@@ -23,12 +23,13 @@ from typing import Any
 
 import torch.utils.data
 
-from . import checks, worker
-from .decode import decoder, sample_dict
-from .errors import CorruptShardError, FieldError, describe
-from .formats import lmdb as lmdb_format
-from .sources import lmdb_index, local_lmdb
-from .storage import StorageOptions
+from .. import checks
+from . import worker
+from ..decode import decoder, sample_dict
+from ..errors import CorruptShardError, FieldError, describe
+from ..formats import lmdb as lmdb_format
+from ..sources import lmdb_index, local_lmdb
+from ..storage import StorageOptions
 
 
 class LMDBDataset(torch.utils.data.Dataset):

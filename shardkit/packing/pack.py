@@ -20,18 +20,18 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import checks, executors, images, index, storage
-from .errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
+from .. import checks, index, storage
+from . import executors, images
+from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
 from .executors import tick
-from .formats import lmdb as lmdb_format
-from .formats.tar import RECORD, TarWriter, check_key, parse_sample
-from .index import Index, ShardInfo, Skipped
+from ..formats import lmdb as lmdb_format
+from ..formats.tar import RECORD, TarWriter, check_key, parse_sample
+from ..index import Index, ShardInfo, Skipped
 from .plan import DEFAULT_MAX_SIZE, Item, Job, JobList, Options, Plan, make_plan, sample_meta
 from .scan import HIDDEN, source_kind
-from .sources import local_lmdb
-from .storage import StorageOptions
-from .units import parse_size
-from .verify import shard_problem
+from ..sources import local_lmdb, shard_problem
+from ..storage import StorageOptions
+from ..units import parse_size
 
 _SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
 _TMP_RE = re.compile(rf"^(shard-\d{{6,}}\.tar|{re.escape(index.INDEX_NAME)}){re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$")

@@ -18,13 +18,13 @@ from typing import overload
 
 import numpy as np
 
-from . import storage
-from .errors import SourceError
-from .formats.tar import BLOCK, RECORD
-from .index import ShardInfo, Skipped
+from .. import storage
+from ..errors import SourceError
+from ..formats.tar import BLOCK, RECORD
+from ..index import ShardInfo, Skipped
 from .scan import HIDDEN, Item, Listing, scan_dataset, scan_folder, source_kind
-from .storage import StorageOptions
-from .units import parse_size
+from ..storage import StorageOptions
+from ..units import parse_size
 
 SHARD_NAME = "shard-{:06d}.tar"
 CHUNK_NAME = "chunk-{:06d}"  # an LMDB pack's unit of work: one transaction

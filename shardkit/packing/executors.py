@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from typing import Any, TypeVar
 
+from .. import storage
+
 J = TypeVar("J")
 R = TypeVar("R")
 Runner = Callable[[Callable[[J], R], Sequence[J], Callable[[R], None], Callable[[int], None]], None]
@@ -33,6 +35,7 @@ class Stopped(Exception):
 def init_worker(counter, stop=None) -> None:  # type: ignore[no-untyped-def]
     global _counter, _stop
     _counter, _stop = counter, stop
+    storage.stop_when(stop_point)  # retries give up with the pack
 
 
 def _init_pool_worker(counter, stop) -> None:  # type: ignore[no-untyped-def]
@@ -152,7 +155,7 @@ def ray(address: str | None = None, sizes: Callable[[Any], int] = lambda job: 1)
         try:
             import ray as ray_module
         except ImportError:
-            from .errors import ShardkitError
+            from ..errors import ShardkitError
 
             raise ShardkitError("the Ray executor needs Ray (pip install 'shardkit[ray]')") from None
         if not ray_module.is_initialized():

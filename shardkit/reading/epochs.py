@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from . import checks, partition, worker
+from .. import checks, partition
+from . import worker
 from .batching import Batches
 from .counters import MAX_WORKERS, Shared
-from .partition import Layout, Progress
+from ..partition import Layout, Progress
 
 MAX_EPOCH = 2**32 - 1  # far past any run; a mixture counts epoch x samples of a part in 64 bits
 
@@ -27,7 +28,7 @@ STATE_MARK = "shardkit"  # identifies our state inside a StatefulDataLoader stat
 
 
 class EpochDataset(torch.utils.data.IterableDataset):
-    """Base of the datasets: subclasses define `_total()` (samples in an epoch before
+    """Base of the datasets: subclasses define `total_samples()` (samples in an epoch before
     splitting) and `__iter__`. `batch_size` set: the dataset yields batches (see batching.py)."""
 
     def __init__(self, rank: int | None, world_size: int | None, *, shuffle: bool, seed: int, shuffle_window: int,
@@ -45,10 +46,10 @@ class EpochDataset(torch.utils.data.IterableDataset):
         self._shared = Shared()
         self._resume: dict[str, Any] | None = None
 
-    def _total(self) -> int:
+    def total_samples(self) -> int:
         raise NotImplementedError
 
-    def _sequence(self, epoch: int) -> np.ndarray:
+    def epoch_order(self, epoch: int) -> np.ndarray:
         """The epoch's global sequence (sample ids, or positions)."""
         raise NotImplementedError
 
@@ -57,7 +58,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
 
     def _left(self, epoch: int, history: Sequence[dict[str, Any]]) -> np.ndarray:
         """The epoch's sequence minus what the interrupted segments in `history` delivered."""
-        sequence = self._sequence(epoch)
+        sequence = self.epoch_order(epoch)
         for segment, done in enumerate(history):
             p = Progress.from_json(done)
             sequence = partition.remaining(sequence, self._segment(epoch, p.world_size, p.num_workers, segment, p.batch), p)
@@ -84,7 +85,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def __len__(self) -> int:
         """Samples this rank yields per epoch (the same on every rank); batches, if the
         dataset batches."""
-        samples = partition.per_rank(self._total(), self._rank_world()[1], self.remainder)
+        samples = partition.per_rank(self.total_samples(), self._rank_world()[1], self.remainder)
         return -(-samples // self.batch_size) if self.batch_size else samples
 
     @property
@@ -94,7 +95,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
     def _order(self) -> dict[str, Any]:
         """What an epoch's order depends on besides the layout: progress saved under other
         values would resume the wrong samples, so a state carries these and must match."""
-        order = {"samples": self._total(), "shuffle": bool(self.shuffle), "remainder": self.remainder}
+        order = {"samples": self.total_samples(), "shuffle": bool(self.shuffle), "remainder": self.remainder}
         if self.shuffle:  # without it, the order is the dataset's own, whatever the seed
             order.update(seed=self.seed, shuffle_window=self.shuffle_window)
         return order
@@ -202,7 +203,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         elif self._resume is not None and self._resume["epoch"] == epoch:
             raise ValueError("this epoch was itself resumed from a partial state: pass that state as resumed_from")
         world = world_size if world_size is not None else self._rank_world()[1]
-        total = len(self._left(epoch, history)) if history else self._total()
+        total = len(self._left(epoch, history)) if history else self.total_samples()
         rank_total = partition.per_rank(total, world, self.remainder)
         workers = max(num_workers, 1)
         sizes = [b - a for a, b in (partition.worker_bounds(rank_total, workers, w, self._batch) for w in range(workers))]

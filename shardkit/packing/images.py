@@ -17,7 +17,7 @@ from typing import Any
 
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from .decode import is_image, to_rgb
+from ..decode import is_image, to_rgb
 
 # ImageFolder's extensions (torchvision IMG_EXTENSIONS) -> WebDataset field name.
 EXTENSIONS = {

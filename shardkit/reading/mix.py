@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from . import checks, partition, ranges
-from .dataset import StreamingDataset, _WorkerStream
+from .. import checks, partition, ranges
+from .stream import WorkerStream
 from .epochs import EpochDataset, EpochStream, stats_summary
 
 
@@ -37,9 +37,10 @@ def _weight(w: Any) -> float:
 
 
 class MixedDataset(EpochDataset):
-    """Build it with `StreamingDataset.mix([(source, weight), ...], ...)`."""
+    """Build it with `StreamingDataset.mix([(source, weight), ...], ...)`, which passes itself
+    as `part_type`: the type of the parts, and what makes a part from a URL."""
 
-    def __init__(self, parts: Sequence[tuple[str | Sequence[str] | StreamingDataset, float]], *,
+    def __init__(self, parts: Sequence[tuple[Any, float]], *, part_type: type[Any],
                  samples_per_epoch: int | None = None, shuffle: bool = True, seed: int = 0,
                  shuffle_window: int = 1024, remainder: str = "repeat", rank: int | None = None,
                  world_size: int | None = None, batch_size: int | None = None, **options: Any):
@@ -50,18 +51,18 @@ class MixedDataset(EpochDataset):
         for part in parts:
             if not (isinstance(part, (tuple, list)) and len(part) == 2):
                 raise TypeError(f"each part of a mix is a (dataset, weight) pair, not {part!r}")
-        if any(isinstance(p, StreamingDataset) and p.batch_size for p, _ in parts):
+        if any(isinstance(p, part_type) and p.batch_size for p, _ in parts):
             raise ValueError("the datasets of a mix yield samples: give batch_size to the mix, not to its parts")
-        if options and any(isinstance(p, StreamingDataset) for p, _ in parts):
+        if options and any(isinstance(p, part_type) for p, _ in parts):
             raise ValueError(f"options for the parts ({', '.join(sorted(options))}) apply to parts given as URLs: "
                              "give them to the StreamingDataset parts themselves")
         self.parts = [
-            p if isinstance(p, StreamingDataset)
-            else StreamingDataset(p, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, **options)
+            p if isinstance(p, part_type)
+            else part_type(p, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, **options)
             for p, _ in parts
         ]
         self.weights = tuple(_weight(w) for _, w in parts)
-        self.sizes = tuple(p._total() for p in self.parts)
+        self.sizes = tuple(p.total_samples() for p in self.parts)
         if 0 in self.sizes:
             raise ValueError("every dataset of a mix needs at least one sample")
         self.samples_per_epoch = (checks.integer("samples_per_epoch", samples_per_epoch, 1)
@@ -72,7 +73,7 @@ class MixedDataset(EpochDataset):
             raise ValueError(f"part {d} (weight {self.weights[d]:g}) gets no sample in an epoch of {self.samples_per_epoch}: "
                              "raise its weight or samples_per_epoch, or leave it out")
 
-    def _total(self) -> int:
+    def total_samples(self) -> int:
         return self.samples_per_epoch
 
     def _order(self) -> dict[str, Any]:
@@ -80,7 +81,7 @@ class MixedDataset(EpochDataset):
         return {**super()._order(), "counts": [int(c) for c in self.counts], "sizes": list(self.sizes),
                 "parts": parts}  # what orders each part's own epochs
 
-    def _sequence(self, epoch: int) -> np.ndarray:
+    def epoch_order(self, epoch: int) -> np.ndarray:
         return np.arange(self.samples_per_epoch, dtype=np.int64)  # positions; _part_ids maps them to samples
 
     def __iter__(self) -> Iterator[Any]:
@@ -114,8 +115,7 @@ class _MixedStream(EpochStream):
             by_epoch = np.argsort(own_epoch, kind="stable")  # each of the part's own epochs once, not a scan per epoch
             epochs, starts = np.unique(own_epoch[by_epoch], return_index=True)
             for k, sel in zip(epochs.tolist(), np.split(by_epoch, starts[1:])):
-                order = partition.global_sequence(part._counts, seed=part.seed, epoch=k, shuffle=part.shuffle,
-                                                  block=part.block)
+                order = part.epoch_order(k)
                 out[sel] = order[offset[sel]]
             ids.append(out)
         return part_of, ids
@@ -123,7 +123,7 @@ class _MixedStream(EpochStream):
     def _generate(self) -> Iterator[Any]:
         part_of, ids = self._part_ids(self._plan())
         window = max(self.ds.shuffle_window, *(p.shuffle_window for p in self.ds.parts))
-        streams = [_WorkerStream(p, self.rank, self.world, self.worker_id, self.num_workers, ids=i, window=window)
+        streams = [WorkerStream(p, self.rank, self.world, self.worker_id, self.num_workers, ids=i, window=window)
                    for p, i in zip(self.ds.parts, ids)]
         try:
             for (d,) in ranges.rows(part_of):

@@ -16,11 +16,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import images, index, storage
-from .errors import SourceError, about_the_file
-from .formats import lmdb as lmdb_format
-from .index import Index, Skipped
-from .storage import StorageOptions
+from . import images
+from .. import index, storage
+from ..errors import SourceError, about_the_file
+from ..formats import lmdb as lmdb_format
+from ..index import Index, Skipped
+from ..storage import StorageOptions
 
 HIDDEN = "hidden entry ignored"  # listed in the index, but not a failure under on_error="fail"
 
@@ -211,7 +212,7 @@ def scan_dataset(src: str, kind: str, storage_options: StorageOptions | None = N
     LMDB the path is the sample key, for tar "SHARD@START:END"."""
     found = _ListingBuilder()
     if kind == "lmdb":
-        from .sources import lmdb_index
+        from ..sources import lmdb_index
 
         idx = index.load(src, storage_options) if storage.exists(storage.join(src, index.INDEX_NAME)) else lmdb_index(src)
         keys = idx.extra.get("keys", [])

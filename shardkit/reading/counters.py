@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing
-from collections.abc import Sequence
+from collections.abc import Mapping
 from multiprocessing.context import get_spawning_popen
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from .cache import RangeCache
-    from .prefetch import Prefetcher
-    from .storage import RangeReader
+    from ..storage.cache import RangeCache
+    from ..prefetch import Prefetcher
+    from ..storage import RangeReader
 
 MAX_WORKERS = 128  # DataLoader workers per rank that the shared counters have room for
 STATS = ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped", "fetched_bytes", "cache_hits",
@@ -125,29 +125,42 @@ class Shared:
             total[name] = float(column.mean()) if len(column) else 0.0
         return total
 
-    def add(self, worker_id: int, values: Sequence[float]) -> None:
+    def add(self, worker_id: int, values: Mapping[str, float]) -> None:
         base = worker_id * len(STATS)
-        for i, (name, v) in enumerate(zip(STATS, values)):
+        for i, name in enumerate(STATS):
             if name in GAUGES:
-                self.stats[base + i] = v
+                self.stats[base + i] = values[name]
             else:
-                self.stats[base + i] += v
+                self.stats[base + i] += values[name]
 
 
 class Meter:
     """A worker's statistics, pushed to the shared counters every few hundred samples."""
 
     def __init__(self, shared: Shared, worker_id: int, reader: RangeReader, cache: RangeCache | None):
-        self.values = [0.0] * len(STATS)
+        self.values = dict.fromkeys(STATS, 0.0)
         self._shared, self._worker_id, self._reader, self._cache = shared, worker_id, reader, cache
         self._fetched = self._hits = 0
+        self.skips = 0  # this pass's, for the log's limit (values are reset at each flush)
+
+    def sample(self, size: int, read_s: float, decode_s: float, transform_s: float) -> None:
+        v = self.values
+        v["samples"] += 1
+        v["bytes"] += size
+        v["read_s"] += read_s
+        v["decode_s"] += decode_s
+        v["transform_s"] += transform_s
+
+    def skipped(self) -> None:
+        self.values["skipped"] += 1
+        self.skips += 1
 
     def flush(self, prefetcher: Prefetcher[Any, Any] | None) -> None:
         v = self.values
-        v[6], self._fetched = self._reader.fetched_bytes - self._fetched, self._reader.fetched_bytes
+        v["fetched_bytes"], self._fetched = self._reader.fetched_bytes - self._fetched, self._reader.fetched_bytes
         if self._cache is not None:
-            v[7], self._hits = self._cache.hits - self._hits, self._cache.hits
+            v["cache_hits"], self._hits = self._cache.hits - self._hits, self._cache.hits
         if prefetcher is not None:
-            v[8], v[9] = prefetcher.target, prefetcher.latency_s
+            v["prefetch_depth"], v["fetch_latency_s"] = prefetcher.target, prefetcher.latency_s
         self._shared.add(self._worker_id, v)
-        self.values = [0.0] * len(STATS)
+        self.values = dict.fromkeys(STATS, 0.0)

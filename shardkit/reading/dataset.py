@@ -1,0 +1,133 @@
+"""StreamingDataset: a torch IterableDataset over shards, split across DDP ranks and
+DataLoader workers, every rank yielding exactly the same number of samples.
+
+The dataset object is cheap to build and to pickle: it holds the index as numpy arrays.
+Everything else (open files, the worker's plan) is made inside `__iter__`, in the worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import checks, partition
+from ..decode import decoder
+from .epochs import EpochDataset
+from .stream import WorkerStream
+from ..errors import ShardkitError
+from ..formats import lmdb as lmdb_format
+from ..sources import local_lmdb, resolve
+from ..storage import StorageOptions
+
+
+class StreamingDataset(EpochDataset):
+    """Stream samples from tar shards (a dataset folder with index.json, a brace pattern
+    such as ``shards-{000000..000009}.tar``, or a list of shard paths or URLs).
+
+    Yields WebDataset-style dicts: ``__key__``, ``__url__`` and one entry per field,
+    images decoded as `decode` says ("raw" bytes, "pil", "rgb8" HWC uint8 numpy, "tensor"
+    CHW uint8 torch), ``cls`` as int, ``json`` as dict. `transform(sample)` runs in the
+    worker and its result is what the DataLoader receives.
+
+    Every rank yields ``len(ds)`` samples per epoch. With ``remainder="repeat"`` (default)
+    the last few samples that don't divide evenly are topped up by repeating samples from
+    the start of the epoch's order, so none is ever left out; ``"drop"`` leaves a few out.
+    With ``shuffle=True`` the order depends only on (seed, epoch) and the layout (world size,
+    num_workers); call ``set_epoch`` each epoch, or let each pass advance the epoch by one.
+
+    ``batch_size=B`` makes each worker yield whole batches, collated as ``default_collate``
+    would but straight into reused shared memory (see batching.py): use it with
+    ``DataLoader(ds, batch_size=None)``. ``len(ds)`` then counts batches, at most one of them
+    short per rank.
+    """
+
+    def __init__(
+        self,
+        source: str | Sequence[str],
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        decode: str = "raw",
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        remainder: str = "repeat",
+        shuffle_window: int = 1024,
+        block: int = 64,
+        on_error: str = "raise",
+        verify: bool = False,
+        prefetch: int = 8,
+        prefetch_bytes: int | str = "256MB",
+        cache_dir: str | None = None,
+        cache_limit: int | str = "20GB",
+        storage_options: StorageOptions | None = None,
+        batch_size: int | None = None,
+    ):
+        super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
+                         remainder=remainder, batch_size=batch_size)
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+        self.block, self.prefetch = checks.integer("block", block, 1), checks.integer("prefetch", prefetch)
+        decoder(decode)  # validate early, in the main process
+        self.urls, self.index = resolve(source, checks.mapping("storage_options", storage_options))
+        self.decode, self.transform, self.on_error = decode, checks.function("transform", transform), on_error
+        self.storage_options, self.verify = storage_options, checks.flag("verify", verify)
+        self.prefetch_bytes = checks.size("prefetch_bytes", prefetch_bytes, 1)
+        self.cache_dir, self.cache_limit = cache_dir, checks.size("cache_limit", cache_limit, 1)
+        if cache_dir is not None and os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
+            raise ValueError(f"cache_dir {cache_dir!r} is a file, not a folder")
+        if cache_dir is not None and self.cache_limit < self.prefetch_bytes:
+            raise ValueError(
+                f"cache_limit ({self.cache_limit} bytes) is smaller than the read-ahead budget prefetch_bytes "
+                f"({self.prefetch_bytes} bytes): raise cache_limit or lower prefetch_bytes"
+            )
+        counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
+        self._counts = counts
+        self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._lmdb: str | None = None  # local path of an LMDB dataset
+        self._keys, self._sizes = np.empty(0, dtype="S1"), None  # an LMDB's, sizes checked at each read
+        if self.index.kind == "lmdb":
+            self._lmdb = local_lmdb(self.urls[0], storage_options, cache_dir, self.cache_limit)
+            self._keys, self._sizes = lmdb_format.sample_tables(self.index.extra)
+            self._offsets = np.empty(0, np.int64)
+        else:
+            tables = [s.offsets for s in self.index.shards]
+            if any(t is None for t in tables):
+                raise ShardkitError(f"{source!r}: index lacks sample offsets; rebuild it with `shardkit index`")
+            self._offsets = np.concatenate([np.asarray(t, dtype=np.int64) for t in tables] or [np.empty(0, np.int64)])
+        self.index = self.index.slim()  # the per-sample tables live on in the arrays above only
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return self.index.classes
+
+    @staticmethod
+    def mix(parts: Sequence[tuple[str | Sequence[str] | StreamingDataset, float]], **options: Any) -> Any:
+        """Several datasets drawn by weight: `StreamingDataset.mix([("s3://a", 0.7), ("s3://b", 0.3)],
+        shuffle=True)`. Options: samples_per_epoch (default: all samples together), shuffle,
+        seed, shuffle_window, remainder, rank, world_size, batch_size (batches of the mixture,
+        as StreamingDataset's), and any StreamingDataset option for the parts given as URLs.
+        See shardkit/mix.py for the epoch semantics."""
+        from .mix import MixedDataset
+
+        return MixedDataset(parts, part_type=StreamingDataset, **options)
+
+    def total_samples(self) -> int:
+        return int(self._counts.sum())
+
+    def _order(self) -> dict[str, Any]:
+        if not self.shuffle:
+            return super()._order()
+        # the shuffled order goes shard by shard: the same samples cut into other shards are another order
+        digest = hashlib.sha256(np.asarray(self._counts, dtype="<i8").tobytes()).hexdigest()[:12]
+        return {**super()._order(), "block": self.block, "shard_sizes": f"{len(self._counts)} shards, sha256 {digest}"}
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        return partition.global_sequence(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self.block)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._stream(WorkerStream(self, *self._layout()))

@@ -1,0 +1,48 @@
+"""Storage: the package that talks to local disks and object stores. Local paths take a
+direct os path (fast, no fsspec overhead); everything else goes through fsspec (imported in
+clients.py only) with the caller's storage options passed through unchanged.
+
+    urls          which URL is local, joining, display (no secrets)
+    clients       fsspec filesystems, one per process, protocol and options
+    retry         the retry policy: transient or permanent, backoff, one-line errors
+    files         one-shot operations: read, list, size, version, remove
+    atomic        writes a reader never sees half of
+    range_reader  a worker's ranged reads of its shards, cache and checksums
+"""
+
+from .atomic import TMP_MARK, atomic_writer, write_bytes_atomic
+from .clients import REQUEST_TIMEOUT_S, endpoint, filesystem
+from .files import exists, find, listdir, makedirs, open_read, read_bytes, read_range, remove, remove_dir, size, version
+from .range_reader import RangeReader
+from .retry import RETRIES, attempts_for, retrying, stop_when
+from .urls import StorageOptions, display, is_local, join, local_path
+
+__all__ = [
+    "REQUEST_TIMEOUT_S",
+    "RETRIES",
+    "TMP_MARK",
+    "RangeReader",
+    "StorageOptions",
+    "atomic_writer",
+    "attempts_for",
+    "display",
+    "endpoint",
+    "exists",
+    "filesystem",
+    "find",
+    "is_local",
+    "join",
+    "listdir",
+    "local_path",
+    "makedirs",
+    "open_read",
+    "read_bytes",
+    "read_range",
+    "remove",
+    "remove_dir",
+    "retrying",
+    "size",
+    "stop_when",
+    "version",
+    "write_bytes_atomic",
+]

@@ -1,0 +1,214 @@
+"""RangeReader: a worker's reads of byte ranges of its shards, local or remote, with the
+optional block cache and checksum checks."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from ..errors import AccessDeniedError, CorruptShardError, NotFoundError, ShardkitError, one_line
+from .clients import filesystem
+from .files import cat_range
+from .retry import attempts_for, retrying
+from .urls import StorageOptions, display, is_local, local_path
+
+if TYPE_CHECKING:
+    from ..formats.tar import ReadAt
+    from .cache import RangeCache
+
+
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # posix_fadvise: Linux and BSDs, not macOS
+
+
+class RangeReader:
+    """Byte ranges of a fixed list of shards, thread-safe.
+
+    Local files are read with pread, straight into the caller's bytes (`read_at`), and
+    `advise` starts the disk read-ahead of a range before it is needed. Remote shards take
+    ranged GETs through fsspec, retried on transient errors (`patient`: for as long as an
+    outage of the store may last, see OUTAGE_RETRIES), and go through the optional local
+    cache.
+    """
+
+    def __init__(self, urls: list[str], storage_options: StorageOptions | None = None,
+                 versions: list[str | None] | None = None, cache: RangeCache | None = None, verify: bool = False,
+                 patient: bool = False):
+        self._urls = urls
+        self._patient = patient  # the caller has reached the store: reads ride out an outage
+        self._opts = storage_options
+        self._versions = versions or [None] * len(urls)
+        self._cache = cache
+        self._verify = verify
+        self._local = [is_local(u) for u in urls]
+        self._handles: dict[int, Any] = {}  # shard -> fd, or (filesystem, path)
+        self._instances: dict[tuple[Any, ...], Any] = {}
+        self._bad: dict[int, ShardkitError] = {}
+        self._opening: dict[int, threading.Lock] = {}
+        self._lock = threading.Lock()  # held for moments only: never across a read or a hash
+        self._closed = False
+        self.fetched_bytes = 0  # downloaded from remote storage, sha256 checks included (cache hits excluded)
+
+    def _handle(self, shard: int) -> Any:
+        handle = self._handles.get(shard)
+        if handle is not None:
+            return handle
+        with self._lock:
+            self._check_open()
+            opening = self._opening.setdefault(shard, threading.Lock())
+        with opening:  # one opener per shard; other shards open (and hash) meanwhile
+            if shard in self._bad:
+                raise self._bad[shard]
+            handle = self._handles.get(shard)
+            if handle is not None:
+                return handle
+            try:
+                handle = self._open(shard)
+            except ShardkitError as e:
+                self._bad[shard] = e  # hash (or fail to) once, not once per read in flight
+                raise
+            with self._lock:
+                if self._closed:  # closed while this shard was opening
+                    if self._local[shard]:
+                        os.close(handle)
+                    self._check_open()
+                self._handles[shard] = handle
+        return handle
+
+    def _open(self, shard: int) -> Any:
+        if self._local[shard]:
+            try:
+                handle = os.open(local_path(self._urls[shard]), os.O_RDONLY)
+            except OSError as e:
+                kind = {FileNotFoundError: NotFoundError, PermissionError: AccessDeniedError}.get(type(e), ShardkitError)
+                raise kind(f"{display(self._urls[shard])}: {type(e).__name__}: {one_line(e)}") from e
+        else:
+            handle = filesystem(self._urls[shard], self._opts, self._instances, client_retries=False)
+        if self._verify:
+            try:
+                self._check_sha256(shard, handle)
+            except ShardkitError:
+                if self._local[shard]:
+                    os.close(handle)
+                raise
+        return handle
+
+    def _check_sha256(self, shard: int, handle: Any) -> None:
+        """Hash the whole shard once (the first time this reader touches it) against the
+        index; a close() stops it at its next chunk."""
+        expected = self._versions[shard]
+        if expected is None:
+            return
+
+        def digest() -> str:
+            sha, done = hashlib.sha256(), 0
+            f = None if self._local[shard] else handle[0].open(handle[1], "rb", block_size=8 << 20)
+            try:
+                while True:
+                    self._check_open()  # a close() stops the hash at its next chunk
+                    chunk = os.pread(handle, 8 << 20, done) if f is None else f.read(8 << 20)
+                    if not chunk:
+                        return sha.hexdigest()
+                    sha.update(chunk)
+                    done += len(chunk)
+            finally:
+                if f is not None:
+                    f.close()
+                    with self._lock:
+                        self.fetched_bytes += done
+
+        url = self._urls[shard]
+        if retrying(f"{display(url)} (sha256 check)", digest, attempts_for(url, self._patient)) != expected:
+            raise CorruptShardError(f"{display(url)}: sha256 mismatch with the index (shard changed or corrupt)")
+
+    def _check_open(self) -> None:
+        """Fail a read, or a retry of one, that comes after close(): a `break` out of the
+        loop stops read-ahead threads from going on at the store."""
+        if self._closed:
+            raise ShardkitError("read after the reader was closed")
+
+    def is_local(self, shard: int) -> bool:
+        return self._local[shard]
+
+    def read_at(self, shard: int) -> ReadAt:
+        """`read_at(size, offset)` on a local shard, valid until close(): fewer bytes only
+        where the file ends (a short read mid-file, as FUSE and NFS mounts may give, is
+        continued). An I/O error is a ShardkitError naming the shard: not bad data."""
+        if not self._local[shard]:
+            raise ValueError(f"{display(self._urls[shard])}: a remote shard is read by range, not read_at")
+        fd, url = self._handle(shard), self._urls[shard]
+
+        def read_at(size: int, offset: int) -> bytes:
+            if self._closed:  # _check_open, inlined: this runs for every member of every sample
+                raise ShardkitError("read after the reader was closed")
+            try:
+                data = os.pread(fd, size, offset)
+                while 0 < len(data) < size and (more := os.pread(fd, size - len(data), offset + len(data))):
+                    data += more
+            except OSError as e:
+                raise ShardkitError(f"{display(url)}: reading bytes {offset}-{offset + size}: "
+                                    f"{type(e).__name__}: {one_line(e)}") from e
+            return data
+
+        return read_at
+
+    def advise(self, shard: int, start: int, stop: int) -> None:
+        """Ask the kernel to start reading bytes [start, stop) of a local shard into the page
+        cache, and return. A hint: where it cannot be given (macOS), nothing."""
+        if self._local[shard] and stop > start and _WILLNEED is not None:
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self._handle(shard), start, stop - start, _WILLNEED)
+
+    def read(self, shard: int, start: int, stop: int, partial: bool = False) -> bytes:
+        """Bytes [start, stop) of a shard. A shard that ends before `stop` (truncated or
+        replaced) raises CorruptShardError, or with `partial` gives the bytes up to its end,
+        for the caller to tell which samples are whole."""
+        if self._local[shard]:
+            data = self.read_at(shard)(stop - start, start)
+            if len(data) < stop - start and not partial:
+                raise self._short(shard, start, stop, len(data))
+            return data
+        handle = self._handle(shard)
+        url, version = self._urls[shard], self._versions[shard]
+        cache = self._cache if version is not None else None  # without a sha256, a replaced shard looks the same
+        if cache is not None:
+            cached = cache.get(url, version, start, stop)
+            if cached is not None:
+                return cached
+        fs, path = handle
+
+        def get() -> bytes:
+            self._check_open()
+            data = cat_range(fs, path, start, stop, url)
+            if len(data) < stop - start:
+                fs.invalidate_cache(path)
+                if fs.size(path) < stop:  # the object does end there
+                    if partial:
+                        return data
+                    raise self._short(shard, start, stop, len(data))
+                raise OSError(f"short read: {len(data)} of {stop - start} bytes")  # a cut-short body: retried
+            return data
+
+        data = retrying(f"{display(url)} (bytes {start}-{stop})", get, attempts_for(url, self._patient))
+        with self._lock:
+            self.fetched_bytes += len(data)
+        if cache is not None and len(data) == stop - start:
+            cache.put(url, version, start, stop, data)
+        return data
+
+    def _short(self, shard: int, start: int, stop: int, got: int) -> CorruptShardError:
+        return CorruptShardError(
+            f"{display(self._urls[shard])}: {got} bytes at offset {start}, the index expects {stop - start} "
+            "(shard truncated or replaced)"
+        )
+
+    def close(self) -> None:
+        """Close the files. Reads still running on read-ahead threads fail cleanly after this."""
+        with self._lock:
+            self._closed = True
+            for shard, handle in self._handles.items():
+                if self._local[shard]:
+                    os.close(handle)
+            self._handles.clear()
