@@ -243,6 +243,9 @@ def info(url: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     click.echo(f"samples:  {idx.samples}")
     click.echo(f"shards:   {len(idx.shards)} ({min(counts, default=0)}-{max(counts, default=0)} samples each)")
     click.echo(f"bytes:    {format_size(idx.bytes)}")
+    packed = sum(s.compression is not None for s in idx.shards)
+    if packed:
+        click.echo(f"compressed: {packed} of {len(idx.shards)} shards (gzip: read as streams, no random access)")
     names = ", ".join(idx.classes[:8]) + (", ..." if len(idx.classes) > 8 else "")
     click.echo(f"classes:  {len(idx.classes)}" + (f" ({names})" if idx.classes else ""))
     click.echo(f"skipped:  {_plural(len(idx.skipped), 'file')}")

@@ -38,8 +38,8 @@ _LONG_DIGITS = re.compile(rb"\d{19}")  # orjson reads integers past 64 bits as f
 
 def _kind(field: str) -> str:
     """What a field holds, by WebDataset's rule: its last extension, in lower case
-    (`seg.png` and `JPG` are images)."""
-    return field.rsplit(".", 1)[-1].lower()
+    (`seg.png` and `JPG` are images), before a `.gz` (which the readers inflate)."""
+    return field.lower().removesuffix(".gz").rsplit(".", 1)[-1]
 
 
 def sample_dict(key: str, url: str, fields: Mapping[str, bytes]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from . import storage
 from .errors import CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, UnfinishedPackError
 from .storage import StorageOptions
 
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # tar shards in a folder, by name (gzip is told by its first bytes)
 LMDB_DATA_FILE = "data.mdb"  # the lmdb library's name for its data file: a folder holding one is an LMDB
 INDEX_NAME = "index.json"
 PROGRESS_DIR = ".shardkit-progress"  # a tar pack's records of finished shards, until index.json commits
@@ -30,17 +31,23 @@ _PER_SAMPLE = ("keys", "sizes")  # an LMDB index's per-sample lists, in `extra`
 @dataclass(frozen=True)
 class ShardInfo:
     """One shard. `offsets` has samples + 1 entries: sample i is bytes [offsets[i], offsets[i+1]).
-    They are kept as an `array("q")`: 8 bytes a sample, where a tuple of ints takes ~40."""
+    They are kept as an `array("q")`: 8 bytes a sample, where a tuple of ints takes ~40.
+    A `compression` ("gzip") shard is a stream: its offsets are in the tar inside, `bytes`
+    and `sha256` are the compressed file's."""
 
     name: str
     samples: int
     bytes: int
     sha256: str | None = None
     offsets: Sequence[int] | None = field(default=None, hash=False)
+    compression: str | None = None
 
     def __post_init__(self) -> None:
         if self.samples < 0 or self.bytes < 0:
             raise CorruptShardError(f"{self.name}: index lists {self.samples} samples of {self.bytes} bytes")
+        if self.compression not in (None, "gzip"):
+            raise CorruptShardError(f"{self.name}: index lists compression {self.compression!r}, this shardkit reads "
+                                    "gzip only")
         if self.offsets is None:
             return
         if not (isinstance(self.offsets, array) and self.offsets.typecode == "q"):
@@ -49,12 +56,15 @@ class ShardInfo:
             raise CorruptShardError(
                 f"{self.name}: index lists {len(self.offsets)} offsets for {self.samples} samples"
             )
-        _check_offsets(self.name, np.frombuffer(self.offsets, dtype=np.int64), self.bytes)
+        size = None if self.compression else self.bytes  # the inflated tar's size is not recorded
+        _check_offsets(self.name, np.frombuffer(self.offsets, dtype=np.int64), size)
 
     def to_json(self) -> dict:
         out: dict = {"name": self.name, "samples": self.samples, "bytes": self.bytes}
         if self.sha256 is not None:
             out["sha256"] = self.sha256
+        if self.compression is not None:
+            out["compression"] = self.compression
         if self.offsets is not None:
             out["offsets"] = list(self.offsets)
         return out
@@ -68,13 +78,15 @@ class ShardInfo:
             bytes=int(d["bytes"]),
             sha256=d.get("sha256"),
             offsets=offsets,
+            compression=d.get("compression"),
         )
 
 
-def _check_offsets(name: str, table: np.ndarray, size: int) -> None:
-    """Offsets that could not come from a shard of `size` bytes fail here, when the index is
-    read, rather than as a confusing read error in a worker halfway through an epoch."""
-    if table[0] < 0 or table[-1] > size:
+def _check_offsets(name: str, table: np.ndarray, size: int | None) -> None:
+    """Offsets that could not come from a shard of `size` bytes (None: any size) fail here,
+    when the index is read, rather than as a confusing read error in a worker halfway
+    through an epoch."""
+    if table[0] < 0 or (size is not None and table[-1] > size):
         raise CorruptShardError(f"{name}: index offsets run from {table[0]} to {table[-1]}, outside the shard's "
                                 f"{size} bytes")
     bad = np.flatnonzero(table[1:] <= table[:-1])
@@ -246,7 +258,7 @@ def _guess(url: str, storage_options: StorageOptions | None) -> str:
         names = []
     if LMDB_DATA_FILE in names:
         return "an LMDB pack that has not finished, or whose index.json was removed: rerun the same `shardkit pack`"
-    if any(n.endswith(".tar") for n in names):
+    if any(n.endswith(SHARD_SUFFIXES) for n in names):
         return f"tar shards from another tool: `shardkit index {storage.display(url)}` writes one"
     return "not a shardkit dataset?"
 

@@ -78,8 +78,10 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([k if k >= 0 else k & 0xFFFF_FFFF_FFFF_FFFF for k in key])
 
 
-def global_sequence(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bool, block: int) -> np.ndarray:
-    """Global sample ids (0..T-1, shard by shard) in the epoch's order."""
+def global_sequence(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bool,
+                    block: int | np.ndarray) -> np.ndarray:
+    """Global sample ids (0..T-1, shard by shard) in the epoch's order. `block` is one
+    size for every shard, or each shard's (a compressed shard's block is all of it)."""
     counts = np.asarray(counts, dtype=np.int64)
     total = int(counts.sum())
     if not shuffle or total == 0:
@@ -87,8 +89,9 @@ def global_sequence(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bo
     first = np.concatenate([[0], np.cumsum(counts)[:-1]])
     # blocks: (start id, length), `block` samples at a time within each shard
     nblocks = -(-counts // block)
-    starts = np.repeat(first, nblocks) + block * (np.arange(nblocks.sum()) - np.repeat(np.cumsum(nblocks) - nblocks, nblocks))
-    ends = np.minimum(starts + block, np.repeat(first + counts, nblocks))
+    size = np.repeat(np.broadcast_to(np.asarray(block, dtype=np.int64), counts.shape), nblocks)
+    starts = np.repeat(first, nblocks) + size * (np.arange(nblocks.sum()) - np.repeat(np.cumsum(nblocks) - nblocks, nblocks))
+    ends = np.minimum(starts + size, np.repeat(first + counts, nblocks))
     order = _rng(seed, epoch, 0x5EED).permutation(len(starts))
     starts, lengths = starts[order], (ends - starts)[order]
     # ids = start of own block + position inside it

@@ -11,9 +11,10 @@ the pass again (`passes` counts them).
 Like the tar reader, nothing here opens a file: it reads through the functions it is given
 (`read(n)`; `fetch(offset, size)` on the compressed file, fewer bytes only at its end).
 
-Decompression bombs: every call inflates at most what was asked for (plus a chunk), and a
-`.gz` member's inflated size is capped (`gunzip`). A compressed tar declares its members'
-sizes in their headers, so the tar reader caps those before reading them.
+Decompression bombs: every call inflates at most what was asked for, a `.gz` member's
+inflated size is capped (`gunzip`, `inflate_fields`), and a scan reads past large members
+without holding them; the readers check a compressed shard's sample sizes (from its index)
+against the same cap before they inflate one.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import bisect
 import threading
 import zlib
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ..errors import CorruptShardError
 
 MAGIC = b"\x1f\x8b\x08"  # gzip's magic and its one compression method, deflate
-SUFFIX = ".gz"
+MAX_MEMBER = 1 << 30  # the default cap on what one member (or sample) of a compressed shard inflates to
 _GZIP = 16 + zlib.MAX_WBITS  # zlib parses (and checks the CRC of) gzip's header and trailer
 _PIECE = 1 << 20  # what one inflate call returns at most, when the caller asks for "some"
 
@@ -160,6 +161,19 @@ def gunzip(data: bytes, limit: int, where: str) -> bytes:
         raise CorruptShardError(f"{where}: inflates to more than {limit} bytes (max_member_size): a decompression "
                                 "bomb, or raise the limit")
     return out
+
+
+def is_gzip_field(field: str) -> bool:
+    """A member webdataset inflates: `json.gz`, or a bare `gz`."""
+    return field.lower().endswith(".gz") or field.lower() == "gz"
+
+
+def inflate_fields(sample: dict[str, Any], limit: int) -> None:
+    """Inflate the `.gz` fields of a sample dict (`__key__`, `__url__`, fields) in place,
+    keeping their names as webdataset does, each capped at `limit` bytes."""
+    for field, value in sample.items():
+        if isinstance(value, bytes) and is_gzip_field(field):
+            sample[field] = gunzip(value, limit, f"{sample['__url__']}: sample {sample['__key__']}: field {field!r}")
 
 
 class Ranges:

@@ -24,6 +24,7 @@ from .. import checks, index, storage
 from . import executors, images
 from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
 from .executors import tick
+from ..formats import gzip
 from ..formats import lmdb as lmdb_format
 from ..formats.tar import RECORD, TarWriter, check_key, parse_sample
 from ..index import Index, ShardInfo, Skipped
@@ -84,7 +85,7 @@ def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
         start, stop = (int(x) for x in span.split(":"))
         _check_source_shard(job, shard)
         url = storage.join(job.src, shard)
-        data = storage.read_range(url, start, stop, job.storage_options)
+        data = _source_range(job, shard, start, stop)
         where = f"{url} (sample at byte {start})"
         key, fields = parse_sample(data, where, start)
         try:
@@ -99,7 +100,28 @@ def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
 
 
 _source_shards: dict[str, str | None] = {}  # this process's checks in one run: url -> problem
+_source_streams: dict[str, gzip.Ranges] = {}  # this process's compressed source shard being read, in one run
 _source_run = ""
+
+
+def _source_range(job: Job, shard: str, start: int, stop: int) -> bytes:
+    """Bytes [start, stop) of a source shard; of the tar inside a compressed one, inflated
+    from where its stream is (a job reads its samples in order: one pass a job at most)."""
+    url, info = storage.join(job.src, shard), next(info for info in job.shards if info.name == shard)
+    if info.compression is None:
+        return storage.read_range(url, start, stop, job.storage_options)
+    if stop - start > gzip.MAX_MEMBER:
+        raise CorruptShardError(f"{storage.display(url)} (sample at byte {start}): inflates to {stop - start} bytes, "
+                                f"over {gzip.MAX_MEMBER} (a decompression bomb?)")
+    if url not in _source_streams:
+        _source_streams.clear()
+
+        def fetch(offset: int, n: int) -> bytes:
+            end = min(offset + n, info.bytes)
+            return storage.read_range(url, offset, end, job.storage_options) if offset < end else b""
+
+        _source_streams[url] = gzip.Ranges(fetch, storage.display(url), keep=0)
+    return _source_streams[url].read(start, stop)
 
 
 def _check_source_shard(job: Job, shard: str) -> None:
@@ -111,6 +133,7 @@ def _check_source_shard(job: Job, shard: str) -> None:
     global _source_run
     if job.run != _source_run:
         _source_shards.clear()
+        _source_streams.clear()
         _source_run = job.run
     url = storage.join(job.src, shard)
     if url not in _source_shards:

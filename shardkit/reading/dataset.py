@@ -16,9 +16,11 @@ import numpy as np
 
 from .. import checks, partition
 from ..decode import decoder
+from . import compressed
 from .epochs import EpochDataset
 from .stream import WorkerStream
 from ..errors import ShardkitError
+from ..formats import gzip
 from ..formats import lmdb as lmdb_format
 from ..sources import local_lmdb, resolve
 from ..storage import StorageOptions
@@ -43,6 +45,11 @@ class StreamingDataset(EpochDataset):
     would but straight into reused shared memory (see batching.py): use it with
     ``DataLoader(ds, batch_size=None)``. ``len(ds)`` then counts batches, at most one of them
     short per rank.
+
+    gzip-compressed shards (``.tar.gz``, told by their first bytes) are read as streams:
+    each is one block of the shuffle, inflated once a pass. ``.gz`` fields are inflated
+    (keeping their names, as webdataset does); ``max_member_size`` caps what a field, or a
+    compressed shard's sample, may inflate to.
     """
 
     def __init__(
@@ -66,6 +73,7 @@ class StreamingDataset(EpochDataset):
         cache_limit: int | str = "20GB",
         storage_options: StorageOptions | None = None,
         batch_size: int | None = None,
+        max_member_size: int | str = gzip.MAX_MEMBER,
     ):
         super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
                          remainder=remainder, batch_size=batch_size)
@@ -99,6 +107,9 @@ class StreamingDataset(EpochDataset):
             if any(t is None for t in tables):
                 raise ShardkitError(f"{source!r}: index lacks sample offsets; rebuild it with `shardkit index`")
             self._offsets = np.concatenate([np.asarray(t, dtype=np.int64) for t in tables] or [np.empty(0, np.int64)])
+        self.max_member_size = checks.size("max_member_size", max_member_size, 1)
+        self._gzip_sample = compressed.check_samples(self.urls, self.index.shards, self.max_member_size)
+        self._blocks = compressed.blocks(self.index.shards, self.block)
         self.index = self.index.slim()  # the per-sample tables live on in the arrays above only
 
     @property
@@ -124,10 +135,13 @@ class StreamingDataset(EpochDataset):
             return super()._order()
         # the shuffled order goes shard by shard: the same samples cut into other shards are another order
         digest = hashlib.sha256(np.asarray(self._counts, dtype="<i8").tobytes()).hexdigest()[:12]
-        return {**super()._order(), "block": self.block, "shard_sizes": f"{len(self._counts)} shards, sha256 {digest}"}
+        order = {**super()._order(), "block": self.block, "shard_sizes": f"{len(self._counts)} shards, sha256 {digest}"}
+        if isinstance(self._blocks, np.ndarray):  # compressed shards are blocks of their own
+            order["blocks"] = hashlib.sha256(np.asarray(self._blocks, dtype="<i8").tobytes()).hexdigest()[:12]
+        return order
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        return partition.global_sequence(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self.block)
+        return partition.global_sequence(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self._blocks)
 
     def __iter__(self) -> Iterator[Any]:
         return self._stream(WorkerStream(self, *self._layout()))

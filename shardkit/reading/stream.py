@@ -21,9 +21,11 @@ from .. import ranges, storage
 from ..decode import decoder, sample_dict
 from ..errors import CorruptShardError, FieldError, ShardkitError, describe
 from ..formats import lmdb as lmdb_format
+from ..formats.gzip import inflate_fields
 from ..formats.tar import ReadAt, buffer_reader, read_sample
 from ..prefetch import Prefetcher
 from ..storage.cache import RangeCache
+from .compressed import CompressedShards
 from .counters import Meter
 from .epochs import EpochStream
 
@@ -73,6 +75,9 @@ class WorkerStream(EpochStream):
         versions = [sh.sha256 for sh in ds.index.shards]
         # the dataset read its index (or scanned its shards) there: the store was reachable
         reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache, verify=ds.verify, patient=True)
+        # what a compressed shard's stream keeps: the samples one shuffle window may ask for out of order
+        keep = (self.window + 2 * ds.block) * ds._gzip_sample
+        self._gzip = CompressedShards(reader, ds.urls, ds.index.shards, keep)
         decode, transform = decoder(ds.decode), ds.transform
         reads = self._reads(ids, reader) if ds._lmdb is None else self._lmdb_reads(ids)
         meter = Meter(ds._shared, self.worker_id, reader, cache)
@@ -116,6 +121,7 @@ class WorkerStream(EpochStream):
             sample, size = _parse(data, url, start), data[0] - start  # a local sample's bytes are read here
         else:
             sample, size = _from_lmdb(data, url, start), sum(map(len, data[1].values()))
+        inflate_fields(sample, self.ds.max_member_size)
         t1 = time.perf_counter()
         self._key = sample["__key__"]
         sample = decode(sample)
@@ -144,10 +150,12 @@ class WorkerStream(EpochStream):
             try:
                 if ds._lmdb is None:
                     shard, start, end = (int(x[0]) for x in ranges.bounds(np.array([i]), ds._first, ds._offsets))
-                    read_at = buffer_reader(reader.read(shard, start, end), start)
-                    sample = decode(_parse((end, read_at), ds.urls[shard], start))
+                    data = self._gzip.read(shard, start, end) if shard in self._gzip else reader.read(shard, start, end)
+                    sample = _parse((end, buffer_reader(data, start)), ds.urls[shard], start)
                 else:
-                    sample = decode(_from_lmdb(next(self._lmdb_reads(np.array([i])))[2], ds.urls[0], i))
+                    sample = _from_lmdb(next(self._lmdb_reads(np.array([i])))[2], ds.urls[0], i)
+                inflate_fields(sample, ds.max_member_size)
+                sample = decode(sample)
             except CorruptShardError:  # unusable too: try the next one
                 continue
             except ShardkitError:  # storage that fails is not bad data
@@ -176,6 +184,8 @@ class WorkerStream(EpochStream):
 
         def fetch(r: ranges.Range) -> ReadAt | CorruptShardError:
             try:
+                if r.shard in self._gzip:  # a stream: inflated from where it is up to the range
+                    return buffer_reader(self._gzip.read(r.shard, r.start, r.stop), r.start)
                 if reader.is_local(r.shard):  # the kernel reads the range ahead; samples come straight from the file
                     reader.advise(r.shard, r.start, r.stop)
                     return reader.read_at(r.shard)

@@ -84,7 +84,7 @@ def _unlisted(url: str, idx: Index, storage_options: StorageOptions | None) -> l
         return []
     listed = {info.name for info in idx.shards}
     return [f"{storage.display(storage.join(url, name))}: a shard the index does not list (readers skip it)"
-            for name in names if name.endswith(".tar") and name not in listed]
+            for name in names if name.endswith(index.SHARD_SUFFIXES) and name not in listed]
 
 
 def _verify_lmdb(url: str, idx: Index, storage_options: StorageOptions | None) -> str | None:
