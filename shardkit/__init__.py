@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .reading.batching import collate
     from .reading.dataset import StreamingDataset
     from .reading.lmdb_dataset import LMDBDataset
+    from .reading.tar_dataset import TarDataset
 
 __all__ = [
     "CorruptShardError",
@@ -29,6 +30,7 @@ __all__ = [
     "ShardkitError",
     "SourceError",
     "StreamingDataset",
+    "TarDataset",
     "UnfinishedPackError",
     "build_index",
     "collate",
@@ -37,7 +39,8 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"LMDBDataset": "reading.lmdb_dataset", "StreamingDataset": "reading.dataset", "collate": "reading.batching"}
+_LAZY = {"LMDBDataset": "reading.lmdb_dataset", "StreamingDataset": "reading.dataset", "TarDataset": "reading.tar_dataset",
+         "collate": "reading.batching"}
 
 
 def __getattr__(name: str) -> Any:

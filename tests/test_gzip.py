@@ -268,3 +268,23 @@ def test_converting_compressed_shards_gives_random_access(photos: Path, tmp_path
     assert idx.samples == 23 and all(s.compression is None for s in idx.shards)
     ds = shardkit.TarDataset(str(tmp_path / "plain"))
     assert fields_of(ds[i] for i in range(len(ds))) == webdataset_decoded(urls)
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_shuffled_pass_inflates_each_compressed_shard_once(photos: Path, tmp_path: Path, s3: dict, remote: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    urls = write_gz(tmp_path / "gz", photos, count=30)
+    opts = s3["storage_options"] if remote else None
+    if remote:
+        for i, u in enumerate(urls):
+            urls[i] = s3["url"] + "/gz/" + Path(u).name
+            shardkit.storage.write_bytes_atomic(urls[i], Path(u).read_bytes(), opts)
+    starts = []
+    restart = Ranges._restart
+    monkeypatch.setattr(Ranges, "_restart", lambda self: (starts.append(self), restart(self)))
+    ds = StreamingDataset(urls, shuffle=True, shuffle_window=16, block=2, storage_options=opts, prefetch=4)
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        keys = [s["__key__"] for s in ds]
+        assert sorted(keys) == [f"s{i:04d}" for i in range(30)] and keys != sorted(keys)
+        assert len(starts) == 6 * (epoch + 1)  # a stream per shard and pass: none started twice

@@ -23,7 +23,6 @@ from ..formats.gzip import Fetch, Ranges
 from ..index import ShardInfo
 
 CHUNK = 8 << 20  # compressed bytes a fetch asks for: a few requests a shard, each a cacheable block
-OPEN = 2  # shards whose streams a worker keeps: the one it reads and the one before, at a block's edge
 
 
 def check_samples(urls: Sequence[str], shards: Sequence[ShardInfo], limit: int) -> int:
@@ -54,11 +53,17 @@ def blocks(shards: Sequence[ShardInfo], block: int) -> int | np.ndarray:
 
 class CompressedShards:
     """Ranges of the tar inside each compressed shard of `shards`, read through `reader`.
-    Thread-safe: read-ahead threads take turns on a shard."""
+    A worker's reads of a shard come within `spread` samples of each other (a shuffle
+    window and a block or two) and its samples are `sample_bytes` long at most on average:
+    each stream keeps that many samples' bytes, and as many streams stay open as `spread`
+    samples can span shards. Thread-safe: read-ahead threads take turns on a shard."""
 
-    def __init__(self, reader: storage.RangeReader, urls: Sequence[str], shards: Sequence[ShardInfo], keep: int):
-        self._reader, self._urls, self._keep = reader, urls, keep
+    def __init__(self, reader: storage.RangeReader, urls: Sequence[str], shards: Sequence[ShardInfo], spread: int,
+                 sample_bytes: int):
+        self._reader, self._urls, self._keep = reader, urls, spread * sample_bytes
         self._sizes = {i: s.bytes for i, s in enumerate(shards) if s.compression}
+        smallest = min((max(shards[i].samples, 1) for i in self._sizes), default=1)
+        self._open = 2 + spread // smallest
         self._streams: OrderedDict[int, Ranges] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -75,7 +80,7 @@ class CompressedShards:
             if stream is None:
                 stream = self._streams[shard] = Ranges(self._fetcher(shard), storage.display(self._urls[shard]),
                                                        self._keep, CHUNK)
-                while len(self._streams) > OPEN:
+                while len(self._streams) > self._open:
                     self._streams.popitem(last=False)
             self._streams.move_to_end(shard)
             return stream

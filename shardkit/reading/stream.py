@@ -75,9 +75,8 @@ class WorkerStream(EpochStream):
         versions = [sh.sha256 for sh in ds.index.shards]
         # the dataset read its index (or scanned its shards) there: the store was reachable
         reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache, verify=ds.verify, patient=True)
-        # what a compressed shard's stream keeps: the samples one shuffle window may ask for out of order
-        keep = (self.window + 2 * ds.block) * ds._gzip_sample
-        self._gzip = CompressedShards(reader, ds.urls, ds.index.shards, keep)
+        # compressed shards: reads within a shuffle window (and a block each side) come out of order
+        self._gzip = CompressedShards(reader, ds.urls, ds.index.shards, self.window + 2 * ds.block, ds._gzip_sample)
         decode, transform = decoder(ds.decode), ds.transform
         reads = self._reads(ids, reader) if ds._lmdb is None else self._lmdb_reads(ids)
         meter = Meter(ds._shared, self.worker_id, reader, cache)
