@@ -152,6 +152,11 @@ def main() -> None:
 @click.option("--decode-check", is_flag=True,
               help="Decode every image in full (a slower pack), so that a corrupt one is skipped now, not met in "
                    "training.")
+@click.option("--layout", type=click.Choice(["classes", "flat"]), default="classes", show_default=True,
+              help="Images in class folders (SRC/<class>/<image>), or anywhere under SRC without classes.")
+@click.option("--fields", default="", metavar="EXT,...",
+              help="More sidecar extensions to pack with each image (photo.depth.png: depth.png), besides txt, json, "
+                   "cls and seg.png.")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Run the per-shard jobs on a local process pool or as Ray tasks on a cluster.")
 @click.option("--ray-address", metavar="ADDRESS", help="Ray cluster to join (e.g. auto); default: a local one.")
@@ -163,9 +168,14 @@ def main() -> None:
 @_errors_to_exit
 def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | None, workers: int | None,
          shuffle: bool, seed: int, on_error: str, resize: int | None, quality: int | None, decode_check: bool,
-         executor: str,
+         layout: str, fields: str, executor: str,
          ray_address: str | None, overwrite: bool, quiet: bool, storage_options: tuple[str, ...]) -> None:
     """Pack the image folder SRC (SRC/<class>/<image>) into shards under DEST.
+
+    Files beside an image that share its name (photo.txt, photo.json, photo.cls,
+    photo.seg.png, and --fields) become fields of its sample. SRC may be a manifest
+    instead (train.csv or train.jsonl: an image path, relative to it, and label, caption
+    and other columns a row).
 
     SRC may also be a shardkit dataset (tar shards or an LMDB) to convert to --format;
     every sample is copied byte for byte, in order. Deterministic and safe to rerun: after
@@ -187,7 +197,7 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
     stats: dict[str, int] = {}
     idx = run_pack(src, dest, format=fmt, max_count=max_count, max_size=max_size, workers=workers,
                    shuffle=shuffle, seed=seed, on_error=on_error, resize=resize, quality=quality,
-                   decode_check=decode_check,
+                   decode_check=decode_check, layout=layout, fields=[f for f in fields.split(",") if f.strip()],
                    progress=None if not quiet else False, executor=executor, ray_address=ray_address,
                    storage_options=_storage_options(storage_options), overwrite=overwrite, stats=stats)
     if quiet:

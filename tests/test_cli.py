@@ -302,8 +302,8 @@ def test_a_file_name_with_a_newline_is_listed_on_one_line(run, photos: Path, tmp
     (lambda t: (t / "db").mkdir() or (t / "db" / "data.mdb").write_bytes(b"x"), ["{photos}", "{t}/db"],
      "db: holds an LMDB dataset: pack tar shards into another folder"),
     (lambda t: (t / "wds").mkdir() or (t / "wds" / "a-000.tar").write_bytes(b""), ["{t}/wds", "{t}/out"],
-     "wds: no class folders (expected SRC/<class>/<image>); tar shards from another tool are converted once "
-     "`shardkit index"),
+     "wds: no class folders (expected SRC/<class>/<image>; images without classes: --layout flat); tar shards from "
+     "another tool are converted once `shardkit index"),
 ])
 def test_pack_errors_say_what_to_do(run, photos: Path, tmp_path: Path, setup, args: list[str], text: str) -> None:  # type: ignore[no-untyped-def]
     setup(tmp_path)

@@ -22,22 +22,21 @@ from typing import Any
 
 from .. import checks, index, storage
 from . import executors, images
-from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
+from ..errors import CorruptShardError, SourceError, about_the_file, name_file
 from .executors import tick
-from ..formats import gzip
 from ..formats import lmdb as lmdb_format
-from ..formats.tar import RECORD, TarWriter, check_key, parse_sample
+from ..formats.tar import RECORD, TarWriter
 from ..index import Index, ShardInfo, Skipped
-from .plan import DEFAULT_MAX_SIZE, Item, Job, JobList, Options, Plan, make_plan, sample_meta
-from .scan import HIDDEN, source_kind
-from ..sources import local_lmdb, shard_problem
+from .items import DAMAGED, read_item
+from .plan import DEFAULT_MAX_SIZE, Job, JobList, Options, Plan, make_plan
+from .scan import HIDDEN, LAYOUTS, source_kind
+from ..sources import local_lmdb
 from ..storage import StorageOptions
 from ..units import parse_size
 
 _SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
 _TMP_RE = re.compile(rf"^(shard-\d{{6,}}\.tar|{re.escape(index.INDEX_NAME)}){re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$")
 """What an interrupted pack leaves: a shard's or the index's temporary file (storage.atomic_writer's names)."""
-_DAMAGED = "source shard "  # how a skip for a converted shard that does not match its index begins
 _STARTED = "started"  # in the progress folder, written first: even an object store then shows the pack unfinished
 LMDB_JOB = parse_size("64MB")  # an LMDB pack's most bytes per job (one transaction, held in memory)
 _LMDB_FILES = (index.INDEX_NAME, lmdb_format.DATA_FILE, lmdb_format.LOCK_FILE)  # removal order: the index first
@@ -61,98 +60,6 @@ class ChunkResult:
 
 # ---------------------------------------------------------------- write
 
-def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
-    """(key, fields) of one item, read, checked and optionally re-encoded."""
-    if job.source != "folder":
-        key, fields = _converted(job, item)
-        bad = next(images.bad_images(fields), None) if job.options.decode_check else None
-        if bad is not None:
-            raise bad[1]
-        return key, fields
-    data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
-    opts = job.options
-    if opts.resize or opts.quality:
-        field, data = "jpg", images.reencode(data, opts.resize, opts.quality or 90)
-    else:
-        field = images.check(data, images.field_for(item.path) or "", decode=opts.decode_check)
-    return item.key, {field: data, "cls": str(item.label).encode(), "json": sample_meta(item, job.classes)}
-
-
-def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
-    """(key, fields) of one sample of the dataset being converted, as its source holds it."""
-    if job.source == "tar":
-        shard, _, span = item.path.rpartition("@")
-        start, stop = (int(x) for x in span.split(":"))
-        _check_source_shard(job, shard)
-        url = storage.join(job.src, shard)
-        data = _source_range(job, shard, start, stop)
-        where = f"{url} (sample at byte {start})"
-        key, fields = parse_sample(data, where, start)
-        try:
-            check_key(key)  # another tool's shard may hold what cannot be written back (`.DS_Store`)
-        except ValueError as e:
-            raise CorruptShardError(f"{where}: {e}") from None
-        return key, fields
-    if job.source == "lmdb":
-        path = storage.local_path(job.src)
-        size = item.size if item.size > 0 else None  # the source index's, where it has them
-    return item.key, lmdb_format.read_one(lmdb_format.open_reader(path), item.key, path, size)
-
-
-_source_shards: dict[str, str | None] = {}  # this process's checks in one run: url -> problem
-_source_streams: dict[str, gzip.Ranges] = {}  # this process's compressed source shard being read, in one run
-_source_run = ""
-
-
-def _source_range(job: Job, shard: str, start: int, stop: int) -> bytes:
-    """Bytes [start, stop) of a source shard; of the tar inside a compressed one, inflated
-    from where its stream is (a job reads its samples in order: one pass a job at most)."""
-    url, info = storage.join(job.src, shard), next(info for info in job.shards if info.name == shard)
-    if info.compression is None:
-        return storage.read_range(url, start, stop, job.storage_options)
-    if stop - start > gzip.MAX_MEMBER:
-        raise CorruptShardError(f"{storage.display(url)} (sample at byte {start}): inflates to {stop - start} bytes, "
-                                f"over {gzip.MAX_MEMBER} (a decompression bomb?)")
-    if url not in _source_streams:
-        _source_streams.clear()
-
-        def fetch(offset: int, n: int) -> bytes:
-            end = min(offset + n, info.bytes)
-            return storage.read_range(url, offset, end, job.storage_options) if offset < end else b""
-
-        _source_streams[url] = gzip.Ranges(fetch, storage.display(url), keep=0)
-    return _source_streams[url].read(start, stop)
-
-
-def _check_source_shard(job: Job, shard: str) -> None:
-    """Raise CorruptShardError if the shard being converted is not the one its index
-    describes (its samples are then skipped, or stop the pack under on_error="fail"), so
-    that damage is never copied into shards with fresh checksums. Each process of a run
-    reads and hashes a shard whole once, before it copies the shard's first sample. A shard
-    that cannot be read at all stops the pack: an outage, not bad data."""
-    global _source_run
-    if job.run != _source_run:
-        _source_shards.clear()
-        _source_streams.clear()
-        _source_run = job.run
-    url = storage.join(job.src, shard)
-    if url not in _source_shards:
-        info = next(info for info in job.shards if info.name == shard)
-        where = storage.display(url)
-        try:
-            problem = shard_problem(url, info, job.storage_options, parse=False)
-        except CorruptShardError as e:
-            problem = str(e).removeprefix(f"{where}: ")
-        except FileNotFoundError:
-            raise SourceError(f"{where}: missing (a shard of the dataset being converted)") from None
-        except OSError as e:
-            detail = one_line(e) if isinstance(e, ShardkitError) else f"{where}: {e.strerror or e}"
-            raise SourceError(f"{detail} (a shard of the dataset being converted)") from None
-        _source_shards[url] = problem and f"{_DAMAGED}{shard}: {problem}; `shardkit verify` checks them all"
-    if _source_shards[url]:
-        raise CorruptShardError(_source_shards[url])
-
-
 def _samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None = None
              ) -> Iterator[tuple[str, dict[str, bytes]] | Skipped]:
     """The job's samples in order; unusable ones (by `check` too) as Skipped (or SourceError
@@ -161,7 +68,7 @@ def _samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None = N
     for item in job.items:
         executors.stop_point()
         try:
-            sample = _sample(job, item)
+            sample = read_item(job, item)
             if check is not None:
                 check(*sample)
             yield sample
@@ -238,7 +145,7 @@ def _left_out_damage(plan: Plan, skipped: Sequence[Skipped]) -> bool:
     work is done again, never kept, since the shard may have been repaired since (the plan's
     fingerprint, made from the source's index, cannot tell)."""
     inherited = set(plan.inherited)
-    return any(s.reason.startswith(_DAMAGED) and s not in inherited for s in skipped)
+    return any(s.reason.startswith(DAMAGED) and s not in inherited for s in skipped)
 
 
 # ---------------------------------------------------------------- run
@@ -312,9 +219,16 @@ def pack(
     storage_options: StorageOptions | None = None,
     overwrite: bool = False,
     stats: dict[str, int] | None = None,
+    layout: str = "classes",
+    fields: Sequence[str] = (),
 ) -> Index:
-    """Pack the ImageFolder tree `src` (or convert the shardkit dataset at `src`) into tar
-    shards or an LMDB (`format`), with index.json, under `dest`.
+    """Pack the ImageFolder tree `src` (or the images a `.csv` / `.jsonl` manifest lists, or
+    convert the shardkit dataset at `src`) into tar shards or an LMDB (`format`), with
+    index.json, under `dest`.
+
+    An image's sidecars (`photo.txt`, `photo.json`, `photo.cls`, `photo.seg.png`, and any
+    extension `fields` names) become fields of its sample; `layout="flat"` takes images
+    anywhere under `src`, without classes. See docs/layouts.md.
 
     Deterministic: the same input and options give the same samples in the same order (and,
     for tar, byte-identical shards), whatever `workers` is. Safe to rerun after a crash:
@@ -348,6 +262,8 @@ def pack(
         if format == "tar" and max_size < RECORD:
             raise ValueError(f"max_size must be at least {RECORD} bytes (10KiB) for tar shards, the size of the "
                              f"smallest tar file, not {max_size}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be 'classes' or 'flat', not {layout!r}")
     if stats is not None and not isinstance(stats, dict):
         raise TypeError(f"stats must be a dict to fill (or None), not {stats!r}")
     if format == "lmdb" and not storage.is_local(dest):
@@ -361,10 +277,10 @@ def pack(
     if not storage.is_local(src) and source_kind(src, storage_options) == "lmdb":
         src = local_lmdb(src, storage_options, None)  # an LMDB is read from a whole local copy
     plan = make_plan(src, dest, max_count=max_count, max_size=max_size, shuffle=shuffle, seed=seed,
-                     options=options, fmt=format, storage_options=storage_options)
+                     options=options, fmt=format, storage_options=storage_options, layout=layout, fields=fields)
     unusable = [s for s in plan.skipped if s.reason != HIDDEN]
     if on_error == "fail" and unusable:
-        raise SourceError(f"{storage.join(src, unusable[0].path)}: {unusable[0].reason}")
+        raise SourceError(f"{storage.join(plan.src, unusable[0].path)}: {unusable[0].reason}")
     runner = (executors.ray(ray_address, sizes=lambda job: len(job.items)) if executor == "ray"
               else executors.local(workers or os.cpu_count() or 1))
     run = _pack_tar if format == "tar" else _pack_lmdb

@@ -1,0 +1,131 @@
+"""What a job reads: one item's sample, from an image folder (the image, checked or
+re-encoded, its class, shardkit's record of it, its sidecars and values) or from the
+dataset being converted (its bytes as they are, from shards checked against their index)."""
+
+from __future__ import annotations
+
+from .. import storage
+from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
+from ..formats import gzip
+from ..formats import lmdb as lmdb_format
+from ..formats.tar import check_key, parse_sample
+from ..sources import shard_problem
+from . import images, sidecars
+from .listing import Item
+from .plan import Job, sample_meta
+
+DAMAGED = "source shard "  # how a skip for a converted shard that does not match its index begins
+
+
+def read_item(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
+    """(key, fields) of one item, read, checked and optionally re-encoded."""
+    if job.source != "folder":
+        key, fields = _converted(job, item)
+        bad = next(images.bad_images(fields), None) if job.options.decode_check else None
+        if bad is not None:
+            raise bad[1]
+        return key, fields
+    data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
+    opts = job.options
+    if opts.resize or opts.quality:
+        field, data = "jpg", images.reencode(data, opts.resize, opts.quality or 90)
+    else:
+        field = images.check(data, images.field_for(item.path) or "", decode=opts.decode_check)
+    fields = {field: data, job.meta: sample_meta(item, job.classes)}
+    if item.label >= 0:
+        fields["cls"] = str(item.label).encode()
+    for name, kind, text in sidecars.decode(item.extras):
+        fields[name] = _sidecar(job, name, text) if kind == sidecars.FILE else text.encode()
+    return item.key, fields
+
+
+def _sidecar(job: Job, field: str, path: str) -> bytes:
+    """A sidecar file's bytes, checked against its field (BadField names the file where
+    they do not fit, or it cannot be read)."""
+    url = storage.join(job.src, path)
+    try:
+        data = storage.read_bytes(url, job.storage_options)
+    except OSError as e:
+        if not about_the_file(e):
+            name_file(e, url)
+            raise
+        raise sidecars.BadField(f"{path}: cannot read ({e.strerror or e})") from None
+    sidecars.check(field, data, path)
+    return data
+
+
+def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
+    """(key, fields) of one sample of the dataset being converted, as its source holds it."""
+    if job.source == "tar":
+        shard, _, span = item.path.rpartition("@")
+        start, stop = (int(x) for x in span.split(":"))
+        _check_source_shard(job, shard)
+        url = storage.join(job.src, shard)
+        data = _source_range(job, shard, start, stop)
+        where = f"{url} (sample at byte {start})"
+        key, fields = parse_sample(data, where, start)
+        try:
+            check_key(key)  # another tool's shard may hold what cannot be written back (`.DS_Store`)
+        except ValueError as e:
+            raise CorruptShardError(f"{where}: {e}") from None
+        return key, fields
+    if job.source == "lmdb":
+        path = storage.local_path(job.src)
+        size = item.size if item.size > 0 else None  # the source index's, where it has them
+    return item.key, lmdb_format.read_one(lmdb_format.open_reader(path), item.key, path, size)
+
+
+_source_shards: dict[str, str | None] = {}  # this process's checks in one run: url -> problem
+_source_streams: dict[str, gzip.Ranges] = {}  # this process's compressed source shard being read, in one run
+_source_run = ""
+
+
+def _source_range(job: Job, shard: str, start: int, stop: int) -> bytes:
+    """Bytes [start, stop) of a source shard; of the tar inside a compressed one, inflated
+    from where its stream is (a job reads its samples in order: one pass a job at most)."""
+    url, info = storage.join(job.src, shard), next(info for info in job.shards if info.name == shard)
+    if info.compression is None:
+        return storage.read_range(url, start, stop, job.storage_options)
+    if stop - start > gzip.MAX_MEMBER:
+        raise CorruptShardError(f"{storage.display(url)} (sample at byte {start}): inflates to {stop - start} bytes, "
+                                f"over {gzip.MAX_MEMBER} (a decompression bomb?)")
+    if url not in _source_streams:
+        _source_streams.clear()
+
+        def fetch(offset: int, n: int) -> bytes:
+            end = min(offset + n, info.bytes)
+            return storage.read_range(url, offset, end, job.storage_options) if offset < end else b""
+
+        _source_streams[url] = gzip.Ranges(fetch, storage.display(url), keep=0)
+    return _source_streams[url].read(start, stop)
+
+
+def _check_source_shard(job: Job, shard: str) -> None:
+    """Raise CorruptShardError if the shard being converted is not the one its index
+    describes (its samples are then skipped, or stop the pack under on_error="fail"), so
+    that damage is never copied into shards with fresh checksums. Each process of a run
+    reads and hashes a shard whole once, before it copies the shard's first sample. A shard
+    that cannot be read at all stops the pack: an outage, not bad data."""
+    global _source_run
+    if job.run != _source_run:
+        _source_shards.clear()
+        _source_streams.clear()
+        _source_run = job.run
+    url = storage.join(job.src, shard)
+    if url not in _source_shards:
+        info = next(info for info in job.shards if info.name == shard)
+        where = storage.display(url)
+        try:
+            problem = shard_problem(url, info, job.storage_options, parse=False)
+        except CorruptShardError as e:
+            problem = str(e).removeprefix(f"{where}: ")
+        except FileNotFoundError:
+            raise SourceError(f"{where}: missing (a shard of the dataset being converted)") from None
+        except OSError as e:
+            detail = one_line(e) if isinstance(e, ShardkitError) else f"{where}: {e.strerror or e}"
+            raise SourceError(f"{detail} (a shard of the dataset being converted)") from None
+        _source_shards[url] = problem and f"{DAMAGED}{shard}: {problem}; `shardkit verify` checks them all"
+    if _source_shards[url]:
+        raise CorruptShardError(_source_shards[url])
+
+
