@@ -1,8 +1,8 @@
-"""Write the CLI reference into README.md from the commands' own --help (a test checks that
-the README matches, so the two never drift apart).
+"""Write the CLI reference into docs/cli.md from the commands' own --help (a test checks that
+the page matches, so the two never drift apart).
 
     python scripts/cli_reference.py          # rewrite the block
-    python scripts/cli_reference.py --check  # exit 1 if the README is stale
+    python scripts/cli_reference.py --check  # exit 1 if the page is stale
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from shardkit.cli import main
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 START, END = "<!-- cli-reference:start -->", "<!-- cli-reference:end -->"
 
 
@@ -28,15 +28,15 @@ def reference() -> str:
     return "\n\n".join(parts)
 
 
-def rendered(readme: str) -> str:
-    head, rest = readme.split(START, 1)
+def rendered(page: str) -> str:
+    head, rest = page.split(START, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{START}\n{reference()}\n{END}{tail}"
 
 
 if __name__ == "__main__":
-    text = README.read_text()
+    text = PAGE.read_text()
     new = rendered(text)
     if "--check" in sys.argv:
         sys.exit(0 if new == text else 1)
-    README.write_text(new)
+    PAGE.write_text(new)

@@ -535,14 +535,14 @@ def test_lmdb_jobs_stay_moderate_without_a_size_limit(photos: Path, tmp_path: Pa
     """One transaction per job, held in memory: max_size=None must not make it one job."""
     import importlib
 
-    pack_module = importlib.import_module("shardkit.packing.pack")
+    pack_module = importlib.import_module("shardkit.packing.lmdb_sink")
     commits: list[int] = []
 
     def counting(self, samples, meta, delete=()):  # type: ignore[no-untyped-def]
         commits.append(len(samples))
         return _original_write(self, samples, meta, delete)
 
-    monkeypatch.setattr(pack_module, "LMDB_JOB", 20_000)
+    monkeypatch.setattr(pack_module, "JOB_BYTES", 20_000)
     monkeypatch.setattr(lmdb_format.Writer, "write", counting)
     idx = shardkit.pack(str(photos), str(tmp_path / "db"), format="lmdb", max_size=None, workers=1, progress=False)
     sizes = idx.extra["sizes"]

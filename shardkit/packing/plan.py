@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from json.encoder import encode_basestring as _json_str  # type: ignore[attr-defined]
 from typing import overload
@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import storage
 from ..errors import SourceError
-from ..formats.tar import BLOCK, RECORD
+from ..formats.tar import BLOCK
 from ..index import ShardInfo, Skipped
 from . import manifest, sidecars
 from .listing import Item, Listing
@@ -28,8 +28,6 @@ from .scan import HIDDEN, scan_dataset, scan_folder, source_kind
 from ..storage import StorageOptions
 from ..units import parse_size
 
-SHARD_NAME = "shard-{:06d}.tar"
-CHUNK_NAME = "chunk-{:06d}"  # an LMDB pack's unit of work: one transaction
 DEFAULT_MAX_SIZE = "256MB"
 META, META_ASIDE = "json", "shardkit.json"  # shardkit's record of a sample; aside where the samples bring a json
 
@@ -195,6 +193,8 @@ def make_plan(
     seed: int = 0,
     options: Options = Options(),
     fmt: str = "tar",
+    job_name: str = "shard-{:06d}.tar",
+    payload: Callable[[int], int] = lambda limit: limit,
     storage_options: StorageOptions | None = None,
     layout: str = "classes",
     fields: Sequence[str] = (),
@@ -226,12 +226,11 @@ def make_plan(
         classes, source_id, order = idx.classes, _fingerprint(idx.to_json()), np.arange(len(listing))
         inherited, shards = idx.skipped, idx.shards if source == "tar" else ()
     limit = parse_size(max_size) if max_size is not None else None
-    if limit is not None and fmt == "tar":  # the members' share: a tar ends in 2 zero blocks, padded to a record
-        limit = max(1, limit // RECORD * RECORD - 2 * BLOCK)
+    if limit is not None:  # the members' share of a job's bytes (the format's own overhead aside)
+        limit = payload(limit)
     needs = _needs(listing, source, classes)[order]
     bounds = _even_cuts(needs, max_count, limit)
-    name_of = SHARD_NAME if fmt == "tar" else CHUNK_NAME
-    names = tuple(name_of.format(i) for i in range(len(bounds)))
+    names = tuple(job_name.format(i) for i in range(len(bounds)))
     meta = META_ASIDE if META in listing.extra_fields else META
     plan = Plan(src, dest, source, classes, tuple(skipped), listing, order, tuple(bounds), names, options,
                 storage_options, meta=meta)

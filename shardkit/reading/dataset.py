@@ -18,11 +18,10 @@ from .. import checks, partition
 from ..decode import decoder
 from . import compressed
 from .epochs import EpochDataset
+from .samples import source_for
 from .stream import WorkerStream
-from ..errors import ShardkitError
-from ..formats import gzip
-from ..formats import lmdb as lmdb_format
-from ..sources import local_lmdb, resolve
+from ..formats.gzip import MAX_MEMBER
+from ..sources import resolve
 from ..storage import StorageOptions
 
 
@@ -73,7 +72,7 @@ class StreamingDataset(EpochDataset):
         cache_limit: int | str = "20GB",
         storage_options: StorageOptions | None = None,
         batch_size: int | None = None,
-        max_member_size: int | str = gzip.MAX_MEMBER,
+        max_member_size: int | str = MAX_MEMBER,
     ):
         super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
                          remainder=remainder, batch_size=batch_size)
@@ -93,24 +92,12 @@ class StreamingDataset(EpochDataset):
                 f"cache_limit ({self.cache_limit} bytes) is smaller than the read-ahead budget prefetch_bytes "
                 f"({self.prefetch_bytes} bytes): raise cache_limit or lower prefetch_bytes"
             )
-        counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
-        self._counts = counts
-        self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self._lmdb: str | None = None  # local path of an LMDB dataset
-        self._keys, self._sizes = np.empty(0, dtype="S1"), None  # an LMDB's, sizes checked at each read
-        if self.index.kind == "lmdb":
-            self._lmdb = local_lmdb(self.urls[0], storage_options, cache_dir, self.cache_limit)
-            self._keys, self._sizes = lmdb_format.sample_tables(self.index.extra)
-            self._offsets = np.empty(0, np.int64)
-        else:
-            tables = [s.offsets for s in self.index.shards]
-            if any(t is None for t in tables):
-                raise ShardkitError(f"{source!r}: index lacks sample offsets; rebuild it with `shardkit index`")
-            self._offsets = np.concatenate([np.asarray(t, dtype=np.int64) for t in tables] or [np.empty(0, np.int64)])
+        self._counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
         self.max_member_size = checks.size("max_member_size", max_member_size, 1)
-        self._gzip_sample = compressed.check_samples(self.urls, self.index.shards, self.max_member_size)
+        self._samples = source_for(self.index, self.urls, storage_options, cache_dir, self.cache_limit,
+                                   self.max_member_size)
         self._blocks = compressed.blocks(self.index.shards, self.block)
-        self.index = self.index.slim()  # the per-sample tables live on in the arrays above only
+        self.index = self.index.slim()  # the per-sample tables live on in the source's arrays only
 
     @property
     def classes(self) -> tuple[str, ...]:
@@ -141,7 +128,8 @@ class StreamingDataset(EpochDataset):
         return order
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        return partition.global_sequence(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self._blocks)
+        return partition.global_sequence(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                                         block=self._blocks)
 
     def __iter__(self) -> Iterator[Any]:
         return self._stream(WorkerStream(self, *self._layout()))

@@ -15,22 +15,21 @@ gzip-compressed shards are streams with no random access: refused, with the way 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch.utils.data
 
-from .. import checks, ranges, storage
-from ..decode import decoder, sample_dict
+from .. import checks, storage
+from ..decode import decoder
 from ..errors import CorruptShardError, FieldError, ShardkitError, describe
-from ..formats.gzip import MAX_MEMBER, inflate_fields
-from ..formats.tar import parse_sample, read_sample
+from ..formats.gzip import MAX_MEMBER
 from ..sources import resolve
 from ..storage import StorageOptions
 from ..storage.cache import RangeCache
 from . import worker
+from .samples import TarSamples
 
 
 class TarDataset(torch.utils.data.Dataset):
@@ -56,14 +55,9 @@ class TarDataset(torch.utils.data.Dataset):
                 raise ShardkitError(f"{storage.display(url)}: {shard.compression}-compressed: a stream, no sample can "
                                     "be read without inflating all before it; `shardkit pack` it into plain tar "
                                     "shards for random access, or read it with StreamingDataset")
-            if shard.offsets is None:
-                raise ShardkitError(f"{storage.display(url)}: the index lacks sample offsets; rebuild it with "
-                                    "`shardkit index --force`")
-        self._first = np.concatenate([[0], np.cumsum([s.samples for s in idx.shards])]).astype(np.int64)
-        self._offsets = np.concatenate([np.asarray(s.offsets, dtype=np.int64) for s in idx.shards]
-                                       or [np.empty(0, np.int64)])
+        self._samples = TarSamples(idx, self.urls, self.max_member_size)
         self._versions = [s.sha256 for s in idx.shards]
-        self.index = idx.slim()  # the offsets live on in the array above only
+        self.index = idx.slim()  # the offsets live on in the sample source's arrays only
         self._remote = not all(map(storage.is_local, self.urls))
         self._open: tuple[int, storage.RangeReader, ThreadPoolExecutor | None] | None = None
         self._decode: Callable[[dict[str, Any]], dict[str, Any]] | None = None
@@ -73,7 +67,7 @@ class TarDataset(torch.utils.data.Dataset):
         return self.index.classes
 
     def __len__(self) -> int:
-        return int(self._first[-1])
+        return int(self._samples.first[-1])
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -81,7 +75,7 @@ class TarDataset(torch.utils.data.Dataset):
         return state
 
     def __getitem__(self, i: int) -> Any:
-        return self._finish(*self._read(i))
+        return self._finish(self._read(i))
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
         """A batch's samples (DataLoader calls this when batching): remote ones fetched on
@@ -89,13 +83,9 @@ class TarDataset(torch.utils.data.Dataset):
         order. A subclass that overrides `__getitem__` gets its own method, sample by sample."""
         if type(self).__getitem__ is not TarDataset.__getitem__:
             return [self[i] for i in indices]
-        return [self._finish(*sample) for sample in self._reads(indices)]
-
-    def _reads(self, indices: list[int]) -> Iterator[tuple[int, str, dict[str, bytes]]]:
         pool = self._reader()[1]
-        if pool is None or len(indices) < 2:
-            return map(self._read, indices)
-        return pool.map(self._read, indices)
+        reads = pool.map(self._read, indices) if pool is not None and len(indices) > 1 else map(self._read, indices)
+        return [self._finish(sample) for sample in reads]
 
     def _reader(self) -> tuple[storage.RangeReader, ThreadPoolExecutor | None]:
         """This process's reader, and its threads where they help (a reader or pool
@@ -109,27 +99,20 @@ class TarDataset(torch.utils.data.Dataset):
             self._open = (os.getpid(), reader, pool)
         return self._open[1], self._open[2]
 
-    def _read(self, i: int) -> tuple[int, str, dict[str, bytes]]:
-        """(shard, key, fields) of sample i."""
+    def _read(self, i: int) -> dict[str, Any]:
+        """Sample i, read and parsed, its `.gz` fields inflated."""
         i = checks.integer("a TarDataset index", i, None)
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {len(self)} samples")
-        shard, start, stop = (int(x[0]) for x in ranges.bounds(np.array([i % len(self)]), self._first, self._offsets))
-        reader = self._reader()[0]
-        where = f"{storage.display(self.urls[shard])} (sample at byte {start})"
-        if reader.is_local(shard):
-            return (shard, *read_sample(reader.read_at(shard), start, stop, where))
-        return (shard, *parse_sample(reader.read(shard, start, stop), where, start))
+        return self._samples.one(i % len(self), self._reader()[0])
 
-    def _finish(self, shard: int, key: str, fields: dict[str, bytes]) -> Any:
+    def _finish(self, sample: dict[str, Any]) -> Any:
         worker.settle()
         if self._decode is None:
             self._decode = decoder(self.decode)
-        url = self.urls[shard]
         try:
-            sample = sample_dict(key, url, fields)
-            inflate_fields(sample, self.max_member_size)
             sample = self._decode(sample)
             return self.transform(sample) if self.transform is not None else sample
         except FieldError as e:  # bad data, found by the decoder or a transform decoding (image_transform)
-            raise CorruptShardError(f"{storage.display(url)}: sample {key}: {describe(e)}") from e
+            raise CorruptShardError(f"{storage.display(sample['__url__'])}: sample {sample['__key__']}: "
+                                    f"{describe(e)}") from e

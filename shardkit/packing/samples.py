@@ -1,24 +1,27 @@
-"""What a job reads: one item's sample, from an image folder (the image, checked or
-re-encoded, its class, shardkit's record of it, its sidecars and values) or from the
-dataset being converted (its bytes as they are, from shards checked against their index)."""
+"""A pack job's samples: each source item read, checked and optionally re-encoded, in order;
+an unusable one as a Skipped (or a SourceError under on_error="fail")."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
 
 from .. import storage
 from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
 from ..formats import gzip
 from ..formats import lmdb as lmdb_format
 from ..formats.tar import check_key, parse_sample
+from ..index import Skipped
 from ..sources import shard_problem
-from . import images, sidecars
-from .listing import Item
-from .plan import Job, sample_meta
+from . import executors, images, sidecars
+from .executors import tick
+from .plan import Item, Job, sample_meta
 
 DAMAGED = "source shard "  # how a skip for a converted shard that does not match its index begins
 
 
-def read_item(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
-    """(key, fields) of one item, read, checked and optionally re-encoded."""
+def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
+    """(key, fields) of one item, read, checked and optionally re-encoded: an image with its
+    class, shardkit's record of it and its sidecars and values, or a converted sample."""
     if job.source != "folder":
         key, fields = _converted(job, item)
         bad = next(images.bad_images(fields), None) if job.options.decode_check else None
@@ -76,8 +79,8 @@ def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
 
 
 _source_shards: dict[str, str | None] = {}  # this process's checks in one run: url -> problem
-_source_streams: dict[str, gzip.Ranges] = {}  # this process's compressed source shard being read, in one run
 _source_run = ""
+_source_streams: dict[str, gzip.Ranges] = {}  # this process's compressed source shard being read, in one run
 
 
 def _source_range(job: Job, shard: str, start: int, stop: int) -> bytes:
@@ -129,3 +132,28 @@ def _check_source_shard(job: Job, shard: str) -> None:
         raise CorruptShardError(_source_shards[url])
 
 
+def job_samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None = None
+             ) -> Iterator[tuple[str, dict[str, bytes]] | Skipped]:
+    """The job's samples in order; unusable ones (by `check` too) as Skipped (or SourceError
+    under on_error='fail')."""
+    pending = 0
+    for item in job.items:
+        executors.stop_point()
+        try:
+            sample = _sample(job, item)
+            if check is not None:
+                check(*sample)
+            yield sample
+        except (OSError, images.BadImage, CorruptShardError) as e:
+            if isinstance(e, OSError) and not about_the_file(e):  # about the machine: stop, naming the file
+                name_file(e, storage.join(job.src, item.path))
+                raise
+            reason = str(e) if isinstance(e, (images.BadImage, CorruptShardError)) else f"cannot read ({e.strerror or e})"
+            if job.options.on_error == "fail":
+                raise SourceError(f"{storage.join(job.src, item.path)}: {reason}") from None
+            yield Skipped(item.path, reason)
+        pending += 1
+        if pending >= 32:
+            tick(pending)
+            pending = 0
+    tick(pending)
