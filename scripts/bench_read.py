@@ -15,6 +15,9 @@ taken minutes apart would mostly measure the drift):
   with collate_fn=shardkit.collate) with the same
   decode + resize-to-224 + uint8 tensor code for everyone, against that code alone on
   2 processes with no loader (the decode limit);
+- random access: samples/s and MB/s reading every sample once in a shuffled order, in one
+  process, undecoded (TarDataset, LMDBDataset, the plain files), against one `pread` per
+  sample with every offset known (RANDOM_FLOOR); TarDataset also among the decoded;
 - time to first batch, peak RSS (main process + workers, sampled at 20 Hz; a page shared
   by several processes counts in each, a mapped file's cached pages count) and peak memory
   in use (the machine's anonymous + shared memory above its level before the contestant
@@ -55,6 +58,9 @@ BATCHED = "shardkit StreamingDataset(batch_size=64)"
 LMDB_FAST = "LMDBDataset, collate_fn=shardkit.collate"
 FILES_FAST = "plain files, collate_fn=shardkit.collate"
 PREAD_FLOOR = "pread per member (no parsing)"
+TAR_MAP = "TarDataset random access"
+RANDOM_FLOOR = "pread per sample, shuffled (no parsing)"
+RANDOM = [RANDOM_FLOOR, "TarDataset[i], shuffled", "LMDBDataset[i], shuffled", "plain files, shuffled"]
 
 
 def decode_resize(data: bytes) -> "torch.Tensor":  # noqa: F821
@@ -148,6 +154,8 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
                 os.close(fd)
         return {"seconds": time.perf_counter() - start, "items": _samples(shards), "bytes": _shard_bytes(shards),
                 "first": None}
+    if name in RANDOM:
+        return _shuffled(name, shards, photos)
     if name == "shardkit raw":
         from shardkit import StreamingDataset
 
@@ -181,6 +189,11 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
         ds = shardkit.LMDBDataset(shards + ".lmdb", transform=shardkit_transform)
         collate = shardkit.collate if name == LMDB_FAST else None
         loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=WORKERS, collate_fn=collate)
+    elif name == TAR_MAP:
+        import shardkit
+
+        ds = shardkit.TarDataset(shards, transform=shardkit_transform)
+        loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=WORKERS)
     elif name in ("plain files", FILES_FAST):
         import shardkit
 
@@ -195,6 +208,32 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
         raise SystemExit(f"unknown contestant {name}")
     first, seconds, n = _loader_pass(loader)
     return {"seconds": seconds, "items": n, "first": first}
+
+
+def _shuffled(name: str, shards: str, photos: str) -> dict:
+    """Every sample once, in a shuffled order, undecoded (`cls` and `json` aside)."""
+    import shardkit
+
+    order = np.random.default_rng(0).permutation(_samples(shards)).tolist()
+    if name == RANDOM_FLOOR:
+        idx = json.loads((Path(shards) / "index.json").read_text())
+        spans = [(os.path.join(shards, s["name"]), a, b) for s in idx["shards"] for a, b in zip(s["offsets"], s["offsets"][1:])]
+        fds = {path: os.open(path, os.O_RDONLY) for path, _, _ in spans}
+        start, size = start_clock(), 0
+        for i in order:
+            path, a, b = spans[i]
+            size += len(os.pread(fds[path], b - a, a))
+        return {"seconds": time.perf_counter() - start, "items": len(order), "bytes": size, "first": None}
+    if name == "plain files, shuffled":
+        paths = [p for p, _ in Files(photos).items]
+        read = lambda i: Path(paths[i]).read_bytes()  # noqa: E731
+    else:
+        ds = shardkit.TarDataset(shards) if name.startswith("Tar") else shardkit.LMDBDataset(shards + ".lmdb")
+        read = lambda i: ds[i]["jpg"]  # noqa: E731
+    start, size = start_clock(), 0
+    for i in order:
+        size += len(read(i))
+    return {"seconds": time.perf_counter() - start, "items": len(order), "bytes": size, "first": None}
 
 
 def _read_all(paths: list[str]) -> int:
@@ -232,8 +271,8 @@ def warm(name: str, shards: str, photos: str) -> None:
     kernel here reclaims idle page cache proactively, so warming once at the start is not
     enough)."""
     jpgs, mdb = f"$(find {photos} -name '*.jpg')", f"{shards}.lmdb/data.mdb"
-    files = {"plain files": jpgs, FILES_FAST: jpgs, "decode limit": jpgs,
-             "LMDB random access": mdb, LMDB_FAST: mdb}.get(name, f"{shards}/*.tar")
+    files = {"plain files": jpgs, FILES_FAST: jpgs, "decode limit": jpgs, "plain files, shuffled": jpgs,
+             "LMDB random access": mdb, LMDB_FAST: mdb, "LMDBDataset[i], shuffled": mdb}.get(name, f"{shards}/*.tar")
     subprocess.run(f"cat {files} > /dev/null", shell=True, check=True)
 
 
@@ -306,18 +345,19 @@ def main() -> None:
                    shell=True, check=True)
 
     raw = ["cat (limit)", PREAD_FLOOR, "shardkit raw", "webdataset raw"]
-    decoded = ["decode limit", "shardkit", BATCHED, "LMDB random access", LMDB_FAST, "plain files", FILES_FAST,
-               "webdataset"]
+    decoded = ["decode limit", "shardkit", BATCHED, "LMDB random access", LMDB_FAST, TAR_MAP, "plain files",
+               FILES_FAST, "webdataset"]
+    shuffled = list(RANDOM)
     if args.only:
-        names = raw[1:] + decoded[1:]  # the limits run with their group
+        names = raw[1:] + decoded[1:] + shuffled[1:]  # the limits run with their group
         unknown = set(args.only) - set(names)
         if unknown:
             ap.error(f"unknown contestant {sorted(unknown)[0]!r}; one of: {', '.join(names)}")
-        raw, decoded = ([g[0]] + [n for n in g[1:] if n in args.only] for g in (raw, decoded))
-        raw, decoded = (g if len(g) > 1 else [] for g in (raw, decoded))
+        raw, decoded, shuffled = ([g[0]] + [n for n in g[1:] if n in args.only] for g in (raw, decoded, shuffled))
+        raw, decoded, shuffled = (g if len(g) > 1 else [] for g in (raw, decoded, shuffled))
     results: dict[str, list[dict]] = {}
     for r in range(args.rounds):
-        for name in rotate(raw, r) + rotate(decoded, r):
+        for name in rotate(raw, r) + rotate(decoded, r) + rotate(shuffled, r):
             results.setdefault(name, []).append(measure(name, str(shards), str(photos)))
             print(f"round {r + 1}: {name} done", file=sys.stderr)
 
@@ -333,6 +373,12 @@ def main() -> None:
         for name in raw:
             mbs = rate(name, "bytes")
             print(f"| {name} | {_fmt(rate(name))} | {_fmt(mbs, 1e-6)} | {ratio(mbs, cat)} |")
+    if shuffled:
+        print("\n| random access, shuffled, 1 process, undecoded | samples/s | MB/s | % of the pread floor, by round |")
+        print("|---|---|---|---|")
+        floor = rate(RANDOM_FLOOR)
+        for name in shuffled:
+            print(f"| {name} | {_fmt(rate(name))} | {_fmt(rate(name, 'bytes'), 1e-6)} | {ratio(rate(name), floor)} |")
     if decoded:
         print(f"\n| decoded, DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s | % of decode limit, "
               "by round | first batch s | peak RSS MB | peak in use MB |")
