@@ -326,7 +326,7 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
 @storage_option
 @_errors_to_exit
 def index_cmd(url: str, force: bool, storage_options: tuple[str, ...]) -> None:
-    """Write index.json for .tar shards made by another tool (webdataset, plain tar)."""
+    """Write index.json for tar shards (.tar, .tar.gz, .tgz) made by another tool (webdataset, plain tar)."""
     from dataclasses import replace
 
     from . import index, storage

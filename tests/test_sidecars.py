@@ -206,9 +206,10 @@ def test_jsonl_values_and_integer_labels(tmp_path: Path) -> None:
 def test_bad_rows_and_missing_files_are_named(tmp_path: Path, kind: str) -> None:
     path = manifest(tmp_path / "src", kind)
     os.remove(tmp_path / "src" / "images" / "002.jpg")
-    bad = {"csv": ["../outside.jpg,cat,x,web", ",cat,no path,web", "images/001.jpg,cat", "images/003.jpg,,no label,web"],
+    bad = {"csv": ["../outside.jpg,cat,x,web", ",cat,no path,web", "images/001.jpg,cat", "images/003.jpg,,no label,web",
+                   "images/004.jpg,cat,a\0b,web"],
            "jsonl": ['{"path": "../outside.jpg", "label": "cat"}', '{"label": "cat"}', "[1, 2]", "{broken",
-                     '{"path": "images/003.jpg", "label": null}']}[kind]
+                     '{"path": "images/003.jpg", "label": null}', '{"path": "images/004.jpg", "json": "{broken"}']}[kind]
     with open(path, "a") as f:
         f.write("\n".join(bad) + "\n")
     idx = shardkit.pack(str(path), str(tmp_path / "out"), workers=1, progress=False)
@@ -217,7 +218,8 @@ def test_bad_rows_and_missing_files_are_named(tmp_path: Path, kind: str) -> None
     reasons = {s.path: s.reason for s in idx.skipped}
     assert reasons.pop("images/002.jpg") == f"no such file (train.{kind} line {first + 2})"
     why = ["path '../outside.jpg' is not inside the manifest's folder", "no path"]
-    why += ["2 values for 4 columns", "no label"] if kind == "csv" else ["not a JSON object", "not valid JSON", "no label"]
+    why += (["2 values for 4 columns", "no label", "a NUL character in 'caption'"] if kind == "csv"
+            else ["not a JSON object", "not valid JSON", "no label", "column 'json': not valid JSON"])
     assert {k: v.split(" (")[0] for k, v in reasons.items()} == {
         f"train.{kind}:{first + 8 + n}": reason for n, reason in enumerate(why)}
     with pytest.raises(SourceError, match=rf"images/002.jpg: no such file \(train.{kind} line {first + 2}\)"):
@@ -352,3 +354,19 @@ def test_from_a_bucket_as_from_the_disk(s3: dict, tmp_path: Path, source: str) -
                            storage_options=s3["storage_options"], **opts)
     assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]  # the same bytes
     assert (remote.fields, remote.classes, remote.skipped) == (local.fields, local.classes, local.skipped)
+
+
+def test_the_clip_snippet_of_the_layouts_page_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    from conftest import ROOT
+
+    page = (ROOT / "docs" / "guides" / "layouts.md").read_text()
+    code = re.search(r"<!-- layouts-clip -->\n```python\n(.*?)```", page, re.S)
+    assert code, "docs/guides/layouts.md has no block tagged layouts-clip"
+    shardkit.pack(str(flat(tmp_path / "photos", n=16)), str(tmp_path / "captions-shards"), layout="flat", workers=1,
+                  progress=False)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(code.group(1), scope)
+    assert scope["loss"].item() > 0 and len(scope["captions"]) == 8 and scope["captions"][0].startswith("caption ")

@@ -160,6 +160,10 @@ def _sample(row: dict[str, Any]) -> tuple[str, Any, list[tuple[str, str]]] | str
             text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
             if "\0" in text:
                 return f"a NUL character in {key!r}"
+            try:
+                sidecars.check(field, text.encode(), f"column {key!r}")  # what the readers will decode it as
+            except sidecars.BadField as e:
+                return str(e)
             values.append((field, text))
     if "cls" in seen and label is None:
         return "no label"
