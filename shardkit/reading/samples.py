@@ -15,7 +15,7 @@ from .. import ranges, storage
 from ..decode import sample_dict
 from ..errors import CorruptShardError, ShardkitError
 from ..formats import lmdb as lmdb_format
-from ..formats.gzip import MAX_MEMBER, inflate_fields
+from ..formats.gzip import MAX_MEMBER, inflate_fields, is_gzip_field
 from ..formats.tar import ReadAt, buffer_reader, read_sample
 from ..index import Index
 from ..prefetch import Prefetcher
@@ -61,6 +61,7 @@ class TarSamples:
                                 "`shardkit index`")
         counts = np.array([s.samples for s in index.shards], dtype=np.int64)
         self.urls, self.bytes, self.max_member = urls, index.bytes, max_member
+        self.gz = gz_fields(index)
         self.first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.offsets = np.concatenate([np.asarray(t, dtype=np.int64) for t in tables] or [np.empty(0, np.int64)])
         self.sample_bytes = compressed.check_samples(urls, index.shards, max_member)  # 0: none compressed
@@ -98,7 +99,8 @@ class TarSamples:
         stop, read_at = data
         key, fields = read_sample(read_at, start, stop, _Where(url, start))  # a local sample's bytes are read here
         sample = sample_dict(key, url, fields)
-        inflate_fields(sample, self.max_member)
+        if self.gz:
+            inflate_fields(sample, self.max_member)
         return sample, stop - start
 
     def position(self, start: int) -> str:
@@ -107,7 +109,8 @@ class TarSamples:
     def one(self, i: int, reader: storage.RangeReader) -> dict[str, Any]:
         """Sample `i` on its own: one pread of a local shard, one ranged read of a remote one
         (a compressed one inflated from its start)."""
-        shard, start, end = (int(x[0]) for x in ranges.bounds(np.array([i]), self.first, self.offsets))
+        shard = int(self.first.searchsorted(i, side="right")) - 1
+        start, end = int(self.offsets[i + shard]), int(self.offsets[i + shard + 1])  # see ranges.bounds
         if self.shards[shard].compression:
             read_at = buffer_reader(CompressedShards(reader, self.urls, self.shards, 0, 0).read(shard, start, end), start)
         elif reader.is_local(shard):
@@ -142,7 +145,7 @@ class LmdbSamples:
                  cache_dir: str | None, cache_limit: int, max_member: int = MAX_MEMBER):
         self.url, self.path = urls[0], local_lmdb(urls[0], storage_options, cache_dir, cache_limit)
         self.keys, self.sizes = lmdb_format.sample_tables(index.extra)
-        self.max_member = max_member
+        self.max_member, self.gz = max_member, gz_fields(index)
 
     def reads(self, ids: np.ndarray, reader: storage.RangeReader, opts: Settings, window: int,
               ) -> tuple[Iterator[Read], Prefetcher[Any, Any] | None]:
@@ -185,7 +188,8 @@ class LmdbSamples:
     def parse(self, data: tuple[str, dict[str, bytes]], url: str, start: int) -> tuple[dict[str, Any], int]:
         key, fields = data
         sample = sample_dict(key, url, fields)
-        inflate_fields(sample, self.max_member)
+        if self.gz:
+            inflate_fields(sample, self.max_member)
         return sample, sum(map(len, fields.values()))
 
     def position(self, start: int) -> str:
@@ -208,6 +212,11 @@ class _Where:
 
     def __str__(self) -> str:
         return f"{storage.display(self.url)} (sample at byte {self.start})"
+
+
+def gz_fields(index: Index) -> bool:
+    """Whether samples may hold `.gz` fields to inflate: the index lists one, or no fields."""
+    return not index.fields or any(map(is_gzip_field, index.fields))
 
 
 def source_for(index: Index, urls: list[str], storage_options: StorageOptions | None, cache_dir: str | None,

@@ -56,6 +56,7 @@ class TarDataset(torch.utils.data.Dataset):
                                     "be read without inflating all before it; `shardkit pack` it into plain tar "
                                     "shards for random access, or read it with StreamingDataset")
         self._samples = TarSamples(idx, self.urls, self.max_member_size)
+        self._len = idx.samples
         self._versions = [s.sha256 for s in idx.shards]
         self.index = idx.slim()  # the offsets live on in the sample source's arrays only
         self._remote = not all(map(storage.is_local, self.urls))
@@ -67,7 +68,7 @@ class TarDataset(torch.utils.data.Dataset):
         return self.index.classes
 
     def __len__(self) -> int:
-        return int(self._samples.first[-1])
+        return self._len
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -102,9 +103,9 @@ class TarDataset(torch.utils.data.Dataset):
     def _read(self, i: int) -> dict[str, Any]:
         """Sample i, read and parsed, its `.gz` fields inflated."""
         i = checks.integer("a TarDataset index", i, None)
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"index {i} out of range for {len(self)} samples")
-        return self._samples.one(i % len(self), self._reader()[0])
+        if not -self._len <= i < self._len:
+            raise IndexError(f"index {i} out of range for {self._len} samples")
+        return self._samples.one(i % self._len, self._reader()[0])
 
     def _finish(self, sample: dict[str, Any]) -> Any:
         worker.settle()
