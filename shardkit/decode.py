@@ -83,7 +83,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def open_image(data: bytes) -> Image.Image:
+def open_image(data: bytes | bytearray | memoryview) -> Image.Image:
     """PIL's lazy open of an encoded image; bytes it cannot tell the format of raise
     UnidentifiedImageError saying how they start (PIL's own names the buffer object)."""
     try:
@@ -169,14 +169,14 @@ Size = Union[int, tuple[int, int]]  # an int is the shorter side; a pair is (wid
 BILINEAR = Image.Resampling.BILINEAR  # torchvision's Resize default (PIL always antialiases)
 
 
-def _size(size: Size) -> Size:
+def _size(size: Any) -> Size:
     """`size` as an int or a (width, height) tuple of ints; numpy ints and length-2 arrays or
     sequences are taken too, strs ('256' is not the pair ('2', '5')) and floats are not."""
     try:
         if isinstance(size, (str, bytes, bool)):
             raise TypeError
         if not hasattr(size, "__len__"):
-            return operator.index(size)  # type: ignore[arg-type]
+            return operator.index(size)
         if len(size) == 2 and not any(isinstance(n, (str, bytes, bool)) for n in size):
             return operator.index(size[0]), operator.index(size[1])
     except TypeError:
@@ -221,7 +221,7 @@ def geometry(source: tuple[int, int], size: Size, crop: Size | None = None
     return (rw, rh), (cw, ch), (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
 
 
-def resized(data: bytes | memoryview | Image.Image, size: Size, crop: Size | None = None, *,
+def resized(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop: Size | None = None, *,
             resample: int = BILINEAR, reducing_gap: float | None = 2.0) -> Image.Image:
     """Decode an image and return it resized so its shorter side is `size` (or to exactly
     `size` = (width, height)), center-cropped to `crop` (an int for a square), as RGB.
@@ -246,7 +246,7 @@ def resized(data: bytes | memoryview | Image.Image, size: Size, crop: Size | Non
     return to_rgb(img).resize(out, resample, box=box, reducing_gap=reducing_gap)
 
 
-def resized_tensor(data: bytes | memoryview | Image.Image, size: Size, crop: Size | None = None, *,
+def resized_tensor(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop: Size | None = None, *,
                    resample: int = BILINEAR, reducing_gap: float | None = 2.0) -> Any:
     """`resized` as a CHW uint8 torch tensor."""
     return _chw(resized(data, size, crop, resample=resample, reducing_gap=reducing_gap))

@@ -14,7 +14,7 @@ import io
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from ..errors import CorruptShardError
 
@@ -25,6 +25,12 @@ _SKIP = 1 << 20  # a member whose data is not kept is read past in pieces of thi
 _EMPTY = bytes(BLOCK)
 _USTAR_MAGIC = b"ustar\x0000"
 _POSIX, _GNU = b"ustar\x00", b"ustar "  # magics of POSIX ustar/pax and of GNU tar's own format
+
+
+class Readable(Protocol):
+    """What the readers need of a file: `read`, in order (a pipe, a hashing wrapper, a socket)."""
+
+    def read(self, n: int = -1, /) -> bytes: ...
 
 
 def _template() -> bytes:
@@ -165,7 +171,7 @@ def _pax_path(data: bytes, where: str) -> str | None:
     return None
 
 
-def iter_members(f: BinaryIO, where: str, limit: int | None = None, base: int = 0, keep: bool = True
+def iter_members(f: Readable, where: str, limit: int | None = None, base: int = 0, keep: bool = True
                  ) -> Iterator[tuple[int, int, str, bytes]]:
     """Yield (start, end, name, data) for every regular file from the current position of `f`.
 
@@ -220,7 +226,7 @@ def iter_members(f: BinaryIO, where: str, limit: int | None = None, base: int = 
         start = consumed
 
 
-def _member_data(f: BinaryIO, size: int, keep: bool) -> tuple[int, bytes]:
+def _member_data(f: Readable, size: int, keep: bool) -> tuple[int, bytes]:
     """(bytes read, up to `size`; the data, or b"" where it is not kept and over `_SKIP`)."""
     if keep or size <= _SKIP:
         data = f.read(size)
@@ -248,7 +254,7 @@ def split_name(name: str) -> tuple[str, str]:
 
 
 def iter_samples(
-    f: BinaryIO, where: str, limit: int | None = None, base: int = 0
+    f: Readable, where: str, limit: int | None = None, base: int = 0
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     """Group adjacent members with the same key into (key, {ext: bytes}) samples."""
     key: str | None = None
@@ -275,7 +281,7 @@ class Scan:
     fields: set[str] = field(default_factory=set)
 
 
-def scan(f: BinaryIO, where: str) -> Scan:
+def scan(f: Readable, where: str) -> Scan:
     """Scan a shard written by any tool. Reads it once, start to end."""
     out = Scan()
     end = 0
@@ -410,7 +416,7 @@ def _member_cut(buf: bytes) -> str | None:
         except ValueError:
             return None
         if h + BLOCK + size > len(buf):
-            return name.split(b"\x00", 1)[0].decode("utf-8", "replace")
+            return bytes(name).split(b"\x00", 1)[0].decode("utf-8", "replace")
         h += BLOCK + size + _padding(size)
     return None
 

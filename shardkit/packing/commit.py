@@ -11,14 +11,16 @@ job whose record matches its fingerprint, so it ends with what an uninterrupted 
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from .. import index, storage
 from ..errors import SourceError
 from ..index import Index, ShardInfo, Skipped
+from ..storage import StorageOptions
 from . import executors
 from .plan import Job, JobList, Plan
 from .samples import DAMAGED
@@ -43,35 +45,58 @@ class JobResult:
     samples: tuple[tuple[str, dict[str, bytes]], ...] = field(default=(), repr=False)
 
 
-class Sink(Protocol):
-    """What a format does for the commit mechanism."""
+class Sink(ABC):
+    """What a format does for the commit mechanism. Subclasses name the format, say how a
+    job's unit is named and bounded, and give `work`, the job function run in a worker
+    process (a top-level function, as it is pickled)."""
 
     name: str  # the format's name, the index's `kind`
-    work: Callable[[Job], JobResult]  # runs in a worker process: a top-level function
+    job_name: str  # a job's unit, by job number: "shard-{:06d}.tar"
+    local_only = False  # whether DEST must be a local path
+    work: Callable[[Job], JobResult]
 
+    def __init__(self, plan: Plan, dest: str, storage_options: StorageOptions | None):
+        self.plan, self.dest, self.storage_options = plan, dest, storage_options
+
+    @staticmethod
+    def job_limit(max_size: int | None) -> int | None:
+        """The most bytes a job may take, from the user's max_size (checked)."""
+        return max_size
+
+    @staticmethod
+    def payload(limit: int) -> int:
+        """The samples' share of a job's `limit` bytes (the format's own overhead aside)."""
+        return limit
+
+    @abstractmethod
     def prepare(self, overwrite: bool) -> Index | None:
         """Check and tidy DEST; the index already committed for this very plan, if any."""
 
+    @abstractmethod
     def kept(self) -> dict[int, JobResult]:
         """The jobs an earlier run of this plan finished, still good."""
 
+    @abstractmethod
     def record(self, result: JobResult) -> JobResult:
         """In the pack process, as each job ends: make its work durable and marked done."""
 
+    @abstractmethod
     def make_index(self, results: Sequence[JobResult], base: dict[str, Any]) -> Index:
         """The dataset's index from every job's result (`base`: the fields common to all formats)."""
 
+    @abstractmethod
     def commit(self, idx: Index, fresh: bool) -> None:
         """Write the index last, then drop the progress records (`fresh`: written by this run)."""
 
+    @abstractmethod
     def abandon(self) -> None:
         """Take back what this pack wrote (it kept no sample)."""
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None:  # noqa: B027 - most sinks hold nothing open
+        """Release what the sink holds open."""
 
 
-def run(plan: Plan, sink: Sink, runner: executors.Runner, progress: bool | None, overwrite: bool,
+def run(plan: Plan, sink: Sink, runner: executors.Runner[Job, JobResult], progress: bool | None, overwrite: bool,
         stats: dict[str, int]) -> Index:
     """Pack `plan` through `sink`, keeping an earlier run's finished work."""
     try:

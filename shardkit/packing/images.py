@@ -171,7 +171,7 @@ def reencode(data: bytes, resize: int | None, quality: int) -> bytes:
     if not data:
         raise BadImage("empty file")
     try:
-        img = Image.open(io.BytesIO(data))
+        img: Image.Image = Image.open(io.BytesIO(data))
         if resize and img.format == "JPEG":
             img.draft("RGB", (resize, resize))  # let libjpeg decode at 1/2, 1/4, 1/8 scale
         with _truncated_refused():

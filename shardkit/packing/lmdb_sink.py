@@ -19,7 +19,7 @@ from ..index import Index, ShardInfo, Skipped
 from ..storage import StorageOptions
 from ..units import parse_size
 from . import samples
-from .commit import TMP_RE, JobResult, left_out_damage, refuse_to_replace
+from .commit import TMP_RE, JobResult, Sink, left_out_damage, refuse_to_replace
 from .plan import Job, Plan
 
 JOB_BYTES = parse_size("64MB")  # an LMDB pack's most bytes per job (one transaction, held in memory)
@@ -41,12 +41,11 @@ def read_chunk(job: Job) -> JobResult:
                      keys=tuple(k for k, _ in got), sizes=sizes, samples=tuple(got))
 
 
-class LmdbSink:
+class LmdbSink(Sink):
     name = "lmdb"
     work = staticmethod(read_chunk)
     job_name = "chunk-{:06d}"  # a unit of work: one transaction
     local_only = True  # LMDB needs a file system with mmap and locks
-    payload = staticmethod(lambda limit: limit)
 
     @staticmethod
     def job_limit(max_size: int | None) -> int:
@@ -54,7 +53,8 @@ class LmdbSink:
         return min(max_size or JOB_BYTES, JOB_BYTES)
 
     def __init__(self, plan: Plan, dest: str, storage_options: StorageOptions | None = None):
-        self.plan, self.dest, self.path = plan, dest, storage.local_path(dest)
+        super().__init__(plan, dest, storage_options)
+        self.path = storage.local_path(dest)
         self.writer: lmdb_format.Writer | None = None
         self.done: list[JobResult] = []  # the committed jobs, in order
 

@@ -22,13 +22,14 @@ from ..index import Index
 from ..sources import local_lmdb
 from ..storage import StorageOptions
 from . import commit, executors
+from .commit import Sink
 from .lmdb_sink import LmdbSink
 from .plan import DEFAULT_MAX_SIZE, Options, make_plan
 from .scan import HIDDEN, LAYOUTS, source_kind
 from .tar_sink import TarSink
 
 
-SINKS: dict[str, type[TarSink] | type[LmdbSink]] = {"tar": TarSink, "lmdb": LmdbSink}  # by formats.FORMATS
+SINKS: dict[str, type[Sink]] = {"tar": TarSink, "lmdb": LmdbSink}  # by formats.FORMATS
 
 
 def pack(
@@ -60,23 +61,41 @@ def pack(
 
     An image's sidecars (`photo.txt`, `photo.json`, `photo.cls`, `photo.seg.png`, and any
     extension `fields` names) become fields of its sample; `layout="flat"` takes images
-    anywhere under `src`, without classes. See docs/guides/layouts.md.
+    anywhere under `src`, without classes (see the Sample layouts guide).
 
     Deterministic: the same input and options give the same samples in the same order (and,
     for tar, byte-identical shards), whatever `workers` is. Safe to rerun after a crash:
-    finished work is kept, the rest is written. A finished dataset made from another source
-    or with other options is replaced only with `overwrite=True`. Returns the committed
-    Index (`index.skipped` lists every input that was left out). `stats`, if given, is
-    filled with `kept` (source files in work an earlier run finished), `written` (source
-    files this run packed) and `unchanged` (1 when DEST already held this very pack, whole).
+    finished work is kept, the rest is written. Returns the committed Index
+    (`index.skipped` lists every input that was left out).
 
-    `decode_check=True` decodes every image in full, as a reader's decoder would (a slower
-    pack), so that a corrupt image whose ends look right is skipped, listed, at pack time
-    (or stops the pack under on_error="fail") instead of failing in training.
-
-    `executor="ray"` runs the same jobs as Ray tasks on the cluster at `ray_address`
-    (inputs and outputs must then be reachable from every node: a shared file system or
-    URLs); the output is the same as the local process pool's.
+    Args:
+        src: an ImageFolder tree (`SRC/<class>/<image>`), a folder of images (`layout="flat"`),
+            a `.csv` or `.jsonl` manifest, or a tar or LMDB dataset to convert; a local path or
+            a URL.
+        dest: the folder or URL prefix the dataset goes in (LMDB: a local path).
+        format: ``"tar"`` (WebDataset shards) or ``"lmdb"``.
+        max_count: the most samples a shard holds.
+        max_size: the most bytes a shard holds (``"256MB"`` or an int; None: no limit).
+        workers: processes that write shards (default: the CPU count).
+        shuffle: shuffle the samples across shards (with `seed`) rather than keep sorted order.
+        seed: the shuffle's seed.
+        on_error: ``"skip"`` leaves an unusable file out and lists it; ``"fail"`` stops the pack.
+        resize: re-encode each image with its shorter side at most this many pixels.
+        quality: the JPEG quality of re-encoded images (default 90 with `resize`).
+        decode_check: decode every image in full, as a reader's decoder would (a slower pack),
+            so a corrupt image whose ends look right is skipped and listed at pack time.
+        progress: show a progress bar (default: when stderr is a terminal).
+        executor: ``"local"`` (a process pool) or ``"ray"`` (the same jobs as Ray tasks; inputs
+            and outputs must be reachable from every node).
+        ray_address: the Ray cluster to join (default: Ray's own lookup).
+        storage_options: passed to fsspec unchanged, for a remote `src` or `dest`.
+        overwrite: replace a finished dataset made from another source or with other options.
+        stats: a dict to fill with `kept` (source files an earlier run finished), `written`
+            (source files this run packed) and `unchanged` (1 when DEST held this very pack).
+        layout: ``"classes"`` (images in class folders) or ``"flat"`` (images anywhere, no class).
+        fields: sidecar extensions besides ``txt``, ``json``, ``cls`` and ``seg.png``
+            (``("depth.png", "npy")``): `photo.depth.png` becomes the field `depth.png` of
+            `photo.jpg`'s sample.
     """
     src, dest = checks.path("src", src), checks.path("dest", dest)
     if executor not in ("local", "ray"):

@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from json.encoder import encode_basestring as _json_str  # type: ignore[attr-defined]
+from json.encoder import encode_basestring as _json_str
 from typing import overload
 
 import numpy as np
@@ -98,7 +98,7 @@ class Plan:
     def job(self, i: int) -> Job:
         fp = self.fingerprints[i] if self.fingerprints else ""
         items = self.items(i)
-        shards = ()
+        shards: tuple[ShardInfo, ...] = ()
         if self.source == "tar":
             names = dict.fromkeys(it.path.rpartition("@")[0] for it in items)
             shards = tuple(replace(s, offsets=None) if s.sha256 else s  # a hash checks them
@@ -144,7 +144,7 @@ def sample_meta(item: Item, classes: tuple[str, ...]) -> bytes:
 
 
 def _member_bytes(n: np.ndarray) -> np.ndarray:
-    return BLOCK + n + (-n % BLOCK)
+    return np.asarray(BLOCK + n + (-n % BLOCK))
 
 
 def _fingerprint(*parts: object) -> str:
@@ -159,7 +159,7 @@ def _even_cuts(needs: np.ndarray, max_count: int | None, limit: int | None) -> t
     if n_items == 0:
         return ((0, 0),)
     fewest = max(1, -(-n_items // max_count) if max_count else 1, -(-total // limit) if limit else 1)
-    by_count = bool(max_count) and (not limit or -(-n_items // max_count) >= -(-total // limit))
+    by_count = bool(max_count) and (not limit or -(-n_items // max_count) >= -(-total // limit))  # type: ignore[operator]  # max_count is set when by_count
     for count in range(fewest, min(fewest + 3, n_items + 1)):
         if by_count:
             edges = (np.arange(count + 1) * n_items) // count
@@ -264,7 +264,7 @@ def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarra
     digits = 1 + np.searchsorted(10 ** np.arange(1, 19, dtype=np.int64), labels, side="right")
     cls = np.where(labelled, _member_bytes(digits), 0)
     extras = listing.extra_sizes if listing.extra_sizes is not None else 0
-    return _member_bytes(listing.sizes) + cls + _member_bytes(meta) + extras
+    return np.asarray(_member_bytes(listing.sizes) + cls + _member_bytes(meta) + extras)
 
 
 _JSON_ESCAPED = re.compile(rb'["\\\x00-\x1f]')  # what json escapes in a str: quote, backslash, controls

@@ -14,7 +14,8 @@ from ..index import Skipped
 from ..sources import shard_problem
 from . import executors, images, sidecars
 from .executors import tick
-from .plan import Item, Job, sample_meta
+from .plan import Job, sample_meta
+from .scan import Item
 
 DAMAGED = "source shard "  # how a skip for a converted shard that does not match its index begins
 
@@ -129,7 +130,7 @@ def _check_source_shard(job: Job, shard: str) -> None:
             raise SourceError(f"{detail} (a shard of the dataset being converted)") from None
         _source_shards[url] = problem and f"{DAMAGED}{shard}: {problem}; `shardkit verify` checks them all"
     if _source_shards[url]:
-        raise CorruptShardError(_source_shards[url])
+        raise CorruptShardError(str(_source_shards[url]))
 
 
 def job_samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None = None

@@ -16,8 +16,8 @@ from ..formats.tar import BLOCK, RECORD, TarWriter
 from ..index import Index, ShardInfo, Skipped
 from ..storage import StorageOptions
 from . import samples
-from .commit import SHARD_RE, TMP_RE, JobResult, left_out_damage, refuse_to_replace
-from .plan import Job, Plan
+from .commit import SHARD_RE, TMP_RE, JobResult, Sink, left_out_damage, refuse_to_replace
+from .plan import Job
 
 STARTED = "started"  # in the progress folder, written first: even an object store then shows the pack unfinished
 
@@ -56,11 +56,10 @@ def _payload(limit: int) -> int:
     return max(1, limit // RECORD * RECORD - 2 * BLOCK)
 
 
-class TarSink:
+class TarSink(Sink):
     name = "tar"
     work = staticmethod(write_shard)
     job_name = "shard-{:06d}.tar"
-    local_only = False
     payload = staticmethod(_payload)
 
     @staticmethod
@@ -69,9 +68,6 @@ class TarSink:
             raise ValueError(f"max_size must be at least {RECORD} bytes (10KiB) for tar shards, the size of the "
                              f"smallest tar file, not {max_size}")
         return max_size
-
-    def __init__(self, plan: Plan, dest: str, storage_options: StorageOptions | None):
-        self.plan, self.dest, self.storage_options = plan, dest, storage_options
 
     def prepare(self, overwrite: bool) -> Index | None:
         """Check DEST holds nothing but shardkit's own files; clear leftovers. Returns an index
@@ -151,9 +147,6 @@ class TarSink:
 
     def abandon(self) -> None:
         cleanup(self.dest, set(), self.storage_options)
-
-    def close(self) -> None:
-        pass
 
 
 def cleanup(dest: str, keep: set[str], storage_options: StorageOptions | None) -> None:

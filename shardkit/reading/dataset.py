@@ -49,6 +49,33 @@ class StreamingDataset(EpochDataset):
     each is one block of the shuffle, inflated once a pass. ``.gz`` fields are inflated
     (keeping their names, as webdataset does); ``max_member_size`` caps what a field, or a
     compressed shard's sample, may inflate to.
+
+    Args:
+        source: a dataset folder or URL prefix holding index.json, a brace pattern of shards
+            (``shards-{000000..000009}.tar``), or a list of shard paths or URLs.
+        shuffle: shuffle each epoch: shard blocks in a permuted order, then a bounded buffer.
+        seed: the shuffle's seed; the order is a pure function of (seed, epoch, layout).
+        decode: how image fields come back: ``"raw"`` bytes, ``"pil"``, ``"rgb8"`` (HWC uint8
+            numpy) or ``"tensor"`` (CHW uint8 torch).
+        transform: a function of the sample dict, run in the worker; its result is what the
+            DataLoader receives (a top-level function under spawn).
+        rank: this process's rank; default from torch.distributed, else RANK, else 0.
+        world_size: the number of ranks; default from torch.distributed, else WORLD_SIZE, else 1.
+        remainder: ``"repeat"`` tops every rank up to the same count with samples from the start
+            of the epoch's order; ``"drop"`` leaves the last few out.
+        shuffle_window: the shuffle buffer's size, in samples.
+        block: samples per block: the unit that is shuffled and read from a remote shard.
+        on_error: ``"raise"`` stops at a bad sample, naming it; ``"skip"`` skips it (a good one
+            stands in, so every rank's count stays exact) and counts it in ``stats()``.
+        verify: check each shard's sha256 against the index before reading it.
+        prefetch: read-ahead depth: blocks in flight per worker (0: no background reads).
+        prefetch_bytes: the most bytes read ahead per worker (``"256MB"`` or an int).
+        cache_dir: a local folder that keeps remote blocks read once (None: no cache).
+        cache_limit: the cache's size cap; least recently used blocks go first.
+        storage_options: passed to fsspec unchanged (``endpoint_url``, ``anon``, ...).
+        batch_size: yield batches of this many samples, built in the workers.
+        max_member_size: the most a ``.gz`` field, or a sample of a compressed shard, may
+            inflate to (a decompression bomb is refused, naming it).
     """
 
     def __init__(

@@ -5,7 +5,7 @@ tables and paths, never open files."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -38,7 +38,7 @@ class Settings(Protocol):
 
 class SampleSource(Protocol):
     def reads(self, ids: np.ndarray, reader: storage.RangeReader, opts: Settings, window: int,
-              ) -> tuple[Iterator[Read], Prefetcher[Any, Any] | None]:
+              ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
         """Each sample of `ids` in order, read ahead; the prefetcher, for the statistics."""
 
     def parse(self, data: Any, url: str, start: int) -> tuple[dict[str, Any], int]:
@@ -68,7 +68,7 @@ class TarSamples:
         self.shards = index.slim().shards  # which are compressed, and their files' sizes
 
     def reads(self, ids: np.ndarray, reader: storage.RangeReader, opts: Settings, window: int,
-              ) -> tuple[Iterator[Read], Prefetcher[Any, Any] | None]:
+              ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
         shard_of, starts, ends = ranges.bounds(ids, self.first, self.offsets)
         local = all(map(storage.is_local, self.urls))  # one remote shard: its ranges go through the budget
         if local:
@@ -121,7 +121,7 @@ class TarSamples:
 
 
 def _in_order(prefetcher: Prefetcher[ranges.Range, Any], range_of: np.ndarray, shard_of: np.ndarray,
-              starts: np.ndarray, ends: np.ndarray) -> Iterator[Read]:
+              starts: np.ndarray, ends: np.ndarray) -> Generator[Read, None, None]:
     """(shard, start, (stop, read_at)) for each planned sample, its range's read_at held
     until its last sample is out; the range's error in place of (stop, read_at)."""
     fetched = iter(prefetcher)
@@ -148,10 +148,10 @@ class LmdbSamples:
         self.max_member, self.gz = max_member, gz_fields(index)
 
     def reads(self, ids: np.ndarray, reader: storage.RangeReader, opts: Settings, window: int,
-              ) -> tuple[Iterator[Read], Prefetcher[Any, Any] | None]:
+              ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
         return self._reads(ids, opts.prefetch), None
 
-    def _reads(self, ids: np.ndarray, threads: int) -> Iterator[Read]:
+    def _reads(self, ids: np.ndarray, threads: int) -> Generator[Read, None, None]:
         """(0, sample id, (key, fields) or the record's error) from the environment, opened in
         this process. In windows of `LMDB_WINDOW` samples: once a read in a window waited for
         the disk, the rest of that window on `threads` threads (formats/lmdb.read_when_cold)."""

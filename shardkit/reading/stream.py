@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -62,7 +62,7 @@ class WorkerStream(EpochStream):
         self._key: str | None = None  # the sample being processed, once parsed: named if it fails
         self._in_transform = False  # ...and whether it failed in the user's transform
 
-    def _generate(self) -> Iterator[Any]:
+    def _generate(self) -> Generator[Any, None, None]:
         ds = self.ds
         ids = self._plan()
         cache = RangeCache(ds.cache_dir, ds.cache_limit) if ds.cache_dir is not None else None

@@ -33,9 +33,22 @@ from .samples import TarSamples
 
 
 class TarDataset(torch.utils.data.Dataset):
-    """`ds[i]` is sample i of tar shards (a dataset folder, a brace pattern, a list of shard
-    paths or URLs) as a WebDataset-style dict, decoded as `decode` says (as StreamingDataset
-    does), or `transform(sample)`. `len(ds)` is the number of samples."""
+    """`ds[i]` is sample i of tar shards as a WebDataset-style dict, decoded as `decode` says
+    (as StreamingDataset does), or `transform(sample)`. `len(ds)` is the number of samples.
+
+    Args:
+        source: a dataset folder or URL prefix holding index.json, a brace pattern of shards,
+            or a list of shard paths or URLs (shards without an index are scanned once).
+        decode: how image fields come back: ``"raw"`` bytes, ``"pil"``, ``"rgb8"`` (HWC uint8
+            numpy) or ``"tensor"`` (CHW uint8 torch).
+        transform: a function of the sample dict; its result is what `ds[i]` returns (a
+            top-level function under spawn).
+        storage_options: passed to fsspec unchanged (``endpoint_url``, ``anon``, ...).
+        cache_dir: a local folder that keeps the remote samples read once (None: no cache).
+        cache_limit: the cache's size cap; least recently used entries go first.
+        max_member_size: the most a ``.gz`` field may inflate to.
+        read_threads: remote samples of a DataLoader batch fetched at once, in a worker.
+    """
 
     def __init__(self, source: str | Iterable[str], *, decode: str = "raw",
                  transform: Callable[[dict[str, Any]], Any] | None = None, storage_options: StorageOptions | None = None,
