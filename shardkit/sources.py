@@ -49,7 +49,7 @@ def scan_shard(url: str, storage_options: StorageOptions | None = None) -> Shard
     one (told by its first bytes) is inflated as it is read, to its end: its CRC checked."""
     with storage.open_read(url, storage_options) as f:
         h = _Hashing(f)
-        stream, compressed = gzip.open_stream(h, storage.display(url))  # type: ignore[arg-type]
+        stream, compressed = gzip.open_stream(h, storage.display(url))
         found = tar.scan(stream, url)
         while stream.read(8 << 20):
             pass

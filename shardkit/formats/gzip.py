@@ -23,9 +23,10 @@ import bisect
 import threading
 import zlib
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any
 
 from ..errors import CorruptShardError
+from .tar import Readable
 
 MAGIC = b"\x1f\x8b\x08"  # gzip's magic and its one compression method, deflate
 MAX_MEMBER = 1 << 30  # the default cap on what one member (or sample) of a compressed shard inflates to
@@ -124,7 +125,7 @@ class Inflater:
 class _Prefixed:
     """A file object's bytes, with the bytes already read from it put back in front."""
 
-    def __init__(self, head: bytes, f: BinaryIO):
+    def __init__(self, head: bytes, f: Readable):
         self._head, self._f = head, f
 
     def read(self, n: int = -1) -> bytes:
@@ -137,13 +138,13 @@ class _Prefixed:
         return data + self._f.read(n - len(data)) if len(data) < n else data
 
 
-def open_stream(f: BinaryIO, where: str) -> tuple[BinaryIO, bool]:
+def open_stream(f: Readable, where: str) -> tuple[Readable, bool]:
     """(a file object of the tar in `f`, whether it was compressed): `f`'s bytes as they
     are, or inflated where they start as gzip does. Reads `f` in order, never seeks."""
     head = f.read(len(MAGIC))
     if is_gzip(head):
-        return Inflater(_Prefixed(head, f).read, where), True  # type: ignore[return-value]
-    return _Prefixed(head, f), False  # type: ignore[return-value]
+        return Inflater(_Prefixed(head, f).read, where), True
+    return _Prefixed(head, f), False
 
 
 def gunzip(data: bytes, limit: int, where: str) -> bytes:

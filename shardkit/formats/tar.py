@@ -200,9 +200,9 @@ def iter_members(f: Readable, where: str, limit: int | None = None, base: int = 
         got, data = _member_data(f, size, keep or kind in (b"L", b"x"))
         padded = len(f.read(pad)) if pad and got == size else 0
         if got < size or padded < pad:
-            name = long_name or head[:100].split(b"\x00", 1)[0].decode("utf-8", "replace")
+            cut = long_name or head[:100].split(b"\x00", 1)[0].decode("utf-8", "replace")
             short = f"{got} of {size} bytes" if got < size else f"its padding: {padded} of {pad} bytes"
-            raise CorruptShardError(f"{where}: member {name!r} cut off at byte {base + consumed + BLOCK + got + padded} "
+            raise CorruptShardError(f"{where}: member {cut!r} cut off at byte {base + consumed + BLOCK + got + padded} "
                                     f"({short}): the shard is truncated")
         consumed += BLOCK + size + pad
         if kind == b"L":  # GNU long name for the next member

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -72,7 +72,7 @@ class ListingBuilder:
         self.fields.update(fields)
 
     def build(self) -> Listing:
-        def column(a: array) -> np.ndarray:
+        def column(a: array[int]) -> np.ndarray:
             return np.frombuffer(a, np.int64)
 
         listing = Listing(bytes(self.paths), column(self.ends), column(self.labels), column(self.sizes),
@@ -83,7 +83,7 @@ class ListingBuilder:
                        column(self.extra_ends), column(self.extra_sizes), tuple(sorted(self.fields)))
 
 
-def change_marker(info: dict) -> int:
+def change_marker(info: dict[str, Any]) -> int:
     """What tells a changed object in a store's listing: object stores give no mtime in
     nanoseconds, but an ETag (or a generation, a modification time) will do, hashed."""
     marker = str(info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("mtime") or "")

@@ -286,9 +286,9 @@ def _job_fingerprint(plan: Plan, i: int, source_id: str | None) -> str:
     for column in (ids, listing.labels[ids], listing.sizes[ids], listing.mtimes[ids]):
         h.update(np.ascontiguousarray(column, "<i8").tobytes())
     h.update(b"\0".join(listing.paths[a:b] for a, b in zip(starts, listing.ends[ids].tolist())))
-    if listing.extra_ends is not None:  # sidecars and values: absent before them, so older packs still match
-        ends = listing.extra_ends
-        h.update(json.dumps([plan.meta, listing.extra_sizes[ids].tolist()]).encode())
+    ends, sizes = listing.extra_ends, listing.extra_sizes
+    if ends is not None and sizes is not None:  # sidecars and values: absent before them, so older packs still match
+        h.update(json.dumps([plan.meta, sizes[ids].tolist()]).encode())
         h.update(b"\0".join(listing.extras[a:b] for a, b in zip(np.where(ids > 0, ends[ids - 1], 0).tolist(),
                                                                   ends[ids].tolist())))
     return h.hexdigest()

@@ -14,8 +14,8 @@ from ..index import Skipped
 from ..sources import shard_problem
 from . import executors, images, sidecars
 from .executors import tick
+from .listing import Item
 from .plan import Job, sample_meta
-from .scan import Item
 
 DAMAGED = "source shard "  # how a skip for a converted shard that does not match its index begins
 

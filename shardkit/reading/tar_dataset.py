@@ -32,7 +32,7 @@ from . import worker
 from .samples import TarSamples
 
 
-class TarDataset(torch.utils.data.Dataset):
+class TarDataset(torch.utils.data.Dataset[Any]):
     """`ds[i]` is sample i of tar shards as a WebDataset-style dict, decoded as `decode` says
     (as StreamingDataset does), or `transform(sample)`. `len(ds)` is the number of samples.
 
