@@ -79,7 +79,7 @@ def test_pickles_for_spawned_workers(packed: Path) -> None:
     ds[0]  # a reader opened in this process is not pickled
     again = pickle.loads(pickle.dumps(ds))
     assert [again[i] for i in range(len(again))] == [ds[i] for i in range(len(ds))]
-    loader = DataLoader(ds, batch_size=None, shuffle=True, num_workers=2, multiprocessing_context="spawn")
+    loader = DataLoader(ds, batch_size=None, shuffle=True, num_workers=1, multiprocessing_context="spawn")
     assert sorted(loader) == sorted(ds[i] for i in range(len(ds)))
 
 
