@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import tarfile
 import sys
@@ -468,7 +469,10 @@ def test_a_second_ctrl_c_exits_at_once_in_the_command_only(tmp_path: Path, mode:
     KeyboardInterrupt each time, as Python does."""
     script = tmp_path / "ctrl_c.py"
     script.write_text(_CTRL_C)
-    result = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60)
+    # Ctrl-C at Python's default, as in a terminal's foreground job, whatever this suite was started
+    # with (a background job `./scripts/test.sh &` ignores SIGINT, and its children inherit that)
+    result = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert (result.returncode, result.stderr.strip()) == (code, said)
 
 

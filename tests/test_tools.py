@@ -214,7 +214,8 @@ time.sleep(1.5)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_peak_memory_counts_rss_per_process_and_pages_in_use_once() -> None:
     """RSS sums count the shared pages in both processes (and the child's copy-on-write view
-    of the parent's heap); the machine's memory in use counts each page once."""
+    of the parent's heap); memory in use counts each page of the tree once, and nothing
+    outside it (the 256 MB this process holds meanwhile, or a busy machine's)."""
     import subprocess
 
     from shardkit.tools.bench import PeakRss
@@ -222,8 +223,10 @@ def test_peak_memory_counts_rss_per_process_and_pages_in_use_once() -> None:
     proc = subprocess.Popen([sys.executable, "-c", HOLD_MEMORY])
     peak = PeakRss(interval=0.02, pid=proc.pid)
     peak.start()
+    outside = b"z" * (256 << 20)
     proc.wait()
     peak.stop()
+    del outside
     assert proc.returncode == 0
     mb = 1 << 20
     assert peak.peak_total is not None and peak.peak_in_use is not None
