@@ -387,6 +387,17 @@ def test_commands_that_need_torch_say_so_without_it(photos: Path, tmp_path: Path
             assert proc.stderr == "Error: this command reads through PyTorch, which is not installed: pip install torch\n"
 
 
+def test_the_readers_say_to_install_torch_without_it() -> None:
+    """`from shardkit import StreamingDataset` (or LMDBDataset, collate) without PyTorch: one
+    line saying what to install, still a ModuleNotFoundError for `except ImportError`."""
+    for name in ("StreamingDataset", "LMDBDataset", "collate"):
+        code = f"import sys; sys.modules['torch'] = None\ntry:\n    from shardkit import {name}\n" \
+               "except ModuleNotFoundError as e:\n    print(e.name, e)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert out == f"torch shardkit.{name} reads through PyTorch, which is not installed: pip install torch " \
+                      "(the build you train with)\n"
+
+
 def test_verify_says_which_shards_it_could_not_hash(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "out"
     run("pack", photos, out, "--max-count", "8", "-q")
