@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from .errors import ShardkitError, one_line, redact
+from .errors import SKIP_BAD, CorruptShardError, ShardkitError, one_line, redact
 from .units import format_size, parse_size
 
 
@@ -63,6 +63,11 @@ def _message(e: BaseException) -> str:
         last = text.rstrip().splitlines()[-1]
         text = last.partition(": ")[2] if re.match(r"[\w.]+: ", last) else last
     return one_line(text)
+
+
+def _in_cli_words(text: str) -> str:
+    """A reader's advice on bad samples as bench and preview take it."""
+    return text.replace(SKIP_BAD, "--on-error skip leaves bad samples out")
 
 
 def _output(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -301,7 +306,9 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
         for p in bad:
             click.echo(f"BAD  {p}", err=True)
         if bad:
-            raise click.ClickException(f"images that do not decode in {display(url)}: {len(bad)}")
+            raise click.ClickException(f"images that do not decode in {display(url)}: {len(bad)} (readers leave them "
+                                       'out with on_error="skip", bench and preview with --on-error skip; '
+                                       "`shardkit pack --decode-check` keeps them out of a pack)")
         if not quiet:
             click.echo("every image decodes")
 
@@ -425,8 +432,8 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
                         transform=transform, batches=batches, passes=passes, warmup=warmup, step_ms=step_ms,
                         storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error],
                         progress=progress)
-    except (ValueError, TypeError) as e:  # results that do not batch (images of several sizes), from a worker
-        raise click.ClickException(_message(e)) from None
+    except (ValueError, TypeError) as e:  # results that do not batch (images of several sizes), a bad sample
+        raise click.ClickException(_in_cli_words(_message(e))) from None
     click.echo(json.dumps(doc, indent=2) if as_json else format_report(doc))  # before the plot: a failed
     if plot:  # write costs no result
         write_plot(doc, plot)
@@ -455,12 +462,15 @@ def preview(url: str, n: int, out: str, transform: Any, decode: str, seed: int, 
     """
     from .tools.preview import render_preview
 
-    result = render_preview(url, n=n, out=out, transform=transform, decode=decode, seed=seed, tile=tile,
-                            storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error])
+    try:
+        result = render_preview(url, n=n, out=out, transform=transform, decode=decode, seed=seed, tile=tile,
+                                storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error])
+    except CorruptShardError as e:
+        raise click.ClickException(_in_cli_words(_message(e))) from None
     cols, rows = result["grid"]
     width, height = result["size"]
-    skipped = f", {result['skipped']} bad samples skipped" if result["skipped"] else ""
-    click.echo(f"wrote {out}: {result['samples']} samples, {cols}x{rows} grid, {width}x{height} px{skipped}")
+    skipped = f", {_plural(result['skipped'], 'bad sample')} skipped" if result["skipped"] else ""
+    click.echo(f"wrote {out}: {_plural(result['samples'], 'sample')}, {cols}x{rows} grid, {width}x{height} px{skipped}")
 
 
 def _exit_on_second_ctrl_c() -> None:

@@ -177,8 +177,11 @@ def test_verify_decode_names_images_that_do_not_decode(run, photos: Path, tmp_pa
     result = run("verify", out, "--decode", "--workers", "2")
     assert result.exit_code == 1, result.output
     bad = [line for line in result.output.splitlines() if line.startswith("BAD  ")]
-    assert len(bad) == 1 and re.search(r"sample '\d+': field 'png': cannot decode image", bad[0]), result.output
-    assert result.output.endswith(f"images that do not decode in {out}: 1\n")
+    assert len(bad) == 1 and re.search(r"sample '\d+' \(packed from circle/damaged\.png\): field 'png': cannot decode "
+                                       "image", bad[0]), result.output
+    assert result.output.endswith(f"images that do not decode in {out}: 1 (readers leave them out with "
+                                  'on_error="skip", bench and preview with --on-error skip; `shardkit pack '
+                                  '--decode-check` keeps them out of a pack)\n')
 
 
 def test_index_command_for_foreign_shards(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
