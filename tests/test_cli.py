@@ -43,6 +43,32 @@ def test_pack_info_verify(run, photos: Path, tmp_path: Path) -> None:  # type: i
     assert result.exit_code == 0 and "all shards match the index" in result.output
 
 
+def test_the_summaries_say_what_they_count(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Shard sizes without '8-8', an LMDB not called shards, a Finder's .DS_Store not counted
+    among the skipped files, a missing folder named as bench names it, -V."""
+    (photos / "circle" / ".DS_Store").write_bytes(b"x")
+    (photos / "circle" / "notes.txt").write_text("not an image")
+    for max_count, line in (("30", "shards:   1 (30 samples)\n"), ("10", "shards:   3 (10 samples each)\n"),
+                            ("8", "shards:   4 (7-8 samples each)\n")):
+        out = tmp_path / f"by-{max_count}"
+        result = run("pack", photos, out, "--max-count", max_count)
+        assert result.output.endswith("skipped 1 file:\n  circle/notes.txt: not an image file extension\n"
+                                      "ignored 1 hidden entry (circle/.DS_Store)\n"), result.output
+        said = run("info", out).output
+        assert line in said and said.endswith("skipped:  1 file\n  circle/notes.txt: not an image file extension\n"
+                                              "ignored:  1 hidden entry (circle/.DS_Store)\n"), said
+    run("pack", photos, tmp_path / "db", "--format", "lmdb", "-q")
+    assert "shards:" not in run("info", tmp_path / "db").output
+    assert run("verify", tmp_path / "db").output == "ok   data.mdb (30 samples)\ndata.mdb matches the index\n"
+    for command in ("info", "verify", "bench"):
+        result = run(command, tmp_path / "nope")
+        assert (result.exit_code, result.output) == (1, f"Error: {tmp_path / 'nope'}: no such folder\n")
+    assert run("-V").output == run("--version").output == f"main, version {shardkit.__version__}\n"
+    info = shardkit.index.load(str(tmp_path / "by-10")).shards[0]
+    assert repr(info) == f"ShardInfo(name='shard-000000.tar', samples=10, bytes={info.bytes}, sha256={info.sha256!r}, " \
+                         "offsets=<11 offsets>)"
+
+
 def test_verify_fails_naming_the_shard(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "out"
     run("pack", photos, out, "--max-count", "8", "-q")
@@ -84,7 +110,7 @@ def test_on_error_fail_exits_nonzero(run, photos: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, code, text", [
     (["pack", "/nonexistent/photos", "/tmp/x"], 1, "Error: /nonexistent/photos: no such folder"),
     (["pack", ".", "/tmp/x", "--max-size", "lots"], 2, "not a size"),
-    (["info", "/nonexistent/shards"], 1, "no such index"),
+    (["info", "/nonexistent/shards"], 1, "Error: /nonexistent/shards: no such folder"),
     (["pack", ".", "/tmp/x", "-o", "novalue"], 2, "expected key=value"),
 ])
 def test_errors_are_one_line(run, args, code: int, text: str) -> None:  # type: ignore[no-untyped-def]
