@@ -16,9 +16,9 @@ to the limit measured in the same round (bench_read.ratio):
   batch_size=None on the DataLoader: bench_read.py compares both ways), the same decode + resize-to-224 + CHW uint8 code (bench_read.py's) for
   everyone, against that code alone on 2 processes with bytes preloaded and no loader;
 - first batch: seconds from building the dataset to the first batch; peak RSS of the
-  decoded pass, main process + workers, sampled at 20 Hz, and peak memory in use (the
-  machine's anonymous + shared memory above its level at the start: each page once, page
-  cache not counted; see shardkit.tools.bench.in_use).
+  decoded pass, main process + workers, sampled at 20 Hz, and peak memory in use (their
+  anonymous + shared memory, each page once, page cache not counted; see
+  shardkit.tools.bench.in_use).
 
 "shardkit --resize 256" packs with resize=256, quality=90: its shards hold different (smaller)
 images, so it is a what-if, not a like-for-like row.

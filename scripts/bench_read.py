@@ -20,8 +20,8 @@ taken minutes apart would mostly measure the drift):
   sample with every offset known (RANDOM_FLOOR); TarDataset also among the decoded;
 - time to first batch, peak RSS (main process + workers, sampled at 20 Hz; a page shared
   by several processes counts in each, a mapped file's cached pages count) and peak memory
-  in use (the machine's anonymous + shared memory above its level before the contestant
-  started: each page once, page cache not counted).
+  in use (anonymous + shared memory of the main process and its workers, each page once,
+  page cache not counted; see shardkit.tools.bench.in_use).
 
 Every clock starts after the contestant's imports and one full garbage collection
 (`start_clock`).

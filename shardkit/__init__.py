@@ -47,5 +47,12 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        try:
+            module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] != "torch":
+                raise
+            raise ModuleNotFoundError(f"shardkit.{name} reads through PyTorch, which is not installed: pip install "
+                                      "torch (the build you train with)", name="torch") from None
+        return getattr(module, name)
     raise AttributeError(f"module 'shardkit' has no attribute {name!r}")

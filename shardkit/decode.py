@@ -53,6 +53,20 @@ def sample_dict(key: str, url: str, fields: Mapping[str, bytes]) -> dict[str, An
     return sample
 
 
+def packed_from(sample: Mapping[str, Any]) -> str:
+    """' (packed from PATH)': the file a sample was made from, for messages about it, as its
+    json field records it (`shardkit pack` writes {"class": ..., "path": PATH relative to
+    SRC}); '' where the sample does not say. Its json may be decoded already, or not."""
+    meta = sample.get("json")
+    if isinstance(meta, (bytes, bytearray, memoryview)):
+        try:
+            meta = _json(bytes(meta))
+        except ValueError:  # not json: the sample says nothing of its source
+            return ""
+    path = meta.get("path") if isinstance(meta, dict) else None
+    return f" (packed from {path})" if isinstance(path, str) else ""
+
+
 def _json(value: bytes) -> Any:
     """orjson (~6x faster here on small metadata) wherever its answer is json's; json for
     long runs of digits and for what orjson refuses (NaN, Infinity, lone surrogates), with

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import os
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -60,6 +61,11 @@ class ShardInfo:
             )
         size = None if self.compression else self.bytes  # the inflated tar's size is not recorded
         _check_offsets(self.name, np.asarray(self.offsets, dtype=np.int64), size)
+
+    def __repr__(self) -> str:  # the offsets by their count: a shard's repr printed every one
+        offsets = None if self.offsets is None else f"<{len(self.offsets)} offsets>"
+        return (f"ShardInfo(name={self.name!r}, samples={self.samples}, bytes={self.bytes}, sha256={self.sha256!r}, "
+                f"offsets={offsets!s})")
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "samples": self.samples, "bytes": self.bytes}
@@ -239,6 +245,8 @@ def find(url: str, storage_options: StorageOptions | None = None) -> Index | Non
 def load(url: str, storage_options: StorageOptions | None = None) -> Index:
     """Read DATASET/index.json; where there is none, say what the folder may be instead."""
     found = find(url, storage_options)
+    if found is None and storage.is_local(url) and not os.path.isdir(storage.local_path(url)):
+        raise DatasetNotFoundError(f"{url}: no such folder")  # the readers' words for it
     if found is None:
         raise DatasetNotFoundError(f"{storage.join(url, INDEX_NAME)}: no such index ({_guess(url, storage_options)})")
     return found

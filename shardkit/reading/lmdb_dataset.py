@@ -25,8 +25,8 @@ import torch.utils.data
 
 from .. import checks
 from . import worker
-from ..decode import decoder, sample_dict
-from ..errors import CorruptShardError, FieldError, describe
+from ..decode import decoder, packed_from, sample_dict
+from ..errors import FIND_BAD, CorruptShardError, FieldError, describe
 from ..formats import lmdb as lmdb_format
 from ..sources import lmdb_index, local_lmdb
 from ..storage import StorageOptions
@@ -116,8 +116,9 @@ class LMDBDataset(torch.utils.data.Dataset[Any]):
         worker.settle()
         if self._decode is None:
             self._decode = decoder(self.decode)
+        sample = sample_dict(key, self.source, fields)
         try:
-            sample = self._decode(sample_dict(key, self.source, fields))
+            sample = self._decode(sample)
             return self.transform(sample) if self.transform is not None else sample
         except FieldError as e:  # bad data, found by the decoder or a transform decoding (image_transform)
-            raise CorruptShardError(f"{self.path}: sample {key}: {describe(e)}") from e
+            raise CorruptShardError(f"{self.path}: sample {key}{packed_from(sample)}: {describe(e)}; {FIND_BAD}") from e

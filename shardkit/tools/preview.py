@@ -3,6 +3,7 @@ will be fed (after the user's transform, if given). PIL only."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -12,8 +13,8 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from .bench import Transform
-from ..decode import image_field, open_image, to_rgb
-from ..errors import ShardkitError
+from ..decode import image_field, open_image, packed_from, to_rgb
+from ..errors import FieldError, ShardkitError, describe
 from ..storage import StorageOptions
 
 TILE = 128  # pixels per image square
@@ -64,7 +65,10 @@ def to_pil(image: Any) -> Image.Image:
     if isinstance(image, Image.Image):
         return to_rgb(image)
     if isinstance(image, (bytes, bytearray, memoryview)):
-        return to_rgb(open_image(bytes(image)))
+        try:
+            return to_rgb(open_image(bytes(image)))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # PIL's, for bad bytes
+            raise FieldError(f"image: {describe(e)}") from e
     chw = False
     if hasattr(image, "detach"):  # torch tensor: CHW by convention
         image = image.detach().cpu()
@@ -126,8 +130,11 @@ def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.p
     """Decode the first `n` samples of the seed's shuffled order (epoch 0), apply `transform`
     (a callable or ``module:function``), and write them as a labelled PNG grid to `out`
     (captioned, where the samples have a `txt` field).
-    With on_error="skip" bad samples are left out (and counted) instead of stopping it."""
+    With on_error="skip" bad samples are left out (and counted) instead of stopping it:
+    those the reader finds, and those the transform or the drawing find (an image left
+    undecoded by decode="raw")."""
     from ..reading.dataset import StreamingDataset
+    from ..reading.stream import bad_sample
 
     if n < 1 or tile < 16:
         raise ValueError("n must be at least 1 and tile at least 16")
@@ -138,6 +145,7 @@ def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.p
     tiles: list[tuple[Image.Image, str, str]] = []
     captions: list[str] = []
     shown: set[tuple[str, str]] = set()
+    skipped = 0
     stream = iter(ds)
     try:
         for sample in stream:
@@ -145,14 +153,16 @@ def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.p
             if (sample["__url__"], key) in shown:  # a skipped sample's stand-in: shown once
                 continue
             shown.add((sample["__url__"], key))
-            result = fn(sample) if fn is not None else sample
-            image = pick_image(result)
-            if image is None:
-                raise ShardkitError(f"sample {key}: no image in {type(result).__name__} "
-                                    "(a transform should return an image or a tuple starting with one)")
+            try:
+                image = _image(sample, fn)
+            except Exception as e:  # noqa: BLE001 - bad data is skipped or named as the reader's is
+                said = bad_sample(e, on_error, sample["__url__"], f"sample {key}{packed_from(sample)}", True)
+                logging.getLogger("shardkit").warning("skipped %s", said)
+                skipped += 1
+                continue
             name = classes[label] if isinstance(label, int) and 0 <= label < len(classes) else \
                 ("" if label is None else str(label))
-            tiles.append((to_pil(image), name, key))
+            tiles.append((image, name, key))
             captions.append(" ".join(str(sample.get("txt", "")).split()))  # a caption on one line
             if len(tiles) == n:
                 break
@@ -166,4 +176,14 @@ def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.p
     cols, rows = grid_shape(len(tiles))
     return {"path": out, "samples": len(tiles), "grid": [cols, rows], "size": list(grid.size), "tile": tile,
             "labels": [[name, key] for _, name, key in tiles], **({"captions": captions} if captioned else {}),
-            "skipped": int(ds.stats()["skipped"])}
+            "skipped": int(ds.stats()["skipped"]) + skipped}
+
+
+def _image(sample: dict[str, Any], fn: Callable[[dict[str, Any]], Any] | None) -> Image.Image:
+    """The image a sample's tile shows: the transform's result (or the sample), drawn."""
+    result = fn(sample) if fn is not None else sample
+    image = pick_image(result)
+    if image is None:
+        raise ShardkitError(f"sample {sample['__key__']}: no image in {type(result).__name__} "
+                            "(a transform should return an image or a tuple starting with one)")
+    return to_pil(image)

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from .. import checks, index, storage
+from ..decode import packed_from
 from ..packing import images
 from ..errors import ShardkitError
 from ..formats import lmdb as lmdb_format
@@ -78,7 +79,7 @@ def undecodable(url: str, storage_options: StorageOptions | None = None, workers
 
 def _image_problems(sample: dict[str, Any]) -> list[str]:
     """What is wrong with the sample's images, a line each (a DataLoader worker's transform)."""
-    where = f"{storage.display(sample['__url__'])}: sample {sample['__key__']!r}"
+    where = f"{storage.display(sample['__url__'])}: sample {sample['__key__']!r}{packed_from(sample)}"
     return [f"{where}: field {field!r}: {e}" for field, e in images.bad_images(sample)]
 
 
