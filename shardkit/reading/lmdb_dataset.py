@@ -34,15 +34,16 @@ from ..storage import StorageOptions
 
 class LMDBDataset(torch.utils.data.Dataset):
     """`ds[i]` is sample i as a WebDataset-style dict (decoded as `decode` says, like
-    StreamingDataset), or `transform(sample)`. A remote URL is first copied to `cache_dir`
+    StreamingDataset, `backend` too), or `transform(sample)`. A remote URL is first copied to `cache_dir`
     (refused if larger than `cache_limit`)."""
 
-    def __init__(self, source: str, *, decode: str = "raw", transform: Callable[[dict[str, Any]], Any] | None = None,
+    def __init__(self, source: str, *, decode: str = "raw", backend: str = "auto", transform: Callable[[dict[str, Any]], Any] | None = None,
                  storage_options: StorageOptions | None = None, cache_dir: str | None = None,
                  cache_limit: int | str = "20GB", readahead: bool = False, read_threads: int = 16):
         source = checks.path("source", source)
-        decoder(decode)  # validate now; each process builds its own (closures do not pickle)
-        self.decode, self.transform, self.source = decode, checks.function("transform", transform), source
+        decoder(decode, backend)  # validate now; each process builds its own (closures do not pickle)
+        self.decode, self.backend, self.source = decode, backend, source
+        self.transform = checks.function("transform", transform)
         self.readahead, self.read_threads = checks.flag("readahead", readahead), checks.integer("read_threads", read_threads, 1)
         self._threads: tuple[int, ThreadPoolExecutor] | None = None
         storage_options = checks.mapping("storage_options", storage_options)
@@ -104,7 +105,7 @@ class LMDBDataset(torch.utils.data.Dataset):
     def _finish(self, key: str, fields: dict[str, bytes]) -> Any:
         worker.settle()
         if self._decode is None:
-            self._decode = decoder(self.decode)
+            self._decode = decoder(self.decode, self.backend)
         try:
             sample = self._decode(sample_dict(key, self.source, fields))
             return self.transform(sample) if self.transform is not None else sample
