@@ -152,8 +152,10 @@ def test_dct_scaling_follows_pils_draft(fast_decodes: list) -> None:
 def test_what_the_fast_path_leaves_to_pil(pictures: dict, fast_decodes: list, monkeypatch: pytest.MonkeyPatch) -> None:
     img = Image.open(io.BytesIO(pictures["medium"][1])).convert("RGB")
     whole = encode(img)
+    sof = whole.index(b"\xff\xc0")  # baseline frame -> extended, 12-bit: libjpeg-turbo's 8-bit decoder refuses it
+    twelve = whole[:sof] + b"\xff\xc1" + whole[sof + 2:sof + 4] + b"\x0c" + whole[sof + 5:]
     others = {"png": encode(img, "PNG"), "webp": encode(img, "WEBP"), "cmyk": encode(img.convert("CMYK")),
-              "truncated": whole[: len(whole) // 2], "junk": b"\xff\xd8\xff" + bytes(200), "empty": b""}
+              "truncated": whole[: len(whole) // 2], "12-bit": twelve, "junk": b"\xff\xd8\xff" + bytes(200), "empty": b""}
     for name, data in others.items():
         outcomes = []
         for backend in ("auto", "pil"):
