@@ -17,7 +17,7 @@ def integer(name: str, value: Any, minimum: int | None = 0, maximum: int | None 
     `name`."""
     try:
         # a bool is no count; nor is an array or tensor of one element, or a 0-d bool tensor (operator.index takes them)
-        if isinstance(value, bool) or getattr(value, "ndim", 0) or "bool" in str(getattr(value, "dtype", "")):
+        if isinstance(value, bool) or getattr(value, "ndim", False) or "bool" in str(getattr(value, "dtype", "")):
             raise TypeError
         value = operator.index(value)
     except TypeError:
@@ -30,7 +30,7 @@ def integer(name: str, value: Any, minimum: int | None = 0, maximum: int | None 
         else:
             bound = f"from {minimum} to {maximum}"
         raise ValueError(f"{name} must be {bound}, not {value}")
-    return value
+    return int(value)
 
 
 def optional(name: str, value: Any, minimum: int | None = 0, maximum: int | None = None) -> int | None:

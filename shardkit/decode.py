@@ -88,7 +88,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def open_image(data: bytes) -> Image.Image:
+def open_image(data: bytes | bytearray | memoryview) -> Image.Image:
     """PIL's lazy open of an encoded image; bytes it cannot tell the format of raise
     UnidentifiedImageError saying how they start (PIL's own names the buffer object)."""
     try:
@@ -197,14 +197,14 @@ Size = Union[int, tuple[int, int]]  # an int is the shorter side; a pair is (wid
 BILINEAR = Image.Resampling.BILINEAR  # torchvision's Resize default (PIL always antialiases)
 
 
-def _size(size: Size) -> Size:
+def _size(size: Any) -> Size:
     """`size` as an int or a (width, height) tuple of ints; numpy ints and length-2 arrays or
     sequences are taken too, strs ('256' is not the pair ('2', '5')) and floats are not."""
     try:
         if isinstance(size, (str, bytes, bool)):
             raise TypeError
         if not hasattr(size, "__len__"):
-            return operator.index(size)  # type: ignore[arg-type]
+            return operator.index(size)
         if len(size) == 2 and not any(isinstance(n, (str, bytes, bool)) for n in size):
             return operator.index(size[0]), operator.index(size[1])
     except TypeError:
@@ -255,7 +255,7 @@ def _offset(full: tuple[int, int], out: tuple[int, int]) -> tuple[int, int]:
     return int(round((full[0] - out[0]) / 2.0)), int(round((full[1] - out[1]) / 2.0))
 
 
-def _fast_resized(data: bytes | memoryview | Image.Image, size: Size, crop: Size | None, resample: int,
+def _fast_resized(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop: Size | None, resample: int,
                   reducing_gap: float | None, backend: str) -> Any:
     """`resized` by the fast path, as an HWC uint8 tensor (a view), or None where it is PIL's
     to do: decoded in the DCT domain to at least `reducing_gap` times the resized size, then
@@ -276,7 +276,7 @@ def _fast_resized(data: bytes | memoryview | Image.Image, size: Size, crop: Size
     return image[top:top + out[1], left:left + out[0]]
 
 
-def resized(data: bytes | memoryview | Image.Image, size: Size, crop: Size | None = None, *,
+def resized(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop: Size | None = None, *,
             resample: int = BILINEAR, reducing_gap: float | None = 2.0, backend: str = "auto") -> Image.Image:
     """Decode an image and return it resized so its shorter side is `size` (or to exactly
     `size` = (width, height)), center-cropped to `crop` (an int for a square), as RGB.
@@ -308,7 +308,7 @@ def resized(data: bytes | memoryview | Image.Image, size: Size, crop: Size | Non
     return to_rgb(img).resize(out, resample, box=box, reducing_gap=reducing_gap)
 
 
-def resized_tensor(data: bytes | memoryview | Image.Image, size: Size, crop: Size | None = None, *,
+def resized_tensor(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop: Size | None = None, *,
                    resample: int = BILINEAR, reducing_gap: float | None = 2.0, backend: str = "auto") -> Any:
     """`resized` as a CHW uint8 torch tensor."""
     _check(size, crop, reducing_gap, backend)

@@ -11,7 +11,7 @@ _QUERY = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^\s?]+)\?\S+")
 _PARAMS = re.compile(r"\?[^\s?#=&'\"]+=[^\s'\"]*")  # ?key=value... of a URL that lost its scheme:// (a path)
 
 
-def one_line(e: BaseException) -> str:
+def one_line(e: BaseException | str) -> str:
     """An error's message on one line (clients' messages can span several)."""
     return " ".join(str(e).split())
 

@@ -7,10 +7,12 @@ refuses an index from a newer format loudly instead of misreading it.
 
 from __future__ import annotations
 
+import builtins
 import json
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import orjson
@@ -49,10 +51,10 @@ class ShardInfo:
             raise CorruptShardError(
                 f"{self.name}: index lists {len(self.offsets)} offsets for {self.samples} samples"
             )
-        _check_offsets(self.name, np.frombuffer(self.offsets, dtype=np.int64), self.bytes)
+        _check_offsets(self.name, np.asarray(self.offsets, dtype=np.int64), self.bytes)
 
-    def to_json(self) -> dict:
-        out: dict = {"name": self.name, "samples": self.samples, "bytes": self.bytes}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "samples": self.samples, "bytes": self.bytes}
         if self.sha256 is not None:
             out["sha256"] = self.sha256
         if self.offsets is not None:
@@ -60,7 +62,7 @@ class ShardInfo:
         return out
 
     @classmethod
-    def from_json(cls, d: dict) -> ShardInfo:
+    def from_json(cls, d: dict[str, Any]) -> ShardInfo:
         offsets = d.get("offsets")
         return cls(
             name=d["name"],
@@ -100,7 +102,7 @@ class Index:
     classes: tuple[str, ...] = ()
     skipped: tuple[Skipped, ...] = ()
     plan: str | None = None  # fingerprint of the pack plan: a rerun with the same plan is a no-op
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def samples(self) -> int:
@@ -135,7 +137,7 @@ class Index:
         return json.dumps(doc, ensure_ascii=False, separators=(",", ":")) + "\n"
 
     @classmethod
-    def from_json(cls, text: str | bytes, where: str = INDEX_NAME) -> Index:
+    def from_json(cls, text: str | builtins.bytes, where: str = INDEX_NAME) -> Index:  # (bytes: Index.bytes here)
         try:
             doc = orjson.loads(text)  # ~3x json's speed on the offsets of millions of samples
         except ValueError as e:
@@ -205,7 +207,7 @@ def _check_lmdb(index: Index, where: str) -> None:
     if bad is not None:  # a NUL: numpy's bytes table would cut the key there and read another record
         raise CorruptShardError(f"{where}: LMDB key {bad} is {keys[bad]!r}, not a sample key (a non-empty string)")
     bad = next((i for i, n in enumerate(sizes or ()) if type(n) is not int or n < 0), None)
-    if bad is not None:
+    if bad is not None and sizes is not None:
         raise CorruptShardError(f"{where}: LMDB size {bad} is {sizes[bad]!r}, not a size in bytes")
 
 

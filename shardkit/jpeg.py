@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 _SOI = b"\xff\xd8\xff"  # start of image, then the first marker
 _COLORSPACES = frozenset({"YCbCr", "RGB", "Gray"})  # not CMYK, YCCK: PIL converts those its own way
-MODES = {Image.Resampling.BILINEAR: "bilinear", Image.Resampling.BICUBIC: "bicubic"}  # PIL's filter -> torch's
+MODES: dict[int, str] = {Image.Resampling.BILINEAR: "bilinear", Image.Resampling.BICUBIC: "bicubic"}  # PIL's -> torch's
 
 
 def can_resize(resample: int) -> bool:
@@ -33,7 +33,7 @@ def can_resize(resample: int) -> bool:
     return resample in MODES and importlib.util.find_spec("torch") is not None
 
 
-def header(data: bytes | memoryview) -> tuple[int, int] | None:
+def header(data: bytes | bytearray | memoryview) -> tuple[int, int] | None:
     """(width, height) of a JPEG the fast path decodes as PIL would, else None."""
     if bytes(data[:3]) != _SOI:
         return None
@@ -49,7 +49,7 @@ def header(data: bytes | memoryview) -> tuple[int, int] | None:
     return width, height
 
 
-def decode(data: bytes | memoryview, at_least: tuple[int, int] | None = None) -> np.ndarray | None:
+def decode(data: bytes | bytearray | memoryview, at_least: tuple[int, int] | None = None) -> np.ndarray | None:
     """A JPEG as HWC uint8 RGB, in full or scaled down by 1/2, 1/4 or 1/8 in the DCT domain
     as far as keeps it at least `at_least` (width, height), as PIL's `draft` does; None where
     PIL must decode it."""
@@ -57,7 +57,7 @@ def decode(data: bytes | memoryview, at_least: tuple[int, int] | None = None) ->
     return None if decoded is None else decoded[0]
 
 
-def _decode(data: bytes | memoryview, at_least: tuple[int, int] | None) -> tuple[np.ndarray, float, float] | None:
+def _decode(data: bytes | bytearray | memoryview, at_least: tuple[int, int] | None) -> tuple[np.ndarray, float, float] | None:
     """`decode`'s pixels, and the source's width and height in them (a scaled decode rounds up:
     ceil(width / 4) pixels hold width / 4 of the source)."""
     source = header(data)
@@ -77,7 +77,7 @@ def _decode(data: bytes | memoryview, at_least: tuple[int, int] | None) -> tuple
     return hwc, source[0] / scale, source[1] / scale
 
 
-def resized(data: bytes | memoryview, size: tuple[int, int], at_least: tuple[int, int] | None, resample: int
+def resized(data: bytes | bytearray | memoryview, size: tuple[int, int], at_least: tuple[int, int] | None, resample: int
             ) -> torch.Tensor | None:
     """A JPEG decoded as `decode(data, at_least)` does, then resized to `size` (width, height)
     with PIL's antialiased `resample` filter (bilinear or bicubic): an HWC uint8 tensor (a view,

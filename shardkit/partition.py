@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -78,7 +79,7 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([k if k >= 0 else k & 0xFFFF_FFFF_FFFF_FFFF for k in key])
 
 
-def global_sequence(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bool, block: int) -> np.ndarray:
+def global_sequence(counts: Sequence[int] | np.ndarray, *, seed: int, epoch: int, shuffle: bool, block: int) -> np.ndarray:
     """Global sample ids (0..T-1, shard by shard) in the epoch's order."""
     counts = np.asarray(counts, dtype=np.int64)
     total = int(counts.sum())
@@ -153,12 +154,12 @@ class Progress:
     yielded: tuple[int, ...]
     batch: int = 1
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "num_workers": self.num_workers, "yielded": list(self.yielded),
                 "batch": self.batch}
 
     @classmethod
-    def from_json(cls, d: dict) -> Progress:
+    def from_json(cls, d: dict[str, Any]) -> Progress:
         if not isinstance(d, dict):
             raise TypeError(f"a pass's progress is a dict, not {d!r}")
         p = cls(int(d["world_size"]), int(d["num_workers"]), tuple(int(k) for k in d["yielded"]), int(d.get("batch", 1)))
@@ -221,13 +222,13 @@ def mix_counts(weights: Sequence[float], total: int) -> np.ndarray:
         if not np.isfinite(w.sum()):  # huge weights: scaled, only then (rounding ties must not move)
             w = w / w.max()
     share = w / w.sum() * total
-    counts = np.floor(share).astype(np.int64)
+    counts: np.ndarray = np.floor(share).astype(np.int64)
     order = np.argsort(-(share - counts), kind="stable")
     counts[order[: total - int(counts.sum())]] += 1
     return counts
 
 
-def mix_sources(counts: Sequence[int], *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+def mix_sources(counts: Sequence[int] | np.ndarray, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     """Which dataset each position of a mixed epoch draws from: each dataset exactly
     counts[d] times, interleaved at random (shuffle) or evenly spread."""
     counts = np.asarray(counts, dtype=np.int64)

@@ -65,8 +65,13 @@ def shard_digest(url: str, storage_options: StorageOptions | None = None) -> tup
 
 
 def build_index(urls: Sequence[str], storage_options: StorageOptions | None = None) -> Index:
-    """An Index for shards written by any tool (shard names are the URLs' base names):
-    `urls` is a list of shard paths or URLs, or one str, a brace pattern included."""
+    """An Index for shards written by any tool (shard names are the URLs' base names); each
+    shard is read whole once.
+
+    Args:
+        urls: a list of shard paths or URLs, or one str, a brace pattern included.
+        storage_options: passed to fsspec unchanged.
+    """
     if isinstance(urls, (str, os.PathLike)):
         urls = expand(checks.path("urls", urls))
     urls = [checks.path("each of urls", u) for u in urls]
@@ -132,7 +137,9 @@ def _index_of(urls: list[str], storage_options: StorageOptions | None) -> Index:
     of every byte); any other is scanned."""
     folders: dict[str, tuple[Index, dict[str, ShardInfo]] | None] = {}
     used: set[str] = set()
-    infos, fields, scanned = [], set(), 0
+    infos: list[ShardInfo] = []
+    fields: set[str] = set()
+    scanned = 0
     for u in urls:
         size = storage.size(u, storage_options)
         if size is None:
@@ -151,7 +158,7 @@ def _index_of(urls: list[str], storage_options: StorageOptions | None) -> Index:
             infos.append(found.info)
             fields |= found.fields
             scanned += 1
-    indexes = [folders[f][0] for f in used]  # type: ignore[index]
+    indexes = [listed[0] for f in used if (listed := folders[f]) is not None]  # (used: listed ones only)
     for idx in indexes:
         fields |= set(idx.fields)
     classes = indexes[0].classes if len(indexes) == 1 and not scanned else ()  # its labels' names

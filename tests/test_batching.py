@@ -18,6 +18,9 @@ import shardkit
 from shardkit.reading import batching
 from shardkit.reading.dataset import StreamingDataset
 
+from readers import ALL_KEYS, loader_of
+from resume import check_save_load, into_dataset, resume_state
+
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
     pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
@@ -194,42 +197,22 @@ def test_invalid_batch_size(packed: Path) -> None:
 
 
 def test_plain_dataloader_resume_of_a_batched_dataset(packed: Path) -> None:
-    def loader() -> tuple[StreamingDataset, Any]:
-        ds = StreamingDataset(str(packed), decode="tensor", transform=with_key, batch_size=6, shuffle=True, seed=3)
-        return ds, DataLoader(ds, batch_size=None, num_workers=3)
-
-    ds, dl = loader()
-    ds.set_epoch(2)
-    it = iter(dl)
-    first = [k for _ in range(5) for k in next(it)["key"]]
-    del it
-    ds, dl = loader()
-    ds.load_state_dict(ds.resume_state(epoch=2, samples_seen=len(first), num_workers=3))
-    rest = [k for b in dl for k in b["key"]]
-    assert len(first) == 30 and Counter(first + rest) == Counter(f"{i:06d}" for i in range(120))
+    options = {"decode": "tensor", "transform": with_key, "batch_size": 6, "seed": 3}
+    first, then = (loader_of(packed, options, epoch=epoch, batch_size=None, num_workers=3) for epoch in (2, None))
+    resumed = check_save_load([first, then], 5, save=resume_state(epoch=2), load=into_dataset, expected=ALL_KEYS,
+                              keys=lambda batch: batch["key"])
+    assert len(resumed.pieces[0]) == 30
 
 
 def test_stateful_dataloader_resume_of_a_batched_dataset(packed: Path) -> None:
-    stateful = pytest.importorskip("torchdata.stateful_dataloader")
-
-    def loader() -> Any:
-        ds = StreamingDataset(str(packed), decode="tensor", transform=with_key, batch_size=6, shuffle=True, seed=3)
-        return stateful.StatefulDataLoader(ds, batch_size=None, num_workers=2)
-
-    dl = loader()
-    it = iter(dl)
-    first = [k for _ in range(3) for k in next(it)["key"]]
-    state = dl.state_dict()
-    del it
-    dl = loader()
-    dl.load_state_dict(state)
-    rest = [k for b in dl for k in b["key"]]
-    assert Counter(first + rest) == Counter(f"{i:06d}" for i in range(120))
+    pytest.importorskip("torchdata.stateful_dataloader")
+    batched = loader_of(packed, {"decode": "tensor", "transform": with_key, "batch_size": 6, "seed": 3}, stateful=True,
+                        batch_size=None, num_workers=2)
+    check_save_load(batched, 3, expected=ALL_KEYS, keys=lambda batch: batch["key"])
     # elastic: the same checkpoint resumed without batching and another worker count
-    ds = StreamingDataset(str(packed), shuffle=True, seed=3)
-    ds.load_state_dict(state)
-    again = [s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=3)]
-    assert Counter(first + again) == Counter(f"{i:06d}" for i in range(120))
+    plain = loader_of(packed, {"seed": 3}, batch_size=None, num_workers=3)
+    check_save_load([batched, plain], 3, load=into_dataset, expected=ALL_KEYS,
+                    keys=lambda item: item["key"] if "key" in item else [item["__key__"]])
 
 
 def test_numbers_and_other_leaves_collate_like_default_collate() -> None:

@@ -80,3 +80,10 @@ def test_only_storage_clients_imports_fsspec() -> None:
                                        or (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "fsspec")
                                        for n in ast.walk(ast.parse(p.read_text())))]
     assert [p.relative_to(PACKAGE).as_posix() for p in users] == ["storage/clients.py"]
+
+
+def test_every_format_has_a_sink_named_as_it() -> None:
+    from shardkit.formats import FORMATS
+    from shardkit.packing.pack import SINKS
+
+    assert tuple(SINKS) == FORMATS and all(SINKS[name].name == name for name in FORMATS)

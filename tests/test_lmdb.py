@@ -23,6 +23,8 @@ from shardkit.errors import CorruptShardError, DatasetNotFoundError, ShardkitErr
 from shardkit.formats import lmdb as lmdb_format
 
 from conftest import ROOT, make_folder
+from readers import loader_of
+from resume import check_save_load, into_dataset, resume_state
 from test_pack import read_shards
 
 
@@ -268,14 +270,9 @@ def test_streaming_over_lmdb_keeps_the_guarantees(lmdb_pack: Path) -> None:
         counts.append(len(keys))
         all_keys |= set(keys)
     assert len(all_keys) == 30 and counts == [8, 8, 8, 8]
-    ds = StreamingDataset(str(lmdb_pack), shuffle=True)
-    ds.set_epoch(3)
-    full = [k for b in DataLoader(ds, batch_size=5, num_workers=2, collate_fn=keys_of) for k in b]
-    ds2 = StreamingDataset(str(lmdb_pack), shuffle=True)
-    ds2.load_state_dict(ds2.resume_state(epoch=3, samples_seen=10, batch_size=5, num_workers=2))
-    rest = [k for b in DataLoader(ds2, batch_size=5, num_workers=1, collate_fn=keys_of) for k in b]
-    seen = full[:10]
-    assert sorted(seen + rest) == sorted(full)
+    first, then = (loader_of(lmdb_pack, {"seed": 0}, epoch=epoch, batch_size=5, num_workers=workers, collate_fn=keys_of)
+                   for epoch, workers in ((3, 2), (None, 1)))
+    check_save_load([first, then], 2, save=resume_state(epoch=3), load=into_dataset, keys=list)
 
 
 @pytest.mark.parametrize("damage, error, message", [
@@ -535,14 +532,14 @@ def test_lmdb_jobs_stay_moderate_without_a_size_limit(photos: Path, tmp_path: Pa
     """One transaction per job, held in memory: max_size=None must not make it one job."""
     import importlib
 
-    pack_module = importlib.import_module("shardkit.packing.pack")
+    pack_module = importlib.import_module("shardkit.packing.lmdb_sink")
     commits: list[int] = []
 
     def counting(self, samples, meta, delete=()):  # type: ignore[no-untyped-def]
         commits.append(len(samples))
         return _original_write(self, samples, meta, delete)
 
-    monkeypatch.setattr(pack_module, "LMDB_JOB", 20_000)
+    monkeypatch.setattr(pack_module, "JOB_BYTES", 20_000)
     monkeypatch.setattr(lmdb_format.Writer, "write", counting)
     idx = shardkit.pack(str(photos), str(tmp_path / "db"), format="lmdb", max_size=None, workers=1, progress=False)
     sizes = idx.extra["sizes"]

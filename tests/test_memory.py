@@ -98,7 +98,7 @@ def test_a_workers_plan_stays_in_numpy_arrays(tmp_path: Path, monkeypatch: pytes
     import gc
     import tracemalloc
 
-    from shardkit.reading import stream
+    from shardkit.reading import samples
 
     shards, per = 20, 10_000
     write_index(tmp_path, shards, per, 1000)
@@ -110,12 +110,12 @@ def test_a_workers_plan_stays_in_numpy_arrays(tmp_path: Path, monkeypatch: pytes
     class Stop(BaseException):  # past the reader's handling of bad data
         pass
 
-    def first_sample(span, url, start):  # type: ignore[no-untyped-def]
+    def first_sample(self, span, url, start):  # type: ignore[no-untyped-def]
         gc.collect()
         held.append(tracemalloc.get_traced_memory()[0])
         raise Stop
 
-    monkeypatch.setattr(stream, "_parse", first_sample)
+    monkeypatch.setattr(samples.TarSamples, "parse", first_sample)
     ds = StreamingDataset(str(tmp_path), shuffle=True)
     tracemalloc.start()
     try:

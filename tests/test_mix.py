@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import collections
+from typing import Callable
 
 import pytest
 from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit import StreamingDataset, partition
+
+from resume import check_save_load, into_dataset, resume_state
 
 from conftest import make_folder
 
@@ -73,26 +76,22 @@ def test_ranks_get_equal_counts_and_cover_the_mixture(two: tuple[str, str]) -> N
 def test_deterministic_and_resumable(two: tuple[str, str]) -> None:
     a, b = two
 
-    def make():  # type: ignore[no-untyped-def]
-        mix = StreamingDataset.mix([(a, 0.5), (b, 0.5)], shuffle=True, seed=5)
-        mix.set_epoch(2)
-        return mix
+    def loader(workers: int, epoch: int | None = None) -> Callable[[], DataLoader]:
+        def build() -> DataLoader:
+            mix = StreamingDataset.mix([(a, 0.5), (b, 0.5)], shuffle=True, seed=5)
+            if epoch is not None:
+                mix.set_epoch(epoch)
+            return DataLoader(mix, batch_size=5, num_workers=workers, collate_fn=list)
+        return build
 
-    def batches(ds, workers: int):  # type: ignore[no-untyped-def]
-        for batch in DataLoader(ds, batch_size=5, num_workers=workers, collate_fn=list):
-            yield [("A" if s["__url__"].endswith(".tar") else "B", s["__key__"]) for s in batch]
+    def tags(batch: list[dict]) -> list[tuple[str, str]]:
+        return [("A" if s["__url__"].endswith(".tar") else "B", s["__key__"]) for s in batch]
 
-    full = [x for batch in batches(make(), 2) for x in batch]
-    assert full == [x for batch in batches(make(), 2) for x in batch]
-    seen = []
-    for i, batch in enumerate(batches(make(), 2)):
-        if i == 2:
-            break
-        seen += batch
-    resumed = StreamingDataset.mix([(a, 0.5), (b, 0.5)], shuffle=True, seed=5)
-    resumed.load_state_dict(resumed.resume_state(epoch=2, samples_seen=10, batch_size=5, num_workers=2))
-    rest = [x for batch in batches(resumed, 1) for x in batch]  # another num_workers: elastic
-    assert collections.Counter(seen + rest) == collections.Counter(full)
+    full = [x for batch in loader(2, epoch=2)() for x in tags(batch)]
+    assert full == [x for batch in loader(2, epoch=2)() for x in tags(batch)]
+    # resumed under another num_workers: elastic
+    check_save_load([loader(2, epoch=2), loader(1)], 2, save=resume_state(epoch=2), load=into_dataset, expected=full,
+                    keys=tags)
 
 
 def test_a_state_of_a_mix_whose_parts_have_another_order_is_refused(two: tuple[str, str]) -> None:

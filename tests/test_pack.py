@@ -289,13 +289,13 @@ def test_a_file_gone_since_the_scan_is_skipped_but_the_machine_failing_stops_the
     every read after it: the pack raises, naming the file, instead of packing nothing."""
     script = f"""
 import errno, os, sys
-from shardkit.packing.pack import _samples
+from shardkit.packing.samples import job_samples
 from shardkit.packing.plan import make_plan
 from shardkit.index import Skipped
 plan = make_plan({str(photos)!r}, "unused", max_count=4, shuffle=False)
 job = plan.job(0)
 os.unlink(os.path.join({str(photos)!r}, job.items[1].path))
-got = list(_samples(job))
+got = list(job_samples(job))
 assert [isinstance(g, Skipped) for g in got] == [False, True] + [False] * (len(got) - 2), got
 print(got[1].reason)
 held = []
@@ -305,7 +305,7 @@ try:
 except OSError as e:
     assert e.errno == errno.EMFILE
 try:
-    list(_samples(job))
+    list(job_samples(job))
 except OSError as e:
     print(errno.errorcode[e.errno], os.path.basename(e.filename))
 """
@@ -660,7 +660,7 @@ def stalled(job, check=None):  # a remote read that never answers: no next image
     time.sleep(600)
     yield
 
-sys.modules["shardkit.packing.pack"]._samples = stalled
+sys.modules["shardkit.packing.samples"].job_samples = stalled
 cli.run(["pack", sys.argv[1], sys.argv[2], "--workers", "2", "--max-count", "5", "-q"])
 """
 
@@ -992,7 +992,7 @@ def test_a_rerun_after_a_crash_in_the_cleanup_finishes_it(photos: Path, tmp_path
     out = tmp_path / "out"
     shardkit.pack(str(photos), str(out), max_count=4, workers=1, progress=False)
     with monkeypatch.context() as m:
-        m.setattr(sys.modules["shardkit.packing.pack"], "_cleanup", _crash)
+        m.setattr(sys.modules["shardkit.packing.tar_sink"], "cleanup", _crash)
         with pytest.raises(RuntimeError):
             shardkit.pack(str(photos), str(out), max_count=20, workers=1, progress=False, overwrite=True)
     assert (out / ".shardkit-progress").exists() and len(list(out.glob("*.tar"))) == 8

@@ -316,7 +316,7 @@ def test_preview_after_a_transform(run, packed: Path, tmp_path: Path, user_modul
 
 def test_preview_and_bench_skip_bad_samples_when_asked(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import shardkit
-    from test_dataset import break_image
+    from readers import break_image
 
     dataset = tmp_path / "shards"
     shardkit.pack(str(photos), str(dataset), max_count=4, workers=1, progress=False)

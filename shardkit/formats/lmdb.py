@@ -87,14 +87,15 @@ class Writer:
         except lmdb.Error as e:  # not writable, data.mdb a folder or a dangling link: LMDB's words, one line
             raise SourceError(f"{path}: cannot write an LMDB there ({one_line(e)})") from None
 
-    def progress(self) -> dict | None:
+    def progress(self) -> dict[str, Any] | None:
         with self.env.begin() as txn:
             raw = txn.get(PROGRESS_KEY)
         return json.loads(raw) if raw else None
 
     def finished(self) -> bytes | None:
         with self.env.begin() as txn:
-            return txn.get(INDEX_KEY)
+            found: bytes | None = txn.get(INDEX_KEY)
+            return found
 
     def entries(self) -> int:
         return int(self.env.stat()["entries"])
@@ -192,7 +193,7 @@ def open_reader(path: str, readahead: bool = False, fresh: bool = False) -> Any:
         if found is None:
             found = _Env(pid, path, file, _open(path, readahead))
             _ENVS.append(found)
-        elif found.file != file:  # written in place since: the same environment, never closed under a reader
+        elif file is not None and found.file != file:  # written in place since: the same environment, never closed under a reader
             _check_pages(found.env, path, file.size)
             found.file = file
         _READERS[path] = found

@@ -14,7 +14,7 @@ import io
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from ..errors import CorruptShardError
 
@@ -24,6 +24,12 @@ RECORD = 20 * BLOCK  # GNU tar and Python's tarfile pad archives to 10 KiB recor
 _EMPTY = bytes(BLOCK)
 _USTAR_MAGIC = b"ustar\x0000"
 _POSIX, _GNU = b"ustar\x00", b"ustar "  # magics of POSIX ustar/pax and of GNU tar's own format
+
+
+class Readable(Protocol):
+    """What the readers need of a file: `read`, in order (a pipe, a hashing wrapper, a socket)."""
+
+    def read(self, n: int = -1, /) -> bytes: ...
 
 
 def _template() -> bytes:
@@ -164,7 +170,7 @@ def _pax_path(data: bytes, where: str) -> str | None:
     return None
 
 
-def iter_members(f: BinaryIO, where: str, limit: int | None = None, base: int = 0
+def iter_members(f: Readable, where: str, limit: int | None = None, base: int = 0
                  ) -> Iterator[tuple[int, int, str, bytes]]:
     """Yield (start, end, name, data) for every regular file from the current position of `f`.
 
@@ -192,9 +198,9 @@ def iter_members(f: BinaryIO, where: str, limit: int | None = None, base: int = 
         data = f.read(size)
         padded = len(f.read(pad)) if pad and len(data) == size else 0
         if len(data) < size or padded < pad:
-            name = long_name or head[:100].split(b"\x00", 1)[0].decode("utf-8", "replace")
+            cut = long_name or head[:100].split(b"\x00", 1)[0].decode("utf-8", "replace")
             got = f"{len(data)} of {size} bytes" if len(data) < size else f"its padding: {padded} of {pad} bytes"
-            raise CorruptShardError(f"{where}: member {name!r} cut off at byte {base + consumed + BLOCK + len(data) + padded} "
+            raise CorruptShardError(f"{where}: member {cut!r} cut off at byte {base + consumed + BLOCK + len(data) + padded} "
                                     f"({got}): the shard is truncated")
         consumed += BLOCK + size + pad
         if kind == b"L":  # GNU long name for the next member
@@ -235,7 +241,7 @@ def split_name(name: str) -> tuple[str, str]:
 
 
 def iter_samples(
-    f: BinaryIO, where: str, limit: int | None = None, base: int = 0
+    f: Readable, where: str, limit: int | None = None, base: int = 0
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     """Group adjacent members with the same key into (key, {ext: bytes}) samples."""
     key: str | None = None
@@ -262,7 +268,7 @@ class Scan:
     fields: set[str] = field(default_factory=set)
 
 
-def scan(f: BinaryIO, where: str) -> Scan:
+def scan(f: Readable, where: str) -> Scan:
     """Scan a shard written by any tool. Reads it once, start to end."""
     out = Scan()
     end = 0
@@ -397,7 +403,7 @@ def _member_cut(buf: bytes) -> str | None:
         except ValueError:
             return None
         if h + BLOCK + size > len(buf):
-            return name.split(b"\x00", 1)[0].decode("utf-8", "replace")
+            return bytes(name).split(b"\x00", 1)[0].decode("utf-8", "replace")
         h += BLOCK + size + _padding(size)
     return None
 

@@ -32,13 +32,13 @@ class Stopped(Exception):
     """A job ended early: the pack was given up (Ctrl-C, or another job failed)."""
 
 
-def init_worker(counter, stop=None) -> None:  # type: ignore[no-untyped-def]
+def init_worker(counter: Any, stop: Any = None) -> None:
     global _counter, _stop
     _counter, _stop = counter, stop
     storage.stop_when(stop_point)  # retries give up with the pack
 
 
-def _init_pool_worker(counter, stop) -> None:  # type: ignore[no-untyped-def]
+def _init_pool_worker(counter: Any, stop: Any) -> None:
     """A pool worker leaves Ctrl-C to the pack process, which raises `stop` instead: the
     terminal sends SIGINT to the whole process group, and a worker interrupted (or killed)
     while it sends a result leaves half a message in the pool's pipe, on which the pool's
@@ -101,7 +101,7 @@ def tick(n: int) -> None:
             _counter.value += n
 
 
-def local(workers: int) -> Runner:
+def local(workers: int) -> Runner[Any, Any]:
     """A process pool of `workers` (inline, without a pool, for one)."""
     return functools.partial(_run_local, workers=workers)
 
@@ -135,8 +135,9 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
                     return
                 wait(running, timeout=0.2, return_when=FIRST_EXCEPTION)
                 for fut in running:
-                    if fut.done() and fut.exception() is not None:
-                        raise fut.exception()  # type: ignore[misc]
+                    error = fut.exception() if fut.done() else None
+                    if error is not None:
+                        raise error
                 while running and running[0].done():
                     on_done(running.popleft().result())
                 on_progress(counter.value)
@@ -146,7 +147,7 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
             raise
 
 
-def ray(address: str | None = None, sizes: Callable[[Any], int] = lambda job: 1) -> Runner:
+def ray(address: str | None = None, sizes: Callable[[Any], int] = lambda job: 1) -> Runner[Any, Any]:
     """Ray tasks on the cluster at `address` (None: start or join a local one). Results come
     back in job order; progress counts the images of finished jobs (`sizes(job)`)."""
 
@@ -161,7 +162,7 @@ def ray(address: str | None = None, sizes: Callable[[Any], int] = lambda job: 1)
         if not ray_module.is_initialized():
             ray_module.init(address=address, include_dashboard=False, log_to_driver=False)
         task = ray_module.remote(fn)
-        slots = max(2, 2 * int(ray_module.cluster_resources().get("CPU", 1)))
+        slots = max(2, 2 * int(ray_module.cluster_resources().get("CPU", 1)))  # type: ignore[no-untyped-call]  # ray's own hints lack it
         queued = iter(jobs)
         running: deque[tuple[Any, Any]] = deque()
         done = 0

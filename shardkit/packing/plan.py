@@ -11,23 +11,21 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from json.encoder import encode_basestring as _json_str  # type: ignore[attr-defined]
+from json.encoder import encode_basestring as _json_str
 from typing import overload
 
 import numpy as np
 
 from .. import storage
 from ..errors import SourceError
-from ..formats.tar import BLOCK, RECORD
+from ..formats.tar import BLOCK
 from ..index import ShardInfo, Skipped
 from .scan import HIDDEN, Item, Listing, scan_dataset, scan_folder, source_kind
 from ..storage import StorageOptions
 from ..units import parse_size
 
-SHARD_NAME = "shard-{:06d}.tar"
-CHUNK_NAME = "chunk-{:06d}"  # an LMDB pack's unit of work: one transaction
 DEFAULT_MAX_SIZE = "256MB"
 
 
@@ -95,7 +93,7 @@ class Plan:
     def job(self, i: int) -> Job:
         fp = self.fingerprints[i] if self.fingerprints else ""
         items = self.items(i)
-        shards = ()
+        shards: tuple[ShardInfo, ...] = ()
         if self.source == "tar":
             names = dict.fromkeys(it.path.rpartition("@")[0] for it in items)
             shards = tuple(replace(s, offsets=None) if s.sha256 else s  # a hash checks them
@@ -138,7 +136,7 @@ def sample_meta(item: Item, classes: tuple[str, ...]) -> bytes:
 
 
 def _member_bytes(n: np.ndarray) -> np.ndarray:
-    return BLOCK + n + (-n % BLOCK)
+    return np.asarray(BLOCK + n + (-n % BLOCK))
 
 
 def _fingerprint(*parts: object) -> str:
@@ -153,7 +151,7 @@ def _even_cuts(needs: np.ndarray, max_count: int | None, limit: int | None) -> t
     if n_items == 0:
         return ((0, 0),)
     fewest = max(1, -(-n_items // max_count) if max_count else 1, -(-total // limit) if limit else 1)
-    by_count = bool(max_count) and (not limit or -(-n_items // max_count) >= -(-total // limit))
+    by_count = bool(max_count) and (not limit or -(-n_items // max_count) >= -(-total // limit))  # type: ignore[operator]  # max_count is set when by_count
     for count in range(fewest, min(fewest + 3, n_items + 1)):
         if by_count:
             edges = (np.arange(count + 1) * n_items) // count
@@ -187,6 +185,8 @@ def make_plan(
     seed: int = 0,
     options: Options = Options(),
     fmt: str = "tar",
+    job_name: str = "shard-{:06d}.tar",
+    payload: Callable[[int], int] = lambda limit: limit,
     storage_options: StorageOptions | None = None,
 ) -> Plan:
     """Scan SRC and cut its samples into jobs. A dataset being converted keeps its order
@@ -207,12 +207,11 @@ def make_plan(
         classes, source_id, order = idx.classes, _fingerprint(idx.to_json()), np.arange(len(listing))
         inherited, shards = idx.skipped, idx.shards if source == "tar" else ()
     limit = parse_size(max_size) if max_size is not None else None
-    if limit is not None and fmt == "tar":  # the members' share: a tar ends in 2 zero blocks, padded to a record
-        limit = max(1, limit // RECORD * RECORD - 2 * BLOCK)
+    if limit is not None:  # the members' share of a job's bytes (the format's own overhead aside)
+        limit = payload(limit)
     needs = _needs(listing, source, classes)[order]
     bounds = _even_cuts(needs, max_count, limit)
-    name_of = SHARD_NAME if fmt == "tar" else CHUNK_NAME
-    names = tuple(name_of.format(i) for i in range(len(bounds)))
+    names = tuple(job_name.format(i) for i in range(len(bounds)))
     plan = Plan(src, dest, source, classes, tuple(skipped), listing, order, tuple(bounds), names, options,
                 storage_options)
     fingerprints = tuple(_job_fingerprint(plan, i, source_id) for i in range(len(bounds)))
@@ -240,7 +239,7 @@ def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarra
     class_json = np.array([len(_json_str(c).encode()) for c in classes], np.int64)
     label_digits = np.array([len(str(i)) for i in range(len(classes))], np.int64)
     meta = len('{"class":,"path":}') + class_json[listing.labels] + path_json
-    return _member_bytes(listing.sizes) + _member_bytes(label_digits[listing.labels]) + _member_bytes(meta)
+    return np.asarray(_member_bytes(listing.sizes) + _member_bytes(label_digits[listing.labels]) + _member_bytes(meta))
 
 
 _JSON_ESCAPED = re.compile(rb'["\\\x00-\x1f]')  # what json escapes in a str: quote, backslash, controls

@@ -80,7 +80,7 @@ class _Segment:
         """Copy `value` in at `offset` through the descriptor, not the mapping: this process
         never maps the data pages (only the header's), so a batch handed to the main process
         counts in that process's RSS alone, and a reused segment costs no page faults here."""
-        data = memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8))  # empty arrays too
+        data = memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)  # empty arrays too
         while data:
             written = os.pwrite(self.fd, data[:_MAX_WRITE], offset)
             data, offset = data[written:], offset + written
@@ -246,7 +246,11 @@ def collate(samples: list[Any]) -> Any:
     """A drop-in for `default_collate` (`DataLoader(ds, batch_size=B, collate_fn=shardkit.collate)`)
     that stacks into reused shared memory instead of a fresh segment per batch. In a worker it
     returns a `SharedBatch` that becomes the batch in the main process: pass it as the
-    DataLoader's `collate_fn` itself, not inside another collate function."""
+    DataLoader's `collate_fn` itself, not inside another collate function.
+
+    Args:
+        samples: the samples of one batch, of equal shapes and dtypes where they are stacked.
+    """
     if not isinstance(samples, (list, tuple)):  # a DataLoader with batch_size=None hands it one sample
         raise TypeError(f"collate takes a list of samples, not {type(samples).__name__}: give the DataLoader a "
                         "batch_size (with batch_size=None it passes collate_fn one sample at a time)")
@@ -271,7 +275,8 @@ class Batches:
         return self
 
     def state_dict(self) -> dict[str, Any]:
-        return self.stream.state_dict()
+        state: dict[str, Any] = self.stream.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stream.load_state_dict(state)
@@ -310,7 +315,7 @@ class Batches:
                 if not values:
                     collated.append(None)
                     continue
-                batch = default_collate(tuple(values) if layout.places[j][1] else values)
+                batch = default_collate(tuple(values) if layout.places[j][1] else values)  # type: ignore[arg-type]  # torch's hint says list; any sequence works
                 if slot[0] == "array" and isinstance(batch, torch.Tensor) and batch.numpy().dtype == slot[3]:
                     seg.write(slot[1], batch.numpy())
                     collated.append(None)

@@ -61,7 +61,7 @@ class Shared:
         if "values" not in state:
             self.__dict__.update(state)
             return
-        self.__init__()  # type: ignore[misc]
+        Shared.__init__(self)
         self.epoch[:], self.stats[:], self.resume[:] = state["values"]
 
     def start_pass(self, worker_id: int, layout: int) -> tuple[int, int]:
@@ -97,7 +97,7 @@ class Shared:
         """Put a new resume point in force; its token (workers apply only the one in force)."""
         self.resume[1] += 1
         self.resume[0] = self.resume[1]
-        return self.resume[0]
+        return int(self.resume[0])
 
     def drop_resume(self) -> None:
         self.resume[0] = 0

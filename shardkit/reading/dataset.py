@@ -17,10 +17,9 @@ import numpy as np
 from .. import checks, partition
 from ..decode import decoder
 from .epochs import EpochDataset
+from .samples import source_for
 from .stream import WorkerStream
-from ..errors import ShardkitError
-from ..formats import lmdb as lmdb_format
-from ..sources import local_lmdb, resolve
+from ..sources import resolve
 from ..storage import StorageOptions
 
 
@@ -44,6 +43,33 @@ class StreamingDataset(EpochDataset):
     would but straight into reused shared memory (see batching.py): use it with
     ``DataLoader(ds, batch_size=None)``. ``len(ds)`` then counts batches, at most one of them
     short per rank.
+
+    Args:
+        source: a dataset folder or URL prefix holding index.json, a brace pattern of shards
+            (``shards-{000000..000009}.tar``), or a list of shard paths or URLs.
+        shuffle: shuffle each epoch: shard blocks in a permuted order, then a bounded buffer.
+        seed: the shuffle's seed; the order is a pure function of (seed, epoch, layout).
+        decode: how image fields come back: ``"raw"`` bytes, ``"pil"``, ``"rgb8"`` (HWC uint8
+            numpy) or ``"tensor"`` (CHW uint8 torch).
+        backend: ``"auto"`` decodes JPEGs by libjpeg-turbo's fast path (PIL's very pixels;
+            docs/decoding.md), the rest with PIL; ``"pil"`` decodes every image with PIL.
+        transform: a function of the sample dict, run in the worker; its result is what the
+            DataLoader receives (a top-level function under spawn).
+        rank: this process's rank; default from torch.distributed, else RANK, else 0.
+        world_size: the number of ranks; default from torch.distributed, else WORLD_SIZE, else 1.
+        remainder: ``"repeat"`` tops every rank up to the same count with samples from the start
+            of the epoch's order; ``"drop"`` leaves the last few out.
+        shuffle_window: the shuffle buffer's size, in samples.
+        block: samples per block: the unit that is shuffled and read from a remote shard.
+        on_error: ``"raise"`` stops at a bad sample, naming it; ``"skip"`` skips it (a good one
+            stands in, so every rank's count stays exact) and counts it in ``stats()``.
+        verify: check each shard's sha256 against the index before reading it.
+        prefetch: read-ahead depth: blocks in flight per worker (0: no background reads).
+        prefetch_bytes: the most bytes read ahead per worker (``"256MB"`` or an int).
+        cache_dir: a local folder that keeps remote blocks read once (None: no cache).
+        cache_limit: the cache's size cap; least recently used blocks go first.
+        storage_options: passed to fsspec unchanged (``endpoint_url``, ``anon``, ...).
+        batch_size: yield batches of this many samples, built in the workers.
     """
 
     def __init__(
@@ -88,21 +114,9 @@ class StreamingDataset(EpochDataset):
                 f"cache_limit ({self.cache_limit} bytes) is smaller than the read-ahead budget prefetch_bytes "
                 f"({self.prefetch_bytes} bytes): raise cache_limit or lower prefetch_bytes"
             )
-        counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
-        self._counts = counts
-        self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self._lmdb: str | None = None  # local path of an LMDB dataset
-        self._keys, self._sizes = np.empty(0, dtype="S1"), None  # an LMDB's, sizes checked at each read
-        if self.index.kind == "lmdb":
-            self._lmdb = local_lmdb(self.urls[0], storage_options, cache_dir, self.cache_limit)
-            self._keys, self._sizes = lmdb_format.sample_tables(self.index.extra)
-            self._offsets = np.empty(0, np.int64)
-        else:
-            tables = [s.offsets for s in self.index.shards]
-            if any(t is None for t in tables):
-                raise ShardkitError(f"{source!r}: index lacks sample offsets; rebuild it with `shardkit index`")
-            self._offsets = np.concatenate([np.asarray(t, dtype=np.int64) for t in tables] or [np.empty(0, np.int64)])
-        self.index = self.index.slim()  # the per-sample tables live on in the arrays above only
+        self._counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
+        self._samples = source_for(self.index, self.urls, storage_options, cache_dir, self.cache_limit)
+        self.index = self.index.slim()  # the per-sample tables live on in the source's arrays only
 
     @property
     def classes(self) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ resume. Subclasses say what the global sequence is and how a position becomes a 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
@@ -27,7 +27,7 @@ MAX_EPOCH = 2**32 - 1  # far past any run; a mixture counts epoch x samples of a
 STATE_MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
 
 
-class EpochDataset(torch.utils.data.IterableDataset):
+class EpochDataset(torch.utils.data.IterableDataset[Any]):
     """Base of the datasets: subclasses define `total_samples()` (samples in an epoch before
     splitting) and `__iter__`. `batch_size` set: the dataset yields batches (see batching.py)."""
 
@@ -303,8 +303,8 @@ def _check_order(found: list[dict[str, Any]], order: dict[str, Any]) -> None:
     dataset, seed, shuffle, ...): it would resume the wrong samples. What a state saved by
     an earlier shardkit version did not record (all of it, or a mixture's parts) is taken
     as it is."""
-    saved = next((s["order"] for s in found if "order" in s), None)
-    differ = [k for k in (saved or {}) if not _same(saved[k], order.get(k))]
+    saved = next((s["order"] for s in found if "order" in s), None) or {}
+    differ = [k for k in saved if not _same(saved[k], order.get(k))]
     if differ:
         said = ", ".join(f"{k} {saved[k]!r} there, {order.get(k)!r} here" for k in differ)
         raise ValueError(f"this state was saved from a dataset whose epochs have another order ({said})")
@@ -361,7 +361,7 @@ class EpochStream:
         self.epoch = 0
         self.skip = 0
         self.yielded = 0
-        self._gen: Iterator[Any] | None = None
+        self._gen: Generator[Any, None, None] | None = None
         self._resume_token = 0  # the resume point this pass follows, if any
         # the pass counters' layout: the DataLoader's num_workers, 0 in the main process
         self._layout = num_workers if torch.utils.data.get_worker_info() is not None else 0
@@ -402,7 +402,7 @@ class EpochStream:
         self.yielded += 1
         return item
 
-    def _generate(self) -> Iterator[Any]:
+    def _generate(self) -> Generator[Any, None, None]:
         raise NotImplementedError
 
     def close(self) -> None:

@@ -32,10 +32,22 @@ from ..sources import lmdb_index, local_lmdb
 from ..storage import StorageOptions
 
 
-class LMDBDataset(torch.utils.data.Dataset):
+class LMDBDataset(torch.utils.data.Dataset[Any]):
     """`ds[i]` is sample i as a WebDataset-style dict (decoded as `decode` says, like
     StreamingDataset, `backend` too), or `transform(sample)`. A remote URL is first copied to `cache_dir`
-    (refused if larger than `cache_limit`)."""
+    (refused if larger than `cache_limit`).
+
+    Args:
+        source: the LMDB dataset's folder (or a URL, copied locally first).
+        decode: ``"raw"``, ``"pil"``, ``"rgb8"`` or ``"tensor"``, as StreamingDataset's.
+        backend: ``"auto"`` (JPEG by the fast path, docs/decoding.md) or ``"pil"``, as StreamingDataset's.
+        transform: a function of the sample dict; `ds[i]` returns its result.
+        storage_options: passed to fsspec unchanged, for a remote source.
+        cache_dir: where a remote LMDB is copied.
+        cache_limit: the largest LMDB copied into `cache_dir`.
+        readahead: let the kernel read ahead around each record (helps sequential reads only).
+        read_threads: threads that read a batch's records at once when the disk is cold.
+    """
 
     def __init__(self, source: str, *, decode: str = "raw", backend: str = "auto", transform: Callable[[dict[str, Any]], Any] | None = None,
                  storage_options: StorageOptions | None = None, cache_dir: str | None = None,

@@ -14,7 +14,7 @@ from (seed, epoch), elastic resume.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -120,7 +120,7 @@ class _MixedStream(EpochStream):
             ids.append(out)
         return part_of, ids
 
-    def _generate(self) -> Iterator[Any]:
+    def _generate(self) -> Generator[Any, None, None]:
         part_of, ids = self._part_ids(self._plan())
         window = max(self.ds.shuffle_window, *(p.shuffle_window for p in self.ds.parts))
         streams = [WorkerStream(p, self.rank, self.world, self.worker_id, self.num_workers, ids=i, window=window)

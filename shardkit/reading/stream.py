@@ -2,26 +2,24 @@
 
     read ranges -> parse samples -> decode -> transform
 
-`_reads` / `_lmdb_reads` yield each planned sample's bytes in order (read ahead by the
-prefetcher); `_process` parses, decodes and transforms one sample, timing each stage;
-`bad_sample` is the one policy that decides whether a failure is skipped or raised.
+The dataset's sample source (samples.py, one per format) reads each planned sample's bytes
+in order, ahead of use, and parses one; `_process` takes one sample through parse, decode
+and transform, timing each stage; `bad_sample` is the one policy that decides whether a
+failure is skipped or raised.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import ranges, storage
-from ..decode import decoder, sample_dict
+from ..decode import decoder
 from ..errors import CorruptShardError, FieldError, ShardkitError, describe
-from ..formats import lmdb as lmdb_format
-from ..formats.tar import ReadAt, buffer_reader, read_sample
 from ..prefetch import Prefetcher
 from ..storage.cache import RangeCache
 from .counters import Meter
@@ -32,9 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardkit")
 SKIPS_LOGGED = 10  # a worker's first skipped samples are logged (a warning each), the rest only counted
-LMDB_WINDOW = 64  # samples of an LMDB dataset that one read from the disk sends to the threads
 
-Read = tuple[int, int, Any]  # (shard, start, the sample's bytes or the error of its range)
 Transform = Callable[[dict[str, Any]], Any]
 
 
@@ -66,7 +62,7 @@ class WorkerStream(EpochStream):
         self._key: str | None = None  # the sample being processed, once parsed: named if it fails
         self._in_transform = False  # ...and whether it failed in the user's transform
 
-    def _generate(self) -> Iterator[Any]:
+    def _generate(self) -> Generator[Any, None, None]:
         ds = self.ds
         ids = self._plan()
         cache = RangeCache(ds.cache_dir, ds.cache_limit) if ds.cache_dir is not None else None
@@ -74,7 +70,7 @@ class WorkerStream(EpochStream):
         # the dataset read its index (or scanned its shards) there: the store was reachable
         reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache, verify=ds.verify, patient=True)
         decode, transform = decoder(ds.decode, ds.backend), ds.transform
-        reads = self._reads(ids, reader) if ds._lmdb is None else self._lmdb_reads(ids)
+        reads, self.prefetcher = ds._samples.reads(ids, reader, ds, self.window)
         meter = Meter(ds._shared, self.worker_id, reader, cache)
         pending = 0  # skipped samples still to be replaced, so the rank's count stays exact
         try:
@@ -83,7 +79,8 @@ class WorkerStream(EpochStream):
                 try:
                     item = self._process(shard, start, data, decode, transform, meter)
                 except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
-                    said = bad_sample(e, ds.on_error, ds.urls[shard], self._where(start), self._in_transform)
+                    where = (f"sample {self._key}" if self._key is not None else "a sample") + ds._samples.position(start)
+                    said = bad_sample(e, ds.on_error, ds.urls[shard], where, self._in_transform)
                     meter.skipped()
                     pending += 1
                     if meter.skips <= SKIPS_LOGGED:
@@ -111,11 +108,7 @@ class WorkerStream(EpochStream):
         if isinstance(data, CorruptShardError):
             raise data
         t0 = time.perf_counter()
-        url = self.ds.urls[shard]
-        if self.ds._lmdb is None:
-            sample, size = _parse(data, url, start), data[0] - start  # a local sample's bytes are read here
-        else:
-            sample, size = _from_lmdb(data, url, start), sum(map(len, data[1].values()))
+        sample, size = self.ds._samples.parse(data, self.ds.urls[shard], start)
         t1 = time.perf_counter()
         self._key = sample["__key__"]
         sample = decode(sample)
@@ -124,12 +117,6 @@ class WorkerStream(EpochStream):
         item = transform(sample) if transform is not None else sample
         meter.sample(size, t1 - t0, t2 - t1, time.perf_counter() - t2)
         return item
-
-    def _where(self, start: int) -> str:
-        """The failing sample, for `bad_sample`'s message."""
-        key = self._key
-        where = f"sample {key}" if key is not None else "a sample"
-        return where + (f" at byte {start}" if self.ds._lmdb is None else "")
 
     def _borrow(self, reader: storage.RangeReader, decode: Callable[[dict[str, Any]], Any],
                 transform: Transform | None, after: int) -> Any:
@@ -140,14 +127,8 @@ class WorkerStream(EpochStream):
         ds = self.ds
         total = int(ds._counts.sum())
         for step in range(1, total + 1):
-            i = (after + step) % total
             try:
-                if ds._lmdb is None:
-                    shard, start, end = (int(x[0]) for x in ranges.bounds(np.array([i]), ds._first, ds._offsets))
-                    read_at = buffer_reader(reader.read(shard, start, end), start)
-                    sample = decode(_parse((end, read_at), ds.urls[shard], start))
-                else:
-                    sample = decode(_from_lmdb(next(self._lmdb_reads(np.array([i])))[2], ds.urls[0], i))
+                sample = decode(ds._samples.one((after + step) % total, reader))
             except CorruptShardError:  # unusable too: try the next one
                 continue
             except ShardkitError:  # storage that fails is not bad data
@@ -159,99 +140,3 @@ class WorkerStream(EpochStream):
             except FieldError:  # but bad data it found is bad data
                 continue
         raise CorruptShardError(f"{ds.urls[0]} and the other {len(ds.urls) - 1} shards: no sample could be used")
-
-    def _reads(self, ids: np.ndarray, reader: storage.RangeReader) -> Iterator[Read]:
-        """(shard, start, (stop, read_at)) for each sample of `ids`, in order, its range read
-        ahead: `read_at` reads the sample's bytes from the local file, or from the range held
-        in memory. In place of (stop, read_at), the error of a range that could not be read."""
-        ds = self.ds
-        shard_of, starts, ends = ranges.bounds(ids, ds._first, ds._offsets)
-        local = all(map(storage.is_local, ds.urls))  # one remote shard: its ranges go through the budget
-        if local:
-            plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=16 << 20)
-        else:  # a block's samples come within block + 2 windows of each other: further apart, a new use,
-            # read again rather than held, unless the whole dataset fits in the read-ahead budget
-            gap = None if ds.index.bytes <= ds.prefetch_bytes else ds.block + 2 * self.window
-            plan, range_of = ranges.blocks(ids, ds._first, ds._offsets, ds.block, gap)
-
-        def fetch(r: ranges.Range) -> ReadAt | CorruptShardError:
-            try:
-                if reader.is_local(r.shard):  # the kernel reads the range ahead; samples come straight from the file
-                    reader.advise(r.shard, r.start, r.stop)
-                    return reader.read_at(r.shard)
-                return buffer_reader(reader.read(r.shard, r.start, r.stop, partial=True), r.start)
-            except CorruptShardError as e:  # each sample of the range raises it in turn: skipped or raised
-                return e
-
-        self.prefetcher = Prefetcher(plan, fetch, lambda r: r.size,
-                                     depth=ds.prefetch, budget=ds.prefetch_bytes, threads=not local)
-        fetched = iter(self.prefetcher)
-        held: dict[int, tuple[Any, list[int]]] = {}  # range index -> its read_at (or error), samples left
-        for r, shard, start, end in ranges.rows(range_of, shard_of, starts, ends):
-            while r not in held:
-                got, read_at = next(fetched)
-                held[got.index] = (read_at, [got.samples])
-            read_at, left = held[r]
-            yield shard, start, read_at if isinstance(read_at, CorruptShardError) else (end, read_at)
-            left[0] -= 1
-            if not left[0]:
-                del held[r]
-
-    def _lmdb_reads(self, ids: np.ndarray) -> Iterator[Read]:
-        """(0, sample id, (key, fields) or the record's error) from the LMDB environment, opened
-        in this process. In windows of `LMDB_WINDOW` samples: once a read in a window waited
-        for the disk, the rest of that window on `prefetch` threads (formats/lmdb.read_when_cold)."""
-        ds = self.ds
-        path = ds._lmdb
-        assert path is not None
-        env = lmdb_format.open_reader(path)
-
-        def read(i: int) -> tuple[str, dict[str, bytes]] | CorruptShardError:
-            key = ds._keys[i].decode()
-            try:
-                return key, lmdb_format.read_one(env, key, path, None if ds._sizes is None else int(ds._sizes[i]))
-            except CorruptShardError as e:  # a record missing or resized: skipped or raised, as bad data
-                return e
-
-        def touch(i: int) -> None:
-            lmdb_format.touch_one(env, ds._keys[i].decode())
-
-        pool: ThreadPoolExecutor | None = None
-
-        def threads() -> ThreadPoolExecutor:
-            nonlocal pool
-            pool = pool or ThreadPoolExecutor(ds.prefetch, thread_name_prefix="shardkit-lmdb")
-            return pool
-
-        when_cold = threads if ds.prefetch > 1 else None
-        try:
-            for k in range(0, len(ids), LMDB_WINDOW):
-                window = ids[k : k + LMDB_WINDOW].tolist()
-                for i, sample in zip(window, lmdb_format.read_when_cold(read, touch, window, when_cold)):
-                    yield 0, i, sample
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _from_lmdb(data: tuple[str, dict[str, bytes]], url: str, position: int) -> dict[str, Any]:
-    key, fields = data
-    return sample_dict(key, url, fields)
-
-
-class _Where:
-    """Names a sample in error messages; formatted only when one is raised."""
-
-    __slots__ = ("url", "start")
-
-    def __init__(self, url: str, start: int):
-        self.url, self.start = url, start
-
-    def __str__(self) -> str:
-        return f"{storage.display(self.url)} (sample at byte {self.start})"
-
-
-def _parse(span: tuple[int, ReadAt], url: str, start: int) -> dict[str, Any]:
-    stop, read_at = span
-    key, fields = read_sample(read_at, start, stop, _Where(url, start))
-    return sample_dict(key, url, fields)

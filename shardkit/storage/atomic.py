@@ -33,7 +33,7 @@ def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> It
         f = SequentialWriter(tmp)
         try:
             try:
-                yield f  # type: ignore[misc]
+                yield cast(BinaryIO, f)  # it writes as a binary file does
                 f.finish()
             finally:
                 f.close()
@@ -75,7 +75,7 @@ class _Upload:
         self._f, self._what = f, what
 
     def write(self, data: bytes) -> int:
-        return retrying(self._what, lambda: self._f.write(data), 1)  # type: ignore[no-any-return]
+        return cast(int, retrying(self._what, lambda: self._f.write(data), 1))
 
 
 def _abandon(f: Any) -> None:

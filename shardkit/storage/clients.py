@@ -32,9 +32,10 @@ def _timeout_adapter() -> Any:
     import requests.adapters
 
     class TimeoutAdapter(requests.adapters.HTTPAdapter):
-        def send(self, request: Any, **kwargs: Any) -> Any:
-            kwargs["timeout"] = kwargs.get("timeout") or REQUEST_TIMEOUT_S
-            return super().send(request, **kwargs)
+        def send(self, request: Any, stream: bool = False, timeout: Any = None, verify: Any = True, cert: Any = None,
+                 proxies: Any = None) -> Any:
+            return super().send(request, stream=stream, timeout=timeout or REQUEST_TIMEOUT_S, verify=verify,
+                                cert=cert, proxies=proxies)
 
     return TimeoutAdapter
 
@@ -67,7 +68,7 @@ def _harden(fs: Any, protocol: str) -> None:
     session = getattr(fs, "session", None)
     if not isinstance(session, requests.Session) or getattr(session, "_shardkit", False):
         return  # fsspec hands out one instance for the same options: harden it once
-    session._shardkit = True
+    session._shardkit = True  # type: ignore[attr-defined]  # a mark of our own on the client's session
     for prefix in ("http://", "https://"):
         session.mount(prefix, _timeout_adapter()())
     if protocol in WEBHDFS:
@@ -99,7 +100,8 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     protocol = scheme(url)
     try:
         if "::" in url:  # chained URLs (simplecache::s3://...): let fsspec assemble them
-            return fsspec.core.url_to_fs(url, **(storage_options or {}))
+            fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            return fs, str(path)
         cls = fsspec.get_filesystem_class(protocol)
     except ImportError as e:
         extra = _INSTALL_HINTS.get(protocol)

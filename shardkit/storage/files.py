@@ -59,7 +59,7 @@ def _webhdfs_range(fs: Any, path: str, start: int, stop: int) -> bytes:
         if start >= fs.info(path)["size"]:  # where other stores answer no bytes
             return b""
         raise
-    return out.content  # type: ignore[no-any-return]
+    return cast(bytes, out.content)
 
 
 def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes:
@@ -76,7 +76,7 @@ def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes
             raise
         finally:
             os.close(fd)
-    return _ask(url, storage_options, lambda fs, path: fs.cat_file(path))  # type: ignore[no-any-return]
+    return cast(bytes, _ask(url, storage_options, lambda fs, path: fs.cat_file(path)))
 
 
 def read_range(url: str, start: int, stop: int, storage_options: StorageOptions | None = None) -> bytes:
@@ -108,7 +108,7 @@ class _RemoteFile:
     def read(self, n: int = -1) -> bytes:
         # a failed read leaves fsspec's file where it was: the retry asks for the same bytes
         what, attempts = display(self._url), attempts_for(self._url)
-        return retrying(what, lambda: self._f.read(n), attempts)  # type: ignore[no-any-return]
+        return cast(bytes, retrying(what, lambda: self._f.read(n), attempts))
 
     def close(self) -> None:
         self._f.close()
@@ -138,7 +138,7 @@ def size(url: str, storage_options: StorageOptions | None = None) -> int | None:
         except FileNotFoundError:
             return None
     try:
-        return _ask(url, storage_options, lambda fs, path: fs.size(path))  # type: ignore[no-any-return]
+        return cast(int, _ask(url, storage_options, lambda fs, path: fs.size(path)))
     except FileNotFoundError:
         return None
 
@@ -165,7 +165,7 @@ def find(url: str, storage_options: StorageOptions | None = None) -> dict[str, d
     """Every object under a remote prefix, recursively, with its details: {path: info};
     empty where there is none."""
     try:
-        return _ask(url, storage_options, lambda fs, path: fs.find(path.rstrip("/"), detail=True))  # type: ignore[no-any-return]
+        return _ask(url, storage_options, lambda fs, path: fs.find(path.rstrip("/"), detail=True))
     except FileNotFoundError:
         return {}
 

@@ -78,6 +78,7 @@ class RangeReader:
         return handle
 
     def _open(self, shard: int) -> Any:
+        handle: Any
         if self._local[shard]:
             try:
                 handle = os.open(local_path(self._urls[shard]), os.O_RDONLY)

@@ -20,9 +20,9 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -71,7 +71,7 @@ def load_function(spec: str) -> Callable[..., Any]:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"{module_name} has no function {name!r}")
-    return fn  # type: ignore[no-any-return]
+    return cast(Callable[..., Any], fn)
 
 
 def _import(name: str) -> Any:
@@ -114,7 +114,7 @@ class Transform:
         return {"spec": self.spec}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["spec"])  # type: ignore[misc]
+        Transform.__init__(self, state["spec"])
 
     def __repr__(self) -> str:
         return self.spec
@@ -274,7 +274,7 @@ def _batch_len(batch: Any) -> int:
     return len(batch) if isinstance(batch, (list, tuple)) else 1
 
 
-def _next(loader: Any, it: Iterator[Any]) -> tuple[Any, Iterator[Any]]:
+def _next(loader: Any, it: Any) -> tuple[Any, Any]:
     """The next batch; an epoch shorter than a pass goes on with the next epoch."""
     try:
         return next(it), it

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import json
 import os
 import signal
@@ -25,6 +27,11 @@ def verify(url: str, storage_options: StorageOptions | None = None,
     Checks each shard's size, sha256, sample count and sample offsets against index.json,
     and that no .tar file beside them is missing from it; for an LMDB, see `_verify_lmdb`.
     `on_shard(info, problem)` is called after each shard (for progress output).
+
+    Args:
+        url: the dataset's folder or URL prefix.
+        storage_options: passed to fsspec unchanged.
+        on_shard: called with each shard's index entry and its problem (None: good).
     """
     url = checks.path("url", url)
     idx = index.load(url, storage_options)
@@ -69,7 +76,7 @@ def undecodable(url: str, storage_options: StorageOptions | None = None, workers
     return sorted(problem for problems in loader for problem in problems)
 
 
-def _image_problems(sample: dict) -> list[str]:
+def _image_problems(sample: dict[str, Any]) -> list[str]:
     """What is wrong with the sample's images, a line each (a DataLoader worker's transform)."""
     where = f"{storage.display(sample['__url__'])}: sample {sample['__key__']!r}"
     return [f"{where}: field {field!r}: {e}" for field, e in images.bad_images(sample)]

@@ -1,0 +1,116 @@
+"""A pack job's samples: each source item read, checked and optionally re-encoded, in order;
+an unusable one as a Skipped (or a SourceError under on_error="fail")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from .. import storage
+from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
+from ..formats import lmdb as lmdb_format
+from ..formats.tar import check_key, parse_sample
+from ..index import Skipped
+from ..sources import shard_problem
+from . import executors, images
+from .executors import tick
+from .plan import Job, sample_meta
+from .scan import Item
+
+DAMAGED = "source shard "  # how a skip for a converted shard that does not match its index begins
+
+
+def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
+    """(key, fields) of one item, read, checked and optionally re-encoded."""
+    if job.source != "folder":
+        key, fields = _converted(job, item)
+        bad = next(images.bad_images(fields), None) if job.options.decode_check else None
+        if bad is not None:
+            raise bad[1]
+        return key, fields
+    data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
+    opts = job.options
+    if opts.resize or opts.quality:
+        field, data = "jpg", images.reencode(data, opts.resize, opts.quality or 90)
+    else:
+        field = images.check(data, images.field_for(item.path) or "", decode=opts.decode_check)
+    return item.key, {field: data, "cls": str(item.label).encode(), "json": sample_meta(item, job.classes)}
+
+
+def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
+    """(key, fields) of one sample of the dataset being converted, as its source holds it."""
+    if job.source == "tar":
+        shard, _, span = item.path.rpartition("@")
+        start, stop = (int(x) for x in span.split(":"))
+        _check_source_shard(job, shard)
+        url = storage.join(job.src, shard)
+        data = storage.read_range(url, start, stop, job.storage_options)
+        where = f"{url} (sample at byte {start})"
+        key, fields = parse_sample(data, where, start)
+        try:
+            check_key(key)  # another tool's shard may hold what cannot be written back (`.DS_Store`)
+        except ValueError as e:
+            raise CorruptShardError(f"{where}: {e}") from None
+        return key, fields
+    if job.source == "lmdb":
+        path = storage.local_path(job.src)
+        size = item.size if item.size > 0 else None  # the source index's, where it has them
+    return item.key, lmdb_format.read_one(lmdb_format.open_reader(path), item.key, path, size)
+
+
+_source_shards: dict[str, str | None] = {}  # this process's checks in one run: url -> problem
+_source_run = ""
+
+
+def _check_source_shard(job: Job, shard: str) -> None:
+    """Raise CorruptShardError if the shard being converted is not the one its index
+    describes (its samples are then skipped, or stop the pack under on_error="fail"), so
+    that damage is never copied into shards with fresh checksums. Each process of a run
+    reads and hashes a shard whole once, before it copies the shard's first sample. A shard
+    that cannot be read at all stops the pack: an outage, not bad data."""
+    global _source_run
+    if job.run != _source_run:
+        _source_shards.clear()
+        _source_run = job.run
+    url = storage.join(job.src, shard)
+    if url not in _source_shards:
+        info = next(info for info in job.shards if info.name == shard)
+        where = storage.display(url)
+        try:
+            problem = shard_problem(url, info, job.storage_options, parse=False)
+        except CorruptShardError as e:
+            problem = str(e).removeprefix(f"{where}: ")
+        except FileNotFoundError:
+            raise SourceError(f"{where}: missing (a shard of the dataset being converted)") from None
+        except OSError as e:
+            detail = one_line(e) if isinstance(e, ShardkitError) else f"{where}: {e.strerror or e}"
+            raise SourceError(f"{detail} (a shard of the dataset being converted)") from None
+        _source_shards[url] = problem and f"{DAMAGED}{shard}: {problem}; `shardkit verify` checks them all"
+    if _source_shards[url]:
+        raise CorruptShardError(str(_source_shards[url]))
+
+
+def job_samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None = None
+             ) -> Iterator[tuple[str, dict[str, bytes]] | Skipped]:
+    """The job's samples in order; unusable ones (by `check` too) as Skipped (or SourceError
+    under on_error='fail')."""
+    pending = 0
+    for item in job.items:
+        executors.stop_point()
+        try:
+            sample = _sample(job, item)
+            if check is not None:
+                check(*sample)
+            yield sample
+        except (OSError, images.BadImage, CorruptShardError) as e:
+            if isinstance(e, OSError) and not about_the_file(e):  # about the machine: stop, naming the file
+                name_file(e, storage.join(job.src, item.path))
+                raise
+            reason = str(e) if isinstance(e, (images.BadImage, CorruptShardError)) else f"cannot read ({e.strerror or e})"
+            if job.options.on_error == "fail":
+                raise SourceError(f"{storage.join(job.src, item.path)}: {reason}") from None
+            yield Skipped(item.path, reason)
+        pending += 1
+        if pending >= 32:
+            tick(pending)
+            pending = 0
+    tick(pending)

@@ -1,0 +1,165 @@
+"""Tar shards for the commit mechanism: each job writes its shard (under a temporary name,
+renamed into place when complete) and then a progress record beside it, in
+DEST/.shardkit-progress/; index.json is written last, and the records dropped after it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from .. import index, storage
+from ..errors import SourceError
+from ..formats import lmdb as lmdb_format
+from ..formats.tar import BLOCK, RECORD, TarWriter
+from ..index import Index, ShardInfo, Skipped
+from ..storage import StorageOptions
+from . import samples
+from .commit import SHARD_RE, TMP_RE, JobResult, Sink, left_out_damage, refuse_to_replace
+from .plan import Job
+
+STARTED = "started"  # in the progress folder, written first: even an object store then shows the pack unfinished
+
+
+def write_shard(job: Job) -> JobResult:
+    """Write one shard atomically; bad inputs are skipped (or raise under on_error='fail').
+    An earlier run's progress record goes first (only this shard's: another plan's records
+    of shards this run does not reach stay good): left beside this run's shard by a crash
+    before the new record, it would vouch for bytes it does not describe."""
+    skipped: list[Skipped] = []
+    fields: set[str] = set()
+    storage.remove(_progress_url(job.dest, job.name), job.storage_options)
+    with storage.atomic_writer(storage.join(job.dest, job.name), job.storage_options) as f:
+        writer = TarWriter(f)
+        for got in samples.job_samples(job):
+            if isinstance(got, Skipped):
+                skipped.append(got)
+            else:
+                writer.write(*got)
+                fields.update(got[1])
+        sha = writer.close()
+    info = ShardInfo(job.name, len(writer.offsets) - 1, writer.size, sha, tuple(writer.offsets))
+    result = JobResult(info, tuple(sorted(fields)), tuple(skipped))
+    record = {"fingerprint": job.fingerprint, "shard": info.to_json(), "fields": result.fields,
+              "skipped": [asdict(s) for s in skipped]}
+    storage.write_bytes_atomic(_progress_url(job.dest, job.name), json.dumps(record).encode(), job.storage_options)
+    return result
+
+
+def _progress_url(dest: str, name: str) -> str:
+    return storage.join(dest, index.PROGRESS_DIR, name + ".json")
+
+
+def _payload(limit: int) -> int:
+    """A shard's bytes for its members: a tar ends in 2 zero blocks, padded to a record."""
+    return max(1, limit // RECORD * RECORD - 2 * BLOCK)
+
+
+class TarSink(Sink):
+    name = "tar"
+    work = staticmethod(write_shard)
+    job_name = "shard-{:06d}.tar"
+    payload = staticmethod(_payload)
+
+    @staticmethod
+    def job_limit(max_size: int | None) -> int | None:
+        if max_size is not None and max_size < RECORD:
+            raise ValueError(f"max_size must be at least {RECORD} bytes (10KiB) for tar shards, the size of the "
+                             f"smallest tar file, not {max_size}")
+        return max_size
+
+    def prepare(self, overwrite: bool) -> Index | None:
+        """Check DEST holds nothing but shardkit's own files; clear leftovers. Returns an index
+        already committed for this very plan, if any. A finished dataset of another plan is
+        replaced only with `overwrite`. Shard names are the dataset's only beside an index or a
+        pack's progress folder: another tool's `shard-000000.tar` in a folder that is no
+        dataset is never overwritten or removed."""
+        dest, plan, opts = self.dest, self.plan, self.storage_options
+        storage.makedirs(dest, opts)
+        names = storage.listdir(dest, opts)
+        existing = None
+        if index.INDEX_NAME in names:
+            try:
+                existing = index.load(dest, opts)
+            except (OSError, ValueError):
+                pass
+        packed = index.PROGRESS_DIR in names or index.INDEX_NAME in names
+        own = (index.INDEX_NAME, index.PROGRESS_DIR)
+        foreign = [n for n in names if n not in own and not n.startswith(".")  # .DS_Store: hidden, as in SRC
+                   and not (packed and (SHARD_RE.match(n) or TMP_RE.match(n)))]
+        if lmdb_format.DATA_FILE in foreign:
+            raise SourceError(f"{dest}: holds an LMDB dataset: pack tar shards into another folder")
+        if foreign:
+            raise SourceError(f"{dest}: destination is not empty and holds files `shardkit pack` did not write "
+                              f"(found {foreign[0]!r})")
+        if existing is not None and existing.plan == plan.fingerprint:
+            if not left_out_damage(plan, existing.skipped) and all(
+                    storage.size(storage.join(dest, s.name), opts) == s.bytes for s in existing.shards):
+                return existing
+        elif index.INDEX_NAME in names and not overwrite:
+            refuse_to_replace(dest, existing)
+        for name in names:
+            if TMP_RE.match(name):
+                storage.remove(storage.join(dest, name), opts)
+        progress = storage.join(dest, index.PROGRESS_DIR)
+        storage.makedirs(progress, opts)
+        storage.write_bytes_atomic(storage.join(progress, STARTED), plan.fingerprint.encode(), opts)
+        if index.INDEX_NAME in names:  # an older dataset (or a damaged copy of this one) is being replaced:
+            # from here on readers find the pack unfinished, never a mix of old and new shards
+            storage.remove(storage.join(dest, index.INDEX_NAME), opts)
+        return None
+
+    def kept(self) -> dict[int, JobResult]:
+        found = {}
+        for i in range(len(self.plan.names)):
+            result = self._done(i)
+            if result is not None:
+                found[i] = result
+        return found
+
+    def _done(self, i: int) -> JobResult | None:
+        """The result of an earlier run of job i, if its shard is complete and unchanged."""
+        plan, opts = self.plan, self.storage_options
+        name = plan.names[i]
+        try:
+            record = json.loads(storage.read_bytes(_progress_url(self.dest, name), opts))
+        except (FileNotFoundError, ValueError):
+            return None
+        if record.get("fingerprint") != plan.fingerprints[i]:
+            return None
+        info = ShardInfo.from_json(record["shard"])
+        skipped = tuple(Skipped(**s) for s in record["skipped"])
+        if storage.size(storage.join(self.dest, name), opts) != info.bytes or left_out_damage(plan, skipped):
+            return None
+        return JobResult(info, tuple(record["fields"]), skipped)
+
+    def record(self, result: JobResult) -> JobResult:
+        return result  # the worker wrote the shard and its progress record
+
+    def make_index(self, results: Sequence[JobResult], base: dict[str, Any]) -> Index:
+        return Index(shards=tuple(r.info for r in results), **base)
+
+    def commit(self, idx: Index, fresh: bool) -> None:
+        if fresh:
+            index.save(idx, self.dest, self.storage_options)
+        cleanup(self.dest, set(self.plan.names), self.storage_options)
+
+    def abandon(self) -> None:
+        cleanup(self.dest, set(), self.storage_options)
+
+
+def cleanup(dest: str, keep: set[str], storage_options: StorageOptions | None) -> None:
+    """After commit: drop the shards not named in `keep` (an earlier, different plan's) and
+    the progress records (the folder last: a rerun after a crash in between finds it and
+    cleans up again)."""
+    progress = storage.join(dest, index.PROGRESS_DIR)
+    names = storage.listdir(dest, storage_options)
+    if index.PROGRESS_DIR not in names:
+        return
+    for name in names:
+        if SHARD_RE.match(name) and name not in keep:
+            storage.remove(storage.join(dest, name), storage_options)
+    for name in storage.listdir(progress, storage_options):
+        storage.remove(storage.join(progress, name), storage_options)
+    storage.remove_dir(progress, storage_options)

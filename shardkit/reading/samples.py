@@ -1,0 +1,196 @@
+"""A StreamingDataset's samples by global id, one source per format (the index's `kind`):
+what the worker's stream calls to read planned samples ahead, parse one, and name it in an
+error. Sources are built in the main process and pickled to the workers: they hold numpy
+tables and paths, never open files."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import numpy as np
+
+from .. import ranges, storage
+from ..decode import sample_dict
+from ..errors import CorruptShardError, ShardkitError
+from ..formats import lmdb as lmdb_format
+from ..formats.tar import ReadAt, buffer_reader, read_sample
+from ..index import Index
+from ..prefetch import Prefetcher
+from ..sources import local_lmdb
+from ..storage import StorageOptions
+
+Read = tuple[int, int, Any]  # (shard, start, the sample's bytes or the error of its range)
+LMDB_WINDOW = 64  # samples of an LMDB dataset that one read from the disk sends to the threads
+
+
+class Settings(Protocol):
+    """What a source's reads follow: the dataset's read-ahead options."""
+
+    block: int
+    prefetch: int
+    prefetch_bytes: int
+
+
+class SampleSource(Protocol):
+    def reads(self, ids: np.ndarray, reader: storage.RangeReader, opts: Settings, window: int,
+              ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
+        """Each sample of `ids` in order, read ahead; the prefetcher, for the statistics."""
+
+    def parse(self, data: Any, url: str, start: int) -> tuple[dict[str, Any], int]:
+        """The sample dict and its size in bytes."""
+
+    def position(self, start: int) -> str:
+        """Where a sample sits, for messages."""
+
+    def one(self, i: int, reader: storage.RangeReader) -> dict[str, Any]:
+        """Sample `i`, read on its own."""
+
+
+class TarSamples:
+    """Tar shards: each sample's byte range, from the index's offsets."""
+
+    def __init__(self, index: Index, urls: list[str]):
+        tables = [s.offsets for s in index.shards]
+        if any(t is None for t in tables):
+            raise ShardkitError(f"{urls[0] if urls else index}: index lacks sample offsets; rebuild it with "
+                                "`shardkit index`")
+        counts = np.array([s.samples for s in index.shards], dtype=np.int64)
+        self.urls, self.bytes = urls, index.bytes
+        self.first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.offsets = np.concatenate([np.asarray(t, dtype=np.int64) for t in tables] or [np.empty(0, np.int64)])
+
+    def reads(self, ids: np.ndarray, reader: storage.RangeReader, opts: Settings, window: int,
+              ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
+        shard_of, starts, ends = ranges.bounds(ids, self.first, self.offsets)
+        local = all(map(storage.is_local, self.urls))  # one remote shard: its ranges go through the budget
+        if local:
+            plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=16 << 20)
+        else:  # a block's samples come within block + 2 windows of each other: further apart, a new use,
+            # read again rather than held, unless the whole dataset fits in the read-ahead budget
+            gap = None if self.bytes <= opts.prefetch_bytes else opts.block + 2 * window
+            plan, range_of = ranges.blocks(ids, self.first, self.offsets, opts.block, gap)
+
+        def fetch(r: ranges.Range) -> ReadAt | CorruptShardError:
+            try:
+                if reader.is_local(r.shard):  # the kernel reads the range ahead; samples come straight from the file
+                    reader.advise(r.shard, r.start, r.stop)
+                    return reader.read_at(r.shard)
+                return buffer_reader(reader.read(r.shard, r.start, r.stop, partial=True), r.start)
+            except CorruptShardError as e:  # each sample of the range raises it in turn: skipped or raised
+                return e
+
+        prefetcher = Prefetcher(plan, fetch, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes,
+                                threads=not local)
+        return _in_order(prefetcher, range_of, shard_of, starts, ends), prefetcher
+
+    def parse(self, data: tuple[int, ReadAt], url: str, start: int) -> tuple[dict[str, Any], int]:
+        stop, read_at = data
+        key, fields = read_sample(read_at, start, stop, _Where(url, start))  # a local sample's bytes are read here
+        return sample_dict(key, url, fields), stop - start
+
+    def position(self, start: int) -> str:
+        return f" at byte {start}"
+
+    def one(self, i: int, reader: storage.RangeReader) -> dict[str, Any]:
+        shard, start, end = (int(x[0]) for x in ranges.bounds(np.array([i]), self.first, self.offsets))
+        return self.parse((end, buffer_reader(reader.read(shard, start, end), start)), self.urls[shard], start)[0]
+
+
+def _in_order(prefetcher: Prefetcher[ranges.Range, Any], range_of: np.ndarray, shard_of: np.ndarray,
+              starts: np.ndarray, ends: np.ndarray) -> Generator[Read, None, None]:
+    """(shard, start, (stop, read_at)) for each planned sample, its range's read_at held
+    until its last sample is out; the range's error in place of (stop, read_at)."""
+    fetched = iter(prefetcher)
+    held: dict[int, tuple[Any, list[int]]] = {}  # range index -> its read_at (or error), samples left
+    for r, shard, start, end in ranges.rows(range_of, shard_of, starts, ends):
+        while r not in held:
+            got, read_at = next(fetched)
+            held[got.index] = (read_at, [got.samples])
+        read_at, left = held[r]
+        yield shard, start, read_at if isinstance(read_at, CorruptShardError) else (end, read_at)
+        left[0] -= 1
+        if not left[0]:
+            del held[r]
+
+
+class LmdbSamples:
+    """An LMDB: each sample's key (and size, checked at each read), from the index; the
+    environment is a local copy for a remote LMDB."""
+
+    def __init__(self, index: Index, urls: list[str], storage_options: StorageOptions | None,
+                 cache_dir: str | None, cache_limit: int):
+        self.url, self.path = urls[0], local_lmdb(urls[0], storage_options, cache_dir, cache_limit)
+        self.keys, self.sizes = lmdb_format.sample_tables(index.extra)
+
+    def reads(self, ids: np.ndarray, reader: storage.RangeReader, opts: Settings, window: int,
+              ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
+        return self._reads(ids, opts.prefetch), None
+
+    def _reads(self, ids: np.ndarray, threads: int) -> Generator[Read, None, None]:
+        """(0, sample id, (key, fields) or the record's error) from the environment, opened in
+        this process. In windows of `LMDB_WINDOW` samples: once a read in a window waited for
+        the disk, the rest of that window on `threads` threads (formats/lmdb.read_when_cold)."""
+        path, keys, sizes = self.path, self.keys, self.sizes
+        env = lmdb_format.open_reader(path)
+
+        def read(i: int) -> tuple[str, dict[str, bytes]] | CorruptShardError:
+            key = keys[i].decode()
+            try:
+                return key, lmdb_format.read_one(env, key, path, None if sizes is None else int(sizes[i]))
+            except CorruptShardError as e:  # a record missing or resized: skipped or raised, as bad data
+                return e
+
+        def touch(i: int) -> None:
+            lmdb_format.touch_one(env, keys[i].decode())
+
+        pool: ThreadPoolExecutor | None = None
+
+        def pool_of_threads() -> ThreadPoolExecutor:
+            nonlocal pool
+            pool = pool or ThreadPoolExecutor(threads, thread_name_prefix="shardkit-lmdb")
+            return pool
+
+        when_cold = pool_of_threads if threads > 1 else None
+        try:
+            for k in range(0, len(ids), LMDB_WINDOW):
+                window = ids[k : k + LMDB_WINDOW].tolist()
+                for i, sample in zip(window, lmdb_format.read_when_cold(read, touch, window, when_cold)):
+                    yield 0, i, sample
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    def parse(self, data: tuple[str, dict[str, bytes]], url: str, start: int) -> tuple[dict[str, Any], int]:
+        key, fields = data
+        return sample_dict(key, url, fields), sum(map(len, fields.values()))
+
+    def position(self, start: int) -> str:
+        return ""
+
+    def one(self, i: int, reader: storage.RangeReader) -> dict[str, Any]:
+        _, _, data = next(self._reads(np.array([i]), 1))
+        if isinstance(data, CorruptShardError):
+            raise data
+        return self.parse(data, self.url, i)[0]
+
+
+class _Where:
+    """Names a sample in error messages; formatted only when one is raised."""
+
+    __slots__ = ("url", "start")
+
+    def __init__(self, url: str, start: int):
+        self.url, self.start = url, start
+
+    def __str__(self) -> str:
+        return f"{storage.display(self.url)} (sample at byte {self.start})"
+
+
+def source_for(index: Index, urls: list[str], storage_options: StorageOptions | None, cache_dir: str | None,
+               cache_limit: int) -> SampleSource:
+    """The sample source of a dataset, by its format."""
+    if index.kind == "lmdb":
+        return LmdbSamples(index, urls, storage_options, cache_dir, cache_limit)
+    return TarSamples(index, urls)
