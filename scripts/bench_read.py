@@ -18,6 +18,11 @@ taken minutes apart would mostly measure the drift):
 - random access: samples/s and MB/s reading every sample once in a shuffled order, in one
   process, undecoded (TarDataset, LMDBDataset, the plain files), against one `pread` per
   sample with every offset known (RANDOM_FLOOR); TarDataset also among the decoded;
+- image_transform(256, crop=224), the transform shardkit offers (JPEG by libjpeg-turbo, see
+  docs/decoding.md): images/s through StreamingDataset(decode="raw", transform=...) and
+  DataLoader(num_workers=2, batch_size=64) (also with the batches made in the dataset), against the same transform alone on 2 processes
+  with no loader (the fast-path limit) and against the PIL decode limit above, round by
+  round; the same transform with backend="pil" alone shows the per-core gain of the fast path;
 - time to first batch, peak RSS (main process + workers, sampled at 20 Hz; a page shared
   by several processes counts in each, a mapped file's cached pages count) and peak memory
   in use (anonymous + shared memory of the main process and its workers, each page once,
@@ -61,6 +66,10 @@ PREAD_FLOOR = "pread per member (no parsing)"
 TAR_MAP = "TarDataset random access"
 RANDOM_FLOOR = "pread per sample, shuffled (no parsing)"
 RANDOM = [RANDOM_FLOOR, "TarDataset[i], shuffled", "LMDBDataset[i], shuffled", "plain files, shuffled"]
+FAST_LIMIT = "image_transform(256, crop=224) limit"
+PIL_TRANSFORM_LIMIT = "image_transform(..., backend='pil') limit"
+FAST = "shardkit, image_transform(256, crop=224)"
+FAST_BATCHED = "shardkit StreamingDataset(batch_size=64), image_transform"
 
 
 def decode_resize(data: bytes) -> "torch.Tensor":  # noqa: F821
@@ -69,6 +78,12 @@ def decode_resize(data: bytes) -> "torch.Tensor":  # noqa: F821
 
     img = Image.open(io.BytesIO(data)).convert("RGB").resize((SIZE, SIZE), Image.Resampling.BILINEAR)
     return torch.from_numpy(np.asarray(img).transpose(2, 0, 1).copy())
+
+
+def _transform(backend: str = "auto"):  # type: ignore[no-untyped-def]
+    from shardkit.decode import image_transform
+
+    return image_transform(256, crop=SIZE, backend=backend)
 
 
 def shardkit_transform(sample: dict) -> tuple:
@@ -107,23 +122,30 @@ def start_clock() -> float:
     return time.perf_counter()
 
 
-def _loader_pass(loader) -> tuple[float, float, int]:  # type: ignore[no-untyped-def]
-    start = start_clock()
+def _loader_pass(loader) -> tuple[float, float, int, float]:  # type: ignore[no-untyped-def]
+    start, cpu = start_clock(), _cpu()
     first = None
     n = 0
     for images, _ in loader:
         if first is None:
             first = time.perf_counter() - start
         n += len(images)
-    return first or 0.0, time.perf_counter() - start, n
+    # the iterator, run out, has shut down its workers and waited for them: their CPU time counts
+    return first or 0.0, time.perf_counter() - start, n, _cpu() - cpu
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and of its children that have exited (DataLoader workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def run_contestant(name: str, shards: str, photos: str) -> dict:
     from torch.utils.data import DataLoader
 
-    if name == "decode limit":
+    if name in LIMITS:
         files = [str(p) for p in sorted(Path(photos).rglob("*.jpg"))]
-        halves = [files[i::WORKERS] for i in range(WORKERS)]
+        halves = [(name, files[i::WORKERS]) for i in range(WORKERS)]
         import multiprocessing as mp
 
         with mp.get_context("fork").Pool(WORKERS) as pool:
@@ -131,7 +153,8 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
             del blobs
             start = start_clock()
             counts = pool.map(_decode_all, halves)
-        return {"seconds": time.perf_counter() - start, "items": sum(counts), "first": None}
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "items": sum(n for n, _ in counts), "cpu": sum(c for _, c in counts), "first": None}
     if name == "cat (limit)":
         start = start_clock()
         subprocess.run(f"cat {shards}/*.tar > /dev/null", shell=True, check=True)
@@ -199,6 +222,13 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
 
         collate = shardkit.collate if name == FILES_FAST else None
         loader = DataLoader(Files(photos), batch_size=BATCH, shuffle=True, num_workers=WORKERS, collate_fn=collate)
+    elif name in (FAST, FAST_BATCHED):
+        from shardkit import StreamingDataset
+
+        batched = name == FAST_BATCHED
+        ds = StreamingDataset(shards, shuffle=True, decode="raw", transform=_transform(),
+                              batch_size=BATCH if batched else None)
+        loader = DataLoader(ds, batch_size=None if batched else BATCH, num_workers=WORKERS)
     elif name == "webdataset":
         import webdataset as wds
 
@@ -206,8 +236,8 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
         loader = DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
     else:
         raise SystemExit(f"unknown contestant {name}")
-    first, seconds, n = _loader_pass(loader)
-    return {"seconds": seconds, "items": n, "first": first}
+    first, seconds, n, cpu = _loader_pass(loader)
+    return {"seconds": seconds, "items": n, "cpu": cpu, "first": first}
 
 
 def _shuffled(name: str, shards: str, photos: str) -> dict:
@@ -236,16 +266,32 @@ def _shuffled(name: str, shards: str, photos: str) -> dict:
     return {"seconds": time.perf_counter() - start, "items": len(order), "bytes": size, "first": None}
 
 
-def _read_all(paths: list[str]) -> int:
+def _read_all(job: tuple[str, list[str]]) -> int:
     global _BLOBS
-    _BLOBS = [Path(p).read_bytes() for p in paths]
+    _BLOBS = [Path(p).read_bytes() for p in job[1]]
     return len(_BLOBS)
 
 
-def _decode_all(paths: list[str]) -> int:
+def _decode_all(job: tuple[str, list[str]]) -> tuple[int, float]:
+    """The work on this process's share, and the CPU seconds it took."""
+    import torch
+
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    work = LIMITS[job[0]]()
+    cpu = time.process_time()
     for data in _BLOBS:
-        decode_resize(data)
-    return len(_BLOBS)
+        work(data)
+    return len(_BLOBS), time.process_time() - cpu
+
+
+def _sample_transform(backend: str):  # type: ignore[no-untyped-def]
+    transform = _transform(backend)
+    return lambda data: transform({"jpg": data, "cls": 0})
+
+
+# a limit's name -> its per-image work (made in the worker)
+LIMITS = {"decode limit": lambda: decode_resize, FAST_LIMIT: lambda: _sample_transform("auto"),
+          PIL_TRANSFORM_LIMIT: lambda: _sample_transform("pil")}
 
 
 _BLOBS: list[bytes] = []
@@ -271,7 +317,7 @@ def warm(name: str, shards: str, photos: str) -> None:
     kernel here reclaims idle page cache proactively, so warming once at the start is not
     enough)."""
     jpgs, mdb = f"$(find {photos} -name '*.jpg')", f"{shards}.lmdb/data.mdb"
-    files = {"plain files": jpgs, FILES_FAST: jpgs, "decode limit": jpgs, "plain files, shuffled": jpgs,
+    files = {"plain files": jpgs, FILES_FAST: jpgs, **dict.fromkeys(LIMITS, jpgs), "plain files, shuffled": jpgs,
              "LMDB random access": mdb, LMDB_FAST: mdb, "LMDBDataset[i], shuffled": mdb}.get(name, f"{shards}/*.tar")
     subprocess.run(f"cat {files} > /dev/null", shell=True, check=True)
 
@@ -347,22 +393,26 @@ def main() -> None:
     raw = ["cat (limit)", PREAD_FLOOR, "shardkit raw", "webdataset raw"]
     decoded = ["decode limit", "shardkit", BATCHED, "LMDB random access", LMDB_FAST, TAR_MAP, "plain files",
                FILES_FAST, "webdataset"]
+    fast = [FAST_LIMIT, FAST, FAST_BATCHED, PIL_TRANSFORM_LIMIT]
     shuffled = list(RANDOM)
     if args.only:
-        names = raw[1:] + decoded[1:] + shuffled[1:]  # the limits run with their group
+        names = raw[1:] + decoded[1:] + fast[1:] + shuffled[1:]  # the limits run with their group
         unknown = set(args.only) - set(names)
         if unknown:
             ap.error(f"unknown contestant {sorted(unknown)[0]!r}; one of: {', '.join(names)}")
-        raw, decoded, shuffled = ([g[0]] + [n for n in g[1:] if n in args.only] for g in (raw, decoded, shuffled))
-        raw, decoded, shuffled = (g if len(g) > 1 else [] for g in (raw, decoded, shuffled))
+        raw, decoded, fast, shuffled = ([g[0]] + [n for n in g[1:] if n in args.only]
+                                        for g in (raw, decoded, fast, shuffled))
+        raw, decoded, fast, shuffled = (g if len(g) > 1 else [] for g in (raw, decoded, fast, shuffled))
+        decoded = decoded or (["decode limit"] if fast else [])  # the fast path's rows compare with it too
     results: dict[str, list[dict]] = {}
     for r in range(args.rounds):
-        for name in rotate(raw, r) + rotate(decoded, r) + rotate(shuffled, r):
+        for name in rotate(raw, r) + rotate(decoded, r) + rotate(fast, r) + rotate(shuffled, r):
             results.setdefault(name, []).append(measure(name, str(shards), str(photos)))
             print(f"round {r + 1}: {name} done", file=sys.stderr)
 
     def rate(name: str, key: str = "items") -> list[float]:
-        return [x[key] / x["seconds"] for x in results[name]]
+        """Per round: `key` per second, or (key "cpu") images per CPU-second."""
+        return [x["items"] / x["cpu"] if key == "cpu" else x[key] / x["seconds"] for x in results[name]]
 
     print(f"\n{args.images} images, {_shard_bytes(str(shards)) / 1e9:.2f} GB of shards, {os.cpu_count()} CPUs, "
           f"{args.rounds} rounds; median (min-max)\n")
@@ -385,10 +435,24 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         limit = rate("decode limit")
         for name in decoded:
-            firsts = [x["first"] for x in results[name] if x["first"] is not None]
-            rss, in_use = ([x[k] for x in results[name]] for k in ("rss", "in_use"))
-            print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), limit)} | "
-                  f"{_fmt(firsts, digits=2) if firsts else '-'} | {_fmt(rss, 1e-6)} | {_fmt(in_use, 1e-6)} |")
+            print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), limit)} | {_memory(results[name])} |")
+    if fast:
+        print(f"\n| image_transform(256, crop=224), DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s "
+              "| % of its limit, by round | x the PIL decode limit, by round | images per CPU-second | first batch s "
+              "| peak RSS MB | peak in use MB |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name in ["decode limit", *fast]:
+            times = [v / x for v, x in zip(rate(name), rate("decode limit"))]
+            print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), rate(FAST_LIMIT)) if name in fast else '-'} | "
+                  f"{statistics.median(times):.2f}x ({min(times):.2f}-{max(times):.2f}) | {_fmt(rate(name, 'cpu'))} | "
+                  f"{_memory(results[name])} |")
+
+
+def _memory(runs: list[dict]) -> str:
+    """A contestant's first batch, peak RSS and peak memory in use, for a table row."""
+    firsts = [x["first"] for x in runs if x["first"] is not None]
+    rss, in_use = ([x[k] for x in runs] for k in ("rss", "in_use"))
+    return f"{_fmt(firsts, digits=2) if firsts else '-'} | {_fmt(rss, 1e-6)} | {_fmt(in_use, 1e-6)}"
 
 
 if __name__ == "__main__":

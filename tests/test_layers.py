@@ -17,6 +17,7 @@ LAYERS: list[dict[str, str]] = [
     {"checks": "checks"},
     {"storage": "storage"},
     {"index": "index"},
+    {"jpeg": "jpeg"},
     {"formats": "formats", "partition": "partition", "ranges": "ranges", "prefetch": "prefetch", "decode": "decode"},
     {"sources": "sources"},
     {"packing": "packing", "reading": "reading"},

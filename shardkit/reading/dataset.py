@@ -31,8 +31,9 @@ class StreamingDataset(EpochDataset):
 
     Yields WebDataset-style dicts: ``__key__``, ``__url__`` and one entry per field,
     images decoded as `decode` says ("raw" bytes, "pil", "rgb8" HWC uint8 numpy, "tensor"
-    CHW uint8 torch), ``cls`` as int, ``json`` as dict. `transform(sample)` runs in the
-    worker and its result is what the DataLoader receives.
+    CHW uint8 torch), ``cls`` as int, ``json`` as dict; JPEG decodes by libjpeg-turbo's fast
+    path to PIL's very pixels unless ``backend="pil"`` (see decode.py). `transform(sample)`
+    runs in the worker and its result is what the DataLoader receives.
 
     Every rank yields ``len(ds)`` samples per epoch. With ``remainder="repeat"`` (default)
     the last few samples that don't divide evenly are topped up by repeating samples from
@@ -57,6 +58,8 @@ class StreamingDataset(EpochDataset):
         seed: the shuffle's seed; the order is a pure function of (seed, epoch, layout).
         decode: how image fields come back: ``"raw"`` bytes, ``"pil"``, ``"rgb8"`` (HWC uint8
             numpy) or ``"tensor"`` (CHW uint8 torch).
+        backend: ``"auto"`` decodes JPEGs by libjpeg-turbo's fast path (PIL's very pixels;
+            docs/decoding.md), the rest with PIL; ``"pil"`` decodes every image with PIL.
         transform: a function of the sample dict, run in the worker; its result is what the
             DataLoader receives (a top-level function under spawn).
         rank: this process's rank; default from torch.distributed, else RANK, else 0.
@@ -85,6 +88,7 @@ class StreamingDataset(EpochDataset):
         shuffle: bool = False,
         seed: int = 0,
         decode: str = "raw",
+        backend: str = "auto",
         transform: Callable[[dict[str, Any]], Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -106,9 +110,10 @@ class StreamingDataset(EpochDataset):
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         self.block, self.prefetch = checks.integer("block", block, 1), checks.integer("prefetch", prefetch)
-        decoder(decode)  # validate early, in the main process
+        decoder(decode, backend)  # validate early, in the main process
         self.urls, self.index = resolve(source, checks.mapping("storage_options", storage_options))
-        self.decode, self.transform, self.on_error = decode, checks.function("transform", transform), on_error
+        self.decode, self.backend, self.on_error = decode, backend, on_error
+        self.transform = checks.function("transform", transform)
         self.storage_options, self.verify = storage_options, checks.flag("verify", verify)
         self.prefetch_bytes = checks.size("prefetch_bytes", prefetch_bytes, 1)
         self.cache_dir, self.cache_limit = cache_dir, checks.size("cache_limit", cache_limit, 1)

@@ -69,7 +69,7 @@ class WorkerStream(EpochStream):
         versions = [sh.sha256 for sh in ds.index.shards]
         # the dataset read its index (or scanned its shards) there: the store was reachable
         reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache, verify=ds.verify, patient=True)
-        decode, transform = decoder(ds.decode), ds.transform
+        decode, transform = decoder(ds.decode, ds.backend), ds.transform
         reads, self.prefetcher = ds._samples.reads(ids, reader, ds, self.window)
         meter = Meter(ds._shared, self.worker_id, reader, cache)
         pending = 0  # skipped samples still to be replaced, so the rank's count stays exact
