@@ -22,7 +22,8 @@ taken minutes apart would mostly measure the drift):
   docs/decoding.md): images/s through StreamingDataset(decode="raw", transform=...) and
   DataLoader(num_workers=2, batch_size=64) (also with the batches made in the dataset), against the same transform alone on 2 processes
   with no loader (the fast-path limit) and against the PIL decode limit above, round by
-  round; the same transform with backend="pil" alone shows the per-core gain of the fast path;
+  round; the same transform with backend="pil" alone shows the per-core gain of the fast path,
+  and decode="rgb8" alone (no resize), fast and PIL, the decoder's;
 - time to first batch, peak RSS (main process + workers, sampled at 20 Hz; a page shared
   by several processes counts in each, a mapped file's cached pages count) and peak memory
   in use (anonymous + shared memory of the main process and its workers, each page once,
@@ -70,6 +71,8 @@ FAST_LIMIT = "image_transform(256, crop=224) limit"
 PIL_TRANSFORM_LIMIT = "image_transform(..., backend='pil') limit"
 FAST = "shardkit, image_transform(256, crop=224)"
 FAST_BATCHED = "shardkit StreamingDataset(batch_size=64), image_transform"
+RGB8_LIMIT = "decode='rgb8' limit (no resize)"
+PIL_RGB8_LIMIT = "decode='rgb8', backend='pil' limit"
 
 
 def decode_resize(data: bytes) -> "torch.Tensor":  # noqa: F821
@@ -289,9 +292,17 @@ def _sample_transform(backend: str):  # type: ignore[no-untyped-def]
     return lambda data: transform({"jpg": data, "cls": 0})
 
 
+def _rgb8(backend: str):  # type: ignore[no-untyped-def]
+    from shardkit.decode import decoder
+
+    decode = decoder("rgb8", backend)
+    return lambda data: decode({"jpg": data})
+
+
 # a limit's name -> its per-image work (made in the worker)
 LIMITS = {"decode limit": lambda: decode_resize, FAST_LIMIT: lambda: _sample_transform("auto"),
-          PIL_TRANSFORM_LIMIT: lambda: _sample_transform("pil")}
+          PIL_TRANSFORM_LIMIT: lambda: _sample_transform("pil"), RGB8_LIMIT: lambda: _rgb8("auto"),
+          PIL_RGB8_LIMIT: lambda: _rgb8("pil")}
 
 
 _BLOBS: list[bytes] = []
@@ -393,7 +404,7 @@ def main() -> None:
     raw = ["cat (limit)", PREAD_FLOOR, "shardkit raw", "webdataset raw"]
     decoded = ["decode limit", "shardkit", BATCHED, "LMDB random access", LMDB_FAST, TAR_MAP, "plain files",
                FILES_FAST, "webdataset"]
-    fast = [FAST_LIMIT, FAST, FAST_BATCHED, PIL_TRANSFORM_LIMIT]
+    fast = [FAST_LIMIT, FAST, FAST_BATCHED, PIL_TRANSFORM_LIMIT, RGB8_LIMIT, PIL_RGB8_LIMIT]
     shuffled = list(RANDOM)
     if args.only:
         names = raw[1:] + decoded[1:] + fast[1:] + shuffled[1:]  # the limits run with their group
@@ -443,7 +454,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|")
         for name in ["decode limit", *fast]:
             times = [v / x for v, x in zip(rate(name), rate("decode limit"))]
-            print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), rate(FAST_LIMIT)) if name in fast else '-'} | "
+            mine = name in fast[:4]  # the rgb8 limits do other work
+            print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), rate(FAST_LIMIT)) if mine else '-'} | "
                   f"{statistics.median(times):.2f}x ({min(times):.2f}-{max(times):.2f}) | {_fmt(rate(name, 'cpu'))} | "
                   f"{_memory(results[name])} |")
 
