@@ -5,7 +5,7 @@ tables and paths, never open files."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -20,6 +20,7 @@ from ..index import Index
 from ..prefetch import Prefetcher
 from ..sources import local_lmdb
 from ..storage import StorageOptions
+from ..storage.streams import Arriving
 
 Read = tuple[int, int, Any]  # (shard, start, the sample's bytes or the error of its range)
 LMDB_WINDOW = 64  # samples of an LMDB dataset that one read from the disk sends to the threads
@@ -72,17 +73,25 @@ class TarSamples:
             gap = None if self.bytes <= opts.prefetch_bytes else opts.block + 2 * window
             plan, range_of = ranges.blocks(ids, self.first, self.offsets, opts.block, gap)
 
-        def fetch(r: ranges.Range) -> ReadAt | CorruptShardError:
-            try:
-                if reader.is_local(r.shard):  # the kernel reads the range ahead; samples come straight from the file
+        if local:
+            def advise(r: ranges.Range) -> ReadAt | CorruptShardError:
+                try:  # the kernel reads the range ahead; samples come straight from the file
                     reader.advise(r.shard, r.start, r.stop)
                     return reader.read_at(r.shard)
-                return buffer_reader(reader.read(r.shard, r.start, r.stop, partial=True), r.start)
-            except CorruptShardError as e:  # each sample of the range raises it in turn: skipped or raised
-                return e
+                except CorruptShardError as e:  # each sample of the range raises it in turn: skipped or raised
+                    return e
 
-        prefetcher = Prefetcher(plan, fetch, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes,
-                                threads=not local)
+            prefetcher: Prefetcher[ranges.Range, Any] = Prefetcher(
+                plan, advise, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes, threads=False)
+        else:
+            def stream(r: ranges.Range, hand_over: Callable[[ReadAt], None]) -> ReadAt:
+                arriving = Arriving(r.start, r.stop)
+                hand_over(arriving.read_at)  # samples are parsed as their bytes arrive
+                reader.stream(r.shard, r.start, r.stop, arriving)  # an error: raised by the samples it concerns
+                return arriving.read_at
+
+            prefetcher = Prefetcher(plan, stream, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes,
+                                    streaming=True, pressure=lambda: reader.throttled)
         return _in_order(prefetcher, range_of, shard_of, starts, ends), prefetcher
 
     def parse(self, data: tuple[int, ReadAt], url: str, start: int) -> tuple[dict[str, Any], int]:

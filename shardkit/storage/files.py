@@ -11,7 +11,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 from ..errors import BadRequestError, CorruptShardError, ShardkitError, name_file
 from .clients import filesystem
 from .retry import attempts_for, retrying, root_cause, status_of
-from .urls import OBJECT_STORES, WEBHDFS, StorageOptions, display, is_local, local_path, scheme
+from .urls import GCS, OBJECT_STORES, S3, WEBHDFS, StorageOptions, display, is_local, join, local_path, scheme
 
 
 T = TypeVar("T")
@@ -152,6 +152,34 @@ def version(url: str, storage_options: StorageOptions | None = None) -> tuple[in
     replaced: its ETag, generation or modification time."""
     info = _ask(url, storage_options, lambda fs, path: fs.info(path))
     return int(info["size"]), next((str(info[k]) for k in _VERSION_MARKS if info.get(k)), "")
+
+
+def pin_of(url: str, info: dict[str, Any]) -> dict[str, Any] | None:
+    """What the store changes when the object `url` is replaced, from its details (fsspec's
+    info or listing): S3's ETag, GCS's generation, WebHDFS's modification time; None where
+    the store gives none of them (HTTP)."""
+    if scheme(url) in S3 and info.get("ETag"):
+        return {"etag": str(info["ETag"])}
+    if scheme(url) in GCS and info.get("generation"):
+        return {"generation": str(info["generation"])}
+    if scheme(url) in WEBHDFS and info.get("modificationTime"):
+        return {"mtime_ns": int(info["modificationTime"]) * 1_000_000}
+    return None
+
+
+def pins(url: str, names: list[str], storage_options: StorageOptions | None = None) -> list[dict[str, Any] | None]:
+    """The version (`pin_of`) of each file `names` directly under the folder `url`, from one
+    listing (a local folder: each file's modification time); None for one not found."""
+    if is_local(url):
+        out: list[dict[str, Any] | None] = []
+        for name in names:
+            try:
+                out.append({"mtime_ns": os.stat(os.path.join(local_path(url), name)).st_mtime_ns})
+            except FileNotFoundError:
+                out.append(None)
+        return out
+    listing = {path.rstrip("/").rsplit("/", 1)[-1]: info for path, info in find(url, storage_options).items()}
+    return [pin_of(join(url, n), listing[n]) if n in listing else None for n in names]
 
 
 def endpoint(storage_options: StorageOptions | None) -> str:
