@@ -128,6 +128,63 @@ def test_depth_adapts_to_latency() -> None:
     assert q.target <= 3
 
 
+def test_reading_starts_with_one_read_alone() -> None:
+    """The first range gets the whole bandwidth: nothing else is sent until it is taken."""
+    started: list[int] = []
+    first_done = threading.Event()
+
+    def fetch(i: int) -> int:
+        started.append(i)
+        if i == 0:
+            time.sleep(0.05)
+            first_done.set()
+        return i
+
+    p = Prefetcher(range(20), fetch, lambda i: 1, depth=8, budget=100)
+    it = iter(p)
+    assert next(it) == (0, 0) and started == [0]
+    assert [r for r, _ in it] == list(range(1, 20))
+
+
+def test_streaming_hands_over_before_the_fetch_ends() -> None:
+    """A streaming fetch's consumer starts on what it handed over while the fetch goes on;
+    the next range is sent once the consumer asks for it."""
+    release = threading.Event()
+    log: list[str] = []
+
+    def fetch(i: int, hand_over) -> str:  # type: ignore[no-untyped-def]
+        hand_over(f"buffer {i}")
+        if i == 0:
+            release.wait(5)
+        log.append(f"end {i}")
+        return "unused"
+
+    it = iter(Prefetcher(range(3), fetch, lambda i: 1, depth=4, budget=100, streaming=True))
+    assert next(it) == (0, "buffer 0") and log == []  # handed over, still fetching
+    release.set()
+    assert [d for _, d in it] == ["buffer 1", "buffer 2"]
+    assert "end 0" in log
+
+
+def test_throttling_halves_the_reads_in_flight_then_they_grow_back() -> None:
+    throttled = 0
+
+    def slow(i: int) -> int:
+        time.sleep(0.02)
+        return i
+
+    p = Prefetcher(range(400), slow, lambda i: 1, depth=16, budget=10**9, pressure=lambda: throttled)
+    seen = []
+    for i, _ in p:
+        time.sleep(0.001)
+        if i in (40, 41, 42):  # the store throttles three times in a row
+            throttled += 1
+        seen.append((p.ceiling, p.target))
+    assert seen[39][1] >= 8  # ramped up
+    assert seen[43][0] <= 16 / 8 + 0.5 and seen[43][1] <= 2  # 16 -> 8 -> 4 -> 2
+    assert seen[-1][0] > seen[43][0] + 3  # additive increase since
+
+
 def test_coalesce_merges_back_to_back_samples_only() -> None:
     shard = np.array([0, 0, 0, 1, 1, 0])
     starts = np.array([0, 10, 20, 0, 10, 40])

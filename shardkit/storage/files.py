@@ -169,15 +169,11 @@ def pin_of(url: str, info: dict[str, Any]) -> dict[str, Any] | None:
 
 def pins(url: str, names: list[str], storage_options: StorageOptions | None = None) -> list[dict[str, Any] | None]:
     """The version (`pin_of`) of each file `names` directly under the folder `url`, from one
-    listing (a local folder: each file's modification time); None for one not found."""
+    listing; None for one not found, and for local files: their modification time changes
+    with every plain copy (a copied dataset would fail every read) and would make index.json
+    differ between two packs of the same input."""
     if is_local(url):
-        out: list[dict[str, Any] | None] = []
-        for name in names:
-            try:
-                out.append({"mtime_ns": os.stat(os.path.join(local_path(url), name)).st_mtime_ns})
-            except FileNotFoundError:
-                out.append(None)
-        return out
+        return [None] * len(names)
     listing = {path.rstrip("/").rsplit("/", 1)[-1]: info for path, info in find(url, storage_options).items()}
     return [pin_of(join(url, n), listing[n]) if n in listing else None for n in names]
 

@@ -96,33 +96,25 @@ class RangeReader:
             handle = filesystem(self._urls[shard], self._opts, self._instances, client_retries=False)
         try:
             self._check_pin(shard, handle)
+            if self._verify:
+                self._check_sha256(shard, handle)
         except ShardkitError:
             if self._local[shard]:
                 os.close(handle)
             raise
-        if self._verify:
-            try:
-                self._check_sha256(shard, handle)
-            except ShardkitError:
-                if self._local[shard]:
-                    os.close(handle)
-                raise
         return handle
 
     def _check_pin(self, shard: int, handle: Any) -> None:
         """Check a shard's version against the index's as it is opened; S3's reads check
         it themselves (If-Match), at no extra request."""
         expected, url = self._pins[shard], self._urls[shard]
-        if expected is None or self._s3[shard]:
+        if expected is None or self._s3[shard] or self._local[shard]:
             return
-        if self._local[shard]:
-            found: dict[str, Any] | None = {"mtime_ns": os.fstat(handle).st_mtime_ns}
-        else:
-            fs, path = handle
-            found = pin_of(url, retrying(f"{display(url)} (version)", lambda: fs.info(path),
-                                         attempts_for(url, self._patient)))
+        fs, path = handle
+        found = pin_of(url, retrying(f"{display(url)} (version)", lambda: fs.info(path), attempts_for(url, self._patient)))
         if found is not None and found.keys() == expected.keys() and found != expected:
-            raise self._replaced(shard, f"{found}, the index has {expected}")
+            mark = next(iter(expected))
+            raise self._replaced(shard, f"{mark} {found[mark]}, the index has {expected[mark]}")
 
     def _replaced(self, shard: int, how: str) -> CorruptShardError:
         return CorruptShardError(f"{display(self._urls[shard])}: changed since its index was made ({how}): a replaced "
@@ -279,7 +271,7 @@ class RangeReader:
             except Exception as e:
                 status = status_of(root_cause(e))
                 if status == 412:
-                    raise self._replaced(shard, f"its ETag is no longer {etag}") from e
+                    raise self._replaced(shard, f"its ETag is no longer {etag}") from None
                 if status != 416:  # 416: the object ends before `at`
                     raise
             if start + into.filled < stop:
