@@ -36,7 +36,8 @@ class Proxy:
     def __init__(self, upstream: tuple[str, int], rng: random.Random, **settings: float) -> None:
         self.upstream, self.rng, self.settings = upstream, rng, settings
         self.live: set[asyncio.StreamWriter] = set()
-        self.stats = {"connections": 0, "resets": 0, "stalls": 0, "throttled": 0, "bytes": 0, "bytes_up": 0}
+        self.stats = {"connections": 0, "resets": 0, "stalls": 0, "throttled": 0, "requests": 0, "bytes": 0,
+                      "bytes_up": 0}
         self.storm_ends, self.calm = 0.0, 0.0  # loop time the current storm ends, throttle_prob after it
 
     def rst(self, writer: asyncio.StreamWriter) -> None:
@@ -78,6 +79,7 @@ class Proxy:
                 state["turn"] = True
                 if state["fresh"] and not state["stalled"]:
                     state["fresh"] = False
+                    self.stats["requests"] += 1
                     if data.startswith((b"GET ", b"HEAD ")) and self.rng.random() < self.settings["throttle_prob"]:
                         state["stalled"] = True  # nothing more goes upstream: the answer is ours
                         self.stats["throttled"] += 1

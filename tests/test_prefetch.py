@@ -185,6 +185,28 @@ def test_throttling_halves_the_reads_in_flight_then_they_grow_back() -> None:
     assert seen[-1][0] > seen[43][0] + 3  # additive increase since
 
 
+def test_a_stream_through_buffer_gives_bytes_as_they_arrive() -> None:
+    """A read waits for its own bytes only; a shard that ends early gives fewer; an error
+    stops only the reads past what had arrived."""
+    from shardkit.storage.streams import Arriving
+
+    buf = Arriving(100, 200)
+    buf.write(b"a" * 30)
+    assert buf.read_at(10, 110) == b"a" * 10  # the rest has not come yet
+    threading.Timer(0.05, lambda: (buf.write(b"b" * 70), buf.finish())).start()
+    assert buf.read_at(20, 120) == b"a" * 10 + b"b" * 10  # waited for its bytes
+    short = Arriving(0, 10)
+    short.write(b"xyz")
+    short.finish(end=3)
+    assert short.read_at(10, 0) == b"xyz" and short.read_at(4, 5) == b""
+    failed = Arriving(0, 10)
+    failed.write(b"xyz")
+    failed.finish(error=OSError("reset"))
+    assert failed.read_at(3, 0) == b"xyz"
+    with pytest.raises(OSError, match="reset"):
+        failed.read_at(4, 0)
+
+
 def test_coalesce_merges_back_to_back_samples_only() -> None:
     shard = np.array([0, 0, 0, 1, 1, 0])
     starts = np.array([0, 10, 20, 0, 10, 40])
@@ -193,6 +215,21 @@ def test_coalesce_merges_back_to_back_samples_only() -> None:
     plan = list(plan)
     assert [(r.shard, r.start, r.stop, r.samples) for r in plan] == [(0, 0, 20, 2), (0, 20, 30, 1), (1, 0, 20, 2), (0, 40, 50, 1)]
     assert range_of.tolist() == [0, 0, 1, 2, 2, 3]
+
+
+def test_blocks_back_to_back_in_the_stream_and_the_shard_are_read_as_one_range() -> None:
+    """An unshuffled stream's blocks are merged up to max_bytes (plus a block); blocks that
+    are not next to each other in their shard, or read in another order, are not."""
+    first = np.array([0, 20, 30])
+    offsets = np.concatenate([np.arange(21) * 10, np.arange(11) * 10])  # samples of 10 bytes
+    plan, range_of = ranges.blocks(np.arange(30), first, offsets, block=4, max_bytes=100)
+    assert [(r.shard, r.start, r.stop, r.samples) for r in plan] == [
+        (0, 0, 80, 8), (0, 80, 200, 12), (1, 0, 100, 10)]  # cut where a block ends past each 100 bytes of the run
+    assert range_of.tolist() == [0] * 8 + [1] * 12 + [2] * 10
+    ids = np.array([4, 5, 6, 7, 0, 1, 2, 3, 8])  # block 1, then 0, then 2: none merges with the one before
+    plan, range_of = ranges.blocks(ids, first, offsets, block=4, max_bytes=1000)
+    assert [(r.start, r.stop) for r in plan] == [(40, 80), (0, 40), (80, 120)]  # whole blocks
+    assert range_of.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2]
 
 
 def test_blocks_read_each_block_once_in_order_of_need() -> None:

@@ -180,21 +180,6 @@ def test_cache_too_small_for_the_read_ahead(s3: dict, packed: Path, tmp_path: Pa
         StreamingDataset(str(packed), cache_dir=str(tmp_path / "file"))
 
 
-def test_every_sample_exactly_once_through_resets(s3: dict, s3_server: str, packed: Path, latency_proxy) -> None:  # type: ignore[no-untyped-def]
-    import fsspec.core
-
-    fs, root = fsspec.core.url_to_fs(s3["url"] + "/ds", **s3["storage_options"])
-    fs.put(str(packed), root, recursive=True)
-    proxied, control = latency_proxy(s3_server, latency_ms=5, seed=1)
-    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
-    ds = StreamingDataset(s3["url"] + "/ds", storage_options=opts, shuffle=True, block=4)
-    control.set("reset_prob", 0.15)
-    control.set("reset_max_bytes", 2_000)  # mostly partway through a body
-    got = keys(ds, workers=2)
-    assert sorted(got) == sorted(set(got)) and len(got) == 120
-    assert control.stats()["resets"] > 0  # faults really happened
-
-
 def test_a_store_down_for_seconds_mid_epoch_loses_nothing(s3: dict, s3_server: str, packed: Path, latency_proxy,  # type: ignore[no-untyped-def]
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A dataset's reads get retries spanning ~21 s on average (a restart, a blip); reading

@@ -24,6 +24,7 @@ from ..storage.streams import Arriving
 
 Read = tuple[int, int, Any]  # (shard, start, the sample's bytes or the error of its range)
 LMDB_WINDOW = 64  # samples of an LMDB dataset that one read from the disk sends to the threads
+RANGE_BYTES = 16 << 20  # the most bytes of blocks one remote request merges (AWS: 8-16 MB requests are fastest)
 
 
 class Settings(Protocol):
@@ -71,7 +72,7 @@ class TarSamples:
         else:  # a block's samples come within block + 2 windows of each other: further apart, a new use,
             # read again rather than held, unless the whole dataset fits in the read-ahead budget
             gap = None if self.bytes <= opts.prefetch_bytes else opts.block + 2 * window
-            plan, range_of = ranges.blocks(ids, self.first, self.offsets, opts.block, gap)
+            plan, range_of = ranges.blocks(ids, self.first, self.offsets, opts.block, gap, max_bytes=RANGE_BYTES)
 
         if local:
             def advise(r: ranges.Range) -> ReadAt | CorruptShardError:

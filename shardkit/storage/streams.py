@@ -10,6 +10,7 @@ returns, so the body is read here, chunk by chunk, on s3fs's event loop.
 from __future__ import annotations
 
 import asyncio
+import mmap
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,15 +26,17 @@ class Arriving:
     def __init__(self, start: int, stop: int):
         self.start, self.stop = start, stop
         self.filled = 0  # bytes in, from `start`
-        self._buf = bytearray(stop - start)
-        self._view = memoryview(self._buf)
+        # anonymous memory: its pages are zeroed by the kernel as they are first written, where a
+        # bytearray is zeroed up front (a second pass over every byte: ~10% of a worker's read CPU)
+        self._buf = mmap.mmap(-1, max(stop - start, 1))
+        self._view = memoryview(self._buf)[: stop - start]
         self._end = stop  # where the shard ends, if before `stop`
         self._done = False
         self._error: BaseException | None = None
         self._cond = threading.Condition(threading.Lock())
 
     def write(self, chunk: bytes) -> None:
-        n = min(len(chunk), len(self._buf) - self.filled)  # a server that sends more is cut to the range
+        n = min(len(chunk), len(self._view) - self.filled)  # a server that sends more is cut to the range
         self._view[self.filled : self.filled + n] = memoryview(chunk)[:n]
         with self._cond:
             self.filled += n
