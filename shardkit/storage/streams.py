@@ -34,13 +34,16 @@ class Arriving:
         self._done = False
         self._error: BaseException | None = None
         self._cond = threading.Condition(threading.Lock())
+        self._wanted = -1  # the bytes a waiting reader needs in: woken once, not at every chunk
 
     def write(self, chunk: bytes) -> None:
         n = min(len(chunk), len(self._view) - self.filled)  # a server that sends more is cut to the range
         self._view[self.filled : self.filled + n] = memoryview(chunk)[:n]
         with self._cond:
             self.filled += n
-            self._cond.notify_all()
+            if 0 <= self._wanted <= self.filled:
+                self._wanted = -1
+                self._cond.notify_all()
 
     def finish(self, error: BaseException | None = None, end: int | None = None) -> None:
         """No more bytes: all of them, the shard ended at `end`, or `error` stopped them."""
@@ -56,6 +59,7 @@ class Arriving:
         if self.filled < hi:
             with self._cond:
                 while self.filled < hi and not self._done:
+                    self._wanted = hi if self._wanted < 0 else min(self._wanted, hi)
                     self._cond.wait()
                 hi = min(hi, self._end - self.start)
                 if self.filled < hi:
