@@ -13,6 +13,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 import shardkit
+import shardkit.storage.s3_http
 from shardkit import StreamingDataset, index
 from shardkit.cli import main
 from shardkit.errors import CorruptShardError
@@ -41,14 +42,20 @@ def test_throttling_and_resets_cost_no_sample(s3: dict, s3_server: str, packed: 
     assert ds.stats()["throttled"] > 0
 
 
-@pytest.mark.parametrize("store", ["s3", "gcs"])
+@pytest.mark.parametrize("store", ["s3", "s3 client", "gcs"])
 def test_a_shard_replaced_under_its_name_is_caught_at_its_first_read(store: str, request: pytest.FixtureRequest,
                                                                      photos: Path) -> None:
     """The index pins each shard's version (S3's ETag, GCS's generation): a shard replaced
-    since is named at its first read (S3: the GET is If-Match; GCS: checked on open) and
-    handled by on_error; `shardkit index --versions` records the new versions."""
+    since is named at its first read (S3: the GET is If-Match, on plain HTTP or, where the
+    options set TLS up, through s3fs's client; GCS: checked on open) and handled by on_error;
+    `shardkit index --versions` records the new versions."""
+    client = store == "s3 client"
+    store = store.split()[0]
     remote = request.getfixturevalue(store)
     url, opts = remote["url"] + "/ds", remote["storage_options"]
+    if client:
+        opts = {**opts, "client_kwargs": {**opts["client_kwargs"], "verify": False}}  # (plain HTTP: no TLS to verify)
+        assert not shardkit.storage.s3_http.usable(opts)
     idx = shardkit.pack(str(photos), url, max_count=10, workers=1, progress=False, storage_options=opts)
     kind = "etag" if store == "s3" else "generation"
     assert all(s.version is not None and list(s.version) == [kind] for s in idx.shards)

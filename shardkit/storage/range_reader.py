@@ -13,6 +13,7 @@ from ..errors import AccessDeniedError, CorruptShardError, NotFoundError, Shardk
 from .clients import filesystem
 from .files import cat_range, pin_of
 from .retry import attempts_for, retrying, root_cause, status_of
+from .s3_http import Direct, usable
 from .streams import Arriving, s3_get
 from .urls import S3, StorageOptions, display, is_local, local_path, scheme
 
@@ -42,7 +43,8 @@ class RangeReader:
                  patient: bool = False, pins: list[dict[str, Any] | None] | None = None):
         self._urls = urls
         self._pins = pins or [None] * len(urls)
-        self._s3 = [scheme(u) in S3 and "::" not in u for u in urls]  # read through s3_get: streamed, If-Match
+        self._s3 = [scheme(u) in S3 and "::" not in u for u in urls]  # streamed, If-Match
+        self._direct: dict[int, Direct] | None = {} if usable(storage_options) else None  # by id(filesystem)
         self._patient = patient  # the caller has reached the store: reads ride out an outage
         self._opts = storage_options
         self._versions = versions or [None] * len(urls)
@@ -267,7 +269,11 @@ class RangeReader:
             self._check_open()
             at = start + into.filled
             try:
-                s3_get(fs, path, at, stop, into.write, etag)
+                if self._direct is None:
+                    s3_get(fs, path, at, stop, into.write, etag)
+                else:
+                    direct = self._direct.get(id(fs)) or self._direct.setdefault(id(fs), Direct(fs))
+                    direct.get(path, at, stop, into.receive, etag)
             except Exception as e:
                 status = status_of(root_cause(e))
                 if status == 412:

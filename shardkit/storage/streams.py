@@ -3,8 +3,9 @@
 `Arriving` is the buffer a read-ahead thread fills and the worker reads from: a read of
 bytes that have not come yet waits for them (or for the error that stopped them), so a
 sample is parsed as soon as its own bytes are in, not when its whole block is.
-`s3_get` is the S3 GET that feeds one: s3fs's `cat_file` reads a whole body before it
-returns, so the body is read here, chunk by chunk, on s3fs's event loop.
+`s3_get` is an S3 GET that feeds one through s3fs's client (s3fs's `cat_file` reads a whole
+body before it returns, so the body is read here, chunk by chunk, on s3fs's event loop);
+s3_http.py has the cheaper one, used where the storage options allow.
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ class Arriving:
     def write(self, chunk: bytes) -> None:
         n = min(len(chunk), len(self._view) - self.filled)  # a server that sends more is cut to the range
         self._view[self.filled : self.filled + n] = memoryview(chunk)[:n]
+        self._advance(n)
+
+    def receive(self, readinto: Callable[[memoryview], int]) -> None:
+        """Fill from `readinto(view) -> bytes put there`, as a socket or an HTTP response
+        gives them (no copy on our side), until full or it gives none."""
+        while self.filled < len(self._view) and (n := readinto(self._view[self.filled :])):
+            self._advance(n)
+
+    def _advance(self, n: int) -> None:
         with self._cond:
             self.filled += n
             if 0 <= self._wanted <= self.filled:
