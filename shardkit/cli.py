@@ -364,10 +364,15 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
 @click.argument("url")
 @click.option("--force", is_flag=True,
               help="Rebuild an existing index.json from the shards (keeping its class names and list of skipped files).")
+@click.option("--versions", is_flag=True,
+              help="Only record each shard's current version (ETag, generation, modification time) in an existing "
+                   "index.json, for a dataset copied elsewhere: one listing, no shard read.")
 @storage_option
 @_errors_to_exit
-def index_cmd(url: str, force: bool, storage_options: tuple[str, ...]) -> None:
-    """Write index.json for tar shards (.tar, .tar.gz, .tgz) made by another tool (webdataset, plain tar)."""
+def index_cmd(url: str, force: bool, versions: bool, storage_options: tuple[str, ...]) -> None:
+    """Write index.json for tar shards (.tar, .tar.gz, .tgz) made by another tool (webdataset,
+    plain tar), with each remote shard's version, which readers check to catch a shard
+    replaced under its name."""
     from dataclasses import replace
 
     from . import index, storage
@@ -375,6 +380,11 @@ def index_cmd(url: str, force: bool, storage_options: tuple[str, ...]) -> None:
 
     opts = _storage_options(storage_options)
     old = None
+    if versions:
+        idx = index.pinned(index.load(url, opts), url, opts)
+        index.save(idx, url, opts)
+        click.echo(f"recorded the versions of {_plural(sum(s.version is not None for s in idx.shards), 'shard')}")
+        return
     if storage.exists(storage.join(url, index.INDEX_NAME), opts):
         if not force:
             raise click.ClickException(f"{storage.join(url, index.INDEX_NAME)} exists (use --force to rebuild)")
@@ -382,7 +392,7 @@ def index_cmd(url: str, force: bool, storage_options: tuple[str, ...]) -> None:
             old = index.load(url, opts)
     else:
         index.check_finished(url, opts)  # a shardkit pack's own shards: finished by rerunning it, not indexed
-    idx = build_index(shard_urls(url, opts), opts)
+    idx = index.pinned(build_index(shard_urls(url, opts), opts), url, opts)
     if old is not None and old.kind == "tar":  # what the shards cannot tell; not the plan, which vouches for bytes
         idx = replace(idx, classes=old.classes, skipped=old.skipped)
     index.save(idx, url, opts)

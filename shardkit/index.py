@@ -1,7 +1,9 @@
 """index.json: the manifest a reader needs before it touches a shard.
 
-It lists every shard with its sample count, byte size, sha256 and per-sample byte offsets,
-plus totals, field names, class names and the files the packer skipped. Versioned: a reader
+It lists every shard with its sample count, byte size, sha256, per-sample byte offsets and
+(optionally) its version: what the store changes when the object is replaced (S3's ETag, GCS's
+generation, a file's modification time), which readers check so that a shard replaced under
+its name is caught at its first read. Plus totals, field names, class names and the files the packer skipped. Versioned: a reader
 refuses an index from a newer format loudly instead of misreading it.
 """
 
@@ -44,6 +46,7 @@ class ShardInfo:
     sha256: str | None = None
     offsets: Sequence[int] | None = field(default=None, hash=False)
     compression: str | None = None
+    version: dict[str, Any] | None = field(default=None, hash=False)  # storage.pin_of's: {"etag": ...}
 
     def __post_init__(self) -> None:
         if self.samples < 0 or self.bytes < 0:
@@ -73,6 +76,8 @@ class ShardInfo:
             out["sha256"] = self.sha256
         if self.compression is not None:
             out["compression"] = self.compression
+        if self.version is not None:
+            out["version"] = self.version
         if self.offsets is not None:
             out["offsets"] = list(self.offsets)
         return out
@@ -87,7 +92,24 @@ class ShardInfo:
             sha256=d.get("sha256"),
             offsets=offsets,
             compression=d.get("compression"),
+            version=_version(d.get("version"), d["name"]),
         )
+
+
+def _version(found: Any, name: str) -> dict[str, Any] | None:
+    if found is not None and not (isinstance(found, dict) and len(found) == 1
+                                  and isinstance(next(iter(found.values())), (str, int))):
+        raise CorruptShardError(f"{name}: index lists version {found!r}, not one mark such as {{\"etag\": ...}}")
+    return found
+
+
+def pinned(index: Index, url: str, storage_options: StorageOptions | None = None) -> Index:
+    """`index` with each shard's current version (one listing of the dataset's folder), for
+    readers to check; a tar index only (an LMDB is read from a local copy)."""
+    if index.kind != "tar":
+        return index
+    found = storage.pins(url, [s.name for s in index.shards], storage_options)
+    return replace(index, shards=tuple(replace(s, version=v) for s, v in zip(index.shards, found)))
 
 
 def _check_offsets(name: str, table: np.ndarray, size: int | None) -> None:

@@ -14,7 +14,10 @@ or negotiated between processes.
    so every rank has the same per-worker sizes and hence the same number of batches. When
    the dataset batches (B samples a batch), the parts are whole batches: ceil(R / B) per
    rank whatever N, only the last one short.
-4. Within a worker, with shuffle, each window of `window` samples is permuted.
+4. Within a worker, with shuffle, each window of `window` samples is permuted. The first
+   windows are smaller (`window / 8`, doubling up to `window`): the first batch then needs
+   the bytes of two or three blocks, not of every block a whole window spans (1024
+   ImageNet-sized samples are ~100 MB, which a remote first batch would otherwise wait for).
 
 Resume: a worker's stream is known in advance, so "k samples yielded" identifies exactly
 which samples it delivered. A checkpoint records the layout and each worker's count
@@ -142,8 +145,10 @@ def worker_stream(sequence: np.ndarray, layout: Layout, rank: int, worker_id: in
     ids = sequence[positions % len(sequence)] if len(sequence) else positions
     if layout.shuffle and layout.window > 1 and len(ids) > 1:
         rng = _rng(layout.seed, layout.epoch, layout.segment, rank, worker_id, layout.world_size, layout.num_workers)
-        for start in range(0, len(ids), layout.window):
-            rng.shuffle(ids[start : start + layout.window])
+        start, size = 0, max(1, layout.window // 8)
+        while start < len(ids):
+            rng.shuffle(ids[start : start + size])
+            start, size = start + size, min(layout.window, 2 * size)
     return ids
 
 

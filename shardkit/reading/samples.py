@@ -5,7 +5,7 @@ tables and paths, never open files."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -21,11 +21,13 @@ from ..index import Index
 from ..prefetch import Prefetcher
 from ..sources import local_lmdb
 from ..storage import StorageOptions
+from ..storage.streams import Arriving
 from . import compressed
 from .compressed import CompressedShards
 
 Read = tuple[int, int, Any]  # (shard, start, the sample's bytes or the error of its range)
 LMDB_WINDOW = 64  # samples of an LMDB dataset that one read from the disk sends to the threads
+RANGE_BYTES = 16 << 20  # the most bytes of blocks one remote request merges (AWS: 8-16 MB requests are fastest)
 
 
 class Settings(Protocol):
@@ -76,23 +78,40 @@ class TarSamples:
         else:  # a block's samples come within block + 2 windows of each other: further apart, a new use,
             # read again rather than held, unless the whole dataset fits in the read-ahead budget
             gap = None if self.bytes <= opts.prefetch_bytes else opts.block + 2 * window
-            plan, range_of = ranges.blocks(ids, self.first, self.offsets, opts.block, gap)
+            plan, range_of = ranges.blocks(ids, self.first, self.offsets, opts.block, gap, max_bytes=RANGE_BYTES)
         # compressed shards: reads within a shuffle window (and a block each side) come out of order
         streams = CompressedShards(reader, self.urls, self.shards, window + 2 * opts.block, self.sample_bytes)
 
-        def fetch(r: ranges.Range) -> ReadAt | CorruptShardError:
+        def inflated(r: ranges.Range) -> ReadAt | CorruptShardError:
+            """A compressed shard's range: inflated from where its stream is up to the range."""
             try:
-                if r.shard in streams:  # a stream: inflated from where it is up to the range
-                    return buffer_reader(streams.read(r.shard, r.start, r.stop), r.start)
-                if reader.is_local(r.shard):  # the kernel reads the range ahead; samples come straight from the file
-                    reader.advise(r.shard, r.start, r.stop)
-                    return reader.read_at(r.shard)
-                return buffer_reader(reader.read(r.shard, r.start, r.stop, partial=True), r.start)
+                return buffer_reader(streams.read(r.shard, r.start, r.stop), r.start)
             except CorruptShardError as e:  # each sample of the range raises it in turn: skipped or raised
                 return e
 
-        prefetcher = Prefetcher(plan, fetch, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes,
-                                threads=not local)
+        if local:
+            def advise(r: ranges.Range) -> ReadAt | CorruptShardError:
+                if r.shard in streams:
+                    return inflated(r)
+                try:  # the kernel reads the range ahead; samples come straight from the file
+                    reader.advise(r.shard, r.start, r.stop)
+                    return reader.read_at(r.shard)
+                except CorruptShardError as e:  # each sample of the range raises it in turn: skipped or raised
+                    return e
+
+            prefetcher: Prefetcher[ranges.Range, Any] = Prefetcher(
+                plan, advise, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes, threads=False)
+        else:
+            def stream(r: ranges.Range, hand_over: Callable[[ReadAt], None]) -> ReadAt | CorruptShardError:
+                if r.shard in streams:
+                    return inflated(r)
+                arriving = Arriving(r.start, r.stop)
+                hand_over(arriving.read_at)  # samples are parsed as their bytes arrive
+                reader.stream(r.shard, r.start, r.stop, arriving)  # an error: raised by the samples it concerns
+                return arriving.read_at
+
+            prefetcher = Prefetcher(plan, stream, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes,
+                                    streaming=True, pressure=lambda: reader.throttled)
         return _in_order(prefetcher, range_of, shard_of, starts, ends), prefetcher
 
     def parse(self, data: tuple[int, ReadAt], url: str, start: int) -> tuple[dict[str, Any], int]:

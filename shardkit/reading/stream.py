@@ -68,7 +68,8 @@ class WorkerStream(EpochStream):
         cache = RangeCache(ds.cache_dir, ds.cache_limit) if ds.cache_dir is not None else None
         versions = [sh.sha256 for sh in ds.index.shards]
         # the dataset read its index (or scanned its shards) there: the store was reachable
-        reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache, verify=ds.verify, patient=True)
+        reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache, verify=ds.verify, patient=True,
+                                     pins=[sh.version for sh in ds.index.shards])
         decode, transform = decoder(ds.decode, ds.backend), ds.transform
         reads, self.prefetcher = ds._samples.reads(ids, reader, ds, self.window)
         meter = Meter(ds._shared, self.worker_id, reader, cache)
