@@ -8,12 +8,13 @@ dataset), reads its own share of every epoch through a DataLoader with workers, 
 exactly len(ds) samples: every rank runs the same number of steps, so DDP's gradient
 all-reduce never waits for a rank that ran out of data. Rank 0 prints the batches each rank
 took (always equal) and the throughput of all ranks together. The model and the per-sample
-transform are those of train_local.py.
+transform (any image format) are those of train_local.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import os
 import socket
@@ -41,7 +42,8 @@ def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the machine's cores
     torch.manual_seed(0)
-    ds = StreamingDataset(args.shards, shuffle=True, seed=0, decode="tensor", transform=to_training_pair,
+    ds = StreamingDataset(args.shards, shuffle=True, seed=0, decode="tensor",
+                          transform=functools.partial(to_training_pair, label=args.label),
                           batch_size=args.batch_size)  # batches made in the workers: batch_size=None below
     # A process started by mp.spawn starts its own children by spawn too: every DataLoader worker
     # would import torch and this script again (seconds each). Fork them, as under torchrun.
@@ -101,6 +103,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--label", default="cls", help="the field holding each sample's class number")
     ap.add_argument("--spawn", type=int, metavar="N", help="start N ranks here (torch.multiprocessing.spawn) "
                     "instead of being started by torchrun")
     args = ap.parse_args()

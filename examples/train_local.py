@@ -1,16 +1,20 @@
 """Train a small CNN on a packed image folder, reading it with StreamingDataset.
 
     shardkit pack ./photos ./photos-shards
-    python examples/train_local.py ./photos-shards --epochs 2 --workers 2
+    python examples/train_local.py ./photos-shards --epochs 2 --workers 2 [--label cls]
 
 Shows the recipe: shuffle with a seed, set_epoch every epoch, batches made in the workers
 (batch_size on the dataset, None on the DataLoader), workers + pin_memory +
 persistent_workers, and (in a comment) how to resume mid-epoch from (epoch, samples seen).
+Any image format trains: each sample's image is its first image field (jpg, png, webp, gif,
+...: a pack names a field by its file's extension); the label is its `cls` (the class
+folder's number) or the field --label names.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -19,17 +23,28 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from shardkit import StreamingDataset
+from shardkit.decode import image_field
 
 SIZE = 96
 
 
-def to_training_pair(sample: dict) -> tuple[torch.Tensor, int]:
+def image_and_label(sample: dict, label: str = "cls") -> tuple[torch.Tensor, int]:
+    """The sample's first image field (decoded to a CHW uint8 tensor) and its label."""
+    field = image_field(sample)
+    if field is None or label not in sample:
+        raise ValueError(f"sample {sample['__key__']}: no {'image' if field is None else repr(label)} field among "
+                         f"{', '.join(k for k in sample if not k.startswith('__'))}")
+    return sample[field], sample[label]
+
+
+def to_training_pair(sample: dict, label: str = "cls") -> tuple[torch.Tensor, int]:
     """CHW uint8 image -> fixed-size float tensor in [0, 1] with a random flip; runs in the worker."""
-    image = sample["jpg"].unsqueeze(0).float().div_(255)
+    image, target = image_and_label(sample, label)
+    image = image.unsqueeze(0).float().div_(255)
     image = F.interpolate(image, size=(SIZE, SIZE), mode="bilinear", antialias=True, align_corners=False)[0]
     if torch.rand(()) < 0.5:
         image = image.flip(-1)
-    return image, sample["cls"]
+    return image, target
 
 
 def model(classes: int) -> nn.Module:
@@ -65,9 +80,11 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--label", default="cls", help="the field holding each sample's class number")
     args = ap.parse_args()
 
-    ds = StreamingDataset(args.shards, shuffle=True, seed=0, decode="tensor", transform=to_training_pair,
+    transform = functools.partial(to_training_pair, label=args.label)  # a partial pickles, for workers
+    ds = StreamingDataset(args.shards, shuffle=True, seed=0, decode="tensor", transform=transform,
                           batch_size=args.batch_size)
     loader = DataLoader(ds, batch_size=None, num_workers=args.workers, pin_memory=torch.cuda.is_available(),
                         persistent_workers=args.workers > 0)

@@ -10,6 +10,7 @@ server of your own (scripts/demo.sh --s3 starts one on loopback and runs this).
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 from torch.utils.data import DataLoader
@@ -26,10 +27,12 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--label", default="cls", help="the field holding each sample's class number")
     args = ap.parse_args()
 
     options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
-    ds = StreamingDataset(args.url, shuffle=True, seed=0, decode="tensor", transform=to_training_pair,
+    ds = StreamingDataset(args.url, shuffle=True, seed=0, decode="tensor",
+                          transform=functools.partial(to_training_pair, label=args.label),
                           storage_options=options, cache_dir=args.cache_dir)
     loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, pin_memory=torch.cuda.is_available(),
                         persistent_workers=args.workers > 0)

@@ -4,7 +4,11 @@ Contestants run interleaved, round after round, on the same generated image fold
 warm page cache; each run is a fresh process writing to the same disk. Prints medians with
 min-max and the ratios the targets are stated in.
 
-    python scripts/bench_pack.py --images 20000 --rounds 5
+With --resize N it also packs with `--resize N --quality 90` (JPEGs decoded by the fast path,
+docs/decoding.md) and, as the baseline, the same pack decoding every image with PIL (the fast
+path switched off in that process): the same bytes come out, the time differs.
+
+    python scripts/bench_pack.py --images 20000 --rounds 5 [--resize 256]
 """
 
 from __future__ import annotations
@@ -34,16 +38,27 @@ with wds.ShardWriter(os.path.join(dest, "shard-%06d.tar"), maxsize=256e6, verbos
                     sink.write({"__key__": "%09d" % n, "jpg": fh.read(), "cls": str(label)})
                 n += 1
 """
+PIL_RESIZE = """
+import sys, shardkit, shardkit.jpeg
+shardkit.jpeg.decode = lambda data, at_least=None: None  # every image to PIL (workers fork with it)
+shardkit.pack(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]), max_size="256MB", resize=int(sys.argv[4]),
+              quality=90, progress=False)
+"""
 
 
-def contestants(src: Path, out: Path, workers: int) -> dict[str, list[str] | str]:
+def contestants(src: Path, out: Path, workers: int, resize: int | None) -> dict[str, list[str] | str]:
     shardkit = [sys.executable, "-m", "shardkit.cli", "pack", str(src), str(out), "--workers", str(workers),
                 "--max-size", "256MB", "-q"]
-    return {
+    found: dict[str, list[str] | str] = {
         "tar (limit)": f"tar cf - -C {src} . | cat > /dev/null",
         f"shardkit ({workers} workers)": shardkit,
         "webdataset ShardWriter": [sys.executable, "-c", WDS_WRITER, str(src), str(out)],
     }
+    if resize:
+        found[f"shardkit --resize {resize} ({workers} workers)"] = [*shardkit, "--resize", str(resize), "--quality", "90"]
+        found[f"shardkit --resize {resize}, PIL decoding"] = [sys.executable, "-c", PIL_RESIZE, str(src), str(out),
+                                                              str(workers), str(resize)]
+    return found
 
 
 def settle(src: Path) -> None:
@@ -66,6 +81,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/shardkit-bench", help="where the image folder and outputs go")
+    ap.add_argument("--resize", type=int, help="also pack with --resize N, by the fast path and by PIL")
     args = ap.parse_args()
 
     root = Path(args.dir)
@@ -78,7 +94,7 @@ def main() -> None:
 
     times: dict[str, list[float]] = {}
     for _ in range(args.rounds):
-        for name, cmd in contestants(src, out, args.workers).items():
+        for name, cmd in contestants(src, out, args.workers, args.resize).items():
             shutil.rmtree(out, ignore_errors=True)
             settle(src)
             times.setdefault(name, []).append(run(cmd))
@@ -93,6 +109,12 @@ def main() -> None:
     ours = next(n for n in med if n.startswith("shardkit"))
     print(f"\nshardkit / webdataset: {med['webdataset ShardWriter'] / med[ours]:.2f}x   "
           f"shardkit / tar limit: {med['tar (limit)'] / med[ours]:.0%}")
+    if args.resize:
+        fast, pil = (next(n for n in med if n.startswith(f"shardkit --resize {args.resize}") and n.endswith(end))
+                     for end in ("workers)", "PIL decoding"))
+        speedups = [p / f for f, p in zip(times[fast], times[pil])]
+        print(f"--resize {args.resize}, fast path / PIL decoding: {statistics.median(speedups):.2f}x "
+              f"({min(speedups):.2f}-{max(speedups):.2f}, by round)")
 
 
 if __name__ == "__main__":

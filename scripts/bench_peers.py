@@ -14,11 +14,15 @@ to the limit measured in the same round (bench_read.ratio):
 - decoded: images/s through DataLoader(num_workers=2, batch_size=64) (litdata's own
   StreamingDataLoader; shardkit as it is meant for training, batch_size=64 on the dataset and
   batch_size=None on the DataLoader: bench_read.py compares both ways), the same decode + resize-to-224 + CHW uint8 code (bench_read.py's) for
-  everyone, against that code alone on 2 processes with bytes preloaded and no loader;
+  everyone, against that code alone on 2 processes with bytes preloaded and no loader (the
+  PIL decode limit); the peers keep that PIL code, as their users write it;
+- shardkit's image_transform(256, crop=224) (the transform shardkit offers: JPEG by libjpeg-turbo,
+  docs/decoding.md) in its training setup, and that transform alone on 2 processes with no
+  loader (the fast-path limit); its "% of decode limit" is against the PIL decode limit;
 - first batch: seconds from building the dataset to the first batch; peak RSS of the
-  decoded pass, main process + workers, sampled at 20 Hz, and peak memory in use (the
-  machine's anonymous + shared memory above its level at the start: each page once, page
-  cache not counted; see shardkit.tools.bench.in_use).
+  decoded pass, main process + workers, sampled at 20 Hz, and peak memory in use (their
+  anonymous + shared memory, each page once, page cache not counted; see
+  shardkit.tools.bench.in_use).
 
 "shardkit --resize 256" packs with resize=256, quality=90: its shards hold different (smaller)
 images, so it is a what-if, not a like-for-like row.
@@ -67,11 +71,13 @@ import bench_read as br  # noqa: E402  (decode_resize, Files, transforms, limits
 WORKERS, BATCH = br.WORKERS, br.BATCH
 CHUNK = 256 * 1000 * 1000  # shard / chunk target for every packer (shardkit's "256MB")
 RESIZE = "shardkit --resize 256"
+FAST = "shardkit, image_transform(256, crop=224)"
 PACKERS = ["tar (limit)", "shardkit", RESIZE, "webdataset", "mosaicml-streaming", "litdata"]
 RAW = ["cat (limit)", "shardkit", RESIZE, "webdataset", "mosaicml-streaming", "litdata", "plain files"]
-DECODED = ["decode limit", "shardkit", RESIZE, "webdataset", "mosaicml-streaming", "litdata", "plain files"]
-ROWS = ["shardkit", "webdataset", "mosaicml-streaming", "litdata", "plain files", RESIZE]
-FOLDER = {"shardkit": "shardkit", RESIZE: "shardkit-resize256", "webdataset": "webdataset",
+DECODED = ["decode limit", br.FAST_LIMIT, "shardkit", FAST, RESIZE, "webdataset", "mosaicml-streaming", "litdata",
+           "plain files"]
+ROWS = ["shardkit", FAST, "webdataset", "mosaicml-streaming", "litdata", "plain files", RESIZE]
+FOLDER = {"shardkit": "shardkit", FAST: "shardkit", RESIZE: "shardkit-resize256", "webdataset": "webdataset",
           "mosaicml-streaming": "mds", "litdata": "litdata"}
 DISTRIBUTION = {"shardkit": "shardkit", RESIZE: "shardkit", "webdataset": "webdataset",
                 "mosaicml-streaming": "mosaicml-streaming", "litdata": "litdata"}
@@ -248,16 +254,18 @@ def run_raw(name: str, data: str, photos: str) -> dict:
 
 
 def run_decoded(name: str, data: str, photos: str) -> dict:
-    if name == "decode limit":
-        return br.run_contestant("decode limit", data, photos)
+    if name in br.LIMITS:
+        return br.run_contestant(name, data, photos)
     from torch.utils.data import DataLoader
 
-    if name in ("shardkit", RESIZE):
+    if name in ("shardkit", FAST, RESIZE):
         from shardkit import StreamingDataset
+
+        transform = br._transform() if name == FAST else br.shardkit_transform
 
         def make():  # type: ignore[no-untyped-def]
             # shardkit's training setup: batches made in the workers (see bench_read.py for both ways)
-            ds = StreamingDataset(data, shuffle=True, transform=br.shardkit_transform, batch_size=BATCH)
+            ds = StreamingDataset(data, shuffle=True, transform=transform, batch_size=BATCH)
             return DataLoader(ds, batch_size=None, num_workers=WORKERS)
     elif name == "webdataset":
         import webdataset as wds
@@ -285,7 +293,7 @@ def run_decoded(name: str, data: str, photos: str) -> dict:
     start = br.start_clock()
     loader = make()
     built = time.perf_counter() - start
-    first, seconds, n = br._loader_pass(loader)
+    first, seconds, n, _ = br._loader_pass(loader)
     return {"seconds": seconds, "items": n, "first": built + first}
 
 
@@ -355,7 +363,7 @@ def run_rounds(args: argparse.Namespace, photos: Path, work: Path) -> tuple[dict
             failures[(stage, name)] = why
 
     def data_of(name: str) -> str:
-        if name == "plain files" or name in ("tar (limit)", "decode limit"):
+        if name == "plain files" or name in ("tar (limit)", *br.LIMITS):
             return str(photos)
         return str(work / FOLDER["shardkit" if name == "cat (limit)" else name])
 
@@ -402,7 +410,7 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
     limit = rate("decoded", "decode limit")
 
     def pack_cells(name: str) -> list[str]:
-        if ("pack", name) in failures or name == "plain files":
+        if ("pack", name) in failures or name not in PACKERS:
             return [failures.get(("pack", name), "–"), "–", "–"]
         runs = results[("pack", name)]
         seconds = [x["seconds"] for x in runs]
@@ -410,8 +418,8 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
         return [br._fmt(seconds, digits=1), f"{runs[0]['items'] / med(seconds):,.0f}", size]
 
     def raw_cells(name: str) -> list[str]:
-        if ("raw", name) in failures:
-            return [failures[("raw", name)], "–"]
+        if ("raw", name) in failures or name not in RAW:
+            return [failures.get(("raw", name), "–"), "–"]
         mbs = rate("raw", name, "bytes")
         return [br._fmt(rate("raw", name)), br.ratio(mbs, cat)]
 
@@ -452,6 +460,10 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
         "–",
     ]
     lines.append(f"| limits: `tar` / `cat` / decode on {WORKERS} processes | " + " | ".join(limit_cells) + " |")
+    fast = rate("decoded", br.FAST_LIMIT)
+    fast_cells = [failures.get(("decoded", br.FAST_LIMIT)) or br._fmt(fast), br.ratio(fast, limit), "–", "–", "–"]
+    lines.append(f"| limit: image_transform(256, crop=224) on {WORKERS} processes | " + " – |" * 5 + " "
+                 + " | ".join(fast_cells) + " |")
     broken = _install_failures()
     for name in ROWS:
         label = f"{name} (pack-time resize: smaller images, not like-for-like)" if name == RESIZE else name
@@ -485,7 +497,7 @@ def chart(path: Path, results: dict, failures: dict, images: int) -> None:
         meds.append(m)
         lo.append(m - min(rates) if rates else 0.0)
         hi.append(max(rates) - m if rates else 0.0)
-        colors.append("#999999" if name == RESIZE else "#1f77b4" if name == "shardkit" else "#7f9fbf")
+        colors.append("#999999" if name == RESIZE else "#1f77b4" if name.startswith("shardkit") else "#7f9fbf")
     fig, ax = plt.subplots(figsize=(9, 4.5))
     bars = ax.bar(names, meds, yerr=[lo, hi], capsize=4, color=colors)
     for bar, m in zip(bars, meds):

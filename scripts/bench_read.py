@@ -15,10 +15,19 @@ taken minutes apart would mostly measure the drift):
   with collate_fn=shardkit.collate) with the same
   decode + resize-to-224 + uint8 tensor code for everyone, against that code alone on
   2 processes with no loader (the decode limit);
+- random access: samples/s and MB/s reading every sample once in a shuffled order, in one
+  process, undecoded (TarDataset, LMDBDataset, the plain files), against one `pread` per
+  sample with every offset known (RANDOM_FLOOR); TarDataset also among the decoded;
+- image_transform(256, crop=224), the transform shardkit offers (JPEG by libjpeg-turbo, see
+  docs/decoding.md): images/s through StreamingDataset(decode="raw", transform=...) and
+  DataLoader(num_workers=2, batch_size=64) (also with the batches made in the dataset), against the same transform alone on 2 processes
+  with no loader (the fast-path limit) and against the PIL decode limit above, round by
+  round; the same transform with backend="pil" alone shows the per-core gain of the fast path,
+  and decode="rgb8" alone (no resize), fast and PIL, the decoder's;
 - time to first batch, peak RSS (main process + workers, sampled at 20 Hz; a page shared
   by several processes counts in each, a mapped file's cached pages count) and peak memory
-  in use (the machine's anonymous + shared memory above its level before the contestant
-  started: each page once, page cache not counted).
+  in use (anonymous + shared memory of the main process and its workers, each page once,
+  page cache not counted; see shardkit.tools.bench.in_use).
 
 Every clock starts after the contestant's imports and one full garbage collection
 (`start_clock`).
@@ -55,6 +64,15 @@ BATCHED = "shardkit StreamingDataset(batch_size=64)"
 LMDB_FAST = "LMDBDataset, collate_fn=shardkit.collate"
 FILES_FAST = "plain files, collate_fn=shardkit.collate"
 PREAD_FLOOR = "pread per member (no parsing)"
+TAR_MAP = "TarDataset random access"
+RANDOM_FLOOR = "pread per sample, shuffled (no parsing)"
+RANDOM = [RANDOM_FLOOR, "TarDataset[i], shuffled", "LMDBDataset[i], shuffled", "plain files, shuffled"]
+FAST_LIMIT = "image_transform(256, crop=224) limit"
+PIL_TRANSFORM_LIMIT = "image_transform(..., backend='pil') limit"
+FAST = "shardkit, image_transform(256, crop=224)"
+FAST_BATCHED = "shardkit StreamingDataset(batch_size=64), image_transform"
+RGB8_LIMIT = "decode='rgb8' limit (no resize)"
+PIL_RGB8_LIMIT = "decode='rgb8', backend='pil' limit"
 
 
 def decode_resize(data: bytes) -> "torch.Tensor":  # noqa: F821
@@ -63,6 +81,12 @@ def decode_resize(data: bytes) -> "torch.Tensor":  # noqa: F821
 
     img = Image.open(io.BytesIO(data)).convert("RGB").resize((SIZE, SIZE), Image.Resampling.BILINEAR)
     return torch.from_numpy(np.asarray(img).transpose(2, 0, 1).copy())
+
+
+def _transform(backend: str = "auto"):  # type: ignore[no-untyped-def]
+    from shardkit.decode import image_transform
+
+    return image_transform(256, crop=SIZE, backend=backend)
 
 
 def shardkit_transform(sample: dict) -> tuple:
@@ -101,23 +125,30 @@ def start_clock() -> float:
     return time.perf_counter()
 
 
-def _loader_pass(loader) -> tuple[float, float, int]:  # type: ignore[no-untyped-def]
-    start = start_clock()
+def _loader_pass(loader) -> tuple[float, float, int, float]:  # type: ignore[no-untyped-def]
+    start, cpu = start_clock(), _cpu()
     first = None
     n = 0
     for images, _ in loader:
         if first is None:
             first = time.perf_counter() - start
         n += len(images)
-    return first or 0.0, time.perf_counter() - start, n
+    # the iterator, run out, has shut down its workers and waited for them: their CPU time counts
+    return first or 0.0, time.perf_counter() - start, n, _cpu() - cpu
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and of its children that have exited (DataLoader workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def run_contestant(name: str, shards: str, photos: str) -> dict:
     from torch.utils.data import DataLoader
 
-    if name == "decode limit":
+    if name in LIMITS:
         files = [str(p) for p in sorted(Path(photos).rglob("*.jpg"))]
-        halves = [files[i::WORKERS] for i in range(WORKERS)]
+        halves = [(name, files[i::WORKERS]) for i in range(WORKERS)]
         import multiprocessing as mp
 
         with mp.get_context("fork").Pool(WORKERS) as pool:
@@ -125,7 +156,8 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
             del blobs
             start = start_clock()
             counts = pool.map(_decode_all, halves)
-        return {"seconds": time.perf_counter() - start, "items": sum(counts), "first": None}
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "items": sum(n for n, _ in counts), "cpu": sum(c for _, c in counts), "first": None}
     if name == "cat (limit)":
         start = start_clock()
         subprocess.run(f"cat {shards}/*.tar > /dev/null", shell=True, check=True)
@@ -148,6 +180,8 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
                 os.close(fd)
         return {"seconds": time.perf_counter() - start, "items": _samples(shards), "bytes": _shard_bytes(shards),
                 "first": None}
+    if name in RANDOM:
+        return _shuffled(name, shards, photos)
     if name == "shardkit raw":
         from shardkit import StreamingDataset
 
@@ -181,11 +215,23 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
         ds = shardkit.LMDBDataset(shards + ".lmdb", transform=shardkit_transform)
         collate = shardkit.collate if name == LMDB_FAST else None
         loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=WORKERS, collate_fn=collate)
+    elif name == TAR_MAP:
+        import shardkit
+
+        ds = shardkit.TarDataset(shards, transform=shardkit_transform)
+        loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=WORKERS)
     elif name in ("plain files", FILES_FAST):
         import shardkit
 
         collate = shardkit.collate if name == FILES_FAST else None
         loader = DataLoader(Files(photos), batch_size=BATCH, shuffle=True, num_workers=WORKERS, collate_fn=collate)
+    elif name in (FAST, FAST_BATCHED):
+        from shardkit import StreamingDataset
+
+        batched = name == FAST_BATCHED
+        ds = StreamingDataset(shards, shuffle=True, decode="raw", transform=_transform(),
+                              batch_size=BATCH if batched else None)
+        loader = DataLoader(ds, batch_size=None if batched else BATCH, num_workers=WORKERS)
     elif name == "webdataset":
         import webdataset as wds
 
@@ -193,20 +239,70 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
         loader = DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
     else:
         raise SystemExit(f"unknown contestant {name}")
-    first, seconds, n = _loader_pass(loader)
-    return {"seconds": seconds, "items": n, "first": first}
+    first, seconds, n, cpu = _loader_pass(loader)
+    return {"seconds": seconds, "items": n, "cpu": cpu, "first": first}
 
 
-def _read_all(paths: list[str]) -> int:
+def _shuffled(name: str, shards: str, photos: str) -> dict:
+    """Every sample once, in a shuffled order, undecoded (`cls` and `json` aside)."""
+    import shardkit
+
+    order = np.random.default_rng(0).permutation(_samples(shards)).tolist()
+    if name == RANDOM_FLOOR:
+        idx = json.loads((Path(shards) / "index.json").read_text())
+        spans = [(os.path.join(shards, s["name"]), a, b) for s in idx["shards"] for a, b in zip(s["offsets"], s["offsets"][1:])]
+        fds = {path: os.open(path, os.O_RDONLY) for path, _, _ in spans}
+        start, size = start_clock(), 0
+        for i in order:
+            path, a, b = spans[i]
+            size += len(os.pread(fds[path], b - a, a))
+        return {"seconds": time.perf_counter() - start, "items": len(order), "bytes": size, "first": None}
+    if name == "plain files, shuffled":
+        paths = [p for p, _ in Files(photos).items]
+        read = lambda i: Path(paths[i]).read_bytes()  # noqa: E731
+    else:
+        ds = shardkit.TarDataset(shards) if name.startswith("Tar") else shardkit.LMDBDataset(shards + ".lmdb")
+        read = lambda i: ds[i]["jpg"]  # noqa: E731
+    start, size = start_clock(), 0
+    for i in order:
+        size += len(read(i))
+    return {"seconds": time.perf_counter() - start, "items": len(order), "bytes": size, "first": None}
+
+
+def _read_all(job: tuple[str, list[str]]) -> int:
     global _BLOBS
-    _BLOBS = [Path(p).read_bytes() for p in paths]
+    _BLOBS = [Path(p).read_bytes() for p in job[1]]
     return len(_BLOBS)
 
 
-def _decode_all(paths: list[str]) -> int:
+def _decode_all(job: tuple[str, list[str]]) -> tuple[int, float]:
+    """The work on this process's share, and the CPU seconds it took."""
+    import torch
+
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    work = LIMITS[job[0]]()
+    cpu = time.process_time()
     for data in _BLOBS:
-        decode_resize(data)
-    return len(_BLOBS)
+        work(data)
+    return len(_BLOBS), time.process_time() - cpu
+
+
+def _sample_transform(backend: str):  # type: ignore[no-untyped-def]
+    transform = _transform(backend)
+    return lambda data: transform({"jpg": data, "cls": 0})
+
+
+def _rgb8(backend: str):  # type: ignore[no-untyped-def]
+    from shardkit.decode import decoder
+
+    decode = decoder("rgb8", backend)
+    return lambda data: decode({"jpg": data})
+
+
+# a limit's name -> its per-image work (made in the worker)
+LIMITS = {"decode limit": lambda: decode_resize, FAST_LIMIT: lambda: _sample_transform("auto"),
+          PIL_TRANSFORM_LIMIT: lambda: _sample_transform("pil"), RGB8_LIMIT: lambda: _rgb8("auto"),
+          PIL_RGB8_LIMIT: lambda: _rgb8("pil")}
 
 
 _BLOBS: list[bytes] = []
@@ -232,8 +328,8 @@ def warm(name: str, shards: str, photos: str) -> None:
     kernel here reclaims idle page cache proactively, so warming once at the start is not
     enough)."""
     jpgs, mdb = f"$(find {photos} -name '*.jpg')", f"{shards}.lmdb/data.mdb"
-    files = {"plain files": jpgs, FILES_FAST: jpgs, "decode limit": jpgs,
-             "LMDB random access": mdb, LMDB_FAST: mdb}.get(name, f"{shards}/*.tar")
+    files = {"plain files": jpgs, FILES_FAST: jpgs, **dict.fromkeys(LIMITS, jpgs), "plain files, shuffled": jpgs,
+             "LMDB random access": mdb, LMDB_FAST: mdb, "LMDBDataset[i], shuffled": mdb}.get(name, f"{shards}/*.tar")
     subprocess.run(f"cat {files} > /dev/null", shell=True, check=True)
 
 
@@ -306,23 +402,28 @@ def main() -> None:
                    shell=True, check=True)
 
     raw = ["cat (limit)", PREAD_FLOOR, "shardkit raw", "webdataset raw"]
-    decoded = ["decode limit", "shardkit", BATCHED, "LMDB random access", LMDB_FAST, "plain files", FILES_FAST,
-               "webdataset"]
+    decoded = ["decode limit", "shardkit", BATCHED, "LMDB random access", LMDB_FAST, TAR_MAP, "plain files",
+               FILES_FAST, "webdataset"]
+    fast = [FAST_LIMIT, FAST, FAST_BATCHED, PIL_TRANSFORM_LIMIT, RGB8_LIMIT, PIL_RGB8_LIMIT]
+    shuffled = list(RANDOM)
     if args.only:
-        names = raw[1:] + decoded[1:]  # the limits run with their group
+        names = raw[1:] + decoded[1:] + fast[1:] + shuffled[1:]  # the limits run with their group
         unknown = set(args.only) - set(names)
         if unknown:
             ap.error(f"unknown contestant {sorted(unknown)[0]!r}; one of: {', '.join(names)}")
-        raw, decoded = ([g[0]] + [n for n in g[1:] if n in args.only] for g in (raw, decoded))
-        raw, decoded = (g if len(g) > 1 else [] for g in (raw, decoded))
+        raw, decoded, fast, shuffled = ([g[0]] + [n for n in g[1:] if n in args.only]
+                                        for g in (raw, decoded, fast, shuffled))
+        raw, decoded, fast, shuffled = (g if len(g) > 1 else [] for g in (raw, decoded, fast, shuffled))
+        decoded = decoded or (["decode limit"] if fast else [])  # the fast path's rows compare with it too
     results: dict[str, list[dict]] = {}
     for r in range(args.rounds):
-        for name in rotate(raw, r) + rotate(decoded, r):
+        for name in rotate(raw, r) + rotate(decoded, r) + rotate(fast, r) + rotate(shuffled, r):
             results.setdefault(name, []).append(measure(name, str(shards), str(photos)))
             print(f"round {r + 1}: {name} done", file=sys.stderr)
 
     def rate(name: str, key: str = "items") -> list[float]:
-        return [x[key] / x["seconds"] for x in results[name]]
+        """Per round: `key` per second, or (key "cpu") images per CPU-second."""
+        return [x["items"] / x["cpu"] if key == "cpu" else x[key] / x["seconds"] for x in results[name]]
 
     print(f"\n{args.images} images, {_shard_bytes(str(shards)) / 1e9:.2f} GB of shards, {os.cpu_count()} CPUs, "
           f"{args.rounds} rounds; median (min-max)\n")
@@ -333,16 +434,37 @@ def main() -> None:
         for name in raw:
             mbs = rate(name, "bytes")
             print(f"| {name} | {_fmt(rate(name))} | {_fmt(mbs, 1e-6)} | {ratio(mbs, cat)} |")
+    if shuffled:
+        print("\n| random access, shuffled, 1 process, undecoded | samples/s | MB/s | % of the pread floor, by round |")
+        print("|---|---|---|---|")
+        floor = rate(RANDOM_FLOOR)
+        for name in shuffled:
+            print(f"| {name} | {_fmt(rate(name))} | {_fmt(rate(name, 'bytes'), 1e-6)} | {ratio(rate(name), floor)} |")
     if decoded:
         print(f"\n| decoded, DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s | % of decode limit, "
               "by round | first batch s | peak RSS MB | peak in use MB |")
         print("|---|---|---|---|---|---|")
         limit = rate("decode limit")
         for name in decoded:
-            firsts = [x["first"] for x in results[name] if x["first"] is not None]
-            rss, in_use = ([x[k] for x in results[name]] for k in ("rss", "in_use"))
-            print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), limit)} | "
-                  f"{_fmt(firsts, digits=2) if firsts else '-'} | {_fmt(rss, 1e-6)} | {_fmt(in_use, 1e-6)} |")
+            print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), limit)} | {_memory(results[name])} |")
+    if fast:
+        print(f"\n| image_transform(256, crop=224), DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s "
+              "| % of its limit, by round | x the PIL decode limit, by round | images per CPU-second | first batch s "
+              "| peak RSS MB | peak in use MB |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name in ["decode limit", *fast]:
+            times = [v / x for v, x in zip(rate(name), rate("decode limit"))]
+            mine = name in fast[:4]  # the rgb8 limits do other work
+            print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), rate(FAST_LIMIT)) if mine else '-'} | "
+                  f"{statistics.median(times):.2f}x ({min(times):.2f}-{max(times):.2f}) | {_fmt(rate(name, 'cpu'))} | "
+                  f"{_memory(results[name])} |")
+
+
+def _memory(runs: list[dict]) -> str:
+    """A contestant's first batch, peak RSS and peak memory in use, for a table row."""
+    firsts = [x["first"] for x in runs if x["first"] is not None]
+    rss, in_use = ([x[k] for x in runs] for k in ("rss", "in_use"))
+    return f"{_fmt(firsts, digits=2) if firsts else '-'} | {_fmt(rss, 1e-6)} | {_fmt(in_use, 1e-6)}"
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ proxy's responses are reset mid-way and the epoch must still deliver every sampl
 Raw reading (no decode) in one process: what the storage path can deliver.
 
     python scripts/bench_remote.py --images 2000 --rounds 3
+
+With --peers: shardkit against webdataset, MosaicML Streaming and litdata on the same server,
+proxy, data and loader, at 0 and +100 ms (scripts/remote_peers_run.py says what is measured).
+
+    python scripts/bench_remote.py --peers --images 2000 --rounds 3
 """
 
 from __future__ import annotations
@@ -94,6 +99,8 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
+    ap.add_argument("--peers", action="store_true", help="shardkit against its peers (see above)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds one contestant's epoch may take")
     args = ap.parse_args()
 
     import fsspec.core
@@ -102,11 +109,16 @@ def main() -> None:
     from make_images import make_image_folder
 
     root = Path(args.dir)
-    photos, shards = root / f"photos-{args.images}", root / f"remote-shards-{args.images}"
+    size = "24MB" if args.peers else "64MB"  # peers: the size the issue's table used, for every format
+    photos, shards = root / f"photos-{args.images}", root / f"remote-shards-{args.images}-{size}"
     make_image_folder(photos, args.images, n_classes=100, seed=0)
     if not (shards / "index.json").exists():
         shutil.rmtree(shards, ignore_errors=True)
-        shardkit.pack(str(photos), str(shards), max_size="64MB", progress=False)
+        shardkit.pack(str(photos), str(shards), max_size=size, progress=False)
+    if args.peers:
+        import remote_peers_run
+
+        return remote_peers_run.main(args, photos, shards)
     moto, endpoint = start_moto()
     procs = [moto]
     try:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # End to end on a fresh machine: photos -> shards -> info/verify -> one streamed epoch.
+#   ./scripts/demo.sh [--s3]
 # Work goes to $DEMO_DIR (default /tmp/shardkit-demo); its shards/ folder is rebuilt each run.
+# DEMO_IMAGES sets the number of photos (default 600); the tests run it on a few.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/_setup.sh
@@ -10,7 +12,7 @@ photos=$demo/photos
 shards=$demo/shards
 
 set -x
-python scripts/make_images.py "$photos" --images 600 --classes 6 --seed 0
+python scripts/make_images.py "$photos" --images "${DEMO_IMAGES:-600}" --classes 6 --seed 0
 rm -rf "$shards"
 shardkit pack "$photos" "$shards" --max-size 16MB --workers 2
 shardkit info "$shards"
@@ -25,7 +27,11 @@ if [[ ${1:-} == --s3 ]]; then
     moto_pid=$!
     trap 'kill $moto_pid' EXIT
     endpoint=http://127.0.0.1:$port
-    until curl -s "$endpoint/moto-api/" >/dev/null; do sleep 0.2; done
+    until curl -s "$endpoint/moto-api/" >/dev/null; do
+        kill -0 $moto_pid || { cat "$demo/moto.log"; exit 1; }  # it did not start
+        sleep 0.2
+    done
+    curl -sf -X PUT "$endpoint/demo" >/dev/null  # the bucket: pack never creates one (a typo would)
     export AWS_ACCESS_KEY_ID=demo AWS_SECRET_ACCESS_KEY=demo  # any credentials work with moto
     shardkit pack "$photos" s3://demo/photos --max-size 16MB --workers 2 -o endpoint_url="$endpoint"
     shardkit info s3://demo/photos -o endpoint_url="$endpoint"

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .reading.batching import collate
     from .reading.dataset import StreamingDataset
     from .reading.lmdb_dataset import LMDBDataset
+    from .reading.tar_dataset import TarDataset
 
 __all__ = [
     "CorruptShardError",
@@ -29,6 +30,7 @@ __all__ = [
     "ShardkitError",
     "SourceError",
     "StreamingDataset",
+    "TarDataset",
     "UnfinishedPackError",
     "build_index",
     "collate",
@@ -37,12 +39,20 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"LMDBDataset": "reading.lmdb_dataset", "StreamingDataset": "reading.dataset", "collate": "reading.batching"}
+_LAZY = {"LMDBDataset": "reading.lmdb_dataset", "StreamingDataset": "reading.dataset", "TarDataset": "reading.tar_dataset",
+         "collate": "reading.batching"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        try:
+            module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] != "torch":
+                raise
+            raise ModuleNotFoundError(f"shardkit.{name} reads through PyTorch, which is not installed: pip install "
+                                      "torch (the build you train with)", name="torch") from None
+        return getattr(module, name)
     raise AttributeError(f"module 'shardkit' has no attribute {name!r}")

@@ -9,9 +9,10 @@ number of shards), never to the dataset:
   blocks are permuted by `permute` (above 65,536 blocks a keyed Feistel network, which
   maps any block position to its block on its own). Only the short blocks are located up front (one per
   shard at most), which is what turns a sample position into a block position.
-- `window_order`: the shuffle of a worker's stream within windows of `window` samples,
-  each window permuted by hashes of its stream indices, so that any one window can be
-  recomputed alone (a resume needs the partial window of each worker, not the streams).
+- `window_order`: the shuffle of a worker's stream within windows of `window` samples
+  (the first ones smaller, see `ramp`), each window permuted by hashes of its stream
+  indices, so that any one window can be recomputed alone (a resume needs the partial
+  window of each worker, not the streams).
 - `Interleave`: which part of a mixture each position of a mixed epoch draws from. Part
   d's j-th draw sits at key (j + u) / counts[d], u = 0.5 (evenly spread) or a hash in
   [0, 1) (shuffled), positions in the order of the keys; a part's draws keep their order,
@@ -85,12 +86,21 @@ def permute(x: np.ndarray, n: int, keys: np.ndarray, inverse: bool = False) -> n
 
 class BlockOrder:
     """The global sequence of an epoch: `ids(positions)` gives the sample ids (0..T-1, shard
-    by shard) at those positions. `keys=None`: the samples in their own order."""
+    by shard) at those positions. `keys=None`: the samples in their own order. `block` is
+    one size for every shard, or each shard's (an array: a compressed shard is one block);
+    then the permuted blocks are kept as a table, memory proportional to the blocks."""
 
-    def __init__(self, counts: np.ndarray, block: int, keys: np.ndarray | None):
+    def __init__(self, counts: np.ndarray, block: int | np.ndarray, keys: np.ndarray | None):
         counts = np.asarray(counts, dtype=np.int64)
-        self.block, self.keys, self.total = block, keys, int(counts.sum())
+        self.keys, self.total = keys, int(counts.sum())
         self.first = np.cumsum(counts) - counts  # id of each shard's first sample
+        self._table: tuple[np.ndarray, np.ndarray] | None = None
+        if isinstance(block, np.ndarray):
+            self.block = 0
+            if keys is not None:
+                self._table = _block_table(counts, self.first, block, keys)
+            return
+        self.block = block
         nblocks = -(-counts // block)
         self.first_block = np.cumsum(nblocks) - nblocks
         self.blocks = int(nblocks.sum())
@@ -106,6 +116,11 @@ class BlockOrder:
         positions = np.array(positions, dtype=np.int64)  # a copy: the caller's stays theirs
         if self.keys is None or len(positions) == 0:
             return positions
+        if self._table is not None:
+            ends, first_ids = self._table
+            slot = np.searchsorted(ends, positions, side="right")
+            found: np.ndarray = first_ids[slot] + positions - np.append(0, ends)[slot]
+            return found
         # short blocks wholly before each position, searched among those of the positions' stretch
         lo, hi = np.searchsorted(self._short_end, [positions.min(), positions.max()], side="right")
         before = lo + np.searchsorted(self._short_end[lo:hi], positions, side="right")
@@ -121,6 +136,19 @@ class BlockOrder:
         return first
 
 
+def _block_table(counts: np.ndarray, first: np.ndarray, block: np.ndarray,
+                 keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks of `block[s]` samples of each shard s, permuted by `keys`: the position after
+    each block in the epoch, and its first sample."""
+    nblocks = -(-counts // np.maximum(block, 1))
+    size = np.repeat(block, nblocks)
+    within = np.arange(int(nblocks.sum()), dtype=np.int64) - np.repeat(np.cumsum(nblocks) - nblocks, nblocks)
+    starts = np.repeat(first, nblocks) + size * within
+    lengths = np.minimum(starts + size, np.repeat(first + counts, nblocks)) - starts
+    order = permute(np.arange(len(starts)), len(starts), keys)
+    return np.cumsum(lengths[order]), starts[order]
+
+
 def _once_each(x: np.ndarray, f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """f(x), computed once per value: over the stretch of values x spans where that is short
     (a worker's samples fill a stretch of blocks), else over x's distinct values."""
@@ -133,18 +161,43 @@ def _once_each(x: np.ndarray, f: Callable[[np.ndarray], np.ndarray]) -> np.ndarr
     return out
 
 
+def ramp(window: int) -> np.ndarray:
+    """Where a worker's first windows start: they grow from `window / 8`, doubling up to
+    `window` (the first batch then needs the bytes of two or three blocks, not of every
+    block a whole window spans); the last entry is where windows of `window` begin."""
+    starts, size = [0], max(1, window // 8)
+    while size < window:
+        starts.append(starts[-1] + size)
+        size *= 2
+    return np.array(starts, dtype=np.int64)
+
+
+def window_of(index: np.ndarray, window: int) -> np.ndarray:
+    """The window each stream index falls in (see `ramp`): 0, 1, ... in stream order."""
+    starts = ramp(window)
+    index = np.asarray(index, dtype=np.int64)
+    steady = starts[-1]
+    early = np.searchsorted(starts, index, side="right") - 1
+    out: np.ndarray = np.where(index < steady, early, len(starts) - 1 + (index - steady) // window)
+    return out
+
+
+def window_bounds(index: int, window: int) -> tuple[int, int]:
+    """The first stream index of the window that holds `index`, and the one after it."""
+    starts = ramp(window)
+    if index < starts[-1]:
+        w = int(np.searchsorted(starts, index, side="right")) - 1
+        return int(starts[w]), int(starts[w + 1])
+    first = int(starts[-1] + (index - starts[-1]) // window * window)
+    return first, first + window
+
+
 def window_order(k: np.uint64, start: int, stop: int, window: int) -> np.ndarray:
-    """Indices start..stop-1 of a stream (start a multiple of `window`) in shuffled order:
-    each window of `window` indices permuted, by hashes of the indices under key `k`."""
+    """Indices start..stop-1 of a stream (`start` the first of a window) in shuffled order:
+    each window (see `ramp`) permuted, by hashes of the indices under key `k`."""
     idx = np.arange(start, stop, dtype=np.int64)
-    h = hashed(k, idx)
-    whole = (stop - start) // window * window
-    out = np.empty_like(idx)
-    if whole:
-        rows = h[:whole].reshape(-1, window)
-        out[:whole] = (np.argsort(rows, axis=1, kind="stable") + np.arange(0, whole, window)[:, None]).ravel() + start
-    tail = np.argsort(h[whole:], kind="stable")
-    out[whole:] = idx[whole:][tail]
+    order = np.lexsort((hashed(k, idx), window_of(idx, window)))  # by window, then by hash within it
+    out: np.ndarray = idx[order]
     return out
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from .errors import ShardkitError, one_line, redact
+from .errors import SKIP_BAD, CorruptShardError, ShardkitError, one_line, redact
 from .units import format_size, parse_size
 
 
@@ -63,6 +63,11 @@ def _message(e: BaseException) -> str:
         last = text.rstrip().splitlines()[-1]
         text = last.partition(": ")[2] if re.match(r"[\w.]+: ", last) else last
     return one_line(text)
+
+
+def _in_cli_words(text: str) -> str:
+    """A reader's advice on bad samples as bench and preview take it."""
+    return text.replace(SKIP_BAD, "--on-error skip leaves bad samples out")
 
 
 def _output(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -125,7 +130,7 @@ storage_option = click.option(
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="shardkit")
+@click.version_option(None, "-V", "--version", package_name="shardkit")
 def main() -> None:
     """Pack image folders into WebDataset-compatible shards and inspect them."""
 
@@ -152,6 +157,11 @@ def main() -> None:
 @click.option("--decode-check", is_flag=True,
               help="Decode every image in full (a slower pack), so that a corrupt one is skipped now, not met in "
                    "training.")
+@click.option("--layout", type=click.Choice(["classes", "flat"]), default="classes", show_default=True,
+              help="Images in class folders (SRC/<class>/<image>), or anywhere under SRC without classes.")
+@click.option("--fields", default="", metavar="EXT,...",
+              help="More sidecar extensions to pack with each image (photo.depth.png: depth.png), besides txt, json, "
+                   "cls and seg.png.")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Run the per-shard jobs on a local process pool or as Ray tasks on a cluster.")
 @click.option("--ray-address", metavar="ADDRESS", help="Ray cluster to join (e.g. auto); default: a local one.")
@@ -163,9 +173,14 @@ def main() -> None:
 @_errors_to_exit
 def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | None, workers: int | None,
          shuffle: bool, seed: int, on_error: str, resize: int | None, quality: int | None, decode_check: bool,
-         executor: str,
+         layout: str, fields: str, executor: str,
          ray_address: str | None, overwrite: bool, quiet: bool, storage_options: tuple[str, ...]) -> None:
     """Pack the image folder SRC (SRC/<class>/<image>) into shards under DEST.
+
+    Files beside an image that share its name (photo.txt, photo.json, photo.cls,
+    photo.seg.png, and --fields) become fields of its sample. SRC may be a manifest
+    instead (train.csv or train.jsonl: an image path, relative to it, and label, caption
+    and other columns a row).
 
     SRC may also be a shardkit dataset (tar shards or an LMDB) to convert to --format;
     every sample is copied byte for byte, in order. Deterministic and safe to rerun: after
@@ -175,7 +190,6 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
     """
     from .formats.tar import RECORD
     from .packing.pack import pack as run_pack
-    from .packing.scan import HIDDEN
 
     if ray_address is not None and executor != "ray":
         raise click.UsageError("--ray-address needs --executor ray")
@@ -187,13 +201,13 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
     stats: dict[str, int] = {}
     idx = run_pack(src, dest, format=fmt, max_count=max_count, max_size=max_size, workers=workers,
                    shuffle=shuffle, seed=seed, on_error=on_error, resize=resize, quality=quality,
-                   decode_check=decode_check,
+                   decode_check=decode_check, layout=layout, fields=[f for f in fields.split(",") if f.strip()],
                    progress=None if not quiet else False, executor=executor, ray_address=ray_address,
                    storage_options=_storage_options(storage_options), overwrite=overwrite, stats=stats)
+    unusable, hidden = _sort_skipped(idx.skipped)
     if quiet:
-        unusable = sum(s.reason != HIDDEN for s in idx.skipped)
         if unusable:  # bad input is never silent, even here
-            click.echo(f"skipped {_plural(unusable, 'unusable file')} (shardkit info {dest} lists them)",
+            click.echo(f"skipped {_plural(len(unusable), 'unusable file')} (shardkit info {dest} lists them)",
                        err=True)
         return
     took = time.perf_counter() - start
@@ -210,17 +224,36 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
         kept = f"; {stats['kept']} kept from an earlier run" if stats["kept"] else ""
         click.echo(f"packed {samples} into {where} ({size}) in {took:.1f} s: "
                    f"{stats['written'] / took:.0f} source files/s{kept}")
-    if idx.skipped:
-        click.echo(f"skipped {_plural(len(idx.skipped), 'file')}:", err=True)
-        _list_skipped(idx.skipped, dest, err=True)
+    if unusable:
+        click.echo(f"skipped {_plural(len(unusable), 'file')}:", err=True)
+        _list_skipped(unusable, dest, err=True)
+    if hidden:
+        click.echo(f"ignored {_hidden(hidden)}", err=True)
+
+
+def _sort_skipped(skipped: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """(files left out as unusable, hidden entries left alone): .DS_Store is no bad input."""
+    from .packing.scan import HIDDEN
+
+    return [s for s in skipped if s.reason != HIDDEN], [s for s in skipped if s.reason == HIDDEN]
+
+
+def _shown(path: str) -> str:
+    return path if path.isprintable() else repr(path)  # a name with a newline in it stays on one line
 
 
 def _list_skipped(skipped: Sequence[Any], url: str, err: bool = False) -> None:
-    """The first ten files left out, a line each (a name with a newline in it shown quoted)."""
+    """The first ten files left out, a line each."""
     for s in skipped[:10]:
-        click.echo(f"  {s.path if s.path.isprintable() else repr(s.path)}: {s.reason}", err=err)
+        click.echo(f"  {_shown(s.path)}: {s.reason}", err=err)
     if len(skipped) > 10:
         click.echo(f"  ... and {len(skipped) - 10} more (shardkit info --json {url})", err=err)
+
+
+def _hidden(hidden: Sequence[Any]) -> str:
+    """'2 hidden entries (.DS_Store, a/.DS_Store)', the first three named."""
+    names = ", ".join(_shown(s.path) for s in hidden[:3]) + (", ..." if len(hidden) > 3 else "")
+    return f"{len(hidden)} hidden {'entry' if len(hidden) == 1 else 'entries'} ({names})"
 
 
 @main.command()
@@ -237,16 +270,29 @@ def info(url: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     if as_json:
         click.echo(idx.to_json(), nl=False)
         return
-    counts = [s.samples for s in idx.shards]
     click.echo(f"dataset:  {display(url)}")
     click.echo(f"format:   {idx.kind}, fields {', '.join(idx.fields)}")
     click.echo(f"samples:  {idx.samples}")
-    click.echo(f"shards:   {len(idx.shards)} ({min(counts, default=0)}-{max(counts, default=0)} samples each)")
+    if idx.kind == "tar":  # an LMDB is one file, not shards
+        click.echo(f"shards:   {_shard_counts([s.samples for s in idx.shards])}")
     click.echo(f"bytes:    {format_size(idx.bytes)}")
+    packed = sum(s.compression is not None for s in idx.shards)
+    if packed:
+        click.echo(f"compressed: {packed} of {len(idx.shards)} shards (gzip: read as streams, no random access)")
     names = ", ".join(idx.classes[:8]) + (", ..." if len(idx.classes) > 8 else "")
     click.echo(f"classes:  {len(idx.classes)}" + (f" ({names})" if idx.classes else ""))
-    click.echo(f"skipped:  {_plural(len(idx.skipped), 'file')}")
-    _list_skipped(idx.skipped, display(url))
+    unusable, hidden = _sort_skipped(idx.skipped)
+    click.echo(f"skipped:  {_plural(len(unusable), 'file')}")
+    _list_skipped(unusable, display(url))
+    if hidden:
+        click.echo(f"ignored:  {_hidden(hidden)}")
+
+
+def _shard_counts(counts: list[int]) -> str:
+    """'4 (310-315 samples each)', '4 (315 samples each)', '1 (315 samples)'."""
+    low, high = min(counts, default=0), max(counts, default=0)
+    each = _plural(high, "sample") if low == high else f"{low}-{high} samples"
+    return f"{len(counts)} ({each}{' each' * (len(counts) > 1)})"
 
 
 @main.command()
@@ -267,6 +313,7 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
     decoded too (damaged pixel data between intact ends passes the checks above), and
     each one that does not decode is named by shard, sample and field.
     """
+    from .index import LMDB_DATA_FILE
     from .storage import display
     from .tools.verify import undecodable
     from .tools.verify import verify as run_verify
@@ -277,31 +324,38 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
         raise click.UsageError("--decode reads through PyTorch, which is not installed: pip install torch")
 
     unhashed = []  # shards whose index entry has no sha256 (a hand-made index): their bytes go unchecked
+    checked: list[str] = []
 
     def report(info: Any, problem: str | None) -> None:
+        checked.append(info.name)
         unchecked = problem is None and info.sha256 is None and info.offsets is not None  # a tar shard (an LMDB has neither)
         if unchecked:
             unhashed.append(info.name)
         if not quiet and problem is None:
-            click.echo(f"ok   {info.name} ({info.samples} samples)" + (" (no sha256 in the index)" if unchecked else ""))
+            click.echo(f"ok   {info.name} ({_plural(info.samples, 'sample')})" +
+                       (" (no sha256 in the index)" if unchecked else ""))
 
     problems = run_verify(url, _storage_options(storage_options), on_shard=report)
+    lmdb = checked == [LMDB_DATA_FILE]  # an LMDB is one file, not shards
     for p in problems:
         click.echo(f"BAD  {p}", err=True)
     if problems:
         skipped = "; the images were not decoded" if decode else ""
-        raise click.ClickException(f"{len(problems)} bad shard(s) in {display(url)}{skipped}")
+        what = f"{LMDB_DATA_FILE} is bad" if lmdb else _plural(len(problems), "bad shard")
+        raise click.ClickException(f"{what} in {display(url)}{skipped}")
     if unhashed:
         click.echo(f"{_plural(len(unhashed), 'shard')} without a sha256 in the index: sizes, counts and offsets "
                    "match, their bytes were not checked", err=True)
     if not quiet:
-        click.echo("all shards match the index")
+        click.echo(f"{LMDB_DATA_FILE} matches the index" if lmdb else "all shards match the index")
     if decode:
         bad = undecodable(url, _storage_options(storage_options), workers)
         for p in bad:
             click.echo(f"BAD  {p}", err=True)
         if bad:
-            raise click.ClickException(f"images that do not decode in {display(url)}: {len(bad)}")
+            raise click.ClickException(f"images that do not decode in {display(url)}: {len(bad)} (readers leave them "
+                                       'out with on_error="skip", bench and preview with --on-error skip; '
+                                       "`shardkit pack --decode-check` keeps them out of a pack)")
         if not quiet:
             click.echo("every image decodes")
 
@@ -313,23 +367,33 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
 @click.option("--upgrade", is_flag=True,
               help="Rewrite an index.json of version 1 as version 2 (sample offsets in a file beside it), reading "
                    "no shard.")
+@click.option("--versions", is_flag=True,
+              help="Only record each remote shard's current version (ETag, generation) in an existing index.json, "
+                   "for a dataset copied elsewhere: one listing, no shard read.")
 @storage_option
 @_errors_to_exit
-def index_cmd(url: str, force: bool, upgrade: bool, storage_options: tuple[str, ...]) -> None:
-    """Write index.json for .tar shards made by another tool (webdataset, plain tar)."""
+def index_cmd(url: str, force: bool, upgrade: bool, versions: bool, storage_options: tuple[str, ...]) -> None:
+    """Write index.json for tar shards (.tar, .tar.gz, .tgz) made by another tool (webdataset,
+    plain tar), with each remote shard's version, which readers check to catch a shard
+    replaced under its name."""
     from dataclasses import replace
 
     from . import index, storage
     from .sources import build_index, shard_urls
 
     opts = _storage_options(storage_options)
+    if upgrade + force + versions > 1:
+        raise click.UsageError("--upgrade rewrites index.json as it is, --versions records the shards' versions in "
+                               "it, --force rebuilds it from the shards: give one")
     if upgrade:
-        if force:
-            raise click.UsageError("--upgrade rewrites index.json as it is, --force rebuilds it from the shards: "
-                                   "give one")
         _upgrade(url, opts)
         return
     old = None
+    if versions:
+        idx = index.pinned(index.load(url, opts), url, opts)
+        index.save(idx, url, opts)
+        click.echo(f"recorded the versions of {_plural(sum(s.version is not None for s in idx.shards), 'shard')}")
+        return
     if storage.exists(storage.join(url, index.INDEX_NAME), opts):
         if not force:
             raise click.ClickException(f"{storage.join(url, index.INDEX_NAME)} exists (use --force to rebuild)")
@@ -337,7 +401,7 @@ def index_cmd(url: str, force: bool, upgrade: bool, storage_options: tuple[str, 
             old = index.load(url, opts)
     else:
         index.check_finished(url, opts)  # a shardkit pack's own shards: finished by rerunning it, not indexed
-    idx = build_index(shard_urls(url, opts), opts)
+    idx = index.pinned(build_index(shard_urls(url, opts), opts), url, opts)
     if old is not None and old.kind == "tar":  # what the shards cannot tell; not the plan, which vouches for bytes
         idx = replace(idx, classes=old.classes, skipped=old.skipped)
     index.save(idx, url, opts)
@@ -448,8 +512,8 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
                         transform=transform, batches=batches, passes=passes, warmup=warmup, step_ms=step_ms,
                         storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error],
                         progress=progress)
-    except (ValueError, TypeError) as e:  # results that do not batch (images of several sizes), from a worker
-        raise click.ClickException(_message(e)) from None
+    except (ValueError, TypeError) as e:  # results that do not batch (images of several sizes), a bad sample
+        raise click.ClickException(_in_cli_words(_message(e))) from None
     click.echo(json.dumps(doc, indent=2) if as_json else format_report(doc))  # before the plot: a failed
     if plot:  # write costs no result
         write_plot(doc, plot)
@@ -478,12 +542,15 @@ def preview(url: str, n: int, out: str, transform: Any, decode: str, seed: int, 
     """
     from .tools.preview import render_preview
 
-    result = render_preview(url, n=n, out=out, transform=transform, decode=decode, seed=seed, tile=tile,
-                            storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error])
+    try:
+        result = render_preview(url, n=n, out=out, transform=transform, decode=decode, seed=seed, tile=tile,
+                                storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error])
+    except CorruptShardError as e:
+        raise click.ClickException(_in_cli_words(_message(e))) from None
     cols, rows = result["grid"]
     width, height = result["size"]
-    skipped = f", {result['skipped']} bad samples skipped" if result["skipped"] else ""
-    click.echo(f"wrote {out}: {result['samples']} samples, {cols}x{rows} grid, {width}x{height} px{skipped}")
+    skipped = f", {_plural(result['skipped'], 'bad sample')} skipped" if result["skipped"] else ""
+    click.echo(f"wrote {out}: {_plural(result['samples'], 'sample')}, {cols}x{rows} grid, {width}x{height} px{skipped}")
 
 
 def _exit_on_second_ctrl_c() -> None:

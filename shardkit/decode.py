@@ -6,9 +6,12 @@ uint8 torch tensors ("tensor"). The other fields follow webdataset's default dec
 strs. Anything else stays bytes: members are never unpickled or passed to torch.load.
 
 Decoding less: `resized` / `resized_tensor` decode an image straight to its training size
-(shorter side to `size`, then a center crop) in one resampling step, letting libjpeg scale
-down in the DCT domain first; `image_transform(size, crop)` packages that as a picklable
-transform for `StreamingDataset(decode="raw", transform=...)`.
+(shorter side to `size`, then a center crop), letting libjpeg scale down in the DCT domain
+first; `image_transform(size, crop)` packages that as a picklable transform for
+`StreamingDataset(decode="raw", transform=...)`.
+
+JPEG takes the fast path of `jpeg.py` ("rgb8" and "tensor" decode to PIL's very pixels,
+resizing uses PIL's filters on torch's kernels); everything else, and `backend="pil"`, is PIL's.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import numpy as np
 import orjson
 from PIL import Image, UnidentifiedImageError
 
+from . import jpeg
 from .errors import FieldError, describe
 
 MODES = ("raw", "pil", "rgb8", "tensor")
+BACKENDS = ("auto", "pil")  # auto: the fast path for JPEG, PIL for the rest
 IMAGE_FIELDS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "pbm", "pnm", "tif", "tiff", "gif"})
 _INT_FIELDS = ("cls", "cls2", "index", "inx", "id")  # webdataset's decoders (its docstring lists more)
 _JSON_FIELDS = ("json", "jsn")
@@ -38,8 +43,8 @@ _LONG_DIGITS = re.compile(rb"\d{19}")  # orjson reads integers past 64 bits as f
 
 def _kind(field: str) -> str:
     """What a field holds, by WebDataset's rule: its last extension, in lower case
-    (`seg.png` and `JPG` are images)."""
-    return field.rsplit(".", 1)[-1].lower()
+    (`seg.png` and `JPG` are images), before a `.gz` (which the readers inflate)."""
+    return field.lower().removesuffix(".gz").rsplit(".", 1)[-1]
 
 
 def sample_dict(key: str, url: str, fields: Mapping[str, bytes]) -> dict[str, Any]:
@@ -51,6 +56,20 @@ def sample_dict(key: str, url: str, fields: Mapping[str, bytes]) -> dict[str, An
     if len(sample) != len(fields) + 2:
         raise FieldError(f"members {sorted(fields)} name the same field once in lower case")
     return sample
+
+
+def packed_from(sample: Mapping[str, Any]) -> str:
+    """' (packed from PATH)': the file a sample was made from, for messages about it, as its
+    json field records it (`shardkit pack` writes {"class": ..., "path": PATH relative to
+    SRC}); '' where the sample does not say. Its json may be decoded already, or not."""
+    meta = sample.get("json")
+    if isinstance(meta, (bytes, bytearray, memoryview)):
+        try:
+            meta = _json(bytes(meta))
+        except ValueError:  # not json: the sample says nothing of its source
+            return ""
+    path = meta.get("path") if isinstance(meta, dict) else None
+    return f" (packed from {path})" if isinstance(path, str) else ""
 
 
 def _json(value: bytes) -> Any:
@@ -116,7 +135,27 @@ def _tensor(data: bytes) -> Any:
     return _chw(_pil(data))
 
 
+def _fast_rgb8(data: bytes) -> np.ndarray:
+    hwc = jpeg.decode(data)
+    return _rgb8(data) if hwc is None else hwc
+
+
+def _fast_tensor(data: bytes) -> Any:
+    hwc = jpeg.decode(data)
+    if hwc is None:
+        return _tensor(data)
+    import torch
+
+    return torch.from_numpy(hwc.transpose(2, 0, 1).copy())
+
+
 _IMAGE: dict[str, Callable[[bytes], Any]] = {"pil": _pil, "rgb8": _rgb8, "tensor": _tensor}
+_FAST: dict[str, Callable[[bytes], Any]] = {"rgb8": _fast_rgb8, "tensor": _fast_tensor}
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
 
 
 @functools.cache
@@ -128,16 +167,19 @@ def warm_up() -> None:
     buf = io.BytesIO()
     Image.new("RGB", (16, 16)).save(buf, "JPEG")
     np.asarray(_pil(buf.getvalue()).resize((8, 8), BILINEAR))
+    jpeg.decode(buf.getvalue())  # imports simplejpeg before the fork
 
 
-def decoder(mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """A function decoding one sample's fields in place. Raises ValueError for unknown modes."""
+def decoder(mode: str, backend: str = "auto") -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A function decoding one sample's fields in place (images by the fast path for JPEG
+    unless `backend="pil"`). Raises ValueError for unknown modes and backends."""
     if mode not in MODES:
         raise ValueError(f"decode must be one of {MODES}, not {mode!r}")
+    _check_backend(backend)
     warm_up()
     handlers: dict[str, Callable[[bytes], Any]] = {
         **dict.fromkeys(_INT_FIELDS, int), **dict.fromkeys(_JSON_FIELDS, _json), **dict.fromkeys(_TEXT_FIELDS, _text)}
-    image = _IMAGE.get(mode)
+    image = (_FAST.get(mode) if backend == "auto" else None) or _IMAGE.get(mode)
     if image is not None:
         handlers.update(dict.fromkeys(IMAGE_FIELDS, image))
 
@@ -189,7 +231,8 @@ def _pair(size: Size) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else size
 
 
-def _check(size: Size, crop: Size | None, reducing_gap: float | None) -> None:
+def _check(size: Size, crop: Size | None, reducing_gap: float | None, backend: str = "auto") -> None:
+    _check_backend(backend)
     if reducing_gap is not None and not (math.isfinite(reducing_gap) and reducing_gap >= 1.0):
         raise ValueError(f"reducing_gap must be None or at least 1.0, not {reducing_gap!r}")
     if min(_pair(size)) < 1 or (crop is not None and min(_pair(crop)) < 1):
@@ -216,13 +259,39 @@ def geometry(source: tuple[int, int], size: Size, crop: Size | None = None
     if crop is None:
         return (rw, rh), (rw, rh), (0.0, 0.0, float(w), float(h))
     cw, ch = _pair(crop)
-    left, top = int(round((rw - cw) / 2.0)), int(round((rh - ch) / 2.0))
+    left, top = _offset((rw, rh), (cw, ch))
     sx, sy = w / rw, h / rh
     return (rw, rh), (cw, ch), (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
 
 
+def _offset(full: tuple[int, int], out: tuple[int, int]) -> tuple[int, int]:
+    """(left, top) of a center crop to `out` from an image of size `full`."""
+    return int(round((full[0] - out[0]) / 2.0)), int(round((full[1] - out[1]) / 2.0))
+
+
+def _fast_resized(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop: Size | None, resample: int,
+                  reducing_gap: float | None, backend: str) -> Any:
+    """`resized` by the fast path, as an HWC uint8 tensor (a view), or None where it is PIL's
+    to do: decoded in the DCT domain to at least `reducing_gap` times the resized size, then
+    resized in full with PIL's antialiased filter and cropped (torchvision's Resize and
+    CenterCrop)."""
+    if backend != "auto" or isinstance(data, Image.Image) or not jpeg.can_resize(resample):
+        return None
+    source = jpeg.header(data)
+    if source is None:
+        return None
+    full, out, _ = geometry(source, size, crop)
+    # as much as PIL's draft asks for; all of it without a reducing_gap
+    at_least = None if reducing_gap is None else (int(full[0] * reducing_gap), int(full[1] * reducing_gap))
+    image = jpeg.resized(data, full, at_least, resample)
+    if image is None:
+        return None
+    left, top = _offset(full, out)
+    return image[top:top + out[1], left:left + out[0]]
+
+
 def resized(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop: Size | None = None, *,
-            resample: int = BILINEAR, reducing_gap: float | None = 2.0) -> Image.Image:
+            resample: int = BILINEAR, reducing_gap: float | None = 2.0, backend: str = "auto") -> Image.Image:
     """Decode an image and return it resized so its shorter side is `size` (or to exactly
     `size` = (width, height)), center-cropped to `crop` (an int for a square), as RGB.
 
@@ -232,8 +301,15 @@ def resized(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop
     PIL's `reducing_gap` pre-reduction (a box filter by whole factors) applies to what is
     still larger than that. As in PIL's `thumbnail`, 2.0 stays within a few levels of the
     exact two-step result, larger is closer and slower, None resamples the full image exactly.
+
+    A JPEG takes the fast path (see `jpeg.py`) where torch is installed and `resample` is
+    bilinear or bicubic, unless `backend="pil"`: decoded in the DCT domain as above, then
+    resized exactly, within a level of PIL's pixels on average.
     """
-    _check(size, crop, reducing_gap)
+    _check(size, crop, reducing_gap, backend)
+    fast = _fast_resized(data, size, crop, resample, reducing_gap, backend)
+    if fast is not None:
+        return Image.fromarray(np.ascontiguousarray(fast.numpy()))
     img = data if isinstance(data, Image.Image) else open_image(data)
     source = img.size
     full, out, box = geometry(source, size, crop)
@@ -247,9 +323,13 @@ def resized(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop
 
 
 def resized_tensor(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop: Size | None = None, *,
-                   resample: int = BILINEAR, reducing_gap: float | None = 2.0) -> Any:
+                   resample: int = BILINEAR, reducing_gap: float | None = 2.0, backend: str = "auto") -> Any:
     """`resized` as a CHW uint8 torch tensor."""
-    return _chw(resized(data, size, crop, resample=resample, reducing_gap=reducing_gap))
+    _check(size, crop, reducing_gap, backend)
+    fast = _fast_resized(data, size, crop, resample, reducing_gap, backend)
+    if fast is not None:
+        return fast.permute(2, 0, 1).contiguous()
+    return _chw(resized(data, size, crop, resample=resample, reducing_gap=reducing_gap, backend="pil"))
 
 
 def is_image(field: str) -> bool:
@@ -271,11 +351,11 @@ class ImageTransform:
     """
 
     def __init__(self, size: Size = 256, crop: Size | None = 224, *, field: str | None = None, label: str = "cls",
-                 resample: int = BILINEAR, reducing_gap: float | None = 2.0):
-        _check(size, crop, reducing_gap)
+                 resample: int = BILINEAR, reducing_gap: float | None = 2.0, backend: str = "auto"):
+        _check(size, crop, reducing_gap, backend)
         self.size, self.crop = _size(size), None if crop is None else _size(crop)
         self.field, self.label = field, label
-        self.resample, self.reducing_gap = int(resample), reducing_gap
+        self.resample, self.reducing_gap, self.backend = int(resample), reducing_gap, backend
 
     def __call__(self, sample: dict[str, Any]) -> tuple[Any, Any]:
         field = self.field or image_field(sample)
@@ -287,7 +367,8 @@ class ImageTransform:
             raise TypeError(f"image_transform decodes the image itself: it takes samples read with decode='raw' "
                             f"(or 'pil'), not a {type(image).__module__}.{type(image).__name__}")
         try:
-            tensor = resized_tensor(image, self.size, self.crop, resample=self.resample, reducing_gap=self.reducing_gap)
+            tensor = resized_tensor(image, self.size, self.crop, resample=self.resample, reducing_gap=self.reducing_gap,
+                                    backend=self.backend)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # PIL's words for bad data
             raise FieldError(f"field {field!r}: {describe(e)}") from e  # bad data: named and skippable by the reader
         if self.label not in sample:
@@ -302,5 +383,6 @@ class ImageTransform:
 def image_transform(size: Size = 256, crop: Size | None = 224, **options: Any) -> ImageTransform:
     """A picklable transform for `StreamingDataset(decode="raw", transform=...)`: the
     sample's image, resized so its shorter side is `size` and center-cropped to `crop`, as a
-    CHW uint8 tensor, paired with its `cls`. Options: field, label, resample, reducing_gap."""
+    CHW uint8 tensor, paired with its `cls`. Options: field, label, resample, reducing_gap,
+    backend ("pil" for PIL's exact pixels; see `resized`)."""
     return ImageTransform(size, crop, **options)

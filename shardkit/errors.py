@@ -47,6 +47,11 @@ def describe(e: BaseException) -> str:
     return one_line(e) if isinstance(e, FieldError) else f"{type(e).__name__}: {one_line(e)}"
 
 
+# How to get past bad samples, said by the readers' errors (the CLI says SKIP_BAD in its own words)
+SKIP_BAD = 'on_error="skip" leaves bad samples out'
+FIND_BAD = "`shardkit verify --decode` lists every bad sample, `shardkit pack --decode-check` keeps them out of a pack"
+
+
 class FieldError(ValueError):
     """A sample's field that its decoder refused (or a transform decoding it, such as
     `image_transform`), named with the decoder's error. Bad data, but not a ShardkitError:

@@ -1,8 +1,10 @@
 """index.json: the manifest a reader needs before it touches a shard.
 
-It lists every shard with its sample count, byte size and sha256, plus totals, field names,
-class names and the files the packer skipped. Versioned: a reader refuses an index from a
-newer format loudly instead of misreading it.
+It lists every shard with its sample count, byte size, sha256 and (optionally) its version:
+what the store changes when the object is replaced (S3's ETag, GCS's generation), which
+readers check so that a shard replaced under its name is caught at its first read. Plus
+totals, field names, class names and the files the packer skipped. Versioned: a reader
+refuses an index from a newer format loudly instead of misreading it.
 
 - Version 2 (written since shardkit 0.2): a tar dataset's per-sample byte offsets live in a
   binary sidecar beside index.json (sidecar.py), named under "offsets", so index.json grows
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import os
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -29,6 +32,7 @@ from . import sidecar, storage
 from .errors import CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, UnfinishedPackError
 from .storage import StorageOptions
 
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # tar shards in a folder, by name (gzip is told by its first bytes)
 LMDB_DATA_FILE = "data.mdb"  # the lmdb library's name for its data file: a folder holding one is an LMDB
 INDEX_NAME = "index.json"
 PROGRESS_DIR = ".shardkit-progress"  # a tar pack's records of finished shards, until index.json commits
@@ -36,24 +40,31 @@ FORMAT = "shardkit"
 VERSION = 2
 READS = (1, 2)  # the versions this shardkit reads
 _PER_SAMPLE = ("keys", "sizes")  # an LMDB index's per-sample lists, in `extra`
-_SHARD_KEYS = {"name", "samples", "bytes", "sha256", "offsets"}
+_SHARD_KEYS = {"name", "samples", "bytes", "sha256", "offsets", "compression", "version"}
 
 
 @dataclass(frozen=True)
 class ShardInfo:
     """One shard. `offsets` has samples + 1 entries: sample i is bytes [offsets[i], offsets[i+1]).
-    They are kept as an `array("q")`: 8 bytes a sample, where a tuple of ints takes ~40."""
+    They are kept as an `array("q")`: 8 bytes a sample, where a tuple of ints takes ~40.
+    A `compression` ("gzip") shard is a stream: its offsets are in the tar inside, `bytes`
+    and `sha256` are the compressed file's."""
 
     name: str
     samples: int
     bytes: int
     sha256: str | None = None
     offsets: Sequence[int] | None = field(default=None, hash=False)
+    compression: str | None = None
+    version: dict[str, Any] | None = field(default=None, hash=False)  # storage.pin_of's: {"etag": ...}
     extra: tuple[tuple[str, Any], ...] = field(default=(), hash=False)  # fields of the entry not named above
 
     def __post_init__(self) -> None:
         if self.samples < 0 or self.bytes < 0:
             raise CorruptShardError(f"{self.name}: index lists {self.samples} samples of {self.bytes} bytes")
+        if self.compression not in (None, "gzip"):
+            raise CorruptShardError(f"{self.name}: index lists compression {self.compression!r}, this shardkit reads "
+                                    "gzip only")
         if self.offsets is None:
             return
         if not (isinstance(self.offsets, array) and self.offsets.typecode == "q"):
@@ -62,13 +73,23 @@ class ShardInfo:
             raise CorruptShardError(
                 f"{self.name}: index lists {len(self.offsets)} offsets for {self.samples} samples"
             )
-        _check_offsets(self.name, np.asarray(self.offsets, dtype=np.int64), self.bytes)
+        size = None if self.compression else self.bytes  # the inflated tar's size is not recorded
+        _check_offsets(self.name, np.asarray(self.offsets, dtype=np.int64), size)
+
+    def __repr__(self) -> str:  # the offsets by their count: a shard's repr printed every one
+        offsets = None if self.offsets is None else f"<{len(self.offsets)} offsets>"
+        return (f"ShardInfo(name={self.name!r}, samples={self.samples}, bytes={self.bytes}, sha256={self.sha256!r}, "
+                f"offsets={offsets!s})")
 
     def to_json(self, offsets: bool = False) -> dict[str, Any]:
         """The entry of index.json; with `offsets`, as version 1 wrote it (offsets inside)."""
         out: dict[str, Any] = {"name": self.name, "samples": self.samples, "bytes": self.bytes}
         if self.sha256 is not None:
             out["sha256"] = self.sha256
+        if self.compression is not None:
+            out["compression"] = self.compression
+        if self.version is not None:
+            out["version"] = self.version
         if offsets and self.offsets is not None:
             out["offsets"] = list(self.offsets)
         return {**out, **dict(self.extra)}
@@ -81,14 +102,33 @@ class ShardInfo:
             bytes=int(d["bytes"]),
             sha256=d.get("sha256"),
             offsets=d.get("offsets"),
+            compression=d.get("compression"),
+            version=_version(d.get("version"), d["name"]),
             extra=() if d.keys() <= _SHARD_KEYS else tuple((k, v) for k, v in d.items() if k not in _SHARD_KEYS),
         )
 
 
-def _check_offsets(name: str, table: np.ndarray, size: int) -> None:
-    """Offsets that could not come from a shard of `size` bytes fail here, when the index is
-    read, rather than as a confusing read error in a worker halfway through an epoch."""
-    if table[0] < 0 or table[-1] > size:
+def _version(found: Any, name: str) -> dict[str, Any] | None:
+    if found is not None and not (isinstance(found, dict) and len(found) == 1
+                                  and isinstance(next(iter(found.values())), (str, int))):
+        raise CorruptShardError(f"{name}: index lists version {found!r}, not one mark such as {{\"etag\": ...}}")
+    return found
+
+
+def pinned(index: Index, url: str, storage_options: StorageOptions | None = None) -> Index:
+    """`index` with each shard's current version (one listing of the dataset's folder), for
+    readers to check; a tar index only (an LMDB is read from a local copy)."""
+    if index.kind != "tar":
+        return index
+    found = storage.pins(url, [s.name for s in index.shards], storage_options)
+    return replace(index, shards=tuple(replace(s, version=v) for s, v in zip(index.shards, found)))
+
+
+def _check_offsets(name: str, table: np.ndarray, size: int | None) -> None:
+    """Offsets that could not come from a shard of `size` bytes (None: any size) fail here,
+    when the index is read, rather than as a confusing read error in a worker halfway
+    through an epoch."""
+    if table[0] < 0 or (size is not None and table[-1] > size):
         raise CorruptShardError(f"{name}: index offsets run from {table[0]} to {table[-1]}, outside the shard's "
                                 f"{size} bytes")
     bad = np.flatnonzero(table[1:] <= table[:-1])
@@ -278,6 +318,8 @@ def find(url: str, storage_options: StorageOptions | None = None) -> Index | Non
 def load(url: str, storage_options: StorageOptions | None = None) -> Index:
     """Read DATASET/index.json; where there is none, say what the folder may be instead."""
     found = find(url, storage_options)
+    if found is None and storage.is_local(url) and not os.path.isdir(storage.local_path(url)):
+        raise DatasetNotFoundError(f"{url}: no such folder")  # the readers' words for it
     if found is None:
         raise DatasetNotFoundError(f"{storage.join(url, INDEX_NAME)}: no such index ({_guess(url, storage_options)})")
     return found
@@ -299,7 +341,7 @@ def _guess(url: str, storage_options: StorageOptions | None) -> str:
         names = []
     if LMDB_DATA_FILE in names:
         return "an LMDB pack that has not finished, or whose index.json was removed: rerun the same `shardkit pack`"
-    if any(n.endswith(".tar") for n in names):
+    if any(n.endswith(SHARD_SUFFIXES) for n in names):
         return f"tar shards from another tool: `shardkit index {storage.display(url)}` writes one"
     return "not a shardkit dataset?"
 

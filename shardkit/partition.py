@@ -15,7 +15,10 @@ proportional to that part; nothing is shared or negotiated between processes.
    so every rank has the same per-worker sizes and hence the same number of batches. When
    the dataset batches (B samples a batch), the parts are whole batches: ceil(R / B) per
    rank whatever N, only the last one short.
-4. Within a worker, with shuffle, each window of `window` samples is permuted.
+4. Within a worker, with shuffle, each window of `window` samples is permuted. The first
+   windows are smaller (`window / 8`, doubling up to `window`): the first batch then needs
+   the bytes of two or three blocks, not of every block a whole window spans (1024
+   ImageNet-sized samples are ~100 MB, which a remote first batch would otherwise wait for).
 
 Everything here works on positions in the sequence (`worker_positions`); the dataset turns
 them into samples. Resume: a worker's stream is known in advance, so "k samples yielded"
@@ -77,9 +80,10 @@ def worker() -> tuple[int, int]:
 
 
 def epoch_order(counts: Sequence[int] | np.ndarray, *, seed: int, epoch: int, shuffle: bool,
-                block: int) -> blockplan.BlockOrder:
+                block: int | np.ndarray) -> blockplan.BlockOrder:
     """The global sequence of an epoch over shards of `counts` samples (sample ids 0..T-1,
-    shard by shard), as a lookup by position."""
+    shard by shard), as a lookup by position. `block` is one size for every shard, or each
+    shard's (a compressed shard's block is all of it)."""
     keys = blockplan.key(seed, epoch, 0x5EED, n=blockplan.ROUNDS) if shuffle else None
     return blockplan.BlockOrder(np.asarray(counts, dtype=np.int64), block, keys)
 
@@ -179,12 +183,12 @@ def remaining(total: int, layout: Layout, progress: Progress) -> np.ndarray:
     for w, k in enumerate(progress.yielded):
         lo, hi = worker_bounds(r, layout.num_workers, w, layout.batch)
         k = min(k, hi - lo)
-        whole = k // layout.window * layout.window if _windowed(layout) else k
+        whole, end = blockplan.window_bounds(k, layout.window) if _windowed(layout) else (k, k)
         first = np.arange(layout.world_size, dtype=np.int64) * r + lo  # each rank's first position of w
         starts.append(first)
         stops.append(first + whole)
         if k > whole:  # the partial window: its first k - whole positions in shuffled order
-            end = min(whole + layout.window, hi - lo)
+            end = min(end, hi - lo)
             for rank in range(layout.world_size):
                 part = blockplan.window_order(_window_key(layout, rank, w), whole, end, layout.window)[: k - whole]
                 starts.append(first[rank] + part)

@@ -1,11 +1,22 @@
-"""Read-ahead: keep several byte-range reads in flight on background threads while the
-worker decodes, bounded by a count and a byte budget. Format- and storage-blind: it takes a
-fetch function, so tests can hand it one that sleeps or fails.
+"""Read-ahead: keep byte-range reads in flight on background threads while the worker
+decodes, bounded by a count and a byte budget. Format- and storage-blind: it takes a fetch
+function, so tests can hand it one that sleeps or fails.
 
-The number of reads in flight adapts by Little's law: in flight = arrival rate x latency,
-where the arrival rate is how fast the consumer takes ranges and the latency is how long
-a fetch takes (both moving averages). A slow store (high first-byte latency) gets more
-reads in flight, a fast one fewer; never more than `depth`.
+How many reads are in flight adapts, so that read-ahead never costs the consumer:
+
+- The read the consumer needs next is always the oldest one sent, and reading starts with
+  one read alone: the first block gets the whole bandwidth, not a share of it.
+- From there it ramps up, one more read at a time, towards what Little's law asks for:
+  in flight = arrival rate x latency, the arrival rate being how fast the consumer takes
+  ranges and the latency how long a fetch takes (moving averages). A slow store gets more
+  reads in flight, a fast one fewer; never more than `depth`.
+- A store that says it is overloaded (`pressure` counts its throttled answers) halves the
+  ceiling on reads in flight; each read taken without one raises it by 1/ceiling (AIMD, as
+  TCP does), so a throttled store sees fewer requests until it copes.
+
+With `streaming`, a fetch may hand over what it fetches before it is done (bytes arriving
+into a buffer the consumer reads from as they come: stream-through); it counts as in
+flight until it returns.
 
 Results come back in request order. A failed fetch is re-raised in the consumer, at the
 position of the request that failed. Closing the iterator cancels what is queued; a fetch
@@ -39,28 +50,28 @@ class _Threads:
 
     def __init__(self, n: int):
         self._n = n
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], None]] | None] = queue.SimpleQueue()
         for i in range(n):
             threading.Thread(target=self._work, name=f"shardkit-prefetch_{i}", daemon=True).start()
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        fut: Future[T] = Future()
+    def run(self, fut: Future[Any], fn: Callable[[], None]) -> None:
+        """Run `fn` (which settles `fut` and raises nothing) unless `fut` is cancelled first."""
         self._jobs.put((fut, fn))
-        return fut
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             fut, fn = job
             if fut.set_running_or_notify_cancel():  # False: cancelled while queued
-                try:
-                    fut.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-                    fut.set_exception(e)
+                fn()
 
     def shutdown(self) -> None:
         """Let the threads end once they are done with what they run now."""
         for _ in range(self._n):
             self._jobs.put(None)
+
+
+def _ignore(data: Any) -> None:
+    pass
 
 
 class Prefetcher(Generic[R, D]):
@@ -72,84 +83,120 @@ class Prefetcher(Generic[R, D]):
     threads=False issues the fetches `depth` requests ahead but in the consumer's thread:
     right when a fetch only starts the I/O and returns (posix_fadvise WILLNEED on a local file),
     where a thread hand-off would cost more than it hides.
+    streaming=True calls `fetch(request, hand_over)` (see the module docstring).
+    `pressure()`, if given, counts the store's throttled answers so far.
     """
 
-    def __init__(self, requests: Iterable[R], fetch: Callable[[R], D], size: Callable[[R], int], *,
-                 depth: int, budget: int, threads: bool = True):
+    def __init__(self, requests: Iterable[R], fetch: Callable[..., D], size: Callable[[R], int], *,
+                 depth: int, budget: int, threads: bool = True, streaming: bool = False,
+                 pressure: Callable[[], int] | None = None):
         if depth < 0 or budget < 1:
             raise ValueError("depth must be >= 0 and budget >= 1")
         self._requests = iter(requests)
-        self._fetch, self._size = fetch, size
+        self._fetch, self._size, self._streaming, self._pressure = fetch, size, streaming, pressure
         self.depth, self.budget, self.threads = depth, budget, threads
-        self.target = depth  # reads to keep in flight now (adapted)
+        self.target = min(depth, 1)  # reads to keep in flight now (adapted): one to start with
+        self.ceiling = float(depth)  # lowered when the store throttles (AIMD)
         self.latency_s = 0.0  # moving average of one fetch
-        self.interval_s = 0.0  # moving average of the time between the consumer's takes
+        self.interval_s = 0.0  # moving average of the consumer's time on one range
         self._pool: _Threads | None = None
-        self._pending: deque[tuple[R, Future[tuple[D, float]]]] = deque()
+        self._pending: deque[tuple[R, Future[D], threading.Event]] = deque()  # sent, not yet taken
+        self._streaming_on: list[threading.Event] = []  # fetches taken and still streaming
+        self._latencies: queue.SimpleQueue[float] = queue.SimpleQueue()  # of fetches done, from their threads
+        self._pressed = 0  # the pressure seen at the last take
         self._held = 0  # bytes of requests submitted and not yet handed to the consumer
         self._next: R | None = None  # the request to submit next, once the budget allows
 
-    def _timed(self, req: R) -> tuple[D, float]:
+    def _get(self, req: R) -> D:
+        return self._fetch(req, _ignore) if self._streaming else self._fetch(req)
+
+    def _run(self, req: R, out: Future[D], done: threading.Event) -> None:
+        """One fetch, on a read-ahead thread: `out` gets what it hands over (or returns, or
+        raises; an error after the hand-over is the handed-over object's to carry), `done`
+        is set when it returns."""
         start = time.perf_counter()
-        data = self._fetch(req)
-        return data, time.perf_counter() - start
+        try:
+            data = self._fetch(req, out.set_result) if self._streaming else self._fetch(req)
+            if not out.done():
+                out.set_result(data)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            if not out.done():
+                out.set_exception(e)
+        finally:
+            self._latencies.put(time.perf_counter() - start)
+            done.set()
 
     def __iter__(self) -> Iterator[tuple[R, D]]:
         if self.depth == 0:
             for req in self._requests:
-                yield req, self._fetch(req)
+                yield req, self._get(req)
             return
         if not self.threads:
             yield from self._ahead_in_place()
             return
         self._pool = _Threads(self.depth)
-        last = time.perf_counter()
         try:
             while True:
                 self._fill()
                 if not self._pending:
                     return
-                req, fut = self._pending.popleft()
-                data, took = fut.result()
+                req, fut, done = self._pending.popleft()
+                data = fut.result()
+                self._streaming_on.append(done)
                 self._held -= self._size(req)
-                now = time.perf_counter()
-                self._adapt(took, now - last)
-                last = now
+                handed = time.perf_counter()
                 yield req, data
+                self._adapt(time.perf_counter() - handed)
         finally:
             self.close()
 
     def _ahead_in_place(self) -> Iterator[tuple[R, D]]:
         ahead: deque[tuple[R, D]] = deque()
         for req in self._requests:
-            ahead.append((req, self._fetch(req)))
+            ahead.append((req, self._get(req)))
             if len(ahead) > self.depth:
                 yield ahead.popleft()
         yield from ahead
 
-    def _adapt(self, latency: float, interval: float) -> None:
-        self.latency_s += _ALPHA * (latency - self.latency_s) if self.latency_s else latency
-        self.interval_s += _ALPHA * (interval - self.interval_s) if self.interval_s else interval
-        wanted = math.ceil(self.latency_s / max(self.interval_s, 1e-6)) + 1
-        self.target = max(1, min(self.depth, wanted))
+    def _adapt(self, busy: float) -> None:
+        """After the consumer spent `busy` seconds on a range (waiting for a streaming
+        range's bytes included, waiting for the next range not)."""
+        while not self._latencies.empty():
+            latency = self._latencies.get()
+            self.latency_s += _ALPHA * (latency - self.latency_s) if self.latency_s else latency
+        self.interval_s += _ALPHA * (busy - self.interval_s) if self.interval_s else busy
+        pressed = self._pressure() if self._pressure is not None else 0
+        if pressed > self._pressed:  # throttled since the last take: halve
+            self.ceiling = max(1.0, self.ceiling / 2)
+        else:
+            self.ceiling = min(float(self.depth), self.ceiling + 1 / self.ceiling)
+        self._pressed = pressed
+        wanted = math.ceil(self.latency_s / max(self.interval_s, 1e-6)) + 1 if self.latency_s else 1
+        self.target = max(1, min(self.target + 1, wanted, int(self.ceiling)))  # up one at a time, down at once
 
     def _fill(self) -> None:
-        """Submit requests while under the target depth and the byte budget: a request that
-        would take what is held past the budget waits, unless nothing is held."""
-        while len(self._pending) < self.target:
+        """Submit requests while fewer than the target are in flight and under the byte
+        budget: a request that would take what is held past the budget waits, unless
+        nothing is held. The consumer waits for the next range only once it has taken all
+        sent: that one is sent then, whatever streams on."""
+        self._streaming_on = [done for done in self._streaming_on if not done.is_set()]
+        while not self._pending or len(self._pending) + len(self._streaming_on) < self.target:
             if self._next is None:
                 self._next = next(self._requests, None)
             req = self._next
             if req is None or (self._pending and self._held + self._size(req) > self.budget):
                 return
             assert self._pool is not None
-            self._pending.append((req, self._pool.submit(functools.partial(self._timed, req))))
+            out: Future[D] = Future()
+            done = threading.Event()
+            self._pool.run(out, functools.partial(self._run, req, out, done))
+            self._pending.append((req, out, done))
             self._held += self._size(req)
             self._next = None
 
     def close(self) -> None:
         """Stop: queued fetches are cancelled, running ones finish in the background."""
-        for _, fut in self._pending:
+        for _, fut, _ in self._pending:
             fut.cancel()
         self._pending.clear()
         if self._pool is not None:

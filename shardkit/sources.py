@@ -13,8 +13,8 @@ from typing import BinaryIO
 
 from . import checks, index, storage
 from .errors import (AccessDeniedError, BadRequestError, CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, UnfinishedPackError)
+from .formats import gzip, tar
 from .formats import lmdb as lmdb_format
-from .formats import tar
 from .index import Index, ShardInfo
 from .storage import StorageOptions
 
@@ -45,14 +45,19 @@ class ShardScan:
 
 
 def scan_shard(url: str, storage_options: StorageOptions | None = None) -> ShardScan:
-    """Read a whole shard: sample count, offsets, fields, size and sha256."""
+    """Read a whole shard: sample count, offsets, fields, size and sha256. A gzip-compressed
+    one (told by its first bytes) is inflated as it is read, to its end: its CRC checked."""
     with storage.open_read(url, storage_options) as f:
         h = _Hashing(f)
-        found = tar.scan(h, url)
+        stream, compressed = gzip.open_stream(h, storage.display(url))
+        found = tar.scan(stream, url)
+        while stream.read(8 << 20):
+            pass
         h.drain()
     if not h.count:  # what a failed copy leaves; tar and Python's tarfile refuse it too
         raise CorruptShardError(f"{storage.display(url)}: an empty file (0 bytes), not a tar archive")
-    info = ShardInfo(url.rsplit("/", 1)[-1], len(found.keys), h.count, h.sha.hexdigest(), tuple(found.offsets))
+    info = ShardInfo(url.rsplit("/", 1)[-1], len(found.keys), h.count, h.sha.hexdigest(), tuple(found.offsets),
+                     "gzip" if compressed else None)
     return ShardScan(info, frozenset(found.fields))
 
 
@@ -82,8 +87,8 @@ def build_index(urls: Sequence[str], storage_options: StorageOptions | None = No
 
 
 def shard_urls(url: str, storage_options: StorageOptions | None = None) -> list[str]:
-    """The .tar files directly under a folder or prefix, sorted."""
-    names = [n for n in storage.listdir(url, storage_options) if n.endswith(".tar")]
+    """The tar files (.tar, .tar.gz, .tgz) directly under a folder or prefix, sorted."""
+    names = [n for n in storage.listdir(url, storage_options) if n.endswith(index.SHARD_SUFFIXES)]
     if not names:
         if storage.is_local(url) and not os.path.isdir(storage.local_path(url)):
             raise DatasetNotFoundError(f"{url}: no such folder")
@@ -108,7 +113,7 @@ def resolve(source: str | Iterable[str], storage_options: StorageOptions | None 
             or (data is not None and isinstance(source, data.Dataset))):
         raise TypeError(f"source must be a dataset folder or URL, a brace pattern or a list of shard paths or URLs, "
                         f"not a {type(source).__name__}")
-    if isinstance(source, str) and not source.endswith(".tar") and "{" not in source:
+    if isinstance(source, str) and not source.endswith(index.SHARD_SUFFIXES) and "{" not in source:
         try:
             idx = index.find(source, storage_options)  # one read, no existence check first
         except UnfinishedPackError:

@@ -36,7 +36,7 @@ BIN = Path(sys.executable).parent
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 BUCKET = "shardkit-test"
 READY_S = 30.0
-PROXY_OPTIONS = ("reset_prob", "reset_max_bytes", "stall_prob", "seed")
+PROXY_OPTIONS = ("reset_prob", "reset_max_bytes", "stall_prob", "throttle_prob", "throttle_status", "seed")
 
 # Run a command so that the kernel SIGTERMs it when the test process dies (Linux): even a pytest
 # killed with SIGKILL leaves no server behind.
@@ -269,15 +269,19 @@ class ProxyControl:
         return answer
 
     def set(self, name: str, value: float) -> None:
-        """name: latency_ms, reset_prob, reset_max_bytes or stall_prob."""
+        """name: latency_ms, reset_prob, reset_max_bytes, stall_prob, throttle_prob or throttle_status."""
         self._send(f"set {name} {value}")
+
+    def storm(self, seconds: float, prob: float) -> None:
+        """Throttle (503 or 429, as throttle_status says) `prob` of the GETs for `seconds`."""
+        self._send(f"storm {seconds} {prob}")
 
     def reset_all(self) -> None:
         """Send an RST to every live client connection."""
         self._send("reset_all")
 
     def stats(self) -> dict:
-        """Counters (connections, active, resets, stalls, bytes, bytes_up) and current settings."""
+        """Counters (connections, active, resets, stalls, throttled, bytes, bytes_up) and current settings."""
         return json.loads(self._send("stats"))
 
 

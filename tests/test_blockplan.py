@@ -82,15 +82,35 @@ def test_unshuffled_block_order_is_the_samples_own() -> None:
 
 
 def test_window_order_permutes_within_windows_and_each_window_alone() -> None:
+    """Windows of 80 start at 10 samples and double: 10, 20, 40, then 80 each."""
+    assert blockplan.ramp(80).tolist() == [0, 10, 30, 70]
     k = blockplan.key(3)[0]
-    stream = blockplan.window_order(k, 0, 103, 10)
-    assert sorted(stream.tolist()) == list(range(103))
-    for start in range(0, 103, 10):
-        window = stream[start : start + 10]
-        assert sorted(window.tolist()) == list(range(start, min(start + 10, 103)))
-        assert np.array_equal(window, blockplan.window_order(k, start, min(start + 10, 103), 10))
-    assert not np.array_equal(stream, np.arange(103))
-    assert not np.array_equal(stream, blockplan.window_order(blockplan.key(4)[0], 0, 103, 10))
+    stream = blockplan.window_order(k, 0, 403, 80)
+    assert sorted(stream.tolist()) == list(range(403))
+    bounds = [0, 10, 30, 70, 150, 230, 310, 390, 403]
+    for start, stop in zip(bounds, bounds[1:]):
+        window = stream[start:stop]
+        assert sorted(window.tolist()) == list(range(start, stop))
+        assert np.array_equal(window, blockplan.window_order(k, start, stop, 80))
+        for i in (start, stop - 1):
+            assert blockplan.window_bounds(i, 80) == (start, stop if stop < 403 else 470)
+    assert blockplan.window_of(np.array([0, 9, 10, 69, 70, 149, 150]), 80).tolist() == [0, 0, 1, 2, 3, 3, 4]
+    assert not np.array_equal(stream, np.arange(403))
+    assert not np.array_equal(stream, blockplan.window_order(blockplan.key(4)[0], 0, 403, 80))
+
+
+def test_block_order_with_a_block_per_shard_keeps_each_block_whole() -> None:
+    """A compressed shard is one block: its samples come together, in order; the others in
+    blocks of 4, and the whole is a permutation."""
+    counts, block = np.array([10, 7, 9, 0, 5]), np.array([4, 7, 4, 4, 5])
+    keys = blockplan.key(11, n=blockplan.ROUNDS)
+    ids = blockplan.BlockOrder(counts, block, keys).ids(np.arange(int(counts.sum())))
+    assert sorted(ids.tolist()) == list(range(31))
+    assert not np.array_equal(ids, np.arange(31))
+    where = {int(i): p for p, i in enumerate(ids)}
+    assert [where[i] for i in range(10, 17)] == list(range(where[10], where[10] + 7))  # shard 1 whole
+    assert [where[i] for i in range(26, 31)] == list(range(where[26], where[26] + 5))  # shard 4 whole
+    assert np.array_equal(ids[5:9], blockplan.BlockOrder(counts, block, keys).ids(np.arange(5, 9)))
 
 
 def whole_mix(counts: list[int], keys: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import tarfile
 import sys
@@ -40,6 +41,32 @@ def test_pack_info_verify(run, photos: Path, tmp_path: Path) -> None:  # type: i
     assert doc["samples"] == 30 and len(doc["shards"]) == 4
     result = run("verify", out)
     assert result.exit_code == 0 and "all shards match the index" in result.output
+
+
+def test_the_summaries_say_what_they_count(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Shard sizes without '8-8', an LMDB not called shards, a Finder's .DS_Store not counted
+    among the skipped files, a missing folder named as bench names it, -V."""
+    (photos / "circle" / ".DS_Store").write_bytes(b"x")
+    (photos / "circle" / "notes.txt").write_text("not an image")
+    for max_count, line in (("30", "shards:   1 (30 samples)\n"), ("10", "shards:   3 (10 samples each)\n"),
+                            ("8", "shards:   4 (7-8 samples each)\n")):
+        out = tmp_path / f"by-{max_count}"
+        result = run("pack", photos, out, "--max-count", max_count)
+        assert result.output.endswith("skipped 1 file:\n  circle/notes.txt: not an image file extension\n"
+                                      "ignored 1 hidden entry (circle/.DS_Store)\n"), result.output
+        said = run("info", out).output
+        assert line in said and said.endswith("skipped:  1 file\n  circle/notes.txt: not an image file extension\n"
+                                              "ignored:  1 hidden entry (circle/.DS_Store)\n"), said
+    run("pack", photos, tmp_path / "db", "--format", "lmdb", "-q")
+    assert "shards:" not in run("info", tmp_path / "db").output
+    assert run("verify", tmp_path / "db").output == "ok   data.mdb (30 samples)\ndata.mdb matches the index\n"
+    for command in ("info", "verify", "bench"):
+        result = run(command, tmp_path / "nope")
+        assert (result.exit_code, result.output) == (1, f"Error: {tmp_path / 'nope'}: no such folder\n")
+    assert run("-V").output == run("--version").output == f"main, version {shardkit.__version__}\n"
+    info = shardkit.index.load(str(tmp_path / "by-10")).shards[0]
+    assert repr(info) == f"ShardInfo(name='shard-000000.tar', samples=10, bytes={info.bytes}, sha256={info.sha256!r}, " \
+                         "offsets=<11 offsets>)"
 
 
 def test_verify_fails_naming_the_shard(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -83,7 +110,7 @@ def test_on_error_fail_exits_nonzero(run, photos: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, code, text", [
     (["pack", "/nonexistent/photos", "/tmp/x"], 1, "Error: /nonexistent/photos: no such folder"),
     (["pack", ".", "/tmp/x", "--max-size", "lots"], 2, "not a size"),
-    (["info", "/nonexistent/shards"], 1, "no such index"),
+    (["info", "/nonexistent/shards"], 1, "Error: /nonexistent/shards: no such folder"),
     (["pack", ".", "/tmp/x", "-o", "novalue"], 2, "expected key=value"),
 ])
 def test_errors_are_one_line(run, args, code: int, text: str) -> None:  # type: ignore[no-untyped-def]
@@ -176,8 +203,11 @@ def test_verify_decode_names_images_that_do_not_decode(run, photos: Path, tmp_pa
     result = run("verify", out, "--decode", "--workers", "2")
     assert result.exit_code == 1, result.output
     bad = [line for line in result.output.splitlines() if line.startswith("BAD  ")]
-    assert len(bad) == 1 and re.search(r"sample '\d+': field 'png': cannot decode image", bad[0]), result.output
-    assert result.output.endswith(f"images that do not decode in {out}: 1\n")
+    assert len(bad) == 1 and re.search(r"sample '\d+' \(packed from circle/damaged\.png\): field 'png': cannot decode "
+                                       "image", bad[0]), result.output
+    assert result.output.endswith(f"images that do not decode in {out}: 1 (readers leave them out with "
+                                  'on_error="skip", bench and preview with --on-error skip; `shardkit pack '
+                                  '--decode-check` keeps them out of a pack)\n')
 
 
 def test_index_command_for_foreign_shards(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -325,8 +355,8 @@ def test_a_file_name_with_a_newline_is_listed_on_one_line(run, photos: Path, tmp
     (lambda t: (t / "db").mkdir() or (t / "db" / "data.mdb").write_bytes(b"x"), ["{photos}", "{t}/db"],
      "db: holds an LMDB dataset: pack tar shards into another folder"),
     (lambda t: (t / "wds").mkdir() or (t / "wds" / "a-000.tar").write_bytes(b""), ["{t}/wds", "{t}/out"],
-     "wds: no class folders (expected SRC/<class>/<image>); tar shards from another tool are converted once "
-     "`shardkit index"),
+     "wds: no class folders (expected SRC/<class>/<image>; images without classes: --layout flat); tar shards from "
+     "another tool are converted once `shardkit index"),
 ])
 def test_pack_errors_say_what_to_do(run, photos: Path, tmp_path: Path, setup, args: list[str], text: str) -> None:  # type: ignore[no-untyped-def]
     setup(tmp_path)
@@ -407,6 +437,17 @@ def test_commands_that_need_torch_say_so_without_it(photos: Path, tmp_path: Path
         assert proc.returncode == code, proc.stderr
         if code:
             assert proc.stderr == "Error: this command reads through PyTorch, which is not installed: pip install torch\n"
+
+
+def test_the_readers_say_to_install_torch_without_it() -> None:
+    """`from shardkit import StreamingDataset` (or LMDBDataset, collate) without PyTorch: one
+    line saying what to install, still a ModuleNotFoundError for `except ImportError`."""
+    for name in ("StreamingDataset", "LMDBDataset", "collate"):
+        code = f"import sys; sys.modules['torch'] = None\ntry:\n    from shardkit import {name}\n" \
+               "except ModuleNotFoundError as e:\n    print(e.name, e)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert out == f"torch shardkit.{name} reads through PyTorch, which is not installed: pip install torch " \
+                      "(the build you train with)\n"
 
 
 def test_verify_says_which_shards_it_could_not_hash(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -491,7 +532,10 @@ def test_a_second_ctrl_c_exits_at_once_in_the_command_only(tmp_path: Path, mode:
     KeyboardInterrupt each time, as Python does."""
     script = tmp_path / "ctrl_c.py"
     script.write_text(_CTRL_C)
-    result = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60)
+    # Ctrl-C at Python's default, as in a terminal's foreground job, whatever this suite was started
+    # with (a background job `./scripts/test.sh &` ignores SIGINT, and its children inherit that)
+    result = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert (result.returncode, result.stderr.strip()) == (code, said)
 
 

@@ -83,7 +83,7 @@ def test_large_jpegs_are_decoded_scaled_down(photos: dict, monkeypatch: pytest.M
     grey = io.BytesIO()
     Image.open(io.BytesIO(data)).convert("L").save(grey, "JPEG", quality=90)
     decoded.clear()
-    img = resized(grey.getvalue(), 128, 112)  # a grey JPEG goes through convert("RGB")
+    img = resized(grey.getvalue(), 128, 112, backend="pil")  # a grey JPEG goes through convert("RGB")
     assert img.mode == "RGB" and img.size == (112, 112)
     # DCT scaling by 1/4 keeps at least 2 x 128 px of the shorter side (1100-1300 px)
     assert decoded == [((source[0] + 3) // 4, (source[1] + 3) // 4)]
@@ -144,8 +144,8 @@ def test_image_transform_on_a_raw_stream(packed: Path) -> None:
     raw = next(iter(StreamingDataset(str(packed), decode="raw")))
     image, label = transform(raw)
     assert label == raw["cls"] and np.array_equal(image.numpy(), images[0].numpy())
-    pil = next(iter(StreamingDataset(str(packed), decode="pil")))  # decoded samples work too
-    assert np.array_equal(transform(pil)[0].numpy(), images[0].numpy())
+    pil = next(iter(StreamingDataset(str(packed), decode="pil")))  # decoded samples work too (by PIL's resize)
+    assert np.abs(transform(pil)[0].numpy().astype(int) - images[0].numpy()).max() <= 1
     with pytest.raises(FieldError, match="no image field"):  # bad data: the reader names it, or skips it
         transform({"__key__": "x", "cls": 1})
     with pytest.raises(FieldError, match="has no field 'cls' for the label"):

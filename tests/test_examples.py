@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+import shardkit
+from conftest import CLASSES, draw
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
@@ -31,6 +34,41 @@ def test_train_local(packed: Path, tmp_path: Path) -> None:
     out = run(example("train_local.py", packed, "--epochs", 1, "--workers", 2, "--batch-size", 16), tmp_path)
     assert "8 batches of up to 16 per epoch, 3 classes, 2 workers" in out
     assert re.search(r"epoch 0: 120 samples in [\d.]+ s = \d+ samples/s, loss [\d.]+", out), out
+
+
+@pytest.fixture(scope="module")
+def other_formats(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An ImageFolder of PNG, WebP and GIF images (each its own field: no jpg), 3 classes x 6."""
+    root = tmp_path_factory.mktemp("formats")
+    for label, name in enumerate(CLASSES):
+        for i in range(6):
+            fmt = ("PNG", "WEBP", "GIF")[i % 3]
+            draw(root / "photos" / name / f"{i}.{fmt.lower()}", label, seed=i, fmt=fmt)
+    return root / "photos"
+
+
+@pytest.mark.timeout(120)
+def test_train_local_takes_any_image_format(other_formats: Path, tmp_path: Path) -> None:
+    shardkit.pack(str(other_formats), str(tmp_path / "shards"), workers=1, progress=False)
+    out = run(example("train_local.py", tmp_path / "shards", "--epochs", 1, "--workers", 1, "--batch-size", 8),
+              tmp_path)
+    assert re.search(r"epoch 0: 18 samples in [\d.]+ s = \d+ samples/s", out), out
+
+
+@pytest.mark.timeout(120)
+def test_stream_demo_takes_another_tools_label_field(other_formats: Path, tmp_path: Path) -> None:
+    """Shards of another tool (no index.json) whose class is in `cls2`: --label cls2."""
+    import tarfile
+
+    (tmp_path / "wds").mkdir()
+    with tarfile.open(tmp_path / "wds" / "part-000.tar", "w") as tar:
+        for i, path in enumerate(sorted(other_formats.rglob("*.*"))):
+            (tmp_path / f"{i}.cls2").write_text(str(CLASSES.index(path.parent.name)))
+            tar.add(path, f"{i:04d}{path.suffix}")
+            tar.add(tmp_path / f"{i}.cls2", f"{i:04d}.cls2")
+    out = run(example("stream_demo.py", tmp_path / "wds", "--batch-size", 8, "--workers", 1, "--label", "cls2"),
+              tmp_path)
+    assert "classes: {0: 6, 1: 6, 2: 6}" in out
 
 
 @pytest.mark.timeout(120)

@@ -18,6 +18,7 @@ LAYERS: list[dict[str, str]] = [
     {"storage": "storage"},
     {"sidecar": "sidecar"},
     {"index": "index"},
+    {"jpeg": "jpeg"},
     {"formats": "formats", "partition": "partition", "ranges": "ranges", "prefetch": "prefetch", "decode": "decode"},
     {"sources": "sources"},
     {"packing": "packing", "reading": "reading"},

@@ -311,9 +311,10 @@ def test_bad_samples_and_wrong_folders_are_named(photos: Path, tmp_path: Path) -
     shardkit.pack(str(photos), str(out), format="lmdb", shuffle=False, progress=False)
     ds = LMDBDataset(str(out), decode="tensor")
     keys = shardkit.index.load(str(out)).extra["keys"]
-    with pytest.raises(CorruptShardError, match=f"photos.lmdb: sample {keys[3]}: field .jpg.: OSError"):
+    said = rf"photos.lmdb: sample {keys[3]} \(packed from circle/img_0003\.jpg\): field .jpg.: OSError"
+    with pytest.raises(CorruptShardError, match=said):
         ds[3]
-    with pytest.raises(CorruptShardError, match=f"photos.lmdb: sample {keys[3]}: field .jpg.: OSError") as err:
+    with pytest.raises(CorruptShardError, match=said) as err:
         list(StreamingDataset(str(out), decode="tensor"))
     assert "at byte" not in str(err.value)  # an LMDB sample has a key, not an offset
     shardkit.pack(str(photos), str(tmp_path / "shards"), progress=False)

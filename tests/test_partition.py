@@ -124,14 +124,17 @@ def test_batched_worker_bounds_split_whole_batches() -> None:
 
 
 def test_worker_stream_window_shuffle_permutes_only_within_windows() -> None:
+    """Windows start small (a first batch needs few blocks) and double up to `window`."""
     seq = global_sequence([40, 33, 27], seed=5, epoch=1, shuffle=True, block=8)
     plain = worker_stream(seq, layout(2, 3, shuffle=False), 1, 2)
     mixed = worker_stream(seq, layout(2, 3, window=6), 1, 2)
     again = worker_stream(seq, layout(2, 3, window=6), 1, 2)
     assert np.array_equal(mixed, again)  # reproducible
     assert not np.array_equal(mixed, plain)
-    for start in range(0, len(plain), 6):
-        assert sorted(mixed[start : start + 6]) == sorted(plain[start : start + 6])
+    start, size = 0, 1  # windows of 6 // 8 (at least 1), doubling up to 6: 1, 2, 4, 6, 6, ...
+    while start < len(plain):
+        assert sorted(mixed[start : start + size]) == sorted(plain[start : start + size])
+        start, size = start + size, min(6, 2 * size)
     # the input sequence is left untouched
     assert np.array_equal(seq, global_sequence([40, 33, 27], seed=5, epoch=1, shuffle=True, block=8))
 
@@ -199,7 +202,9 @@ def test_shuffle_mixes_classes_of_a_class_sorted_dataset() -> None:
         windows = [set(classes[i : i + 32].tolist()) for i in range(0, len(ids) - 31, 32)]
         assert len(windows) >= 7
         assert min(len(w) for w in windows) >= 2, (rank, worker)
-        assert np.mean([len(w) for w in windows]) >= 3, (rank, worker)
+        # (2.25: the first windows are 1/8 and 1/4 of the window, two or three blocks each;
+        # 2.4-2.6 by the draw)
+        assert np.mean([len(w) for w in windows]) >= 2.25, (rank, worker)
     # the same check fails without shuffling: the test does tell the two apart
     plain = global_sequence(counts, seed=0, epoch=0, shuffle=False, block=64)
     ids = worker_stream(plain, layout(2, 2, shuffle=False), 0, 0)

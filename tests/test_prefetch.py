@@ -128,6 +128,85 @@ def test_depth_adapts_to_latency() -> None:
     assert q.target <= 3
 
 
+def test_reading_starts_with_one_read_alone() -> None:
+    """The first range gets the whole bandwidth: nothing else is sent until it is taken."""
+    started: list[int] = []
+    first_done = threading.Event()
+
+    def fetch(i: int) -> int:
+        started.append(i)
+        if i == 0:
+            time.sleep(0.05)
+            first_done.set()
+        return i
+
+    p = Prefetcher(range(20), fetch, lambda i: 1, depth=8, budget=100)
+    it = iter(p)
+    assert next(it) == (0, 0) and started == [0]
+    assert [r for r, _ in it] == list(range(1, 20))
+
+
+def test_streaming_hands_over_before_the_fetch_ends() -> None:
+    """A streaming fetch's consumer starts on what it handed over while the fetch goes on;
+    the next range is sent once the consumer asks for it."""
+    release = threading.Event()
+    log: list[str] = []
+
+    def fetch(i: int, hand_over) -> str:  # type: ignore[no-untyped-def]
+        hand_over(f"buffer {i}")
+        if i == 0:
+            release.wait(5)
+        log.append(f"end {i}")
+        return "unused"
+
+    it = iter(Prefetcher(range(3), fetch, lambda i: 1, depth=4, budget=100, streaming=True))
+    assert next(it) == (0, "buffer 0") and log == []  # handed over, still fetching
+    release.set()
+    assert [d for _, d in it] == ["buffer 1", "buffer 2"]
+    assert "end 0" in log
+
+
+def test_throttling_halves_the_reads_in_flight_then_they_grow_back() -> None:
+    throttled = 0
+
+    def slow(i: int) -> int:
+        time.sleep(0.02)
+        return i
+
+    p = Prefetcher(range(400), slow, lambda i: 1, depth=16, budget=10**9, pressure=lambda: throttled)
+    seen = []
+    for i, _ in p:
+        time.sleep(0.001)
+        if i in (40, 41, 42):  # the store throttles three times in a row
+            throttled += 1
+        seen.append((p.ceiling, p.target))
+    assert seen[39][1] >= 8  # ramped up
+    assert seen[43][0] <= 16 / 8 + 0.5 and seen[43][1] <= 2  # 16 -> 8 -> 4 -> 2
+    assert seen[-1][0] > seen[43][0] + 3  # additive increase since
+
+
+def test_a_stream_through_buffer_gives_bytes_as_they_arrive() -> None:
+    """A read waits for its own bytes only; a shard that ends early gives fewer; an error
+    stops only the reads past what had arrived."""
+    from shardkit.storage.streams import Arriving
+
+    buf = Arriving(100, 200)
+    buf.write(b"a" * 30)
+    assert buf.read_at(10, 110) == b"a" * 10  # the rest has not come yet
+    threading.Timer(0.05, lambda: (buf.write(b"b" * 70), buf.finish())).start()
+    assert buf.read_at(20, 120) == b"a" * 10 + b"b" * 10  # waited for its bytes
+    short = Arriving(0, 10)
+    short.write(b"xyz")
+    short.finish(end=3)
+    assert short.read_at(10, 0) == b"xyz" and short.read_at(4, 5) == b""
+    failed = Arriving(0, 10)
+    failed.write(b"xyz")
+    failed.finish(error=OSError("reset"))
+    assert failed.read_at(3, 0) == b"xyz"
+    with pytest.raises(OSError, match="reset"):
+        failed.read_at(4, 0)
+
+
 def test_coalesce_merges_back_to_back_samples_only() -> None:
     shard = np.array([0, 0, 0, 1, 1, 0])
     starts = np.array([0, 10, 20, 0, 10, 40])
@@ -136,6 +215,21 @@ def test_coalesce_merges_back_to_back_samples_only() -> None:
     plan = list(plan)
     assert [(r.shard, r.start, r.stop, r.samples) for r in plan] == [(0, 0, 20, 2), (0, 20, 30, 1), (1, 0, 20, 2), (0, 40, 50, 1)]
     assert range_of.tolist() == [0, 0, 1, 2, 2, 3]
+
+
+def test_blocks_back_to_back_in_the_stream_and_the_shard_are_read_as_one_range() -> None:
+    """An unshuffled stream's blocks are merged up to max_bytes (plus a block); blocks that
+    are not next to each other in their shard, or read in another order, are not."""
+    first = np.array([0, 20, 30])
+    offsets = np.concatenate([np.arange(21) * 10, np.arange(11) * 10])  # samples of 10 bytes
+    plan, range_of = ranges.blocks(np.arange(30), first, offsets, block=4, max_bytes=100)
+    assert [(r.shard, r.start, r.stop, r.samples) for r in plan] == [
+        (0, 0, 80, 8), (0, 80, 200, 12), (1, 0, 100, 10)]  # cut where a block ends past each 100 bytes of the run
+    assert range_of.tolist() == [0] * 8 + [1] * 12 + [2] * 10
+    ids = np.array([4, 5, 6, 7, 0, 1, 2, 3, 8])  # block 1, then 0, then 2: none merges with the one before
+    plan, range_of = ranges.blocks(ids, first, offsets, block=4, max_bytes=1000)
+    assert [(r.start, r.stop) for r in plan] == [(40, 80), (0, 40), (80, 120)]  # whole blocks
+    assert range_of.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2]
 
 
 def test_blocks_read_each_block_once_in_order_of_need() -> None:

@@ -212,12 +212,17 @@ def broken(photos: Path, tmp_path: Path) -> tuple[Path, str, str]:
     return dataset, shard, key
 
 
-def test_undecodable_image_raises_naming_the_shard(broken: tuple[Path, str, str]) -> None:
+def test_undecodable_image_raises_naming_the_shard_sample_source_and_fix(broken: tuple[Path, str, str]) -> None:
+    """The shard, the sample, the file it was packed from (its json) and how to get past it."""
     dataset, shard, key = broken
     assert len(run(StreamingDataset(str(dataset)), 0)) == 30  # raw bytes are not decoded
     for workers in (0, 2):
         err = failure(StreamingDataset(str(dataset), decode="pil"), workers)
-        assert isinstance(err, CorruptShardError) and shard in str(err)
+        said = str(err).splitlines()[-1]  # a worker's error comes back with its traceback
+        assert isinstance(err, CorruptShardError), err
+        assert re.search(rf"{re.escape(shard)}: sample {key} at byte \d+ \(packed from \w+/img_\d+\.jpg\): field 'jpg': "
+                         r"UnidentifiedImageError: .*; on_error=\"skip\" leaves bad samples out; `shardkit verify "
+                         r"--decode` lists every bad sample, `shardkit pack --decode-check` keeps them out of a pack$", said), said
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -236,7 +241,8 @@ def test_undecodable_image_skipped_keeps_the_count(broken: tuple[Path, str, str]
         with caplog.at_level("WARNING", logger="shardkit"):
             list(ds)
         (said,) = [r.getMessage() for r in caplog.records if r.name == "shardkit"]
-        assert re.match(rf"skipped \S+{re.escape(shard)}: sample {key} at byte \d+: field 'jpg': ", said), said
+        assert re.match(rf"skipped \S+{re.escape(shard)}: sample {key} at byte \d+ \(packed from \w+/img_\d+\.jpg\): "
+                        "field 'jpg': ", said), said
     # under two ranks as well: both ranks still yield len(ds)
     per_rank, skipped = [], 0
     for rank in range(2):
@@ -268,7 +274,8 @@ def test_image_transform_finds_bad_data_as_decode_does(broken: tuple[Path, str, 
     # does not match its index)
     shardkit.index.save(shardkit.build_index(sorted(str(p) for p in dataset.glob("*.tar"))), str(dataset))
     shardkit.pack(str(dataset), str(tmp_path / "db"), format="lmdb", progress=False)
-    with pytest.raises(CorruptShardError, match=f"db: sample {key}: field 'jpg': UnidentifiedImageError"):
+    with pytest.raises(CorruptShardError, match=rf"db: sample {key} \(packed from \w+/img_\d+\.jpg\): field 'jpg': "
+                       r"UnidentifiedImageError: .*; `shardkit verify --decode` lists every bad sample"):
         [x for x in LMDBDataset(str(tmp_path / "db"), transform=augment)]
 
     def buggy(sample: dict) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ def test_pack_to_remote_then_stream_it(remote: dict, photos: Path, tmp_path: Pat
     url, opts = remote["url"] + "/ds", remote["storage_options"]
     local = shardkit.pack(str(photos), str(tmp_path / "local"), max_count=7, workers=1, progress=False)
     idx = shardkit.pack(str(photos), url, max_count=7, workers=2, progress=False, storage_options=opts)
-    assert idx.to_json() == local.to_json()  # the same bytes, wherever they go
+    # the same bytes, wherever they go; a store's shards carry their versions
+    assert replace(idx, shards=tuple(replace(s, version=None) for s in idx.shards)).to_json() == local.to_json()
+    assert all(s.version for s in idx.shards) and not any(s.version for s in local.shards)
     assert shardkit.verify(url, opts) == []
     assert sorted(shardkit.storage.listdir(url, opts)) == sorted(["index.json", idx.sidecar.file,
                                                                  *(s.name for s in idx.shards)])
@@ -200,21 +203,6 @@ def test_cache_too_small_for_the_read_ahead(s3: dict, packed: Path, tmp_path: Pa
         StreamingDataset(str(packed), cache_dir=str(tmp_path / "file"))
 
 
-def test_every_sample_exactly_once_through_resets(s3: dict, s3_server: str, packed: Path, latency_proxy) -> None:  # type: ignore[no-untyped-def]
-    import fsspec.core
-
-    fs, root = fsspec.core.url_to_fs(s3["url"] + "/ds", **s3["storage_options"])
-    fs.put(str(packed), root, recursive=True)
-    proxied, control = latency_proxy(s3_server, latency_ms=5, seed=1)
-    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
-    ds = StreamingDataset(s3["url"] + "/ds", storage_options=opts, shuffle=True, block=4)
-    control.set("reset_prob", 0.15)
-    control.set("reset_max_bytes", 2_000)  # mostly partway through a body
-    got = keys(ds, workers=2)
-    assert sorted(got) == sorted(set(got)) and len(got) == 120
-    assert control.stats()["resets"] > 0  # faults really happened
-
-
 def test_a_store_down_for_seconds_mid_epoch_loses_nothing(s3: dict, s3_server: str, packed: Path, latency_proxy,  # type: ignore[no-untyped-def]
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A dataset's reads get retries spanning ~21 s on average (a restart, a blip); reading
@@ -285,7 +273,8 @@ def test_a_stalled_connection_fails_in_bounded_time(store: str, request: pytest.
     ds = StreamingDataset(url, storage_options=opts)
     control.set("stall_prob", 1.0)
     start = time.monotonic()
-    with pytest.raises(ShardkitError, match=r"shard-\d+\.tar \(bytes \d+-\d+\): .*gave up after"):
+    # GCS: a shard's first request is the check of its version (generation) as it is opened
+    with pytest.raises(ShardkitError, match=r"shard-\d+\.tar \((bytes \d+-\d+|version)\): .*gave up after"):
         next(iter(ds))
     assert time.monotonic() - start < 90  # gcsfs: 6 tries, ~32 s of its own backoff
     control.set("stall_prob", 0.0)

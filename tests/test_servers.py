@@ -121,6 +121,36 @@ def test_latency_proxy_reset_fails_a_get(s3: dict, latency_proxy) -> None:
     assert len(fs.cat_file(f"{root}/a.bin", start=0, end=MiB)) == MiB
 
 
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_latency_proxy_throttles_as_the_store_would(store: str, request: pytest.FixtureRequest, latency_proxy) -> None:
+    """S3 answers too many requests with 503 SlowDown, GCS with 429 rateLimitExceeded; a
+    storm throttles for a while, then the old setting is back."""
+    remote = request.getfixturevalue(store)
+    direct, root = fsspec.core.url_to_fs(remote["url"], **remote["storage_options"])
+    direct.pipe(f"{root}/a.bin", b"x" * 1000)
+    server = remote["storage_options"].get("endpoint_url") or remote["storage_options"]["client_kwargs"]["endpoint_url"]
+    url, control = latency_proxy(server, throttle_status=503 if store == "s3" else 429)
+    port = int(url.rsplit(":", 1)[1])
+    control.storm(0.5, 1.0)
+    for method, expect in (("GET", b"SlowDown" if store == "s3" else b"rateLimitExceeded"), ("HEAD", b"")):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(f"{method} /{root}/a.bin HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            answer = b"".join(iter(lambda: s.recv(65536), b""))  # then closed
+        head, body = answer.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 503 " if store == "s3" else b"HTTP/1.1 429 ")
+        assert (expect in body) if expect else body == b""
+    assert control.stats()["throttled"] == 2
+    time.sleep(0.6)  # the storm is over
+    assert control.stats()["throttle_prob"] == 0
+    opts = copy.deepcopy(remote["storage_options"])
+    if store == "s3":
+        opts["client_kwargs"]["endpoint_url"] = url
+    else:
+        opts["endpoint_url"] = url
+    fs, _ = fsspec.core.url_to_fs(remote["url"], **opts)
+    assert fs.cat_file(f"{root}/a.bin", start=0, end=10) == b"x" * 10
+
+
 def test_latency_proxy_stall_and_reset_all(s3_server: str, latency_proxy) -> None:
     url, control = latency_proxy(s3_server, stall_prob=1)
     port = int(url.rsplit(":", 1)[1])

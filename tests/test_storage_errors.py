@@ -264,6 +264,20 @@ def test_a_gcs_client_that_fails_as_it_is_made_is_one_line_naming_the_url() -> N
         StreamingDataset("gs://bkt/ds", storage_options={"token": account, "endpoint_url": dead_endpoint()})
 
 
+def test_a_gcs_endpoint_that_does_not_resolve_fails_at_once() -> None:
+    """gcsfs tries a request 6 times over ~35 s whatever failed, so a host that does not
+    resolve (no network, a typo) took ~45 s to be named: the first contact looks it up."""
+    opts = {"token": "anon", "endpoint_url": "http://nohost.invalid:4443"}  # .invalid never resolves
+    start = time.monotonic()
+    with pytest.raises(ShardkitError, match=r"^gs://bkt/ds/index\.json: cannot resolve nohost\.invalid \(.+\): no "
+                                            r"network, or a wrong endpoint$"):
+        StreamingDataset("gs://bkt/ds", storage_options=opts)
+    assert time.monotonic() - start < 20  # gcsfs's backoff alone sleeps 31 s
+    done = cli("verify", "gs://bkt/ds", *(f"-o{k}={v}" for k, v in opts.items()))
+    assert done.returncode == 1 and done.stderr.startswith("Error: gs://bkt/ds/index.json: cannot resolve nohost")
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
 def test_gcsfs_prints_no_traceback_of_its_own() -> None:
     """gcsfs logs a request it gives up on with its traceback (Python's last-resort handler
     prints it where logging is not set up): only shardkit's one line reaches stderr."""

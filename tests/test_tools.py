@@ -214,7 +214,8 @@ time.sleep(1.5)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_peak_memory_counts_rss_per_process_and_pages_in_use_once() -> None:
     """RSS sums count the shared pages in both processes (and the child's copy-on-write view
-    of the parent's heap); the machine's memory in use counts each page once."""
+    of the parent's heap); memory in use counts each page of the tree once, and nothing
+    outside it (the 256 MB this process holds meanwhile, or a busy machine's)."""
     import subprocess
 
     from shardkit.tools.bench import PeakRss
@@ -222,8 +223,10 @@ def test_peak_memory_counts_rss_per_process_and_pages_in_use_once() -> None:
     proc = subprocess.Popen([sys.executable, "-c", HOLD_MEMORY])
     peak = PeakRss(interval=0.02, pid=proc.pid)
     peak.start()
+    outside = b"z" * (256 << 20)
     proc.wait()
     peak.stop()
+    del outside
     assert proc.returncode == 0
     mb = 1 << 20
     assert peak.peak_total is not None and peak.peak_in_use is not None
@@ -322,18 +325,25 @@ def test_preview_and_bench_skip_bad_samples_when_asked(run, photos: Path, tmp_pa
     shardkit.pack(str(photos), str(dataset), max_count=4, workers=1, progress=False)
     shard, key = break_image(dataset, 2, 1)
     png = tmp_path / "all.png"
-    result = run("preview", dataset, "--n", "30", "--out", png)
-    assert result.exit_code == 1 and shard in result.output and len(result.output.splitlines()) == 1
-    result = run("preview", dataset, "--n", "30", "--out", png, "--on-error", "skip")
-    assert result.exit_code == 0, result.output
-    assert "29 samples" in result.output and "1 bad samples skipped" in result.output
-    whole_epoch = ("--workers", "0", "--batch-size", "10", "--batches", "3", "--passes", "1", "--warmup", "1")
-    result = run("bench", dataset, *whole_epoch)
-    assert result.exit_code == 1 and shard in result.output
-    result = run("bench", dataset, *whole_epoch[2:], "--workers", "2")  # raised in a worker: one line all the same
-    assert result.exit_code == 1 and shard in result.output and len(result.output.splitlines()) == 1, result.output
     user = tmp_path / "user_transforms.py"
     user.write_text(USER_TRANSFORMS)
+    # the reader's decoder, or preview's own drawing of raw bytes, or a transform decoding them finds it
+    for how in ((), ("--decode", "raw"), ("--decode", "raw", "--transform", f"{user}:sized")):
+        result = run("preview", dataset, "--n", "30", "--out", png, *how)
+        assert result.exit_code == 1 and result.output.count("\n") == 1, result.output  # one line, no "skipped" line
+        assert re.fullmatch(rf"Error: \S+/{shard}: sample {key}( at byte \d+)? \(packed from \w+/img_\d+\.jpg\): "
+                            r".*UnidentifiedImageError: .*; --on-error skip leaves bad samples out; `shardkit verify "
+                            r"--decode` lists every bad sample, `shardkit pack --decode-check` keeps them out of a pack\n",
+                            result.output), result.output
+        result = run("preview", dataset, "--n", "30", "--out", png, "--on-error", "skip", *how)
+        assert result.exit_code == 0, result.output
+        assert result.output.endswith("29 samples, 6x5 grid, 782x802 px, 1 bad sample skipped\n"), result.output
+    whole_epoch = ("--workers", "0", "--batch-size", "10", "--batches", "3", "--passes", "1", "--warmup", "1")
+    result = run("bench", dataset, *whole_epoch)
+    assert result.exit_code == 1 and shard in result.output and "; --on-error skip leaves bad samples out;" in result.output
+    result = run("bench", dataset, *whole_epoch[2:], "--workers", "2")  # raised in a worker: one line all the same
+    assert result.exit_code == 1 and shard in result.output and len(result.output.splitlines()) == 1, result.output
+    assert "(packed from " in result.output and "--on-error skip leaves bad samples out" in result.output
     result = run("bench", dataset, *whole_epoch, "--decode", "raw", "--transform", f"{user}:sized", "--on-error", "skip",
                  "--json")  # image_transform's bad image is bad data, skipped, not the transform failing
     assert result.exit_code == 0 and json.loads(result.stdout)["settings"][0]["stats"]["skipped"] >= 1, result.output

@@ -20,6 +20,7 @@ from ..errors import CorruptShardError
 
 BLOCK = 512
 RECORD = 20 * BLOCK  # GNU tar and Python's tarfile pad archives to 10 KiB records
+_SKIP = 1 << 20  # a member whose data is not kept is read past in pieces of this size
 
 _EMPTY = bytes(BLOCK)
 _USTAR_MAGIC = b"ustar\x0000"
@@ -170,12 +171,13 @@ def _pax_path(data: bytes, where: str) -> str | None:
     return None
 
 
-def iter_members(f: Readable, where: str, limit: int | None = None, base: int = 0
+def iter_members(f: Readable, where: str, limit: int | None = None, base: int = 0, keep: bool = True
                  ) -> Iterator[tuple[int, int, str, bytes]]:
     """Yield (start, end, name, data) for every regular file from the current position of `f`.
 
     [start, end) is the member's byte span, pax or long-name headers included, relative to
-    the starting position.
+    the starting position. Without `keep`, a member's data larger than a MB is read past,
+    not held (it comes as b""): a scan's memory stays small whatever the members' sizes.
 
     Stops at the end-of-archive block, at EOF, or after `limit` bytes (a sample range).
     `where` names the shard in error messages, with byte positions counted from `base` (the
@@ -195,13 +197,13 @@ def iter_members(f: Readable, where: str, limit: int | None = None, base: int = 
         size = _parse_octal(head[124:136], member)
         kind = head[156:157]
         pad = _padding(size)
-        data = f.read(size)
-        padded = len(f.read(pad)) if pad and len(data) == size else 0
-        if len(data) < size or padded < pad:
+        got, data = _member_data(f, size, keep or kind in (b"L", b"x"))
+        padded = len(f.read(pad)) if pad and got == size else 0
+        if got < size or padded < pad:
             cut = long_name or head[:100].split(b"\x00", 1)[0].decode("utf-8", "replace")
-            got = f"{len(data)} of {size} bytes" if len(data) < size else f"its padding: {padded} of {pad} bytes"
-            raise CorruptShardError(f"{where}: member {cut!r} cut off at byte {base + consumed + BLOCK + len(data) + padded} "
-                                    f"({got}): the shard is truncated")
+            short = f"{got} of {size} bytes" if got < size else f"its padding: {padded} of {pad} bytes"
+            raise CorruptShardError(f"{where}: member {cut!r} cut off at byte {base + consumed + BLOCK + got + padded} "
+                                    f"({short}): the shard is truncated")
         consumed += BLOCK + size + pad
         if kind == b"L":  # GNU long name for the next member
             long_name = _utf8(data.rstrip(b"\x00"), member)
@@ -222,6 +224,17 @@ def iter_members(f: Readable, where: str, limit: int | None = None, base: int = 
         if kind in (b"0", b"\x00", b"7"):  # regular file (and contiguous file)
             yield start, consumed, name, data
         start = consumed
+
+
+def _member_data(f: Readable, size: int, keep: bool) -> tuple[int, bytes]:
+    """(bytes read, up to `size`; the data, or b"" where it is not kept and over `_SKIP`)."""
+    if keep or size <= _SKIP:
+        data = f.read(size)
+        return len(data), data
+    got = 0
+    while got < size and (piece := f.read(min(_SKIP, size - got))):
+        got += len(piece)
+    return got, b""
 
 
 def _utf8(name: bytes, where: str) -> str:
@@ -284,7 +297,7 @@ def scan(f: Readable, where: str) -> Scan:
                 f"{where}: the members of sample {key!r} are not adjacent (more of them at byte {at}): a sample's "
                 "files must follow each other in the tar (`tar --sort=name` does that)")
 
-    for start, stop, name, _ in iter_members(f, where):
+    for start, stop, name, _ in iter_members(f, where, keep=False):
         key, ext = split_name(name)
         if not out.keys or out.keys[-1] != key:
             if out.keys:

@@ -129,7 +129,7 @@ def run(plan: Plan, sink: Sink, runner: executors.Runner[Job, JobResult], progre
             raise SourceError(f"{plan.src}: no usable samples, {len(skipped)} skipped{first}")
         base = {"kind": sink.name, "fields": tuple(sorted({f for r in ordered for f in r.fields})),
                 "classes": plan.classes, "skipped": skipped, "plan": plan.fingerprint}
-        idx = sink.make_index(ordered, base)
+        idx = index.pinned(sink.make_index(ordered, base), plan.dest, plan.storage_options)  # shards are in place
         sink.commit(idx, fresh=True)
         return idx
     finally:

@@ -15,8 +15,9 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageFile, ImageOps, UnidentifiedImageError
 
+from .. import jpeg
 from ..decode import is_image, to_rgb
 
 # ImageFolder's extensions (torchvision IMG_EXTENSIONS) -> WebDataset field name.
@@ -171,12 +172,7 @@ def reencode(data: bytes, resize: int | None, quality: int) -> bytes:
     if not data:
         raise BadImage("empty file")
     try:
-        img: Image.Image = Image.open(io.BytesIO(data))
-        if resize and img.format == "JPEG":
-            img.draft("RGB", (resize, resize))  # let libjpeg decode at 1/2, 1/4, 1/8 scale
-        with _truncated_refused():
-            img = ImageOps.exif_transpose(img)
-            img = to_rgb(img)
+        img = _decoded(Image.open(io.BytesIO(data)), data, resize)
     except UnidentifiedImageError:
         raise BadImage("not an image file") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
@@ -188,3 +184,18 @@ def reencode(data: bytes, resize: int | None, quality: int) -> bytes:
     out = io.BytesIO()
     img.save(out, "JPEG", quality=quality)
     return out.getvalue()
+
+
+def _decoded(img: Image.Image, data: bytes, resize: int | None) -> Image.Image:
+    """`img` (opened from `data`) decoded as RGB, its EXIF orientation applied, a JPEG scaled
+    down by 1/2, 1/4 or 1/8 in the DCT domain as far as keeps both sides at least `resize`.
+    A JPEG with no orientation to apply takes the fast path: PIL's very pixels, in about
+    half the time (so the pack's bytes are the same either way)."""
+    if img.format == "JPEG" and img.getexif().get(ExifTags.Base.Orientation, 1) == 1:
+        hwc = jpeg.decode(data, (resize, resize) if resize else None)
+        if hwc is not None:
+            return Image.fromarray(hwc)
+    if resize and img.format == "JPEG":
+        img.draft("RGB", (resize, resize))  # let libjpeg decode at 1/2, 1/4, 1/8 scale
+    with _truncated_refused():
+        return to_rgb(ImageOps.exif_transpose(img))

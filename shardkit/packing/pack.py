@@ -13,6 +13,7 @@ from __future__ import annotations
 
 
 import os
+from collections.abc import Sequence
 
 from .. import checks, storage
 from ..errors import SourceError
@@ -24,7 +25,7 @@ from . import commit, executors
 from .commit import Sink
 from .lmdb_sink import LmdbSink
 from .plan import DEFAULT_MAX_SIZE, Options, make_plan
-from .scan import HIDDEN, source_kind
+from .scan import HIDDEN, LAYOUTS, source_kind
 from .tar_sink import TarSink
 
 
@@ -51,9 +52,16 @@ def pack(
     storage_options: StorageOptions | None = None,
     overwrite: bool = False,
     stats: dict[str, int] | None = None,
+    layout: str = "classes",
+    fields: Sequence[str] = (),
 ) -> Index:
-    """Pack the ImageFolder tree `src` (or convert the shardkit dataset at `src`) into tar
-    shards or an LMDB (`format`), with index.json, under `dest`.
+    """Pack the ImageFolder tree `src` (or the images a `.csv` / `.jsonl` manifest lists, or
+    convert the shardkit dataset at `src`) into tar shards or an LMDB (`format`), with
+    index.json, under `dest`.
+
+    An image's sidecars (`photo.txt`, `photo.json`, `photo.cls`, `photo.seg.png`, and any
+    extension `fields` names) become fields of its sample; `layout="flat"` takes images
+    anywhere under `src`, without classes (see the Sample layouts guide).
 
     Deterministic: the same input and options give the same samples in the same order (and,
     for tar, byte-identical shards), whatever `workers` is. Safe to rerun after a crash:
@@ -61,8 +69,9 @@ def pack(
     (`index.skipped` lists every input that was left out).
 
     Args:
-        src: an ImageFolder tree (`SRC/<class>/<image>`), or a tar or LMDB dataset to convert;
-            a local path or a URL.
+        src: an ImageFolder tree (`SRC/<class>/<image>`), a folder of images (`layout="flat"`),
+            a `.csv` or `.jsonl` manifest, or a tar or LMDB dataset to convert; a local path or
+            a URL.
         dest: the folder or URL prefix the dataset goes in (LMDB: a local path).
         format: ``"tar"`` (WebDataset shards) or ``"lmdb"``.
         max_count: the most samples a shard holds.
@@ -83,6 +92,10 @@ def pack(
         overwrite: replace a finished dataset made from another source or with other options.
         stats: a dict to fill with `kept` (source files an earlier run finished), `written`
             (source files this run packed) and `unchanged` (1 when DEST held this very pack).
+        layout: ``"classes"`` (images in class folders) or ``"flat"`` (images anywhere, no class).
+        fields: sidecar extensions besides ``txt``, ``json``, ``cls`` and ``seg.png``
+            (``("depth.png", "npy")``): `photo.depth.png` becomes the field `depth.png` of
+            `photo.jpg`'s sample.
     """
     src, dest = checks.path("src", src), checks.path("dest", dest)
     if executor not in ("local", "ray"):
@@ -97,6 +110,8 @@ def pack(
     resize, quality = checks.optional("resize", resize, 1), checks.optional("quality", quality, 1, 100)
     sink_type = SINKS[format]
     max_size = sink_type.job_limit(checks.size("max_size", max_size, 1) if max_size is not None else None)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be 'classes' or 'flat', not {layout!r}")
     if stats is not None and not isinstance(stats, dict):
         raise TypeError(f"stats must be a dict to fill (or None), not {stats!r}")
     if sink_type.local_only and not storage.is_local(dest):
@@ -109,10 +124,10 @@ def pack(
         src = local_lmdb(src, storage_options, None)  # an LMDB is read from a whole local copy
     plan = make_plan(src, dest, max_count=max_count, max_size=max_size, shuffle=shuffle, seed=seed,
                      options=options, fmt=format, job_name=sink_type.job_name, payload=sink_type.payload,
-                     storage_options=storage_options)
+                     storage_options=storage_options, layout=layout, fields=fields)
     unusable = [s for s in plan.skipped if s.reason != HIDDEN]
     if on_error == "fail" and unusable:
-        raise SourceError(f"{storage.join(src, unusable[0].path)}: {unusable[0].reason}")
+        raise SourceError(f"{storage.join(plan.src, unusable[0].path)}: {unusable[0].reason}")
     runner = (executors.ray(ray_address, sizes=lambda job: len(job.items)) if executor == "ray"
               else executors.local(workers or os.cpu_count() or 1))
     sink = sink_type(plan, dest, storage_options)

@@ -22,11 +22,14 @@ from .. import storage
 from ..errors import SourceError
 from ..formats.tar import BLOCK
 from ..index import ShardInfo, Skipped
-from .scan import HIDDEN, Item, Listing, scan_dataset, scan_folder, source_kind
+from . import manifest, sidecars
+from .listing import Item, Listing
+from .scan import HIDDEN, scan_dataset, scan_folder, source_kind
 from ..storage import StorageOptions
 from ..units import parse_size
 
 DEFAULT_MAX_SIZE = "256MB"
+META, META_ASIDE = "json", "shardkit.json"  # shardkit's record of a sample; aside where the samples bring a json
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Job:
     source: str = "folder"  # or "tar", "lmdb": a dataset being converted
     shards: tuple[ShardInfo, ...] = ()  # a tar source's index entries of the shards the items come from
     run: str = ""  # this pack call's id: what a worker learns about source shards holds for one run
+    meta: str = META  # the field of shardkit's record of a sample's class and path
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class Plan:
     inherited: tuple[Skipped, ...] = ()  # a converted dataset's own list of what its pack skipped
     shards: tuple[ShardInfo, ...] = ()  # a tar source's index entries
     run: str = ""
+    meta: str = META
 
     def items(self, i: int) -> tuple[Item, ...]:
         lo, hi = self.bounds[i]
@@ -99,7 +104,7 @@ class Plan:
             shards = tuple(replace(s, offsets=None) if s.sha256 else s  # a hash checks them
                            for s in map(self._shard.__getitem__, names))
         return Job(self.names[i], self.src, self.dest, items, self.classes, self.options, fp,
-                   self.storage_options, self.source, shards, self.run)
+                   self.storage_options, self.source, shards, self.run, self.meta)
 
     @functools.cached_property
     def _shard(self) -> dict[str, ShardInfo]:
@@ -131,8 +136,11 @@ class JobList(Sequence[Job]):
 
 
 def sample_meta(item: Item, classes: tuple[str, ...]) -> bytes:
-    """`{"class":...,"path":...}`: compact, keys sorted, UTF-8 (what json.dumps would give)."""
-    return f'{{"class":{_json_str(classes[item.label])},"path":{_json_str(item.path)}}}'.encode()
+    """`{"class":...,"path":...}` (`{"path":...}` for a sample without a class name): compact,
+    keys sorted, UTF-8 (what json.dumps would give)."""
+    if classes and item.label >= 0:
+        return f'{{"class":{_json_str(classes[item.label])},"path":{_json_str(item.path)}}}'.encode()
+    return f'{{"path":{_json_str(item.path)}}}'.encode()
 
 
 def _member_bytes(n: np.ndarray) -> np.ndarray:
@@ -188,15 +196,26 @@ def make_plan(
     job_name: str = "shard-{:06d}.tar",
     payload: Callable[[int], int] = lambda limit: limit,
     storage_options: StorageOptions | None = None,
+    layout: str = "classes",
+    fields: Sequence[str] = (),
 ) -> Plan:
     """Scan SRC and cut its samples into jobs. A dataset being converted keeps its order
-    and keys (shuffle applies to image folders only)."""
+    and keys (shuffle applies to image folders and manifests only, whose samples are
+    numbered anew). `layout` and `fields` (sidecar fields besides the defaults) are an image
+    folder's; a manifest's items are read from its folder."""
+    fields = sidecars.check_fields(fields)
     source = source_kind(src, storage_options)
     skipped: list[Skipped] = []
     inherited: tuple[Skipped, ...] = ()
     shards: tuple[ShardInfo, ...] = ()
-    if source == "folder":
-        classes, listing, skipped = scan_folder(src, storage_options)
+    if source != "folder" and (layout != "classes" or set(fields) != set(sidecars.DEFAULT_FIELDS)):
+        raise SourceError(f"{storage.display(src)}: a {source}: layout and fields describe an image folder")
+    if source in ("folder", "manifest"):
+        if source == "folder":
+            classes, listing, skipped = scan_folder(src, storage_options, layout, fields)
+        else:
+            (classes, listing, skipped), src = manifest.scan_manifest(src, storage_options), manifest.root(src)
+        source = "folder"
         order = np.random.default_rng(seed).permutation(len(listing)) if shuffle else np.arange(len(listing))
         source_id = None
     else:
@@ -212,8 +231,9 @@ def make_plan(
     needs = _needs(listing, source, classes)[order]
     bounds = _even_cuts(needs, max_count, limit)
     names = tuple(job_name.format(i) for i in range(len(bounds)))
+    meta = META_ASIDE if META in listing.extra_fields else META
     plan = Plan(src, dest, source, classes, tuple(skipped), listing, order, tuple(bounds), names, options,
-                storage_options)
+                storage_options, meta=meta)
     fingerprints = tuple(_job_fingerprint(plan, i, source_id) for i in range(len(bounds)))
     # what the scan left out is part of the index, so of what makes this pack the same as
     # another; hidden entries (.DS_Store) are not, and with nothing else left out the
@@ -230,16 +250,21 @@ def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarra
         return listing.sizes
     if source == "lmdb":  # member payloads: add the tar headers and padding
         return listing.sizes + 6 * BLOCK
-    # a folder: the image (copied as is), `cls` and `json` (sample_meta) members, exactly
+    # a folder: the image (copied as is), `cls` and `json` (sample_meta) members, exactly, and the extras
     path_bytes = np.diff(listing.ends, prepend=0)
     if _JSON_ESCAPED.search(listing.paths):  # rare: measure the escaped paths one by one
         path_json = np.array([len(_json_str(listing.item(i).path).encode()) for i in range(len(listing))], np.int64)
     else:
         path_json = path_bytes + 2
-    class_json = np.array([len(_json_str(c).encode()) for c in classes], np.int64)
-    label_digits = np.array([len(str(i)) for i in range(len(classes))], np.int64)
-    meta = len('{"class":,"path":}') + class_json[listing.labels] + path_json
-    return np.asarray(_member_bytes(listing.sizes) + _member_bytes(label_digits[listing.labels]) + _member_bytes(meta))
+    labels, labelled = listing.labels, listing.labels >= 0
+    meta = len('{"path":}') + path_json
+    if classes:
+        class_json = np.array([len(_json_str(c).encode()) for c in classes], np.int64)
+        meta += np.where(labelled, len('"class":,') + class_json[np.where(labelled, labels, 0)], 0)
+    digits = 1 + np.searchsorted(10 ** np.arange(1, 19, dtype=np.int64), labels, side="right")
+    cls = np.where(labelled, _member_bytes(digits), 0)
+    extras = listing.extra_sizes if listing.extra_sizes is not None else 0
+    return np.asarray(_member_bytes(listing.sizes) + cls + _member_bytes(meta) + extras)
 
 
 _JSON_ESCAPED = re.compile(rb'["\\\x00-\x1f]')  # what json escapes in a str: quote, backslash, controls
@@ -261,4 +286,9 @@ def _job_fingerprint(plan: Plan, i: int, source_id: str | None) -> str:
     for column in (ids, listing.labels[ids], listing.sizes[ids], listing.mtimes[ids]):
         h.update(np.ascontiguousarray(column, "<i8").tobytes())
     h.update(b"\0".join(listing.paths[a:b] for a, b in zip(starts, listing.ends[ids].tolist())))
+    ends, sizes = listing.extra_ends, listing.extra_sizes
+    if ends is not None and sizes is not None:  # sidecars and values: absent before them, so older packs still match
+        h.update(json.dumps([plan.meta, sizes[ids].tolist()]).encode())
+        h.update(b"\0".join(listing.extras[a:b] for a, b in zip(np.where(ids > 0, ends[ids - 1], 0).tolist(),
+                                                                  ends[ids].tolist())))
     return h.hexdigest()

@@ -7,20 +7,22 @@ from collections.abc import Callable, Iterator
 
 from .. import storage
 from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
+from ..formats import gzip
 from ..formats import lmdb as lmdb_format
 from ..formats.tar import check_key, parse_sample
 from ..index import Skipped
 from ..sources import shard_problem
-from . import executors, images
+from . import executors, images, sidecars
 from .executors import tick
+from .listing import Item
 from .plan import Job, sample_meta
-from .scan import Item
 
 DAMAGED = "source shard "  # how a skip for a converted shard that does not match its index begins
 
 
 def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
-    """(key, fields) of one item, read, checked and optionally re-encoded."""
+    """(key, fields) of one item, read, checked and optionally re-encoded: an image with its
+    class, shardkit's record of it and its sidecars and values, or a converted sample."""
     if job.source != "folder":
         key, fields = _converted(job, item)
         bad = next(images.bad_images(fields), None) if job.options.decode_check else None
@@ -33,7 +35,27 @@ def _sample(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
         field, data = "jpg", images.reencode(data, opts.resize, opts.quality or 90)
     else:
         field = images.check(data, images.field_for(item.path) or "", decode=opts.decode_check)
-    return item.key, {field: data, "cls": str(item.label).encode(), "json": sample_meta(item, job.classes)}
+    fields = {field: data, job.meta: sample_meta(item, job.classes)}
+    if item.label >= 0:
+        fields["cls"] = str(item.label).encode()
+    for name, kind, text in sidecars.decode(item.extras):
+        fields[name] = _sidecar(job, name, text) if kind == sidecars.FILE else text.encode()
+    return item.key, fields
+
+
+def _sidecar(job: Job, field: str, path: str) -> bytes:
+    """A sidecar file's bytes, checked against its field (BadField names the file where
+    they do not fit, or it cannot be read)."""
+    url = storage.join(job.src, path)
+    try:
+        data = storage.read_bytes(url, job.storage_options)
+    except OSError as e:
+        if not about_the_file(e):
+            name_file(e, url)
+            raise
+        raise sidecars.BadField(f"{path}: cannot read ({e.strerror or e})") from None
+    sidecars.check(field, data, path)
+    return data
 
 
 def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
@@ -43,7 +65,7 @@ def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
         start, stop = (int(x) for x in span.split(":"))
         _check_source_shard(job, shard)
         url = storage.join(job.src, shard)
-        data = storage.read_range(url, start, stop, job.storage_options)
+        data = _source_range(job, shard, start, stop)
         where = f"{url} (sample at byte {start})"
         key, fields = parse_sample(data, where, start)
         try:
@@ -59,6 +81,27 @@ def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
 
 _source_shards: dict[str, str | None] = {}  # this process's checks in one run: url -> problem
 _source_run = ""
+_source_streams: dict[str, gzip.Ranges] = {}  # this process's compressed source shard being read, in one run
+
+
+def _source_range(job: Job, shard: str, start: int, stop: int) -> bytes:
+    """Bytes [start, stop) of a source shard; of the tar inside a compressed one, inflated
+    from where its stream is (a job reads its samples in order: one pass a job at most)."""
+    url, info = storage.join(job.src, shard), next(info for info in job.shards if info.name == shard)
+    if info.compression is None:
+        return storage.read_range(url, start, stop, job.storage_options)
+    if stop - start > gzip.MAX_MEMBER:
+        raise CorruptShardError(f"{storage.display(url)} (sample at byte {start}): inflates to {stop - start} bytes, "
+                                f"over {gzip.MAX_MEMBER} (a decompression bomb?)")
+    if url not in _source_streams:
+        _source_streams.clear()
+
+        def fetch(offset: int, n: int) -> bytes:
+            end = min(offset + n, info.bytes)
+            return storage.read_range(url, offset, end, job.storage_options) if offset < end else b""
+
+        _source_streams[url] = gzip.Ranges(fetch, storage.display(url), keep=0)
+    return _source_streams[url].read(start, stop)
 
 
 def _check_source_shard(job: Job, shard: str) -> None:
@@ -70,6 +113,7 @@ def _check_source_shard(job: Job, shard: str) -> None:
     global _source_run
     if job.run != _source_run:
         _source_shards.clear()
+        _source_streams.clear()
         _source_run = job.run
     url = storage.join(job.src, shard)
     if url not in _source_shards:

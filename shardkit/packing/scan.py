@@ -1,71 +1,25 @@
-"""What a pack reads: an ImageFolder tree, or an existing shardkit dataset (tar or LMDB) to
-convert. Either way the result is a Listing of items in a deterministic order; nothing here
-reads image bytes.
-
-A Listing keeps its items in numpy arrays and one bytes blob of paths (about 70 bytes per
-file), not as Python objects (about 450 bytes each): a million files cost ~70 MB to plan.
+"""What a pack reads: an image folder (classes in folders, or `layout="flat"`; images with
+their sidecars, see sidecars.py), a manifest (manifest.py), or an existing shardkit dataset
+(tar or LMDB) to convert. Either way the result is a Listing (listing.py) of items in a
+deterministic order; nothing here reads image bytes.
 """
 
 from __future__ import annotations
 
 import os
-from array import array
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
 
-import numpy as np
-
-from . import images
+from . import manifest, sidecars
 from .. import index, storage
 from ..errors import SourceError, about_the_file
 from ..formats import lmdb as lmdb_format
 from ..index import Index, Skipped
 from ..storage import StorageOptions
+from .listing import Listing, ListingBuilder, change_marker
+
+LAYOUTS = ("classes", "flat")
 
 HIDDEN = "hidden entry ignored"  # listed in the index, but not a failure under on_error="fail"
-
-
-class Item(NamedTuple):
-    key: str  # output sample key ("" keeps the source's own key)
-    path: str  # folder: path relative to SRC, '/'-separated; tar: "SHARD@START:END"; lmdb: the key
-    label: int  # class index (-1: the source sample carries its own)
-    size: int
-    mtime_ns: int
-
-
-@dataclass(frozen=True)
-class Listing:
-    paths: bytes  # every item's path, UTF-8, back to back
-    ends: np.ndarray  # where each path ends in `paths`
-    labels: np.ndarray
-    sizes: np.ndarray
-    mtimes: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.ends)
-
-    def item(self, i: int, key: str = "") -> Item:
-        start = int(self.ends[i - 1]) if i else 0
-        path = self.paths[start : int(self.ends[i])].decode("utf-8")
-        return Item(key, path, int(self.labels[i]), int(self.sizes[i]), int(self.mtimes[i]))
-
-
-class _ListingBuilder:
-    def __init__(self) -> None:
-        self.paths = bytearray()
-        self.ends, self.labels, self.sizes, self.mtimes = array("q"), array("q"), array("q"), array("q")
-
-    def add(self, path: str, label: int, size: int, mtime: int) -> None:
-        self.paths += path.encode("utf-8")
-        self.ends.append(len(self.paths))
-        self.labels.append(label)
-        self.sizes.append(size)
-        self.mtimes.append(mtime)
-
-    def build(self) -> Listing:
-        return Listing(bytes(self.paths), np.frombuffer(self.ends, np.int64), np.frombuffer(self.labels, np.int64),
-                       np.frombuffer(self.sizes, np.int64), np.frombuffer(self.mtimes, np.int64))
 
 
 def _walk(top: str, rel: str, above: frozenset[tuple[int, int]], skipped: list[Skipped]
@@ -87,7 +41,7 @@ def _walk(top: str, rel: str, above: frozenset[tuple[int, int]], skipped: list[S
         skipped.append(Skipped(rel + "/", f"cannot list folder ({e.strerror or e})"))
         return
     for entry in entries:
-        child = f"{rel}/{entry.name}"
+        child = f"{rel}/{entry.name}" if rel else entry.name
         if not _usable_name(entry.name, child, skipped):
             continue
         try:
@@ -118,16 +72,23 @@ def _usable_name(name: str, rel: str, skipped: list[Skipped]) -> bool:
     return True
 
 
-def scan_folder(src: str, storage_options: StorageOptions | None = None) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
-    """Classes (sorted folder names), the image files, and what was left out."""
+def scan_folder(src: str, storage_options: StorageOptions | None = None, layout: str = "classes",
+                fields: Sequence[str] = sidecars.DEFAULT_FIELDS) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
+    """Classes (sorted folder names; none with layout="flat", where images may be anywhere),
+    the image files with their sidecars (`fields` as sidecars.check_fields gives them), and
+    what was left out."""
     if not storage.is_local(src):
-        return _scan_remote(src, storage_options)
+        return _scan_remote(src, storage_options, layout, fields)
     path = storage.local_path(src)
     if not os.path.exists(path):
         raise SourceError(f"{src}: no such folder")
     if not os.path.isdir(path):
         raise SourceError(f"{src}: not a folder (expected SRC/<class>/<image>)")
     skipped: list[Skipped] = []
+    found = ListingBuilder()
+    if layout == "flat":
+        _add(found, _files(_walk(path, "", frozenset(), skipped)), -1, fields, False, skipped)
+        return (), _built(found, src, "an image folder"), skipped
     classes = []
     for entry in sorted(os.scandir(path), key=lambda e: e.name):
         if not _usable_name(entry.name, entry.name, skipped):
@@ -137,68 +98,79 @@ def scan_folder(src: str, storage_options: StorageOptions | None = None) -> tupl
         else:
             skipped.append(Skipped(entry.name, "not inside a class folder"))
     if not classes:
-        shards = any(s.path.endswith(".tar") for s in skipped)
+        shards = any(s.path.endswith(index.SHARD_SUFFIXES) for s in skipped)
         hint = f"; tar shards from another tool are converted once `shardkit index {src}` has indexed them" if shards else ""
-        raise SourceError(f"{src}: no class folders (expected SRC/<class>/<image>){hint}")
-    found = _ListingBuilder()
+        raise SourceError(f"{src}: no class folders (expected SRC/<class>/<image>; images without classes: "
+                          f"--layout flat){hint}")
     top = os.stat(path)
     above = frozenset({(top.st_dev, top.st_ino)})  # a class folder linked to SRC itself is a loop too
     for label, name in enumerate(classes):
-        # by whole path, as a bucket lists them: a copy of the tree packs in the same order
-        for rel, st in sorted(_walk(os.path.join(path, name), name, above, skipped), key=lambda f: f[0]):
-            if images.field_for(rel) is None:
-                skipped.append(Skipped(rel, "not an image file extension"))
-                continue
-            found.add(rel, label, st.st_size, st.st_mtime_ns)
+        _add(found, _files(_walk(os.path.join(path, name), name, above, skipped)), label, fields, True, skipped)
+    return tuple(classes), _built(found, src, f"{len(classes)} class folders"), skipped
+
+
+def _files(walk: Iterator[tuple[str, os.stat_result]]) -> list[sidecars.File]:
+    """The files of a walk, by whole path, as a bucket lists them: a copy of the tree packs
+    in the same order. (The walk runs to its end first: its own skips come before ours.)"""
+    return [sidecars.File(rel, st.st_size, st.st_mtime_ns) for rel, st in sorted(walk, key=lambda f: f[0])]
+
+
+def _add(found: ListingBuilder, files: Sequence[sidecars.File], label: int, fields: Sequence[str], classes: bool,
+         skipped: list[Skipped]) -> None:
+    """The images among `files`, each with its sidecars, as items of class `label`."""
+    samples, left_out = sidecars.group(files, fields, classes)
+    skipped += left_out
+    for sample in samples:
+        found.add(sample.image.path, label, sample.image.size, sidecars.marker(sample), *sidecars.of_files(sample))
+
+
+def _built(found: ListingBuilder, src: str, where: str) -> Listing:
     listing = found.build()
     if not len(listing):
-        raise SourceError(f"{src}: no image files in {len(classes)} class folders")
-    return tuple(classes), listing, skipped
+        raise SourceError(f"{storage.display(src)}: no image files in {where}")
+    return listing
 
 
-def _scan_remote(src: str, storage_options: StorageOptions | None) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
+def _scan_remote(src: str, storage_options: StorageOptions | None, layout: str, fields: Sequence[str]
+                 ) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
     """The same for a bucket prefix, in one recursive listing. As locally, every folder at the
     top is a class, whether it holds images or not (object stores have no empty folders)."""
-    import hashlib
-
     root = storage.filesystem(src, storage_options)[1].rstrip("/")
     entries = storage.find(src, storage_options)
+    if not entries:
+        raise SourceError(f"{storage.display(src)}: no such folder, or empty")
+    flat = layout == "flat"
     skipped: list[Skipped] = []
-    files = []
-    tops = set()
+    files: dict[str, list[sidecars.File]] = {}  # class (flat: "") -> its files, by path
     for path in sorted(entries):
         rel = path[len(root):].lstrip("/")
         top, sep, _ = rel.partition("/")
-        if sep and not top.startswith("."):
-            tops.add(top)
+        if sep and not top.startswith(".") and not flat:
+            files.setdefault(top, [])
         if any(part.startswith(".") for part in rel.split("/")):
             skipped.append(Skipped(rel, HIDDEN))
-        elif not sep:
+        elif not sep and not flat:
             skipped.append(Skipped(rel, "not inside a class folder"))
-        elif images.field_for(rel) is None:
-            skipped.append(Skipped(rel, "not an image file extension"))
         else:
-            files.append((top, rel, entries[path]))
-    if not entries:
-        raise SourceError(f"{storage.display(src)}: no such folder, or empty")
-    classes = tuple(sorted(tops))
-    if not classes:
-        raise SourceError(f"{storage.display(src)}: no class folders (expected SRC/<class>/<image>)")
-    if not files:
-        raise SourceError(f"{storage.display(src)}: no image files in {len(classes)} class folders")
-    found = _ListingBuilder()
-    label_of = {c: i for i, c in enumerate(classes)}
-    files.sort(key=lambda f: (label_of[f[0]], f[1]))  # class by class, as locally ("a-b/x" lists before "a/x")
-    for top, rel, info in files:
-        # object stores give no mtime in nanoseconds: any change marker will do for resume checks
-        marker = str(info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("mtime") or "")
-        version = int.from_bytes(hashlib.sha256(marker.encode()).digest()[:7], "big")
-        found.add(rel, label_of[top], int(info.get("size") or 0), version)
-    return classes, found.build(), skipped
+            info = entries[path]
+            files.setdefault("" if flat else top, []).append(sidecars.File(rel, int(info.get("size") or 0),
+                                                                              change_marker(info)))
+    classes = () if flat else tuple(sorted(files))
+    if not classes and not flat:
+        raise SourceError(f"{storage.display(src)}: no class folders (expected SRC/<class>/<image>; images without "
+                          "classes: --layout flat)")
+    found = ListingBuilder()
+    for label, name in enumerate(classes or ("",)):  # class by class, as locally ("a-b/x" lists before "a/x")
+        _add(found, files.get(name, []), label if classes else -1, fields, not flat, skipped)
+    skipped.sort(key=lambda s: s.path)  # in the listing's order, as before sidecars
+    return classes, _built(found, src, "an image folder" if flat else f"{len(classes)} class folders"), skipped
 
 
 def source_kind(src: str, storage_options: StorageOptions | None = None) -> str:
-    """"tar" or "lmdb" for a shardkit dataset, "folder" for anything else."""
+    """"tar" or "lmdb" for a shardkit dataset, "manifest" for a .csv or .jsonl file, "folder"
+    for anything else."""
+    if manifest.is_manifest(src):
+        return "manifest"
     if storage.exists(storage.join(src, index.INDEX_NAME), storage_options):
         return index.load(src, storage_options).kind
     if storage.is_local(src) and lmdb_format.is_lmdb(storage.local_path(src)):
@@ -210,7 +182,7 @@ def source_kind(src: str, storage_options: StorageOptions | None = None) -> str:
 def scan_dataset(src: str, kind: str, storage_options: StorageOptions | None = None) -> tuple[Index, Listing]:
     """The samples of a shardkit dataset, in its order, as items to copy byte for byte: for
     LMDB the path is the sample key, for tar "SHARD@START:END"."""
-    found = _ListingBuilder()
+    found = ListingBuilder()
     if kind == "lmdb":
         from ..sources import lmdb_index
 

@@ -26,9 +26,9 @@ if TYPE_CHECKING:
 
 MAX_WORKERS = 128  # DataLoader workers per rank that the shared counters have room for
 STATS = ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped", "fetched_bytes", "cache_hits",
-         "prefetch_depth", "fetch_latency_s")
+         "throttled", "prefetch_depth", "fetch_latency_s")
 GAUGES = frozenset({"prefetch_depth", "fetch_latency_s"})  # last value per worker, not a running sum
-COUNTS = frozenset({"samples", "bytes", "skipped", "fetched_bytes", "cache_hits"})  # whole numbers, shown as ints
+COUNTS = frozenset({"samples", "bytes", "skipped", "fetched_bytes", "cache_hits", "throttled"})  # whole numbers
 # pass counters: one per (layout, worker id), the layout being a DataLoader's num_workers or
 # 0 for the main process (num_workers=0, a peek at one sample), so a pass of one layout never
 # shifts another's epochs
@@ -140,7 +140,7 @@ class Meter:
     def __init__(self, shared: Shared, worker_id: int, reader: RangeReader, cache: RangeCache | None):
         self.values = dict.fromkeys(STATS, 0.0)
         self._shared, self._worker_id, self._reader, self._cache = shared, worker_id, reader, cache
-        self._fetched = self._hits = 0
+        self._fetched = self._hits = self._throttled = 0
         self.skips = 0  # this pass's, for the log's limit (values are reset at each flush)
 
     def sample(self, size: int, read_s: float, decode_s: float, transform_s: float) -> None:
@@ -158,6 +158,7 @@ class Meter:
     def flush(self, prefetcher: Prefetcher[Any, Any] | None) -> None:
         v = self.values
         v["fetched_bytes"], self._fetched = self._reader.fetched_bytes - self._fetched, self._reader.fetched_bytes
+        v["throttled"], self._throttled = self._reader.throttled - self._throttled, self._reader.throttled
         if self._cache is not None:
             v["cache_hits"], self._hits = self._cache.hits - self._hits, self._cache.hits
         if prefetcher is not None:

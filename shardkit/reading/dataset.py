@@ -16,9 +16,11 @@ import numpy as np
 
 from .. import checks, partition
 from ..decode import decoder
+from . import compressed
 from .epochs import EpochDataset
 from .samples import source_for
 from .stream import WorkerStream
+from ..formats.gzip import MAX_MEMBER
 from ..sources import resolve
 from ..storage import StorageOptions
 
@@ -29,8 +31,9 @@ class StreamingDataset(EpochDataset):
 
     Yields WebDataset-style dicts: ``__key__``, ``__url__`` and one entry per field,
     images decoded as `decode` says ("raw" bytes, "pil", "rgb8" HWC uint8 numpy, "tensor"
-    CHW uint8 torch), ``cls`` as int, ``json`` as dict. `transform(sample)` runs in the
-    worker and its result is what the DataLoader receives.
+    CHW uint8 torch), ``cls`` as int, ``json`` as dict; JPEG decodes by libjpeg-turbo's fast
+    path to PIL's very pixels unless ``backend="pil"`` (see decode.py). `transform(sample)`
+    runs in the worker and its result is what the DataLoader receives.
 
     Every rank yields ``len(ds)`` samples per epoch. With ``remainder="repeat"`` (default)
     the last few samples that don't divide evenly are topped up by repeating samples from
@@ -43,6 +46,11 @@ class StreamingDataset(EpochDataset):
     ``DataLoader(ds, batch_size=None)``. ``len(ds)`` then counts batches, at most one of them
     short per rank.
 
+    gzip-compressed shards (``.tar.gz``, told by their first bytes) are read as streams:
+    each is one block of the shuffle, inflated once a pass. ``.gz`` fields are inflated
+    (keeping their names, as webdataset does); ``max_member_size`` caps what a field, or a
+    compressed shard's sample, may inflate to.
+
     Args:
         source: a dataset folder or URL prefix holding index.json, a brace pattern of shards
             (``shards-{000000..000009}.tar``), or a list of shard paths or URLs.
@@ -50,6 +58,8 @@ class StreamingDataset(EpochDataset):
         seed: the shuffle's seed; the order is a pure function of (seed, epoch, layout).
         decode: how image fields come back: ``"raw"`` bytes, ``"pil"``, ``"rgb8"`` (HWC uint8
             numpy) or ``"tensor"`` (CHW uint8 torch).
+        backend: ``"auto"`` decodes JPEGs by libjpeg-turbo's fast path (PIL's very pixels;
+            docs/decoding.md), the rest with PIL; ``"pil"`` decodes every image with PIL.
         transform: a function of the sample dict, run in the worker; its result is what the
             DataLoader receives (a top-level function under spawn).
         rank: this process's rank; default from torch.distributed, else RANK, else 0.
@@ -67,6 +77,8 @@ class StreamingDataset(EpochDataset):
         cache_limit: the cache's size cap; least recently used blocks go first.
         storage_options: passed to fsspec unchanged (``endpoint_url``, ``anon``, ...).
         batch_size: yield batches of this many samples, built in the workers.
+        max_member_size: the most a ``.gz`` field, or a sample of a compressed shard, may
+            inflate to (a decompression bomb is refused, naming it).
     """
 
     def __init__(
@@ -76,6 +88,7 @@ class StreamingDataset(EpochDataset):
         shuffle: bool = False,
         seed: int = 0,
         decode: str = "raw",
+        backend: str = "auto",
         transform: Callable[[dict[str, Any]], Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -90,15 +103,17 @@ class StreamingDataset(EpochDataset):
         cache_limit: int | str = "20GB",
         storage_options: StorageOptions | None = None,
         batch_size: int | None = None,
+        max_member_size: int | str = MAX_MEMBER,
     ):
         super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
                          remainder=remainder, batch_size=batch_size)
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         self.block, self.prefetch = checks.integer("block", block, 1), checks.integer("prefetch", prefetch)
-        decoder(decode)  # validate early, in the main process
+        decoder(decode, backend)  # validate early, in the main process
         self.urls, self.index = resolve(source, checks.mapping("storage_options", storage_options))
-        self.decode, self.transform, self.on_error = decode, checks.function("transform", transform), on_error
+        self.decode, self.backend, self.on_error = decode, backend, on_error
+        self.transform = checks.function("transform", transform)
         self.storage_options, self.verify = storage_options, checks.flag("verify", verify)
         self.prefetch_bytes = checks.size("prefetch_bytes", prefetch_bytes, 1)
         self.cache_dir, self.cache_limit = cache_dir, checks.size("cache_limit", cache_limit, 1)
@@ -110,7 +125,10 @@ class StreamingDataset(EpochDataset):
                 f"({self.prefetch_bytes} bytes): raise cache_limit or lower prefetch_bytes"
             )
         self._counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
-        self._samples = source_for(self.index, self.urls, storage_options, cache_dir, self.cache_limit)
+        self.max_member_size = checks.size("max_member_size", max_member_size, 1)
+        self._samples = source_for(self.index, self.urls, storage_options, cache_dir, self.cache_limit,
+                                   self.max_member_size)
+        self._blocks = compressed.blocks(self.index.shards, self.block)
         self.index = self.index.slim()  # the per-sample tables live on in the source's arrays only
 
     @property
@@ -136,11 +154,15 @@ class StreamingDataset(EpochDataset):
             return super()._order()
         # the shuffled order goes shard by shard: the same samples cut into other shards are another order
         digest = hashlib.sha256(np.asarray(self._counts, dtype="<i8").tobytes()).hexdigest()[:12]
-        return {**super()._order(), "block": self.block, "shard_sizes": f"{len(self._counts)} shards, sha256 {digest}"}
+        order = {**super()._order(), "block": self.block, "shard_sizes": f"{len(self._counts)} shards, sha256 {digest}"}
+        if isinstance(self._blocks, np.ndarray):  # compressed shards are blocks of their own
+            order["blocks"] = hashlib.sha256(np.asarray(self._blocks, dtype="<i8").tobytes()).hexdigest()[:12]
+        return order
 
     def ids_at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """The samples at `positions` of epoch `epoch`'s global sequence."""
-        order = partition.epoch_order(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self.block)
+        order = partition.epoch_order(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                                      block=self._blocks)
         return order.ids(positions)
 
     def __iter__(self) -> Iterator[Any]:

@@ -66,7 +66,9 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
     def stats(self) -> dict[str, float]:
         """What all workers of this rank did so far: samples, bytes, seconds reading (waiting
         for data), decoding and in the transform, skipped samples, `read_fraction`, bytes
-        downloaded, cache hits, the read-ahead's depth and fetch latency."""
+        downloaded, cache hits, `throttled` (the store's answers asking for fewer requests,
+        503 SlowDown or 429: each one halved a worker's reads in flight and was retried after
+        a backoff), the read-ahead's depth and fetch latency."""
         return stats_summary(self._shared.totals())
 
     def _rank_world(self) -> tuple[int, int]:

@@ -25,8 +25,8 @@ import torch.utils.data
 
 from .. import checks
 from . import worker
-from ..decode import decoder, sample_dict
-from ..errors import CorruptShardError, FieldError, describe
+from ..decode import decoder, packed_from, sample_dict
+from ..errors import FIND_BAD, CorruptShardError, FieldError, describe
 from ..formats import lmdb as lmdb_format
 from ..sources import lmdb_index, local_lmdb
 from ..storage import StorageOptions
@@ -34,12 +34,13 @@ from ..storage import StorageOptions
 
 class LMDBDataset(torch.utils.data.Dataset[Any]):
     """`ds[i]` is sample i as a WebDataset-style dict (decoded as `decode` says, like
-    StreamingDataset), or `transform(sample)`. A remote URL is first copied to `cache_dir`
+    StreamingDataset, `backend` too), or `transform(sample)`. A remote URL is first copied to `cache_dir`
     (refused if larger than `cache_limit`).
 
     Args:
         source: the LMDB dataset's folder (or a URL, copied locally first).
         decode: ``"raw"``, ``"pil"``, ``"rgb8"`` or ``"tensor"``, as StreamingDataset's.
+        backend: ``"auto"`` (JPEG by the fast path, docs/decoding.md) or ``"pil"``, as StreamingDataset's.
         transform: a function of the sample dict; `ds[i]` returns its result.
         storage_options: passed to fsspec unchanged, for a remote source.
         cache_dir: where a remote LMDB is copied.
@@ -48,12 +49,13 @@ class LMDBDataset(torch.utils.data.Dataset[Any]):
         read_threads: threads that read a batch's records at once when the disk is cold.
     """
 
-    def __init__(self, source: str, *, decode: str = "raw", transform: Callable[[dict[str, Any]], Any] | None = None,
+    def __init__(self, source: str, *, decode: str = "raw", backend: str = "auto", transform: Callable[[dict[str, Any]], Any] | None = None,
                  storage_options: StorageOptions | None = None, cache_dir: str | None = None,
                  cache_limit: int | str = "20GB", readahead: bool = False, read_threads: int = 16):
         source = checks.path("source", source)
-        decoder(decode)  # validate now; each process builds its own (closures do not pickle)
-        self.decode, self.transform, self.source = decode, checks.function("transform", transform), source
+        decoder(decode, backend)  # validate now; each process builds its own (closures do not pickle)
+        self.decode, self.backend, self.source = decode, backend, source
+        self.transform = checks.function("transform", transform)
         self.readahead, self.read_threads = checks.flag("readahead", readahead), checks.integer("read_threads", read_threads, 1)
         self._threads: tuple[int, ThreadPoolExecutor] | None = None
         storage_options = checks.mapping("storage_options", storage_options)
@@ -115,9 +117,10 @@ class LMDBDataset(torch.utils.data.Dataset[Any]):
     def _finish(self, key: str, fields: dict[str, bytes]) -> Any:
         worker.settle()
         if self._decode is None:
-            self._decode = decoder(self.decode)
+            self._decode = decoder(self.decode, self.backend)
+        sample = sample_dict(key, self.source, fields)
         try:
-            sample = self._decode(sample_dict(key, self.source, fields))
+            sample = self._decode(sample)
             return self.transform(sample) if self.transform is not None else sample
         except FieldError as e:  # bad data, found by the decoder or a transform decoding (image_transform)
-            raise CorruptShardError(f"{self.path}: sample {key}: {describe(e)}") from e
+            raise CorruptShardError(f"{self.path}: sample {key}{packed_from(sample)}: {describe(e)}; {FIND_BAD}") from e

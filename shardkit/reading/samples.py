@@ -5,7 +5,7 @@ tables and paths, never open files."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -15,14 +15,19 @@ from .. import index, ranges, sidecar, storage
 from ..decode import sample_dict
 from ..errors import CorruptShardError
 from ..formats import lmdb as lmdb_format
+from ..formats.gzip import MAX_MEMBER, inflate_fields, is_gzip_field
 from ..formats.tar import ReadAt, buffer_reader, read_sample
 from ..index import Index
 from ..prefetch import Prefetcher
 from ..sources import local_lmdb
 from ..storage import StorageOptions
+from ..storage.streams import Arriving
+from . import compressed
+from .compressed import CompressedShards
 
 Read = tuple[int, int, Any]  # (shard, start, the sample's bytes or the error of its range)
 LMDB_WINDOW = 64  # samples of an LMDB dataset that one read from the disk sends to the threads
+RANGE_BYTES = 16 << 20  # the most bytes of blocks one remote request merges (AWS: 8-16 MB requests are fastest)
 
 
 class Settings(Protocol):
@@ -52,12 +57,18 @@ class TarSamples:
     """Tar shards: each sample's byte range, from the index's offsets (the sidecar mapped
     into memory, or a version 1 index's tables)."""
 
-    def __init__(self, idx: Index, urls: list[str], storage_options: StorageOptions | None, cache_dir: str | None):
+    def __init__(self, idx: Index, urls: list[str], storage_options: StorageOptions | None, cache_dir: str | None,
+                 max_member: int = MAX_MEMBER):
         counts = np.array([s.samples for s in idx.shards], dtype=np.int64)
-        self.urls, self.bytes = urls, idx.bytes
-        self.shard_bytes = np.array([s.bytes for s in idx.shards], dtype=np.int64)
+        self.urls, self.bytes, self.max_member = urls, idx.bytes, max_member
+        self.gz = gz_fields(idx)
+        self.shards = idx.slim().shards  # which are compressed, and their files' sizes
+        # a compressed shard's offsets are in the tar inside, whose size the index does not record
+        self.shard_bytes = np.array([np.iinfo(np.int64).max if s.compression else s.bytes for s in idx.shards],
+                                    dtype=np.int64)
         self.first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._table = index.sample_offsets(idx, storage_options, cache_dir)
+        self.sample_bytes = compressed.check_samples(urls, self.shards, self.first, self.offsets, max_member)
 
     @property
     def offsets(self) -> np.ndarray:
@@ -75,19 +86,40 @@ class TarSamples:
         else:  # a block's samples come within block + 2 windows of each other: further apart, a new use,
             # read again rather than held, unless the whole dataset fits in the read-ahead budget
             gap = None if self.bytes <= opts.prefetch_bytes else opts.block + 2 * window
-            plan, range_of = ranges.blocks(ids, self.first, self.offsets, opts.block, gap)
+            plan, range_of = ranges.blocks(ids, self.first, self.offsets, opts.block, gap, max_bytes=RANGE_BYTES)
+        # compressed shards: reads within a shuffle window (and a block each side) come out of order
+        streams = CompressedShards(reader, self.urls, self.shards, window + 2 * opts.block, self.sample_bytes)
 
-        def fetch(r: ranges.Range) -> ReadAt | CorruptShardError:
+        def inflated(r: ranges.Range) -> ReadAt | CorruptShardError:
+            """A compressed shard's range: inflated from where its stream is up to the range."""
             try:
-                if reader.is_local(r.shard):  # the kernel reads the range ahead; samples come straight from the file
-                    reader.advise(r.shard, r.start, r.stop)
-                    return reader.read_at(r.shard)
-                return buffer_reader(reader.read(r.shard, r.start, r.stop, partial=True), r.start)
+                return buffer_reader(streams.read(r.shard, r.start, r.stop), r.start)
             except CorruptShardError as e:  # each sample of the range raises it in turn: skipped or raised
                 return e
 
-        prefetcher = Prefetcher(plan, fetch, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes,
-                                threads=not local)
+        if local:
+            def advise(r: ranges.Range) -> ReadAt | CorruptShardError:
+                if r.shard in streams:
+                    return inflated(r)
+                try:  # the kernel reads the range ahead; samples come straight from the file
+                    reader.advise(r.shard, r.start, r.stop)
+                    return reader.read_at(r.shard)
+                except CorruptShardError as e:  # each sample of the range raises it in turn: skipped or raised
+                    return e
+
+            prefetcher: Prefetcher[ranges.Range, Any] = Prefetcher(
+                plan, advise, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes, threads=False)
+        else:
+            def stream(r: ranges.Range, hand_over: Callable[[ReadAt], None]) -> ReadAt | CorruptShardError:
+                if r.shard in streams:
+                    return inflated(r)
+                arriving = Arriving(r.start, r.stop)
+                hand_over(arriving.read_at)  # samples are parsed as their bytes arrive
+                reader.stream(r.shard, r.start, r.stop, arriving)  # an error: raised by the samples it concerns
+                return arriving.read_at
+
+            prefetcher = Prefetcher(plan, stream, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes,
+                                    streaming=True, pressure=lambda: reader.throttled)
         return _in_order(prefetcher, range_of, shard_of, starts, ends), prefetcher
 
     def _check(self, shard_of: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
@@ -103,14 +135,26 @@ class TarSamples:
     def parse(self, data: tuple[int, ReadAt], url: str, start: int) -> tuple[dict[str, Any], int]:
         stop, read_at = data
         key, fields = read_sample(read_at, start, stop, _Where(url, start))  # a local sample's bytes are read here
-        return sample_dict(key, url, fields), stop - start
+        sample = sample_dict(key, url, fields)
+        if self.gz:
+            inflate_fields(sample, self.max_member)
+        return sample, stop - start
 
     def position(self, start: int) -> str:
         return f" at byte {start}"
 
     def one(self, i: int, reader: storage.RangeReader) -> dict[str, Any]:
-        shard, start, end = (int(x[0]) for x in ranges.bounds(np.array([i]), self.first, self.offsets))
-        return self.parse((end, buffer_reader(reader.read(shard, start, end), start)), self.urls[shard], start)[0]
+        """Sample `i` on its own: one pread of a local shard, one ranged read of a remote one
+        (a compressed one inflated from its start)."""
+        shard = int(self.first.searchsorted(i, side="right")) - 1
+        start, end = int(self.offsets[i + shard]), int(self.offsets[i + shard + 1])  # see ranges.bounds
+        if self.shards[shard].compression:
+            read_at = buffer_reader(CompressedShards(reader, self.urls, self.shards, 0, 0).read(shard, start, end), start)
+        elif reader.is_local(shard):
+            read_at = reader.read_at(shard)
+        else:
+            read_at = buffer_reader(reader.read(shard, start, end), start)
+        return self.parse((end, read_at), self.urls[shard], start)[0]
 
 
 def _in_order(prefetcher: Prefetcher[ranges.Range, Any], range_of: np.ndarray, shard_of: np.ndarray,
@@ -135,9 +179,10 @@ class LmdbSamples:
     environment is a local copy for a remote LMDB."""
 
     def __init__(self, index: Index, urls: list[str], storage_options: StorageOptions | None,
-                 cache_dir: str | None, cache_limit: int):
+                 cache_dir: str | None, cache_limit: int, max_member: int = MAX_MEMBER):
         self.url, self.path = urls[0], local_lmdb(urls[0], storage_options, cache_dir, cache_limit)
         self.keys, self.sizes = lmdb_format.sample_tables(index.extra)
+        self.max_member, self.gz = max_member, gz_fields(index)
 
     def reads(self, ids: np.ndarray, reader: storage.RangeReader, opts: Settings, window: int,
               ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
@@ -179,7 +224,10 @@ class LmdbSamples:
 
     def parse(self, data: tuple[str, dict[str, bytes]], url: str, start: int) -> tuple[dict[str, Any], int]:
         key, fields = data
-        return sample_dict(key, url, fields), sum(map(len, fields.values()))
+        sample = sample_dict(key, url, fields)
+        if self.gz:
+            inflate_fields(sample, self.max_member)
+        return sample, sum(map(len, fields.values()))
 
     def position(self, start: int) -> str:
         return ""
@@ -203,9 +251,15 @@ class _Where:
         return f"{storage.display(self.url)} (sample at byte {self.start})"
 
 
+def gz_fields(idx: Index) -> bool:
+    """Whether samples may hold `.gz` fields to inflate: the index lists one, or no fields."""
+    return not idx.fields or any(map(is_gzip_field, idx.fields))
+
+
 def source_for(idx: Index, urls: list[str], storage_options: StorageOptions | None, cache_dir: str | None,
-               cache_limit: int) -> SampleSource:
-    """The sample source of a dataset, by its format."""
+               cache_limit: int, max_member: int = MAX_MEMBER) -> SampleSource:
+    """The sample source of a dataset, by its format; `max_member` caps what a `.gz` field
+    (or a compressed shard's sample) inflates to."""
     if idx.kind == "lmdb":
-        return LmdbSamples(idx, urls, storage_options, cache_dir, cache_limit)
-    return TarSamples(idx, urls, storage_options, cache_dir)
+        return LmdbSamples(idx, urls, storage_options, cache_dir, cache_limit, max_member)
+    return TarSamples(idx, urls, storage_options, cache_dir, max_member)

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import ranges, storage
-from ..decode import decoder
-from ..errors import CorruptShardError, FieldError, ShardkitError, describe
+from ..decode import decoder, packed_from
+from ..errors import FIND_BAD, SKIP_BAD, CorruptShardError, FieldError, ShardkitError, describe
 from ..prefetch import Prefetcher
 from ..storage.cache import RangeCache
 from .counters import Meter
@@ -36,16 +36,16 @@ Transform = Callable[[dict[str, Any]], Any]
 
 def bad_sample(e: BaseException, on_error: str, url: str, where: str, in_transform: bool) -> str:
     """The one policy for a sample that failed: returns the line to log when it is skipped,
-    raises when it is not. Skipped under ``on_error="skip"``: bad data only (a corrupt
-    shard, an undecodable field, a FieldError from a transform). Never skipped: a failing
-    disk or store, MemoryError, and the transform's own errors."""
+    raises when it is not, saying how to get past it. Skipped under ``on_error="skip"``: bad
+    data only (a corrupt shard, an undecodable field, a FieldError from a transform). Never
+    skipped: a failing disk or store, MemoryError, and the transform's own errors."""
     if isinstance(e, MemoryError) or (in_transform and not isinstance(e, FieldError)):
         raise e  # the machine's, or user code's: its errors are its own
-    if isinstance(e, ShardkitError) and (on_error == "raise" or not isinstance(e, CorruptShardError)):
+    if isinstance(e, ShardkitError) and not isinstance(e, CorruptShardError):
         raise e  # named already; a failing disk or store is never skipped as bad data
     said = str(e) if isinstance(e, CorruptShardError) else f"{storage.display(url)}: {where}: {describe(e)}"
     if on_error == "raise":
-        raise CorruptShardError(said) from e
+        raise CorruptShardError(f"{said}; {SKIP_BAD}; {FIND_BAD}") from e
     return said
 
 
@@ -59,7 +59,7 @@ class WorkerStream(EpochStream):
         super().__init__(ds, rank, world, worker_id, num_workers, fixed=ids)
         self.prefetcher: Prefetcher[ranges.Range, Any] | None = None  # set once reading starts
         self.window = window or ds.shuffle_window  # the window that spreads this stream's samples (a mix's)
-        self._key: str | None = None  # the sample being processed, once parsed: named if it fails
+        self._sample: dict[str, Any] = {}  # the sample being processed, once parsed: named if it fails
         self._in_transform = False  # ...and whether it failed in the user's transform
 
     def _plan(self) -> np.ndarray:
@@ -72,8 +72,9 @@ class WorkerStream(EpochStream):
         cache = RangeCache(ds.cache_dir, ds.cache_limit) if ds.cache_dir is not None else None
         versions = [sh.sha256 for sh in ds.index.shards]
         # the dataset read its index (or scanned its shards) there: the store was reachable
-        reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache, verify=ds.verify, patient=True)
-        decode, transform = decoder(ds.decode), ds.transform
+        reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache, verify=ds.verify, patient=True,
+                                     pins=[sh.version for sh in ds.index.shards])
+        decode, transform = decoder(ds.decode, ds.backend), ds.transform
         reads, self.prefetcher = ds._samples.reads(ids, reader, ds, self.window)
         meter = Meter(ds._shared, self.worker_id, reader, cache)
         pending = 0  # skipped samples still to be replaced, so the rank's count stays exact
@@ -83,7 +84,9 @@ class WorkerStream(EpochStream):
                 try:
                     item = self._process(shard, start, data, decode, transform, meter)
                 except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
-                    where = (f"sample {self._key}" if self._key is not None else "a sample") + ds._samples.position(start)
+                    key = self._sample.get("__key__")
+                    where = (f"sample {key}" if key is not None else "a sample") + ds._samples.position(start) + \
+                        packed_from(self._sample)
                     said = bad_sample(e, ds.on_error, ds.urls[shard], where, self._in_transform)
                     meter.skipped()
                     pending += 1
@@ -108,13 +111,13 @@ class WorkerStream(EpochStream):
     def _process(self, shard: int, start: int, data: Any, decode: Callable[[dict[str, Any]], Any],
                  transform: Transform | None, meter: Meter) -> Any:
         """One sample through parse -> decode -> transform, each stage timed."""
-        self._key, self._in_transform = None, False
+        self._sample, self._in_transform = {}, False
         if isinstance(data, CorruptShardError):
             raise data
         t0 = time.perf_counter()
         sample, size = self.ds._samples.parse(data, self.ds.urls[shard], start)
         t1 = time.perf_counter()
-        self._key = sample["__key__"]
+        self._sample = sample
         sample = decode(sample)
         t2 = time.perf_counter()
         self._in_transform = True

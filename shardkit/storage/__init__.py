@@ -7,12 +7,14 @@ clients.py only) with the caller's storage options passed through unchanged.
     retry         the retry policy: transient or permanent, backoff, one-line errors
     files         one-shot operations: read, list, size, version, remove
     atomic        writes a reader never sees half of
-    range_reader  a worker's ranged reads of its shards, cache and checksums
+    range_reader  a worker's ranged reads of its shards, cache, checksums and versions
+    streams       stream-through reads: a range readable while its bytes arrive
 """
 
 from .atomic import TMP_MARK, atomic_writer, write_bytes_atomic
 from .clients import REQUEST_TIMEOUT_S, endpoint, filesystem
-from .files import exists, find, listdir, makedirs, open_read, read_bytes, read_range, remove, remove_dir, size, version
+from .files import (exists, find, listdir, makedirs, open_read, pin_of, pins, read_bytes, read_range, remove, remove_dir,
+                    size, version)
 from .range_reader import RangeReader
 from .retry import RETRIES, attempts_for, retrying, stop_when
 from .urls import StorageOptions, display, is_local, join, local_path
@@ -35,6 +37,8 @@ __all__ = [
     "listdir",
     "local_path",
     "makedirs",
+    "pin_of",
+    "pins",
     "open_read",
     "read_bytes",
     "read_range",

@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import socket
 from typing import Any
 
 from ..errors import BadRequestError, ShardkitError, one_line, redact
@@ -87,6 +88,36 @@ def _datanode_errors(namenode: tuple[str | None, int | None], response: Any, *ar
                           f"{one_line(response.text[:300])}")
 
 
+_RESOLVED: set[tuple[str | None, int | None]] = set()  # GCS hosts this process found (forked workers inherit it)
+
+
+def _resolve_once(url: str, fs: Any) -> None:
+    """Look the host of a GCS endpoint up on this process's first contact with it. gcsfs tries
+    a request 6 times over ~35 s whatever failed, so a host that does not resolve (no
+    network, a typo in endpoint_url) was a minute of silence, where S3 fails in ~2 s. Once it
+    has resolved, a DNS error (a blip mid-epoch) gets gcsfs's retries like any other."""
+    host, port = netloc(fs.base)
+    if (host, port) in _RESOLVED:
+        return
+    try:
+        socket.getaddrinfo(host, port or 443, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ShardkitError(f"{display(url)}: cannot resolve {host} ({e.strerror}): no network, or a wrong "
+                            "endpoint") from e
+    _RESOLVED.add((host, port))
+
+
+@functools.cache
+def _aio_session() -> Any:
+    """One botocore session for every S3 client of this process and the processes it forks:
+    a new client made from it skips loading S3's service model and endpoint rules, which
+    makes a DataLoader worker's first request ~0.3 s sooner (0.6 s -> 0.25-0.3 s measured).
+    It holds no connection: each client opens its own."""
+    import aiobotocore.session
+
+    return aiobotocore.session.AioSession()
+
+
 def filesystem(url: str, storage_options: StorageOptions | None = None,
                instances: dict[tuple[Any, ...], Any] | None = None, client_retries: bool = True) -> tuple[Any, str]:
     """(fsspec filesystem, path within it), one instance per process, protocol, host and
@@ -127,6 +158,8 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     cache = _FILESYSTEMS if instances is None or ours else instances
     fs = cache.get(key)
     if fs is None:
+        if protocol in S3 and not {"session", "profile"} & kwargs.keys():
+            kwargs["session"] = _aio_session()
         try:
             fs = cls(**kwargs)
         except ImportError as e:  # hdfs://: pyarrow is imported when the client is made
@@ -138,6 +171,8 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
             raise ShardkitError(f"{display(url)}: cannot set up {protocol}://: {type(e).__name__}: "
                                 f"{redact(one_line(e))}") from e
         _harden(fs, protocol)
+        if protocol in GCS:
+            _resolve_once(url, fs)
         if ours:
             fs.retries = 1  # a class attribute of s3fs, not an option
         fs = cache.setdefault(key, fs)

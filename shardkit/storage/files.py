@@ -11,7 +11,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 from ..errors import BadRequestError, CorruptShardError, ShardkitError, name_file
 from .clients import filesystem
 from .retry import attempts_for, retrying, root_cause, status_of
-from .urls import OBJECT_STORES, WEBHDFS, StorageOptions, display, is_local, local_path, scheme
+from .urls import GCS, OBJECT_STORES, S3, WEBHDFS, StorageOptions, display, is_local, join, local_path, scheme
 
 
 T = TypeVar("T")
@@ -154,11 +154,28 @@ def version(url: str, storage_options: StorageOptions | None = None) -> tuple[in
     return int(info["size"]), next((str(info[k]) for k in _VERSION_MARKS if info.get(k)), "")
 
 
-def endpoint(storage_options: StorageOptions | None) -> str:
-    """Where the options point S3 or GCS ('' for the default): one URL on two endpoints
-    names two objects."""
-    opts = storage_options or {}
-    return str(opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") or "")
+def pin_of(url: str, info: dict[str, Any]) -> dict[str, Any] | None:
+    """What the store changes when the object `url` is replaced, from its details (fsspec's
+    info or listing): S3's ETag, GCS's generation, WebHDFS's modification time; None where
+    the store gives none of them (HTTP)."""
+    if scheme(url) in S3 and info.get("ETag"):
+        return {"etag": str(info["ETag"])}
+    if scheme(url) in GCS and info.get("generation"):
+        return {"generation": str(info["generation"])}
+    if scheme(url) in WEBHDFS and info.get("modificationTime"):
+        return {"mtime_ns": int(info["modificationTime"]) * 1_000_000}
+    return None
+
+
+def pins(url: str, names: list[str], storage_options: StorageOptions | None = None) -> list[dict[str, Any] | None]:
+    """The version (`pin_of`) of each file `names` directly under the folder `url`, from one
+    listing; None for one not found, and for local files: their modification time changes
+    with every plain copy (a copied dataset would fail every read) and would make index.json
+    differ between two packs of the same input."""
+    if is_local(url):
+        return [None] * len(names)
+    listing = {path.rstrip("/").rsplit("/", 1)[-1]: info for path, info in find(url, storage_options).items()}
+    return [pin_of(join(url, n), listing[n]) if n in listing else None for n in names]
 
 
 def find(url: str, storage_options: StorageOptions | None = None) -> dict[str, dict[str, Any]]:

@@ -1,5 +1,5 @@
 """RangeReader: a worker's reads of byte ranges of its shards, local or remote, with the
-optional block cache and checksum checks."""
+optional block cache, checksum checks and version pinning."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 from ..errors import AccessDeniedError, CorruptShardError, NotFoundError, ShardkitError, one_line
 from .clients import filesystem
 from .descriptors import FILES
-from .files import cat_range
-from .retry import attempts_for, retrying
-from .urls import StorageOptions, display, is_local, local_path
+from .files import cat_range, pin_of
+from .retry import attempts_for, retrying, root_cause, status_of
+from .s3_http import Direct, usable
+from .streams import Arriving, s3_get
+from .urls import S3, StorageOptions, display, is_local, local_path, scheme
 
 if TYPE_CHECKING:
     from ..formats.tar import ReadAt
@@ -34,13 +36,19 @@ class RangeReader:
     are the process's bounded set (descriptors.FILES), opened again when needed. Remote shards take
     ranged GETs through fsspec, retried on transient errors (`patient`: for as long as an
     outage of the store may last, see OUTAGE_RETRIES), and go through the optional local
-    cache.
+    cache; `stream` hands a range's bytes over as they arrive. `versions` are the shards'
+    sha256s; `pins` their versions (index.ShardInfo.version): S3 reads are conditional on
+    the ETag (If-Match), other shards are checked when first opened, and a shard replaced
+    since raises CorruptShardError naming it. `throttled` counts the store's 503/429s.
     """
 
     def __init__(self, urls: list[str], storage_options: StorageOptions | None = None,
                  versions: list[str | None] | None = None, cache: RangeCache | None = None, verify: bool = False,
-                 patient: bool = False):
+                 patient: bool = False, pins: list[dict[str, Any] | None] | None = None):
         self._urls = urls
+        self._pins = pins or [None] * len(urls)
+        self._s3 = [scheme(u) in S3 and "::" not in u for u in urls]  # streamed, If-Match
+        self._direct: dict[int, Direct] | None = {} if usable(storage_options) else None  # by id(filesystem)
         self._patient = patient  # the caller has reached the store: reads ride out an outage
         self._opts = storage_options
         self._versions = versions or [None] * len(urls)
@@ -55,6 +63,7 @@ class RangeReader:
         self._lock = threading.Lock()  # held for moments only: never across a read or a hash
         self._closed = False
         self.fetched_bytes = 0  # downloaded from remote storage, sha256 checks included (cache hits excluded)
+        self.throttled = 0  # answers of the store asking for fewer requests (503 SlowDown, 429)
 
     def _handle(self, shard: int) -> Any:
         handle = self._handles.get(shard)
@@ -98,14 +107,36 @@ class RangeReader:
             handle = self._open_local(shard)
         else:
             handle = filesystem(self._urls[shard], self._opts, self._instances, client_retries=False)
-        if self._verify:
-            try:
+        try:
+            self._check_pin(shard, handle)
+            if self._verify:
                 self._check_sha256(shard, handle)
-            except ShardkitError:
-                if self._local[shard]:
-                    os.close(handle)
-                raise
+        except ShardkitError:
+            if self._local[shard]:
+                os.close(handle)
+            raise
         return handle
+
+    def _check_pin(self, shard: int, handle: Any) -> None:
+        """Check a shard's version against the index's as it is opened; S3's reads check
+        it themselves (If-Match), at no extra request."""
+        expected, url = self._pins[shard], self._urls[shard]
+        if expected is None or self._s3[shard] or self._local[shard]:
+            return
+        fs, path = handle
+        found = pin_of(url, retrying(f"{display(url)} (version)", lambda: fs.info(path), attempts_for(url, self._patient)))
+        if found is not None and found.keys() == expected.keys() and found != expected:
+            mark = next(iter(expected))
+            raise self._replaced(shard, f"{mark} {found[mark]}, the index has {expected[mark]}")
+
+    def _replaced(self, shard: int, how: str) -> CorruptShardError:
+        return CorruptShardError(f"{display(self._urls[shard])}: changed since its index was made ({how}): a replaced "
+                                 "shard needs its index rebuilt (`shardkit index --force`), a copied dataset its "
+                                 "versions recorded anew (`shardkit index --versions`)")
+
+    def _throttle(self) -> None:
+        with self._lock:
+            self.throttled += 1
 
     def _check_sha256(self, shard: int, handle: Any) -> None:
         """Hash the whole shard once (the first time this reader touches it) against the
@@ -192,6 +223,13 @@ class RangeReader:
             if len(data) < stop - start and not partial:
                 raise self._short(shard, start, stop, len(data))
             return data
+        if self._s3[shard]:  # through the streamed GET: If-Match, and a retry asks for the rest only
+            arrived = Arriving(start, stop)
+            self._stream_s3(shard, start, stop, arrived)
+            data = arrived.data()
+            if len(data) < stop - start and not partial:
+                raise self._short(shard, start, stop, len(data))
+            return data
         handle = self._handle(shard)
         url, version = self._urls[shard], self._versions[shard]
         cache = self._cache if version is not None else None  # without a sha256, a replaced shard looks the same
@@ -213,12 +251,72 @@ class RangeReader:
                 raise OSError(f"short read: {len(data)} of {stop - start} bytes")  # a cut-short body: retried
             return data
 
-        data = retrying(f"{display(url)} (bytes {start}-{stop})", get, attempts_for(url, self._patient))
+        data = retrying(f"{display(url)} (bytes {start}-{stop})", get, attempts_for(url, self._patient),
+                        throttled=self._throttle)
         with self._lock:
             self.fetched_bytes += len(data)
         if cache is not None and len(data) == stop - start:
             cache.put(url, version, start, stop, data)
         return data
+
+    def stream(self, shard: int, start: int, stop: int, into: Arriving) -> None:
+        """Fill `into` with bytes [start, stop) of a remote shard as they arrive, then finish
+        it: at the shard's end if it ends before `stop`, or with the error that stopped the
+        read. S3 streams (a retry asks for the rest only) and reads only the version the
+        index pinned; other stores fill it in one go (`read`)."""
+        try:
+            if not self._s3[shard]:
+                data = self.read(shard, start, stop, partial=True)
+                into.write(data)
+                into.finish(end=start + len(data))
+                return
+            self._stream_s3(shard, start, stop, into)
+        except BaseException as e:  # noqa: BLE001 - the consumer raises it, at the first sample it concerns
+            into.finish(error=e)
+
+    def _stream_s3(self, shard: int, start: int, stop: int, into: Arriving) -> None:
+        url, version = self._urls[shard], self._versions[shard]
+        cache = self._cache if version is not None else None
+        cached = cache.get(url, version, start, stop) if cache is not None else None
+        if cached is not None:
+            into.write(cached)
+            into.finish()
+            return
+        fs, path = self._handle(shard)
+        pin = self._pins[shard]
+        etag = pin.get("etag") if pin is not None else None
+
+        def get() -> None:
+            self._check_open()
+            at = start + into.filled
+            try:
+                if self._direct is None:
+                    s3_get(fs, path, at, stop, into.write, etag)
+                else:
+                    direct = self._direct.get(id(fs)) or self._direct.setdefault(id(fs), Direct(fs))
+                    direct.get(path, at, stop, into.receive, etag)
+            except Exception as e:
+                status = status_of(root_cause(e))
+                if status == 412:
+                    raise self._replaced(shard, f"its ETag is no longer {etag}") from None
+                if status != 416:  # 416: the object ends before `at`
+                    raise
+            if start + into.filled < stop:
+                fs.invalidate_cache(path)
+                if fs.size(path) >= stop:
+                    raise OSError(f"short read: {into.filled} of {stop - start} bytes")  # a cut-short body: the rest
+                # else the object does end there
+
+        before = into.filled
+        try:
+            retrying(f"{display(url)} (bytes {start}-{stop})", get, attempts_for(url, self._patient),
+                     throttled=self._throttle)
+        finally:
+            with self._lock:
+                self.fetched_bytes += into.filled - before
+        into.finish(end=start + into.filled)
+        if cache is not None and into.filled == stop - start:  # after the consumer has its bytes
+            cache.put(url, version, start, stop, into.data())
 
     def _short(self, shard: int, start: int, stop: int, got: int) -> CorruptShardError:
         return CorruptShardError(

@@ -41,11 +41,13 @@ def stop_when(check: Callable[[], None]) -> None:
     _before_wait = check
 
 
-def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: float = 0.2, cap_s: float = 10.0) -> T:
+def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: float = 0.2, cap_s: float = 10.0,
+             throttled: Callable[[], None] | None = None) -> T:
     """Call `fn`, retrying transient failures (resets, timeouts, 5xx, throttling) with
     exponential backoff and full jitter. Fail with one line naming `what` (a URL: never the
     storage options): at once for an error no retry can fix (see `_permanent`), else after
-    `attempts`. A ShardkitError from `fn` passes unchanged."""
+    `attempts`. A ShardkitError from `fn` passes unchanged. `throttled()` is called each time
+    the store answers that it is overloaded (503 SlowDown, 429), before the wait."""
     for attempt in range(1, attempts + 1):
         try:
             return fn()
@@ -65,7 +67,10 @@ def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: fl
                 said = redact(one_line(e)) or ("no answer within the timeout" if "Timeout" in type(e).__name__ else "")
                 raise ShardkitError(f"{what}: {type(e).__name__}{': ' * bool(said)}{said} (gave up after {tries})") from e
             _before_wait()  # a pack given up (Ctrl-C) tries no more: an attempt can take a minute
-            base = max(base_s, THROTTLED_BASE_S) if status_of(root_cause(e)) in _THROTTLED else base_s
+            slow_down = status_of(root_cause(e)) in _THROTTLED
+            if slow_down and throttled is not None:
+                throttled()
+            base = max(base_s, THROTTLED_BASE_S) if slow_down else base_s
             time.sleep(random.uniform(0, min(cap_s, base * 2 ** (attempt - 1))))
     raise AssertionError("unreachable")
 

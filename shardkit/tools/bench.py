@@ -189,15 +189,15 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def in_use() -> int:
-    """The machine's anonymous and shared memory in bytes (/proc/meminfo's AnonPages + Shmem):
-    every page once, whichever processes map it (or none: a batch waiting in a queue), and
-    no page cache. 0 without /proc."""
+def in_use(pid: int) -> int:
+    """Anonymous and shared memory of a process in bytes, each page divided among the processes
+    that map it (/proc/PID/smaps_rollup's Pss_Anon + Pss_Shmem): summed over a process tree,
+    every page it maps counts once, and no page cache. 0 when it is gone, or without /proc."""
     total = 0
     try:
-        with open("/proc/meminfo", "rb") as f:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
             for line in f:
-                if line.startswith((b"AnonPages:", b"Shmem:")):
+                if line.startswith((b"Pss_Anon:", b"Pss_Shmem:")):
                     total += int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -205,11 +205,11 @@ def in_use() -> int:
 
 
 class PeakRss:
-    """Samples VmRSS of process `pid` (default: this one) and its descendants (DataLoader
+    """Samples the memory of process `pid` (default: this one) and its descendants (DataLoader
     workers) every `interval` seconds from a thread; keeps the peaks. Linux only: elsewhere
-    peaks stay None. Shared copy-on-write pages count in every process, so the total is an
-    upper bound. `peak_in_use` is the rise of the whole machine's `in_use()` over its value
-    when this was made: each page once, but anything else running counts too."""
+    peaks stay None. `peak_total` sums VmRSS: a copy-on-write page shared by several processes
+    counts in each, so it is an upper bound. `peak_in_use` sums `in_use`: each page the tree
+    maps once, page cache not counted, and nothing else the machine runs."""
 
     def __init__(self, interval: float = 0.05, pid: int | None = None):
         self.interval = interval
@@ -217,7 +217,6 @@ class PeakRss:
         self.available = os.path.exists(f"/proc/{self.pid}/status")
         self.peak_main: int | None = None
         self.peak_total: int | None = None
-        self._idle = in_use()
         self.peak_in_use: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -225,17 +224,16 @@ class PeakRss:
     def sample(self) -> None:
         if not self.available:
             return
-        main = rss(self.pid)
-        total, todo, seen = main, _children(self.pid), set()
+        tree, todo = [self.pid], _children(self.pid)
         while todo:
             pid = todo.pop()
-            if pid not in seen:
-                seen.add(pid)
-                total += rss(pid)
+            if pid not in tree:
+                tree.append(pid)
                 todo.extend(_children(pid))
+        main = rss(self.pid)
         self.peak_main = max(self.peak_main or 0, main)
-        self.peak_total = max(self.peak_total or 0, total)
-        self.peak_in_use = max(self.peak_in_use or 0, in_use() - self._idle)
+        self.peak_total = max(self.peak_total or 0, main + sum(rss(pid) for pid in tree[1:]))
+        self.peak_in_use = max(self.peak_in_use or 0, sum(in_use(pid) for pid in tree))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import checks, index, storage
+from ..decode import packed_from
 from ..packing import images
 from ..errors import ShardkitError
 from ..formats import lmdb as lmdb_format
@@ -99,7 +100,7 @@ def undecodable(url: str, storage_options: StorageOptions | None = None, workers
 
 def _image_problems(sample: dict[str, Any]) -> list[str]:
     """What is wrong with the sample's images, a line each (a DataLoader worker's transform)."""
-    where = f"{storage.display(sample['__url__'])}: sample {sample['__key__']!r}"
+    where = f"{storage.display(sample['__url__'])}: sample {sample['__key__']!r}{packed_from(sample)}"
     return [f"{where}: field {field!r}: {e}" for field, e in images.bad_images(sample)]
 
 
@@ -112,7 +113,7 @@ def _unlisted(url: str, idx: Index, storage_options: StorageOptions | None) -> l
         return []
     listed = {info.name for info in idx.shards}
     return [f"{storage.display(storage.join(url, name))}: a shard the index does not list (readers skip it)"
-            for name in names if name.endswith(".tar") and name not in listed]
+            for name in names if name.endswith(index.SHARD_SUFFIXES) and name not in listed]
 
 
 def _verify_lmdb(url: str, idx: Index, storage_options: StorageOptions | None) -> str | None:

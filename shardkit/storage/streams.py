@@ -1,0 +1,104 @@
+"""Stream-through reads: a range's bytes readable while they arrive.
+
+`Arriving` is the buffer a read-ahead thread fills and the worker reads from: a read of
+bytes that have not come yet waits for them (or for the error that stopped them), so a
+sample is parsed as soon as its own bytes are in, not when its whole block is.
+`s3_get` is an S3 GET that feeds one through s3fs's client (s3fs's `cat_file` reads a whole
+body before it returns, so the body is read here, chunk by chunk, on s3fs's event loop);
+s3_http.py has the cheaper one, used where the storage options allow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import threading
+from collections.abc import Callable
+from typing import Any
+
+CHUNK = 1 << 20  # the most bytes asked of the socket at once (it gives what has come, often less)
+
+
+class Arriving:
+    """Bytes [start, stop) of a shard, filled in order by one writer (`write`, then
+    `finish`), read by others with `read_at(size, offset)`, as `formats.tar` reads: a read
+    waits for its bytes; fewer come back only where the shard ends (`finish(end=...)`)."""
+
+    def __init__(self, start: int, stop: int):
+        self.start, self.stop = start, stop
+        self.filled = 0  # bytes in, from `start`
+        # anonymous memory: its pages are zeroed by the kernel as they are first written, where a
+        # bytearray is zeroed up front (a second pass over every byte: ~10% of a worker's read CPU)
+        self._buf = mmap.mmap(-1, max(stop - start, 1))
+        self._view = memoryview(self._buf)[: stop - start]
+        self._end = stop  # where the shard ends, if before `stop`
+        self._done = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition(threading.Lock())
+        self._wanted = -1  # the bytes a waiting reader needs in: woken once, not at every chunk
+
+    def write(self, chunk: bytes) -> None:
+        n = min(len(chunk), len(self._view) - self.filled)  # a server that sends more is cut to the range
+        self._view[self.filled : self.filled + n] = memoryview(chunk)[:n]
+        self._advance(n)
+
+    def receive(self, readinto: Callable[[memoryview], int]) -> None:
+        """Fill from `readinto(view) -> bytes put there`, as a socket or an HTTP response
+        gives them (no copy on our side), until full or it gives none."""
+        while self.filled < len(self._view) and (n := readinto(self._view[self.filled :])):
+            self._advance(n)
+
+    def _advance(self, n: int) -> None:
+        with self._cond:
+            self.filled += n
+            if 0 <= self._wanted <= self.filled:
+                self._wanted = -1
+                self._cond.notify_all()
+
+    def finish(self, error: BaseException | None = None, end: int | None = None) -> None:
+        """No more bytes: all of them, the shard ended at `end`, or `error` stopped them."""
+        with self._cond:
+            self._done, self._error = True, error
+            if end is not None:
+                self._end = min(self._end, end)
+            self._cond.notify_all()
+
+    def read_at(self, size: int, offset: int) -> bytes:
+        lo = offset - self.start
+        hi = min(lo + size, self._end - self.start)
+        if self.filled < hi:
+            with self._cond:
+                while self.filled < hi and not self._done:
+                    self._wanted = hi if self._wanted < 0 else min(self._wanted, hi)
+                    self._cond.wait()
+                hi = min(hi, self._end - self.start)
+                if self.filled < hi:
+                    assert self._error is not None
+                    raise self._error
+        return bytes(self._view[lo:max(lo, hi)])
+
+    def data(self) -> bytes:
+        """The bytes in, once finished without an error (for the cache)."""
+        return bytes(self._view[: self.filled])
+
+
+def s3_get(fs: Any, path: str, start: int, stop: int, write: Callable[[bytes], None],
+           if_match: str | None = None, timeout: float | None = None) -> None:
+    """GET bytes [start, stop) of an S3 object through s3fs's client (`fs`), handing each
+    chunk to `write` as it arrives, on s3fs's event loop; with `if_match`, only if the
+    object's ETag is still that (else 412). A range past the end raises (416)."""
+    bucket, key, version_id = fs.split_path(path)
+    extra = {"IfMatch": if_match} if if_match else {}
+    if version_id:
+        extra["VersionId"] = version_id
+
+    async def get() -> None:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", **extra)
+        body = resp["Body"]
+        try:
+            while chunk := await body.read(CHUNK):
+                write(chunk)
+        finally:
+            body.close()
+
+    asyncio.run_coroutine_threadsafe(get(), fs.loop).result(timeout)

@@ -1,0 +1,65 @@
+"""The package as a user gets it: a wheel and an sdist built by `python -m build`, and the
+wheel installed with its own dependencies alone (no extras, so no PyTorch) in a fresh venv."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+
+def run(args: list[str | Path]) -> subprocess.CompletedProcess[str]:
+    """A command away from this checkout's code: no PYTHONPATH leading back to it, and not
+    started in it (`python -c` imports from its working directory first)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, env=env, timeout=240,
+                          cwd=Path(args[0]).anchor)
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 0, f"{proc.args} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_wheel_installs_and_runs_without_extras(photos: Path, tmp_path: Path) -> None:
+    """45-60 s on a busy 2-core machine: the build's two isolated environments (setuptools from
+    the registry), then the wheel's dependencies. The venv is made without pip and filled by
+    this environment's pip (`--python`): ensurepip alone took 20 s."""
+    dist = tmp_path / "dist"
+    ok(run([sys.executable, "-m", "build", "--outdir", dist, ROOT]))  # the wheel is built from the sdist
+    (sdist,), (wheel,) = dist.glob("*.tar.gz"), dist.glob("*.whl")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert {"LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "shardkit/py.typed"} <= names
+    assert not any(n.startswith("tests/") for n in names)
+    with zipfile.ZipFile(wheel) as whl:
+        metadata = whl.read("shardkit-0.1.0.dist-info/METADATA").decode()
+        assert {"shardkit/py.typed", "shardkit-0.1.0.dist-info/licenses/LICENSE"} <= set(whl.namelist())
+    assert "License-Expression: Apache-2.0" in metadata
+    core = [line.split()[1] for line in metadata.splitlines() if line.startswith("Requires-Dist:") and ";" not in line]
+    assert not [name for name in core if name.startswith("torch")], core
+    assert 'Requires-Dist: torch>=2.1; extra == "bench"' in metadata
+
+    venv = tmp_path / "venv"
+    ok(run([sys.executable, "-m", "venv", "--without-pip", venv]))
+    python, shardkit = venv / "bin" / "python", venv / "bin" / "shardkit"
+    ok(run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-compile", wheel]))
+
+    where = ok(run([python, "-c", "import sys, shardkit; print(shardkit.__file__, 'torch' in sys.modules)"]))
+    assert where.split() == [str(venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" /
+                                 "site-packages" / "shardkit" / "__init__.py"), "False"]
+    assert ok(run([shardkit, "--version"])).split()[-1] == "0.1.0"
+    out = tmp_path / "shards"
+    assert "packed 30 samples into 1 shard" in ok(run([shardkit, "pack", photos, out]))
+    assert "samples:  30" in ok(run([shardkit, "info", out]))
+    assert "all shards match the index" in ok(run([shardkit, "verify", out]))
+    proc = run([python, "-c", "from shardkit import StreamingDataset"])
+    assert proc.returncode == 1 and "pip install torch" in proc.stderr
