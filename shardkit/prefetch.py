@@ -5,8 +5,11 @@ function, so tests can hand it one that sleeps or fails.
 How many reads are in flight adapts, so that read-ahead never costs the consumer:
 
 - The read the consumer needs next is always the oldest one sent, and reading starts with
-  one read alone: the first block gets the whole bandwidth, not a share of it.
-- From there it ramps up, one more read at a time, towards what Little's law asks for:
+  one read alone: the first block gets the whole bandwidth, not a share of it. (Unless the
+  consumer needs several before it can begin: a shuffled stream's first window draws its
+  samples from every range it spans, and these go out together, one round trip for all.)
+- From there it ramps up, doubling with each range taken (TCP's slow start: a short epoch
+  or a resume must not spend its first blocks at depth 1), towards what Little's law asks for:
   in flight = arrival rate x latency, the arrival rate being how fast the consumer takes
   ranges and the latency how long a fetch takes (moving averages). A slow store gets more
   reads in flight, a fast one fewer; never more than `depth`.
@@ -84,18 +87,19 @@ class Prefetcher(Generic[R, D]):
     right when a fetch only starts the I/O and returns (posix_fadvise WILLNEED on a local file),
     where a thread hand-off would cost more than it hides.
     streaming=True calls `fetch(request, hand_over)` (see the module docstring).
-    `pressure()`, if given, counts the store's throttled answers so far.
+    `pressure()`, if given, counts the store's throttled answers so far. `start` reads go
+    out at once, before any is taken (1 unless the consumer needs several to begin).
     """
 
     def __init__(self, requests: Iterable[R], fetch: Callable[..., D], size: Callable[[R], int], *,
                  depth: int, budget: int, threads: bool = True, streaming: bool = False,
-                 pressure: Callable[[], int] | None = None):
+                 pressure: Callable[[], int] | None = None, start: int = 1):
         if depth < 0 or budget < 1:
             raise ValueError("depth must be >= 0 and budget >= 1")
         self._requests = iter(requests)
         self._fetch, self._size, self._streaming, self._pressure = fetch, size, streaming, pressure
         self.depth, self.budget, self.threads = depth, budget, threads
-        self.target = min(depth, 1)  # reads to keep in flight now (adapted): one to start with
+        self.target = min(depth, max(1, start))  # reads to keep in flight now (adapted)
         self.ceiling = float(depth)  # lowered when the store throttles (AIMD)
         self.latency_s = 0.0  # moving average of one fetch
         self.interval_s = 0.0  # moving average of the consumer's time on one range
@@ -172,7 +176,7 @@ class Prefetcher(Generic[R, D]):
             self.ceiling = min(float(self.depth), self.ceiling + 1 / self.ceiling)
         self._pressed = pressed
         wanted = math.ceil(self.latency_s / max(self.interval_s, 1e-6)) + 1 if self.latency_s else 1
-        self.target = max(1, min(self.target + 1, wanted, int(self.ceiling)))  # up one at a time, down at once
+        self.target = max(1, min(2 * self.target, wanted, int(self.ceiling)))  # doubling up, down at once
 
     def _fill(self) -> None:
         """Submit requests while fewer than the target are in flight and under the byte

@@ -146,6 +146,29 @@ def test_reading_starts_with_one_read_alone() -> None:
     assert [r for r, _ in it] == list(range(1, 20))
 
 
+def test_reads_a_consumer_needs_together_go_out_together_then_double() -> None:
+    """`start` reads are sent before any is taken (a shuffled first window needs each of
+    its ranges); from there the reads in flight double as ranges are taken (slow start),
+    up to what Little's law asks for."""
+    started: list[int] = []
+    gate = threading.Event()
+
+    def fetch(i: int) -> int:
+        started.append(i)
+        if i < 3:
+            gate.wait(5)
+        else:
+            time.sleep(0.02)  # a slow store: Little's law wants many in flight
+        return i
+
+    p = Prefetcher(range(40), fetch, lambda i: 1, depth=16, budget=100, start=3)
+    it = iter(p)
+    threading.Timer(0.1, gate.set).start()
+    assert next(it) == (0, 0) and sorted(started[:3]) == [0, 1, 2]
+    targets = [p.target for _ in it]
+    assert targets[:3] == [6, 12, 16]  # 3 -> 6 -> 12 -> depth, one range taken each
+
+
 def test_streaming_hands_over_before_the_fetch_ends() -> None:
     """A streaming fetch's consumer starts on what it handed over while the fetch goes on;
     the next range is sent once the consumer asks for it."""

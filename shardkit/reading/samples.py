@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import index, ranges, sidecar, storage
+from .. import blockplan, index, ranges, sidecar, storage
 from ..decode import sample_dict
 from ..errors import CorruptShardError
 from ..formats import lmdb as lmdb_format
@@ -118,8 +118,10 @@ class TarSamples:
                 reader.stream(r.shard, r.start, r.stop, arriving)  # an error: raised by the samples it concerns
                 return arriving.read_at
 
+            # a shuffled stream's first window takes its samples from every range it spans, in turn
+            first = len(np.unique(range_of[: blockplan.ramp(window)[1] if window > 1 else 1]))
             prefetcher = Prefetcher(plan, stream, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes,
-                                    streaming=True, pressure=lambda: reader.throttled)
+                                    streaming=True, pressure=lambda: reader.throttled, start=first)
         return _in_order(prefetcher, range_of, shard_of, starts, ends), prefetcher
 
     def _check(self, shard_of: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:

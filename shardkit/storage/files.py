@@ -4,6 +4,7 @@ through fsspec, retried."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar, cast
@@ -76,7 +77,15 @@ def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes
             raise
         finally:
             os.close(fd)
-    return cast(bytes, _ask(url, storage_options, lambda fs, path: fs.cat_file(path)))
+    return _ask(url, storage_options, _cat_whole)
+
+
+def _cat_whole(fs: Any, path: str) -> bytes:
+    """A remote file's bytes in one request: s3fs asks an object's size first (a HEAD, one
+    round trip more for every index.json read) unless told to read it in one piece."""
+    if "max_concurrency" in inspect.signature(fs.cat_file).parameters:
+        return cast(bytes, fs.cat_file(path, max_concurrency=1))
+    return cast(bytes, fs.cat_file(path))
 
 
 def read_range(url: str, start: int, stop: int, storage_options: StorageOptions | None = None) -> bytes:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
+from urllib.request import getproxies, proxy_bypass
 
 PRESIGN_TTL_S = 300.0  # a presigned URL is used this long (it is valid for an hour)
 _PIECE = 256 << 10  # bytes asked of the socket at once: a sample is handed over within ~this many
@@ -34,11 +35,18 @@ class HTTPStatusError(OSError):
 def usable(storage_options: dict[str, Any] | None) -> bool:
     """Whether the options leave nothing to a request that a presigned GET would not carry:
     a TLS setting of the client's own (verify, a CA bundle), request payer or
-    customer-provided keys (headers that must be signed)."""
+    customer-provided keys (headers that must be signed), an HTTP proxy (botocore's
+    `proxies`, or HTTP(S)_PROXY for the endpoint's host: botocore honours them, this
+    client does not)."""
     opts = storage_options or {}
     client = opts.get("client_kwargs") or {}
-    return not ({"verify", "use_ssl"} & client.keys() or {"requester_pays", "s3_additional_kwargs",
-                                                          "use_ssl"} & opts.keys())
+    if {"verify", "use_ssl"} & client.keys() or {"requester_pays", "s3_additional_kwargs", "use_ssl"} & opts.keys():
+        return False
+    if "proxies" in (opts.get("config_kwargs") or {}):
+        return False
+    endpoint = opts.get("endpoint_url") or client.get("endpoint_url") or "https://s3.amazonaws.com"
+    proxies = getproxies()
+    return not (proxies.get(urlsplit(endpoint).scheme) and not proxy_bypass(urlsplit(endpoint).hostname or ""))
 
 
 class Direct:
