@@ -89,20 +89,24 @@ class Prefetcher(Generic[R, D]):
     streaming=True calls `fetch(request, hand_over)` (see the module docstring).
     `pressure()`, if given, counts the store's throttled answers so far. `start` reads go
     out at once, before any is taken (1 unless the consumer needs several to begin).
+    `stalled()`, if given, counts the seconds the consumer has waited for a streaming
+    range's bytes: not its own time, so not part of the rate Little's law asks for.
     """
 
     def __init__(self, requests: Iterable[R], fetch: Callable[..., D], size: Callable[[R], int], *,
                  depth: int, budget: int, threads: bool = True, streaming: bool = False,
-                 pressure: Callable[[], int] | None = None, start: int = 1):
+                 pressure: Callable[[], int] | None = None, start: int = 1,
+                 stalled: Callable[[], float] | None = None):
         if depth < 0 or budget < 1:
             raise ValueError("depth must be >= 0 and budget >= 1")
         self._requests = iter(requests)
         self._fetch, self._size, self._streaming, self._pressure = fetch, size, streaming, pressure
+        self._stalled = stalled or (lambda: 0.0)
         self.depth, self.budget, self.threads = depth, budget, threads
         self.target = min(depth, max(1, start))  # reads to keep in flight now (adapted)
         self.ceiling = float(depth)  # lowered when the store throttles (AIMD)
         self.latency_s = 0.0  # moving average of one fetch
-        self.interval_s = 0.0  # moving average of the consumer's time on one range
+        self.interval_s = 0.0  # moving average of the consumer's own time on one range
         self._pool: _Threads | None = None
         self._pending: deque[tuple[R, Future[D], threading.Event]] = deque()  # sent, not yet taken
         self._streaming_on: list[threading.Event] = []  # fetches taken and still streaming
@@ -148,9 +152,9 @@ class Prefetcher(Generic[R, D]):
                 data = fut.result()
                 self._streaming_on.append(done)
                 self._held -= self._size(req)
-                handed = time.perf_counter()
+                handed, stalled = time.perf_counter(), self._stalled()
                 yield req, data
-                self._adapt(time.perf_counter() - handed)
+                self._adapt(time.perf_counter() - handed - (self._stalled() - stalled))
         finally:
             self.close()
 
@@ -163,8 +167,8 @@ class Prefetcher(Generic[R, D]):
         yield from ahead
 
     def _adapt(self, busy: float) -> None:
-        """After the consumer spent `busy` seconds on a range (waiting for a streaming
-        range's bytes included, waiting for the next range not)."""
+        """After the consumer spent `busy` seconds of its own on a range (waiting for the
+        range's bytes or for the next range not counted: read-ahead is there to hide them)."""
         while not self._latencies.empty():
             latency = self._latencies.get()
             self.latency_s += _ALPHA * (latency - self.latency_s) if self.latency_s else latency

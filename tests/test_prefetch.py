@@ -169,6 +169,28 @@ def test_reads_a_consumer_needs_together_go_out_together_then_double() -> None:
     assert targets[:3] == [6, 12, 16]  # 3 -> 6 -> 12 -> depth, one range taken each
 
 
+def test_time_spent_waiting_for_bytes_is_not_the_consumers_own() -> None:
+    """Little's law wants the consumer's own time per range: the time it waited for a
+    streaming range's bytes (`stalled`) is read-ahead that was missing, so it raises the
+    reads in flight instead of lowering them."""
+    waited = [0.0]
+
+    def slow(i: int) -> int:
+        time.sleep(0.03)
+        return i
+
+    def consume(p: Prefetcher[int, int], stalling: bool) -> int:
+        for _ in p:
+            time.sleep(0.03)  # waiting for bytes that have not come
+            waited[0] += 0.03 if stalling else 0.0
+        return p.target
+
+    plain = consume(Prefetcher(range(40), slow, lambda i: 1, depth=16, budget=10**9), False)
+    aware = consume(Prefetcher(range(40), slow, lambda i: 1, depth=16, budget=10**9,
+                               stalled=lambda: waited[0]), True)
+    assert plain <= 6 and aware >= 12  # (about 2, and the depth)
+
+
 def test_streaming_hands_over_before_the_fetch_ends() -> None:
     """A streaming fetch's consumer starts on what it handed over while the fetch goes on;
     the next range is sent once the consumer asks for it."""

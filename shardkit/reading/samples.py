@@ -21,7 +21,7 @@ from ..index import Index
 from ..prefetch import Prefetcher
 from ..sources import local_lmdb
 from ..storage import StorageOptions
-from ..storage.streams import Arriving
+from ..storage.streams import Arriving, Stalls
 from . import compressed
 from .compressed import CompressedShards
 
@@ -110,10 +110,12 @@ class TarSamples:
             prefetcher: Prefetcher[ranges.Range, Any] = Prefetcher(
                 plan, advise, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes, threads=False)
         else:
+            stalls = Stalls()
+
             def stream(r: ranges.Range, hand_over: Callable[[ReadAt], None]) -> ReadAt | CorruptShardError:
                 if r.shard in streams:
                     return inflated(r)
-                arriving = Arriving(r.start, r.stop)
+                arriving = Arriving(r.start, r.stop, stalls)
                 hand_over(arriving.read_at)  # samples are parsed as their bytes arrive
                 reader.stream(r.shard, r.start, r.stop, arriving)  # an error: raised by the samples it concerns
                 return arriving.read_at
@@ -121,7 +123,8 @@ class TarSamples:
             # a shuffled stream's first window takes its samples from every range it spans, in turn
             first = len(np.unique(range_of[: blockplan.ramp(window)[1] if window > 1 else 1]))
             prefetcher = Prefetcher(plan, stream, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes,
-                                    streaming=True, pressure=lambda: reader.throttled, start=first)
+                                    streaming=True, pressure=lambda: reader.throttled, start=first,
+                                    stalled=lambda: stalls.seconds)
         return _in_order(prefetcher, range_of, shard_of, starts, ends), prefetcher
 
     def _check(self, shard_of: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:

@@ -13,19 +13,29 @@ from __future__ import annotations
 import asyncio
 import mmap
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 CHUNK = 1 << 20  # the most bytes asked of the socket at once (it gives what has come, often less)
 
 
+class Stalls:
+    """Seconds the reader of some `Arriving` buffers spent waiting for their bytes: what
+    read-ahead did not hide (one reader thread adds to it)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
 class Arriving:
     """Bytes [start, stop) of a shard, filled in order by one writer (`write`, then
     `finish`), read by others with `read_at(size, offset)`, as `formats.tar` reads: a read
-    waits for its bytes; fewer come back only where the shard ends (`finish(end=...)`)."""
+    waits for its bytes (counted in `stalls`); fewer come back only where the shard ends
+    (`finish(end=...)`)."""
 
-    def __init__(self, start: int, stop: int):
-        self.start, self.stop = start, stop
+    def __init__(self, start: int, stop: int, stalls: Stalls | None = None):
+        self.start, self.stop, self._stalls = start, stop, stalls
         self.filled = 0  # bytes in, from `start`
         # anonymous memory: its pages are zeroed by the kernel as they are first written, where a
         # bytearray is zeroed up front (a second pass over every byte: ~10% of a worker's read CPU)
@@ -67,10 +77,13 @@ class Arriving:
         lo = offset - self.start
         hi = min(lo + size, self._end - self.start)
         if self.filled < hi:
+            began = time.perf_counter()
             with self._cond:
                 while self.filled < hi and not self._done:
                     self._wanted = hi if self._wanted < 0 else min(self._wanted, hi)
                     self._cond.wait()
+                if self._stalls is not None:
+                    self._stalls.seconds += time.perf_counter() - began
                 hi = min(hi, self._end - self.start)
                 if self.filled < hi:
                     assert self._error is not None
