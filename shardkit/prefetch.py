@@ -10,8 +10,9 @@ How many reads are in flight adapts, so that read-ahead never costs the consumer
   samples from every range it spans, and these go out together, one round trip for all.)
 - From there it ramps up, doubling with each range taken (TCP's slow start: a short epoch
   or a resume must not spend its first blocks at depth 1), towards what Little's law asks for:
-  in flight = arrival rate x latency, the arrival rate being how fast the consumer takes
-  ranges and the latency how long a fetch takes (moving averages). A slow store gets more
+  in flight = arrival rate x latency, the arrival rate being how fast the consumer would
+  take ranges on its own (its waits for bytes not counted: they are what read-ahead failed
+  to hide) and the latency how long a fetch takes (moving averages). A slow store gets more
   reads in flight, a fast one fewer; never more than `depth`.
 - A store that says it is overloaded (`pressure` counts its throttled answers) halves the
   ceiling on reads in flight; each read taken without one raises it by 1/ceiling (AIMD, as
