@@ -122,7 +122,7 @@ def _rgb8(data: bytes) -> np.ndarray:
     return np.array(_pil(data))  # writable, unlike np.asarray's view of the PIL buffer
 
 
-def _chw(img: Image.Image) -> Any:
+def _chw(img: Image.Image | np.ndarray) -> Any:
     import torch
 
     chw = np.asarray(img).transpose(2, 0, 1)
@@ -142,11 +142,7 @@ def _fast_rgb8(data: bytes) -> np.ndarray:
 
 def _fast_tensor(data: bytes) -> Any:
     hwc = jpeg.decode(data)
-    if hwc is None:
-        return _tensor(data)
-    import torch
-
-    return torch.from_numpy(hwc.transpose(2, 0, 1).copy())
+    return _tensor(data) if hwc is None else _chw(hwc)
 
 
 _IMAGE: dict[str, Callable[[bytes], Any]] = {"pil": _pil, "rgb8": _rgb8, "tensor": _tensor}

@@ -56,7 +56,7 @@ class ShardInfo:
     sha256: str | None = None
     offsets: Sequence[int] | None = field(default=None, hash=False)
     compression: str | None = None
-    version: dict[str, Any] | None = field(default=None, hash=False)  # storage.pin_of's: {"etag": ...}
+    version: dict[str, Any] | None = field(default=None, hash=False)  # storage.files.pin_of's: {"etag": ...}
     extra: tuple[tuple[str, Any], ...] = field(default=(), hash=False)  # fields of the entry not named above
 
     def __post_init__(self) -> None:

@@ -101,8 +101,8 @@ class Prefetcher(Generic[R, D]):
         if depth < 0 or budget < 1:
             raise ValueError("depth must be >= 0 and budget >= 1")
         self._requests = iter(requests)
-        self._fetch, self._size, self._streaming, self._pressure = fetch, size, streaming, pressure
-        self._stalled = stalled or (lambda: 0.0)
+        self._fetch, self._size, self._streaming = fetch, size, streaming
+        self._pressure, self._stalled = pressure or (lambda: 0), stalled or (lambda: 0.0)
         self.depth, self.budget, self.threads = depth, budget, threads
         self.target = min(depth, max(1, start))  # reads to keep in flight now (adapted)
         self.ceiling = float(depth)  # lowered when the store throttles (AIMD)
@@ -174,7 +174,7 @@ class Prefetcher(Generic[R, D]):
             latency = self._latencies.get()
             self.latency_s += _ALPHA * (latency - self.latency_s) if self.latency_s else latency
         self.interval_s += _ALPHA * (busy - self.interval_s) if self.interval_s else busy
-        pressed = self._pressure() if self._pressure is not None else 0
+        pressed = self._pressure()
         if pressed > self._pressed:  # throttled since the last take: halve
             self.ceiling = max(1.0, self.ceiling / 2)
         else:

@@ -14,9 +14,12 @@ import io
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, overload
 
 from ..errors import CorruptShardError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 BLOCK = 512
 RECORD = 20 * BLOCK  # GNU tar and Python's tarfile pad archives to 10 KiB records
@@ -87,6 +90,16 @@ def check_key(key: str) -> None:
 
 def _padding(size: int) -> int:
     return -size % BLOCK
+
+
+@overload
+def member_size(size: int) -> int: ...
+@overload
+def member_size(size: np.ndarray) -> np.ndarray: ...
+def member_size(size: Any) -> Any:
+    """What a member of `size` bytes (or each of an array of sizes) takes in a tar: its
+    header, its data, its padding."""
+    return BLOCK + size + (-size % BLOCK)
 
 
 class TarWriter:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import index, storage
+from .. import index, sidecar, storage
 from ..errors import SourceError
 from ..index import Index, ShardInfo, Skipped
 from ..storage import StorageOptions
@@ -28,7 +28,7 @@ from .scan import HIDDEN
 
 
 SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
-TMP_RE = re.compile(rf"^(shard-\d{{6,}}\.tar|offsets-[0-9a-f]{{16}}\.npy|{re.escape(index.INDEX_NAME)})"
+TMP_RE = re.compile(rf"^({SHARD_RE.pattern[1:-1]}|{sidecar.PATTERN.pattern[1:-1]}|{re.escape(index.INDEX_NAME)})"
                     rf"{re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$")
 """What an interrupted pack leaves: a shard's, the sidecar's or the index's temporary file
 (storage.atomic_writer's names)."""

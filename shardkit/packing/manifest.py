@@ -26,6 +26,7 @@ from typing import Any
 
 from .. import storage
 from ..errors import SourceError, about_the_file
+from ..formats.tar import member_size
 from ..index import Skipped
 from ..storage import StorageOptions
 from . import images, sidecars
@@ -78,7 +79,7 @@ def scan_manifest(src: str, storage_options: StorageOptions | None = None
             left_out.append((line, Skipped(path, f"{info} ({name} line {line})")))
             continue
         extras = sidecars.encode((field, sidecars.VALUE, value) for field, value in values)
-        size = sum(sidecars.member_bytes(len(value.encode())) for _, value in values)
+        size = sum(member_size(len(value.encode())) for _, value in values)
         found.add(path, -1 if label is None else number(label), *info, extras, size, tuple(f for f, _ in values))
     listing, skipped = found.build(), [s for _, s in sorted(left_out, key=lambda x: x[0])]
     if not len(listing):

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import storage
 from ..errors import SourceError
-from ..formats.tar import BLOCK
+from ..formats.tar import BLOCK, member_size
 from ..index import ShardInfo, Skipped
 from . import manifest, sidecars
 from .listing import Item, Listing
@@ -143,10 +143,6 @@ def sample_meta(item: Item, classes: tuple[str, ...]) -> bytes:
     return f'{{"path":{_json_str(item.path)}}}'.encode()
 
 
-def _member_bytes(n: np.ndarray) -> np.ndarray:
-    return np.asarray(BLOCK + n + (-n % BLOCK))
-
-
 def _fingerprint(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -262,9 +258,9 @@ def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarra
         class_json = np.array([len(_json_str(c).encode()) for c in classes], np.int64)
         meta += np.where(labelled, len('"class":,') + class_json[np.where(labelled, labels, 0)], 0)
     digits = 1 + np.searchsorted(10 ** np.arange(1, 19, dtype=np.int64), labels, side="right")
-    cls = np.where(labelled, _member_bytes(digits), 0)
+    cls = np.where(labelled, member_size(digits), 0)
     extras = listing.extra_sizes if listing.extra_sizes is not None else 0
-    return np.asarray(_member_bytes(listing.sizes) + cls + _member_bytes(meta) + extras)
+    return np.asarray(member_size(listing.sizes) + cls + member_size(meta) + extras)
 
 
 _JSON_ESCAPED = re.compile(rb'["\\\x00-\x1f]')  # what json escapes in a str: quote, backslash, controls

@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from ..formats.tar import BLOCK
+from ..formats.tar import member_size
 from ..index import Skipped
 from . import images
 
@@ -124,7 +124,7 @@ def decode(text: str) -> list[tuple[str, str, str]]:
 
 def of_files(sample: Sample) -> tuple[str, int, tuple[str, ...]]:
     """(extras, their bytes in a tar shard, their fields) of a sample's sidecars."""
-    return (encode((field, FILE, f.path) for field, f in sample.extras), sum(member_bytes(f.size) for _, f in sample.extras),
+    return (encode((field, FILE, f.path) for field, f in sample.extras), sum(member_size(f.size) for _, f in sample.extras),
             tuple(field for field, _ in sample.extras))
 
 
@@ -134,11 +134,6 @@ def marker(sample: Sample) -> int:
         return sample.image.marker
     parts = [sample.image.marker, *((field, f.size, f.marker) for field, f in sample.extras)]
     return int.from_bytes(hashlib.sha256(json.dumps(parts).encode()).digest()[:7], "big")
-
-
-def member_bytes(size: int) -> int:
-    """What a member of `size` bytes takes in a tar: its header, its data, its padding."""
-    return BLOCK + size + (-size % BLOCK)
 
 
 _KINDS = {"cls": "an integer class", "json": "valid JSON", "jsn": "valid JSON", "txt": "UTF-8 text",

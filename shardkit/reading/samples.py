@@ -27,7 +27,7 @@ from .compressed import CompressedShards
 
 Read = tuple[int, int, Any]  # (shard, start, the sample's bytes or the error of its range)
 LMDB_WINDOW = 64  # samples of an LMDB dataset that one read from the disk sends to the threads
-RANGE_BYTES = 16 << 20  # the most bytes of blocks one remote request merges (AWS: 8-16 MB requests are fastest)
+RANGE_BYTES = 16 << 20  # the most bytes one read merges (AWS: 8-16 MB requests are fastest; locally one advise)
 
 
 class Settings(Protocol):
@@ -69,6 +69,18 @@ class TarSamples:
         self.first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._table = index.sample_offsets(idx, storage_options, cache_dir)
         self.sample_bytes = compressed.check_samples(urls, self.shards, self.first, self.offsets, max_member)
+        self._held: tuple[storage.RangeReader, CompressedShards] | None = None  # see _streams
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_held": None}
+
+    def _streams(self, reader: storage.RangeReader, spread: int = 0, sample_bytes: int = 0) -> CompressedShards:
+        """The compressed shards' streams of `reader`'s pass, made once: a sample read on its
+        own in the pass (`one`, standing in for a skipped one) continues them rather than
+        inflating its shard again from the start."""
+        if self._held is None or self._held[0] is not reader:
+            self._held = (reader, CompressedShards(reader, self.urls, self.shards, spread, sample_bytes))
+        return self._held[1]
 
     @property
     def offsets(self) -> np.ndarray:
@@ -82,13 +94,13 @@ class TarSamples:
         self._check(shard_of, starts, ends)
         local = all(map(storage.is_local, self.urls))  # one remote shard: its ranges go through the budget
         if local:
-            plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=16 << 20)
+            plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=RANGE_BYTES)
         else:  # a block's samples come within block + 2 windows of each other: further apart, a new use,
             # read again rather than held, unless the whole dataset fits in the read-ahead budget
             gap = None if self.bytes <= opts.prefetch_bytes else opts.block + 2 * window
             plan, range_of = ranges.blocks(ids, self.first, self.offsets, opts.block, gap, max_bytes=RANGE_BYTES)
         # compressed shards: reads within a shuffle window (and a block each side) come out of order
-        streams = CompressedShards(reader, self.urls, self.shards, window + 2 * opts.block, self.sample_bytes)
+        streams = self._streams(reader, window + 2 * opts.block, self.sample_bytes)
 
         def inflated(r: ranges.Range) -> ReadAt | CorruptShardError:
             """A compressed shard's range: inflated from where its stream is up to the range."""
@@ -150,11 +162,10 @@ class TarSamples:
 
     def one(self, i: int, reader: storage.RangeReader) -> dict[str, Any]:
         """Sample `i` on its own: one pread of a local shard, one ranged read of a remote one
-        (a compressed one inflated from its start)."""
-        shard = int(self.first.searchsorted(i, side="right")) - 1
-        start, end = int(self.offsets[i + shard]), int(self.offsets[i + shard + 1])  # see ranges.bounds
+        (a compressed one from its stream of this reader, inflated up to the sample)."""
+        shard, start, end = (int(x[0]) for x in ranges.bounds(np.array([i]), self.first, self.offsets))
         if self.shards[shard].compression:
-            read_at = buffer_reader(CompressedShards(reader, self.urls, self.shards, 0, 0).read(shard, start, end), start)
+            read_at = buffer_reader(self._streams(reader).read(shard, start, end), start)
         elif reader.is_local(shard):
             read_at = reader.read_at(shard)
         else:

@@ -13,7 +13,7 @@ clients.py only) with the caller's storage options passed through unchanged.
 
 from .atomic import TMP_MARK, atomic_writer, write_bytes_atomic
 from .clients import REQUEST_TIMEOUT_S, endpoint, filesystem
-from .files import (exists, find, listdir, makedirs, open_read, pin_of, pins, read_bytes, read_range, remove, remove_dir,
+from .files import (exists, find, listdir, makedirs, open_read, pins, read_bytes, read_range, remove, remove_dir,
                     size, version)
 from .range_reader import RangeReader
 from .retry import RETRIES, attempts_for, retrying, stop_when
@@ -37,7 +37,6 @@ __all__ = [
     "listdir",
     "local_path",
     "makedirs",
-    "pin_of",
     "pins",
     "open_read",
     "read_bytes",

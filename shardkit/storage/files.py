@@ -12,7 +12,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 from ..errors import BadRequestError, CorruptShardError, ShardkitError, name_file
 from .clients import filesystem
 from .retry import attempts_for, retrying, root_cause, status_of
-from .urls import GCS, OBJECT_STORES, S3, WEBHDFS, StorageOptions, display, is_local, join, local_path, scheme
+from .urls import GCS, OBJECT_STORES, S3, WEBHDFS, StorageOptions, display, is_local, local_path, scheme
 
 
 T = TypeVar("T")
@@ -183,8 +183,12 @@ def pins(url: str, names: list[str], storage_options: StorageOptions | None = No
     differ between two packs of the same input."""
     if is_local(url):
         return [None] * len(names)
-    listing = {path.rstrip("/").rsplit("/", 1)[-1]: info for path, info in find(url, storage_options).items()}
-    return [pin_of(join(url, n), listing[n]) if n in listing else None for n in names]
+    try:
+        found = _ask(url, storage_options, lambda fs, path: fs.ls(path.rstrip("/"), detail=True))
+    except FileNotFoundError:
+        found = []
+    listing = {info["name"].rstrip("/").rsplit("/", 1)[-1]: info for info in found}
+    return [pin_of(url, listing[n]) if n in listing else None for n in names]
 
 
 def find(url: str, storage_options: StorageOptions | None = None) -> dict[str, dict[str, Any]]:

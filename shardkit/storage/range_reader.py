@@ -266,9 +266,7 @@ class RangeReader:
         index pinned; other stores fill it in one go (`read`)."""
         try:
             if not self._s3[shard]:
-                data = self.read(shard, start, stop, partial=True)
-                into.write(data)
-                into.finish(end=start + len(data))
+                into.adopt(self.read(shard, start, stop, partial=True))
                 return
             self._stream_s3(shard, start, stop, into)
         except BaseException as e:  # noqa: BLE001 - the consumer raises it, at the first sample it concerns
@@ -279,8 +277,7 @@ class RangeReader:
         cache = self._cache if version is not None else None
         cached = cache.get(url, version, start, stop) if cache is not None else None
         if cached is not None:
-            into.write(cached)
-            into.finish()
+            into.adopt(cached)
             return
         fs, path = self._handle(shard)
         pin = self._pins[shard]

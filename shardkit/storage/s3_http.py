@@ -18,6 +18,8 @@ from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import getproxies, proxy_bypass
 
+from .clients import endpoint
+
 PRESIGN_TTL_S = 300.0  # a presigned URL is used this long (it is valid for an hour)
 _PIECE = 256 << 10  # bytes asked of the socket at once: a sample is handed over within ~this many
 _ERROR_BODY = 600  # bytes of an error answer kept for its message
@@ -44,9 +46,8 @@ def usable(storage_options: dict[str, Any] | None) -> bool:
         return False
     if "proxies" in (opts.get("config_kwargs") or {}):
         return False
-    endpoint = opts.get("endpoint_url") or client.get("endpoint_url") or "https://s3.amazonaws.com"
-    proxies = getproxies()
-    return not (proxies.get(urlsplit(endpoint).scheme) and not proxy_bypass(urlsplit(endpoint).hostname or ""))
+    url = urlsplit(endpoint(opts) or "https://s3.amazonaws.com")
+    return not (getproxies().get(url.scheme) and not proxy_bypass(url.hostname or ""))
 
 
 class Direct:

@@ -65,6 +65,16 @@ class Arriving:
                 self._wanted = -1
                 self._cond.notify_all()
 
+    def adopt(self, data: bytes) -> None:
+        """All the bytes at once (a store that does not stream, a cache hit), kept rather
+        than copied, and finished: the shard ends where they do, if before `stop`."""
+        with self._cond:
+            self._view = memoryview(data)[: self.stop - self.start]  # before `filled`: readers check that
+            self.filled = len(self._view)
+            self._end = min(self._end, self.start + self.filled)
+            self._done = True
+            self._cond.notify_all()
+
     def finish(self, error: BaseException | None = None, end: int | None = None) -> None:
         """No more bytes: all of them, the shard ended at `end`, or `error` stopped them."""
         with self._cond:
@@ -96,7 +106,7 @@ class Arriving:
 
 
 def s3_get(fs: Any, path: str, start: int, stop: int, write: Callable[[bytes], None],
-           if_match: str | None = None, timeout: float | None = None) -> None:
+           if_match: str | None = None) -> None:
     """GET bytes [start, stop) of an S3 object through s3fs's client (`fs`), handing each
     chunk to `write` as it arrives, on s3fs's event loop; with `if_match`, only if the
     object's ETag is still that (else 412). A range past the end raises (416)."""
@@ -114,4 +124,4 @@ def s3_get(fs: Any, path: str, start: int, stop: int, write: Callable[[bytes], N
         finally:
             body.close()
 
-    asyncio.run_coroutine_threadsafe(get(), fs.loop).result(timeout)
+    asyncio.run_coroutine_threadsafe(get(), fs.loop).result()

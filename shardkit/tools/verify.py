@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -17,7 +16,7 @@ from ..packing import images
 from ..errors import ShardkitError
 from ..formats import lmdb as lmdb_format
 from ..index import Index, ShardInfo
-from ..sources import local_lmdb, shard_problem
+from ..sources import local_lmdb, shard_digest, shard_problem
 from ..storage import StorageOptions
 
 
@@ -71,13 +70,10 @@ def _sidecar_problem(idx: Index, storage_options: StorageOptions | None) -> list
         return []
     url = storage.join(idx.sidecar.folder, idx.sidecar.file)
     try:
-        with storage.open_read(url, storage_options) as f:
-            sha = hashlib.sha256()
-            while chunk := f.read(8 << 20):
-                sha.update(chunk)
+        _, sha = shard_digest(url, storage_options)
     except FileNotFoundError:
         return [f"{storage.display(url)}: missing (index.json names it for its sample offsets)"]
-    if sha.hexdigest() != idx.sidecar.sha256:
+    if sha != idx.sidecar.sha256:
         return [f"{storage.display(url)}: sha256 mismatch with the index (sample offsets changed or corrupt)"]
     return []
 
