@@ -136,6 +136,7 @@ def run(name: str, endpoint: str, bucket: str) -> dict:
     import torch  # noqa: F401 - imported before the clock starts, as a training script has it
 
     os.environ.update(CREDENTIALS)
+    tempfile.tempdir = tempfile.mkdtemp(prefix="run-")  # a fresh default cache (shardkit's offsets files) each run
     gc.collect()
     start = time.perf_counter()
     loader = LOADERS[name](endpoint, bucket)

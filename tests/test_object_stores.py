@@ -4,9 +4,17 @@ their names, which the index's versions catch at their first read."""
 
 from __future__ import annotations
 
+import functools
+import http.server
 import io
+import json
+import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
+from typing import ClassVar
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import fsspec
 import pytest
@@ -17,6 +25,8 @@ import shardkit.storage.s3_http
 from shardkit import StreamingDataset, index
 from shardkit.cli import main
 from shardkit.errors import CorruptShardError
+
+from servers import serving
 
 
 def keys(ds: StreamingDataset, workers: int = 0) -> list[str]:
@@ -91,3 +101,102 @@ def test_a_shard_replaced_under_its_name_is_caught_at_its_first_read(store: str,
 
 def s3_endpoint(opts: dict) -> str:
     return str((opts.get("client_kwargs") or {}).get("endpoint_url"))
+
+
+@pytest.mark.parametrize("credentials", ["options", "environment", "profile"])
+def test_s3_reads_are_presigned_without_s3fs(credentials: str, s3: dict, packed: Path, tmp_path: Path) -> None:
+    """Reading a dataset from S3 (its index and its shards) signs each GET with botocore's
+    signer alone: s3fs, aiobotocore and aiohttp stay unimported (~0.3 s of a process's start),
+    whichever way the credentials come: the options, AWS_* variables, or a profile."""
+    fs, root = fsspec.core.url_to_fs(s3["url"] + "/ds", **s3["storage_options"])
+    fs.put(str(packed), root, recursive=True)
+    opts = {k: v for k, v in s3["storage_options"].items() if k not in ("key", "secret")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=str(tmp_path / "none"),
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "credentials"))
+    if credentials == "options":
+        opts.update(key="testing", secret="testing")
+    elif credentials == "environment":
+        env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    else:
+        (tmp_path / "credentials").write_text("[train]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
+        opts["profile"] = "train"
+    code = ("import json, sys, shardkit\n"  # a fresh cache: the index's offsets file is fetched too
+            f"ds = shardkit.StreamingDataset({s3['url'] + '/ds'!r}, storage_options=json.loads(sys.argv[1]), "
+            f"cache_dir={str(tmp_path / 'cache')!r})\n"
+            "keys = [s['__key__'] for s in ds]\n"
+            "print(len(keys), len(set(keys)), [m for m in ('s3fs', 'aiobotocore', 'aiohttp') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(opts)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split(maxsplit=2) == ["120", "120", "[]\n"]
+
+
+class _OtherRegion(http.server.SimpleHTTPRequestHandler):
+    """S3's answer to a GET signed for a region other than its bucket's: 400, naming the
+    bucket's region (x-amz-bucket-region). Signed for eu-north-1, the bytes asked for."""
+
+    regions: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        credential = parse_qs(urlsplit(self.path).query).get("X-Amz-Credential", ["////"])[0]
+        self.regions.append(credential.split("/")[2])
+        if self.regions[-1] == "eu-north-1":
+            spec = self.headers.get("Range", "bytes=0-").removeprefix("bytes=")
+            data = Path(self.translate_path(self.path)).read_bytes()
+            first, _, last = spec.partition("-")
+            body = data[int(first): int(last) + 1 if last else None]
+            self.send_response(206 if "Range" in self.headers else 200)
+            if "Range" in self.headers:
+                self.send_header("Content-Range", f"bytes {first}-{int(first) + len(body) - 1}/{len(data)}")
+        else:
+            body = (b"<Error><Code>AuthorizationHeaderMalformed</Code><Message>the region is wrong; expecting "
+                    b"'eu-north-1'</Message></Error>")
+            self.send_response(400)
+            self.send_header("x-amz-bucket-region", "eu-north-1")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_bucket_in_another_region_is_asked_again_there(packed: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """No region in the options or the environment: a GET goes out signed for us-east-1, and
+    the bucket's region that S3's error names is used from then on (one request more)."""
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    (tmp_path / "bkt").mkdir()
+    os.symlink(packed, tmp_path / "bkt" / "ds")
+    _OtherRegion.regions.clear()
+    with serving(functools.partial(_OtherRegion, directory=str(tmp_path))) as base:
+        opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": base}}
+        got = {s["__key__"]: s["jpg"] for s in StreamingDataset("s3://bkt/ds", storage_options=opts, shuffle=True)}
+    assert got == {s["__key__"]: s["jpg"] for s in StreamingDataset(str(packed))}
+    assert _OtherRegion.regions.count("us-east-1") == 1 and len(_OtherRegion.regions) > 2
+
+
+def test_presigned_urls_address_buckets_as_botocore_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Virtual-hosted on AWS where the bucket's name allows, path-style for a name with dots
+    and on another endpoint (what S3-compatible stores serve) unless told otherwise; a key
+    quoted as botocore quotes it; no signature with anon."""
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+
+    def url(opts: dict, path: str) -> str:
+        return shardkit.storage.s3_http.Direct({"key": "k", "secret": "s", **opts})._url(path)
+
+    assert url({}, "bkt/a b/c~d.tar").startswith("https://bkt.s3.eu-west-3.amazonaws.com/a%20b/c~d.tar?X-Amz-")
+    assert url({}, "my.bkt/x.tar").startswith("https://s3.eu-west-3.amazonaws.com/my.bkt/x.tar?")
+    assert url({"config_kwargs": {"s3": {"addressing_style": "path"}}}, "bkt/x").startswith(
+        "https://s3.eu-west-3.amazonaws.com/bkt/x?")
+    assert url({"endpoint_url": "http://minio:9000"}, "bkt/x").startswith("http://minio:9000/bkt/x?")
+    assert url({"endpoint_url": "http://minio:9000", "config_kwargs": {"s3": {"addressing_style": "virtual"}}},
+               "bkt/x").startswith("http://bkt.minio:9000/x?")
+    assert "/eu-west-3/s3/aws4_request" in unquote(url({}, "bkt/x"))
+    assert shardkit.storage.s3_http.Direct({"anon": True})._url("bkt/x") == "https://bkt.s3.eu-west-3.amazonaws.com/x"
+    for unusual in ({"requester_pays": True}, {"client_kwargs": {"verify": False}}, {"key": "k"},
+                    {"config_kwargs": {"s3": {"use_accelerate_endpoint": True}}}, {"version_aware": True}):
+        assert not shardkit.storage.s3_http.usable(unusual)  # read through s3fs's client

@@ -650,3 +650,16 @@ def test_packing_from_a_dead_endpoint_is_one_line(tmp_path: Path) -> None:
     done = cli("pack", "s3://raw/photos", str(tmp_path / "out"), "-q", *flags)
     assert done.returncode == 1 and done.stderr.startswith("Error: s3://raw/photos"), done
     assert len(done.stderr.splitlines()) == 1 and "gave up after" in done.stderr, done.stderr
+
+
+def test_an_s3_object_read_in_order_survives_cut_bodies(tmp_path: Path, packed: Path) -> None:
+    """storage.open_read on S3 (an index's offsets file, an LMDB's data.mdb): a body cut
+    short is asked again from where the last read ended, nothing lost nor repeated."""
+    (tmp_path / "bkt").mkdir()
+    os.symlink(packed, tmp_path / "bkt" / "ds")
+    _CutShort.cut.clear()
+    with serving(functools.partial(_CutShort, directory=str(tmp_path))) as base:
+        opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": base}}
+        with storage.open_read("s3://bkt/ds/shard-000000.tar", opts) as f:
+            got = b"".join(iter(lambda: f.read(1000), b""))
+    assert got == (packed / "shard-000000.tar").read_bytes() and len(_CutShort.cut) > 1

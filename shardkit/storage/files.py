@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar, cast
 
 from ..errors import BadRequestError, CorruptShardError, ShardkitError, name_file
+from . import s3_http
 from .clients import filesystem
 from .retry import attempts_for, retrying, root_cause, status_of
 from .urls import GCS, OBJECT_STORES, S3, WEBHDFS, StorageOptions, display, is_local, local_path, scheme
@@ -77,6 +78,9 @@ def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes
             raise
         finally:
             os.close(fd)
+    if s3_http.presignable(url) and s3_http.usable(storage_options):
+        return retrying(display(url), lambda: s3_http.direct(storage_options).cat(url.partition("://")[2]),
+                        attempts_for(url))
     return _ask(url, storage_options, _cat_whole)
 
 
@@ -104,6 +108,8 @@ def open_read(url: str, storage_options: StorageOptions | None = None) -> Binary
     """A binary file for sequential reading."""
     if is_local(url):
         return open(local_path(url), "rb", buffering=1 << 20)
+    if s3_http.presignable(url) and s3_http.usable(storage_options):
+        return cast(BinaryIO, _RemoteFile(s3_http.direct(storage_options).open(url.partition("://")[2]), url))
     remote = _ask(url, storage_options, lambda fs, path: fs.open(path, "rb", block_size=8 << 20))
     return cast(BinaryIO, _RemoteFile(remote, url))
 
@@ -115,7 +121,7 @@ class _RemoteFile:
         self._f, self._url = f, url
 
     def read(self, n: int = -1) -> bytes:
-        # a failed read leaves fsspec's file where it was: the retry asks for the same bytes
+        # a failed read leaves fsspec's file (or s3_http's Body) where it was: the retry asks for the same bytes
         what, attempts = display(self._url), attempts_for(self._url)
         return cast(bytes, retrying(what, lambda: self._f.read(n), attempts))
 

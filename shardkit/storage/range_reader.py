@@ -15,7 +15,7 @@ from .clients import filesystem
 from .descriptors import FILES
 from .files import cat_range, pin_of
 from .retry import attempts_for, retrying, root_cause, status_of
-from .s3_http import Direct, usable
+from .s3_http import direct, presignable, usable
 from .streams import Arriving, s3_get
 from .urls import S3, StorageOptions, display, is_local, local_path, scheme
 
@@ -48,7 +48,8 @@ class RangeReader:
         self._urls = urls
         self._pins = pins or [None] * len(urls)
         self._s3 = [scheme(u) in S3 and "::" not in u for u in urls]  # streamed, If-Match
-        self._direct: dict[int, Direct] | None = {} if usable(storage_options) else None  # by id(filesystem)
+        self._presigned = [presignable(u) for u in urls] if usable(storage_options) else [False] * len(urls)
+        self._direct = direct(storage_options) if any(self._presigned) else None
         self._patient = patient  # the caller has reached the store: reads ride out an outage
         self._opts = storage_options
         self._versions = versions or [None] * len(urls)
@@ -101,12 +102,17 @@ class RangeReader:
             kind = {FileNotFoundError: NotFoundError, PermissionError: AccessDeniedError}.get(type(e), ShardkitError)
             raise kind(f"{display(self._urls[shard])}: {type(e).__name__}: {one_line(e)}") from e
 
+    def _filesystem(self, shard: int) -> tuple[Any, str]:
+        return filesystem(self._urls[shard], self._opts, self._instances, client_retries=False)
+
     def _open(self, shard: int) -> Any:
         handle: Any
         if self._local[shard]:
             handle = self._open_local(shard)
+        elif self._presigned[shard]:  # presigned GETs: no s3fs client in this process
+            handle = (None, self._urls[shard].partition("://")[2])
         else:
-            handle = filesystem(self._urls[shard], self._opts, self._instances, client_retries=False)
+            handle = self._filesystem(shard)
         try:
             self._check_pin(shard, handle)
             if self._verify:
@@ -147,7 +153,8 @@ class RangeReader:
 
         def digest() -> str:
             sha, done = hashlib.sha256(), 0
-            f = None if self._local[shard] else handle[0].open(handle[1], "rb", block_size=8 << 20)
+            f = None if self._local[shard] else (handle[0] or self._filesystem(shard)[0]).open(
+                handle[1], "rb", block_size=8 << 20)
             try:
                 while True:
                     self._check_open()  # a close() stops the hash at its next chunk
@@ -285,22 +292,25 @@ class RangeReader:
 
         def get() -> None:
             self._check_open()
-            at = start + into.filled
+            at, size = start + into.filled, None
             try:
-                if self._direct is None:
-                    s3_get(fs, path, at, stop, into.write, etag)
+                if self._direct is not None and self._presigned[shard]:
+                    size = self._direct.get(path, at, stop, into.receive, etag)
                 else:
-                    direct = self._direct.get(id(fs)) or self._direct.setdefault(id(fs), Direct(fs))
-                    direct.get(path, at, stop, into.receive, etag)
+                    s3_get(fs, path, at, stop, into.write, etag)
             except Exception as e:
                 status = status_of(root_cause(e))
                 if status == 412:
                     raise self._replaced(shard, f"its ETag is no longer {etag}") from None
                 if status != 416:  # 416: the object ends before `at`
                     raise
+                size = at
             if start + into.filled < stop:
-                fs.invalidate_cache(path)
-                if fs.size(path) >= stop:
+                if size is None:  # s3fs's read, or an answer that did not tell
+                    store = fs or self._filesystem(shard)[0]
+                    store.invalidate_cache(path)
+                    size = store.size(path)
+                if size >= stop:
                     raise OSError(f"short read: {into.filled} of {stop - start} bytes")  # a cut-short body: the rest
                 # else the object does end there
 
