@@ -108,12 +108,11 @@ def _endpoint(opts: dict[str, Any]) -> str:
 def direct(storage_options: dict[str, Any] | None) -> Direct:
     """This process's Direct for these options: one signer (credentials resolved, regions
     learnt) shared by its readers, and by the DataLoader workers it forks."""
-    return _direct(json.dumps(storage_options or {}, sort_keys=True, default=repr))
+    key = json.dumps(storage_options or {}, sort_keys=True, default=repr)
+    return _DIRECTS.get(key) or _DIRECTS.setdefault(key, Direct(storage_options or {}))
 
 
-@functools.cache
-def _direct(options: str) -> Direct:
-    return Direct(json.loads(options))
+_DIRECTS: dict[str, Direct] = {}  # by storage options
 
 
 class Direct:
@@ -180,9 +179,9 @@ class Direct:
 
     def _url(self, path: str) -> str:
         now = time.monotonic()
-        when, url = self._signed.get(path, (0.0, ""))
-        if now - when <= PRESIGN_TTL_S:
-            return url
+        signed = self._signed.get(path)
+        if signed is not None and now - signed[0] <= PRESIGN_TTL_S:
+            return signed[1]
         bucket, _, key = path.partition("/")
         url = self._object_url(bucket, key)
         if not self._anon:
