@@ -313,19 +313,50 @@ def latency_proxy(_server_logs: Path) -> Iterator[Callable[..., tuple[str, Proxy
 
 # -- HTTP servers of our own, in a thread --------------------------------------------------------
 @contextlib.contextmanager
-def serving(handler: Callable[..., Any]) -> Iterator[str]:
+def serving(handler: Callable[..., Any], tls: tuple[str, str] | None = None) -> Iterator[str]:
     """The base URL of a threading HTTP server on a free loopback port answering with
-    `handler` (a BaseHTTPRequestHandler class, or a partial of one), shut down on exit."""
+    `handler` (a BaseHTTPRequestHandler class, or a partial of one), shut down on exit;
+    HTTPS with `tls` = (certificate file, key file)."""
+    import ssl
     import threading
     from http.server import ThreadingHTTPServer
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    if tls is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*tls)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
+
+
+def self_signed(folder: Path) -> tuple[str, str]:
+    """(certificate file, key file) of a self-signed certificate for 127.0.0.1."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    return str(folder / "cert.pem"), str(folder / "key.pem")
 
 
 @pytest.fixture

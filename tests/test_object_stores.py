@@ -200,3 +200,16 @@ def test_presigned_urls_address_buckets_as_botocore_does(monkeypatch: pytest.Mon
     for unusual in ({"requester_pays": True}, {"client_kwargs": {"verify": False}}, {"key": "k"},
                     {"config_kwargs": {"s3": {"use_accelerate_endpoint": True}}}, {"version_aware": True}):
         assert not shardkit.storage.s3_http.usable(unusual)  # read through s3fs's client
+
+
+def test_an_s3_object_read_in_order_empty_or_not(s3: dict) -> None:
+    """storage.open_read through presigned GETs: an empty object (S3 answers its range 416)
+    reads as no bytes, a missing one fails as it is opened."""
+    fs, root = fsspec.core.url_to_fs(s3["url"], **s3["storage_options"])
+    fs.pipe({f"{root}/empty": b"", f"{root}/some": b"x" * 70_000})
+    assert shardkit.storage.s3_http.usable(s3["storage_options"])
+    for name, data in (("empty", b""), ("some", b"x" * 70_000)):
+        with shardkit.storage.open_read(f"{s3['url']}/{name}", s3["storage_options"]) as f:
+            assert b"".join(iter(lambda: f.read(4096), b"")) == data
+    with pytest.raises(FileNotFoundError, match=rf"^{s3['url']}/missing: .*NoSuchKey"):
+        shardkit.storage.open_read(f"{s3['url']}/missing", s3["storage_options"])

@@ -27,7 +27,7 @@ from shardkit.errors import CorruptShardError, ShardkitError
 from shardkit.sources import local_lmdb
 
 from conftest import draw, make_folder, shard_offsets
-from servers import serving
+from servers import self_signed, serving
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -663,3 +663,20 @@ def test_an_s3_object_read_in_order_survives_cut_bodies(tmp_path: Path, packed: 
         with storage.open_read("s3://bkt/ds/shard-000000.tar", opts) as f:
             got = b"".join(iter(lambda: f.read(1000), b""))
     assert got == (packed / "shard-000000.tar").read_bytes() and len(_CutShort.cut) > 1
+
+
+def test_s3_over_tls_trusts_aws_ca_bundle(tmp_path: Path, packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An endpoint whose certificate a private CA signed: trusted where AWS_CA_BUNDLE names the
+    CA, as botocore trusts it; else refused, naming the URL and the reason."""
+    (tmp_path / "bkt").mkdir()
+    os.symlink(packed, tmp_path / "bkt" / "ds")
+    tls = self_signed(tmp_path)
+    with serving(functools.partial(_Ranges, directory=str(tmp_path)), tls=tls) as base:
+        opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": base}}
+        monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+        with pytest.raises(ShardkitError, match=r"^s3://bkt/ds/index\.json: .*CERTIFICATE_VERIFY_FAILED"):
+            StreamingDataset("s3://bkt/ds", storage_options=opts)
+        monkeypatch.setenv("AWS_CA_BUNDLE", tls[0])  # other options: connections made after it is set
+        opts["client_kwargs"]["region_name"] = "eu-north-1"
+        got = {s["__key__"]: s["jpg"] for s in StreamingDataset("s3://bkt/ds", storage_options=opts)}
+    assert got == {s["__key__"]: s["jpg"] for s in StreamingDataset(str(packed))}

@@ -109,7 +109,9 @@ def open_read(url: str, storage_options: StorageOptions | None = None) -> Binary
     if is_local(url):
         return open(local_path(url), "rb", buffering=1 << 20)
     if s3_http.presignable(url) and s3_http.usable(storage_options):
-        return cast(BinaryIO, _RemoteFile(s3_http.direct(storage_options).open(url.partition("://")[2]), url))
+        direct = s3_http.direct(storage_options)
+        body = retrying(display(url), lambda: direct.open(url.partition("://")[2]), attempts_for(url))
+        return cast(BinaryIO, _RemoteFile(body, url))
     remote = _ask(url, storage_options, lambda fs, path: fs.open(path, "rb", block_size=8 << 20))
     return cast(BinaryIO, _RemoteFile(remote, url))
 

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import re
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -204,8 +205,7 @@ class Direct:
         if conn is None or fresh:
             if conn is not None:
                 conn.close()
-            kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-            conn = pool[(scheme, netloc)] = kind(netloc, timeout=60)
+            conn = pool[(scheme, netloc)] = _connect(scheme, netloc)
         return conn
 
     def _answer(self, path: str, headers: dict[str, str], own: bool = False) -> tuple[http.client.HTTPConnection,
@@ -217,18 +217,14 @@ class Direct:
             u = urlsplit(self._url(path))
             target = f"{u.path}?{u.query}" if u.query else u.path
             for fresh in (False, True):  # a kept connection the server has closed meanwhile: once more, anew
-                if own:
-                    kind = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-                    conn = kind(u.netloc, timeout=60)
-                else:
-                    conn = self._connection(u.scheme, u.netloc, fresh)
+                conn = _connect(u.scheme, u.netloc) if own else self._connection(u.scheme, u.netloc, fresh)
                 try:
                     conn.request("GET", target, headers=headers)
                     resp = conn.getresponse()
                     break
-                except (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine):
-                    conn.close()
-                    if fresh:
+                except BaseException as e:
+                    conn.close()  # reopened by its next request
+                    if fresh or not isinstance(e, (ConnectionError, http.client.HTTPException)):
                         raise
             if resp.status in (200, 206):
                 return conn, resp
@@ -284,25 +280,34 @@ class Direct:
 
 
 class Body:
-    """An S3 object read in order, in one GET; after a read that fails, the next one asks
-    for the rest (a new GET from where the last read ended), so a retried read loses nothing."""
+    """An S3 object read in order, in one GET sent as it is opened (so a missing or forbidden
+    object fails there); after a read that fails, the next one asks for the rest (a new GET
+    from where the last read ended), so a retried read loses nothing."""
 
     def __init__(self, direct: Direct, path: str):
         self._direct, self._path, self._at = direct, path, 0
         self._answered: tuple[http.client.HTTPConnection, http.client.HTTPResponse] | None = None
+        self._ended = False
+        self._ask()
+
+    def _ask(self) -> None:
+        try:
+            self._answered = self._direct._answer(self._path, {"Range": f"bytes={self._at}-"}, own=True)
+        except HTTPStatusError as e:
+            if e.status != 416:
+                raise
+            self._ended = True  # nothing from `at` on: an empty object, or asked again at its very end
 
     def read(self, n: int = -1) -> bytes:
         try:
+            if self._answered is None and not self._ended:
+                self._ask()
             if self._answered is None:
-                self._answered = self._direct._answer(self._path, {"Range": f"bytes={self._at}-"}, own=True)
+                return b""
             resp = self._answered[1]
             data = resp.read(None if n < 0 else n)
             if not data and n and resp.length:  # a body cut short: http.client's read(n) gives b"" (read() raises)
                 raise http.client.IncompleteRead(b"", resp.length)
-        except HTTPStatusError as e:
-            if e.status == 416:  # asked again at its very end
-                return b""
-            raise
         except BaseException:
             self.close()
             raise
@@ -313,6 +318,18 @@ class Body:
         if self._answered is not None:
             self._answered[0].close()
             self._answered = None
+
+
+def _connect(scheme: str, netloc: str) -> http.client.HTTPConnection:
+    """A connection to S3, its TLS verified against AWS_CA_BUNDLE where set, as botocore's is."""
+    if scheme != "https":
+        return http.client.HTTPConnection(netloc, timeout=60)
+    return http.client.HTTPSConnection(netloc, timeout=60, context=_tls(os.environ.get("AWS_CA_BUNDLE")))
+
+
+@functools.cache
+def _tls(ca_bundle: str | None) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=ca_bundle)
 
 
 def _said(body: bytes) -> str:
