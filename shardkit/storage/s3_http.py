@@ -252,7 +252,7 @@ class Direct:
         try:
             if resp.status == 200 and start > 0:  # the whole object, not the range
                 raise HTTPStatusError(400, f"the server ignored the range {headers['Range']}")
-            receive(lambda view: resp.readinto(view[:_PIECE]))  # a body cut short raises IncompleteRead
+            receive(lambda view: resp.readinto(view[:_PIECE]))  # a body cut short reads as its end: see the size
         except BaseException:
             conn.close()
             raise
