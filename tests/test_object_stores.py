@@ -179,16 +179,23 @@ def test_a_bucket_in_another_region_is_asked_again_there(packed: Path, tmp_path:
     assert _OtherRegion.regions.count("us-east-1") == 1 and len(_OtherRegion.regions) > 2
 
 
-def test_presigned_urls_address_buckets_as_botocore_does(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_presigned_urls_address_buckets_as_botocore_does(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Virtual-hosted on AWS where the bucket's name allows, path-style for a name with dots
     and on another endpoint (what S3-compatible stores serve) unless told otherwise; a key
-    quoted as botocore quotes it; no signature with anon."""
-    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    quoted as botocore quotes it; no signature with anon; the region botocore would take."""
+    for name in [k for k in os.environ if k.startswith(("AWS_", "FSSPEC_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("FSSPEC_CONFIG_DIR", str(tmp_path / "fsspec"))
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-3")
+    monkeypatch.setenv("AWS_REGION", "ap-south-1")  # botocore reads AWS_DEFAULT_REGION only
 
     def url(opts: dict, path: str) -> str:
-        return shardkit.storage.s3_http.Direct({"key": "k", "secret": "s", **opts})._url(path)
+        found = shardkit.storage.s3_http.direct({"key": "k", "secret": "s", **opts})
+        assert found is not None
+        return found._url(path)[0]
 
-    assert url({}, "bkt/a b/c~d.tar").startswith("https://bkt.s3.eu-west-3.amazonaws.com/a%20b/c~d.tar?X-Amz-")
+    assert url({}, "bkt/a b/c~d+e=f.tar").startswith("https://bkt.s3.eu-west-3.amazonaws.com/a%20b/c~d%2Be%3Df.tar?X-")
     assert url({}, "my.bkt/x.tar").startswith("https://s3.eu-west-3.amazonaws.com/my.bkt/x.tar?")
     assert url({"config_kwargs": {"s3": {"addressing_style": "path"}}}, "bkt/x").startswith(
         "https://s3.eu-west-3.amazonaws.com/bkt/x?")
@@ -196,10 +203,30 @@ def test_presigned_urls_address_buckets_as_botocore_does(monkeypatch: pytest.Mon
     assert url({"endpoint_url": "http://minio:9000", "config_kwargs": {"s3": {"addressing_style": "virtual"}}},
                "bkt/x").startswith("http://bkt.minio:9000/x?")
     assert "/eu-west-3/s3/aws4_request" in unquote(url({}, "bkt/x"))
-    assert shardkit.storage.s3_http.Direct({"anon": True})._url("bkt/x") == "https://bkt.s3.eu-west-3.amazonaws.com/x"
+    assert "/eu-north-1/s3/aws4_request" in unquote(url({"config_kwargs": {"region_name": "eu-north-1"}}, "bkt/x"))
+    anon = shardkit.storage.s3_http.direct({"anon": True})
+    assert anon is not None and anon._url("bkt/x")[0] == "https://bkt.s3.eu-west-3.amazonaws.com/x"
     for unusual in ({"requester_pays": True}, {"client_kwargs": {"verify": False}}, {"key": "k"},
-                    {"config_kwargs": {"s3": {"use_accelerate_endpoint": True}}}, {"version_aware": True}):
-        assert not shardkit.storage.s3_http.usable(unusual)  # read through s3fs's client
+                    {"config_kwargs": {"s3": {"use_accelerate_endpoint": True}}}, {"version_aware": True},
+                    {"config_kwargs": {"use_fips_endpoint": True}}, {"endpoint_url": "minio:9000"},
+                    {"client_kwargs": {"region_name": "cn-north-1"}}):
+        assert not shardkit.storage.s3_http.usable(unusual), unusual  # read through s3fs's client
+    for url_ in ("s3://bkt", "s3://bkt/", "s3://bkt--usw2-az1--x-s3/k", "s3://arn:aws:s3:us-east-1:1:accesspoint/a/k"):
+        assert not shardkit.storage.s3_http.presignable(url_), url_
+    # what botocore would take from the environment or the AWS config file, s3fs's client applies
+    (tmp_path / "config").write_text("[default]\nregion = eu-west-1\n")
+    assert "/eu-west-3/" in unquote(url({}, "bkt/x"))  # the variable first, as botocore
+    monkeypatch.delenv("AWS_DEFAULT_REGION")
+    assert "/eu-west-1/" in unquote(url({}, "bkt/x"))
+    (tmp_path / "config").write_text("[default]\nendpoint_url = http://minio:9000\n")
+    assert not shardkit.storage.s3_http.usable({})
+    (tmp_path / "config").unlink()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio:9000")
+    assert url({}, "bkt/x").startswith("http://minio:9000/bkt/x?")
+    monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+    assert url({}, "bkt/x").startswith("https://bkt.s3.us-east-1.amazonaws.com/x?")
+    monkeypatch.setenv("FSSPEC_S3_ENDPOINT_URL", "http://minio:9000")
+    assert not shardkit.storage.s3_http.usable({})
 
 
 def test_an_s3_object_read_in_order_empty_or_not(s3: dict) -> None:
@@ -213,3 +240,18 @@ def test_an_s3_object_read_in_order_empty_or_not(s3: dict) -> None:
             assert b"".join(iter(lambda: f.read(4096), b"")) == data
     with pytest.raises(FileNotFoundError, match=rf"^{s3['url']}/missing: .*NoSuchKey"):
         shardkit.storage.open_read(f"{s3['url']}/missing", s3["storage_options"])
+
+
+def test_verify_hashes_s3_shards_through_presigned_gets(s3: dict, packed: Path) -> None:
+    """verify=True hashes each S3 shard as a worker first opens it (one GET, no s3fs), and
+    names the one whose bytes are not the index's."""
+    fs, root = fsspec.core.url_to_fs(s3["url"] + "/ds", **s3["storage_options"])
+    fs.put(str(packed), root, recursive=True)
+    url, opts = s3["url"] + "/ds", s3["storage_options"]
+    assert len({s["__key__"] for s in StreamingDataset(url, storage_options=opts, verify=True)}) == 120
+    name = index.load(str(packed)).shards[2].name
+    data = bytearray((packed / name).read_bytes())
+    data[-1030] ^= 1
+    fs.pipe(f"{root}/{name}", bytes(data))
+    with pytest.raises(CorruptShardError, match=rf"^{url}/{name}: sha256 mismatch"):
+        list(StreamingDataset(url, storage_options=opts, verify=True))

@@ -680,3 +680,55 @@ def test_s3_over_tls_trusts_aws_ca_bundle(tmp_path: Path, packed: Path, monkeypa
         opts["client_kwargs"]["region_name"] = "eu-north-1"
         got = {s["__key__"]: s["jpg"] for s in StreamingDataset("s3://bkt/ds", storage_options=opts)}
     assert got == {s["__key__"]: s["jpg"] for s in StreamingDataset(str(packed))}
+
+
+class _Versioned(_CutShort):
+    """_CutShort with an ETag (the file's size and mtime) and If-Match honoured (412), as S3."""
+
+    def _etag(self) -> str:
+        st = os.stat(self.translate_path(self.path))
+        return f'"{st.st_size}-{st.st_mtime_ns}"'
+
+    def do_GET(self) -> None:
+        if self.headers.get("If-Match") not in (None, self._etag()):
+            self.send_response(412)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        super().do_GET()
+
+    def end_headers(self) -> None:
+        if self.command == "GET":
+            self.send_header("ETag", self._etag())
+        super().end_headers()
+
+
+class _RangesOnce(_CutShort):
+    """_CutShort whose second answer for a path ignores its range (the whole file, 200)."""
+
+    def do_GET(self) -> None:
+        if any(path == self.path for path, _ in self.cut):
+            http.server.SimpleHTTPRequestHandler.do_GET(self)
+        else:
+            super().do_GET()
+
+
+@pytest.mark.parametrize("server", [_Versioned, _RangesOnce])
+def test_an_s3_object_read_in_order_never_mixes_bytes(server: type, tmp_path: Path) -> None:
+    """After a cut body, the rest is asked for If-Match the first answer's ETag: an object
+    replaced meanwhile fails (412), as does a server that answers the rest with the whole
+    object, rather than reading as two versions spliced or its first bytes twice."""
+    (tmp_path / "bkt").mkdir()
+    obj = tmp_path / "bkt" / "obj"
+    obj.write_bytes(os.urandom(200_000))
+    _CutShort.cut.clear()
+    with serving(functools.partial(server, directory=str(tmp_path))) as base:
+        opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": base}}
+        with storage.open_read("s3://bkt/obj", opts) as f:
+            assert f.read(1000) == obj.read_bytes()[:1000]
+            if server is _Versioned:
+                obj.write_bytes(os.urandom(200_000))  # another version, under the same name
+                os.utime(obj, ns=(1, 1))
+            with pytest.raises(ShardkitError, match=r"^s3://bkt/obj: HTTP (412: replaced while it was read|400: the server ignored the range)"):
+                while f.read(1000):
+                    pass

@@ -78,9 +78,9 @@ def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes
             raise
         finally:
             os.close(fd)
-    if s3_http.presignable(url) and s3_http.usable(storage_options):
-        return retrying(display(url), lambda: s3_http.direct(storage_options).cat(url.partition("://")[2]),
-                        attempts_for(url))
+    direct = s3_http.direct(storage_options) if s3_http.presignable(url) else None
+    if direct is not None:
+        return retrying(display(url), lambda: direct.cat(s3_http.path_of(url)), attempts_for(url))
     return _ask(url, storage_options, _cat_whole)
 
 
@@ -108,9 +108,9 @@ def open_read(url: str, storage_options: StorageOptions | None = None) -> Binary
     """A binary file for sequential reading."""
     if is_local(url):
         return open(local_path(url), "rb", buffering=1 << 20)
-    if s3_http.presignable(url) and s3_http.usable(storage_options):
-        direct = s3_http.direct(storage_options)
-        body = retrying(display(url), lambda: direct.open(url.partition("://")[2]), attempts_for(url))
+    direct = s3_http.direct(storage_options) if s3_http.presignable(url) else None
+    if direct is not None:
+        body = retrying(display(url), lambda: direct.open(s3_http.path_of(url)), attempts_for(url))
         return cast(BinaryIO, _RemoteFile(body, url))
     remote = _ask(url, storage_options, lambda fs, path: fs.open(path, "rb", block_size=8 << 20))
     return cast(BinaryIO, _RemoteFile(remote, url))

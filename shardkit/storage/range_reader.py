@@ -15,7 +15,7 @@ from .clients import filesystem
 from .descriptors import FILES
 from .files import cat_range, pin_of
 from .retry import attempts_for, retrying, root_cause, status_of
-from .s3_http import direct, presignable, usable
+from .s3_http import direct, path_of, presignable
 from .streams import Arriving, s3_get
 from .urls import S3, StorageOptions, display, is_local, local_path, scheme
 
@@ -48,8 +48,8 @@ class RangeReader:
         self._urls = urls
         self._pins = pins or [None] * len(urls)
         self._s3 = [scheme(u) in S3 and "::" not in u for u in urls]  # streamed, If-Match
-        self._presigned = [presignable(u) for u in urls] if usable(storage_options) else [False] * len(urls)
-        self._direct = direct(storage_options) if any(self._presigned) else None
+        self._direct = direct(storage_options) if any(map(presignable, urls)) else None
+        self._presigned = [self._direct is not None and presignable(u) for u in urls]  # S3 without s3fs
         self._patient = patient  # the caller has reached the store: reads ride out an outage
         self._opts = storage_options
         self._versions = versions or [None] * len(urls)
@@ -110,7 +110,7 @@ class RangeReader:
         if self._local[shard]:
             handle = self._open_local(shard)
         elif self._presigned[shard]:  # presigned GETs: no s3fs client in this process
-            handle = (None, self._urls[shard].partition("://")[2])
+            handle = (None, path_of(self._urls[shard]))
         else:
             handle = self._filesystem(shard)
         try:
@@ -153,8 +153,11 @@ class RangeReader:
 
         def digest() -> str:
             sha, done = hashlib.sha256(), 0
-            f = None if self._local[shard] else (handle[0] or self._filesystem(shard)[0]).open(
-                handle[1], "rb", block_size=8 << 20)
+            f: Any = None
+            if self._presigned[shard] and self._direct is not None:
+                f = self._direct.open(handle[1])
+            elif not self._local[shard]:
+                f = handle[0].open(handle[1], "rb", block_size=8 << 20)
             try:
                 while True:
                     self._check_open()  # a close() stops the hash at its next chunk

@@ -136,6 +136,8 @@ def _permanent(e: BaseException) -> type[ShardkitError] | None:
     e = root_cause(e)
     status = status_of(e)
     if status is not None:
+        if 300 <= status < 400:  # a redirect the client did not follow: another attempt is sent the same way
+            return BadRequestError
         return _BY_STATUS.get(status, BadRequestError) if 400 <= status < 500 and status not in _TRANSIENT_4XX else None
     if isinstance(e, FileNotFoundError):
         return NotFoundError

@@ -33,13 +33,26 @@ from .clients import endpoint
 from .urls import S3, scheme
 
 PRESIGN_TTL_S = 300.0  # a presigned URL is used this long (it is valid for an hour)
+_SIGNED_KEPT = 4096  # presigned URLs kept a process (~1 KB each): past this, the stale ones go
 _PIECE = 256 << 10  # bytes asked of the socket at once: a sample is handed over within ~this many
 _ERROR_BODY = 2000  # bytes of an error answer kept for its message
-# s3fs options a presigned GET carries, or that concern no read; any other sends reads through s3fs
+# What a presigned GET of ours carries, or what concerns no read; anything else reads through s3fs
 _OPTIONS = {"key", "secret", "token", "profile", "anon", "endpoint_url", "client_kwargs", "config_kwargs",
             "skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "default_block_size",
             "default_fill_cache", "default_cache_type", "max_concurrency"}
 _CLIENT_OPTIONS = {"endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
+_CONFIG_OPTIONS = {"s3", "signature_version", "region_name", "retries", "connect_timeout", "read_timeout",
+                   "max_pool_connections"}
+# keys of an AWS config profile that choose credentials or concern no request: any other
+# (endpoint_url, services, use_fips_endpoint, s3, ca_bundle...) is botocore's to apply, through s3fs
+_PROFILE_KEYS = {"region", "output", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
+                 "aws_security_token", "role_arn", "source_profile", "credential_source", "role_session_name",
+                 "external_id", "mfa_serial", "duration_seconds", "web_identity_token_file", "credential_process",
+                 "sso_session", "sso_account_id", "sso_role_name", "sso_region", "sso_start_url",
+                 "sso_registration_scopes", "retry_mode", "max_attempts", "metadata_service_timeout",
+                 "metadata_service_num_attempts", "parameter_validation", "tcp_keepalive"}
+_OTHER_PARTITIONS = ("cn-", "us-iso", "eu-iso", "eusc-")  # AWS regions outside *.amazonaws.com
+_RELEVANT_ENV = re.compile(r"(AWS_|FSSPEC_|(HTTPS?|NO|ALL)_PROXY$)", re.I)  # what decides how a read goes
 _BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")  # botocore's check of a bucket's name
 _VIRTUAL_HOSTABLE = re.compile(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]")  # no dots: a wildcard certificate covers it
 
@@ -54,32 +67,107 @@ class HTTPStatusError(OSError):
 
 
 class Credentials(NamedTuple):
-    """What botocore's signer reads of a credentials object."""
+    """What botocore's signer reads of a credentials object (botocore.credentials, which has
+    one, costs 70 ms to import)."""
 
     access_key: str
     secret_key: str
     token: str | None
 
 
+def presignable(url: str) -> bool:
+    """Whether `url` is an object of an S3 bucket named plainly: an access point's ARN, a
+    directory bucket (S3 Express), a name botocore refuses, or a bucket alone is left to s3fs."""
+    bucket, _, key = url.partition("://")[2].partition("/")
+    return (scheme(url) in S3 and "::" not in url and bool(key) and bool(_BUCKET.fullmatch(bucket))
+            and not bucket.endswith("--x-s3"))
+
+
+def path_of(url: str) -> str:
+    """bucket/key of an s3:// URL."""
+    return url.partition("://")[2]
+
+
 def usable(storage_options: dict[str, Any] | None) -> bool:
-    """Whether a presigned GET of our own carries everything the options ask of a read:
-    credentials, a profile or none (anon), an endpoint, a region, path or virtual addressing.
-    Not a TLS setting of the client's own (verify, a CA bundle), request payer, customer keys,
-    FIPS or dual-stack endpoints, a proxy (botocore's `proxies`, or HTTP(S)_PROXY for the
-    endpoint's host), nor any option this module does not know: those reads go through s3fs."""
-    opts = storage_options or {}
-    client = opts.get("client_kwargs") or {}
-    config = opts.get("config_kwargs") or {}
-    if not (opts.keys() <= _OPTIONS and client.keys() <= _CLIENT_OPTIONS):
-        return False
+    """Whether reads with these options (and this environment) go through presigned GETs."""
+    return direct(storage_options) is not None
+
+
+def direct(storage_options: dict[str, Any] | None) -> Direct | None:
+    """This process's Direct for these options and environment (one signer: credentials
+    resolved, regions learnt, shared by its readers and by the DataLoader workers it forks),
+    or None where s3fs must read (see `_resolve`)."""
+    env = sorted((k, v) for k, v in os.environ.items() if _RELEVANT_ENV.match(k))
+    key = json.dumps([storage_options or {}, env], sort_keys=True, default=repr)
+    if key not in _DIRECTS:
+        _DIRECTS[key] = _resolve(storage_options or {})
+    return _DIRECTS[key]
+
+
+_DIRECTS: dict[str, Direct | None] = {}
+
+
+def _after_fork() -> None:
+    """A worker forked while a thread of its parent held a Direct's lock would wait on it forever."""
+    for found in _DIRECTS.values():
+        if found is not None:
+            found._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _resolve(opts: dict[str, Any]) -> Direct | None:
+    """A Direct where a presigned GET of ours goes where s3fs's client would and carries all it
+    would: credentials, a profile or none (anon), an endpoint, a region, path or virtual
+    addressing. None for what only botocore's client applies: an option this module does not
+    know, a TLS setting of the client's own (verify), request payer, FIPS, dual-stack or
+    accelerated endpoints, a partition outside amazonaws.com, an endpoint or S3 setting in the
+    AWS config profile, fsspec's own S3 configuration, a proxy for the store's host."""
+    client, config = opts.get("client_kwargs") or {}, opts.get("config_kwargs") or {}
+    if not (_botocore() and opts.keys() <= _OPTIONS and client.keys() <= _CLIENT_OPTIONS
+            and config.keys() <= _CONFIG_OPTIONS and set(config.get("s3") or {}) <= {"addressing_style"}
+            and config.get("signature_version") in (None, "s3v4")):
+        return None
     key, secret, _ = _given(opts)
-    if bool(key) != bool(secret) or "proxies" in config or set(config.get("s3") or {}) - {"addressing_style"}:
-        return False
-    if config.get("signature_version") not in (None, "s3v4") or any(
-            os.environ.get(f"AWS_USE_{v}_ENDPOINT", "").lower() == "true" for v in ("FIPS", "DUALSTACK")):
-        return False
-    url = urlsplit(_endpoint(opts) or "https://s3.amazonaws.com")
-    return _botocore() and not (getproxies().get(url.scheme) and not proxy_bypass(url.hostname or ""))
+    env = os.environ
+    if bool(key) != bool(secret) or any(env.get(f"AWS_USE_{v}_ENDPOINT", "").lower() == "true"
+                                        for v in ("FIPS", "DUALSTACK")) or _fsspec_configures_s3():
+        return None
+    url = endpoint(opts)
+    if not url and env.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() != "true":
+        url = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or ""
+    region = client.get("region_name") or config.get("region_name") or env.get("AWS_DEFAULT_REGION")
+    session = None
+    if opts.get("profile") or env.get("AWS_PROFILE") or os.path.exists(
+            os.path.expanduser(env.get("AWS_CONFIG_FILE", "~/.aws/config"))):
+        import botocore.exceptions
+        import botocore.session
+
+        session = botocore.session.Session(profile=opts.get("profile"))
+        try:
+            profile = session.get_scoped_config()
+        except botocore.exceptions.BotoCoreError:  # a profile that is not there: s3fs names it
+            return None
+        if profile.keys() - _PROFILE_KEYS:
+            return None
+        region = region or profile.get("region")
+    region = str(region or "us-east-1")
+    target = urlsplit(url or f"https://bucket.s3.{region}.amazonaws.com")
+    if target.scheme not in ("http", "https") or not target.hostname or (not url and region.startswith(
+            _OTHER_PARTITIONS)):
+        return None  # an endpoint botocore refuses ("Invalid endpoint"), or not *.amazonaws.com
+    if getproxies().get(target.scheme) and not proxy_bypass(target.hostname):
+        return None
+    return Direct(opts, url, region, session)
+
+
+def _fsspec_configures_s3() -> bool:
+    """Whether fsspec's configuration (FSSPEC_S3* variables, files in its config folder) may
+    give s3fs options of its own, which reads through s3fs would apply."""
+    folder = os.environ.get("FSSPEC_CONFIG_DIR") or os.path.expanduser("~/.config/fsspec")
+    return any(k.upper().startswith("FSSPEC_S3") for k in os.environ) or (os.path.isdir(folder) and any(
+        name.endswith((".json", ".ini")) for name in os.listdir(folder)))
 
 
 @functools.cache
@@ -88,65 +176,43 @@ def _botocore() -> bool:
     return importlib.util.find_spec("botocore") is not None
 
 
-def presignable(url: str) -> bool:
-    """Whether `url` is an S3 object of a bucket named plainly: an access point's ARN, or a
-    name botocore refuses, is left to s3fs."""
-    bucket = url.partition("://")[2].partition("/")[0]
-    return scheme(url) in S3 and "::" not in url and bool(_BUCKET.fullmatch(bucket))
-
-
 def _given(opts: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
     client = opts.get("client_kwargs") or {}
     return (opts.get("key") or client.get("aws_access_key_id"), opts.get("secret") or client.get("aws_secret_access_key"),
             opts.get("token") or client.get("aws_session_token"))
 
 
-def _endpoint(opts: dict[str, Any]) -> str:
-    """The options' endpoint, else the environment's (botocore reads these too)."""
-    return endpoint(opts) or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
-
-
-def direct(storage_options: dict[str, Any] | None) -> Direct:
-    """This process's Direct for these options: one signer (credentials resolved, regions
-    learnt) shared by its readers, and by the DataLoader workers it forks."""
-    key = json.dumps(storage_options or {}, sort_keys=True, default=repr)
-    return _DIRECTS.get(key) or _DIRECTS.setdefault(key, Direct(storage_options or {}))
-
-
-_DIRECTS: dict[str, Direct] = {}  # by storage options
-
-
 class Direct:
     """GETs of the S3 objects named by bucket/key paths, for one set of storage options."""
 
-    def __init__(self, storage_options: dict[str, Any]):
+    def __init__(self, storage_options: dict[str, Any], endpoint_url: str, region: str, session: Any):
         opts = storage_options
         self._given = _given(opts)
         self._anon = bool(opts.get("anon"))
         self._profile = opts.get("profile")
-        self._endpoint = _endpoint(opts)
+        self._endpoint = endpoint_url
         self._style = ((opts.get("config_kwargs") or {}).get("s3") or {}).get("addressing_style", "auto")
-        self._region = (opts.get("client_kwargs") or {}).get("region_name")
+        self._default_region = region
+        self._session = session  # botocore's, where a profile or config file is there; else made if needed
         self._regions: dict[str, str] = {}  # bucket -> the region S3 said it is in
-        self._signed: dict[str, tuple[float, str]] = {}  # path -> (when, presigned URL)
+        self._signed: dict[str, tuple[float, str, str]] = {}  # path -> (when, region, presigned URL)
         self._lock = threading.Lock()
         self._local = threading.local()  # this thread's connections, by (scheme, host), and its process
 
-    @functools.cached_property
-    def _session(self) -> Any:
-        """botocore's session, for what the options and environment leave to it: credentials
-        from its chain, the region from a profile."""
-        import botocore.session
-
-        return botocore.session.Session(profile=self._profile)
-
     def _credentials(self) -> Any:
+        """The options' credentials, else AWS_* variables, else botocore's chain (what its
+        first provider would read from the environment, read here without importing it)."""
         key, secret, token = self._given
         if key and secret:
             return Credentials(key, secret, token)
         env = os.environ
         if not self._profile and env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-            return Credentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], env.get("AWS_SESSION_TOKEN"))
+            return Credentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
+                               env.get("AWS_SESSION_TOKEN") or env.get("AWS_SECURITY_TOKEN"))
+        if self._session is None:
+            import botocore.session
+
+            self._session = botocore.session.Session(profile=self._profile)
         found = self._session.get_credentials()
         if found is None:
             import botocore.exceptions
@@ -154,16 +220,10 @@ class Direct:
             raise botocore.exceptions.NoCredentialsError()
         return found.get_frozen_credentials()  # refreshed by botocore when they are about to expire
 
-    @functools.cached_property
-    def _default_region(self) -> str:
-        env = os.environ
-        region = self._region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-        if not region and (self._profile or os.path.exists(os.path.expanduser(
-                env.get("AWS_CONFIG_FILE", "~/.aws/config")))):
-            region = self._session.get_config_variable("region")
-        return str(region or "us-east-1")
+    def _region(self, bucket: str) -> str:
+        return self._regions.get(bucket, self._default_region)
 
-    def _object_url(self, bucket: str, key: str) -> str:
+    def _object_url(self, bucket: str, key: str, region: str) -> str:
         """Path-style on an endpoint of the options' (what S3-compatible stores all serve),
         virtual-hosted on AWS's where the bucket's name allows, as botocore addresses them."""
         quoted = quote(key, safe="/~")
@@ -173,29 +233,32 @@ class Direct:
             if self._style == "virtual":
                 return f"{u.scheme}://{bucket}.{u.netloc}{base}/{quoted}"
             return f"{u.scheme}://{u.netloc}{base}/{bucket}/{quoted}"
-        host = f"s3.{self._regions.get(bucket, self._default_region)}.amazonaws.com"
+        host = f"s3.{region}.amazonaws.com"
         if self._style != "path" and _VIRTUAL_HOSTABLE.fullmatch(bucket):
             return f"https://{bucket}.{host}/{quoted}"
         return f"https://{host}/{bucket}/{quoted}"
 
-    def _url(self, path: str) -> str:
+    def _url(self, path: str) -> tuple[str, str]:
+        """A presigned URL for GETs of `path`, and the region it is signed for."""
         now = time.monotonic()
-        signed = self._signed.get(path)
-        if signed is not None and now - signed[0] <= PRESIGN_TTL_S:
-            return signed[1]
         bucket, _, key = path.partition("/")
-        url = self._object_url(bucket, key)
+        region = self._region(bucket)
+        signed = self._signed.get(path)
+        if signed is not None and now - signed[0] <= PRESIGN_TTL_S and signed[1] == region:
+            return signed[2], region
+        url = self._object_url(bucket, key, region)
         if not self._anon:
             from botocore.auth import S3SigV4QueryAuth
             from botocore.awsrequest import AWSRequest
 
             request = AWSRequest(method="GET", url=url)
-            region = self._regions.get(bucket, self._default_region)
             S3SigV4QueryAuth(self._credentials(), "s3", region, expires=int(PRESIGN_TTL_S * 12)).add_auth(request)
             url = request.url
         with self._lock:
-            self._signed[path] = (now, url)
-        return url
+            if len(self._signed) >= _SIGNED_KEPT:
+                self._signed = {p: s for p, s in self._signed.items() if now - s[0] <= PRESIGN_TTL_S}
+            self._signed[path] = (now, region, url)
+        return url, region
 
     def _connection(self, scheme: str, netloc: str, fresh: bool) -> http.client.HTTPConnection:
         if getattr(self._local, "pid", None) != os.getpid():  # a forked worker: not its parent's sockets
@@ -214,7 +277,8 @@ class Direct:
         the bucket (S3's 301 or 400) is asked again there, signed for it. `own`: on a new
         connection, not one of this thread's kept ones (a body read over many calls)."""
         for _ in range(2):
-            u = urlsplit(self._url(path))
+            url, signed_for = self._url(path)
+            u = urlsplit(url)
             target = f"{u.path}?{u.query}" if u.query else u.path
             for fresh in (False, True):  # a kept connection the server has closed meanwhile: once more, anew
                 conn = _connect(u.scheme, u.netloc) if own else self._connection(u.scheme, u.netloc, fresh)
@@ -230,12 +294,10 @@ class Direct:
                 return conn, resp
             said = _said(resp.read(_ERROR_BODY))
             conn.close()
-            bucket = path.partition("/")[0]
             region = resp.getheader("x-amz-bucket-region")
-            if resp.status in (301, 307, 400) and region and region != self._regions.get(bucket, self._default_region):
+            if resp.status in (301, 307, 400) and region and region != signed_for:
                 with self._lock:
-                    self._regions[bucket] = region
-                    self._signed = {p: s for p, s in self._signed.items() if not p.startswith(bucket + "/")}
+                    self._regions[path.partition("/")[0]] = region  # what _url signs for from now on
                 continue
             raise HTTPStatusError(resp.status, said)
         raise HTTPStatusError(resp.status, said)
@@ -256,7 +318,7 @@ class Direct:
         except BaseException:
             conn.close()
             raise
-        if resp.will_close or resp.length:  # closed by the server, or bytes past the range left unread
+        if resp.will_close or not resp.isclosed():  # closed by the server, or bytes past the range left unread
             conn.close()
         total = (resp.getheader("Content-Range") or "").rpartition("/")[2] if resp.status == 206 else \
             resp.getheader("Content-Length") or ""
@@ -282,21 +344,33 @@ class Direct:
 class Body:
     """An S3 object read in order, in one GET sent as it is opened (so a missing or forbidden
     object fails there); after a read that fails, the next one asks for the rest (a new GET
-    from where the last read ended), so a retried read loses nothing."""
+    from where the last read ended, If-Match the first answer's ETag), so a retried read loses
+    nothing and an object replaced meanwhile fails (412) rather than mixing two versions."""
 
     def __init__(self, direct: Direct, path: str):
         self._direct, self._path, self._at = direct, path, 0
         self._answered: tuple[http.client.HTTPConnection, http.client.HTTPResponse] | None = None
+        self._etag: str | None = None
         self._ended = False
         self._ask()
 
     def _ask(self) -> None:
+        headers = {"Range": f"bytes={self._at}-"}
+        if self._etag:
+            headers["If-Match"] = self._etag
         try:
-            self._answered = self._direct._answer(self._path, {"Range": f"bytes={self._at}-"}, own=True)
+            self._answered = conn, resp = self._direct._answer(self._path, headers, own=True)
         except HTTPStatusError as e:
+            if e.status == 412:
+                raise HTTPStatusError(412, f"replaced while it was read (its ETag is no longer {self._etag})") from e
             if e.status != 416:
                 raise
             self._ended = True  # nothing from `at` on: an empty object, or asked again at its very end
+            return
+        self._etag = self._etag or resp.getheader("ETag")
+        if resp.status == 200 and self._at:  # the whole object again: its first bytes would come twice
+            self.close()
+            raise HTTPStatusError(400, f"the server ignored the range {headers['Range']}")
 
     def read(self, n: int = -1) -> bytes:
         try:
@@ -321,7 +395,8 @@ class Body:
 
 
 def _connect(scheme: str, netloc: str) -> http.client.HTTPConnection:
-    """A connection to S3, its TLS verified against AWS_CA_BUNDLE where set, as botocore's is."""
+    """A connection to S3, its TLS verified as botocore's is: against AWS_CA_BUNDLE where set,
+    else certifi's certificates (botocore's own copy of them without certifi)."""
     if scheme != "https":
         return http.client.HTTPConnection(netloc, timeout=60)
     return http.client.HTTPSConnection(netloc, timeout=60, context=_tls(os.environ.get("AWS_CA_BUNDLE")))
@@ -329,6 +404,15 @@ def _connect(scheme: str, netloc: str) -> http.client.HTTPConnection:
 
 @functools.cache
 def _tls(ca_bundle: str | None) -> ssl.SSLContext:
+    if ca_bundle is None:
+        try:
+            from certifi import where
+        except ImportError:
+            import botocore
+
+            ca_bundle = os.path.join(os.path.dirname(botocore.__file__), "cacert.pem")
+        else:
+            ca_bundle = where()
     return ssl.create_default_context(cafile=ca_bundle)
 
 
