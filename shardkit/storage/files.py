@@ -78,7 +78,7 @@ def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes
             raise
         finally:
             os.close(fd)
-    direct = s3_http.direct(storage_options) if s3_http.presignable(url) else None
+    direct = s3_http.direct_for(url, storage_options)
     if direct is not None:
         return retrying(display(url), lambda: direct.cat(s3_http.path_of(url)), attempts_for(url))
     return _ask(url, storage_options, _cat_whole)
@@ -108,7 +108,7 @@ def open_read(url: str, storage_options: StorageOptions | None = None) -> Binary
     """A binary file for sequential reading."""
     if is_local(url):
         return open(local_path(url), "rb", buffering=1 << 20)
-    direct = s3_http.direct(storage_options) if s3_http.presignable(url) else None
+    direct = s3_http.direct_for(url, storage_options)
     if direct is not None:
         body = retrying(display(url), lambda: direct.open(s3_http.path_of(url)), attempts_for(url))
         return cast(BinaryIO, _RemoteFile(body, url))

@@ -48,8 +48,9 @@ class RangeReader:
         self._urls = urls
         self._pins = pins or [None] * len(urls)
         self._s3 = [scheme(u) in S3 and "::" not in u for u in urls]  # streamed, If-Match
-        self._direct = direct(storage_options) if any(map(presignable, urls)) else None
-        self._presigned = [self._direct is not None and presignable(u) for u in urls]  # S3 without s3fs
+        presigned = [presignable(u) for u in urls]
+        self._direct = direct(storage_options) if any(presigned) else None
+        self._presigned = presigned if self._direct is not None else [False] * len(urls)  # S3 without s3fs
         self._patient = patient  # the caller has reached the store: reads ride out an outage
         self._opts = storage_options
         self._versions = versions or [None] * len(urls)

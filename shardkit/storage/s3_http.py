@@ -15,6 +15,7 @@ per thread and reused where the server allows it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.client
 import importlib.util
@@ -81,6 +82,11 @@ def presignable(url: str) -> bool:
     bucket, _, key = url.partition("://")[2].partition("/")
     return (scheme(url) in S3 and "::" not in url and bool(key) and bool(_BUCKET.fullmatch(bucket))
             and not bucket.endswith("--x-s3"))
+
+
+def direct_for(url: str, storage_options: dict[str, Any] | None) -> Direct | None:
+    """The Direct that reads `url`, or None where s3fs must (see `presignable` and `direct`)."""
+    return direct(storage_options) if presignable(url) else None
 
 
 def path_of(url: str) -> str:
@@ -274,7 +280,8 @@ class Direct:
     def _answer(self, path: str, headers: dict[str, str], own: bool = False) -> tuple[http.client.HTTPConnection,
                                                                                       http.client.HTTPResponse]:
         """Send a GET of `path` and read its status; an answer that names another region for
-        the bucket (S3's 301 or 400) is asked again there, signed for it. `own`: on a new
+        the bucket (S3's 301 or 400) is asked again there, signed for it; the whole object
+        (200) for a range that starts past its first byte is refused. `own`: on a new
         connection, not one of this thread's kept ones (a body read over many calls)."""
         for _ in range(2):
             url, signed_for = self._url(path)
@@ -290,6 +297,9 @@ class Direct:
                     conn.close()  # reopened by its next request
                     if fresh or not isinstance(e, (ConnectionError, http.client.HTTPException)):
                         raise
+            if resp.status == 200 and not headers["Range"].startswith("bytes=0-"):
+                conn.close()  # the whole object, not the range: its first bytes would come twice
+                raise HTTPStatusError(400, f"the server ignored the range {headers['Range']}")
             if resp.status in (200, 206):
                 return conn, resp
             said = _said(resp.read(_ERROR_BODY))
@@ -312,8 +322,6 @@ class Direct:
             headers["If-Match"] = if_match
         conn, resp = self._answer(path, headers)
         try:
-            if resp.status == 200 and start > 0:  # the whole object, not the range
-                raise HTTPStatusError(400, f"the server ignored the range {headers['Range']}")
             receive(lambda view: resp.readinto(view[:_PIECE]))  # a body cut short reads as its end: see the size
         except BaseException:
             conn.close()
@@ -326,15 +334,8 @@ class Direct:
 
     def cat(self, path: str) -> bytes:
         """The whole object, in one GET."""
-        conn, resp = self._answer(path, {})
-        try:
-            data = resp.read()  # a body cut short raises IncompleteRead
-        except BaseException:
-            conn.close()
-            raise
-        if resp.will_close:
-            conn.close()
-        return data
+        with contextlib.closing(self.open(path)) as body:
+            return body.read()
 
     def open(self, path: str) -> Body:
         """The object, to read from its start in pieces."""
@@ -359,7 +360,7 @@ class Body:
         if self._etag:
             headers["If-Match"] = self._etag
         try:
-            self._answered = conn, resp = self._direct._answer(self._path, headers, own=True)
+            self._answered = _, resp = self._direct._answer(self._path, headers, own=True)
         except HTTPStatusError as e:
             if e.status == 412:
                 raise HTTPStatusError(412, f"replaced while it was read (its ETag is no longer {self._etag})") from e
@@ -368,9 +369,6 @@ class Body:
             self._ended = True  # nothing from `at` on: an empty object, or asked again at its very end
             return
         self._etag = self._etag or resp.getheader("ETag")
-        if resp.status == 200 and self._at:  # the whole object again: its first bytes would come twice
-            self.close()
-            raise HTTPStatusError(400, f"the server ignored the range {headers['Range']}")
 
     def read(self, n: int = -1) -> bytes:
         try:
