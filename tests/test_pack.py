@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -351,6 +352,43 @@ def test_a_file_pil_cannot_read_is_skipped_when_re_encoding(photos: Path, tmp_pa
     (photos / "circle" / "img_0000.jpg").write_bytes(whole[:300])
     idx = shardkit.pack(str(photos), str(tmp_path / "out"), resize=32, workers=1, progress=False)
     assert idx.samples == 29 and [s.path for s in idx.skipped] == ["circle/img_0000.jpg"]
+
+
+@pytest.mark.parametrize("options", [{"resize": 32}, {"decode_check": True}])
+def test_one_shard_of_heavy_work_keeps_every_worker_busy(photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         options: dict) -> None:
+    """Re-encoding or decode-checking a pack of one shard spreads its images over `workers`
+    threads: the same bytes and the same skips as one worker, in order."""
+    from shardkit.packing import images
+
+    whole = (photos / "circle" / "img_0003.jpg").read_bytes()
+    (photos / "circle" / "img_0003.jpg").write_bytes(whole[:300])
+    (photos / "square" / "text.jpg").write_text("not an image")
+    seen: set[int] = set()
+
+    def watched(fn: Callable) -> Callable:  # the threads that do the work
+        def call(*args: object, **kwargs: object) -> object:
+            seen.add(threading.get_ident())
+            time.sleep(0.01)  # long enough for the pool's other threads to take images meanwhile
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(images, "reencode", watched(images.reencode))
+    monkeypatch.setattr(images, "check", watched(images.check))
+    one = shardkit.pack(str(photos), str(tmp_path / "one"), workers=1, progress=False, **options)
+    assert len(seen) == 1
+    seen.clear()
+    three = shardkit.pack(str(photos), str(tmp_path / "three"), workers=3, progress=False, **options)
+    assert len(three.shards) == 1 and len(seen) == 3
+    assert tree_bytes(tmp_path / "one") == tree_bytes(tmp_path / "three")
+    assert [s.path for s in three.skipped] == [s.path for s in one.skipped]
+    assert {"circle/img_0003.jpg", "square/text.jpg"} <= {s.path for s in three.skipped}
+    failures = []
+    for workers in (1, 3):  # the first bad file in the pack's order, whatever the threads
+        with pytest.raises(SourceError, match=r"(circle/img_0003|square/text)\.jpg: ") as failed:
+            shardkit.pack(str(photos), str(tmp_path / "fail"), workers=workers, on_error="fail", progress=False, **options)
+        failures.append(str(failed.value))
+    assert failures[0] == failures[1]
 
 
 def test_pack_takes_paths(photos: Path, tmp_path: Path) -> None:

@@ -26,25 +26,32 @@ Runner = Callable[[Callable[[J], R], Sequence[J], Callable[[R], None], Callable[
 
 _counter: Any = None  # multiprocessing.Value shared with pool workers, for the progress bar
 _stop: Any = None  # a shared flag, raised by the pack process when it gives up
+_threads = 1  # threads a job of this process may keep busy (see `threads`)
 
 
 class Stopped(Exception):
     """A job ended early: the pack was given up (Ctrl-C, or another job failed)."""
 
 
-def init_worker(counter: Any, stop: Any = None) -> None:
-    global _counter, _stop
-    _counter, _stop = counter, stop
+def init_worker(counter: Any, stop: Any = None, threads: int = 1) -> None:
+    global _counter, _stop, _threads
+    _counter, _stop, _threads = counter, stop, threads
     storage.stop_when(stop_point)  # retries give up with the pack
 
 
-def _init_pool_worker(counter: Any, stop: Any) -> None:
+def threads() -> int:
+    """Threads a job in this process may keep busy with its images: more than 1 where a run
+    has fewer jobs than workers (a small pack, one shard), whose cores would idle otherwise."""
+    return _threads
+
+
+def _init_pool_worker(counter: Any, stop: Any, threads: int) -> None:
     """A pool worker leaves Ctrl-C to the pack process, which raises `stop` instead: the
     terminal sends SIGINT to the whole process group, and a worker interrupted (or killed)
     while it sends a result leaves half a message in the pool's pipe, on which the pool's
     shutdown waits forever. It starts with SIGINT held (`_sigint_held`): one that came
     since is dropped here."""
-    init_worker(counter, stop)
+    init_worker(counter, stop, threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent()
@@ -110,10 +117,13 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
                on_progress: Callable[[int], None], *, workers: int) -> None:
     """Run `fn` over jobs on a process pool (inline for one worker), handing results to
     `on_done` in job order as they complete, with at most 2 x workers jobs in flight (their
-    results can be large); report images done so far."""
+    results can be large); report images done so far. With fewer jobs than workers, each
+    job may use the cores left over (`threads`)."""
     counter = multiprocessing.Value("q", 0)
-    if workers <= 1 or len(jobs) <= 1:
-        init_worker(counter)
+    processes = max(1, min(workers, len(jobs)))
+    threads = -(-workers // processes)
+    if processes == 1:
+        init_worker(counter, threads=threads)
         try:
             for job in jobs:
                 on_done(fn(job))
@@ -122,8 +132,8 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
             init_worker(None)
         return
     stop = multiprocessing.RawValue("b", 0)
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=_init_pool_worker,
-                             initargs=(counter, stop)) as pool:
+    with ProcessPoolExecutor(max_workers=processes, initializer=_init_pool_worker,
+                             initargs=(counter, stop, threads)) as pool:
         queued = iter(jobs)
         running: deque[Future[R]] = deque()
         try:
