@@ -11,6 +11,12 @@ With --peers: shardkit against webdataset, MosaicML Streaming and litdata on the
 proxy, data and loader, at 0 and +100 ms (scripts/remote_peers_run.py says what is measured).
 
     python scripts/bench_remote.py --peers --images 2000 --rounds 3
+
+With --pack: packing an image folder from the bucket (to local disk, 2 workers) at 0 and
++50 ms, against packing the folder from local disk, a pack job reading its files
+REMOTE_READS at a time as it does, and one at a time (REMOTE_READS=1, as before 2026-11-29).
+
+    python scripts/bench_remote.py --pack --images 500 --rounds 3
 """
 
 from __future__ import annotations
@@ -94,12 +100,64 @@ def read_pass(url: str, opts: dict | None, prefetch: int) -> dict:
             "depth": ds.stats()["prefetch_depth"]}
 
 
+def pack_pass(src: str, dest: Path, opts: dict | None, reads: int) -> float:
+    """Seconds to pack `src` into a fresh `dest` with 2 workers, a job reading `reads` files
+    at a time from a bucket."""
+    import shardkit
+    from shardkit.packing import samples
+
+    shutil.rmtree(dest, ignore_errors=True)
+    samples.REMOTE_READS, before = reads, samples.REMOTE_READS  # a pack of one shard runs in this process
+    try:
+        t0 = time.perf_counter()
+        shardkit.pack(src, str(dest), workers=2, progress=False, storage_options=opts)
+        return time.perf_counter() - t0
+    finally:
+        samples.REMOTE_READS = before
+
+
+def pack_run(args: argparse.Namespace, photos: Path) -> None:
+    import fsspec.core
+
+    from shardkit.packing.samples import REMOTE_READS
+
+    moto, endpoint = start_moto()
+    proxy, purl, _ = start_proxy(endpoint, 50)
+    try:
+        fs, _ = fsspec.core.url_to_fs(f"s3://{BUCKET}", **options(endpoint))
+        fs.mkdir(BUCKET)
+        fs.put(str(photos), f"{BUCKET}/raw", recursive=True)
+        url, dest = f"s3://{BUCKET}/raw", Path(args.dir) / "packed-from-s3"
+        runs = {("local disk", 1): (str(photos), None)}
+        for name, endpoint_url in (("S3", endpoint), ("S3 +50 ms", purl)):
+            for reads in (REMOTE_READS, 1):
+                runs[(name, reads)] = (url, options(endpoint_url))
+        seconds: dict[tuple[str, int], list[float]] = {}
+        for r in range(args.rounds):
+            for (name, reads), (src, opts) in runs.items():
+                seconds.setdefault((name, reads), []).append(pack_pass(src, dest, opts, reads))
+            print(f"round {r + 1} done", file=sys.stderr)
+        print(f"\n{args.images} photos ({sum(p.stat().st_size for p in photos.rglob('*.jpg')) / 1e6:.0f} MB), "
+              f"shardkit.pack(..., workers=2) to local disk, {args.rounds} rounds; median (min-max)\n")
+        print("| source | files read at once by a job | seconds | images/s |")
+        print("|---|---|---|---|")
+        for (name, reads), values in seconds.items():
+            med = statistics.median(values)
+            print(f"| {name} | {'-' if name == 'local disk' else reads} | {med:.2f} ({min(values):.2f}-{max(values):.2f}) "
+                  f"| {args.images / med:,.0f} |")
+    finally:
+        for p in (proxy, moto):
+            p.terminate()
+            p.wait(5)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
     ap.add_argument("--peers", action="store_true", help="shardkit against its peers (see above)")
+    ap.add_argument("--pack", action="store_true", help="packing from the bucket (see above)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds one contestant's epoch may take")
     args = ap.parse_args()
 
@@ -119,6 +177,8 @@ def main() -> None:
         import remote_peers_run
 
         return remote_peers_run.main(args, photos, shards)
+    if args.pack:
+        return pack_run(args, photos)
     moto, endpoint = start_moto()
     procs = [moto]
     try:

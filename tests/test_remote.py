@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-from dataclasses import replace
 import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -349,6 +352,52 @@ def test_pack_from_a_bucket_into_a_bucket(s3: dict, photos: Path, tmp_path: Path
     assert remote.classes == local.classes
     assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]  # the same bytes
     assert [(s.path, s.reason) for s in remote.skipped] == [("circle/notes.txt", "not an image file extension")]
+
+
+def test_a_pack_from_a_bucket_reads_its_files_at_once(s3: dict, photos: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job reads a bucket's files many at a time (their first-byte latency hidden) and
+    hands them on in order: the same shards as a pack of the local folder, the same skips."""
+    import fsspec.core
+
+    from shardkit import storage
+    from shardkit.packing import images
+    from shardkit.packing.samples import REMOTE_READS
+
+    opts = s3["storage_options"]
+    fs, root = fsspec.core.url_to_fs(s3["url"], **opts)
+    fs.put(str(photos), f"{root}/raw", recursive=True)
+    fs.pipe(f"{root}/raw/square/broken.jpg", b"\xff\xd8\xff\xe0garbage")
+    (photos / "square" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0garbage")
+    lock = threading.Lock()
+    now, most = {"read": 0, "reencode": 0}, {"read": 0, "reencode": 0}
+
+    def counted(what: str, fn: Callable[..., bytes]) -> Callable[..., bytes]:
+        def call(*args: Any, **kwargs: Any) -> bytes:
+            with lock:
+                now[what] += 1
+                most[what] = max(most[what], now[what])
+            try:
+                time.sleep(0.02)  # a first byte some way off, an image some time to re-encode
+                return fn(*args, **kwargs)
+            finally:
+                with lock:
+                    now[what] -= 1
+        return call
+
+    for options in ({}, {"resize": 32}):
+        local = shardkit.pack(str(photos), str(tmp_path / "local"), workers=1, progress=False, overwrite=True,
+                              **options)
+        with monkeypatch.context() as patched:
+            patched.setattr(storage, "read_bytes", counted("read", storage.read_bytes))
+            patched.setattr(images, "reencode", counted("reencode", images.reencode))
+            remote = shardkit.pack(s3["url"] + "/raw", str(tmp_path / "remote"), workers=1, progress=False,
+                                   overwrite=True, storage_options=opts, **options)
+        assert 1 < most["read"] <= REMOTE_READS
+        assert most["reencode"] == (1 if options else 0)  # decoding: one core's worth (workers=1)
+        assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]
+        assert [(s.path, s.reason) for s in remote.skipped] == [(s.path, s.reason) for s in local.skipped]
+        assert [s.path for s in remote.skipped] == ["square/broken.jpg"]
 
 
 @pytest.mark.parametrize("protocol", ["s3", "gs"])

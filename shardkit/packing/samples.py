@@ -3,10 +3,13 @@ an unusable one as a Skipped (or a SourceError under on_error="fail")."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from .. import storage
 from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
@@ -22,11 +25,14 @@ from .plan import Job, sample_meta
 
 DAMAGED = "source shard "  # how a skip for a converted shard that does not match its index begins
 Sample = tuple[str, dict[str, bytes]]  # (key, fields)
+REMOTE_READS = 32  # a job's files read at once from a bucket
+_UNLIMITED: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
 
 
-def _sample(job: Job, item: Item) -> Sample:
-    """(key, fields) of one item, read, checked and optionally re-encoded: an image with its
-    class, shardkit's record of it and its sidecars and values, or a converted sample."""
+def _sample(job: Job, item: Item, cores: contextlib.AbstractContextManager[Any] = _UNLIMITED) -> Sample:
+    """(key, fields) of one item, read, checked and optionally re-encoded (holding `cores`
+    meanwhile): an image with its class, shardkit's record of it and its sidecars and values,
+    or a converted sample."""
     if job.source != "folder":
         key, fields = _converted(job, item)
         bad = next(images.bad_images(fields), None) if job.options.decode_check else None
@@ -35,10 +41,11 @@ def _sample(job: Job, item: Item) -> Sample:
         return key, fields
     data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
     opts = job.options
-    if opts.resize or opts.quality:
-        field, data = "jpg", images.reencode(data, opts.resize, opts.quality or 90)
-    else:
-        field = images.check(data, images.field_for(item.path) or "", decode=opts.decode_check)
+    with cores:
+        if opts.resize or opts.quality:
+            field, data = "jpg", images.reencode(data, opts.resize, opts.quality or 90)
+        else:
+            field = images.check(data, images.field_for(item.path) or "", decode=opts.decode_check)
     fields = {field: data, job.meta: sample_meta(item, job.classes)}
     if item.label >= 0:
         fields["cls"] = str(item.label).encode()
@@ -165,26 +172,33 @@ def job_samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None 
 
 def _made(job: Job) -> Iterator[tuple[Item, Callable[[], Sample]]]:
     """Each item with a call that gives its sample or raises its error, in order. An image
-    folder's files re-encoded or decode-checked are worked on `executors.threads()` at a time
-    (PIL and libjpeg-turbo let go of the GIL): the same samples, in the same order, sooner
-    where a pack has fewer jobs than workers."""
-    threads = executors.threads()
+    folder's files are worked on several at a time where that pays: re-encoded or
+    decode-checked on the cores a small pack leaves idle (`executors.threads()`; PIL and
+    libjpeg-turbo let go of the GIL), read from a bucket REMOTE_READS at a time (its
+    first-byte latency hidden), decoded there still on no more threads than those cores (a
+    camera photo decodes to tens of MB). The same samples, in the same order, sooner."""
     opts = job.options
-    if threads <= 1 or job.source != "folder" or not (opts.resize or opts.quality or opts.decode_check):
+    cores = executors.threads() if (opts.resize or opts.quality or opts.decode_check) else 1
+    threads = cores if storage.is_local(job.src) else max(cores, REMOTE_READS)
+    if threads <= 1 or job.source != "folder":
         for item in job.items:
             yield item, functools.partial(_sample, job, item)
         return
-    with ThreadPoolExecutor(threads, thread_name_prefix="shardkit-pack") as pool:
-        ahead: deque[tuple[Item, Future[Sample]]] = deque()
-        try:
-            for item in job.items:
-                ahead.append((item, pool.submit(_sample, job, item)))
-                if len(ahead) >= 2 * threads:
-                    done, future = ahead.popleft()
-                    yield done, future.result
-            while ahead:
+    limit = threading.BoundedSemaphore(cores) if threads > cores else _UNLIMITED
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="shardkit-pack")
+    ahead: deque[tuple[Item, Future[Sample]]] = deque()
+    try:
+        for item in job.items:
+            ahead.append((item, pool.submit(_sample, job, item, limit)))
+            if len(ahead) >= 2 * threads:
                 done, future = ahead.popleft()
                 yield done, future.result
-        finally:  # given up (a failure, a stop): the images not started never are
-            for _, future in ahead:
-                future.cancel()
+        while ahead:
+            done, future = ahead.popleft()
+            yield done, future.result
+    finally:
+        # Closed before its end, the pack given up: what has not started never does; the reads
+        # under way end on their own (or as the pack's stop flag ends their retries).
+        for _, future in ahead:
+            future.cancel()
+        pool.shutdown(wait=not ahead)
