@@ -23,7 +23,7 @@ from PIL import Image
 
 import shardkit
 from shardkit.packing import executors
-from shardkit.errors import SourceError
+from shardkit.errors import ShardkitError, SourceError
 from shardkit.formats.tar import iter_samples
 
 from conftest import draw, make_folder, shard_offsets, webdataset_samples
@@ -352,6 +352,70 @@ def test_a_file_pil_cannot_read_is_skipped_when_re_encoding(photos: Path, tmp_pa
     (photos / "circle" / "img_0000.jpg").write_bytes(whole[:300])
     idx = shardkit.pack(str(photos), str(tmp_path / "out"), resize=32, workers=1, progress=False)
     assert idx.samples == 29 and [s.path for s in idx.skipped] == ["circle/img_0000.jpg"]
+
+
+def test_a_job_given_up_ends_the_retries_of_its_threads() -> None:
+    """A read on a job's own thread stops retrying once the job is given up (nobody waits for
+    it then), while the reads of other jobs in the process go on."""
+    from shardkit import storage
+
+    given_up, other = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def flaky() -> bytes:  # a store resetting every connection
+        calls.append(1)
+        if len(calls) == 2:
+            given_up.set()
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    executors.init_worker(None)  # the retries ask executors.stop_point, as in a pack
+    with pytest.raises(executors.Stopped):
+        executors.working_for(given_up, storage.retrying, "s3://bucket/a.jpg", flaky)
+    assert len(calls) == 2
+    calls.clear()
+    with pytest.raises(ShardkitError, match=r"s3://bucket/b\.jpg: ConnectionResetError.*gave up after 3 attempts"):
+        executors.working_for(other, storage.retrying, "s3://bucket/b.jpg", flaky, 3, 0.001)
+    assert len(calls) == 3 and not other.is_set()
+
+
+def test_threads_refuse_truncated_images_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's threads set PIL's process-wide LOAD_TRUNCATED_IMAGES aside together: a
+    truncated image checked while another thread finishes a good one is still refused, and
+    the caller's setting comes back."""
+    from PIL import ImageFile
+
+    from shardkit.packing import images
+
+    rng = np.random.default_rng(0)
+
+    def jpeg(side: int) -> bytes:
+        out = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(out, "JPEG")
+        return out.getvalue()
+
+    good, bad = jpeg(400), jpeg(1200)
+    bad = bad[: len(bad) * 9 // 10]
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+
+    def check(start: threading.Barrier, verdicts: dict, name: str, data: bytes, delay: float) -> None:
+        start.wait()
+        time.sleep(delay)  # the bad one starts while the good one decodes
+        try:
+            images.check(data, "jpg", decode=True)
+            verdicts[name] = "ok"
+        except images.BadImage as e:
+            verdicts[name] = str(e)
+
+    for _ in range(30):
+        start, verdicts = threading.Barrier(2), {}
+        threads = [threading.Thread(target=check, args=(start, verdicts, "good", good, 0)),
+                   threading.Thread(target=check, args=(start, verdicts, "bad", bad, 0.001))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert verdicts == {"good": "ok", "bad": "truncated image"}
+        assert ImageFile.LOAD_TRUNCATED_IMAGES is True
 
 
 @pytest.mark.parametrize("options", [{"resize": 32}, {"decode_check": True}])

@@ -356,13 +356,14 @@ def test_pack_from_a_bucket_into_a_bucket(s3: dict, photos: Path, tmp_path: Path
 
 def test_a_pack_from_a_bucket_reads_its_files_at_once(s3: dict, photos: Path, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A job reads a bucket's files many at a time (their first-byte latency hidden) and
-    hands them on in order: the same shards as a pack of the local folder, the same skips."""
+    """A job reads a bucket's files many at a time (their first-byte latency hidden), up to a
+    bound on their bytes, and hands them on in order: the same shards as a pack of the local
+    folder, the same skips."""
     import fsspec.core
 
     from shardkit import storage
-    from shardkit.packing import images
-    from shardkit.packing.samples import REMOTE_READS
+    from shardkit.packing import images, samples
+    from shardkit.packing.samples import AHEAD_BYTES, REMOTE_READS
 
     opts = s3["storage_options"]
     fs, root = fsspec.core.url_to_fs(s3["url"], **opts)
@@ -385,15 +386,19 @@ def test_a_pack_from_a_bucket_reads_its_files_at_once(s3: dict, photos: Path, tm
                     now[what] -= 1
         return call
 
-    for options in ({}, {"resize": 32}):
+    smallest = min(p.stat().st_size for p in photos.rglob("*.jpg"))
+    for options, ahead_bytes, reads in (({}, AHEAD_BYTES, REMOTE_READS), ({"resize": 32}, AHEAD_BYTES, REMOTE_READS),
+                                        ({}, 3 * smallest, 3)):  # 3 files' bytes at least: 3 files ahead
         local = shardkit.pack(str(photos), str(tmp_path / "local"), workers=1, progress=False, overwrite=True,
                               **options)
+        most.update(read=0, reencode=0)
         with monkeypatch.context() as patched:
             patched.setattr(storage, "read_bytes", counted("read", storage.read_bytes))
             patched.setattr(images, "reencode", counted("reencode", images.reencode))
+            patched.setattr(samples, "AHEAD_BYTES", ahead_bytes)
             remote = shardkit.pack(s3["url"] + "/raw", str(tmp_path / "remote"), workers=1, progress=False,
                                    overwrite=True, storage_options=opts, **options)
-        assert 1 < most["read"] <= REMOTE_READS
+        assert 1 < most["read"] <= reads
         assert most["reencode"] == (1 if options else 0)  # decoding: one core's worth (workers=1)
         assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]
         assert [(s.path, s.reason) for s in remote.skipped] == [(s.path, s.reason) for s in local.skipped]

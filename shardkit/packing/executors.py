@@ -27,6 +27,7 @@ Runner = Callable[[Callable[[J], R], Sequence[J], Callable[[R], None], Callable[
 _counter: Any = None  # multiprocessing.Value shared with pool workers, for the progress bar
 _stop: Any = None  # a shared flag, raised by the pack process when it gives up
 _threads = 1  # threads a job of this process may keep busy (see `threads`)
+_job = threading.local()  # .stop: the stop event of the job a pool thread works for
 
 
 class Stopped(Exception):
@@ -82,9 +83,21 @@ def _sigint_held() -> Iterator[None]:
 
 
 def stop_point() -> None:
-    """Where a job may end early: raises Stopped once the pack process has given up."""
-    if _stop is not None and _stop.value:
+    """Where a job may end early: raises Stopped once the pack process has given up, or the
+    job this thread works for has (`working_for`)."""
+    given_up: threading.Event | None = getattr(_job, "stop", None)
+    if (_stop is not None and _stop.value) or (given_up is not None and given_up.is_set()):
         raise Stopped
+
+
+def working_for(stop: threading.Event, fn: Callable[..., R], *args: Any) -> R:
+    """`fn(*args)` on a thread of a job's own pool: its storage retries end once `stop` is set
+    (the job was given up), whoever else is still packing."""
+    _job.stop = stop
+    try:
+        return fn(*args)
+    finally:
+        _job.stop = None
 
 
 def _die_with_parent() -> None:

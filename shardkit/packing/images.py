@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import struct
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -101,16 +102,28 @@ def _fits(width: int, height: int) -> bool:
     return width > 0 and height > 0 and (limit is None or width * height <= 2 * limit)
 
 
+_refusing = threading.Lock()
+_refusers, _found = 0, False  # threads inside `_truncated_refused`, and the setting they found
+
+
 @contextlib.contextmanager
 def _truncated_refused() -> Iterator[None]:
     """PIL as it comes: a process that set `ImageFile.LOAD_TRUNCATED_IMAGES` (a common
-    notebook line) would have truncated files decoded gray-padded, and packed."""
-    before = ImageFile.LOAD_TRUNCATED_IMAGES
-    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    notebook line) would have truncated files decoded gray-padded, and packed. The setting
+    is PIL's, for the whole process: a job's threads hold it off together, the first one in
+    sets it aside and the last one out puts it back."""
+    global _refusers, _found
+    with _refusing:
+        if _refusers == 0:
+            _found, ImageFile.LOAD_TRUNCATED_IMAGES = ImageFile.LOAD_TRUNCATED_IMAGES, False
+        _refusers += 1
     try:
         yield
     finally:
-        ImageFile.LOAD_TRUNCATED_IMAGES = before
+        with _refusing:
+            _refusers -= 1
+            if _refusers == 0:
+                ImageFile.LOAD_TRUNCATED_IMAGES = _found
 
 
 def _open(data: bytes) -> Image.Image:

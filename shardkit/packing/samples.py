@@ -26,6 +26,7 @@ from .plan import Job, sample_meta
 DAMAGED = "source shard "  # how a skip for a converted shard that does not match its index begins
 Sample = tuple[str, dict[str, bytes]]  # (key, fields)
 REMOTE_READS = 32  # a job's files read at once from a bucket
+AHEAD_BYTES = 64 << 20  # at most about this much of a job's source files read ahead of the shard
 _UNLIMITED: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
 
 
@@ -175,8 +176,9 @@ def _made(job: Job) -> Iterator[tuple[Item, Callable[[], Sample]]]:
     folder's files are worked on several at a time where that pays: re-encoded or
     decode-checked on the cores a small pack leaves idle (`executors.threads()`; PIL and
     libjpeg-turbo let go of the GIL), read from a bucket REMOTE_READS at a time (its
-    first-byte latency hidden), decoded there still on no more threads than those cores (a
-    camera photo decodes to tens of MB). The same samples, in the same order, sooner."""
+    first-byte latency hidden) and AHEAD_BYTES ahead at most, decoded there still on no more
+    threads than those cores (a camera photo decodes to tens of MB). The same samples, in
+    the same order, sooner."""
     opts = job.options
     cores = executors.threads() if (opts.resize or opts.quality or opts.decode_check) else 1
     threads = cores if storage.is_local(job.src) else max(cores, REMOTE_READS)
@@ -185,20 +187,24 @@ def _made(job: Job) -> Iterator[tuple[Item, Callable[[], Sample]]]:
             yield item, functools.partial(_sample, job, item)
         return
     limit = threading.BoundedSemaphore(cores) if threads > cores else _UNLIMITED
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="shardkit-pack")
+    pool, stop = ThreadPoolExecutor(threads, thread_name_prefix="shardkit-pack"), threading.Event()
     ahead: deque[tuple[Item, Future[Sample]]] = deque()
+    held = 0  # bytes of the source files in `ahead`
     try:
         for item in job.items:
-            ahead.append((item, pool.submit(_sample, job, item, limit)))
-            if len(ahead) >= 2 * threads:
+            ahead.append((item, pool.submit(executors.working_for, stop, _sample, job, item, limit)))
+            held += item.size
+            while len(ahead) >= 2 * threads or held >= AHEAD_BYTES:
                 done, future = ahead.popleft()
+                held -= done.size
                 yield done, future.result
         while ahead:
             done, future = ahead.popleft()
             yield done, future.result
     finally:
-        # Closed before its end, the pack given up: what has not started never does; the reads
-        # under way end on their own (or as the pack's stop flag ends their retries).
+        # Closed before its end, the pack given up: what has not started never does, and the
+        # reads under way retry no more; nobody waits for them.
+        stop.set()
         for _, future in ahead:
             future.cancel()
         pool.shutdown(wait=not ahead)
