@@ -12,9 +12,11 @@ proxy, data and loader, at 0 and +100 ms (scripts/remote_peers_run.py says what 
 
     python scripts/bench_remote.py --peers --images 2000 --rounds 3
 
-With --pack: packing an image folder from the bucket (to local disk, 2 workers) at 0 and
-+50 ms, against packing the folder from local disk, a pack job reading its files
-REMOTE_READS at a time as it does, and one at a time (REMOTE_READS=1, as before 2026-11-29).
+With --pack: packing from the bucket (to local disk, 2 workers) at 0 and +50 ms, against
+packing from local disk: an image folder, a job reading its files REMOTE_READS at a time
+as it does and one at a time (REMOTE_READS=1, as before 2026-11-29); a dataset converted,
+its shards read in SOURCE_BLOCK blocks as now and a request a sample (SOURCE_BLOCK=0, as
+before).
 
     python scripts/bench_remote.py --pack --images 500 --rounds 3
 """
@@ -100,26 +102,29 @@ def read_pass(url: str, opts: dict | None, prefetch: int) -> dict:
             "depth": ds.stats()["prefetch_depth"]}
 
 
-def pack_pass(src: str, dest: Path, opts: dict | None, reads: int) -> float:
-    """Seconds to pack `src` into a fresh `dest` with 2 workers, a job reading `reads` files
-    at a time from a bucket."""
+def pack_pass(src: str, dest: Path, opts: dict | None, settings: dict[str, int]) -> float:
+    """Seconds to pack `src` into a fresh `dest` with 2 workers, with `settings` of
+    shardkit.packing.samples (REMOTE_READS, SOURCE_BLOCK) for the time."""
     import shardkit
     from shardkit.packing import samples
 
     shutil.rmtree(dest, ignore_errors=True)
-    samples.REMOTE_READS, before = reads, samples.REMOTE_READS  # a pack of one shard runs in this process
+    before = {name: getattr(samples, name) for name in settings}
+    for name, value in settings.items():  # a pack of one shard (here) runs in this process
+        setattr(samples, name, value)
     try:
         t0 = time.perf_counter()
         shardkit.pack(src, str(dest), workers=2, progress=False, storage_options=opts)
         return time.perf_counter() - t0
     finally:
-        samples.REMOTE_READS = before
+        for name, value in before.items():
+            setattr(samples, name, value)
 
 
-def pack_run(args: argparse.Namespace, photos: Path) -> None:
+def pack_run(args: argparse.Namespace, photos: Path, shards: Path) -> None:
     import fsspec.core
 
-    from shardkit.packing.samples import REMOTE_READS
+    from shardkit.packing.samples import REMOTE_READS, SOURCE_BLOCK
 
     moto, endpoint = start_moto()
     proxy, purl, _ = start_proxy(endpoint, 50)
@@ -127,24 +132,32 @@ def pack_run(args: argparse.Namespace, photos: Path) -> None:
         fs, _ = fsspec.core.url_to_fs(f"s3://{BUCKET}", **options(endpoint))
         fs.mkdir(BUCKET)
         fs.put(str(photos), f"{BUCKET}/raw", recursive=True)
-        url, dest = f"s3://{BUCKET}/raw", Path(args.dir) / "packed-from-s3"
-        runs = {("local disk", 1): (str(photos), None)}
-        for name, endpoint_url in (("S3", endpoint), ("S3 +50 ms", purl)):
-            for reads in (REMOTE_READS, 1):
-                runs[(name, reads)] = (url, options(endpoint_url))
-        seconds: dict[tuple[str, int], list[float]] = {}
+        fs.put(str(shards), f"{BUCKET}/ds", recursive=True)
+        dest = Path(args.dir) / "packed-from-s3"
+        ways = {"image folder": (f"s3://{BUCKET}/raw", "REMOTE_READS", ((REMOTE_READS, f"{REMOTE_READS} files at once"),
+                                                                         (1, "a file at a time (before)"))),
+                "dataset (conversion)": (f"s3://{BUCKET}/ds", "SOURCE_BLOCK", ((SOURCE_BLOCK, "16 MB blocks"),
+                                                                                (0, "a request a sample (before)")))}
+        runs: dict[tuple[str, str, str], tuple[str, dict | None, dict[str, int]]] = {
+            ("image folder", "local disk", "-"): (str(photos), None, {}),
+            ("dataset (conversion)", "local disk", "-"): (str(shards), None, {})}
+        for what, (url, setting, values) in ways.items():
+            for where, endpoint_url in (("S3", endpoint), ("S3 +50 ms", purl)):
+                for value, label in values:
+                    runs[(what, where, label)] = (url, options(endpoint_url), {setting: value})
+        seconds: dict[tuple[str, str, str], list[float]] = {}
         for r in range(args.rounds):
-            for (name, reads), (src, opts) in runs.items():
-                seconds.setdefault((name, reads), []).append(pack_pass(src, dest, opts, reads))
+            for key, (src, opts, settings) in runs.items():
+                seconds.setdefault(key, []).append(pack_pass(src, dest, opts, settings))
             print(f"round {r + 1} done", file=sys.stderr)
         print(f"\n{args.images} photos ({sum(p.stat().st_size for p in photos.rglob('*.jpg')) / 1e6:.0f} MB), "
               f"shardkit.pack(..., workers=2) to local disk, {args.rounds} rounds; median (min-max)\n")
-        print("| source | files read at once by a job | seconds | images/s |")
-        print("|---|---|---|---|")
-        for (name, reads), values in seconds.items():
+        print("| source | where | reads | seconds | images/s |")
+        print("|---|---|---|---|---|")
+        for (what, where, label), values in seconds.items():
             med = statistics.median(values)
-            print(f"| {name} | {'-' if name == 'local disk' else reads} | {med:.2f} ({min(values):.2f}-{max(values):.2f}) "
-                  f"| {args.images / med:,.0f} |")
+            print(f"| {what} | {where} | {label} | {med:.2f} ({min(values):.2f}-{max(values):.2f}) | "
+                  f"{args.images / med:,.0f} |")
     finally:
         for p in (proxy, moto):
             p.terminate()
@@ -178,7 +191,7 @@ def main() -> None:
 
         return remote_peers_run.main(args, photos, shards)
     if args.pack:
-        return pack_run(args, photos)
+        return pack_run(args, photos, shards)
     moto, endpoint = start_moto()
     procs = [moto]
     try:

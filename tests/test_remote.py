@@ -405,6 +405,39 @@ def test_a_pack_from_a_bucket_reads_its_files_at_once(s3: dict, photos: Path, tm
         assert [s.path for s in remote.skipped] == ["square/broken.jpg"]
 
 
+def test_a_conversion_from_a_bucket_reads_its_shards_in_blocks(s3: dict, photos: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Converting a dataset in a bucket asks for a block of each shard at a time, not for each
+    sample (a request a sample paid the first-byte latency each time): the same output as
+    converting it from local disk, whatever the block size."""
+    from shardkit import storage
+    from shardkit.packing import samples
+
+    opts = s3["storage_options"]
+    src = tmp_path / "src"
+    shardkit.pack(str(photos), str(src), max_count=7, workers=1, progress=False)
+    for shard in src.iterdir():
+        storage.write_bytes_atomic(f"{s3['url']}/ds/{shard.name}", shard.read_bytes(), opts)
+    local = shardkit.pack(str(src), str(tmp_path / "local"), workers=1, progress=False)
+    ends = {shard.stat().st_size for shard in src.glob("*.tar")}
+    reads: list[tuple[int, int]] = []
+    read_range = storage.read_range
+
+    def counted(url: str, start: int, stop: int, *args: Any, **kwargs: Any) -> bytes:
+        reads.append((start, stop))
+        return read_range(url, start, stop, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "read_range", counted)
+    for block, requests in ((samples.SOURCE_BLOCK, 5), (8192, None)):  # 5 shards of 7, 7, 7, 7 and 2 samples
+        reads.clear()
+        monkeypatch.setattr(samples, "SOURCE_BLOCK", block)
+        remote = shardkit.pack(s3["url"] + "/ds", str(tmp_path / f"remote-{block}"), workers=1, progress=False,
+                               storage_options=opts)
+        assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]
+        assert len(reads) == requests if requests else 5 < len(reads) < local.samples
+        assert all(stop - start >= block or stop in ends for start, stop in reads)  # a block, or up to a shard's end
+
+
 @pytest.mark.parametrize("protocol", ["s3", "gs"])
 def test_forbidden_fails_at_once_naming_the_url(forbidding: tuple[str, list[str]], protocol: str) -> None:
     """Credentials without access (HTTP 403) are not a transient error: one request, then a

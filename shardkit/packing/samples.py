@@ -93,16 +93,34 @@ def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
 
 _source_shards: dict[str, str | None] = {}  # this process's checks in one run: url -> problem
 _source_run = ""
-_source_streams: dict[str, gzip.Ranges] = {}  # this process's compressed source shard being read, in one run
+_source_streams: dict[str, gzip.Ranges | _Blocks] = {}  # this process's remote or compressed source shard being read
+SOURCE_BLOCK = 16 << 20  # bytes a request to a remote source shard asks for
+
+
+class _Blocks:
+    """Ranges of a remote shard, each read from a block of at least SOURCE_BLOCK bytes that
+    starts where the range does: a job asks for its samples in order, back to back, so a
+    shard costs a request a block, not one a sample (a first byte 50 ms away made that
+    ~60 ms a sample)."""
+
+    def __init__(self, fetch: Callable[[int, int], bytes], size: int):
+        self._fetch, self._size = fetch, size
+        self._start, self._data = 0, b""
+
+    def read(self, start: int, stop: int) -> bytes:
+        if not self._start <= start <= stop <= self._start + len(self._data):
+            self._start, self._data = start, self._fetch(start, min(self._size, max(stop, start + SOURCE_BLOCK)) - start)
+        return self._data[start - self._start:stop - self._start]
 
 
 def _source_range(job: Job, shard: str, start: int, stop: int) -> bytes:
-    """Bytes [start, stop) of a source shard; of the tar inside a compressed one, inflated
-    from where its stream is (a job reads its samples in order: one pass a job at most)."""
+    """Bytes [start, stop) of a source shard: read where it is local, else through blocks of
+    it; of the tar inside a compressed one, inflated from where its stream is (a job reads
+    its samples in order: one pass a job at most)."""
     url, info = storage.join(job.src, shard), next(info for info in job.shards if info.name == shard)
-    if info.compression is None:
+    if info.compression is None and storage.is_local(url):
         return storage.read_range(url, start, stop, job.storage_options)
-    if stop - start > gzip.MAX_MEMBER:
+    if info.compression is not None and stop - start > gzip.MAX_MEMBER:
         raise CorruptShardError(f"{storage.display(url)} (sample at byte {start}): inflates to {stop - start} bytes, "
                                 f"over {gzip.MAX_MEMBER} (a decompression bomb?)")
     if url not in _source_streams:
@@ -112,7 +130,8 @@ def _source_range(job: Job, shard: str, start: int, stop: int) -> bytes:
             end = min(offset + n, info.bytes)
             return storage.read_range(url, offset, end, job.storage_options) if offset < end else b""
 
-        _source_streams[url] = gzip.Ranges(fetch, storage.display(url), keep=0)
+        _source_streams[url] = (_Blocks(fetch, info.bytes) if info.compression is None
+                                else gzip.Ranges(fetch, storage.display(url), keep=0))
     return _source_streams[url].read(start, stop)
 
 
