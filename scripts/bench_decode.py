@@ -37,53 +37,48 @@ PIL_LIMIT = "PIL decode limit's code (decode + resize to 224)"
 def steps(blobs: list[bytes]) -> dict[str, tuple[object, list]]:
     """name -> (function of one input, its inputs)."""
     import simplejpeg
-    import torch
 
+    from shardkit import jpeg
     from shardkit.decode import image_transform
 
     fast, pil = image_transform(256, crop=224), image_transform(256, crop=224, backend="pil")
-    decoded = [simplejpeg.decode_jpeg(b, "RGB") for b in blobs]
+    decoded = [jpeg.decode(b) for b in blobs]
     samples = [{"jpg": b, "cls": 0} for b in blobs]
     return {
         PIL_LIMIT: (br.decode_resize, blobs),
         "image_transform(256, crop=224)": (fast, samples),
         "image_transform(256, crop=224, backend='pil')": (pil, samples),
-        "simplejpeg decode (the fast path's)": (lambda b: simplejpeg.decode_jpeg(b, "RGB"), blobs),
+        "simplejpeg decode (the fast path's)": (jpeg.decode, blobs),
         "simplejpeg decode at 1/8 scale (entropy decoding)": (
             lambda b: simplejpeg.decode_jpeg(b, "RGB", min_width=1, min_height=1, min_factor=8), blobs),
         "simplejpeg decode, fastdct=True (put aside)": (
             lambda b: simplejpeg.decode_jpeg(b, "RGB", fastdct=True), blobs),
-        "torch resize 256 + crop 224 (decoded photos)": (lambda hwc: resize_crop(torch.from_numpy(hwc)), decoded),
+        "torch resize 256 + crop 224 (decoded photos)": (resize_crop, decoded),
     }
 
 
-def resize_crop(hwc: "torch.Tensor", size: int = 256, crop: int = 224) -> "torch.Tensor":  # noqa: F821
-    """What the fast path does after decoding: torch's antialiased bilinear resize of the
-    shorter side to `size`, a center crop, CHW contiguous."""
-    import torch
+def resize_crop(hwc: np.ndarray, size: int = 256, crop: int = 224) -> "torch.Tensor":  # noqa: F821
+    """What the fast path does after decoding (jpeg.resize, then torchvision's center crop),
+    as a CHW contiguous tensor."""
+    from shardkit import jpeg
+    from shardkit.decode import BILINEAR, center_offset, geometry
 
-    from shardkit.decode import geometry
-
-    h, w = hwc.shape[:2]
-    full, out, _ = geometry((w, h), size, crop)
-    chw = torch.nn.functional.interpolate(hwc.permute(2, 0, 1)[None], size=(full[1], full[0]), mode="bilinear",
-                                          antialias=True)[0]
-    left, top = round((full[0] - out[0]) / 2), round((full[1] - out[1]) / 2)  # torchvision's CenterCrop
-    return chw[:, top:top + out[1], left:left + out[0]].contiguous()
+    full, out, _ = geometry((hwc.shape[1], hwc.shape[0]), size, crop)
+    left, top = center_offset(full, out)
+    return jpeg.resize(hwc, full, BILINEAR)[top:top + out[1], left:left + out[0]].permute(2, 0, 1).contiguous()
 
 
 def agreement(blobs: list[bytes], fastdct: bool) -> str:
     """Mean absolute difference (mean over photos, worst photo) and lowest PSNR of the
     decode + resize + crop against PIL's (`resized(..., backend="pil", reducing_gap=None)`)."""
     import simplejpeg
-    import torch
 
     from shardkit.decode import resized
 
     mads, psnrs = [], []
     for b in blobs:
         ref = np.asarray(resized(b, 256, 224, backend="pil", reducing_gap=None), dtype=np.float64)
-        got = resize_crop(torch.from_numpy(simplejpeg.decode_jpeg(b, "RGB", fastdct=fastdct)))
+        got = resize_crop(simplejpeg.decode_jpeg(b, "RGB", fastdct=fastdct))
         diff = np.abs(got.permute(1, 2, 0).numpy().astype(np.float64) - ref)
         mads.append(diff.mean())
         mse = (diff ** 2).mean()

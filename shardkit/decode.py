@@ -255,12 +255,12 @@ def geometry(source: tuple[int, int], size: Size, crop: Size | None = None
     if crop is None:
         return (rw, rh), (rw, rh), (0.0, 0.0, float(w), float(h))
     cw, ch = _pair(crop)
-    left, top = _offset((rw, rh), (cw, ch))
+    left, top = center_offset((rw, rh), (cw, ch))
     sx, sy = w / rw, h / rh
     return (rw, rh), (cw, ch), (left * sx, top * sy, (left + cw) * sx, (top + ch) * sy)
 
 
-def _offset(full: tuple[int, int], out: tuple[int, int]) -> tuple[int, int]:
+def center_offset(full: tuple[int, int], out: tuple[int, int]) -> tuple[int, int]:
     """(left, top) of a center crop to `out` from an image of size `full`."""
     return int(round((full[0] - out[0]) / 2.0)), int(round((full[1] - out[1]) / 2.0))
 
@@ -282,7 +282,7 @@ def _fast_resized(data: bytes | bytearray | memoryview | Image.Image, size: Size
     image = jpeg.resized(data, full, at_least, resample)
     if image is None:
         return None
-    left, top = _offset(full, out)
+    left, top = center_offset(full, out)
     return image[top:top + out[1], left:left + out[0]]
 
 

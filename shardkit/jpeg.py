@@ -83,17 +83,23 @@ def resized(data: bytes | bytearray | memoryview, size: tuple[int, int], at_leas
     with PIL's antialiased `resample` filter (bilinear or bicubic): an HWC uint8 tensor (a view,
     maybe not contiguous), or None where PIL must decode it."""
     decoded = _decode(data, at_least)
-    if decoded is None:
-        return None
+    return None if decoded is None else resize(decoded[0], size, resample, decoded[1:])
+
+
+def resize(hwc: np.ndarray, size: tuple[int, int], resample: int, span: tuple[float, float] | None = None
+           ) -> torch.Tensor:
+    """HWC uint8 pixels resized to `size` (width, height) with PIL's antialiased `resample`
+    filter (bilinear or bicubic): an HWC uint8 tensor (a view, maybe not contiguous). `span`:
+    the source's width and height in these pixels (a scaled decode's may end inside its last
+    pixel); their own size by default."""
     import torch
 
-    hwc, width, height = decoded
+    width, height = span or (hwc.shape[1], hwc.shape[0])
     chw = torch.from_numpy(hwc).permute(2, 0, 1)
     if chw.shape[1:] == (size[1], size[0]) == (height, width):
         return chw.permute(1, 2, 0)
-    # Scale factors, not a size, map the source's span (`width` may end inside the last pixel)
-    # onto `size`; the nudge keeps the output, rounded down by torch, from falling short by
-    # float error (a pixel too many is cut off below).
+    # Scale factors, not a size, map the source's span onto `size`; the nudge keeps the output,
+    # rounded down by torch, from falling short by float error (a pixel too many is cut off below).
     factors = (size[1] / height * (1 + 1e-9), size[0] / width * (1 + 1e-9))
     out = torch.nn.functional.interpolate(chw[None], scale_factor=factors, mode=MODES[resample], antialias=True)
     return out[0, :, :size[1], :size[0]].permute(1, 2, 0)
