@@ -14,9 +14,8 @@ proxy, data and loader, at 0 and +100 ms (scripts/remote_peers_run.py says what 
 
 With --pack: packing from the bucket (to local disk, 2 workers) at 0 and +50 ms, against
 packing from local disk: an image folder, a job reading its files REMOTE_READS at a time
-as it does and one at a time (REMOTE_READS=1, as before 2026-11-29); a dataset converted,
-its shards read in SOURCE_BLOCK blocks as now and a request a sample (SOURCE_BLOCK=0, as
-before).
+as it does and one at a time (REMOTE_READS=1, as before 2026-11-29); a dataset converted.
+The requests and bytes that went through the +50 ms proxy are counted.
 
     python scripts/bench_remote.py --pack --images 500 --rounds 3
 """
@@ -104,7 +103,7 @@ def read_pass(url: str, opts: dict | None, prefetch: int) -> dict:
 
 def pack_pass(src: str, dest: Path, opts: dict | None, settings: dict[str, int]) -> float:
     """Seconds to pack `src` into a fresh `dest` with 2 workers, with `settings` of
-    shardkit.packing.samples (REMOTE_READS, SOURCE_BLOCK) for the time."""
+    shardkit.packing.samples (REMOTE_READS) for the time."""
     import shardkit
     from shardkit.packing import samples
 
@@ -124,10 +123,10 @@ def pack_pass(src: str, dest: Path, opts: dict | None, settings: dict[str, int])
 def pack_run(args: argparse.Namespace, photos: Path, shards: Path) -> None:
     import fsspec.core
 
-    from shardkit.packing.samples import REMOTE_READS, SOURCE_BLOCK
+    from shardkit.packing.samples import REMOTE_READS
 
     moto, endpoint = start_moto()
-    proxy, purl, _ = start_proxy(endpoint, 50)
+    proxy, purl, control = start_proxy(endpoint, 50)
     try:
         fs, _ = fsspec.core.url_to_fs(f"s3://{BUCKET}", **options(endpoint))
         fs.mkdir(BUCKET)
@@ -136,28 +135,34 @@ def pack_run(args: argparse.Namespace, photos: Path, shards: Path) -> None:
         dest = Path(args.dir) / "packed-from-s3"
         ways = {"image folder": (f"s3://{BUCKET}/raw", "REMOTE_READS", ((REMOTE_READS, f"{REMOTE_READS} files at once"),
                                                                          (1, "a file at a time (before)"))),
-                "dataset (conversion)": (f"s3://{BUCKET}/ds", "SOURCE_BLOCK", ((SOURCE_BLOCK, "16 MB blocks"),
-                                                                                (0, "a request a sample (before)")))}
+                "dataset (conversion)": (f"s3://{BUCKET}/ds", "", ((0, "a download a shard"),))}
         runs: dict[tuple[str, str, str], tuple[str, dict | None, dict[str, int]]] = {
             ("image folder", "local disk", "-"): (str(photos), None, {}),
             ("dataset (conversion)", "local disk", "-"): (str(shards), None, {})}
         for what, (url, setting, values) in ways.items():
             for where, endpoint_url in (("S3", endpoint), ("S3 +50 ms", purl)):
                 for value, label in values:
-                    runs[(what, where, label)] = (url, options(endpoint_url), {setting: value})
+                    runs[(what, where, label)] = (url, options(endpoint_url), {setting: value} if setting else {})
         seconds: dict[tuple[str, str, str], list[float]] = {}
+        fetched: dict[tuple[str, str, str], tuple[int, int]] = {}  # through the proxy: requests, bytes
         for r in range(args.rounds):
             for key, (src, opts, settings) in runs.items():
+                before = json.loads(proxy_command(control, "stats"))
                 seconds.setdefault(key, []).append(pack_pass(src, dest, opts, settings))
+                after = json.loads(proxy_command(control, "stats"))
+                if after["requests"] > before["requests"]:
+                    fetched[key] = (after["requests"] - before["requests"], after["bytes"] - before["bytes"])
             print(f"round {r + 1} done", file=sys.stderr)
         print(f"\n{args.images} photos ({sum(p.stat().st_size for p in photos.rglob('*.jpg')) / 1e6:.0f} MB), "
               f"shardkit.pack(..., workers=2) to local disk, {args.rounds} rounds; median (min-max)\n")
-        print("| source | where | reads | seconds | images/s |")
-        print("|---|---|---|---|---|")
-        for (what, where, label), values in seconds.items():
+        print("| source | where | reads | seconds | images/s | requests | MB fetched |")
+        print("|---|---|---|---|---|---|---|")
+        for key, values in seconds.items():
             med = statistics.median(values)
-            print(f"| {what} | {where} | {label} | {med:.2f} ({min(values):.2f}-{max(values):.2f}) | "
-                  f"{args.images / med:,.0f} |")
+            requests, size = fetched.get(key, (0, 0))
+            traffic = f"{requests} | {size / 1e6:.1f}" if requests else "- | -"
+            print(f"| {' | '.join(key)} | {med:.2f} ({min(values):.2f}-{max(values):.2f}) | "
+                  f"{args.images / med:,.0f} | {traffic} |")
     finally:
         for p in (proxy, moto):
             p.terminate()

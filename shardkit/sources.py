@@ -20,10 +20,11 @@ from .storage import StorageOptions
 
 
 class _Hashing:
-    """A read-only file wrapper that hashes and counts every byte read through it."""
+    """A read-only file wrapper that hashes and counts every byte read through it (and
+    writes it to `copy_to`, if given)."""
 
-    def __init__(self, f: BinaryIO):
-        self._f = f
+    def __init__(self, f: BinaryIO, copy_to: BinaryIO | None = None):
+        self._f, self._copy_to = f, copy_to
         self.sha = hashlib.sha256()
         self.count = 0
 
@@ -31,6 +32,8 @@ class _Hashing:
         data = self._f.read(n)
         self.sha.update(data)
         self.count += len(data)
+        if self._copy_to is not None:
+            self._copy_to.write(data)
         return data
 
     def drain(self) -> None:
@@ -44,11 +47,13 @@ class ShardScan:
     fields: frozenset[str]
 
 
-def scan_shard(url: str, storage_options: StorageOptions | None = None) -> ShardScan:
-    """Read a whole shard: sample count, offsets, fields, size and sha256. A gzip-compressed
-    one (told by its first bytes) is inflated as it is read, to its end: its CRC checked."""
+def scan_shard(url: str, storage_options: StorageOptions | None = None,
+               copy_to: BinaryIO | None = None) -> ShardScan:
+    """Read a whole shard: sample count, offsets, fields, size and sha256 (its bytes
+    written to `copy_to` too, if given). A gzip-compressed one (told by its first bytes) is
+    inflated as it is read, to its end: its CRC checked."""
     with storage.open_read(url, storage_options) as f:
-        h = _Hashing(f)
+        h = _Hashing(f, copy_to)
         stream, compressed = gzip.open_stream(h, storage.display(url))
         found = tar.scan(stream, url)
         while stream.read(8 << 20):
@@ -61,10 +66,12 @@ def scan_shard(url: str, storage_options: StorageOptions | None = None) -> Shard
     return ShardScan(info, frozenset(found.fields))
 
 
-def shard_digest(url: str, storage_options: StorageOptions | None = None) -> tuple[int, str]:
-    """A whole shard's size and sha256, without parsing it."""
+def shard_digest(url: str, storage_options: StorageOptions | None = None,
+                 copy_to: BinaryIO | None = None) -> tuple[int, str]:
+    """A whole shard's size and sha256, without parsing it (its bytes written to `copy_to`
+    too, if given)."""
     with storage.open_read(url, storage_options) as f:
-        h = _Hashing(f)
+        h = _Hashing(f, copy_to)
         h.drain()
     return h.count, h.sha.hexdigest()
 
@@ -258,18 +265,19 @@ def _remove_others(folder: str, keep: str) -> None:
 
 
 def shard_problem(url: str, info: ShardInfo, storage_options: StorageOptions | None = None,
-                  parse: bool = True) -> str | None:
+                  parse: bool = True, copy_to: BinaryIO | None = None) -> str | None:
     """How the shard at `url` differs from `info`, its entry in the index (None: it does
-    not): size, sha256, sample count, sample offsets. Reads it whole; a shard that cannot be
-    read or parsed raises (FileNotFoundError, CorruptShardError naming it, ...). With
-    `parse=False`, a shard the index has a sha256 for is only hashed: the same bytes as
-    when it was indexed (a third faster than parsing them too)."""
+    not): size, sha256, sample count, sample offsets. Reads it whole (writing its bytes to
+    `copy_to`, if given); a shard that cannot be read or parsed raises (FileNotFoundError,
+    CorruptShardError naming it, ...). With `parse=False`, a shard the index has a sha256
+    for is only hashed: the same bytes as when it was indexed (a third faster than parsing
+    them too)."""
     if not parse and info.sha256 is not None:
-        size, sha256 = shard_digest(url, storage_options)
+        size, sha256 = shard_digest(url, storage_options, copy_to)
         if size != info.bytes:
             return f"{size} bytes, index says {info.bytes}"
         return "sha256 mismatch (shard changed or corrupt)" if sha256 != info.sha256 else None
-    found = scan_shard(url, storage_options).info
+    found = scan_shard(url, storage_options, copy_to).info
     if found.bytes != info.bytes:
         return f"{found.bytes} bytes, index says {info.bytes}"
     if info.sha256 is not None and found.sha256 != info.sha256:

@@ -261,13 +261,28 @@ def test_a_damaged_compressed_shard_is_named(photos: Path, tmp_path: Path) -> No
     assert len(problems) == 1 and "wds-000002.tar.gz" in problems[0]
 
 
-def test_converting_compressed_shards_gives_random_access(photos: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("remote", [False, True])
+def test_converting_compressed_shards_gives_random_access(photos: Path, tmp_path: Path, s3: dict, remote: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """From local disk or a bucket (where each compressed shard is downloaded once, though
+    several jobs read it)."""
     urls = write_gz(tmp_path / "gz", photos)
     shardkit.index.save(shardkit.build_index(urls), str(tmp_path / "gz"))
-    idx = shardkit.pack(str(tmp_path / "gz"), str(tmp_path / "plain"), max_count=4, workers=2, progress=False)
+    src, opts = str(tmp_path / "gz"), None
+    if remote:
+        src, opts = s3["url"] + "/gz", s3["storage_options"]
+        for f in (tmp_path / "gz").iterdir():
+            shardkit.storage.write_bytes_atomic(f"{src}/{f.name}", f.read_bytes(), opts)
+    opened: list[str] = []
+    open_read = shardkit.storage.open_read
+    monkeypatch.setattr(shardkit.storage, "open_read", lambda url, *a, **k: (opened.append(url), open_read(url, *a, **k))[1])
+    idx = shardkit.pack(src, str(tmp_path / "plain"), max_count=4, workers=1 if remote else 2, progress=False,
+                        storage_options=opts)  # (one process: the one counting what it opens)
     assert idx.samples == 23 and all(s.compression is None for s in idx.shards)
     ds = shardkit.TarDataset(str(tmp_path / "plain"))
     assert fields_of(ds[i] for i in range(len(ds))) == webdataset_decoded(urls)
+    if remote:
+        assert sorted(u for u in opened if u.endswith(".gz")) == sorted(f"{src}/{Path(u).name}" for u in urls)
 
 
 @pytest.mark.parametrize("remote", [False, True])

@@ -405,37 +405,38 @@ def test_a_pack_from_a_bucket_reads_its_files_at_once(s3: dict, photos: Path, tm
         assert [s.path for s in remote.skipped] == ["square/broken.jpg"]
 
 
-def test_a_conversion_from_a_bucket_reads_its_shards_in_blocks(s3: dict, photos: Path, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Converting a dataset in a bucket asks for a block of each shard at a time, not for each
-    sample (a request a sample paid the first-byte latency each time): the same output as
-    converting it from local disk, whatever the block size."""
+def test_a_conversion_from_a_bucket_downloads_each_shard_once(s3: dict, photos: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Converting a dataset in a bucket downloads each shard once, checking it as it comes,
+    and copies its samples from that copy (not a download to check it, then a request a
+    sample or a block), though it spans several jobs: the same shards as converting it from
+    local disk, a damaged shard's samples skipped alike; no copy is left behind."""
     from shardkit import storage
     from shardkit.packing import samples
 
     opts = s3["storage_options"]
     src = tmp_path / "src"
     shardkit.pack(str(photos), str(src), max_count=7, workers=1, progress=False)
+    damaged = bytearray((src / "shard-000001.tar").read_bytes())
+    damaged[2000] ^= 0x01
+    (src / "shard-000001.tar").write_bytes(bytes(damaged))
     for shard in src.iterdir():
         storage.write_bytes_atomic(f"{s3['url']}/ds/{shard.name}", shard.read_bytes(), opts)
-    local = shardkit.pack(str(src), str(tmp_path / "local"), workers=1, progress=False)
-    ends = {shard.stat().st_size for shard in src.glob("*.tar")}
-    reads: list[tuple[int, int]] = []
-    read_range = storage.read_range
-
-    def counted(url: str, start: int, stop: int, *args: Any, **kwargs: Any) -> bytes:
-        reads.append((start, stop))
-        return read_range(url, start, stop, *args, **kwargs)
-
-    monkeypatch.setattr(storage, "read_range", counted)
-    for block, requests in ((samples.SOURCE_BLOCK, 5), (8192, None)):  # 5 shards of 7, 7, 7, 7 and 2 samples
-        reads.clear()
-        monkeypatch.setattr(samples, "SOURCE_BLOCK", block)
-        remote = shardkit.pack(s3["url"] + "/ds", str(tmp_path / f"remote-{block}"), workers=1, progress=False,
-                               storage_options=opts)
-        assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]
-        assert len(reads) == requests if requests else 5 < len(reads) < local.samples
-        assert all(stop - start >= block or stop in ends for start, stop in reads)  # a block, or up to a shard's end
+    local = shardkit.pack(str(src), str(tmp_path / "local"), max_count=3, workers=1, progress=False)
+    opened: list[str] = []
+    ranges: list[str] = []
+    open_read, read_range = storage.open_read, storage.read_range
+    monkeypatch.setattr(storage, "open_read", lambda url, *a, **k: (opened.append(url), open_read(url, *a, **k))[1])
+    monkeypatch.setattr(storage, "read_range", lambda url, *a, **k: (ranges.append(url), read_range(url, *a, **k))[1])
+    remote = shardkit.pack(s3["url"] + "/ds", str(tmp_path / "remote"), max_count=3, workers=1, progress=False,
+                           storage_options=opts)
+    assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]
+    assert [(s.path, s.reason) for s in remote.skipped] == [(s.path, s.reason) for s in local.skipped]
+    assert remote.skipped and all(s.path.startswith("shard-000001.tar@") and "sha256 mismatch" in s.reason
+                                  for s in remote.skipped)
+    shards = sorted(f"{s3['url']}/ds/{p.name}" for p in src.glob("*.tar"))
+    assert sorted(u for u in opened if u.endswith(".tar")) == shards and ranges == []  # 5 shards, 3 jobs or more each
+    assert samples._copy is None  # let go after the last shard's last sample
 
 
 @pytest.mark.parametrize("protocol", ["s3", "gs"])

@@ -57,6 +57,7 @@ class Job:
     shards: tuple[ShardInfo, ...] = ()  # a tar source's index entries of the shards the items come from
     run: str = ""  # this pack call's id: what a worker learns about source shards holds for one run
     meta: str = META  # the field of shardkit's record of a sample's class and path
+    source_goes_on: bool = False  # the next job begins in the source shard this one ends in
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,15 @@ class Plan:
         fp = self.fingerprints[i] if self.fingerprints else ""
         items = self.items(i)
         shards: tuple[ShardInfo, ...] = ()
+        goes_on = False
         if self.source == "tar":
-            names = dict.fromkeys(it.path.rpartition("@")[0] for it in items)
+            names = dict.fromkeys(_shard_of(it) for it in items)
             shards = tuple(replace(s, offsets=None) if s.sha256 else s  # a hash checks them
                            for s in map(self._shard.__getitem__, names))
+            if items and i + 1 < len(self.bounds) and self.size(i + 1):
+                goes_on = _shard_of(self.listing.item(int(self.order[self.bounds[i + 1][0]]))) == _shard_of(items[-1])
         return Job(self.names[i], self.src, self.dest, items, self.classes, self.options, fp,
-                   self.storage_options, self.source, shards, self.run, self.meta)
+                   self.storage_options, self.source, shards, self.run, self.meta, goes_on)
 
     @functools.cached_property
     def _shard(self) -> dict[str, ShardInfo]:
@@ -133,6 +137,11 @@ class JobList(Sequence[Job]):
         if isinstance(i, slice):
             return JobList(self._plan, self._indices[i])
         return self._plan.job(self._indices[i])
+
+
+def _shard_of(item: Item) -> str:
+    """The source shard of a converted sample ("SHARD@START:END")."""
+    return item.path.rpartition("@")[0]
 
 
 def sample_meta(item: Item, classes: tuple[str, ...]) -> bytes:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, BinaryIO
 
 from .. import storage
 from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
@@ -76,9 +78,8 @@ def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
         shard, _, span = item.path.rpartition("@")
         start, stop = (int(x) for x in span.split(":"))
         _check_source_shard(job, shard)
-        url = storage.join(job.src, shard)
         data = _source_range(job, shard, start, stop)
-        where = f"{url} (sample at byte {start})"
+        where = f"{storage.join(job.src, shard)} (sample at byte {start})"
         key, fields = parse_sample(data, where, start)
         try:
             check_key(key)  # another tool's shard may hold what cannot be written back (`.DS_Store`)
@@ -93,100 +94,132 @@ def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
 
 _source_shards: dict[str, str | None] = {}  # this process's checks in one run: url -> problem
 _source_run = ""
-_source_streams: dict[str, gzip.Ranges | _Blocks] = {}  # this process's remote or compressed source shard being read
-SOURCE_BLOCK = 16 << 20  # bytes a request to a remote source shard asks for
-
-
-class _Blocks:
-    """Ranges of a remote shard, each read from a block of at least SOURCE_BLOCK bytes that
-    starts where the range does: a job asks for its samples in order, back to back, so a
-    shard costs a request a block, not one a sample (a first byte 50 ms away made that
-    ~60 ms a sample)."""
-
-    def __init__(self, fetch: Callable[[int, int], bytes], size: int):
-        self._fetch, self._size = fetch, size
-        self._start, self._data = 0, b""
-
-    def read(self, start: int, stop: int) -> bytes:
-        if not self._start <= start <= stop <= self._start + len(self._data):
-            self._start, self._data = start, self._fetch(start, min(self._size, max(stop, start + SOURCE_BLOCK)) - start)
-        return self._data[start - self._start:stop - self._start]
+_copy: tuple[str, BinaryIO] | None = None  # (url, temporary file) of the remote source shard read now
+_inflating: dict[str, gzip.Ranges] = {}  # the compressed source shard read now, by url
 
 
 def _source_range(job: Job, shard: str, start: int, stop: int) -> bytes:
-    """Bytes [start, stop) of a source shard: read where it is local, else through blocks of
-    it; of the tar inside a compressed one, inflated from where its stream is (a job reads
-    its samples in order: one pass a job at most)."""
+    """Bytes [start, stop) of a source shard (its checked copy where it is remote); of the
+    tar inside a compressed one, inflated from where its stream is (a job reads its samples
+    in order: one pass a job at most)."""
     url, info = storage.join(job.src, shard), next(info for info in job.shards if info.name == shard)
-    if info.compression is None and storage.is_local(url):
-        return storage.read_range(url, start, stop, job.storage_options)
-    if info.compression is not None and stop - start > gzip.MAX_MEMBER:
-        raise CorruptShardError(f"{storage.display(url)} (sample at byte {start}): inflates to {stop - start} bytes, "
-                                f"over {gzip.MAX_MEMBER} (a decompression bomb?)")
-    if url not in _source_streams:
-        _source_streams.clear()
+    if _copy is not None and _copy[0] == url:
+        fd = _copy[1].fileno()
 
+        def fetch(offset: int, n: int) -> bytes:
+            return os.pread(fd, n, offset)
+    else:
         def fetch(offset: int, n: int) -> bytes:
             end = min(offset + n, info.bytes)
             return storage.read_range(url, offset, end, job.storage_options) if offset < end else b""
+    if info.compression is None:
+        data = fetch(start, stop - start)
+        if len(data) != stop - start:
+            raise CorruptShardError(f"{storage.display(url)}: {len(data)} bytes at offset {start}, expected {stop - start}")
+    elif stop - start > gzip.MAX_MEMBER:
+        raise CorruptShardError(f"{storage.display(url)} (sample at byte {start}): inflates to {stop - start} bytes, "
+                                f"over {gzip.MAX_MEMBER} (a decompression bomb?)")
+    else:
+        if url not in _inflating:
+            _inflating.clear()
+            _inflating[url] = gzip.Ranges(fetch, storage.display(url), keep=0)
+        data = _inflating[url].read(start, stop)
+    return data
 
-        _source_streams[url] = (_Blocks(fetch, info.bytes) if info.compression is None
-                                else gzip.Ranges(fetch, storage.display(url), keep=0))
-    return _source_streams[url].read(start, stop)
+
+def _let_go() -> None:
+    """Close this process's copy of a remote source shard and its inflated stream."""
+    global _copy
+    _inflating.clear()
+    if _copy is not None:
+        _copy[1].close()
+        _copy = None
 
 
 def _check_source_shard(job: Job, shard: str) -> None:
     """Raise CorruptShardError if the shard being converted is not the one its index
     describes (its samples are then skipped, or stop the pack under on_error="fail"), so
     that damage is never copied into shards with fresh checksums. Each process of a run
-    reads and hashes a shard whole once, before it copies the shard's first sample. A shard
-    that cannot be read at all stops the pack: an outage, not bad data."""
-    global _source_run
+    reads and hashes a shard whole once, before it copies the shard's first sample; a remote
+    one is downloaded into a temporary file as it is hashed, and its samples read from there
+    (one download, not one to check and one to copy). A shard that cannot be read at all
+    stops the pack: an outage, not bad data."""
+    global _source_run, _copy
     if job.run != _source_run:
         _source_shards.clear()
-        _source_streams.clear()
+        _let_go()
         _source_run = job.run
     url = storage.join(job.src, shard)
-    if url not in _source_shards:
-        info = next(info for info in job.shards if info.name == shard)
-        where = storage.display(url)
-        try:
-            problem = shard_problem(url, info, job.storage_options, parse=False)
-        except CorruptShardError as e:
-            problem = str(e).removeprefix(f"{where}: ")
-        except FileNotFoundError:
-            raise SourceError(f"{where}: missing (a shard of the dataset being converted)") from None
-        except OSError as e:
-            detail = one_line(e) if isinstance(e, ShardkitError) else f"{where}: {e.strerror or e}"
-            raise SourceError(f"{detail} (a shard of the dataset being converted)") from None
-        _source_shards[url] = problem and f"{DAMAGED}{shard}: {problem}; `shardkit verify` checks them all"
-    if _source_shards[url]:
+    remote = not storage.is_local(url)
+    copied = _copy is not None and _copy[0] == url
+    if url in _source_shards and (_source_shards[url] or copied or not remote):  # checked (a copy let go: again)
+        if _source_shards[url]:
+            raise CorruptShardError(str(_source_shards[url]))
+        return
+    _let_go()
+    copy = tempfile.TemporaryFile(prefix="shardkit-source-") if remote else None
+    try:
+        problem = _source_problem(job, shard, copy)
+    except BaseException:
+        if copy is not None:
+            copy.close()
+        raise
+    _source_shards[url] = problem and f"{DAMAGED}{shard}: {problem}; `shardkit verify` checks them all"
+    if copy is not None and not problem:
+        copy.flush()
+        _copy = (url, copy)
+    elif copy is not None:
+        copy.close()
+    if problem:
         raise CorruptShardError(str(_source_shards[url]))
+
+
+def _source_problem(job: Job, shard: str, copy_to: BinaryIO | None) -> str | None:
+    """How a source shard differs from its index entry (None: it does not), read whole (into
+    `copy_to`, if given); SourceError if it cannot be read."""
+    url = storage.join(job.src, shard)
+    info = next(info for info in job.shards if info.name == shard)
+    where = storage.display(url)
+    try:
+        return shard_problem(url, info, job.storage_options, parse=False, copy_to=copy_to)
+    except CorruptShardError as e:
+        return str(e).removeprefix(f"{where}: ")
+    except FileNotFoundError:
+        raise SourceError(f"{where}: missing (a shard of the dataset being converted)") from None
+    except OSError as e:
+        detail = one_line(e) if isinstance(e, ShardkitError) else f"{where}: {e.strerror or e}"
+        raise SourceError(f"{detail} (a shard of the dataset being converted)") from None
 
 
 def job_samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None = None) -> Iterator[Sample | Skipped]:
     """The job's samples in order; unusable ones (by `check` too) as Skipped (or SourceError
-    under on_error='fail')."""
-    pending = 0
-    for item, made in _made(job):
-        executors.stop_point()
-        try:
-            sample = made()
-            if check is not None:
-                check(*sample)
-            yield sample
-        except (OSError, images.BadImage, CorruptShardError) as e:
-            if isinstance(e, OSError) and not about_the_file(e):  # about the machine: stop, naming the file
-                name_file(e, storage.join(job.src, item.path))
-                raise
-            reason = str(e) if isinstance(e, (images.BadImage, CorruptShardError)) else f"cannot read ({e.strerror or e})"
-            if job.options.on_error == "fail":
-                raise SourceError(f"{storage.join(job.src, item.path)}: {reason}") from None
-            yield Skipped(item.path, reason)
-        pending += 1
-        if pending >= 32:
-            tick(pending)
-            pending = 0
+    under on_error='fail'). This process's copy of a remote source shard is kept after the
+    job only where the next job goes on in that shard."""
+    pending, finished = 0, False
+    try:
+        for item, made in _made(job):
+            executors.stop_point()
+            try:
+                sample = made()
+                if check is not None:
+                    check(*sample)
+                yield sample
+            except (OSError, images.BadImage, CorruptShardError) as e:
+                if isinstance(e, OSError) and not about_the_file(e):  # about the machine: stop, naming the file
+                    name_file(e, storage.join(job.src, item.path))
+                    raise
+                reason = str(e) if isinstance(e, (images.BadImage, CorruptShardError)) else f"cannot read ({e.strerror or e})"
+                if job.options.on_error == "fail":
+                    raise SourceError(f"{storage.join(job.src, item.path)}: {reason}") from None
+                yield Skipped(item.path, reason)
+            pending += 1
+            if pending >= 32:
+                tick(pending)
+                pending = 0
+        finished = True
+    finally:
+        if not (finished and job.source_goes_on):
+            _let_go()
     tick(pending)
 
 
