@@ -144,8 +144,9 @@ def main() -> None:
 @click.option("--max-size", default="256MB", show_default=True, callback=_size,
               help="At most this many bytes per shard (256MB, 1GiB, ...; tar: at least 10KiB).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Processes writing shards in parallel (fewer shards than that: each shard's "
-                   "--resize or --decode-check work spreads over the spare cores).  [default: CPU count]")
+              help="Processes writing shards in parallel (cores no shard keeps busy, with fewer shards "
+                   "than that or at a pack's end, take on the --resize or --decode-check work of the "
+                   "shards still going).  [default: CPU count]")
 @click.option("--shuffle/--no-shuffle", default=True, show_default=True,
               help="Shuffle samples across shards (recommended for training).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the pack-time shuffle.")

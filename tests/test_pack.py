@@ -455,6 +455,39 @@ def test_one_shard_of_heavy_work_keeps_every_worker_busy(photos: Path, tmp_path:
     assert failures[0] == failures[1]
 
 
+def test_the_last_job_of_a_pack_gets_the_cores_the_others_leave(photos: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job still running once the others are done is lent their cores: 3 shards of heavy
+    work on 2 workers, the last one re-encodes 2 images at a time when it runs alone, where
+    it had one core all along (the same bytes)."""
+    from shardkit.packing import images
+
+    one = shardkit.pack(str(photos), str(tmp_path / "one"), max_count=10, workers=1, resize=32, progress=False)
+    with tarfile.open(tmp_path / "one" / one.shards[-1].name) as t:
+        paths = [json.loads(t.extractfile(m).read())["path"] for m in t.getmembers() if m.name.endswith(".json")]
+    last = {(photos / p).read_bytes() for p in paths}  # the last job's images: slow ones
+    log = tmp_path / "reencodes"
+    now, lock = [0], threading.Lock()  # re-encodes under way in this (forked) worker process
+    reencode = images.reencode
+
+    def watched(data: bytes, *args: object) -> bytes:
+        with lock, open(log, "a") as f:
+            now[0] += 1
+            f.write(f"{os.getpid()} {now[0]}\n")
+        try:
+            time.sleep(0.2 if data in last else 0.01)
+            return reencode(data, *args)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(images, "reencode", watched)  # pool workers are forked from here
+    two = shardkit.pack(str(photos), str(tmp_path / "two"), max_count=10, workers=2, resize=32, progress=False)
+    assert tree_bytes(tmp_path / "one") == tree_bytes(tmp_path / "two") and len(two.shards) == 3
+    at_once = [int(line.split()[1]) for line in log.read_text().splitlines()]
+    assert len({line.split()[0] for line in log.read_text().splitlines()}) == 2 and max(at_once) == 2
+
+
 def test_pack_takes_paths(photos: Path, tmp_path: Path) -> None:
     idx = shardkit.pack(photos, tmp_path / "out", workers=1, progress=False)  # pathlib.Path, as the readers take
     assert idx.samples == 30 and shardkit.verify(tmp_path / "out") == []

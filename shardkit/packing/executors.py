@@ -26,7 +26,8 @@ Runner = Callable[[Callable[[J], R], Sequence[J], Callable[[R], None], Callable[
 
 _counter: Any = None  # multiprocessing.Value shared with pool workers, for the progress bar
 _stop: Any = None  # a shared flag, raised by the pack process when it gives up
-_threads = 1  # threads a job of this process may keep busy (see `threads`)
+_workers = 1  # the run's workers: the cores its jobs may keep busy together (see `threads`)
+_running: Any = None  # multiprocessing.Value: the run's jobs running now (None: one at a time)
 _job = threading.local()  # .stop: the stop event of the job a pool thread works for
 
 
@@ -34,25 +35,43 @@ class Stopped(Exception):
     """A job ended early: the pack was given up (Ctrl-C, or another job failed)."""
 
 
-def init_worker(counter: Any, stop: Any = None, threads: int = 1) -> None:
-    global _counter, _stop, _threads
-    _counter, _stop, _threads = counter, stop, threads
+def init_worker(counter: Any, stop: Any = None, workers: int = 1, running: Any = None) -> None:
+    global _counter, _stop, _workers, _running
+    _counter, _stop, _workers, _running = counter, stop, workers, running
     storage.stop_when(stop_point)  # retries give up with the pack
 
 
 def threads() -> int:
-    """Threads a job in this process may keep busy with its images: more than 1 where a run
-    has fewer jobs than workers (a small pack, one shard), whose cores would idle otherwise."""
-    return _threads
+    """Threads a job in this process may keep busy with its images now: the run's workers
+    shared among its jobs running, so that the cores a small pack (one shard) or the last
+    jobs of a pack would leave idle are lent to the jobs still running."""
+    running = _running.value if _running is not None else 1
+    return -(-_workers // max(1, running))
 
 
-def _init_pool_worker(counter: Any, stop: Any, threads: int) -> None:
+def most_threads() -> int:
+    """The most `threads()` can give in this process (with one job left running)."""
+    return _workers
+
+
+def _as_running(fn: Callable[[J], R], job: J) -> R:
+    """`fn(job)` on a pool worker, counted among the run's jobs running (see `threads`)."""
+    with _running.get_lock():
+        _running.value += 1
+    try:
+        return fn(job)
+    finally:
+        with _running.get_lock():
+            _running.value -= 1
+
+
+def _init_pool_worker(counter: Any, stop: Any, workers: int, running: Any) -> None:
     """A pool worker leaves Ctrl-C to the pack process, which raises `stop` instead: the
     terminal sends SIGINT to the whole process group, and a worker interrupted (or killed)
     while it sends a result leaves half a message in the pool's pipe, on which the pool's
     shutdown waits forever. It starts with SIGINT held (`_sigint_held`): one that came
     since is dropped here."""
-    init_worker(counter, stop, threads)
+    init_worker(counter, stop, workers, running)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent()
@@ -130,13 +149,12 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
                on_progress: Callable[[int], None], *, workers: int) -> None:
     """Run `fn` over jobs on a process pool (inline for one worker), handing results to
     `on_done` in job order as they complete, with at most 2 x workers jobs in flight (their
-    results can be large); report images done so far. With fewer jobs than workers, each
-    job may use the cores left over (`threads`)."""
+    results can be large); report images done so far. Cores that no job keeps busy (fewer
+    jobs than workers, or the last jobs of a run) are lent to the jobs running (`threads`)."""
     counter = multiprocessing.Value("q", 0)
     processes = max(1, min(workers, len(jobs)))
-    threads = -(-workers // processes)
     if processes == 1:
-        init_worker(counter, threads=threads)
+        init_worker(counter, workers=workers)
         try:
             for job in jobs:
                 on_done(fn(job))
@@ -144,16 +162,16 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
         finally:
             init_worker(None)
         return
-    stop = multiprocessing.RawValue("b", 0)
+    stop, busy = multiprocessing.RawValue("b", 0), multiprocessing.Value("i", 0)
     with ProcessPoolExecutor(max_workers=processes, initializer=_init_pool_worker,
-                             initargs=(counter, stop, threads)) as pool:
+                             initargs=(counter, stop, workers, busy)) as pool:
         queued = iter(jobs)
         running: deque[Future[R]] = deque()
         try:
             while True:
                 while len(running) < 2 * workers and (job := next(queued, None)) is not None:
                     with _sigint_held():
-                        running.append(pool.submit(fn, job))
+                        running.append(pool.submit(_as_running, fn, job))
                 if not running:
                     return
                 wait(running, timeout=0.2, return_when=FIRST_EXCEPTION)

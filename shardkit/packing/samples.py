@@ -223,30 +223,61 @@ def job_samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None 
     tick(pending)
 
 
+def _one() -> int:
+    return 1
+
+
+class _Cores:
+    """A job's hold on the cores it may keep busy, `allowed()` of them: a thread takes one
+    for its CPU work, waiting while all are taken (`allowed()` rises as the run's other
+    jobs end, so it is asked again every 50 ms)."""
+
+    def __init__(self, allowed: Callable[[], int]):
+        self._allowed, self._busy, self._turn = allowed, 0, threading.Condition()
+
+    def __enter__(self) -> None:
+        with self._turn:
+            while self._busy >= self._allowed():
+                self._turn.wait(0.05)
+            self._busy += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._turn:
+            self._busy -= 1
+            self._turn.notify()
+
+
 def _made(job: Job) -> Iterator[tuple[Item, Callable[[], Sample]]]:
     """Each item with a call that gives its sample or raises its error, in order. An image
     folder's files are worked on several at a time where that pays: re-encoded or
-    decode-checked on the cores a small pack leaves idle (`executors.threads()`; PIL and
-    libjpeg-turbo let go of the GIL), read from a bucket REMOTE_READS at a time (its
-    first-byte latency hidden) and AHEAD_BYTES ahead at most, decoded there still on no more
-    threads than those cores (a camera photo decodes to tens of MB). The same samples, in
-    the same order, sooner."""
+    decode-checked on as many cores as the run lends this job now (`executors.threads()`:
+    more than one once other jobs are done; PIL and libjpeg-turbo let go of the GIL), read
+    from a bucket REMOTE_READS at a time (its first-byte latency hidden) and AHEAD_BYTES
+    ahead at most, decoded there still on no more threads than those cores (a camera photo
+    decodes to tens of MB). The same samples, in the same order, sooner."""
     opts = job.options
-    cores = executors.threads() if (opts.resize or opts.quality or opts.decode_check) else 1
-    threads = cores if storage.is_local(job.src) else max(cores, REMOTE_READS)
-    if threads <= 1 or job.source != "folder":
+    heavy = bool(opts.resize or opts.quality or opts.decode_check)
+    cores = executors.threads if heavy else _one
+    remote = not storage.is_local(job.src)
+    most = executors.most_threads() if heavy else 1
+    if job.source != "folder" or (most <= 1 and not remote):
         for item in job.items:
             yield item, functools.partial(_sample, job, item)
         return
-    limit = threading.BoundedSemaphore(cores) if threads > cores else _UNLIMITED
-    pool, stop = ThreadPoolExecutor(threads, thread_name_prefix="shardkit-pack"), threading.Event()
+
+    def width() -> int:  # items to keep under way
+        return max(cores(), REMOTE_READS) if remote else cores()
+
+    limit = _Cores(cores)
+    pool = ThreadPoolExecutor(max(most, REMOTE_READS) if remote else most, thread_name_prefix="shardkit-pack")
+    stop = threading.Event()
     ahead: deque[tuple[Item, Future[Sample]]] = deque()
     held = 0  # bytes of the source files in `ahead`
     try:
         for item in job.items:
             ahead.append((item, pool.submit(executors.working_for, stop, _sample, job, item, limit)))
             held += item.size
-            while len(ahead) >= 2 * threads or held >= AHEAD_BYTES:
+            while len(ahead) >= 2 * width() or held >= AHEAD_BYTES:
                 done, future = ahead.popleft()
                 held -= done.size
                 yield done, future.result
