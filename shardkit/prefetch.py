@@ -126,14 +126,13 @@ class Prefetcher(Generic[R, D]):
         start = time.perf_counter()
         try:
             data = self._fetch(req, out.set_result) if self._streaming else self._fetch(req)
-            if not out.done():
-                out.set_result(data)
+            settle = functools.partial(out.set_result, data)
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            if not out.done():
-                out.set_exception(e)
-        finally:
-            self._latencies.put(time.perf_counter() - start)
-            done.set()
+            settle = functools.partial(out.set_exception, e)
+        self._latencies.put(time.perf_counter() - start)  # known before the consumer adapts to the result
+        if not out.done():
+            settle()
+        done.set()
 
     def __iter__(self) -> Iterator[tuple[R, D]]:
         if self.depth == 0:

@@ -429,11 +429,13 @@ def test_one_shard_of_heavy_work_keeps_every_worker_busy(photos: Path, tmp_path:
     (photos / "circle" / "img_0003.jpg").write_bytes(whole[:300])
     (photos / "square" / "text.jpg").write_text("not an image")
     seen: set[int] = set()
+    wanted, deadline = [1], [0.0]
 
     def watched(fn: Callable) -> Callable:  # the threads that do the work
         def call(*args: object, **kwargs: object) -> object:
             seen.add(threading.get_ident())
-            time.sleep(0.01)  # long enough for the pool's other threads to take images meanwhile
+            while len(seen) < wanted[0] and time.monotonic() < deadline[0]:  # the pool's other threads
+                time.sleep(0.005)  # take images meanwhile, however late they start
             return fn(*args, **kwargs)
         return call
 
@@ -442,6 +444,7 @@ def test_one_shard_of_heavy_work_keeps_every_worker_busy(photos: Path, tmp_path:
     one = shardkit.pack(str(photos), str(tmp_path / "one"), workers=1, progress=False, **options)
     assert len(seen) == 1
     seen.clear()
+    wanted[0], deadline[0] = 3, time.monotonic() + 10
     three = shardkit.pack(str(photos), str(tmp_path / "three"), workers=3, progress=False, **options)
     assert len(three.shards) == 1 and len(seen) == 3
     assert tree_bytes(tmp_path / "one") == tree_bytes(tmp_path / "three")
@@ -473,7 +476,7 @@ def test_the_last_job_of_a_pack_gets_the_cores_the_others_leave(photos: Path, tm
     def watched(data: bytes, *args: object) -> bytes:
         with lock, open(log, "a") as f:
             now[0] += 1
-            f.write(f"{os.getpid()} {now[0]}\n")
+            f.write(f"{now[0]}\n")
         try:
             time.sleep(0.2 if data in last else 0.01)
             return reencode(data, *args)
@@ -484,8 +487,7 @@ def test_the_last_job_of_a_pack_gets_the_cores_the_others_leave(photos: Path, tm
     monkeypatch.setattr(images, "reencode", watched)  # pool workers are forked from here
     two = shardkit.pack(str(photos), str(tmp_path / "two"), max_count=10, workers=2, resize=32, progress=False)
     assert tree_bytes(tmp_path / "one") == tree_bytes(tmp_path / "two") and len(two.shards) == 3
-    at_once = [int(line.split()[1]) for line in log.read_text().splitlines()]
-    assert len({line.split()[0] for line in log.read_text().splitlines()}) == 2 and max(at_once) == 2
+    assert max(int(line) for line in log.read_text().splitlines()) == 2  # (1 before: a core a process)
 
 
 def test_pack_takes_paths(photos: Path, tmp_path: Path) -> None:
@@ -592,7 +594,7 @@ def test_changed_options_replace_a_dataset_only_with_overwrite(photos: Path, tmp
 
 
 def test_kill_at_any_moment_then_rerun(tmp_path: Path) -> None:
-    src = make_folder(tmp_path / "src", per_class=80)
+    src = make_folder(tmp_path / "src", per_class=120)  # 90 shards: the last kill still lands mid-run under load
     reference = tmp_path / "ref"
     shardkit.pack(str(src), str(reference), max_count=4, workers=1, progress=False)
     out = tmp_path / "out"
@@ -655,7 +657,7 @@ def test_a_failed_job_ends_the_jobs_in_flight() -> None:
     start = time.monotonic()
     with pytest.raises(SourceError, match="job 0 failed"):
         executors.local(2)(_job_that_fails_or_waits, list(range(6)), lambda r: None, lambda n: None)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30  # (a pool's start included; the jobs in flight would never end)
 
 
 _INTERRUPTED_POOL = """

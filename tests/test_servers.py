@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 import aiohttp
 import botocore.exceptions
@@ -91,6 +92,14 @@ def proxied_s3(s3: dict, latency_proxy, **opts):
     return fs, root, control
 
 
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    """Poll `condition()` until it holds: a proxy in its own process gets to it when it runs."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.02)
+
+
 def timed_ranged_get(fs, path: str) -> float:
     t = time.perf_counter()
     assert len(fs.cat_file(path, start=0, end=1024)) == 1024
@@ -131,7 +140,7 @@ def test_latency_proxy_throttles_as_the_store_would(store: str, request: pytest.
     server = remote["storage_options"].get("endpoint_url") or remote["storage_options"]["client_kwargs"]["endpoint_url"]
     url, control = latency_proxy(server, throttle_status=503 if store == "s3" else 429)
     port = int(url.rsplit(":", 1)[1])
-    control.storm(0.5, 1.0)
+    control.storm(3, 1.0)  # long enough for the two requests below on a loaded machine
     for method, expect in (("GET", b"SlowDown" if store == "s3" else b"rateLimitExceeded"), ("HEAD", b"")):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
             s.sendall(f"{method} /{root}/a.bin HTTP/1.1\r\nHost: x\r\n\r\n".encode())
@@ -140,8 +149,7 @@ def test_latency_proxy_throttles_as_the_store_would(store: str, request: pytest.
         assert head.startswith(b"HTTP/1.1 503 " if store == "s3" else b"HTTP/1.1 429 ")
         assert (expect in body) if expect else body == b""
     assert control.stats()["throttled"] == 2
-    time.sleep(0.6)  # the storm is over
-    assert control.stats()["throttle_prob"] == 0
+    wait_for(lambda: control.stats()["throttle_prob"] == 0, "the storm is over")
     opts = copy.deepcopy(remote["storage_options"])
     if store == "s3":
         opts["client_kwargs"]["endpoint_url"] = url
@@ -154,14 +162,17 @@ def test_latency_proxy_throttles_as_the_store_would(store: str, request: pytest.
 def test_latency_proxy_stall_and_reset_all(s3_server: str, latency_proxy) -> None:
     url, control = latency_proxy(s3_server, stall_prob=1)
     port = int(url.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=0.3) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(b"GET /moto-api/ HTTP/1.1\r\nHost: x\r\n\r\n")
+        wait_for(lambda: control.stats()["stalls"] >= 1, "the answer stalled")  # moto answered, the proxy kept it
+        s.settimeout(0.3)
         with pytest.raises(socket.timeout):
             s.recv(1)  # black-holed
     assert control.stats()["stalls"] == 1
+    wait_for(lambda: control.stats()["active"] == 0, "the proxy saw the client hang up")
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(b"GET /moto-api/ HTTP/1.1\r\n")  # an unfinished request: the connection stays open
-        time.sleep(0.1)
+        wait_for(lambda: control.stats()["active"] == 1, "the proxy took the connection")
         control.reset_all()
         with pytest.raises(ConnectionResetError):
             s.recv(1)

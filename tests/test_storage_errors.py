@@ -303,14 +303,16 @@ def test_gcsfs_prints_no_traceback_of_its_own() -> None:
         "Error: gs://bkt/ds/index.json: no such thing here, 400"], done.stderr
 
 
-def test_a_client_option_with_a_typo_fails_at_once(s3: dict) -> None:
+def test_a_client_option_with_a_typo_fails_at_once(s3: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An option no retry can fix fails at its first attempt: no backoff before another."""
+    waits: list[None] = []
+    monkeypatch.setattr(storage.retry, "_before_wait", lambda: waits.append(None))  # called before each backoff
     opts = s3["storage_options"]
     typo = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint": "x"}}
-    start = time.monotonic()
     with pytest.raises(ShardkitError, match=r"^s3://shardkit-test/ds/index\.json: .*unexpected keyword argument "
                                             r"'endpoint'$"):
         StreamingDataset(s3["url"] + "/ds", storage_options=typo)
-    assert time.monotonic() - start < 2  # not 5 attempts with backoff
+    assert waits == []  # not 5 attempts with backoff (4 waits)
 
 
 class _IndexDown(_Ranges):
@@ -563,7 +565,7 @@ def test_a_dead_endpoint_fails_in_seconds_naming_the_url(photos: Path) -> None:
         assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
-def test_reads_stop_retrying_once_the_reader_is_closed() -> None:
+def test_reads_stop_retrying_once_the_reader_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A `break` out of the loop closes the reader: read-ahead still retrying a failing
     store gives up at its next attempt instead of going on at the store."""
     opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": dead_endpoint()}}
@@ -576,11 +578,19 @@ def test_reads_stop_retrying_once_the_reader_is_closed() -> None:
         except ShardkitError as e:
             failed.append(e)
 
+    backing_off, closed = threading.Event(), threading.Event()
+
+    def first_wait() -> None:  # the first attempt has failed: it backs off until the reader is closed
+        backing_off.set()
+        closed.wait(30)
+
+    monkeypatch.setattr(storage.retry, "_before_wait", first_wait)  # called before each backoff
     thread = threading.Thread(target=read)
     thread.start()
-    time.sleep(0.05)  # the first attempt has failed: backing off
+    assert backing_off.wait(30)
     reader.close()
-    thread.join(10)
+    closed.set()
+    thread.join(30)
     assert [str(e) for e in failed] == ["read after the reader was closed"]
 
 
