@@ -26,8 +26,8 @@ Runner = Callable[[Callable[[J], R], Sequence[J], Callable[[R], None], Callable[
 
 _counter: Any = None  # multiprocessing.Value shared with pool workers, for the progress bar
 _stop: Any = None  # a shared flag, raised by the pack process when it gives up
-_workers = 1  # the run's workers: the cores its jobs may keep busy together (see `threads`)
-_running: Any = None  # multiprocessing.Value: the run's jobs running now (None: one at a time)
+_workers, _processes = 1, 1  # the run's workers (the cores its jobs share) and its pool's processes
+_load: Any = None  # multiprocessing.Array: [the run's jobs running now, those not started yet] (None: inline)
 _job = threading.local()  # .stop: the stop event of the job a pool thread works for
 
 
@@ -35,18 +35,22 @@ class Stopped(Exception):
     """A job ended early: the pack was given up (Ctrl-C, or another job failed)."""
 
 
-def init_worker(counter: Any, stop: Any = None, workers: int = 1, running: Any = None) -> None:
-    global _counter, _stop, _workers, _running
-    _counter, _stop, _workers, _running = counter, stop, workers, running
+def init_worker(counter: Any, stop: Any = None, workers: int = 1, processes: int = 1, load: Any = None) -> None:
+    global _counter, _stop, _workers, _processes, _load
+    _counter, _stop, _workers, _processes, _load = counter, stop, workers, processes, load
     storage.stop_when(stop_point)  # retries give up with the pack
 
 
 def threads() -> int:
     """Threads a job in this process may keep busy with its images now: the run's workers
-    shared among its jobs running, so that the cores a small pack (one shard) or the last
-    jobs of a pack would leave idle are lent to the jobs still running."""
-    running = _running.value if _running is not None else 1
-    return -(-_workers // max(1, running))
+    shared among its processes while jobs wait to start, then among the jobs still running,
+    so that the cores a small pack (one shard) or the last jobs of a pack would leave idle
+    are lent to the jobs still going."""
+    if _load is None:
+        return _workers
+    with _load.get_lock():
+        running, waiting = _load[0], _load[1]
+    return -(-_workers // (_processes if waiting else max(1, running)))
 
 
 def most_threads() -> int:
@@ -56,22 +60,23 @@ def most_threads() -> int:
 
 def _as_running(fn: Callable[[J], R], job: J) -> R:
     """`fn(job)` on a pool worker, counted among the run's jobs running (see `threads`)."""
-    with _running.get_lock():
-        _running.value += 1
+    with _load.get_lock():
+        _load[0] += 1
+        _load[1] -= 1
     try:
         return fn(job)
     finally:
-        with _running.get_lock():
-            _running.value -= 1
+        with _load.get_lock():
+            _load[0] -= 1
 
 
-def _init_pool_worker(counter: Any, stop: Any, workers: int, running: Any) -> None:
+def _init_pool_worker(counter: Any, stop: Any, workers: int, processes: int, load: Any) -> None:
     """A pool worker leaves Ctrl-C to the pack process, which raises `stop` instead: the
     terminal sends SIGINT to the whole process group, and a worker interrupted (or killed)
     while it sends a result leaves half a message in the pool's pipe, on which the pool's
     shutdown waits forever. It starts with SIGINT held (`_sigint_held`): one that came
     since is dropped here."""
-    init_worker(counter, stop, workers, running)
+    init_worker(counter, stop, workers, processes, load)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent()
@@ -162,9 +167,9 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
         finally:
             init_worker(None)
         return
-    stop, busy = multiprocessing.RawValue("b", 0), multiprocessing.Value("i", 0)
+    stop, load = multiprocessing.RawValue("b", 0), multiprocessing.Array("i", [0, len(jobs)])
     with ProcessPoolExecutor(max_workers=processes, initializer=_init_pool_worker,
-                             initargs=(counter, stop, workers, busy)) as pool:
+                             initargs=(counter, stop, workers, processes, load)) as pool:
         queued = iter(jobs)
         running: deque[Future[R]] = deque()
         try:

@@ -260,10 +260,14 @@ def _made(job: Job) -> Iterator[tuple[Item, Callable[[], Sample]]]:
     cores = executors.threads if heavy else _one
     remote = not storage.is_local(job.src)
     most = executors.most_threads() if heavy else 1
-    if job.source != "folder" or (most <= 1 and not remote):
-        for item in job.items:
-            yield item, functools.partial(_sample, job, item)
-        return
+    first = 0  # the first item for threads
+    if job.source != "folder" or not remote:  # one at a time, no threads, until cores are lent (on
+        lendable = job.source == "folder" and most > 1  # one core, their hand-offs cost 6%)
+        while first < len(job.items) and not (lendable and cores() > 1):
+            yield job.items[first], functools.partial(_sample, job, job.items[first])
+            first += 1
+        if first == len(job.items):
+            return
 
     def width() -> int:  # items to keep under way
         return max(cores(), REMOTE_READS) if remote else cores()
@@ -274,7 +278,7 @@ def _made(job: Job) -> Iterator[tuple[Item, Callable[[], Sample]]]:
     ahead: deque[tuple[Item, Future[Sample]]] = deque()
     held = 0  # bytes of the source files in `ahead`
     try:
-        for item in job.items:
+        for item in job.items[first:]:
             ahead.append((item, pool.submit(executors.working_for, stop, _sample, job, item, limit)))
             held += item.size
             while len(ahead) >= 2 * width() or held >= AHEAD_BYTES:
