@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -21,9 +21,9 @@ from .storage import StorageOptions
 
 class _Hashing:
     """A read-only file wrapper that hashes and counts every byte read through it (and
-    writes it to `copy_to`, if given)."""
+    hands it to `copy_to`, if given)."""
 
-    def __init__(self, f: BinaryIO, copy_to: BinaryIO | None = None):
+    def __init__(self, f: BinaryIO, copy_to: Callable[[bytes], object] | None = None):
         self._f, self._copy_to = f, copy_to
         self.sha = hashlib.sha256()
         self.count = 0
@@ -33,7 +33,7 @@ class _Hashing:
         self.sha.update(data)
         self.count += len(data)
         if self._copy_to is not None:
-            self._copy_to.write(data)
+            self._copy_to(data)
         return data
 
     def drain(self) -> None:
@@ -48,9 +48,9 @@ class ShardScan:
 
 
 def scan_shard(url: str, storage_options: StorageOptions | None = None,
-               copy_to: BinaryIO | None = None) -> ShardScan:
+               copy_to: Callable[[bytes], object] | None = None) -> ShardScan:
     """Read a whole shard: sample count, offsets, fields, size and sha256 (its bytes
-    written to `copy_to` too, if given). A gzip-compressed one (told by its first bytes) is
+    handed to `copy_to` too, if given). A gzip-compressed one (told by its first bytes) is
     inflated as it is read, to its end: its CRC checked."""
     with storage.open_read(url, storage_options) as f:
         h = _Hashing(f, copy_to)
@@ -67,8 +67,8 @@ def scan_shard(url: str, storage_options: StorageOptions | None = None,
 
 
 def shard_digest(url: str, storage_options: StorageOptions | None = None,
-                 copy_to: BinaryIO | None = None) -> tuple[int, str]:
-    """A whole shard's size and sha256, without parsing it (its bytes written to `copy_to`
+                 copy_to: Callable[[bytes], object] | None = None) -> tuple[int, str]:
+    """A whole shard's size and sha256, without parsing it (its bytes handed to `copy_to`
     too, if given)."""
     with storage.open_read(url, storage_options) as f:
         h = _Hashing(f, copy_to)
@@ -265,9 +265,9 @@ def _remove_others(folder: str, keep: str) -> None:
 
 
 def shard_problem(url: str, info: ShardInfo, storage_options: StorageOptions | None = None,
-                  parse: bool = True, copy_to: BinaryIO | None = None) -> str | None:
+                  parse: bool = True, copy_to: Callable[[bytes], object] | None = None) -> str | None:
     """How the shard at `url` differs from `info`, its entry in the index (None: it does
-    not): size, sha256, sample count, sample offsets. Reads it whole (writing its bytes to
+    not): size, sha256, sample count, sample offsets. Reads it whole (handing its bytes to
     `copy_to`, if given); a shard that cannot be read or parsed raises (FileNotFoundError,
     CorruptShardError naming it, ...). With `parse=False`, a shard the index has a sha256
     for is only hashed: the same bytes as when it was indexed (a third faster than parsing

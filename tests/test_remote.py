@@ -440,6 +440,42 @@ def test_a_conversion_from_a_bucket_downloads_each_shard_once(s3: dict, photos: 
     assert samples._copy is None  # let go after the last shard's last sample
 
 
+def test_a_conversion_from_a_bucket_needs_room_for_its_copies(s3: dict, photos: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A temporary folder that cannot hold a source shard's copy (here: files may not grow
+    past 10 KB) stops the pack with one line naming it, not a skip of the shard's samples nor
+    the bucket blamed; a resumed pack whose last job leaves the next one's shard half read
+    keeps no copy open after it."""
+    import resource
+    import signal
+
+    from shardkit import storage
+    from shardkit.errors import ShardkitError
+    from shardkit.packing import samples
+    from shardkit.packing.plan import JobList, make_plan
+
+    opts = s3["storage_options"]
+    src = tmp_path / "src"
+    shardkit.pack(str(photos), str(src), max_count=7, workers=1, progress=False)
+    for shard in src.iterdir():
+        storage.write_bytes_atomic(f"{s3['url']}/ds/{shard.name}", shard.read_bytes(), opts)
+    limit, quiet = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (10 << 10, limit[1]))
+    try:
+        with pytest.raises(ShardkitError, match=r"^/\S+: cannot hold a copy of s3://\S+/ds/shard-000000\.tar "
+                                                r"\(File too large\); set TMPDIR"):
+            shardkit.pack(s3["url"] + "/ds", str(tmp_path / "out"), max_count=3, workers=1, progress=False,
+                          storage_options=opts)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, quiet)
+    assert not (tmp_path / "out" / "index.json").exists()
+    plan = make_plan(s3["url"] + "/ds", "unused", max_count=3, storage_options=opts)  # jobs 0-1 in shard 0
+    assert plan.job(0, then=1).source_goes_on and not JobList(plan, [0])[0].source_goes_on
+    list(samples.job_samples(JobList(plan, [0])[0]))  # the last job of a resumed run
+    assert samples._copy is None
+
+
 @pytest.mark.parametrize("protocol", ["s3", "gs"])
 def test_forbidden_fails_at_once_naming_the_url(forbidding: tuple[str, list[str]], protocol: str) -> None:
     """Credentials without access (HTTP 403) are not a transient error: one request, then a

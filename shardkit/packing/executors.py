@@ -27,7 +27,7 @@ Runner = Callable[[Callable[[J], R], Sequence[J], Callable[[R], None], Callable[
 _counter: Any = None  # multiprocessing.Value shared with pool workers, for the progress bar
 _stop: Any = None  # a shared flag, raised by the pack process when it gives up
 _workers, _processes = 1, 1  # the run's workers (the cores its jobs share) and its pool's processes
-_load: Any = None  # multiprocessing.Array: [the run's jobs running now, those not started yet] (None: inline)
+_load: Any = None  # multiprocessing.Array: [the run's jobs running now, those not started yet] (None: inline, Ray)
 _job = threading.local()  # .stop: the stop event of the job a pool thread works for
 
 

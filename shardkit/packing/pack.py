@@ -76,8 +76,9 @@ def pack(
         format: ``"tar"`` (WebDataset shards) or ``"lmdb"``.
         max_count: the most samples a shard holds.
         max_size: the most bytes a shard holds (``"256MB"`` or an int; None: no limit).
-        workers: processes that write shards (default: the CPU count); with fewer shards than
-            workers, a shard's re-encoding or decode check runs on the spare cores too.
+        workers: processes that write shards (default: the CPU count); the cores no shard
+            keeps busy (fewer shards than workers, or a pack's last shards) take on the
+            re-encoding or decode check of the shards still going.
         shuffle: shuffle the samples across shards (with `seed`) rather than keep sorted order.
         seed: the shuffle's seed.
         on_error: ``"skip"`` leaves an unusable file out and lists it; ``"fail"`` stops the pack.

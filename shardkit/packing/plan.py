@@ -96,7 +96,9 @@ class Plan:
             out.append(item)
         return tuple(out)
 
-    def job(self, i: int) -> Job:
+    def job(self, i: int, then: int | None = None) -> Job:
+        """Job i; `then`: the job run after it (None: none), to tell whether that one goes on
+        in the source shard this one ends in."""
         fp = self.fingerprints[i] if self.fingerprints else ""
         items = self.items(i)
         shards: tuple[ShardInfo, ...] = ()
@@ -105,8 +107,8 @@ class Plan:
             names = dict.fromkeys(_shard_of(it) for it in items)
             shards = tuple(replace(s, offsets=None) if s.sha256 else s  # a hash checks them
                            for s in map(self._shard.__getitem__, names))
-            if items and i + 1 < len(self.bounds) and self.size(i + 1):
-                goes_on = _shard_of(self.listing.item(int(self.order[self.bounds[i + 1][0]]))) == _shard_of(items[-1])
+            if items and then == i + 1 and self.size(then):
+                goes_on = _shard_of(self.listing.item(int(self.order[self.bounds[then][0]]))) == _shard_of(items[-1])
         return Job(self.names[i], self.src, self.dest, items, self.classes, self.options, fp,
                    self.storage_options, self.source, shards, self.run, self.meta, goes_on)
 
@@ -119,7 +121,7 @@ class Plan:
 
 
 class JobList(Sequence[Job]):
-    """Jobs of a plan, built one at a time as they are taken."""
+    """Jobs of a plan to run, in order, built one at a time as they are taken."""
 
     def __init__(self, plan: Plan, indices: Sequence[int]):
         self._plan, self._indices = plan, list(indices)
@@ -136,7 +138,8 @@ class JobList(Sequence[Job]):
     def __getitem__(self, i: int | slice) -> Job | Sequence[Job]:
         if isinstance(i, slice):
             return JobList(self._plan, self._indices[i])
-        return self._plan.job(self._indices[i])
+        i = range(len(self._indices))[i]
+        return self._plan.job(self._indices[i], self._indices[i + 1] if i + 1 < len(self._indices) else None)
 
 
 def _shard_of(item: Item) -> str:

@@ -95,13 +95,14 @@ def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
 _source_shards: dict[str, str | None] = {}  # this process's checks in one run: url -> problem
 _source_run = ""
 _copy: tuple[str, BinaryIO] | None = None  # (url, temporary file) of the remote source shard read now
-_inflating: dict[str, gzip.Ranges] = {}  # the compressed source shard read now, by url
+_inflating: tuple[str, gzip.Ranges] | None = None  # (url, its stream) of the compressed source shard read now
 
 
 def _source_range(job: Job, shard: str, start: int, stop: int) -> bytes:
     """Bytes [start, stop) of a source shard (its checked copy where it is remote); of the
     tar inside a compressed one, inflated from where its stream is (a job reads its samples
     in order: one pass a job at most)."""
+    global _inflating
     url, info = storage.join(job.src, shard), next(info for info in job.shards if info.name == shard)
     if _copy is not None and _copy[0] == url:
         fd = _copy[1].fileno()
@@ -116,21 +117,19 @@ def _source_range(job: Job, shard: str, start: int, stop: int) -> bytes:
         data = fetch(start, stop - start)
         if len(data) != stop - start:
             raise CorruptShardError(f"{storage.display(url)}: {len(data)} bytes at offset {start}, expected {stop - start}")
-    elif stop - start > gzip.MAX_MEMBER:
+        return data
+    if stop - start > gzip.MAX_MEMBER:
         raise CorruptShardError(f"{storage.display(url)} (sample at byte {start}): inflates to {stop - start} bytes, "
                                 f"over {gzip.MAX_MEMBER} (a decompression bomb?)")
-    else:
-        if url not in _inflating:
-            _inflating.clear()
-            _inflating[url] = gzip.Ranges(fetch, storage.display(url), keep=0)
-        data = _inflating[url].read(start, stop)
-    return data
+    if _inflating is None or _inflating[0] != url:
+        _inflating = (url, gzip.Ranges(fetch, storage.display(url), keep=0))
+    return _inflating[1].read(start, stop)
 
 
 def _let_go() -> None:
     """Close this process's copy of a remote source shard and its inflated stream."""
-    global _copy
-    _inflating.clear()
+    global _copy, _inflating
+    _inflating = None
     if _copy is not None:
         _copy[1].close()
         _copy = None
@@ -150,16 +149,15 @@ def _check_source_shard(job: Job, shard: str) -> None:
         _let_go()
         _source_run = job.run
     url = storage.join(job.src, shard)
-    remote = not storage.is_local(url)
-    copied = _copy is not None and _copy[0] == url
-    if url in _source_shards and (_source_shards[url] or copied or not remote):  # checked (a copy let go: again)
+    if url in _source_shards:
         if _source_shards[url]:
             raise CorruptShardError(str(_source_shards[url]))
-        return
+        if storage.is_local(url) or (_copy is not None and _copy[0] == url):
+            return  # checked, and at hand (a remote one's copy let go: downloaded again)
     _let_go()
-    copy = tempfile.TemporaryFile(prefix="shardkit-source-") if remote else None
+    copy = None if storage.is_local(url) else _temporary_file(url)
     try:
-        problem = _source_problem(job, shard, copy)
+        problem = _source_problem(job, shard, None if copy is None else functools.partial(_copied, copy, url))
     except BaseException:
         if copy is not None:
             copy.close()
@@ -174,9 +172,32 @@ def _check_source_shard(job: Job, shard: str) -> None:
         raise CorruptShardError(str(_source_shards[url]))
 
 
-def _source_problem(job: Job, shard: str, copy_to: BinaryIO | None) -> str | None:
-    """How a source shard differs from its index entry (None: it does not), read whole (into
-    `copy_to`, if given); SourceError if it cannot be read."""
+def _temporary_file(url: str) -> BinaryIO:
+    try:
+        return tempfile.TemporaryFile(prefix="shardkit-source-")
+    except OSError as e:
+        raise _no_room(url, e) from None
+
+
+def _copied(copy: BinaryIO, url: str, data: bytes) -> None:
+    """Write a piece of a remote source shard into its copy as it comes (or end there, the
+    pack given up)."""
+    executors.stop_point()
+    try:
+        copy.write(data)
+    except OSError as e:
+        raise _no_room(url, e) from None
+
+
+def _no_room(url: str, e: OSError) -> ShardkitError:
+    """Not the source's fault: a local disk that cannot hold its copy stops the pack."""
+    return ShardkitError(f"{tempfile.gettempdir()}: cannot hold a copy of {storage.display(url)} "
+                         f"({e.strerror or e}); set TMPDIR to a folder with room for a source shard")
+
+
+def _source_problem(job: Job, shard: str, copy_to: Callable[[bytes], None] | None) -> str | None:
+    """How a source shard differs from its index entry (None: it does not), read whole (and
+    handed to `copy_to`, if given); SourceError if it cannot be read."""
     url = storage.join(job.src, shard)
     info = next(info for info in job.shards if info.name == shard)
     where = storage.display(url)
@@ -255,25 +276,29 @@ def _made(job: Job) -> Iterator[tuple[Item, Callable[[], Sample]]]:
     from a bucket REMOTE_READS at a time (its first-byte latency hidden) and AHEAD_BYTES
     ahead at most, decoded there still on no more threads than those cores (a camera photo
     decodes to tens of MB). The same samples, in the same order, sooner."""
+    if job.source != "folder":  # a converted shard is read front to back, one sample at a time
+        for item in job.items:
+            yield item, functools.partial(_sample, job, item)
+        return
     opts = job.options
     heavy = bool(opts.resize or opts.quality or opts.decode_check)
     cores = executors.threads if heavy else _one
-    remote = not storage.is_local(job.src)
-    most = executors.most_threads() if heavy else 1
     first = 0  # the first item for threads
-    if job.source != "folder" or not remote:  # one at a time, no threads, until cores are lent (on
-        lendable = job.source == "folder" and most > 1  # one core, their hand-offs cost 6%)
+    if storage.is_local(job.src):  # one at a time, no threads, until cores are lent (on one
+        lendable = heavy and executors.most_threads() > 1  # core their hand-offs cost 6%)
         while first < len(job.items) and not (lendable and cores() > 1):
             yield job.items[first], functools.partial(_sample, job, job.items[first])
             first += 1
         if first == len(job.items):
             return
+        threads, width = executors.most_threads(), cores  # width: items to keep under way
+    else:
+        threads = max(cores(), REMOTE_READS)  # reads at once, and at most the cores' work
 
-    def width() -> int:  # items to keep under way
-        return max(cores(), REMOTE_READS) if remote else cores()
-
+        def width() -> int:
+            return threads
     limit = _Cores(cores)
-    pool = ThreadPoolExecutor(max(most, REMOTE_READS) if remote else most, thread_name_prefix="shardkit-pack")
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="shardkit-pack")
     stop = threading.Event()
     ahead: deque[tuple[Item, Future[Sample]]] = deque()
     held = 0  # bytes of the source files in `ahead`
