@@ -8,7 +8,10 @@ With --resize N it also packs with `--resize N --quality 90` (JPEGs decoded by t
 docs/decoding.md) and, as the baseline, the same pack decoding every image with PIL (the fast
 path switched off in that process): the same bytes come out, the time differs.
 
-    python scripts/bench_pack.py --images 20000 --rounds 5 [--resize 256]
+    python scripts/bench_pack.py --images 20000 --rounds 5 [--resize 256] [--max-count 667]
+
+--max-count cuts shardkit's shards by count (2,000 images into 3 shards on 2 workers: the
+third one's work runs on the cores the first two leave, docs/decoding.md).
 """
 
 from __future__ import annotations
@@ -42,13 +45,15 @@ PIL_RESIZE = """
 import sys, shardkit, shardkit.jpeg
 shardkit.jpeg.decode = lambda data, at_least=None: None  # every image to PIL (workers fork with it)
 shardkit.pack(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]), max_size="256MB", resize=int(sys.argv[4]),
-              quality=90, progress=False)
+              quality=90, progress=False, max_count=int(sys.argv[5]) if len(sys.argv) > 5 else None)
 """
 
 
-def contestants(src: Path, out: Path, workers: int, resize: int | None) -> dict[str, list[str] | str]:
+def contestants(src: Path, out: Path, workers: int, resize: int | None,
+                max_count: int | None) -> dict[str, list[str] | str]:
+    count = ["--max-count", str(max_count)] if max_count else []
     shardkit = [sys.executable, "-m", "shardkit.cli", "pack", str(src), str(out), "--workers", str(workers),
-                "--max-size", "256MB", "-q"]
+                "--max-size", "256MB", *count, "-q"]
     found: dict[str, list[str] | str] = {
         "tar (limit)": f"tar cf - -C {src} . | cat > /dev/null",
         f"shardkit ({workers} workers)": shardkit,
@@ -57,7 +62,7 @@ def contestants(src: Path, out: Path, workers: int, resize: int | None) -> dict[
     if resize:
         found[f"shardkit --resize {resize} ({workers} workers)"] = [*shardkit, "--resize", str(resize), "--quality", "90"]
         found[f"shardkit --resize {resize}, PIL decoding"] = [sys.executable, "-c", PIL_RESIZE, str(src), str(out),
-                                                              str(workers), str(resize)]
+                                                              str(workers), str(resize), *count[1:]]
     return found
 
 
@@ -82,6 +87,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/shardkit-bench", help="where the image folder and outputs go")
     ap.add_argument("--resize", type=int, help="also pack with --resize N, by the fast path and by PIL")
+    ap.add_argument("--max-count", type=int, help="shardkit's shards: at most this many images each")
     args = ap.parse_args()
 
     root = Path(args.dir)
@@ -94,7 +100,7 @@ def main() -> None:
 
     times: dict[str, list[float]] = {}
     for _ in range(args.rounds):
-        for name, cmd in contestants(src, out, args.workers, args.resize).items():
+        for name, cmd in contestants(src, out, args.workers, args.resize, args.max_count).items():
             shutil.rmtree(out, ignore_errors=True)
             settle(src)
             times.setdefault(name, []).append(run(cmd))
