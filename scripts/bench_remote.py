@@ -133,16 +133,16 @@ def pack_run(args: argparse.Namespace, photos: Path, shards: Path) -> None:
         fs.put(str(photos), f"{BUCKET}/raw", recursive=True)
         fs.put(str(shards), f"{BUCKET}/ds", recursive=True)
         dest = Path(args.dir) / "packed-from-s3"
-        ways = {"image folder": (f"s3://{BUCKET}/raw", "REMOTE_READS", ((REMOTE_READS, f"{REMOTE_READS} files at once"),
-                                                                         (1, "a file at a time (before)"))),
-                "dataset (conversion)": (f"s3://{BUCKET}/ds", "", ((0, "a download a shard"),))}
+        ways = {"image folder": (f"s3://{BUCKET}/raw", (({}, f"{REMOTE_READS} files at once"),
+                                                         ({"REMOTE_READS": 1}, "a file at a time (before)"))),
+                "dataset (conversion)": (f"s3://{BUCKET}/ds", (({}, "a download a shard"),))}
         runs: dict[tuple[str, str, str], tuple[str, dict | None, dict[str, int]]] = {
             ("image folder", "local disk", "-"): (str(photos), None, {}),
             ("dataset (conversion)", "local disk", "-"): (str(shards), None, {})}
-        for what, (url, setting, values) in ways.items():
+        for what, (url, variants) in ways.items():
             for where, endpoint_url in (("S3", endpoint), ("S3 +50 ms", purl)):
-                for value, label in values:
-                    runs[(what, where, label)] = (url, options(endpoint_url), {setting: value} if setting else {})
+                for settings, label in variants:
+                    runs[(what, where, label)] = (url, options(endpoint_url), settings)
         seconds: dict[tuple[str, str, str], list[float]] = {}
         fetched: dict[tuple[str, str, str], tuple[int, int]] = {}  # through the proxy: requests, bytes
         for r in range(args.rounds):

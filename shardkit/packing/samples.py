@@ -284,19 +284,16 @@ def _made(job: Job) -> Iterator[tuple[Item, Callable[[], Sample]]]:
     heavy = bool(opts.resize or opts.quality or opts.decode_check)
     cores = executors.threads if heavy else _one
     first = 0  # the first item for threads
-    if storage.is_local(job.src):  # one at a time, no threads, until cores are lent (on one
-        lendable = heavy and executors.most_threads() > 1  # core their hand-offs cost 6%)
+    local = storage.is_local(job.src)
+    if local:  # one at a time, no threads, until cores are lent (on one core their hand-offs cost 6%)
+        lendable = heavy and executors.most_threads() > 1
         while first < len(job.items) and not (lendable and cores() > 1):
             yield job.items[first], functools.partial(_sample, job, job.items[first])
             first += 1
         if first == len(job.items):
             return
-        threads, width = executors.most_threads(), cores  # width: items to keep under way
-    else:
-        threads = max(cores(), REMOTE_READS)  # reads at once, and at most the cores' work
-
-        def width() -> int:
-            return threads
+    # from a bucket: REMOTE_READS reads at once, the cores' work on as many of them as lent
+    threads = executors.most_threads() if local else max(cores(), REMOTE_READS)
     limit = _Cores(cores)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="shardkit-pack")
     stop = threading.Event()
@@ -306,7 +303,7 @@ def _made(job: Job) -> Iterator[tuple[Item, Callable[[], Sample]]]:
         for item in job.items[first:]:
             ahead.append((item, pool.submit(executors.working_for, stop, _sample, job, item, limit)))
             held += item.size
-            while len(ahead) >= 2 * width() or held >= AHEAD_BYTES:
+            while len(ahead) >= 2 * (cores() if local else threads) or held >= AHEAD_BYTES:
                 done, future = ahead.popleft()
                 held -= done.size
                 yield done, future.result
