@@ -8,7 +8,8 @@ per session, started on first use on a free 127.0.0.1 port and stopped at the en
         fs, path = fsspec.core.url_to_fs(remote["url"], **remote["storage_options"])
 
 Servers: moto (S3), gcp-storage-emulator (GCS), ``scripts/webhdfs_server.py`` (WebHDFS) and
-``scripts/latency_proxy.py`` (delay, RST and stall faults in front of any of them).
+``scripts/latency_proxy.py`` (delay, latency tail, per-connection bandwidth cap, RST, stall and
+throttling faults in front of any of them).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ BIN = Path(sys.executable).parent
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 BUCKET = "shardkit-test"
 READY_S = 30.0
-PROXY_OPTIONS = ("reset_prob", "reset_max_bytes", "stall_prob", "throttle_prob", "throttle_status", "seed")
+PROXY_OPTIONS = ("conn_mbps", "tail_prob", "tail_ms", "reset_prob", "reset_max_bytes", "stall_prob", "throttle_prob",
+                 "throttle_status", "seed")
 
 # Run a command so that the kernel SIGTERMs it when the test process dies (Linux): even a pytest
 # killed with SIGKILL leaves no server behind.
@@ -269,7 +271,8 @@ class ProxyControl:
         return answer
 
     def set(self, name: str, value: float) -> None:
-        """name: latency_ms, reset_prob, reset_max_bytes, stall_prob, throttle_prob or throttle_status."""
+        """name: latency_ms, conn_mbps, tail_prob, tail_ms, reset_prob, reset_max_bytes, stall_prob, throttle_prob
+        or throttle_status."""
         self._send(f"set {name} {value}")
 
     def storm(self, seconds: float, prob: float) -> None:
@@ -281,13 +284,14 @@ class ProxyControl:
         self._send("reset_all")
 
     def stats(self) -> dict:
-        """Counters (connections, active, resets, stalls, throttled, bytes, bytes_up) and current settings."""
+        """Counters (connections, active, resets, stalls, throttled, requests, responses, tailed, bytes, bytes_up)
+        and current settings."""
         return json.loads(self._send("stats"))
 
 
 @pytest.fixture(scope="session")
 def latency_proxy(_server_logs: Path) -> Iterator[Callable[..., tuple[str, ProxyControl]]]:
-    """A factory: start(upstream_url, latency_ms=0, reset_prob=, reset_max_bytes=, stall_prob=, seed=)
+    """A factory: start(upstream_url, latency_ms=0, conn_mbps=, tail_prob=, tail_ms=, reset_prob=, ..., seed=)
     -> (the same URL through a new proxy, its ProxyControl).  Every proxy stops at session end."""
     started: list[Server] = []
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import http.client
 import os
 import socket
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import botocore.exceptions
@@ -178,6 +180,85 @@ def test_latency_proxy_stall_and_reset_all(s3_server: str, latency_proxy) -> Non
             s.recv(1)
     with pytest.raises(ValueError, match="unknown"):
         control.set("bogus", 1)
+
+
+def public(s3: dict, data: bytes) -> str:
+    """The path of a new public-read object holding `data`, to GET without signing."""
+    direct, root = fsspec.core.url_to_fs(s3["url"], **s3["storage_options"])
+    direct.pipe(f"{root}/a.bin", data)
+    direct.chmod(f"{root}/a.bin", "public-read")
+    return f"/{root}/a.bin"
+
+
+def gets_through(url: str, path: str, times: int = 1, timeout: float = 60) -> list[float]:
+    """GET `path` `times` over one keep-alive connection to `url` (plain HTTP/1.1); each request's seconds,
+    to the end of its body."""
+    conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=timeout)
+    took = []
+    try:
+        for _ in range(times):
+            t = time.perf_counter()
+            conn.request("GET", path)
+            answer = conn.getresponse()
+            body = answer.read()
+            took.append(time.perf_counter() - t)
+            assert answer.status == 200 and body, (answer.status, body[:200])
+    finally:
+        conn.close()
+    return took
+
+
+def test_latency_proxy_caps_a_connection_both_ways(s3: dict, latency_proxy) -> None:
+    """conn_mbps is MB (10**6 bytes) a second each way; set at run time, it applies to the next bytes."""
+    direct, root = fsspec.core.url_to_fs(s3["url"], **s3["storage_options"])
+    data = os.urandom(4_000_000)
+    direct.pipe(f"{root}/a.bin", data)
+    fs, root, control = proxied_s3(s3, latency_proxy, conn_mbps=2)
+    t = time.perf_counter()
+    assert fs.cat_file(f"{root}/a.bin") == data
+    assert 1.8 <= time.perf_counter() - t < 20  # (4 MB - the 64 KiB burst) / 2 MB/s = 1.97 s
+    control.set("conn_mbps", 1)
+    t = time.perf_counter()
+    fs.pipe(f"{root}/b.bin", data[:1_000_000])
+    assert 0.85 <= time.perf_counter() - t < 10  # the upload too: (1 MB - 64 KiB) / 1 MB/s
+    stats = control.stats()
+    assert stats["conn_mbps"] == 1 and stats["bytes"] >= 4_000_000 and stats["bytes_up"] >= 1_000_000
+    assert direct.cat_file(f"{root}/b.bin") == data[:1_000_000]
+
+
+def test_latency_proxy_more_connections_more_throughput(s3: dict, latency_proxy) -> None:
+    """Each connection has a bucket of its own: 10 at once move 10x the bytes of one in the same time."""
+    path = public(s3, os.urandom(400_000))
+    url, control = latency_proxy(s3["storage_options"]["client_kwargs"]["endpoint_url"], conn_mbps=0.4)
+    t = time.perf_counter()
+    with ThreadPoolExecutor(10) as pool:
+        took = [s for each in pool.map(lambda _: gets_through(url, path), range(10)) for s in each]
+    elapsed = time.perf_counter() - t
+    assert min(took) >= 0.75  # each: (400 kB - 64 KiB) / 0.4 MB/s = 0.84 s
+    assert elapsed < 9  # ~1 s; one cap shared by all ten would take (4 MB - 64 KiB) / 0.4 MB/s = 9.8 s
+    stats = control.stats()
+    assert stats["connections"] == 10 and stats["responses"] == 10 and stats["bytes"] >= 4_000_000
+
+
+def test_latency_proxy_tail_holds_chosen_first_bytes(webhdfs: dict, webhdfs_server, latency_proxy) -> None:
+    """tail_prob of the responses (each request on a keep-alive connection is one: our WebHDFS server keeps
+    connections, moto's does not) wait tail_ms for their first byte; the seeded draws and the counters say which."""
+    path = "/webhdfs/v1/data?op=GETFILESTATUS"
+    url, control = latency_proxy(webhdfs_server.namenode, tail_prob=1.0, tail_ms=500, seed=1)
+    assert min(gets_through(url, path, times=3)) >= 0.49  # one connection, three requests
+    stats = control.stats()
+    assert (stats["connections"], stats["requests"], stats["responses"], stats["tailed"]) == (1, 3, 3, 3)
+    control.set("tail_prob", 0)
+    control.set("tail_ms", 30_000)
+    gets_through(url, path, times=5, timeout=20)  # a tail would time out
+    stats = control.stats()
+    assert (stats["requests"], stats["responses"], stats["tailed"]) == (8, 8, 3)
+    control.set("tail_prob", 0.5)
+    control.set("tail_ms", 100)
+    took = gets_through(url, path, times=20)
+    tailed = control.stats()["tailed"] - 3
+    assert 0 < tailed < 20 and sum(s >= 0.099 for s in took) >= tailed
+    assert control.stats()["responses"] == 28
 
 
 def test_webhdfs_through_proxies(webhdfs: dict, webhdfs_server, latency_proxy) -> None:
