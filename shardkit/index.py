@@ -39,6 +39,7 @@ PROGRESS_DIR = ".shardkit-progress"  # a tar pack's records of finished shards, 
 FORMAT = "shardkit"
 VERSION = 2
 READS = (1, 2)  # the versions this shardkit reads
+KINDS = ("tar", "lmdb")  # what an index's "kind" may name: formats.FORMATS (which sits above this module)
 _PER_SAMPLE = ("keys", "sizes")  # an LMDB index's per-sample lists, in `extra`
 _SHARD_KEYS = {"name", "samples", "bytes", "sha256", "offsets", "compression", "version"}
 
@@ -217,6 +218,10 @@ class Index:
                 f"{where}: index version {version!r}, this shardkit reads versions {READS[0]} to {READS[-1]}; "
                 "upgrade shardkit"
             )
+        kind = doc.get("kind", "tar")
+        if kind not in KINDS or type(kind) is not str:
+            raise CorruptShardError(f"{where}: kind {kind!r}, not a format this shardkit reads "
+                                    f"({' or '.join(map(repr, KINDS))})")
         known = {"format", "version", "kind", "samples", "bytes", "fields", "classes", "plan", "skipped", "shards",
                  "offsets"}
         try:
@@ -230,7 +235,7 @@ class Index:
                 s["offsets"] = table
             index = cls(
                 shards=tuple(ShardInfo.from_json(s) for s in doc["shards"]),
-                kind=doc.get("kind", "tar"),
+                kind=kind,
                 fields=tuple(doc.get("fields", ())),
                 classes=tuple(doc.get("classes", ())),
                 skipped=tuple(Skipped(s["path"], s["reason"]) for s in doc.get("skipped", ())),

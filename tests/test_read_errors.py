@@ -358,3 +358,170 @@ def test_the_stand_in_for_bad_samples_leaves_transform_errors_alone(tmp_path: Pa
                           remainder="drop")  # rank 1's only sample is the broken one
     with pytest.raises(KeyError, match="a bug in the transform"):
         run(ds)
+
+
+# ------------------------------------------------------------------ hostile tars (issue 40)
+
+
+def _with_checksum(head: bytearray) -> bytearray:
+    """A tar header with its checksum made to match (a hostile writer's, not a damaged one)."""
+    head[148:156] = b"%06o\0 " % (sum(head[:148]) + sum(head[156:512]) + 8 * ord(" "))
+    return head
+
+
+def _indexed(folder: Path, name: str, data: bytes, offsets: list[int]) -> Path:
+    """`data` as shard `name` of `folder`, with an index.json of version 1 giving `offsets`."""
+    from shardkit.index import Index, ShardInfo
+
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_bytes(data)
+    info = ShardInfo(name, len(offsets) - 1, len(data), None, offsets, "gzip" if name.endswith(".gz") else None)
+    (folder / "index.json").write_text(Index(shards=(info,)).to_json())
+    return folder
+
+
+def _peak(work: Any) -> tuple[BaseException, int]:
+    """The error `work()` raises and the most Python memory it held meanwhile."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        work()
+    except Exception as e:  # noqa: BLE001
+        return e, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    raise AssertionError("no error")
+
+
+@pytest.mark.parametrize("field", [b"-7777777777", b"-1", b" -1", b"+1", b"1_0"])
+def test_a_size_field_that_is_not_octal_digits_is_a_corrupt_shard(tmp_path: Path, field: bytes) -> None:
+    """`int(x, 8)` takes a sign: a negative size made a bare ValueError (or an offset out of
+    range) in both readers and `shardkit index`, and -1 read the rest of the shard into
+    memory. A size field of anything but octal digits is a CorruptShardError naming the shard
+    and the member, found on the header block (16 MB after it are not read)."""
+    from click.testing import CliRunner
+
+    from shardkit.cli import main
+    from shardkit.formats.tar import TarWriter
+
+    buf = io.BytesIO()
+    writer = TarWriter(buf)
+    writer.write("a", {"cls": b"1"})
+    writer.write("b", {"bin": bytes(16 << 20)})
+    writer.close()
+    data = bytearray(buf.getvalue())
+    data[124:136] = field.ljust(12, b"\0")
+    folder = _indexed(tmp_path / "ds", "a.tar", bytes(_with_checksum(data)), writer.offsets)
+    said = re.escape(f"its size field {field!r} is not a number in octal digits")
+    err = failure(StreamingDataset(str(folder)), 0)
+    assert isinstance(err, CorruptShardError) and re.search(rf"a\.tar \(sample at byte 0\): {said}", str(err)), err
+    with pytest.raises(CorruptShardError, match=rf"a\.tar \(sample at byte 0\): {said}"):
+        shardkit.TarDataset(str(folder))[0]
+    err, peak = _peak(lambda: shardkit.build_index(str(folder / "a.tar")))
+    assert isinstance(err, CorruptShardError) and re.search(rf"a\.tar, member at byte 0: {said}", str(err)), err
+    assert peak < 4 << 20  # the second sample's 16 MB are not read
+    (folder / "index.json").unlink()
+    result = CliRunner().invoke(main, ["index", str(folder)])
+    assert result.exit_code == 1 and re.fullmatch(rf"Error: \S*a\.tar, member at byte 0: {said} \(.*\)\n",
+                                                  result.output), result.output
+
+
+@pytest.mark.parametrize("kind", [b"x", b"L"])
+def test_an_extended_header_over_its_limit_is_refused_before_it_is_read(tmp_path: Path, kind: bytes) -> None:
+    """A small .tar.gz whose pax header or GNU long name inflates to gigabytes was read whole
+    into memory (6.4 GB for 3 GiB). The header's declared size is checked against
+    formats.tar.MAX_HEADER on its header block: here it declares 3 GiB over 64 MB of zeros
+    (64 KB compressed), which a read of the whole would hold, and is refused by the index
+    build and both readers with almost nothing read."""
+    import zlib
+
+    from shardkit.formats import tar
+
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip
+    pieces = [z.compress(tar.header("././@PaxHeader", 3 << 30, kind))]
+    pieces += [z.compress(bytes(1 << 20)) for _ in range(64)]
+    folder = _indexed(tmp_path / "ds", "bomb.tar.gz", b"".join([*pieces, z.flush()]), [0, 64 << 20])
+    assert (folder / "bomb.tar.gz").stat().st_size < 200_000
+    what = {b"x": "pax extended header", b"L": "GNU long name"}[kind]
+    said = rf"a {what} of 3221225472 bytes, over the limit of 1048576 \(formats\.tar\.MAX_HEADER\)"
+    err, peak = _peak(lambda: shardkit.build_index(str(folder / "bomb.tar.gz")))
+    assert re.search(rf"bomb\.tar\.gz, member at byte 0: {said}", str(err)), err
+    assert peak < 8 << 20
+    err = failure(StreamingDataset(str(folder), max_member_size="64MiB"), 0)
+    assert isinstance(err, CorruptShardError) and re.search(rf"bomb\.tar\.gz \(sample at byte 0\): {said}", str(err))
+    plain = _indexed(tmp_path / "plain", "a.tar", tar.header("././@PaxHeader", 3 << 30, kind) + bytes(8 << 20),
+                     [0, 8 << 20])
+    err, peak = _peak(lambda: shardkit.TarDataset(str(plain))[0])
+    assert re.search(rf"a\.tar \(sample at byte 0\): {said}", str(err)) and peak < 4 << 20, (err, peak)
+
+
+def test_names_and_pax_records_are_held_to_their_limits(tmp_path: Path) -> None:
+    """A pax record longer than its declared length was accepted (the image landed under a
+    field named 'jpg\\n'); a 100 MB GNU long name became a 100 MB key. A record must end in a
+    newline where its length says, and a name may take formats.tar.MAX_NAME bytes; the writer
+    refuses what the readers would."""
+    from shardkit.formats import tar
+
+    def member(kind: bytes, data: bytes) -> bytes:
+        return tar.header("././@PaxHeader", len(data), kind) + data + bytes(-len(data) % 512)
+
+    image = tar.header("k.jpg", 3) + b"jpg" + bytes(509)
+    cases = {"long.tar": (b"15 path=k.jpg\n", "a malformed pax header record at byte 0"),  # 14 bytes, said 15
+             "short.tar": (b"13 path=k.jpg\n", "a malformed pax header record at byte 0"),  # said 13: no newline there
+             "name.tar": (b"4108 path=" + b"n" * 4097 + b"\n", "a member name of 4097 bytes, over the limit of 4096")}
+    for name, (record, said) in cases.items():
+        data = member(b"x", record) + image + bytes(1024)
+        folder = _indexed(tmp_path / name.removesuffix(".tar"), name, data, [0, len(data) - 1024])
+        with pytest.raises(CorruptShardError, match=rf"{name}, member at byte 0: {said}"):
+            shardkit.build_index(str(folder / name))
+        err = failure(StreamingDataset(str(folder)), 0)
+        assert re.search(rf"{name} \(sample at byte 0\), member at byte 0: {said}", str(err)), err
+    long_name = member(b"L", b"n" * 4097 + b"\0") + image + bytes(1024)
+    gnu = _indexed(tmp_path / "gnu", "gnu.tar", long_name, [0, len(long_name) - 1024])
+    with pytest.raises(CorruptShardError, match=r"gnu\.tar, member at byte 0: a member name of 4097 bytes, over"):
+        shardkit.build_index(str(gnu / "gnu.tar"))
+    with pytest.raises(ValueError, match=r"tar member name of 4101 bytes, over 4096"):
+        tar.TarWriter(io.BytesIO()).write("k" * 4097, {"jpg": b""})
+    fine = member(b"x", b"14 path=k.jpg\n") + image + bytes(1024)  # the record as tarfile writes it
+    assert [s["__key__"] for s in StreamingDataset(str(_indexed(tmp_path / "ok", "ok.tar", fine, [0, 2048])))] == ["k"]
+
+
+@pytest.mark.parametrize("kind", ["zip", None, 7, ["tar"]])
+def test_an_index_of_an_unknown_kind_is_refused_naming_it(packed: Path, tmp_path: Path, kind: Any) -> None:
+    """`kind` was never checked: StreamingDataset read the shards as tar whatever it said,
+    `verify` passed them and TarDataset raised an AttributeError (or, for "zip", advised
+    LMDBDataset). Every reader and `verify` now refuse it in one line naming index.json."""
+    from click.testing import CliRunner
+
+    from shardkit.cli import main
+    from shardkit.formats import FORMATS
+
+    assert shardkit.index.KINDS == FORMATS
+    copy = Path(shutil.copytree(packed, tmp_path / "copy"))
+    doc = json.loads((copy / "index.json").read_text())
+    (copy / "index.json").write_text(json.dumps({**doc, "kind": kind}))
+    said = re.escape(f"{copy}/index.json: kind {kind!r}, not a format this shardkit reads ('tar' or 'lmdb')")
+    for read in (StreamingDataset, shardkit.TarDataset, shardkit.verify):
+        with pytest.raises(CorruptShardError, match=rf"^{said}$"):
+            read(str(copy))
+    result = CliRunner().invoke(main, ["verify", str(copy)])
+    assert result.exit_code == 1 and re.fullmatch(rf"Error: {said}\n", result.output), result.output
+
+
+def test_verify_refuses_an_index_the_readers_refuse(packed: Path, tmp_path: Path) -> None:
+    """A version 1 index without sample offsets: `verify` said "all shards match" while both
+    readers refuse it; it now names index.json and says how to rebuild it."""
+    from conftest import as_version_1
+
+    copy = as_version_1(packed, tmp_path / "copy")
+    doc = json.loads((copy / "index.json").read_text())
+    for shard in doc["shards"][1:]:
+        del shard["offsets"]
+    (copy / "index.json").write_text(json.dumps(doc))
+    with pytest.raises(ShardkitError, match="the index lists no sample offsets"):
+        StreamingDataset(str(copy))
+    problems = shardkit.verify(str(copy))
+    assert problems == [f"{copy}/index.json: lists no sample offsets for {len(doc['shards']) - 1} of its "
+                        f"{len(doc['shards'])} shards (first: shard-000001.tar), and readers refuse it: rebuild it "
+                        f"with `shardkit index {copy}`"]

@@ -148,8 +148,13 @@ def open_stream(f: Readable, where: str) -> tuple[Readable, bool]:
 
 
 def gunzip(data: bytes, limit: int, where: str) -> bytes:
-    """A `.gz` member's bytes inflated: at most `limit` bytes of them, or CorruptShardError
-    (a decompression bomb is refused after inflating `limit` bytes, not all of it)."""
+    """A `.gz` member's bytes inflated: at most `limit` bytes of them, or CorruptShardError.
+    A decompression bomb is refused at once where its gzip trailer gives its size away, else
+    as soon as it passes `limit`: inflated a piece at a time, never more than `limit` bytes
+    held (one read of `limit` bytes would hold them twice, zlib's pieces and their join)."""
+    claimed = int.from_bytes(data[-4:], "little") if len(data) >= 18 and is_gzip(data) else 0
+    if claimed > limit:  # the last member's size, mod 2**32: at least that many bytes
+        raise _too_large(where, limit, f"; its gzip trailer says {claimed}")
     pos = 0
 
     def read(n: int) -> bytes:
@@ -157,11 +162,19 @@ def gunzip(data: bytes, limit: int, where: str) -> bytes:
         pos += n
         return data[pos - n : pos]
 
-    out = Inflater(read, where, chunk=len(data) or 1).read(limit + 1)
-    if len(out) > limit:
-        raise CorruptShardError(f"{where}: inflates to more than {limit} bytes (max_member_size): a decompression "
-                                "bomb, or raise the limit")
-    return out
+    stream = Inflater(read, where, chunk=len(data) or 1)
+    pieces, got = [], 0
+    while piece := stream.read(min(_PIECE, limit + 1 - got)):
+        got += len(piece)
+        if got > limit:
+            raise _too_large(where, limit)
+        pieces.append(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def _too_large(where: str, limit: int, said: str = "") -> CorruptShardError:
+    return CorruptShardError(f"{where}: inflates to more than {limit} bytes (max_member_size{said}): a decompression "
+                             "bomb, or raise the limit")
 
 
 def is_gzip_field(field: str) -> bool:

@@ -24,6 +24,12 @@ if TYPE_CHECKING:
 BLOCK = 512
 RECORD = 20 * BLOCK  # GNU tar and Python's tarfile pad archives to 10 KiB records
 _SKIP = 1 << 20  # a member whose data is not kept is read past in pieces of this size
+MAX_HEADER = 1 << 20
+"""The most bytes a pax extended header or a GNU long-name header may hold (checked on its
+header block, before its data is read): what a small .tar.gz could inflate to gigabytes."""
+MAX_NAME = 4096
+"""The most bytes a member's name may take (Linux's PATH_MAX: `tar x` could not make a longer one)."""
+_EXTENDED = {b"x": "pax extended header", b"g": "pax global header", b"L": "GNU long name", b"K": "GNU long link name"}
 
 _EMPTY = bytes(BLOCK)
 _USTAR_MAGIC = b"ustar\x0000"
@@ -126,7 +132,10 @@ class TarWriter:
         for ext in sorted(fields):
             data = fields[ext]
             name = f"{key}.{ext}" if ext else key  # a member without extension (LICENSE) keeps its name
-            if len(name.encode("utf-8")) > 100:  # too long for ustar: a pax header names it
+            length = len(name.encode("utf-8"))
+            if length > MAX_NAME:  # what a reader would refuse
+                raise ValueError(f"tar member name of {length} bytes, over {MAX_NAME} (tar.MAX_NAME): {name[:60]!r}...")
+            if length > 100:  # too long for ustar: a pax header names it
                 record = _pax_record(name)
                 self._member(header("././@PaxHeader", len(record), b"x"), record)
             self._member(header(name, len(data)), data)
@@ -146,41 +155,68 @@ class TarWriter:
         return self._sha.hexdigest()
 
 
-def _parse_octal(field: bytes, where: str) -> int:
-    try:
-        return int(field[:-1], 8)  # the common case: digits, then one NUL or space
-    except ValueError:
-        pass
-    digits = field.rstrip(b"\x00 ").lstrip(b" ")
-    if field[:1] == b"\x80":  # GNU base-256 for sizes >= 8 GiB
+def _octal(field: bytes) -> int | None:
+    """A header's number: octal digits, maybe space-led, ended by NULs or spaces; GNU's
+    base-256 (a first byte 0x80) for sizes of 8 GiB and more. None where it is no such
+    number: `int` alone would take a sign (`-7777777777`, a negative size), `_` or spaces."""
+    if field[:1] == b"\x80":
         return int.from_bytes(field[1:], "big")
+    digits = field.rstrip(b"\x00 ").lstrip(b" ")
+    if not digits:
+        return 0
+    if not digits.isdigit():  # ASCII digits only, no sign
+        return None
     try:
-        return int(digits or b"0", 8)
-    except ValueError:
-        raise CorruptShardError(f"{where}: bad number in tar header") from None
+        return int(digits, 8)
+    except ValueError:  # an 8 or a 9
+        return None
+
+
+def _parse_octal(field: bytes, where: str, what: str = "size") -> int:
+    number = _octal(field)
+    if number is None:
+        raise CorruptShardError(f"{where}: its {what} field {bytes(field).rstrip(bytes(1))!r} is not a number in octal "
+                                "digits (a damaged or hostile tar header)")
+    return number
+
+
+def _check_extended(kind: bytes, size: int, where: object) -> None:
+    """Refuse an extended header (pax, GNU long name) larger than MAX_HEADER before reading it."""
+    if kind in _EXTENDED and size > MAX_HEADER:
+        raise CorruptShardError(f"{where}: a {_EXTENDED[kind]} of {size} bytes, over the limit of {MAX_HEADER} "
+                                "(formats.tar.MAX_HEADER): a damaged shard or a decompression bomb")
+
+
+def _check_name(name: str | bytes, where: str) -> None:
+    size = len(name.encode("utf-8") if isinstance(name, str) else name)
+    if size > MAX_NAME:
+        raise CorruptShardError(f"{where}: a member name of {size} bytes, over the limit of {MAX_NAME} "
+                                "(formats.tar.MAX_NAME)")
 
 
 def _check_header(head: bytes, where: str) -> None:
-    stored = _parse_octal(head[148:156], where)
+    stored = _parse_octal(head[148:156], where, "checksum")
     if stored != sum(head) - sum(head[148:156]) + 8 * 32:  # the field itself counts as spaces
         raise CorruptShardError(f"{where}: tar header checksum mismatch (not a tar file, or corrupt)")
 
 
 def _pax_path(data: bytes, where: str) -> str | None:
-    """The `path` record of a pax extended header, if any ("LEN path=VALUE\\n" records)."""
+    """The `path` record of a pax extended header, if any ("LEN path=VALUE\\n" records, LEN
+    counting the whole record: one that does not end in a newline there is refused)."""
     pos = 0
     while pos < len(data):
         space = data.find(b" ", pos)
         if space < 0:
             break
-        if not data[pos:space].isdigit() or int(data[pos:space]) <= space - pos:
+        length = int(data[pos:space]) if data[pos:space].isdigit() else 0
+        end = pos + length
+        if length <= space - pos + 1 or end > len(data) or data[end - 1 : end] != b"\n":
             raise CorruptShardError(f"{where}: a malformed pax header record at byte {pos} of its data")
-        length = int(data[pos:space])
-        record = data[space + 1 : pos + length - 1]
-        key, _, value = record.partition(b"=")
+        key, _, value = data[space + 1 : end - 1].partition(b"=")
         if key == b"path":
+            _check_name(value, where)
             return _utf8(value, where)
-        pos += length
+        pos = end
     return None
 
 
@@ -209,6 +245,7 @@ def iter_members(f: Readable, where: str, limit: int | None = None, base: int = 
         _check_header(head, member)
         size = _parse_octal(head[124:136], member)
         kind = head[156:157]
+        _check_extended(kind, size, member)
         pad = _padding(size)
         got, data = _member_data(f, size, keep or kind in (b"L", b"x"))
         padded = len(f.read(pad)) if pad and got == size else 0
@@ -219,6 +256,7 @@ def iter_members(f: Readable, where: str, limit: int | None = None, base: int = 
                                     f"({short}): the shard is truncated")
         consumed += BLOCK + size + pad
         if kind == b"L":  # GNU long name for the next member
+            _check_name(data.rstrip(b"\x00"), member)
             long_name = _utf8(data.rstrip(b"\x00"), member)
             continue
         if kind == b"x":  # pax extended header for the next member
@@ -367,8 +405,11 @@ def read_sample(read_at: ReadAt, start: int, stop: int, where: object) -> tuple[
         if kind not in _REGULAR or (magic != _POSIX and magic != _GNU):
             if buf[h : h + BLOCK] == _EMPTY:
                 break
+            _check_extended(kind, _octal(buf[h + 124 : h + 136]) or 0, where)  # before reading the range
             return _parse_general(_read_exactly(read_at, start, stop, where), where, start)
         try:
+            if not size_field.isdigit():  # `int` would take a sign: a negative size
+                raise ValueError
             size = int(size_field, 8)
         except ValueError:
             size = _parse_octal(buf[h + 124 : h + 136], str(where))
@@ -424,9 +465,8 @@ def _member_cut(buf: bytes) -> str | None:
     h = 0
     while h + BLOCK <= len(buf):
         name, size_field, _, _, _ = _FIELDS.unpack_from(buf, h)
-        try:
-            size = int(size_field, 8)
-        except ValueError:
+        size = _octal(size_field)
+        if size is None:
             return None
         if h + BLOCK + size > len(buf):
             return bytes(name).split(b"\x00", 1)[0].decode("utf-8", "replace")

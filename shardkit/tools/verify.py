@@ -45,6 +45,8 @@ def verify(url: str, storage_options: StorageOptions | None = None,
         idx = index.with_offsets(idx, storage_options)
     except ShardkitError as e:  # the offsets cannot be read: the shards' bytes can still be checked
         problems.append(str(e))
+    else:
+        problems += _offsets_lacking(url, idx)
     for info in idx.shards:
         shard_url = storage.join(url, info.name)
         where = storage.display(shard_url)
@@ -76,6 +78,17 @@ def _sidecar_problem(idx: Index, storage_options: StorageOptions | None) -> list
     if sha != idx.sidecar.sha256:
         return [f"{storage.display(url)}: sha256 mismatch with the index (sample offsets changed or corrupt)"]
     return []
+
+
+def _offsets_lacking(url: str, idx: Index) -> list[str]:
+    """A tar index whose shards carry no sample offsets (a version 1 index without them):
+    the shards may be whole, but both readers refuse the index."""
+    lacking = [s.name for s in idx.shards if s.offsets is None]
+    if not lacking:
+        return []
+    return [f"{storage.display(storage.join(url, index.INDEX_NAME))}: lists no sample offsets for {len(lacking)} of "
+            f"its {len(idx.shards)} shards (first: {lacking[0]}), and readers refuse it: rebuild it with "
+            f"`shardkit index {storage.display(url)}`"]
 
 
 def undecodable(url: str, storage_options: StorageOptions | None = None, workers: int | None = None) -> list[str]:
