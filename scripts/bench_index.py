@@ -30,7 +30,6 @@ MEASURE = r"""
 import gc, json, multiprocessing, os, pickle, resource, sys, time, tracemalloc
 import torch  # imported before the baseline, as in a training script
 from shardkit import StreamingDataset, ranges
-from shardkit.reading.stream import WorkerStream
 from shardkit.tools.bench import rss
 
 WORKERS = 8
@@ -50,7 +49,7 @@ def in_worker(ds, world, resume, traced, out):
     if traced:
         tracemalloc.start()
     start = time.perf_counter()
-    ids = WorkerStream(ds, world // 2, world, 3, WORKERS)._plan()
+    ids = ds._pass(world // 2, world, 3, WORKERS)._plan()
     src = ds._samples
     shard_of, starts, ends = ranges.bounds(ids, src.first, src.offsets)
     reads, range_of = ranges.coalesce(shard_of, starts, ends, 16 << 20)  # a local dataset's read plan

@@ -16,7 +16,6 @@ import pytest
 
 import shardkit
 from shardkit.formats.tar import TarWriter
-from shardkit.reading.stream import WorkerStream
 
 SHARDS = 2000
 
@@ -111,12 +110,12 @@ def test_a_hundred_million_samples_build_and_plan_without_per_sample_objects(tmp
         ds = shardkit.StreamingDataset(str(folder), shuffle=True, rank=300, world_size=512)
         built = tracemalloc.get_traced_memory()[1]
         tracemalloc.reset_peak()
-        ids = WorkerStream(ds, 300, 512, 3, 8)._plan()
+        ids = ds._pass(300, 512, 3, 8)._plan()
         planned = tracemalloc.get_traced_memory()[1]
         state = ds.resume_state(epoch=0, samples_seen=12_000, batch_size=100, num_workers=8, world_size=8)
         tracemalloc.reset_peak()
         ds.load_state_dict(state)
-        resumed = WorkerStream(ds, 300, 512, 3, 8)._plan()
+        resumed = ds._pass(300, 512, 3, 8)._plan()
         replanned = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -15,7 +15,7 @@ import ctypes
 import multiprocessing
 from collections.abc import Mapping
 from multiprocessing.context import get_spawning_popen
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -134,12 +134,19 @@ class Shared:
                 self.stats[base + i] += values[name]
 
 
-class Meter:
-    """A worker's statistics, pushed to the shared counters every few hundred samples."""
+class Slot(NamedTuple):
+    """Where one worker's statistics go: its row of a dataset's shared counters."""
 
-    def __init__(self, shared: Shared, worker_id: int, reader: RangeReader, cache: RangeCache | None):
+    shared: Shared
+    worker_id: int
+
+
+class Meter:
+    """A worker's statistics, pushed to its slot of the shared counters every few hundred samples."""
+
+    def __init__(self, slot: Slot, reader: RangeReader, cache: RangeCache | None):
         self.values = dict.fromkeys(STATS, 0.0)
-        self._shared, self._worker_id, self._reader, self._cache = shared, worker_id, reader, cache
+        self._slot, self._reader, self._cache = slot, reader, cache
         self._fetched = self._hits = self._throttled = 0
         self.skips = 0  # this pass's, for the log's limit (values are reset at each flush)
 
@@ -163,5 +170,5 @@ class Meter:
             v["cache_hits"], self._hits = self._cache.hits - self._hits, self._cache.hits
         if prefetcher is not None:
             v["prefetch_depth"], v["fetch_latency_s"] = prefetcher.target, prefetcher.latency_s
-        self._shared.add(self._worker_id, v)
+        self._slot.shared.add(self._slot.worker_id, v)
         self.values = dict.fromkeys(STATS, 0.0)

@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from .. import checks, partition
+from .. import checks
 from ..decode import decoder
-from . import compressed
-from .epochs import EpochDataset
-from .samples import source_for
-from .stream import WorkerStream
 from ..formats.gzip import MAX_MEMBER
 from ..sources import resolve
 from ..storage import StorageOptions
+from . import compressed
+from .counters import Slot
+from .epoch_stream import EpochStream
+from .epochs import EpochDataset
+from .mix import MixedDataset, check_parts
+from .pass_ import Pass
+from .samples import SampleSource, source_for
+from .spec import ReadSpec, SampleOrder
 
 
 class StreamingDataset(EpochDataset):
@@ -136,34 +140,67 @@ class StreamingDataset(EpochDataset):
         return self.index.classes
 
     @staticmethod
-    def mix(parts: Sequence[tuple[str | Sequence[str] | StreamingDataset, float]], **options: Any) -> Any:
+    def mix(parts: Sequence[tuple[str | Sequence[str] | StreamingDataset, float]], *, shuffle: bool = True,
+            seed: int = 0, rank: int | None = None, world_size: int | None = None, **options: Any) -> MixedDataset:
         """Several datasets drawn by weight: `StreamingDataset.mix([("s3://a", 0.7), ("s3://b", 0.3)],
         shuffle=True)`. Options: samples_per_epoch (default: all samples together), shuffle,
         seed, shuffle_window, remainder, rank, world_size, batch_size (batches of the mixture,
         as StreamingDataset's), and any StreamingDataset option for the parts given as URLs.
-        See shardkit/mix.py for the epoch semantics."""
-        from .mix import MixedDataset
-
-        return MixedDataset(parts, part_type=StreamingDataset, **options)
+        See shardkit/reading/mix.py for the epoch semantics."""
+        check_parts(parts)
+        own = {k: options.pop(k) for k in MixedDataset.OPTIONS if k in options}
+        if any(isinstance(p, StreamingDataset) and p.batch_size for p, _ in parts):
+            raise ValueError("the datasets of a mix yield samples: give batch_size to the mix, not to its parts")
+        if options and any(isinstance(p, StreamingDataset) for p, _ in parts):
+            raise ValueError(f"options for the parts ({', '.join(sorted(options))}) apply to parts given as URLs: "
+                             "give them to the StreamingDataset parts themselves")
+        built = [(p if isinstance(p, StreamingDataset)
+                  else StreamingDataset(p, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, **options), w)
+                 for p, w in parts]
+        return MixedDataset(built, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, **own)
 
     def total_samples(self) -> int:
         return int(self._counts.sum())
 
-    def _order(self) -> dict[str, Any]:
+    def order_key(self) -> dict[str, Any]:
         if not self.shuffle:
-            return super()._order()
+            return super().order_key()
         # the shuffled order goes shard by shard: the same samples cut into other shards are another order
         digest = hashlib.sha256(np.asarray(self._counts, dtype="<i8").tobytes()).hexdigest()[:12]
-        order = {**super()._order(), "block": self.block, "shard_sizes": f"{len(self._counts)} shards, sha256 {digest}"}
+        order = {**super().order_key(), "block": self.block, "shard_sizes": f"{len(self._counts)} shards, sha256 {digest}"}
         if isinstance(self._blocks, np.ndarray):  # compressed shards are blocks of their own
             order["blocks"] = hashlib.sha256(np.asarray(self._blocks, dtype="<i8").tobytes()).hexdigest()[:12]
         return order
 
+    def read_spec(self) -> ReadSpec:
+        """What a pass over this dataset needs, as it is set now (frozen, picklable)."""
+        order = SampleOrder(self._counts, self.seed, self.shuffle, self._blocks)
+        shards = self.index.shards
+        return ReadSpec(tuple(self.urls), self.storage_options, tuple(s.sha256 for s in shards),
+                        tuple(s.version for s in shards), order, self.decode, self.backend, self.transform,
+                        self.on_error, self.verify, self.block, self.prefetch, self.prefetch_bytes, self.cache_dir,
+                        self.cache_limit)
+
+    @property
+    def source(self) -> SampleSource:
+        """The dataset's samples by global id (its format's reads and parsing)."""
+        return self._samples
+
+    def slot(self, worker_id: int) -> Slot:
+        """Where worker `worker_id`'s statistics go (what `stats()` sums)."""
+        return Slot(self._shared, worker_id)
+
     def ids_at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """The samples at `positions` of epoch `epoch`'s global sequence."""
-        order = partition.epoch_order(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                                      block=self._blocks)
-        return order.ids(positions)
+        return SampleOrder(self._counts, self.seed, self.shuffle, self._blocks).ids_at(epoch, positions)
+
+    def _pass(self, rank: int, world: int, worker_id: int, num_workers: int) -> EpochStream:
+        spec, source, slot, window = self.read_spec(), self._samples, self.slot(worker_id), self.shuffle_window
+
+        def run(epoch: int, positions: np.ndarray) -> Generator[Any, None, None]:
+            return Pass(spec, source, spec.order.ids_at(epoch, positions), slot, window).samples()
+
+        return self._epoch_stream(rank, world, worker_id, num_workers, run)
 
     def __iter__(self) -> Iterator[Any]:
-        return self._stream(WorkerStream(self, *self._layout()))
+        return self._stream(self._pass(*self._layout()))

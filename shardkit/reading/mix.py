@@ -15,13 +15,47 @@ from (seed, epoch), elastic resume.
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .. import checks, partition, ranges
-from .stream import WorkerStream
-from .epochs import SHUFFLE_VERSION, EpochDataset, EpochStream, stats_summary
+from . import state
+from .counters import Slot
+from .epoch_stream import EpochStream
+from .epochs import EpochDataset, stats_summary
+from .pass_ import Pass
+from .samples import SampleSource
+from .spec import ReadSpec
+
+
+class Part(Protocol):
+    """What a mixture asks of each of its datasets (a StreamingDataset)."""
+
+    shuffle: bool
+    shuffle_window: int
+
+    @property
+    def source(self) -> SampleSource: ...
+
+    def total_samples(self) -> int: ...
+
+    def order_key(self) -> dict[str, Any]: ...
+
+    def read_spec(self) -> ReadSpec: ...
+
+    def slot(self, worker_id: int) -> Slot: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+
+def check_parts(parts: Any) -> None:
+    """A mix's parts are a non-empty list of (dataset, weight) pairs."""
+    if not isinstance(parts, Sequence) or not parts:
+        raise ValueError("mix needs a list of (dataset, weight) pairs, at least one")
+    for part in parts:
+        if not (isinstance(part, (tuple, list)) and len(part) == 2):
+            raise TypeError(f"each part of a mix is a (dataset, weight) pair, not {part!r}")
 
 
 def _weight(w: Any) -> float:
@@ -37,30 +71,18 @@ def _weight(w: Any) -> float:
 
 
 class MixedDataset(EpochDataset):
-    """Build it with `StreamingDataset.mix([(source, weight), ...], ...)`, which passes itself
-    as `part_type`: the type of the parts, and what makes a part from a URL."""
+    """Build it with `StreamingDataset.mix([(source, weight), ...], ...)`, which makes the
+    parts given as URLs."""
 
-    def __init__(self, parts: Sequence[tuple[Any, float]], *, part_type: type[Any],
-                 samples_per_epoch: int | None = None, shuffle: bool = True, seed: int = 0,
-                 shuffle_window: int = 1024, remainder: str = "repeat", rank: int | None = None,
-                 world_size: int | None = None, batch_size: int | None = None, **options: Any):
+    OPTIONS = ("samples_per_epoch", "shuffle_window", "remainder", "batch_size")  # the mixture's own, besides its order
+
+    def __init__(self, parts: Sequence[tuple[Part, Any]], *, samples_per_epoch: int | None = None,
+                 shuffle: bool = True, seed: int = 0, shuffle_window: int = 1024, remainder: str = "repeat",
+                 rank: int | None = None, world_size: int | None = None, batch_size: int | None = None):
         super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
                          remainder=remainder, batch_size=batch_size)
-        if not isinstance(parts, Sequence) or not parts:
-            raise ValueError("mix needs a list of (dataset, weight) pairs, at least one")
-        for part in parts:
-            if not (isinstance(part, (tuple, list)) and len(part) == 2):
-                raise TypeError(f"each part of a mix is a (dataset, weight) pair, not {part!r}")
-        if any(isinstance(p, part_type) and p.batch_size for p, _ in parts):
-            raise ValueError("the datasets of a mix yield samples: give batch_size to the mix, not to its parts")
-        if options and any(isinstance(p, part_type) for p, _ in parts):
-            raise ValueError(f"options for the parts ({', '.join(sorted(options))}) apply to parts given as URLs: "
-                             "give them to the StreamingDataset parts themselves")
-        self.parts = [
-            p if isinstance(p, part_type)
-            else part_type(p, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, **options)
-            for p, _ in parts
-        ]
+        check_parts(parts)
+        self.parts = [p for p, _ in parts]
         self.weights = tuple(_weight(w) for _, w in parts)
         self.sizes = tuple(p.total_samples() for p in self.parts)
         if 0 in self.sizes:
@@ -76,55 +98,58 @@ class MixedDataset(EpochDataset):
     def total_samples(self) -> int:
         return self.samples_per_epoch
 
-    def _order(self) -> dict[str, Any]:
-        parts = [{k: v for k, v in p._order().items() if k in ("shuffle", "seed", "block", "shard_sizes")} for p in self.parts]
-        order = {**super()._order(), "counts": [int(c) for c in self.counts], "sizes": list(self.sizes),
+    def order_key(self) -> dict[str, Any]:
+        parts = [{k: v for k, v in p.order_key().items() if k in ("shuffle", "seed", "block", "shard_sizes")}
+                 for p in self.parts]
+        order = {**super().order_key(), "counts": [int(c) for c in self.counts], "sizes": list(self.sizes),
                  "parts": parts}  # what orders each part's own epochs
         if any(p.shuffle for p in self.parts):
-            order["shuffle_version"] = SHUFFLE_VERSION
+            order[state.SHUFFLE_VERSION_KEY] = state.SHUFFLE_VERSION
         return order
 
     def __iter__(self) -> Iterator[Any]:
-        return self._stream(_MixedStream(self, *self._layout()))
+        return self._stream(self._pass(*self._layout()))
+
+    def _pass(self, rank: int, world: int, worker_id: int, num_workers: int) -> EpochStream:
+        inputs = [(p.read_spec(), p.source, p.slot(worker_id)) for p in self.parts]
+        window = max(self.shuffle_window, *(p.shuffle_window for p in self.parts))
+        counts, sizes, seed, shuffle = self.counts, self.sizes, self.seed, self.shuffle
+
+        def run(epoch: int, positions: np.ndarray) -> Generator[Any, None, None]:
+            part_of, ids = _part_ids(counts, sizes, [spec for spec, _, _ in inputs], seed, shuffle, epoch, positions)
+            passes = [Pass(spec, source, i, slot, window).samples() for (spec, source, slot), i in zip(inputs, ids)]
+            try:
+                for (d,) in ranges.rows(part_of):
+                    yield next(passes[d])
+            finally:
+                for p in passes:
+                    p.close()
+
+        return self._epoch_stream(rank, world, worker_id, num_workers, run)
 
     def stats(self) -> dict[str, float]:
         """The parts' statistics, summed."""
-        totals = [p._shared.totals() for p in self.parts]
-        out = {k: sum(t[k] for t in totals) for k in totals[0]}
+        totals = [p.stats() for p in self.parts]
+        out = {k: sum(t[k] for t in totals) for k in totals[0] if k != "read_fraction"}
         return stats_summary(out)
 
 
-class _MixedStream(EpochStream):
-    ds: MixedDataset
-
-    def _part_ids(self, positions: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-        """(part of each position, each part's sample ids in the order of `positions`): the
-        j-th draw of part d in mixture epoch e is its (e * counts[d] + j)-th sample overall."""
-        ds = self.ds
-        order = partition.mix_order(ds.counts, seed=ds.seed, epoch=self.epoch, shuffle=ds.shuffle)
-        part_of, draw = order.draws(positions)
-        by_part = np.argsort(part_of, kind="stable")  # each part's positions, in order
-        bounds = np.searchsorted(part_of[by_part], np.arange(len(ds.parts) + 1))
-        ids = []
-        for d, part in enumerate(ds.parts):
-            steps = self.epoch * int(ds.counts[d]) + draw[by_part[bounds[d] : bounds[d + 1]]]
-            own_epoch, offset = np.divmod(steps, ds.sizes[d])
-            out = np.empty(len(steps), dtype=np.int64)
-            by_epoch = np.argsort(own_epoch, kind="stable")  # each of the part's own epochs once
-            epochs, starts = np.unique(own_epoch[by_epoch], return_index=True)
-            for k, sel in zip(epochs.tolist(), np.split(by_epoch, starts[1:])):
-                out[sel] = part.ids_at(k, offset[sel])
-            ids.append(out)
-        return part_of, ids
-
-    def _generate(self) -> Generator[Any, None, None]:
-        part_of, ids = self._part_ids(self._plan())
-        window = max(self.ds.shuffle_window, *(p.shuffle_window for p in self.ds.parts))
-        streams = [WorkerStream(p, self.rank, self.world, self.worker_id, self.num_workers, ids=i, window=window)
-                   for p, i in zip(self.ds.parts, ids)]
-        try:
-            for (d,) in ranges.rows(part_of):
-                yield next(streams[d])
-        finally:
-            for s in streams:
-                s.close()
+def _part_ids(counts: np.ndarray, sizes: Sequence[int], specs: Sequence[ReadSpec], seed: int, shuffle: bool,
+              epoch: int, positions: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(part of each position, each part's sample ids in the order of `positions`): the
+    j-th draw of part d in mixture epoch e is its (e * counts[d] + j)-th sample overall."""
+    order = partition.mix_order(counts, seed=seed, epoch=epoch, shuffle=shuffle)
+    part_of, draw = order.draws(positions)
+    by_part = np.argsort(part_of, kind="stable")  # each part's positions, in order
+    bounds = np.searchsorted(part_of[by_part], np.arange(len(specs) + 1))
+    ids = []
+    for d, spec in enumerate(specs):
+        steps = epoch * int(counts[d]) + draw[by_part[bounds[d] : bounds[d + 1]]]
+        own_epoch, offset = np.divmod(steps, sizes[d])
+        out = np.empty(len(steps), dtype=np.int64)
+        by_epoch = np.argsort(own_epoch, kind="stable")  # each of the part's own epochs once
+        epochs, starts = np.unique(own_epoch[by_epoch], return_index=True)
+        for k, sel in zip(epochs.tolist(), np.split(by_epoch, starts[1:])):
+            out[sel] = spec.order.ids_at(k, offset[sel])
+        ids.append(out)
+    return part_of, ids

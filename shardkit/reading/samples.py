@@ -31,11 +31,16 @@ RANGE_BYTES = 16 << 20  # the most bytes one read merges (AWS: 8-16 MB requests 
 
 
 class Settings(Protocol):
-    """What a source's reads follow: the dataset's read-ahead options."""
+    """What a source's reads follow: the read-ahead options (a ReadSpec's)."""
 
-    block: int
-    prefetch: int
-    prefetch_bytes: int
+    @property
+    def block(self) -> int: ...
+
+    @property
+    def prefetch(self) -> int: ...
+
+    @property
+    def prefetch_bytes(self) -> int: ...
 
 
 class SampleSource(Protocol):

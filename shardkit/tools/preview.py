@@ -134,7 +134,7 @@ def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.p
     those the reader finds, and those the transform or the drawing find (an image left
     undecoded by decode="raw")."""
     from ..reading.dataset import StreamingDataset
-    from ..reading.stream import bad_sample
+    from ..reading.pass_ import bad_sample
 
     if n < 1 or tile < 16:
         raise ValueError("n must be at least 1 and tile at least 16")

@@ -1,11 +1,12 @@
-"""One pass of one worker of a StreamingDataset, as stages:
+"""One worker's pass over planned samples, as stages:
 
-    read ranges -> parse samples -> decode -> transform
+    reads (ahead, by the sample source) -> parse -> decode -> transform
 
-The dataset's sample source (samples.py, one per format) reads each planned sample's bytes
-in order, ahead of use, and parses one; `_process` takes one sample through parse, decode
-and transform, timing each stage; `bad_sample` is the one policy that decides whether a
-failure is skipped or raised.
+A `Pass` is built from a ReadSpec (how to read), a sample source (the format's reads and
+parsing, samples.py), the sample ids to yield in order, and the worker's slot of the shared
+statistics: it never sees the dataset. `bad_sample` is the one policy that decides whether a
+failure is skipped or raised; a skipped sample's place is taken by the next good one (or,
+at the end of the plan, by a stand-in), so the worker's count stays exact.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -21,17 +22,14 @@ from .. import ranges, storage
 from ..decode import decoder, packed_from
 from ..errors import FIND_BAD, SKIP_BAD, CorruptShardError, FieldError, ShardkitError, describe
 from ..prefetch import Prefetcher
-from ..storage.cache import RangeCache
-from .counters import Meter
-from .epochs import EpochStream
-
-if TYPE_CHECKING:
-    from .dataset import StreamingDataset
+from .counters import Meter, Slot
+from .samples import SampleSource
+from .spec import ReadSpec, Transform
 
 log = logging.getLogger("shardkit")
 SKIPS_LOGGED = 10  # a worker's first skipped samples are logged (a warning each), the rest only counted
 
-Transform = Callable[[dict[str, Any]], Any]
+Decode = Callable[[dict[str, Any]], Any]
 
 
 def bad_sample(e: BaseException, on_error: str, url: str, where: str, in_transform: bool) -> str:
@@ -49,50 +47,37 @@ def bad_sample(e: BaseException, on_error: str, url: str, where: str, in_transfo
     return said
 
 
-class WorkerStream(EpochStream):
-    """One pass of one worker of a StreamingDataset: plans, reads, decodes, transforms."""
+class Pass:
+    """The samples `ids` (global sample ids, in order), read, decoded and transformed as
+    `spec` says. Iterate it once; `window` is the shuffle window that spreads the ids (how
+    far apart a block's samples may come, for the read-ahead)."""
 
-    ds: StreamingDataset
-
-    def __init__(self, ds: StreamingDataset, rank: int, world: int, worker_id: int, num_workers: int,
-                 ids: np.ndarray | None = None, window: int | None = None):
-        super().__init__(ds, rank, world, worker_id, num_workers, fixed=ids)
+    def __init__(self, spec: ReadSpec, source: SampleSource, ids: np.ndarray, slot: Slot, window: int):
+        self.spec, self.source, self.ids, self.slot, self.window = spec, source, ids, slot, window
         self.prefetcher: Prefetcher[ranges.Range, Any] | None = None  # set once reading starts
-        self.window = window or ds.shuffle_window  # the window that spreads this stream's samples (a mix's)
         self._sample: dict[str, Any] = {}  # the sample being processed, once parsed: named if it fails
         self._in_transform = False  # ...and whether it failed in the user's transform
 
-    def _plan(self) -> np.ndarray:
-        planned = super()._plan()  # positions, or a mixture's sample ids
-        return planned if self._fixed is not None else self.ds.ids_at(self.epoch, planned)
+    def __iter__(self) -> Generator[Any, None, None]:
+        return self.samples()
 
-    def _generate(self) -> Generator[Any, None, None]:
-        ds = self.ds
-        ids = self._plan()
-        cache = RangeCache(ds.cache_dir, ds.cache_limit) if ds.cache_dir is not None else None
-        versions = [sh.sha256 for sh in ds.index.shards]
-        # the dataset read its index (or scanned its shards) there: the store was reachable
-        reader = storage.RangeReader(ds.urls, ds.storage_options, versions, cache, verify=ds.verify, patient=True,
-                                     pins=[sh.version for sh in ds.index.shards])
-        decode, transform = decoder(ds.decode, ds.backend), ds.transform
-        reads, self.prefetcher = ds._samples.reads(ids, reader, ds, self.window)
-        meter = Meter(ds._shared, self.worker_id, reader, cache)
+    def samples(self) -> Generator[Any, None, None]:
+        """The samples, one by one; closing it ends the pass (its reads, threads and files)."""
+        spec, source, ids = self.spec, self.source, self.ids
+        cache = spec.cache()
+        reader = spec.reader(cache)
+        decode = decoder(spec.decode, spec.backend)
+        reads, self.prefetcher = source.reads(ids, reader, spec, self.window)
+        meter = Meter(self.slot, reader, cache)
         pending = 0  # skipped samples still to be replaced, so the rank's count stays exact
         try:
             for count in range(1, len(ids) + 1):
                 shard, start, data = next(reads)
                 try:
-                    item = self._process(shard, start, data, decode, transform, meter)
+                    item = self._process(shard, start, data, decode, meter)
                 except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
-                    key = self._sample.get("__key__")
-                    where = (f"sample {key}" if key is not None else "a sample") + ds._samples.position(start) + \
-                        packed_from(self._sample)
-                    said = bad_sample(e, ds.on_error, ds.urls[shard], where, self._in_transform)
-                    meter.skipped()
+                    self._skip(e, shard, start, meter)
                     pending += 1
-                    if meter.skips <= SKIPS_LOGGED:
-                        more = " (this worker's further skips are counted in stats() only)" * (meter.skips == SKIPS_LOGGED)
-                        log.warning("skipped %s%s", said, more)
                     continue
                 for _ in range(pending + 1):
                     yield item
@@ -100,7 +85,7 @@ class WorkerStream(EpochStream):
                 if count % 256 == 0:
                     meter.flush(self.prefetcher)
             if pending:  # bad samples at the end of the plan: a stand-in that a resumed pass picks too
-                stand_in = self._borrow(reader, decode, transform, int(ids[-1]))
+                stand_in = self._borrow(reader, decode, int(ids[-1]))
                 for _ in range(pending):
                     yield stand_in
         finally:
@@ -108,14 +93,25 @@ class WorkerStream(EpochStream):
             meter.flush(self.prefetcher)
             reader.close()
 
-    def _process(self, shard: int, start: int, data: Any, decode: Callable[[dict[str, Any]], Any],
-                 transform: Transform | None, meter: Meter) -> Any:
+    def _skip(self, e: Exception, shard: int, start: int, meter: Meter) -> None:
+        """Raise `e` as the policy says, or count and log the sample it spoiled."""
+        key = self._sample.get("__key__")
+        where = (f"sample {key}" if key is not None else "a sample") + self.source.position(start) + \
+            packed_from(self._sample)
+        said = bad_sample(e, self.spec.on_error, self.spec.urls[shard], where, self._in_transform)
+        meter.skipped()
+        if meter.skips <= SKIPS_LOGGED:
+            more = " (this worker's further skips are counted in stats() only)" * (meter.skips == SKIPS_LOGGED)
+            log.warning("skipped %s%s", said, more)
+
+    def _process(self, shard: int, start: int, data: Any, decode: Decode, meter: Meter) -> Any:
         """One sample through parse -> decode -> transform, each stage timed."""
         self._sample, self._in_transform = {}, False
         if isinstance(data, CorruptShardError):
             raise data
+        transform: Transform | None = self.spec.transform
         t0 = time.perf_counter()
-        sample, size = self.ds._samples.parse(data, self.ds.urls[shard], start)
+        sample, size = self.source.parse(data, self.spec.urls[shard], start)
         t1 = time.perf_counter()
         self._sample = sample
         sample = decode(sample)
@@ -125,17 +121,16 @@ class WorkerStream(EpochStream):
         meter.sample(size, t1 - t0, t2 - t1, time.perf_counter() - t2)
         return item
 
-    def _borrow(self, reader: storage.RangeReader, decode: Callable[[dict[str, Any]], Any],
-                transform: Transform | None, after: int) -> Any:
+    def _borrow(self, reader: storage.RangeReader, decode: Decode, after: int) -> Any:
         """The first usable sample after global id `after` (wrapping), standing in for
         skipped samples at the end of a worker's plan, so that the rank's count stays exact
         and a resumed pass picks the same one. Raises when no sample of the dataset can be
         used at all."""
-        ds = self.ds
-        total = int(ds._counts.sum())
+        spec, transform = self.spec, self.spec.transform
+        total = spec.order.total
         for step in range(1, total + 1):
             try:
-                sample = decode(ds._samples.one((after + step) % total, reader))
+                sample = decode(self.source.one((after + step) % total, reader))
             except CorruptShardError:  # unusable too: try the next one
                 continue
             except ShardkitError:  # storage that fails is not bad data
@@ -146,4 +141,4 @@ class WorkerStream(EpochStream):
                 return transform(sample) if transform is not None else sample  # user code: its errors are its own
             except FieldError:  # but bad data it found is bad data
                 continue
-        raise CorruptShardError(f"{ds.urls[0]} and the other {len(ds.urls) - 1} shards: no sample could be used")
+        raise CorruptShardError(f"{spec.urls[0]} and the other {len(spec.urls) - 1} shards: no sample could be used")

@@ -1,0 +1,74 @@
+"""What a worker's pass needs, and nothing else: frozen, picklable values that a dataset
+hands to the pass (pass_.py) in place of itself.
+
+`SampleOrder` turns positions of an epoch's global sequence into sample ids (the shuffle
+of partition.py); `ReadSpec` says how to read, check, decode and transform them. Neither
+holds an open file or a client: they travel to DataLoader workers as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import partition
+from ..storage import RangeReader, StorageOptions
+from ..storage.cache import RangeCache
+
+Transform = Callable[[dict[str, Any]], Any]
+
+
+@dataclass(frozen=True, eq=False)
+class SampleOrder:
+    """The samples of an epoch's sequence: a pure function of (seed, epoch, shard counts,
+    blocks)."""
+
+    counts: np.ndarray  # samples per shard
+    seed: int
+    shuffle: bool
+    blocks: int | np.ndarray  # samples a block, or each block's bounds (compressed shards)
+
+    @property
+    def total(self) -> int:
+        return int(self.counts.sum())
+
+    def ids_at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The samples at `positions` of epoch `epoch`'s global sequence."""
+        order = partition.epoch_order(self.counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                                      block=self.blocks)
+        return order.ids(positions)
+
+
+@dataclass(frozen=True, eq=False)
+class ReadSpec:
+    """How one dataset's samples are read, checked, decoded and transformed in a pass.
+    `block`, `prefetch` and `prefetch_bytes` are the read-ahead's settings (sample
+    sources read them); `versions` the shards' sha256s, `pins` their store versions."""
+
+    urls: tuple[str, ...]
+    storage_options: StorageOptions | None
+    versions: tuple[str | None, ...]
+    pins: tuple[dict[str, Any] | None, ...]
+    order: SampleOrder
+    decode: str = "raw"
+    backend: str = "auto"
+    transform: Transform | None = None
+    on_error: str = "raise"
+    verify: bool = False
+    block: int = 64
+    prefetch: int = 8
+    prefetch_bytes: int = 256 << 20
+    cache_dir: str | None = None
+    cache_limit: int = 20 << 30
+
+    def cache(self) -> RangeCache | None:
+        return RangeCache(self.cache_dir, self.cache_limit) if self.cache_dir is not None else None
+
+    def reader(self, cache: RangeCache | None) -> RangeReader:
+        """This pass's reader of the shards (made where it is used: it holds files and threads)."""
+        # the dataset read its index (or scanned its shards) there: the store was reachable
+        return RangeReader(list(self.urls), self.storage_options, list(self.versions), cache, verify=self.verify,
+                           patient=True, pins=list(self.pins))
