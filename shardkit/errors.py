@@ -74,6 +74,10 @@ class CorruptShardError(ShardkitError, ValueError):
     """A shard or its index does not hold what it should (truncated, checksum, count)."""
 
 
+class DestinationBusyError(ShardkitError, RuntimeError):
+    """Another pack is writing into this DEST (it holds DEST/.shardkit-lock)."""
+
+
 class IndexVersionError(ShardkitError, ValueError):
     """index.json was written by a newer or unknown version of shardkit."""
 

@@ -642,6 +642,76 @@ def test_killing_the_pack_process_stops_its_workers(tmp_path: Path) -> None:
             os.kill(c, signal.SIGKILL)
 
 
+_HOLD = "import sys\nfrom shardkit.packing import lock\nwith lock.held(sys.argv[1]):\n    print('held', flush=True)\n" \
+        "    sys.stdin.read()\n"
+
+
+def _holding(dest: Path) -> subprocess.Popen[str]:
+    """A process holding DEST's lock until its stdin closes (or it is killed)."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(dest)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_second_pack_into_one_dest_is_refused_naming_the_first(photos: Path, tmp_path: Path) -> None:
+    """Two packs into one DEST deleted each other's temporary files and replaced each other's
+    shards, and one could say "packed" over the other's. The second is refused at once, in
+    one line naming DEST, the holder and its lock, before it touches anything."""
+    import socket
+
+    from click.testing import CliRunner
+
+    from shardkit.cli import main
+    from shardkit.errors import DestinationBusyError
+
+    out = tmp_path / "out"
+    (out / ".shardkit-progress").mkdir(parents=True)  # a pack under way: its shard half written
+    (out / "shard-000000.tar.tmp-0123456789ab").write_bytes(b"half a shard")
+    with _holding(out) as holder:
+        said = (rf"{re.escape(str(out))}: another pack is writing into it \(pid {holder.pid} on "
+                rf"{re.escape(socket.gethostname())}, since [-+:T\d]+; it holds "
+                rf"{re.escape(str(out / '.shardkit-lock'))}\): wait for it to end, or pack into another folder")
+        for fmt in ("tar", "lmdb"):
+            with pytest.raises(DestinationBusyError, match=rf"^{said}$"):
+                shardkit.pack(str(photos), str(out), format=fmt, workers=1, progress=False)
+        result = CliRunner().invoke(main, ["pack", str(photos), str(out), "-q"])
+        assert result.exit_code == 1 and re.fullmatch(rf"Error: {said}\n", result.output), result.output
+        assert (out / "shard-000000.tar.tmp-0123456789ab").read_bytes() == b"half a shard"
+    # (the holder's stdin closed: it let go)
+    assert not (out / ".shardkit-lock").exists()  # its holder removes it as it lets go
+    assert shardkit.pack(str(photos), str(out), workers=1, progress=False).samples == 30
+    assert not (out / ".shardkit-lock").exists() and shardkit.verify(str(out)) == []
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_the_lock_of_a_killed_pack_is_no_lock(photos: Path, tmp_path: Path, fmt: str) -> None:
+    """A holder killed with SIGKILL leaves its lock file, but the kernel has let go of its
+    lock: the next pack takes it, with nothing for anyone to remove."""
+    out = tmp_path / "out"
+    with _holding(out) as holder:
+        holder.kill()
+    assert json.loads((out / ".shardkit-lock").read_text())["pid"] == holder.pid
+    assert shardkit.pack(str(photos), str(out), format=fmt, workers=1, progress=False).samples == 30
+    assert not (out / ".shardkit-lock").exists()
+
+
+def test_two_packs_into_one_dest_at_once_never_both_succeed(tmp_path: Path) -> None:
+    """Started together with different sources: one packs, the other fails naming why (the
+    first holds DEST, or has already filled it), and DEST holds the winner's dataset whole."""
+    sources = [make_folder(tmp_path / "a", per_class=20), make_folder(tmp_path / "b", per_class=10)]
+    out = tmp_path / "out"
+    procs = [subprocess.Popen([sys.executable, "-m", "shardkit.cli", "pack", str(src), str(out), "--max-count", "4",
+                               "--workers", "1", "-q"], stderr=subprocess.PIPE, text=True) for src in sources]
+    said_by = [proc.communicate(timeout=120)[1] for proc in procs]
+    results = [(proc.returncode, said) for proc, said in zip(procs, said_by)]
+    assert sorted(code for code, _ in results) == [0, 1], results
+    won, (_, said) = [code for code, _ in results].index(0), sorted(results)[1]
+    assert re.fullmatch(r"Error: \S+out: (another pack is writing into it .*|already holds a different dataset .*)\n",
+                        said), said
+    assert shardkit.verify(str(out)) == [] and shardkit.index.load(str(out)).samples == (60, 30)[won]
+
+
 def _job_that_fails_or_waits(job: int) -> int:
     if job == 0:
         time.sleep(0.2)  # the other jobs are under way

@@ -118,12 +118,51 @@ class Writer:
                 return
             except self._lmdb.MapFullError:
                 self.env.set_mapsize(self.env.info()["map_size"] * 2)
+            except self._lmdb.Error as e:  # the transaction is undone: what was committed before stays
+                size = sum(len(v) for _, fields in samples for v in fields.values()) + sum(map(len, meta.values()))
+                raise self._failed(e, size) from None
 
     def close(self) -> None:
         if self.env is not None:
-            self.env.sync(True)
-            self.env.close()
-            self.env = None
+            env, self.env = self.env, None
+            try:
+                env.sync(True)
+            except self._lmdb.Error as e:
+                raise self._failed(e, 0) from None
+            finally:
+                env.close()
+
+    def _failed(self, e: Exception, size: int) -> ShardkitError:
+        """One line for a write that failed: the path, then the cause where it can be told.
+        A disk that fills up mid-write makes LMDB say only "Input/output error" (a short
+        write), so the free space is looked at."""
+        said = one_line(e)
+        cause = _no_room(self.path, size)
+        if cause is None and "No space left" in said:
+            cause = "no space left on device"
+        if cause is None:
+            return ShardkitError(f"{self.path}: writing the LMDB failed ({said}); a rerun of the same `shardkit pack` "
+                                 "resumes after the last job written")
+        return ShardkitError(f"{self.path}: writing the LMDB failed: {cause} (LMDB said: {said}); make room and rerun "
+                             "the same `shardkit pack`, which resumes after the last job written")
+
+
+def _no_room(path: str, size: int) -> str | None:
+    """Why `size` more bytes would not fit in the LMDB at `path`, if that is the reason: its
+    disk is (nearly) full, or the file is at the process's file size limit (`ulimit -f`)."""
+    slack = 1 << 20  # LMDB writes pages, a transaction's tree pages and meta page besides its data
+    try:
+        disk = os.statvfs(path)
+        used = os.path.getsize(os.path.join(path, DATA_FILE))
+    except OSError:
+        return None
+    free = disk.f_bavail * disk.f_frsize
+    if free < size + slack:
+        return f"no space left on device ({free} bytes free on its disk, the write needed {size} and more)"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and used + size + slack > limit:
+        return f"data.mdb ({used} bytes) reached this process's file size limit (ulimit -f: {limit} bytes)"
+    return None
 
 
 class _File(NamedTuple):

@@ -21,7 +21,7 @@ from .. import index, sidecar, storage
 from ..errors import SourceError
 from ..index import Index, ShardInfo, Skipped
 from ..storage import StorageOptions
-from . import executors
+from . import executors, lock
 from .plan import Job, JobList, Plan
 from .samples import DAMAGED
 from .scan import HIDDEN
@@ -100,7 +100,14 @@ class Sink(ABC):
 
 def run(plan: Plan, sink: Sink, runner: executors.Runner[Job, JobResult], progress: bool | None, overwrite: bool,
         stats: dict[str, int]) -> Index:
-    """Pack `plan` through `sink`, keeping an earlier run's finished work."""
+    """Pack `plan` through `sink`, keeping an earlier run's finished work, holding DEST's
+    lock throughout (a second pack into it is refused, see lock.py)."""
+    with lock.held(sink.dest):
+        return _run(plan, sink, runner, progress, overwrite, stats)
+
+
+def _run(plan: Plan, sink: Sink, runner: executors.Runner[Job, JobResult], progress: bool | None, overwrite: bool,
+         stats: dict[str, int]) -> Index:
     try:
         committed = sink.prepare(overwrite)
         if committed is not None:
