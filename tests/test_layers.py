@@ -1,6 +1,7 @@
 """The package's layering, read from its imports: a module imports only from its own layer's
-package or from lower layers (see docs/design.md). Imports under `if TYPE_CHECKING:` are
-annotations only and do not count."""
+package or from lower layers (see docs/design.md), inside the packages too, and no modules
+import each other in a circle. Every import counts: those under `if TYPE_CHECKING:` and
+inside functions as well (a type-only cycle is still two modules that must know each other)."""
 
 from __future__ import annotations
 
@@ -39,12 +40,8 @@ def _imports(path: Path) -> list[tuple[str, int]]:
     module = path.relative_to(PACKAGE).with_suffix("").parts
     package = list(module[:-1]) if path.name != "__init__.py" else list(module[:-1])
     tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for n in ast.walk(node)}
     found = []
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.ImportFrom) and node.level:
             base = package[: len(package) - (node.level - 1)]
             names = [".".join([*base, node.module])] if node.module else [".".join([*base, a.name]) for a in node.names]
@@ -78,7 +75,7 @@ def test_packing_and_reading_do_not_import_each_other() -> None:
 
 def test_only_storage_clients_imports_fsspec() -> None:
     users = [p for p in MODULES if any((isinstance(n, ast.Import) and any(a.name.split(".")[0] == "fsspec" for a in n.names))
-                                       or (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "fsspec")
+                                       or (isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").split(".")[0] == "fsspec")
                                        for n in ast.walk(ast.parse(p.read_text())))]
     assert [p.relative_to(PACKAGE).as_posix() for p in users] == ["storage/clients.py"]
 
@@ -88,3 +85,82 @@ def test_every_format_has_a_sink_named_as_it() -> None:
     from shardkit.packing.pack import SINKS
 
     assert tuple(SINKS) == FORMATS and all(SINKS[name].name == name for name in FORMATS)
+
+
+# Inside a package, lowest first: a module imports only its own layer's modules and those below
+INNER: dict[str, list[set[str]]] = {
+    "reading": [
+        {"worker", "counters", "state", "compressed"},
+        {"spec", "batching", "epoch_stream", "samples"},
+        {"pass_", "epochs"},
+        {"mix", "tar_dataset", "lmdb_dataset"},
+        {"dataset"},
+    ],
+    "storage": [
+        {"urls", "descriptors", "cache", "seqwrite", "streams"},
+        {"retry", "clients"},
+        {"s3_http"},
+        {"stores"},
+        {"files", "atomic"},
+        {"range_reader"},
+    ],
+    "storage.stores": [
+        {"base"},
+        {"local", "fsspec"},
+        {"s3"},
+    ],
+}
+
+
+def _module_of(name: str) -> str | None:
+    """The module file a dotted name within shardkit is, if it is one ('' is the package)."""
+    parts = [p for p in name.split(".") if p]
+    if (PACKAGE.joinpath(*parts).with_suffix(".py")).is_file():
+        return ".".join(parts)
+    if (PACKAGE.joinpath(*parts, "__init__.py")).is_file():
+        return ".".join([*parts, "__init__"])
+    return None
+
+
+@pytest.mark.parametrize("package", sorted(INNER))
+def test_imports_flow_down_inside_packages(package: str) -> None:
+    level = {m: n for n, layer in enumerate(INNER[package]) for m in layer}
+    folder = PACKAGE.joinpath(*package.split("."))
+    files = sorted(p for p in folder.glob("*.py") if p.name != "__init__.py")
+    files += sorted(p / "__init__.py" for p in folder.iterdir() if (p / "__init__.py").is_file())
+    name = {p: p.parent.name if p.name == "__init__.py" else p.stem for p in files}
+    assert set(name.values()) == set(level), f"{package}/: place every module in INNER"
+    depth = len(package.split("."))
+    for path in files:
+        for imported, line in _imports(path):
+            parts = imported.split(".")
+            if parts[:depth] != package.split(".") or len(parts) <= depth or parts[depth] == name[path]:
+                continue
+            there = parts[depth]
+            assert level[there] <= level[name[path]], \
+                f"{path}:{line} imports {imported} (layer {level[there]}) from layer {level[name[path]]}"
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    graph: dict[str, set[str]] = {}
+    for path in MODULES:
+        here = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        graph[here] = {m for name, _ in _imports(path) if (m := _module_of(name)) is not None and m != here}
+    # a package's __init__ importing its own modules is how a package is made, not a circle
+    for here, out in graph.items():
+        if here.endswith("__init__"):
+            base = here.removesuffix("__init__")
+            graph[here] = {m for m in out if not m.startswith(base)} if base else set()
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(node):], node]))
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*path, node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])

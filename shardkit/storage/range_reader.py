@@ -11,16 +11,14 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AccessDeniedError, CorruptShardError, NotFoundError, ShardkitError, one_line
-from .clients import filesystem
 from .descriptors import FILES
-from .files import cat_range, pin_of
+from .files import pin_of
 from .retry import attempts_for, retrying, root_cause, status_of
-from .s3_http import direct, path_of, presignable
-from .streams import Arriving, s3_get
-from .urls import S3, StorageOptions, display, is_local, local_path, scheme
+from .stores import Store, store_for
+from .streams import Arriving, ReadAt
+from .urls import StorageOptions, display, is_local, local_path
 
 if TYPE_CHECKING:
-    from ..formats.tar import ReadAt
     from .cache import RangeCache
 
 
@@ -33,13 +31,14 @@ class RangeReader:
 
     Local files are read with pread, straight into the caller's bytes (`read_at`), and
     `advise` starts the disk read-ahead of a range before it is needed; their descriptors
-    are the process's bounded set (descriptors.FILES), opened again when needed. Remote shards take
-    ranged GETs through fsspec, retried on transient errors (`patient`: for as long as an
-    outage of the store may last, see OUTAGE_RETRIES), and go through the optional local
-    cache; `stream` hands a range's bytes over as they arrive. `versions` are the shards'
-    sha256s; `pins` their versions (index.ShardInfo.version): S3 reads are conditional on
-    the ETag (If-Match), other shards are checked when first opened, and a shard replaced
-    since raises CorruptShardError naming it. `throttled` counts the store's 503/429s.
+    are the process's bounded set (descriptors.FILES), opened again when needed. A remote
+    shard is read through its store (stores/, one a shard): ranged GETs retried on transient
+    errors (`patient`: for as long as an outage of the store may last, see OUTAGE_RETRIES),
+    resumed from where their bytes stopped, through the optional local cache; `stream`
+    hands a range's bytes over as they arrive. `versions` are the shards' sha256s; `pins`
+    their versions (index.ShardInfo.version): a conditional store's reads carry the pin
+    (S3's If-Match), other shards are checked when first opened, and a shard replaced since
+    raises CorruptShardError naming it. `throttled` counts the store's 503/429s.
     """
 
     def __init__(self, urls: list[str], storage_options: StorageOptions | None = None,
@@ -47,17 +46,13 @@ class RangeReader:
                  patient: bool = False, pins: list[dict[str, Any] | None] | None = None):
         self._urls = urls
         self._pins = pins or [None] * len(urls)
-        self._s3 = [scheme(u) in S3 and "::" not in u for u in urls]  # streamed, If-Match
-        presigned = [presignable(u) for u in urls]
-        self._direct = direct(storage_options) if any(presigned) else None
-        self._presigned = presigned if self._direct is not None else [False] * len(urls)  # S3 without s3fs
         self._patient = patient  # the caller has reached the store: reads ride out an outage
         self._opts = storage_options
         self._versions = versions or [None] * len(urls)
         self._cache = cache
         self._verify = verify
         self._local = [is_local(u) for u in urls]
-        self._handles: dict[int, Any] = {}  # shard -> its key in FILES (local), or (filesystem, path)
+        self._handles: dict[int, Any] = {}  # shard -> its key in FILES (local), or its Store
         self._number = next(_READERS)
         self._instances: dict[tuple[Any, ...], Any] = {}
         self._bad: dict[int, ShardkitError] = {}
@@ -103,17 +98,12 @@ class RangeReader:
             kind = {FileNotFoundError: NotFoundError, PermissionError: AccessDeniedError}.get(type(e), ShardkitError)
             raise kind(f"{display(self._urls[shard])}: {type(e).__name__}: {one_line(e)}") from e
 
-    def _filesystem(self, shard: int) -> tuple[Any, str]:
-        return filesystem(self._urls[shard], self._opts, self._instances, client_retries=False)
-
     def _open(self, shard: int) -> Any:
         handle: Any
         if self._local[shard]:
             handle = self._open_local(shard)
-        elif self._presigned[shard]:  # presigned GETs: no s3fs client in this process
-            handle = (None, path_of(self._urls[shard]))
         else:
-            handle = self._filesystem(shard)
+            handle = store_for(self._urls[shard], self._opts, patient=self._patient, instances=self._instances)
         try:
             self._check_pin(shard, handle)
             if self._verify:
@@ -124,14 +114,17 @@ class RangeReader:
             raise
         return handle
 
+    def store(self, shard: int) -> str:
+        """The name of the store that reads a shard (stats() reports it)."""
+        return "local" if self._local[shard] else str(self._handle(shard).name)
+
     def _check_pin(self, shard: int, handle: Any) -> None:
-        """Check a shard's version against the index's as it is opened; S3's reads check
-        it themselves (If-Match), at no extra request."""
+        """Check a shard's version against the index's as it is opened; a conditional
+        store's reads check it themselves (If-Match), at no extra request."""
         expected, url = self._pins[shard], self._urls[shard]
-        if expected is None or self._s3[shard] or self._local[shard]:
+        if expected is None or self._local[shard] or handle.conditional:
             return
-        fs, path = handle
-        found = pin_of(url, retrying(f"{display(url)} (version)", lambda: fs.info(path), attempts_for(url, self._patient)))
+        found = pin_of(url, handle.info(url, " (version)"))
         if found is not None and found.keys() == expected.keys() and found != expected:
             mark = next(iter(expected))
             raise self._replaced(shard, f"{mark} {found[mark]}, the index has {expected[mark]}")
@@ -148,17 +141,13 @@ class RangeReader:
     def _check_sha256(self, shard: int, handle: Any) -> None:
         """Hash the whole shard once (the first time this reader touches it) against the
         index; a close() stops it at its next chunk."""
-        expected = self._versions[shard]
+        expected, url = self._versions[shard], self._urls[shard]
         if expected is None:
             return
 
         def digest() -> str:
             sha, done = hashlib.sha256(), 0
-            f: Any = None
-            if self._presigned[shard] and self._direct is not None:
-                f = self._direct.open(handle[1])
-            elif not self._local[shard]:
-                f = handle[0].open(handle[1], "rb", block_size=8 << 20)
+            f = None if self._local[shard] else handle.open(url, " (sha256 check)")
             try:
                 while True:
                     self._check_open()  # a close() stops the hash at its next chunk
@@ -173,7 +162,6 @@ class RangeReader:
                     with self._lock:
                         self.fetched_bytes += done
 
-        url = self._urls[shard]
         if retrying(f"{display(url)} (sha256 check)", digest, attempts_for(url, self._patient)) != expected:
             raise CorruptShardError(f"{display(url)}: sha256 mismatch with the index (shard changed or corrupt)")
 
@@ -231,89 +219,52 @@ class RangeReader:
         for the caller to tell which samples are whole."""
         if self._local[shard]:
             data = self.read_at(shard)(stop - start, start)
-            if len(data) < stop - start and not partial:
-                raise self._short(shard, start, stop, len(data))
-            return data
-        if self._s3[shard]:  # through the streamed GET: If-Match, and a retry asks for the rest only
+        else:
             arrived = Arriving(start, stop)
-            self._stream_s3(shard, start, stop, arrived)
+            self._fill(shard, start, stop, arrived)
             data = arrived.data()
-            if len(data) < stop - start and not partial:
-                raise self._short(shard, start, stop, len(data))
-            return data
-        handle = self._handle(shard)
-        url, version = self._urls[shard], self._versions[shard]
-        cache = self._cache if version is not None else None  # without a sha256, a replaced shard looks the same
-        if cache is not None:
-            cached = cache.get(url, version, start, stop)
-            if cached is not None:
-                return cached
-        fs, path = handle
-
-        def get() -> bytes:
-            self._check_open()
-            data = cat_range(fs, path, start, stop, url)
-            if len(data) < stop - start:
-                fs.invalidate_cache(path)
-                if fs.size(path) < stop:  # the object does end there
-                    if partial:
-                        return data
-                    raise self._short(shard, start, stop, len(data))
-                raise OSError(f"short read: {len(data)} of {stop - start} bytes")  # a cut-short body: retried
-            return data
-
-        data = retrying(f"{display(url)} (bytes {start}-{stop})", get, attempts_for(url, self._patient),
-                        throttled=self._throttle)
-        with self._lock:
-            self.fetched_bytes += len(data)
-        if cache is not None and len(data) == stop - start:
-            cache.put(url, version, start, stop, data)
+        if len(data) < stop - start and not partial:
+            raise self._short(shard, start, stop, len(data))
         return data
 
     def stream(self, shard: int, start: int, stop: int, into: Arriving) -> None:
         """Fill `into` with bytes [start, stop) of a remote shard as they arrive, then finish
         it: at the shard's end if it ends before `stop`, or with the error that stopped the
-        read. S3 streams (a retry asks for the rest only) and reads only the version the
-        index pinned; other stores fill it in one go (`read`)."""
+        read. A retry asks for the rest only; a conditional store reads only the version the
+        index pinned."""
         try:
-            if not self._s3[shard]:
+            if self._local[shard]:  # a local shard among remote ones: read at once
                 into.adopt(self.read(shard, start, stop, partial=True))
                 return
-            self._stream_s3(shard, start, stop, into)
+            self._fill(shard, start, stop, into)
         except BaseException as e:  # noqa: BLE001 - the consumer raises it, at the first sample it concerns
             into.finish(error=e)
 
-    def _stream_s3(self, shard: int, start: int, stop: int, into: Arriving) -> None:
+    def _fill(self, shard: int, start: int, stop: int, into: Arriving) -> None:
         url, version = self._urls[shard], self._versions[shard]
-        cache = self._cache if version is not None else None
+        cache = self._cache if version is not None else None  # without a sha256, a replaced shard looks the same
         cached = cache.get(url, version, start, stop) if cache is not None else None
         if cached is not None:
             into.adopt(cached)
             return
-        fs, path = self._handle(shard)
+        store: Store = self._handle(shard)
         pin = self._pins[shard]
-        etag = pin.get("etag") if pin is not None else None
 
         def get() -> None:
             self._check_open()
             at, size = start + into.filled, None
             try:
-                if self._direct is not None and self._presigned[shard]:
-                    size = self._direct.get(path, at, stop, into.receive, etag)
-                else:
-                    s3_get(fs, path, at, stop, into.write, etag)
+                size = store.get(url, at, stop, into, pin)
             except Exception as e:
                 status = status_of(root_cause(e))
                 if status == 412:
-                    raise self._replaced(shard, f"its ETag is no longer {etag}") from None
+                    raise self._replaced(shard, f"its ETag is no longer {(pin or {}).get('etag')}") from None
                 if status != 416:  # 416: the object ends before `at`
                     raise
                 size = at
             if start + into.filled < stop:
-                if size is None:  # s3fs's read, or an answer that did not tell
-                    store = fs or self._filesystem(shard)[0]
-                    store.invalidate_cache(path)
-                    size = store.size(path)
+                if size is None:  # an answer that did not tell
+                    size = store.size_now(url)
                 if size >= stop:
                     raise OSError(f"short read: {into.filled} of {stop - start} bytes")  # a cut-short body: the rest
                 # else the object does end there

@@ -3,21 +3,18 @@
 `Arriving` is the buffer a read-ahead thread fills and the worker reads from: a read of
 bytes that have not come yet waits for them (or for the error that stopped them), so a
 sample is parsed as soon as its own bytes are in, not when its whole block is.
-`s3_get` is an S3 GET that feeds one through s3fs's client (s3fs's `cat_file` reads a whole
-body before it returns, so the body is read here, chunk by chunk, on s3fs's event loop);
-s3_http.py has the cheaper one, used where the storage options allow.
+The stores (stores/) fill them, each by its own client.
 """
 
 from __future__ import annotations
 
-import asyncio
 import mmap
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
-CHUNK = 1 << 20  # the most bytes asked of the socket at once (it gives what has come, often less)
+
+ReadAt = Callable[[int, int], bytes]  # read_at(size, offset): a shard's bytes, as formats.tar reads them
 
 
 class Stalls:
@@ -103,25 +100,3 @@ class Arriving:
     def data(self) -> bytes:
         """The bytes in, once finished without an error (for the cache)."""
         return bytes(self._view[: self.filled])
-
-
-def s3_get(fs: Any, path: str, start: int, stop: int, write: Callable[[bytes], None],
-           if_match: str | None = None) -> None:
-    """GET bytes [start, stop) of an S3 object through s3fs's client (`fs`), handing each
-    chunk to `write` as it arrives, on s3fs's event loop; with `if_match`, only if the
-    object's ETag is still that (else 412). A range past the end raises (416)."""
-    bucket, key, version_id = fs.split_path(path)
-    extra = {"IfMatch": if_match} if if_match else {}
-    if version_id:
-        extra["VersionId"] = version_id
-
-    async def get() -> None:
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", **extra)
-        body = resp["Body"]
-        try:
-            while chunk := await body.read(CHUNK):
-                write(chunk)
-        finally:
-            body.close()
-
-    asyncio.run_coroutine_threadsafe(get(), fs.loop).result()

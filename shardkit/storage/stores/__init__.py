@@ -1,0 +1,40 @@
+"""Stores by scheme: `store_for(url, storage_options)` is the one way to the store that
+reads a URL (base.py says what a store does).
+
+    local    plain paths and file://           os calls
+    s3       s3://, s3a://                     presigned GETs (s3_http.py), else s3fs
+    webhdfs  webhdfs://, swebhdfs://           fsspec, a ranged read in one OPEN
+    fsspec   everything else, chained URLs     the scheme's fsspec backend
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..urls import S3, WEBHDFS, StorageOptions, is_local, scheme
+from .base import Sink, Store
+from .fsspec import FsspecStore, WebHdfsStore
+from .local import LocalStore
+from .s3 import s3_store
+
+Instances = dict[tuple[Any, ...], Any]
+_BY_SCHEME: dict[str, Callable[[str, StorageOptions | None, bool, Instances | None], Store]] = {
+    **{s: s3_store for s in S3},
+    **{s: lambda url, opts, patient, inst: WebHdfsStore(opts, patient, inst) for s in WEBHDFS},
+}
+
+
+def store_for(url: str, storage_options: StorageOptions | None = None, *, patient: bool = False,
+              instances: Instances | None = None) -> Store:
+    """The store that reads `url`. `patient`: reads ride out an outage of the store (the
+    caller reached it already); `instances`: a reader's own clients, else this process's."""
+    if is_local(url):
+        return LocalStore(storage_options, patient)
+    make = _BY_SCHEME.get(scheme(url)) if "::" not in url else None  # chained: fsspec assembles them
+    if make is None:
+        return FsspecStore(storage_options, patient, instances)
+    return make(url, storage_options, patient, instances)
+
+
+__all__ = ["FsspecStore", "LocalStore", "Sink", "Store", "store_for"]

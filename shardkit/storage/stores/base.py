@@ -1,0 +1,91 @@
+"""The Store interface: one kind of storage, for the URLs of its schemes.
+
+A store reads a range (`get`: one request, its bytes handed to a sink as they arrive, for
+the caller's retries, hedges and parallel pieces), opens an object for reading, tells an
+object's details (size, and the version marks that change when it is replaced), lists,
+removes, and makes or removes folders. Atomic writes are atomic.py's, over the same
+stores' clients. URLs are the user's fsspec URLs, whole; storage options reach the client
+unchanged.
+
+Errors: the operations here are retried (`retrying`: transient failures again, with
+backoff) and fail as shardkit's errors naming the URL, never a secret; a missing object is
+FileNotFoundError where "not there" is an answer (exists, size, listings) rather than a
+failure. `get` is the one primitive left unretried: its caller resumes a range from where
+its bytes stopped.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, BinaryIO, ClassVar, Protocol
+
+from ..retry import attempts_for, retrying
+from ..urls import StorageOptions, display
+
+
+class Sink(Protocol):
+    """Where a ranged read's bytes go, in order (streams.Arriving)."""
+
+    def write(self, chunk: bytes) -> None: ...
+
+    def receive(self, readinto: Callable[[memoryview], int]) -> None: ...
+
+
+class Store(ABC):
+    """How one kind of storage is read and listed. `name` is what `stats()` and messages
+    call it; `conditional` stores carry a shard's pinned version on every ranged read
+    (If-Match), so nothing needs checking when a shard is first opened."""
+
+    name: ClassVar[str]
+    conditional: ClassVar[bool] = False
+
+    def __init__(self, storage_options: StorageOptions | None = None, patient: bool = False):
+        self.options = storage_options
+        self.patient = patient  # its caller has reached the store already: ride out an outage
+
+    def retried(self, url: str, what: str, fn: Callable[[], Any]) -> Any:
+        """`fn()` under the retry policy, failing with one line naming `url` (and `what`)."""
+        return retrying(f"{display(url)}{what}", fn, attempts_for(url, self.patient))
+
+    @abstractmethod
+    def get(self, url: str, start: int, stop: int, sink: Sink, pin: dict[str, Any] | None) -> int | None:
+        """One request for bytes [start, stop), handed to `sink` as they arrive (fewer where
+        the object ends); the object's size where the answer tells it. Conditional stores
+        send `pin` with it (a replaced object answers 412). Not retried: errors are raw."""
+
+    @abstractmethod
+    def size_now(self, url: str) -> int:
+        """The object's size, asked afresh (after a short read: did it end there?)."""
+
+    @abstractmethod
+    def cat(self, url: str) -> bytes:
+        """The whole object."""
+
+    @abstractmethod
+    def open(self, url: str, what: str = "") -> BinaryIO:
+        """The object, for reading in order (its reads retried; `what` said in a failure's line)."""
+
+    @abstractmethod
+    def info(self, url: str, what: str = "") -> dict[str, Any]:
+        """The object's details, fsspec's shape: "size" and the store's version marks."""
+
+    @abstractmethod
+    def ls(self, url: str, detail: bool) -> list[Any]:
+        """What is directly under a folder or prefix: names, or fsspec's details."""
+
+    @abstractmethod
+    def find(self, url: str) -> dict[str, dict[str, Any]]:
+        """Every object under a prefix, recursively: {path: details}; {} where none."""
+
+    @abstractmethod
+    def remove(self, url: str) -> None:
+        """Remove an object; one already gone is no error."""
+
+    @abstractmethod
+    def makedirs(self, url: str) -> None:
+        """Make a folder (object stores have none: nothing)."""
+
+    @abstractmethod
+    def remove_dir(self, url: str) -> None:
+        """Remove an empty folder, best effort (object stores have none: nothing)."""
