@@ -77,6 +77,23 @@ def _decode(data: bytes | bytearray | memoryview, at_least: tuple[int, int] | No
     return hwc, source[0] / scale, source[1] / scale
 
 
+def warning(data: bytes | bytearray | memoryview, scale: int = 1) -> str | None:
+    """What libjpeg-turbo warns of as it decodes a JPEG the fast path takes (at 1/`scale`, 1
+    to 8: the whole scan is read whatever the scale), raised by its strict mode: "" where it
+    decodes with no warning, None where the fast path does not take it (PIL's to judge)."""
+    source = header(data)
+    if source is None:
+        return None
+    import simplejpeg
+
+    try:
+        simplejpeg.decode_jpeg(data, "RGB", min_width=-(-source[0] // scale), min_height=-(-source[1] // scale),
+                               strict=True)
+    except ValueError as e:
+        return str(e) or "a warning"
+    return ""
+
+
 def resized(data: bytes | bytearray | memoryview, size: tuple[int, int], at_least: tuple[int, int] | None, resample: int
             ) -> torch.Tensor | None:
     """A JPEG decoded as `decode(data, at_least)` does, then resized to `size` (width, height)

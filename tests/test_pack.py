@@ -1307,3 +1307,41 @@ def test_images_every_reader_would_refuse_are_skipped_at_pack_time(tmp_path: Pat
         assert idx.samples == 2 and sorted(reasons) == ["a/bad.ppm", "a/cut.jpg", "a/huge.jpg", "a/huge.png"], options
         assert "decompression bomb" in reasons["a/huge.png"].lower() and reasons["a/cut.jpg"] == "truncated image"
     assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # the caller's setting, as it was
+
+
+def _claiming(claim: tuple[int, int], seed: int = 0) -> bytes:
+    """A JPEG of 16x16 noise whose frame header claims `claim` (width, height) pixels."""
+    import struct
+
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(out, "JPEG")
+    data, pos = bytearray(out.getvalue()), 2
+    while data[pos + 1] != 0xC0:  # to the start of frame
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+    data[pos + 5 : pos + 9] = struct.pack(">HH", claim[1], claim[0])
+    return bytes(data)
+
+
+def test_a_jpeg_whose_header_claims_more_pixels_than_its_scans_hold_is_refused(photos: Path, tmp_path: Path) -> None:
+    """A header claiming 2000x2000 over a 16x16 scan passed pack, --decode-check and --resize,
+    decoding to grey (libjpeg-turbo only warns, and PIL takes that for a success). Too few
+    bytes of scans for the pixels claimed (one bit per 8x8 block at the least) is refused by
+    the cheap check; one whose scans end early (libjpeg-turbo: "premature end of data
+    segment") by every check that decodes: --decode-check, --resize, verify --decode."""
+    from shardkit.tools.verify import undecodable
+
+    (photos / "circle" / "liar.jpg").write_bytes(_claiming((2000, 2000)))
+    (photos / "circle" / "small_liar.jpg").write_bytes(_claiming((64, 64), seed=1))  # scans long enough for 64x64
+    both = ["circle/liar.jpg", "circle/small_liar.jpg"]
+    for options, refused in (({}, both[:1]), ({"decode_check": True}, both), ({"resize": 8}, both)):
+        idx = shardkit.pack(str(photos), str(tmp_path / f"out{list(options)}"), workers=1, progress=False, **options)
+        reasons = {s.path: s.reason for s in idx.skipped}
+        assert sorted(reasons) == refused and idx.samples == 32 - len(refused), options
+        bound = (r"truncated image: 2000x2000 pixels in \d+ bytes of scans, fewer than the 11719 that even a blank image "
+                 r"of that size takes \(its header claims more pixels than its data holds\)")
+        cut = r"truncated image: its data ends before its pixels do \(libjpeg-turbo: .*premature end of data segment\)"
+        assert all(re.fullmatch(bound if not options and path == both[0] else cut, reasons[path]) for path in refused)
+    with pytest.raises(SourceError, match=r"circle/liar\.jpg: truncated image: 2000x2000 pixels in \d+ bytes"):
+        shardkit.pack(str(photos), str(tmp_path / "fail"), workers=1, progress=False, on_error="fail")
+    (problem,) = undecodable(str(tmp_path / "out[]"), workers=0)  # packed by the cheap checks: found by verify
+    assert "(packed from circle/small_liar.jpg): field 'jpg': truncated image: its data ends before its pixels" in problem

@@ -52,8 +52,14 @@ def _looks_complete(data: bytes, field: str) -> bool:
         # 0xFFD9 cannot occur inside entropy-coded data, so finding it near the end (after the
         # first scan: an EXIF thumbnail before it has its own) means the scan was not cut short.
         # (Trailing vendor data longer than 4 KB falls back to PIL.)
-        return (scan is not None and _fits(*scan[:2])
-                and data.rfind(b"\xff\xd9", max(scan[2], len(data) - 4096)) >= 0)
+        end = data.rfind(b"\xff\xd9", max(scan[2], len(data) - 4096)) if scan is not None else -1
+        if scan is None or not _fits(*scan[:2]) or end < 0:
+            return False
+        if (end - scan[2]) * 8 < scan[3]:
+            raise BadImage(f"truncated image: {scan[0]}x{scan[1]} pixels in {end - scan[2]} bytes of scans, fewer "
+                           f"than the {_ceil(scan[3], 8)} that even a blank image of that size takes (its header "
+                           "claims more pixels than its data holds)")
+        return True
     if field == "png":
         return (data.startswith(_PNG_MAGIC) and data.rstrip(b"\x00").endswith(_PNG_END)
                 and _fits(int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")))
@@ -68,18 +74,19 @@ def _looks_complete(data: bytes, field: str) -> bool:
 
 
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame markers (not DHT, JPG, DAC)
+_HUFFMAN = frozenset({0xC0, 0xC1, 0xC2, 0xC3})  # baseline, extended, progressive, lossless: Huffman-coded
 
 
 _SEGMENT = struct.Struct(">BBH")  # 0xFF, the marker, the segment's length
-_FRAME = struct.Struct(">HH")  # a start-of-frame's height and width, 5 bytes into it
+_FRAME = struct.Struct(">HHB")  # a start-of-frame's height, width and component count, 5 bytes into it
 
 
-def _jpeg_scan(data: bytes) -> tuple[int, int, int] | None:
-    """(width, height, offset of the first scan) of a JPEG, from its marker segments; None
-    where they do not read as such."""
+def _jpeg_scan(data: bytes) -> tuple[int, int, int, int] | None:
+    """(width, height, offset of the first scan, the fewest bits its scans can take) of a
+    JPEG, from its marker segments; None where they do not read as such."""
     if not data.startswith(b"\xff\xd8"):
         return None
-    pos, size, last = 2, None, len(data) - 9
+    pos, frame, last = 2, None, len(data) - 9
     while pos <= last:
         ff, marker, length = _SEGMENT.unpack_from(data, pos)
         if ff != 0xFF:
@@ -87,12 +94,29 @@ def _jpeg_scan(data: bytes) -> tuple[int, int, int] | None:
         if marker == 0xFF:  # fill byte
             pos += 1
         elif marker == 0xDA:
-            return (size[1], size[0], pos) if size else None
+            return (frame[0], frame[1], pos, frame[2]) if frame else None
         else:
             if marker in _SOF:
-                size = _FRAME.unpack_from(data, pos + 5)
+                height, width, _ = _FRAME.unpack_from(data, pos + 5)
+                frame = (width, height, _least_bits(data, pos, width, height) if marker in _HUFFMAN else 0)
             pos += 2 + length
     return None
+
+
+def _least_bits(data: bytes, pos: int, width: int, height: int) -> int:
+    """The fewest bits a Huffman-coded frame's scans can take: every 8x8 block of every
+    component has its DC coefficient coded, in one bit at the least. (A header claiming
+    2000x2000 pixels over a 16x16 scan decodes to grey, which PIL accepts.)"""
+    count = data[pos + 9] if pos + 9 < len(data) else 0
+    factors = [(data[i] >> 4, data[i] & 15) for i in range(pos + 11, min(pos + 10 + 3 * count, len(data)), 3)]
+    if not factors or any(h == 0 or v == 0 for h, v in factors):
+        return 0  # not a frame to reason about: left to the decoders
+    most_h, most_v = max(h for h, _ in factors), max(v for _, v in factors)
+    return sum(_ceil(_ceil(width * h, most_h), 8) * _ceil(_ceil(height * v, most_v), 8) for h, v in factors)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _fits(width: int, height: int) -> bool:
@@ -151,6 +175,8 @@ def check(data: bytes, field: str, decode: bool = False) -> str:
         raise BadImage("empty file")
     if not decode and _looks_complete(data, field):
         return field
+    if decode and _whole_jpeg(data):
+        return "jpg"
     img = _open(data)
     real = _PIL_FORMATS.get(img.format or "")
     if real is None:
@@ -175,9 +201,25 @@ def check_decodes(data: bytes) -> None:
     no decoder can tell it.)"""
     if not data:
         raise BadImage("empty file")
+    if _whole_jpeg(data):
+        return
     with warnings.catch_warnings():  # PIL's "Corrupt EXIF data" and the like: the image decodes
         warnings.simplefilter("ignore")
         _open(data)
+
+
+_CUT_SHORT = "premature end of data segment"  # libjpeg-turbo's words for scans that end before the pixels do
+
+
+def _whole_jpeg(data: bytes, scale: int = 1) -> bool:
+    """Whether libjpeg-turbo decodes `data` as a JPEG in full with no warning (PIL, on the same
+    library, then decodes it too, about 1.2x slower); False: PIL's to judge (a file cut off
+    included: PIL refuses it). BadImage where the scans end, at a marker, before the pixels
+    do: libjpeg-turbo fills the rest with grey and PIL takes that warning for a success."""
+    said = jpeg.warning(data, scale)
+    if said and _CUT_SHORT in said.lower():
+        raise BadImage(f"truncated image: its data ends before its pixels do (libjpeg-turbo: {said})")
+    return said == ""
 
 
 def reencode(data: bytes, resize: int | None, quality: int) -> bytes:
@@ -208,6 +250,8 @@ def _decoded(img: Image.Image, data: bytes, resize: int | None) -> Image.Image:
         hwc = jpeg.decode(data, (resize, resize) if resize else None)
         if hwc is not None:
             return Image.fromarray(hwc)
+    if img.format == "JPEG":
+        _whole_jpeg(data, 8)  # a scan that ends early, which PIL would decode to grey, is refused
     if resize and img.format == "JPEG":
         img.draft("RGB", (resize, resize))  # let libjpeg decode at 1/2, 1/4, 1/8 scale
     with _truncated_refused():
