@@ -7,10 +7,14 @@ Raw reading (no decode) in one process: what the storage path can deliver.
 
     python scripts/bench_remote.py --images 2000 --rounds 3
 
-With --peers: shardkit against webdataset, MosaicML Streaming and litdata on the same server,
-proxy, data and loader, at 0 and +100 ms (scripts/remote_peers_run.py says what is measured).
+With --peers: shardkit against webdataset, MosaicML Streaming, litdata and AWS s3torchconnector,
+and a ceiling (every shard fetched at once by curl), on the same server, data and loader, under
+five conditions of the proxy: 0 ms, +100 ms, 50 ms with 20 MB/s a connection, 20 ms with 5% of
+requests at 1 s, 50 ms with 2% of responses reset (scripts/remote_peers_run.py says what is
+measured). --conditions and --contestants pick a subset (keys or indices, comma-separated).
 
     python scripts/bench_remote.py --peers --images 2000 --rounds 3
+    python scripts/bench_remote.py --peers --images 300 --rounds 1 --conditions bw,tail --contestants shardkit,ceiling
 
 With --pack: packing from the bucket (to local disk, 2 workers) at 0 and +50 ms, against
 packing from local disk: an image folder, a job reading its files REMOTE_READS at a time
@@ -27,7 +31,6 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from bench_stats import median, spread  # noqa: E402
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 BUCKET = "bench"
@@ -62,10 +66,13 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     raise SystemExit("moto_server did not start")
 
 
-def start_proxy(upstream: str, latency_ms: int) -> tuple[subprocess.Popen, str, int]:
+def start_proxy(upstream: str, latency_ms: float = 0, **settings: float) -> tuple[subprocess.Popen, str, int]:
+    """scripts/latency_proxy.py in front of `upstream`, with `settings` (its SETTINGS: conn_mbps,
+    tail_prob, tail_ms, reset_prob, ...) and seed 1; (process, its URL, its control port)."""
     host_port = upstream.split("://", 1)[1]
-    proc = subprocess.Popen([sys.executable, str(HERE / "latency_proxy.py"), "--upstream", host_port,
-                             "--latency-ms", str(latency_ms), "--seed", "1"], stdout=subprocess.PIPE, text=True)
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in {"latency_ms": latency_ms, **settings}.items()]
+    proc = subprocess.Popen([sys.executable, str(HERE / "latency_proxy.py"), "--upstream", host_port, *flags,
+                             "--seed", "1"], stdout=subprocess.PIPE, text=True)
     _, port, control = proc.stdout.readline().split()  # type: ignore[union-attr]
     return proc, f"http://127.0.0.1:{port}", int(control)
 
@@ -158,11 +165,9 @@ def pack_run(args: argparse.Namespace, photos: Path, shards: Path) -> None:
         print("| source | where | reads | seconds | images/s | requests | MB fetched |")
         print("|---|---|---|---|---|---|---|")
         for key, values in seconds.items():
-            med = statistics.median(values)
             requests, size = fetched.get(key, (0, 0))
             traffic = f"{requests} | {size / 1e6:.1f}" if requests else "- | -"
-            print(f"| {' | '.join(key)} | {med:.2f} ({min(values):.2f}-{max(values):.2f}) | "
-                  f"{args.images / med:,.0f} | {traffic} |")
+            print(f"| {' | '.join(key)} | {spread(values, digits=2)} | {args.images / median(values):,.0f} | {traffic} |")
     finally:
         for p in (proxy, moto):
             p.terminate()
@@ -177,7 +182,19 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true", help="shardkit against its peers (see above)")
     ap.add_argument("--pack", action="store_true", help="packing from the bucket (see above)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds one contestant's epoch may take")
+    ap.add_argument("--conditions", default="",
+                    help="with --peers: the proxy conditions to run, comma-separated keys or indices "
+                         "(default all; scripts/remote_peers_run.py CONDITIONS)")
+    ap.add_argument("--contestants", default="",
+                    help="with --peers: the contestants to run, comma-separated keys or indices "
+                         "(default all; scripts/remote_peers.py CONTESTANTS)")
     args = ap.parse_args()
+    if args.peers:
+        import remote_peers_run
+
+        remote_peers_run.check_choices(ap, args)  # before minutes of setup
+    elif args.conditions or args.contestants:
+        ap.error("--conditions and --contestants go with --peers")
 
     import fsspec.core
 
@@ -192,8 +209,6 @@ def main() -> None:
         shutil.rmtree(shards, ignore_errors=True)
         shardkit.pack(str(photos), str(shards), max_size=size, progress=False)
     if args.peers:
-        import remote_peers_run
-
         return remote_peers_run.main(args, photos, shards)
     if args.pack:
         return pack_run(args, photos, shards)
@@ -219,7 +234,7 @@ def main() -> None:
             print(f"round {r + 1} done", file=sys.stderr)
 
         def med(name: str, prefetch: int, key: str) -> float:
-            return statistics.median(x[key] for x in results[(name, prefetch)])
+            return median(x[key] for x in results[(name, prefetch)])
 
         def mbs(name: str, prefetch: int) -> list[float]:
             return [x["bytes"] / x["seconds"] / 1e6 for x in results[(name, prefetch)]]
@@ -232,13 +247,13 @@ def main() -> None:
         for name in sources:
             for prefetch in (0, PREFETCH_ON):
                 m = mbs(name, prefetch)
-                sps = statistics.median(x["samples"] / x["seconds"] for x in results[(name, prefetch)])
+                sps = median(x["samples"] / x["seconds"] for x in results[(name, prefetch)])
                 label = "off" if prefetch == 0 else f"on ({prefetch} max)"
-                print(f"| {name} | {label} | {statistics.median(m):,.0f} ({min(m):,.0f}-{max(m):,.0f}) | {sps:,.0f} | "
+                print(f"| {name} | {label} | {spread(m)} | {sps:,.0f} | "
                       f"{med(name, prefetch, 'open_s'):.2f} | {med(name, prefetch, 'first_s'):.2f} | "
                       f"{med(name, prefetch, 'depth'):.1f} |")
-        s3_on = statistics.median(mbs("S3", PREFETCH_ON))
-        on100, off100 = statistics.median(mbs("S3 +100 ms", PREFETCH_ON)), statistics.median(mbs("S3 +100 ms", 0))
+        s3_on = median(mbs("S3", PREFETCH_ON))
+        on100, off100 = median(mbs("S3 +100 ms", PREFETCH_ON)), median(mbs("S3 +100 ms", 0))
         print(f"\nat +100 ms with read-ahead: {on100 / s3_on:.0%} of S3 without added latency, "
               f"{on100 / off100:.1f}x read-ahead off")
 

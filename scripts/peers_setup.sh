@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates and fills .venv-peers, the virtualenv that scripts/bench_peers.py runs in: shardkit
-# beside the peers it is compared with (webdataset, mosaicml-streaming, litdata), all on the
+# beside the peers it is compared with (webdataset, mosaicml-streaming, litdata, and AWS
+# s3torchconnector for the remote benchmark), all on the
 # CPU build of torch 2.13.0. Kept apart from .venv because mosaicml-streaming pins
 # google-cloud-storage<3.3, which drags gcsfs/s3fs/fsspec back to older releases.
 #
@@ -76,6 +77,8 @@ peer mosaicml-streaming mosaicml-streaming==0.13.0 "import bench_peers; bench_pe
     azure-identity 'catalogue>=2,<3' numpy
 peer litdata litdata==0.2.76 "import litdata" \
     lightning-utilities filelock requests tifffile obstore boto3 numpy
+# AWS's connector (bench_remote.py --peers): its CRT client comes as s3torchconnectorclient, a wheel.
+peer s3torchconnector s3torchconnector==1.5.0 "import s3torchconnector" s3torchconnectorclient==1.5.0
 
 # torchvision is declared by both peers and left out on purpose; anything else is worth a look.
 check=$("$py" -m pip check 2>&1)

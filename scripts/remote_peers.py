@@ -5,23 +5,36 @@ the same S3 server through the same proxy, as each library documents it:
 - webdataset: its documented http(s) URLs (presigned GETs), which it reads through `curl`;
 - MosaicML Streaming: StreamingDataset(remote="s3://...", local=a fresh folder), S3_ENDPOINT_URL;
 - litdata: StreamingDataset("s3://...", storage_options={endpoint_url...}), a fresh cache; patched
-  to let its obstore client use a plain-http endpoint (it refuses one: "BadScheme").
+  to let its obstore client use a plain-http endpoint (it refuses one: "BadScheme");
+- AWS s3torchconnector (its CRT client): S3IterableDataset.from_objects(the shards' URIs,
+  endpoint=..., s3client_config=S3ClientConfig(force_path_style=True), enable_sharding=True),
+  each object streamed through tarfile.open(fileobj=reader, mode="r|") and its members grouped
+  by key into samples, as AWS pairs it with webdataset's tars;
+- ceiling: no loader; every shard fetched at once, one `curl` process a shard (a presigned URL,
+  bytes to /dev/null; a transfer cut short goes on with a Range from where it stopped).
 
-Every one: DataLoader(num_workers=2, batch_size=64) (litdata's own StreamingDataLoader), raw
-bytes, shuffled, timed from building the dataset (after the imports) to the last batch; each
-checks that it saw every sample exactly once. Prints one JSON line.
+Every loader: DataLoader(num_workers=2, batch_size=64) (litdata's own StreamingDataLoader), raw
+bytes, shuffled (s3torchconnector: the order of its objects only; it has no sample shuffle),
+timed from building the dataset (after the imports: torch and the library) to the last batch; each checks that it saw
+every sample exactly once. The ceiling is timed from its first curl to its last and checks that
+every byte of every shard came. Prints one JSON line, with `cpu_s` (the CPU seconds of this
+process's tree while the clock ran: itself, its DataLoader workers, its curls), `setup_cpu_s`
+(before: interpreter and imports) and, for shardkit, its stats() after the epoch.
 
     python scripts/remote_peers.py prepare PHOTOS OUT      # in .venv-peers: MDS and litdata copies
-    python scripts/remote_peers.py run NAME ENDPOINT BUCKET
+    python scripts/remote_peers.py run KEY ENDPOINT BUCKET  # KEY: one of CONTESTANTS
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -76,15 +89,27 @@ def _shardkit(endpoint: str, bucket: str, prefetch: int | None):  # type: ignore
     return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
 
-def _webdataset(endpoint: str, bucket: str):  # type: ignore[no-untyped-def]
+def _shard_names(endpoint: str, bucket: str) -> tuple[object, list[tuple[str, int]]]:
+    """A boto3 client on `endpoint`, and the (key, size) of shardkit's tar shards by name."""
     import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                      region_name="us-east-1")
+    found = s3.list_objects_v2(Bucket=bucket, Prefix="shardkit/")["Contents"]
+    return s3, sorted((o["Key"], o["Size"]) for o in found if o["Key"].endswith(".tar"))
+
+
+def _presigned(s3, bucket: str, names: list[tuple[str, int]]) -> list[str]:  # type: ignore[no-untyped-def]
+    return [s3.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": n}, ExpiresIn=3600)
+            for n, _ in names]
+
+
+def _webdataset(endpoint: str, bucket: str):  # type: ignore[no-untyped-def]
     import webdataset as wds
     from torch.utils.data import DataLoader
 
-    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench")
-    names = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="shardkit/")["Contents"]
-                   if o["Key"].endswith(".tar"))
-    urls = [s3.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": n}, ExpiresIn=3600) for n in names]
+    s3, names = _shard_names(endpoint, bucket)
+    urls = _presigned(s3, bucket, names)
     ds = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False).shuffle(1000)
     return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
@@ -120,33 +145,151 @@ def _lit_collate(items: list[dict]) -> dict:
     return {"key": [i["key"] for i in items], "jpg": [bytes(i["jpg"]) for i in items], "cls": [i["cls"] for i in items]}
 
 
-LOADERS = {
-    "shardkit": lambda e, b: _shardkit(e, b, None),
-    "shardkit, read-ahead off": lambda e, b: _shardkit(e, b, 0),
-    "webdataset (curl)": _webdataset,
-    "MosaicML Streaming": _mosaic,
-    "litdata (patched: allow_http)": _litdata,
+def _tar_samples(reader) -> Iterator[dict]:  # type: ignore[no-untyped-def]
+    """The samples of one tar streamed from `reader`: its members grouped by key (the name up to
+    the first dot of its last part, as webdataset groups them), one dict a sample."""
+    import tarfile
+
+    sample: dict = {}
+    with tarfile.open(fileobj=reader, mode="r|") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            folder, _, base = member.name.rpartition("/")
+            stem, _, ext = base.partition(".")
+            key = f"{folder}/{stem}" if folder else stem
+            if sample and sample["__key__"] != key:
+                yield sample
+                sample = {}
+            sample["__key__"] = key
+            sample[ext] = tar.extractfile(member).read()  # type: ignore[union-attr]
+    if sample:
+        yield sample
+
+
+def _s3torch(endpoint: str, bucket: str):  # type: ignore[no-untyped-def]
+    import random
+
+    from s3torchconnector import S3ClientConfig, S3IterableDataset
+    from torch.utils.data import DataLoader, IterableDataset
+
+    _, names = _shard_names(endpoint, bucket)
+    uris = [f"s3://{bucket}/{n}" for n, _ in names]
+    random.shuffle(uris)  # its shuffling: the order of the objects
+    objects = S3IterableDataset.from_objects(uris, region="us-east-1", endpoint=endpoint, enable_sharding=True,
+                                             s3client_config=S3ClientConfig(force_path_style=True))
+
+    class TarSamples(IterableDataset):  # inherited by the forked workers, not pickled
+        def __iter__(self) -> Iterator[dict]:
+            for reader in objects:  # this worker's objects (enable_sharding)
+                yield from _tar_samples(reader)
+
+    return DataLoader(TarSamples(), batch_size=BATCH, num_workers=WORKERS)
+
+
+def _ceiling(endpoint: str, bucket: str) -> dict:
+    """Every shard fetched at once, one `curl` a shard, bytes to /dev/null; a transfer cut short
+    goes on from where it stopped (a Range), at most 20 tries a shard."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    s3, names = _shard_names(endpoint, bucket)
+    urls = _presigned(s3, bucket, names)
+
+    def fetch(url: str, size: int) -> tuple[int, int]:
+        got = tries = 0
+        while got < size and tries < 20:
+            tries += 1
+            ranged = ["-H", f"Range: bytes={got}-"] if got else []
+            out = subprocess.run(["curl", "-s", *ranged, "-o", "/dev/null", "-w", "%{http_code} %{size_download}", url],
+                                 capture_output=True, text=True).stdout.split()
+            if len(out) == 2 and out[0] == ("206" if got else "200"):
+                got += int(out[1])
+        return got, tries
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(urls)) as pool:  # the threads only wait: each transfer is a curl process
+        done = list(pool.map(fetch, urls, [size for _, size in names]))
+    took = time.perf_counter() - start
+    return {"first_s": None, "seconds": took, "complete": all(got == size for (got, _), (_, size) in zip(done, names)),
+            "shards": len(names), "shard_bytes": sum(got for got, _ in done), "curl_tries": sum(t for _, t in done)}
+
+
+LOADERS = {  # key: (its label in the tables, what builds its loader)
+    "shardkit": ("shardkit", lambda e, b: _shardkit(e, b, None)),
+    "shardkit-off": ("shardkit, read-ahead off", lambda e, b: _shardkit(e, b, 0)),
+    "webdataset": ("webdataset (curl)", _webdataset),
+    "mosaic": ("MosaicML Streaming", _mosaic),
+    "litdata": ("litdata (patched: allow_http)", _litdata),
+    "s3torch": ("AWS s3torchconnector (CRT)", _s3torch),
 }
-PEERS_VENV = {"MosaicML Streaming", "litdata (patched: allow_http)"}  # run in .venv-peers; the rest in the project's venv
+CEILING = "ceiling"
+CONTESTANTS = {**{key: label for key, (label, _) in LOADERS.items()}, CEILING: "ceiling: all shards at once by curl"}
+PEERS_VENV = {"mosaic", "litdata", "s3torch"}  # run in .venv-peers; the rest in the project's venv
+INSTALLED_AS = {"mosaic": "mosaicml-streaming", "litdata": "litdata", "s3torch": "s3torchconnector"}  # peers_setup.sh
 
 
-def run(name: str, endpoint: str, bucket: str) -> dict:
+IMPORTS = {  # what each one imports before its clock starts (as a training script has it imported)
+    "shardkit": ("shardkit",), "shardkit-off": ("shardkit",), "webdataset": ("webdataset", "boto3"), "mosaic": (),
+    "litdata": ("litdata", "litdata.streaming.downloader"), "s3torch": ("s3torchconnector", "boto3"), CEILING: ("boto3",),
+}
+
+
+def _preload(key: str) -> None:
+    import importlib
+
+    import torch.utils.data  # noqa: F401
+
+    if key == "mosaic":  # its import, with the torchvision stand-in, takes seconds (it loads transformers)
+        import bench_peers
+
+        bench_peers._import_streaming()
+    for module in IMPORTS[key]:
+        importlib.import_module(module)
+
+
+def _tree_cpu() -> float:
+    """CPU seconds of this process's tree so far: itself, its children that ended (getrusage),
+    and its descendants still running (/proc: theirs and their own ended children's)."""
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    total = sum(u.ru_utime + u.ru_stime for u in used)
+    parents: dict[int, list[tuple[int, int]]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        parents.setdefault(int(fields[1]), []).append((int(stat.parent.name), sum(map(int, fields[11:15]))))
+    todo, ticks = [os.getpid()], 0
+    while todo:
+        for pid, spent in parents.get(todo.pop(), []):
+            ticks += spent
+            todo.append(pid)
+    return total + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def run(key: str, endpoint: str, bucket: str) -> dict:
     import gc
 
-    import torch  # noqa: F401 - imported before the clock starts, as a training script has it
-
+    _preload(key)
     os.environ.update(CREDENTIALS)
     tempfile.tempdir = tempfile.mkdtemp(prefix="run-")  # a fresh default cache (shardkit's offsets files) each run
     gc.collect()
+    setup_cpu = _tree_cpu()
+    if key == CEILING:
+        return {**_ceiling(endpoint, bucket), "setup_cpu_s": setup_cpu, "cpu_s": _tree_cpu() - setup_cpu}
     start = time.perf_counter()
-    loader = LOADERS[name](endpoint, bucket)
+    loader = LOADERS[key][1](endpoint, bucket)
     first, keys = None, []
     for batch in loader:
         if first is None:
             first = time.perf_counter() - start
         keys += _keys(batch)
     took = time.perf_counter() - start
-    return {"first_s": first, "seconds": took, "samples": len(keys), "distinct": len(set(keys))}
+    res = {"first_s": first, "seconds": took, "samples": len(keys), "distinct": len(set(keys)), "setup_cpu_s": setup_cpu,
+           "cpu_s": _tree_cpu() - setup_cpu}
+    if key.startswith("shardkit"):  # the workers' counts, summed in the main process's dataset
+        res["stats"] = {k: v for k, v in loader.dataset.stats().items() if isinstance(v, (int, float, str))}
+    return res
 
 
 if __name__ == "__main__":

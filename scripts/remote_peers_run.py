@@ -1,30 +1,84 @@
-"""`bench_remote.py --peers`: shardkit against its peers on one S3 server (moto), through one
-delaying proxy per latency, contestants interleaved (the order rotates each round), each
-epoch a fresh process (scripts/remote_peers.py). Per run: samples/s, first batch, the
-requests and bytes the proxy saw, its resets and throttled answers, and moto's CPU seconds
-(moto shares the machine's cores with the readers: a design that is cheap for moto is not
-necessarily cheap for S3, and the reverse). Then a fault run of shardkit's defaults.
-Writes bench-out/remote-peers.{md,json,png}."""
+"""`bench_remote.py --peers`: shardkit against its peers and a ceiling on one S3 server (moto),
+each condition a proxy of its own in front of it (scripts/latency_proxy.py, CONDITIONS below),
+contestants interleaved (the order rotates each round), each epoch a fresh process
+(scripts/remote_peers.py says what each contestant does).
+
+Per run: samples/s (images / seconds), first batch, the requests and bytes through the proxy (and
+the resets and tails it dealt), shardkit's hedges and hedge wins (its stats() after the epoch),
+the client's CPU seconds while its clock ran (its process tree: DataLoader workers, CRT threads,
+curls; getrusage and /proc, measured in the process; the tree's whole life, imports and exit
+included, is tree_cpu_s in the JSON, from getrusage(RUSAGE_CHILDREN) around the process), moto's
+CPU seconds (moto shares the machine's cores with the readers), and whether every sample came
+exactly once. Then a fault run of shardkit's defaults.
+Writes bench-out/remote-peers.{md,json,png}.
+
+An untimed warm-up epoch of each contestant comes first (bytecode compiled, files in the page
+cache), through a proxy that adds nothing; the fault run uses that proxy too.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import statistics
+import resource
+import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import bench_remote as bench
-from remote_peers import CREDENTIALS, LOADERS, PEERS_VENV
+from bench_stats import median, spread
+from remote_peers import CEILING, CONTESTANTS, CREDENTIALS, INSTALLED_AS, PEERS_VENV
 
 REPO = bench.HERE.parent
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
-LATENCIES = (0, 100)
 OUT = REPO / "bench-out"
 PYCACHE = Path("/tmp/shardkit-bench-pycache")  # the venvs' bytecode, whichever way they were installed
+RESET_MAX_BYTES = 1_000_000  # a reset response is cut after 0..1 MB: mid-body for a shard, a part or a range
+
+CONDITIONS: dict[str, tuple[str, dict[str, float]]] = {  # key: (label, scripts/latency_proxy.py settings)
+    "0ms": ("0 ms", {}),
+    "100ms": ("+100 ms", {"latency_ms": 100}),
+    "bw": ("50 ms, 20 MB/s a connection", {"latency_ms": 50, "conn_mbps": 20}),
+    "tail": ("20 ms, 5% of requests at 1 s", {"latency_ms": 20, "tail_prob": 0.05, "tail_ms": 1000}),
+    "reset": ("50 ms, 2% of responses reset", {"latency_ms": 50, "reset_prob": 0.02, "reset_max_bytes": RESET_MAX_BYTES}),
+}
+PEERS = ("webdataset", "mosaic", "litdata", "s3torch")  # the other libraries, for "shardkit / best peer"
+
+
+def pick(spec: str, table: dict, what: str) -> list[str]:
+    """The keys of `table` that `spec` names (comma-separated keys or 0-based indices), in the
+    table's order; all of them for an empty spec."""
+    keys = list(table)
+    if not spec.strip():
+        return keys
+    chosen = set()
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if part.isdigit() and int(part) < len(keys):
+            chosen.add(keys[int(part)])
+        elif part in table:
+            chosen.add(part)
+        else:
+            listed = ", ".join(f"{i} {k}" for i, k in enumerate(keys))
+            raise ValueError(f"unknown {what} {part!r}; choose from: {listed}")
+    return [k for k in keys if k in chosen]
+
+
+def check_choices(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve --conditions and --contestants into args.condition_keys and args.contestant_keys."""
+    try:
+        args.condition_keys = pick(args.conditions, CONDITIONS, "condition")
+        args.contestant_keys = pick(args.contestants, CONTESTANTS, "contestant")
+    except ValueError as e:
+        ap.error(str(e))
+
+
+def flags(settings: dict[str, float]) -> str:
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items()) or "nothing added"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -32,88 +86,205 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def prepare(photos: Path, root: Path) -> Path:
-    """The peers' copies of the images (made once, in .venv-peers)."""
+def children_cpu() -> float:
+    """CPU seconds of this process's children that have ended, theirs included (getrusage)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def install_failures() -> dict[str, str]:
+    """Contestant key -> why scripts/peers_setup.sh could not install it."""
+    if not PEERS_PYTHON.exists():
+        return dict.fromkeys(PEERS_VENV, "not installed: .venv-peers missing (scripts/peers_setup.sh failed)")
+    failed = REPO / ".venv-peers" / "failed.txt"
+    lines = failed.read_text().splitlines() if failed.exists() else []
+    reasons = {line.split(":", 1)[0]: line for line in lines if ":" in line}
+    return {key: f"not installed: {reasons[dist]}" for key, dist in INSTALLED_AS.items() if dist in reasons}
+
+
+def prepare(photos: Path, root: Path, names: list[str]) -> tuple[Path, dict[str, str]]:
+    """The peers' venv and their copies of the images (made once, in .venv-peers); the keys of
+    the contestants that cannot run, with why."""
     out = root / f"peers-{photos.name}"
-    if not (out / "lit" / "index.json").exists():
-        subprocess.run(["bash", str(bench.HERE / "peers_setup.sh")], check=True)
-        subprocess.run([str(PEERS_PYTHON), str(bench.HERE / "remote_peers.py"), "prepare", str(photos), str(out)],
-                       check=True)
-    return out
+    if not any(n in PEERS_VENV for n in names):
+        return out, {}
+    subprocess.run(["bash", str(bench.HERE / "peers_setup.sh")], check=False)  # at once when already done
+    missing = {k: v for k, v in install_failures().items() if k in names}
+    own = [n for n in ("mosaic", "litdata") if n in names and n not in missing]
+    if own and not (out / "lit" / "index.json").exists():
+        done = subprocess.run([str(PEERS_PYTHON), str(bench.HERE / "remote_peers.py"), "prepare", str(photos), str(out)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            why = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            missing.update(dict.fromkeys(own, f"preparing its copy failed: {why}"))
+    return out, missing
 
 
-def measure(name: str, endpoint: str, control: int, moto_pid: int, timeout: float) -> dict:
-    python = str(PEERS_PYTHON) if name in PEERS_VENV else sys.executable
-    before, cpu = json.loads(bench.proxy_command(control, "stats")), cpu_seconds(moto_pid)
+def measure(key: str, endpoint: str, control: int, moto_pid: int, timeout: float, images: int) -> dict:
+    """One epoch of `key` in a fresh process, through the proxy at `endpoint`."""
+    python = str(PEERS_PYTHON) if key in PEERS_VENV else sys.executable
+    before, moto0, kids0 = json.loads(bench.proxy_command(control, "stats")), cpu_seconds(moto_pid), children_cpu()
     env = {**os.environ, **CREDENTIALS, "PYTHONPATH": str(REPO), "PYTHONPYCACHEPREFIX": str(PYCACHE)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # imports from cached bytecode, as on a user's machine
     t0 = time.perf_counter()
-    done = subprocess.run([python, str(bench.HERE / "remote_peers.py"), "run", name, endpoint, bench.BUCKET],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.Popen([python, str(bench.HERE / "remote_peers.py"), "run", key, endpoint, bench.BUCKET],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    failed = None
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        failed = f"timed out after {timeout:.0f} s"
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # its group: workers and curls it may have left
+            os.killpg(proc.pid, signal.SIGKILL)
+    if failed:
+        out, err = proc.communicate()
     wall = time.perf_counter() - t0
+    tree = children_cpu() - kids0
     after = json.loads(bench.proxy_command(control, "stats"))
-    if done.returncode:
-        return {"failed": (done.stderr.strip().splitlines() or ["no output"])[-1][:200]}
-    res = json.loads(done.stdout.strip().splitlines()[-1])
-    res.update({k: after[k] - before[k] for k in ("requests", "bytes", "resets", "throttled")},
-               moto_cpu_s=cpu_seconds(moto_pid) - cpu, wall_s=wall)
+    res: dict = {k: after[k] - before[k] for k in ("requests", "bytes", "resets", "tailed", "throttled")}
+    res.update(moto_cpu_s=cpu_seconds(moto_pid) - moto0, wall_s=wall, tree_cpu_s=tree)
+    if failed or proc.returncode:
+        return {**res, "failed": failed or (err.strip().splitlines() or [f"exit {proc.returncode}, no output"])[-1][:200]}
+    res.update(json.loads(out.strip().splitlines()[-1]))
+    res["client_cpu_s"] = res["cpu_s"]  # the tree's while the clock ran (tree_cpu_s: its whole life, exit included)
+    if key == CEILING:  # no samples of its own: every byte of every shard, or none
+        res["samples"] = res["distinct"] = images if res["complete"] else 0
     return res
-
-
-def med(runs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
 
 
 def rates(runs: list[dict]) -> list[float]:
     return [r["samples"] / r["seconds"] for r in runs]
 
 
-def render(results: dict, failures: dict, images: int, rounds: int, total: int) -> str:
-    lines = [f"{images:,} images ({total / 1e6:.0f} MB of shards), {rounds} interleaved rounds, "
-             f"DataLoader(num_workers=2, batch_size=64), raw bytes, shuffled; median (min-max)", "",
-             "| contestant | 0 ms: samples/s | +100 ms: samples/s (% of own 0 ms) | first batch 0 / +100 ms | "
-             "requests an epoch | MB an epoch | moto CPU s an epoch | exact |", "|---|---|---|---|---|---|---|---|"]
-    for name in LOADERS:
-        cells = [name]
-        runs = {ms: results.get((name, ms), []) for ms in LATENCIES}
-        if not all(runs.values()):
-            lines.append(f"| {name} | {failures.get(name, 'failed')} |  |  |  |  |  |  |")
-            continue
-        r0, r100 = rates(runs[0]), rates(runs[100])
-        cells.append(f"{statistics.median(r0):,.0f} ({min(r0):,.0f}-{max(r0):,.0f})")
-        cells.append(f"{statistics.median(r100):,.0f} ({min(r100):,.0f}-{max(r100):,.0f}) "
-                     f"({statistics.median(r100) / statistics.median(r0):.0%})")
-        cells.append(f"{med(runs[0], 'first_s'):.2f} / {med(runs[100], 'first_s'):.2f} s")
-        cells.append(f"{med(runs[0], 'requests'):.0f}")
-        cells.append(f"{med(runs[0], 'bytes') / 1e6:.0f}")
-        cells.append(f"{med(runs[0], 'moto_cpu_s'):.2f} / {med(runs[100], 'moto_cpu_s'):.2f}")
-        exact = all(r["samples"] == r["distinct"] == images for rs in runs.values() for r in rs)
-        cells.append("yes" if exact else "NO")
-        lines.append("| " + " | ".join(cells) + " |")
+def exact(run: dict, images: int) -> bool:
+    return run["samples"] == run["distinct"] == images
+
+
+def render(results: dict, failures: list[dict], skipped: dict[str, str], names: list[str], conds: list[str],
+           images: int, rounds: int, shards: tuple[int, int]) -> str:
+    """The markdown report: samples/s, then one table for each other metric."""
+    notes: list[str] = []  # footnotes: why a run failed, one a distinct reason
+
+    def note(text: str) -> int:
+        if text not in notes:
+            notes.append(text)
+        return notes.index(text) + 1
+
+    def row_cells(key: str, fmt) -> list[str]:  # type: ignore[no-untyped-def]
+        cells = []
+        for c in conds:
+            runs, fails = results.get((key, c), []), [f for f in failures if (f["contestant"], f["condition"]) == (key, c)]
+            refs = ",".join(map(str, sorted({note(f"{CONTESTANTS[key]}, {CONDITIONS[c][0]}: {f['failed']}")
+                                             for f in fails})))
+            if key in skipped:
+                cells.append("-")
+            elif not runs:
+                cells.append(f"failed [{refs}]" if fails else "-")
+            else:
+                cells.append(fmt(runs, key, c) + (f" ({len(fails)} of {len(runs) + len(fails)} failed [{refs}])" if fails else ""))
+        return cells
+
+    def table(title: str, fmt, keys: list[str] | None = None, label=None) -> list[str]:  # type: ignore[no-untyped-def]
+        lines = [f"| {title} | " + " | ".join(CONDITIONS[c][0] for c in conds) + " |", "|---" * (len(conds) + 1) + "|"]
+        for key in keys if keys is not None else names:
+            lines.append(f"| {label(key) if label else CONTESTANTS[key]} | " + " | ".join(row_cells(key, fmt)) + " |")
+        return lines + [""]
+
+    def med(runs: list[dict], field: str) -> float:
+        return median(r[field] for r in runs)
+
+    def ratio_row(title: str, against: tuple[str, ...], percent: bool) -> str | None:
+        """shardkit's median samples/s over the best median of `against`, a cell a condition."""
+        cells = []
+        for c in conds:
+            mine, theirs = results.get(("shardkit", c)), [results[(k, c)] for k in against if results.get((k, c))]
+            if not (mine and theirs):
+                cells.append("-")
+                continue
+            value = median(rates(mine)) / max(median(rates(t)) for t in theirs)
+            cells.append(f"{value:.0%}" if percent else f"{value:.2f}x")
+        return f"| *{title}* | " + " | ".join(cells) + " |" if set(cells) != {"-"} else None
+
+    size, count = shards
+    lines = [f"{images:,} images ({size / 1e6:.0f} MB in {count} tar shards), {rounds} interleaved round(s), each epoch "
+             "a fresh process, DataLoader(num_workers=2, batch_size=64), raw bytes, shuffled, fresh caches; moto on "
+             "loopback behind scripts/latency_proxy.py; median (min-max) over rounds.", "",
+             "Conditions (proxy settings): " + "; ".join(f"{CONDITIONS[c][0]} (`{c}`: {flags(CONDITIONS[c][1])})"
+                                                        for c in conds) + ".", ""]
+    lines += table("samples/s", lambda runs, k, c: spread(rates(runs)))
+    extra = [r for r in (ratio_row("shardkit, % of the ceiling", (CEILING,), True),
+                         ratio_row("shardkit / best peer", PEERS, False)) if r]
+    if extra:
+        lines = lines[:-1] + extra + [""]
+    lines += table("first batch s", lambda runs, k, c: "-" if k == CEILING else spread([r["first_s"] for r in runs], 2))
+
+    def traffic(runs: list[dict], k: str, c: str) -> str:
+        text = f"{med(runs, 'requests'):,.0f} / {med(runs, 'bytes') / 1e6:,.0f}"
+        faults = [f"{what}: {med(runs, f):,.0f}" for f, what in (("resets", "resets"), ("tailed", "in the tail"))
+                  if med(runs, f)]
+        return text + (f" ({', '.join(faults)})" if faults else "")
+
+    lines += table("requests / MB through the proxy, an epoch", traffic)
+    lines += table("client CPU s (process tree) / moto CPU s, an epoch",
+                   lambda runs, k, c: f"{med(runs, 'client_cpu_s'):.1f} / {med(runs, 'moto_cpu_s'):.1f}")
+
+    def hedges(runs: list[dict], k: str, c: str) -> str:
+        stats = [r.get("stats", {}) for r in runs]
+        if not all("hedges" in s for s in stats):
+            return "not in stats()"
+        wins = f" / {median(s['hedge_wins'] for s in stats):,.0f}" if all("hedge_wins" in s for s in stats) else ""
+        return f"{median(s['hedges'] for s in stats):,.0f}{wins}"
+
+    def store(key: str) -> str:
+        found = {r.get("stats", {}).get("store") for c in conds for r in results.get((key, c), [])} - {None}
+        return CONTESTANTS[key] + (f" (store: {', '.join(sorted(found))})" if found else "")
+
+    shardkits = [k for k in names if k.startswith("shardkit")]
+    if shardkits:
+        lines += table("hedges / hedge wins, an epoch (stats())", hedges, shardkits, store)
+    lines += table("every sample exactly once",
+                   lambda runs, k, c: "yes" if all(exact(r, images) for r in runs)
+                   else f"NO ({sum(not exact(r, images) for r in runs)} of {len(runs)})")
+    lines = lines[:-1]
+    if skipped:
+        lines += [""] + [f"- {CONTESTANTS[k]}: {why}" for k, why in skipped.items()]
+    if notes:
+        lines += [""] + [f"[{i}] {text}" for i, text in enumerate(notes, 1)]
     return "\n".join(lines)
 
 
-def chart(path: Path, results: dict, images: int) -> None:
+def chart(path: Path, results: dict, names: list[str], conds: list[str], images: int) -> None:
+    """Grouped bars: a group a condition, a bar a contestant (only those with results), min-max
+    as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [n for n in LOADERS if all(results.get((n, ms)) for ms in LATENCIES)]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    width = 0.38
-    for k, ms in enumerate(LATENCIES):
-        meds = [statistics.median(rates(results[(n, ms)])) for n in names]
-        err = [[m - min(rates(results[(n, ms)])) for n, m in zip(names, meds)],
-               [max(rates(results[(n, ms)])) - m for n, m in zip(names, meds)]]
-        xs = [i + (k - 0.5) * width for i in range(len(names))]
-        ax.bar(xs, meds, width, yerr=err, capsize=3, label=f"+{ms} ms first-byte latency",
-               color=("#1f77b4", "#ff7f0e")[k])
-    ax.set_xticks(range(len(names)), [n.replace(", ", ",\n").replace(" (", "\n(") for n in names], fontsize=8)
+    conds = [c for c in conds if any(results.get((n, c)) for n in names)]
+    names = [n for n in names if any(results.get((n, c)) for c in conds)]
+    if not conds:
+        return
+    colors = dict(zip([n for n in CONTESTANTS if n != CEILING], plt.get_cmap("tab10").colors))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.0 + 1.6 * len(conds) * max(1, len(names)) / 5), 5))
+    width = 0.8 / len(names)
+    for j, n in enumerate(names):
+        xs, meds, lo, hi = [], [], [], []
+        for i, c in enumerate(conds):
+            if runs := results.get((n, c)):
+                r = rates(runs)
+                xs.append(i + (j - (len(names) - 1) / 2) * width)
+                meds.append(median(r))
+                lo.append(median(r) - min(r))
+                hi.append(max(r) - median(r))
+        style = {"color": "0.75", "hatch": "//", "edgecolor": "0.4"} if n == CEILING else {"color": colors.get(n)}
+        ax.bar(xs, meds, width, yerr=[lo, hi], capsize=2, label=CONTESTANTS[n], **style)
+    ax.set_xticks(range(len(conds)), [textwrap.fill(CONDITIONS[c][0], 16) for c in conds], fontsize=8)
     ax.set_ylabel("samples/s (median, min-max)")
-    ax.set_title(f"One epoch from S3 (moto on loopback + delaying proxy), {images:,} images, "
-                 "DataLoader(num_workers=2, batch_size=64), raw", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_title(f"One epoch from S3 (moto on loopback behind a proxy), {images:,} images,\n"
+                 "DataLoader(num_workers=2, batch_size=64), raw bytes", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -135,60 +306,85 @@ def fault_run(url: str, endpoint: str, control: int, images: int) -> str:
     bench.proxy_command(control, "set reset_prob 0")
     after = json.loads(bench.proxy_command(control, "stats"))
     stats = ds.stats()
-    exact = len(keys) == len(set(keys)) == images
+    once = len(keys) == len(set(keys)) == images
     return (f"fault run (shardkit defaults, +0 ms, 5% of responses reset, a 10 s storm of 503 SlowDown on 20% of "
             f"GETs): {after['resets'] - before['resets']} resets, {after['throttled'] - before['throttled']} "
             f"throttled answers, stats()['throttled'] = {stats['throttled']}, {len(keys)} samples, every one exactly "
-            f"once: {exact}, {len(keys) / took:,.0f} samples/s")
+            f"once: {once}, {len(keys) / took:,.0f} samples/s")
+
+
+def command_line(args: argparse.Namespace) -> str:
+    line = f"python scripts/bench_remote.py --peers --images {args.images} --rounds {args.rounds}"
+    if args.conditions:
+        line += f" --conditions {','.join(args.condition_keys)}"
+    if args.contestants:
+        line += f" --contestants {','.join(args.contestant_keys)}"
+    return line
 
 
 def main(args: argparse.Namespace, photos: Path, shards: Path) -> None:
     import fsspec.core
 
-    peers = prepare(photos, Path(args.dir))
+    began = time.perf_counter()
+    conds, names = args.condition_keys, args.contestant_keys
+    peers, skipped = prepare(photos, Path(args.dir), names)
+    for key, why in skipped.items():
+        print(f"{CONTESTANTS[key]}: skipped, {why}", file=sys.stderr)
+    names = [n for n in names if n not in skipped]
     moto, endpoint = bench.start_moto()
     procs = [moto]
     try:
         fs, _ = fsspec.core.url_to_fs(f"s3://{bench.BUCKET}", **bench.options(endpoint))
         fs.mkdir(bench.BUCKET)
-        for local, name in ((shards, "shardkit"), (peers / "mds", "mds"), (peers / "lit", "lit")):
-            fs.put(str(local), f"{bench.BUCKET}/{name}", recursive=True)
+        fs.put(str(shards), f"{bench.BUCKET}/shardkit", recursive=True)
+        for key, folder in (("mosaic", "mds"), ("litdata", "lit")):
+            if key in names:
+                fs.put(str(peers / folder), f"{bench.BUCKET}/{folder}", recursive=True)
         from shardkit import index
 
         url, opts = f"s3://{bench.BUCKET}/shardkit", bench.options(endpoint)
         index.save(index.pinned(index.load(url, opts), url, opts), url, opts)  # the versions in this bucket
         proxies = {}
-        for ms in LATENCIES:
-            proc, purl, control = bench.start_proxy(endpoint, ms)
+        for c in ("plain", *conds):  # plain: the warm-up and the fault run
+            proc, purl, control = bench.start_proxy(endpoint, **(CONDITIONS[c][1] if c in CONDITIONS else {}))
             procs.append(proc)
-            proxies[ms] = (purl, control)
-        results: dict[tuple[str, int], list[dict]] = {}
-        failures: dict[str, str] = {}
-        for name in LOADERS:  # untimed: every contestant's bytecode compiled and its files in the page cache
-            measure(name, proxies[0][0], proxies[0][1], moto.pid, args.timeout)
+            proxies[c] = (purl, control)
+        results: dict[tuple[str, str], list[dict]] = {}
+        failures: list[dict] = []
+        runs: list[dict] = []
+        for name in names:  # untimed: every contestant's bytecode compiled and its files in the page cache
+            res = measure(name, *proxies["plain"], moto.pid, args.timeout, args.images)
+            if "failed" in res:
+                print(f"warm-up {name}: FAILED {res['failed']}", file=sys.stderr)
         for r in range(args.rounds):
-            names = list(LOADERS)
-            names = names[r % len(names):] + names[: r % len(names)]
-            for ms in LATENCIES:
-                for name in names:
-                    res = measure(name, proxies[ms][0], proxies[ms][1], moto.pid, args.timeout)
+            order = names[r % len(names):] + names[: r % len(names)] if names else []
+            for c in conds:
+                for name in order:
+                    res = measure(name, *proxies[c], moto.pid, args.timeout, args.images)
+                    runs.append({"contestant": name, "condition": c, "round": r + 1, **res})
                     if "failed" in res:
-                        failures[name] = f"failed: {res['failed']}"
-                        print(f"round {r + 1} +{ms} ms {name}: FAILED {res['failed']}", file=sys.stderr)
+                        failures.append(runs[-1])
+                        print(f"round {r + 1} {c} {name}: FAILED {res['failed']}", file=sys.stderr)
                         continue
-                    results.setdefault((name, ms), []).append(res)
-                    print(f"round {r + 1} +{ms} ms {name}: {res['samples'] / res['seconds']:,.0f} samples/s, first "
-                          f"{res['first_s']:.2f} s, {res['requests']} requests", file=sys.stderr)
-        total = sum(p.stat().st_size for p in shards.glob("*.tar"))
-        table = render(results, failures, args.images, args.rounds, total)
-        fault = fault_run(url, proxies[0][0], proxies[0][1], args.images)
+                    results.setdefault((name, c), []).append(res)
+                    first = "-" if res["first_s"] is None else f"{res['first_s']:.2f} s"
+                    print(f"round {r + 1} {c} {name}: {res['samples'] / res['seconds']:,.0f} samples/s, first {first}, "
+                          f"{res['requests']} requests, {res['client_cpu_s']:.1f} CPU s", file=sys.stderr)
+        tars = list(shards.glob("*.tar"))
+        table = render(results, failures, skipped, names + list(skipped), conds, args.images, args.rounds,
+                       (sum(p.stat().st_size for p in tars), len(tars)))
+        fault = fault_run(url, *proxies["plain"], args.images) if "shardkit" in names else ""
         OUT.mkdir(exist_ok=True)
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        text = f"{stamp}, `python scripts/bench_remote.py --peers --images {args.images} --rounds {args.rounds}`\n\n" \
-               f"{table}\n\n{fault}\n"
+        took = time.perf_counter() - began
+        text = f"{stamp}, `{command_line(args)}` ({took / 60:.1f} min)\n\n{table}\n" + (f"\n{fault}\n" if fault else "")
         (OUT / "remote-peers.md").write_text(text)
-        (OUT / "remote-peers.json").write_text(json.dumps({f"{n} +{ms}": v for (n, ms), v in results.items()}, indent=1))
-        chart(OUT / "remote-peers.png", results, args.images)
+        doc = {"date": stamp, "command": command_line(args), "images": args.images, "rounds": args.rounds,
+               "shards": len(tars), "conditions": {c: {"label": CONDITIONS[c][0], "proxy": CONDITIONS[c][1]} for c in conds},
+               "contestants": {n: CONTESTANTS[n] for n in names}, "skipped": skipped, "runs": runs, "fault_run": fault,
+               "seconds": took}
+        (OUT / "remote-peers.json").write_text(json.dumps(doc, indent=1))
+        chart(OUT / "remote-peers.png", results, names, conds, args.images)
         print(text)
     finally:
         for p in procs:
