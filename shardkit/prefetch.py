@@ -108,6 +108,7 @@ class Prefetcher(Generic[R, D]):
         self.ceiling = float(depth)  # lowered when the store throttles (AIMD)
         self.latency_s = 0.0  # moving average of one fetch
         self.interval_s = 0.0  # moving average of the consumer's own time on one range
+        self.rate = 0.0  # moving average of the bytes a second the consumer takes on its own
         self._pool: _Threads | None = None
         self._pending: deque[tuple[R, Future[D], threading.Event]] = deque()  # sent, not yet taken
         self._streaming_on: list[threading.Event] = []  # fetches taken and still streaming
@@ -154,7 +155,7 @@ class Prefetcher(Generic[R, D]):
                 self._held -= self._size(req)
                 handed, stalled = time.perf_counter(), self._stalled()
                 yield req, data
-                self._adapt(time.perf_counter() - handed - (self._stalled() - stalled))
+                self._adapt(time.perf_counter() - handed - (self._stalled() - stalled), self._size(req))
         finally:
             self.close()
 
@@ -166,13 +167,15 @@ class Prefetcher(Generic[R, D]):
                 yield ahead.popleft()
         yield from ahead
 
-    def _adapt(self, busy: float) -> None:
+    def _adapt(self, busy: float, size: int) -> None:
         """After the consumer spent `busy` seconds of its own on a range (waiting for the
         range's bytes or for the next range not counted: read-ahead is there to hide them)."""
         while not self._latencies.empty():
             latency = self._latencies.get()
             self.latency_s += _ALPHA * (latency - self.latency_s) if self.latency_s else latency
         self.interval_s += _ALPHA * (busy - self.interval_s) if self.interval_s else busy
+        if busy > 0:
+            self.rate += _ALPHA * (size / busy - self.rate) if self.rate else size / busy
         pressed = self._pressure()
         if pressed > self._pressed:  # throttled since the last take: halve
             self.ceiling = max(1.0, self.ceiling / 2)

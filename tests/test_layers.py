@@ -101,7 +101,7 @@ INNER: dict[str, list[set[str]]] = {
         {"retry", "clients"},
         {"s3_http"},
         {"stores"},
-        {"files", "atomic"},
+        {"files", "atomic", "fetch"},
         {"range_reader"},
     ],
     "storage.stores": [

@@ -26,9 +26,10 @@ if TYPE_CHECKING:
 
 MAX_WORKERS = 128  # DataLoader workers per rank that the shared counters have room for
 STATS = ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped", "fetched_bytes", "cache_hits",
-         "throttled", "prefetch_depth", "fetch_latency_s")
+         "throttled", "requests", "hedges", "hedge_wins", "prefetch_depth", "fetch_latency_s")
 GAUGES = frozenset({"prefetch_depth", "fetch_latency_s"})  # last value per worker, not a running sum
-COUNTS = frozenset({"samples", "bytes", "skipped", "fetched_bytes", "cache_hits", "throttled"})  # whole numbers
+COUNTS = frozenset({"samples", "bytes", "skipped", "fetched_bytes", "cache_hits", "throttled", "requests", "hedges",
+                    "hedge_wins"})  # whole numbers
 # pass counters: one per (layout, worker id), the layout being a DataLoader's num_workers or
 # 0 for the main process (num_workers=0, a peek at one sample), so a pass of one layout never
 # shifts another's epochs
@@ -148,6 +149,7 @@ class Meter:
         self.values = dict.fromkeys(STATS, 0.0)
         self._slot, self._reader, self._cache = slot, reader, cache
         self._fetched = self._hits = self._throttled = 0
+        self._engine = dict.fromkeys(("requests", "hedges", "hedge_wins"), 0)  # the reader's fetch engine's, so far
         self.skips = 0  # this pass's, for the log's limit (values are reset at each flush)
 
     def sample(self, size: int, read_s: float, decode_s: float, transform_s: float) -> None:
@@ -166,6 +168,9 @@ class Meter:
         v = self.values
         v["fetched_bytes"], self._fetched = self._reader.fetched_bytes - self._fetched, self._reader.fetched_bytes
         v["throttled"], self._throttled = self._reader.throttled - self._throttled, self._reader.throttled
+        for name, seen in self._engine.items():
+            now = getattr(self._reader.engine, name)
+            v[name], self._engine[name] = now - seen, now
         if self._cache is not None:
             v["cache_hits"], self._hits = self._cache.hits - self._hits, self._cache.hits
         if prefetcher is not None:

@@ -19,6 +19,8 @@ from ..decode import decoder
 from ..formats.gzip import MAX_MEMBER
 from ..sources import resolve
 from ..storage import StorageOptions
+from ..storage.fetch import per_worker
+from ..storage.stores import store_for
 from . import compressed
 from .counters import Slot
 from .epoch_stream import EpochStream
@@ -134,6 +136,7 @@ class StreamingDataset(EpochDataset):
                                    self.max_member_size)
         self._blocks = compressed.blocks(self.index.shards, self.block)
         self.index = self.index.slim()  # the per-sample tables live on in the source's arrays only
+        self._store: str | None = None  # store_name(), once asked
 
     @property
     def classes(self) -> tuple[str, ...]:
@@ -186,6 +189,12 @@ class StreamingDataset(EpochDataset):
         """The dataset's samples by global id (its format's reads and parsing)."""
         return self._samples
 
+    def store_name(self) -> str:
+        if self._store is None:
+            names = {store_for(u, self.storage_options).name for u in self.urls}
+            self._store = ", ".join(sorted(names))
+        return self._store
+
     def slot(self, worker_id: int) -> Slot:
         """Where worker `worker_id`'s statistics go (what `stats()` sums)."""
         return Slot(self._shared, worker_id)
@@ -196,9 +205,10 @@ class StreamingDataset(EpochDataset):
 
     def _pass(self, rank: int, world: int, worker_id: int, num_workers: int) -> EpochStream:
         spec, source, slot, window = self.read_spec(), self._samples, self.slot(worker_id), self.shuffle_window
+        connections = per_worker(num_workers)
 
         def run(epoch: int, positions: np.ndarray) -> Generator[Any, None, None]:
-            return Pass(spec, source, spec.order.ids_at(epoch, positions), slot, window).samples()
+            return Pass(spec, source, spec.order.ids_at(epoch, positions), slot, window, connections).samples()
 
         return self._epoch_stream(rank, world, worker_id, num_workers, run)
 

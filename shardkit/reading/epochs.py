@@ -53,13 +53,19 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         """A pass of this worker whose positions become samples by `run`."""
         return EpochStream(self._ordering(), self._shared, self._resume, rank, world, worker_id, num_workers, run)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         """What all workers of this rank did so far: samples, bytes, seconds reading (waiting
         for data), decoding and in the transform, skipped samples, `read_fraction`, bytes
         downloaded, cache hits, `throttled` (the store's answers asking for fewer requests,
         503 SlowDown or 429: each one halved a worker's reads in flight and was retried after
-        a backoff), the read-ahead's depth and fetch latency."""
-        return stats_summary(self._shared.totals())
+        a backoff), `requests` (ranged GETs sent, hedges aside), `hedges` (GETs sent again
+        because their first byte was late) and `hedge_wins` (those that answered first), the
+        read-ahead's depth and fetch latency, and `store`: which client reads the shards."""
+        return {**stats_summary(self._shared.totals()), "store": self.store_name()}
+
+    def store_name(self) -> str:
+        """The client that reads this dataset's shards ("local", "s3 (presigned)", "s3fs", ...)."""
+        raise NotImplementedError
 
     def _rank_world(self) -> tuple[int, int]:
         return self._world or partition.world()

@@ -25,6 +25,7 @@ from .counters import Slot
 from .epoch_stream import EpochStream
 from .epochs import EpochDataset, stats_summary
 from .pass_ import Pass
+from ..storage.fetch import per_worker
 from .samples import SampleSource
 from .spec import ReadSpec
 
@@ -46,7 +47,9 @@ class Part(Protocol):
 
     def slot(self, worker_id: int) -> Slot: ...
 
-    def stats(self) -> dict[str, float]: ...
+    def stats(self) -> dict[str, Any]: ...
+
+    def store_name(self) -> str: ...
 
 
 def check_parts(parts: Any) -> None:
@@ -112,12 +115,14 @@ class MixedDataset(EpochDataset):
 
     def _pass(self, rank: int, world: int, worker_id: int, num_workers: int) -> EpochStream:
         inputs = [(p.read_spec(), p.source, p.slot(worker_id)) for p in self.parts]
+        connections = per_worker(num_workers) // len(self.parts) or 1  # the parts' passes share the worker's
         window = max(self.shuffle_window, *(p.shuffle_window for p in self.parts))
         counts, sizes, seed, shuffle = self.counts, self.sizes, self.seed, self.shuffle
 
         def run(epoch: int, positions: np.ndarray) -> Generator[Any, None, None]:
             part_of, ids = _part_ids(counts, sizes, [spec for spec, _, _ in inputs], seed, shuffle, epoch, positions)
-            passes = [Pass(spec, source, i, slot, window).samples() for (spec, source, slot), i in zip(inputs, ids)]
+            passes = [Pass(spec, source, i, slot, window, connections).samples()
+                      for (spec, source, slot), i in zip(inputs, ids)]
             try:
                 for (d,) in ranges.rows(part_of):
                     yield next(passes[d])
@@ -127,11 +132,14 @@ class MixedDataset(EpochDataset):
 
         return self._epoch_stream(rank, world, worker_id, num_workers, run)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         """The parts' statistics, summed."""
         totals = [p.stats() for p in self.parts]
-        out = {k: sum(t[k] for t in totals) for k in totals[0] if k != "read_fraction"}
-        return stats_summary(out)
+        out = {k: sum(t[k] for t in totals) for k in totals[0] if k not in ("read_fraction", "store")}
+        return {**stats_summary(out), "store": self.store_name()}
+
+    def store_name(self) -> str:
+        return ", ".join(sorted({p.store_name() for p in self.parts}))
 
 
 def _part_ids(counts: np.ndarray, sizes: Sequence[int], specs: Sequence[ReadSpec], seed: int, shuffle: bool,

@@ -22,6 +22,7 @@ from .. import ranges, storage
 from ..decode import decoder, packed_from
 from ..errors import FIND_BAD, SKIP_BAD, CorruptShardError, FieldError, ShardkitError, describe
 from ..prefetch import Prefetcher
+from ..storage.fetch import CONNECTIONS
 from .counters import Meter, Slot
 from .samples import SampleSource
 from .spec import ReadSpec, Transform
@@ -52,8 +53,10 @@ class Pass:
     `spec` says. Iterate it once; `window` is the shuffle window that spreads the ids (how
     far apart a block's samples may come, for the read-ahead)."""
 
-    def __init__(self, spec: ReadSpec, source: SampleSource, ids: np.ndarray, slot: Slot, window: int):
+    def __init__(self, spec: ReadSpec, source: SampleSource, ids: np.ndarray, slot: Slot, window: int,
+                 connections: int = CONNECTIONS):
         self.spec, self.source, self.ids, self.slot, self.window = spec, source, ids, slot, window
+        self.connections = connections  # this worker's share of its rank's connections (fetch.per_worker)
         self.prefetcher: Prefetcher[ranges.Range, Any] | None = None  # set once reading starts
         self._sample: dict[str, Any] = {}  # the sample being processed, once parsed: named if it fails
         self._in_transform = False  # ...and whether it failed in the user's transform
@@ -65,7 +68,7 @@ class Pass:
         """The samples, one by one; closing it ends the pass (its reads, threads and files)."""
         spec, source, ids = self.spec, self.source, self.ids
         cache = spec.cache()
-        reader = spec.reader(cache)
+        reader = spec.reader(cache, self.connections)
         decode = decoder(spec.decode, spec.backend)
         reads, self.prefetcher = source.reads(ids, reader, spec, self.window)
         meter = Meter(self.slot, reader, cache)

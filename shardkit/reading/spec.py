@@ -67,8 +67,9 @@ class ReadSpec:
     def cache(self) -> RangeCache | None:
         return RangeCache(self.cache_dir, self.cache_limit) if self.cache_dir is not None else None
 
-    def reader(self, cache: RangeCache | None) -> RangeReader:
-        """This pass's reader of the shards (made where it is used: it holds files and threads)."""
+    def reader(self, cache: RangeCache | None, connections: int) -> RangeReader:
+        """This pass's reader of the shards (made where it is used: it holds files and threads),
+        keeping at most `connections` GETs open."""
         # the dataset read its index (or scanned its shards) there: the store was reachable
         return RangeReader(list(self.urls), self.storage_options, list(self.versions), cache, verify=self.verify,
-                           patient=True, pins=list(self.pins))
+                           patient=True, pins=list(self.pins), connections=connections)

@@ -12,7 +12,8 @@ from ..errors import ShardkitError, name_file
 from .clients import filesystem
 from .retry import retrying
 from .seqwrite import SequentialWriter
-from .urls import StorageOptions, OBJECT_STORES, display, is_local, local_path
+from .stores.s3 import MultipartUpload
+from .urls import S3, StorageOptions, OBJECT_STORES, display, is_local, local_path, scheme
 
 
 TMP_MARK = ".tmp-"
@@ -25,7 +26,8 @@ def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> It
     Locally: write `url.tmp-<random>` (with direct I/O where the file system allows it, see
     seqwrite.py), fsync, rename into place; on error the temporary file is removed. On
     object stores an upload becomes visible only when it completes, so the object is written
-    in place and an error aborts the upload.
+    in place and an error aborts the upload; on S3 its parts go up several at once
+    (stores/s3.py MultipartUpload).
     """
     if is_local(url):
         path = local_path(url)
@@ -48,6 +50,15 @@ def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> It
         return
     fs, path = filesystem(url, storage_options)  # the client's own retries on: only it can retry an upload
     what = display(url)
+    if scheme(url) in S3 and "::" not in url:  # parts sent in parallel: a capped connection is not the limit
+        upload = MultipartUpload(fs, path)
+        try:
+            yield cast(BinaryIO, _Upload(upload, what))
+            retrying(what, upload.close, 1)
+        except BaseException:
+            upload.abort()
+            raise
+        return
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
     if protocols & OBJECT_STORES:
         target = path  # an upload becomes visible only when complete

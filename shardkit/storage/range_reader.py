@@ -4,6 +4,7 @@ optional block cache, checksum checks and version pinning."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import os
@@ -12,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import AccessDeniedError, CorruptShardError, NotFoundError, ShardkitError, one_line
 from .descriptors import FILES
+from .fetch import CONNECTIONS, FetchEngine
 from .files import pin_of
 from .retry import attempts_for, retrying, root_cause, status_of
 from .stores import Store, store_for
-from .streams import Arriving, ReadAt
+from .streams import Arriving, Piece, ReadAt
 from .urls import StorageOptions, display, is_local, local_path
 
 if TYPE_CHECKING:
@@ -43,7 +45,8 @@ class RangeReader:
 
     def __init__(self, urls: list[str], storage_options: StorageOptions | None = None,
                  versions: list[str | None] | None = None, cache: RangeCache | None = None, verify: bool = False,
-                 patient: bool = False, pins: list[dict[str, Any] | None] | None = None):
+                 patient: bool = False, pins: list[dict[str, Any] | None] | None = None,
+                 connections: int = CONNECTIONS):
         self._urls = urls
         self._pins = pins or [None] * len(urls)
         self._patient = patient  # the caller has reached the store: reads ride out an outage
@@ -61,6 +64,7 @@ class RangeReader:
         self._closed = False
         self.fetched_bytes = 0  # downloaded from remote storage, sha256 checks included (cache hits excluded)
         self.throttled = 0  # answers of the store asking for fewer requests (503 SlowDown, 429)
+        self.engine = FetchEngine(connections)  # pieces and hedges of the remote ranges (fetch.py)
 
     def _handle(self, shard: int) -> Any:
         handle = self._handles.get(shard)
@@ -133,6 +137,10 @@ class RangeReader:
         return CorruptShardError(f"{display(self._urls[shard])}: changed since its index was made ({how}): a replaced "
                                  "shard needs its index rebuilt (`shardkit index --force`), a copied dataset its "
                                  "versions recorded anew (`shardkit index --versions`)")
+
+    def _fetched(self, n: int) -> None:
+        with self._lock:
+            self.fetched_bytes += n
 
     def _throttle(self) -> None:
         with self._lock:
@@ -249,12 +257,15 @@ class RangeReader:
             return
         store: Store = self._handle(shard)
         pin = self._pins[shard]
+        bounds = self.engine.bounds(start, stop, self.throttled)
+        pieces = into.split(bounds) if len(bounds) > 2 else into.pieces
+        what = f"{display(url)} (bytes {start}-{stop})"
 
-        def get() -> None:
+        def get(piece: Piece) -> None:
             self._check_open()
-            at, size = start + into.filled, None
+            at, size = piece.lo + piece.filled, None
             try:
-                size = store.get(url, at, stop, into, pin)
+                size = self.engine.get(store, url, piece, pin)
             except Exception as e:
                 status = status_of(root_cause(e))
                 if status == 412:
@@ -262,20 +273,18 @@ class RangeReader:
                 if status != 416:  # 416: the object ends before `at`
                     raise
                 size = at
-            if start + into.filled < stop:
+            if piece.lo + piece.filled < piece.hi:
                 if size is None:  # an answer that did not tell
                     size = store.size_now(url)
-                if size >= stop:
-                    raise OSError(f"short read: {into.filled} of {stop - start} bytes")  # a cut-short body: the rest
+                if size >= piece.hi:  # a cut-short body: the rest
+                    raise OSError(f"short read: {piece.filled} of {piece.hi - piece.lo} bytes")
                 # else the object does end there
 
-        before = into.filled
-        try:
-            retrying(f"{display(url)} (bytes {start}-{stop})", get, attempts_for(url, self._patient),
-                     throttled=self._throttle)
-        finally:
-            with self._lock:
-                self.fetched_bytes += into.filled - before
+        def fetch(piece: Piece) -> None:
+            retrying(what, functools.partial(get, piece), attempts_for(url, self._patient), throttled=self._throttle)
+
+        into.counted = self._fetched  # counted as they come: a pass that ends at its last byte has them all
+        self.engine.run(pieces, fetch)
         into.finish(end=start + into.filled)
         if cache is not None and into.filled == stop - start:  # after the consumer has its bytes
             cache.put(url, version, start, stop, into.data())
@@ -292,3 +301,4 @@ class RangeReader:
             self._closed = True
             self._handles.clear()
         FILES.forget(self._number)
+        self.engine.close()

@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable
 
-
 ReadAt = Callable[[int, int], bytes]  # read_at(size, offset): a shard's bytes, as formats.tar reads them
 
 
@@ -25,15 +24,41 @@ class Stalls:
         self.seconds = 0.0
 
 
+class Piece:
+    """Bytes [lo, hi) of an `Arriving` buffer, filled in order by one writer (one GET):
+    `write` hands it chunks, `receive` a `readinto` to fill it from (no copy on our side)."""
+
+    def __init__(self, arriving: Arriving, lo: int, hi: int):
+        self.lo, self.hi, self.filled = lo, hi, 0
+        self._arriving = arriving
+        self._view = arriving._view[lo - arriving.start : hi - arriving.start]
+
+    def write(self, chunk: bytes) -> None:
+        n = min(len(chunk), len(self._view) - self.filled)  # a server that sends more is cut to the piece
+        self._view[self.filled : self.filled + n] = memoryview(chunk)[:n]
+        self._arriving._advanced(self, n)
+
+    def receive(self, readinto: Callable[[memoryview], int]) -> None:
+        """Fill from `readinto(view) -> bytes put there`, as a socket or an HTTP response
+        gives them, until full or it gives none."""
+        while self.filled < len(self._view) and (n := readinto(self._view[self.filled :])):
+            self._arriving._advanced(self, n)
+
+    @property
+    def full(self) -> bool:
+        return self.filled == self.hi - self.lo
+
+
 class Arriving:
-    """Bytes [start, stop) of a shard, filled in order by one writer (`write`, then
-    `finish`), read by others with `read_at(size, offset)`, as `formats.tar` reads: a read
-    waits for its bytes (counted in `stalls`); fewer come back only where the shard ends
-    (`finish(end=...)`)."""
+    """Bytes [start, stop) of a shard, filled by one writer or by several, each its own
+    `Piece` of it (parallel ranged GETs: `split`), then `finish`ed; read by others with
+    `read_at(size, offset)`, as `formats.tar` reads: a read waits for its bytes (counted in
+    `stalls`); fewer come back only where the shard ends (`finish(end=...)`). `filled` is
+    the bytes in from `start` without a gap."""
 
     def __init__(self, start: int, stop: int, stalls: Stalls | None = None):
         self.start, self.stop, self._stalls = start, stop, stalls
-        self.filled = 0  # bytes in, from `start`
+        self.filled = 0  # bytes in from `start`, without a gap
         # anonymous memory: its pages are zeroed by the kernel as they are first written, where a
         # bytearray is zeroed up front (a second pass over every byte: ~10% of a worker's read CPU)
         self._buf = mmap.mmap(-1, max(stop - start, 1))
@@ -43,21 +68,32 @@ class Arriving:
         self._error: BaseException | None = None
         self._cond = threading.Condition(threading.Lock())
         self._wanted = -1  # the bytes a waiting reader needs in: woken once, not at every chunk
+        self.pieces = [Piece(self, start, stop)]
+        self._gapless = 0  # the first piece not yet full
+        self.counted: Callable[[int], None] | None = None  # told of each byte that comes, before a reader sees it
+
+    def split(self, bounds: list[int]) -> list[Piece]:
+        """Cut the range into pieces at `bounds` (start < b1 < ... < stop), before any byte."""
+        assert not self.filled and bounds[0] == self.start and bounds[-1] == self.stop
+        self.pieces = [Piece(self, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+        return self.pieces
 
     def write(self, chunk: bytes) -> None:
-        n = min(len(chunk), len(self._view) - self.filled)  # a server that sends more is cut to the range
-        self._view[self.filled : self.filled + n] = memoryview(chunk)[:n]
-        self._advance(n)
+        self.pieces[0].write(chunk)
 
     def receive(self, readinto: Callable[[memoryview], int]) -> None:
-        """Fill from `readinto(view) -> bytes put there`, as a socket or an HTTP response
-        gives them (no copy on our side), until full or it gives none."""
-        while self.filled < len(self._view) and (n := readinto(self._view[self.filled :])):
-            self._advance(n)
+        self.pieces[0].receive(readinto)
 
-    def _advance(self, n: int) -> None:
+    def _advanced(self, piece: Piece, n: int) -> None:
+        if self.counted is not None:
+            self.counted(n)
         with self._cond:
-            self.filled += n
+            piece.filled += n
+            pieces = self.pieces
+            while self._gapless < len(pieces) and pieces[self._gapless].full:
+                self._gapless += 1
+            first = pieces[self._gapless] if self._gapless < len(pieces) else None
+            self.filled = first.lo - self.start + first.filled if first is not None else self.stop - self.start
             if 0 <= self._wanted <= self.filled:
                 self._wanted = -1
                 self._cond.notify_all()

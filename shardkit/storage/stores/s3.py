@@ -15,6 +15,7 @@ replaced shard answers 412. Private s3fs API used here (written against s3fs 202
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any, BinaryIO, cast
 
 from .. import s3_http
@@ -82,3 +83,71 @@ def s3_store(url: str, storage_options: StorageOptions | None, patient: bool,
     if direct is not None:
         return PresignedS3Store(direct, storage_options, patient, instances)
     return S3fsStore(storage_options, patient, instances)
+
+
+PART = 8 << 20  # a multipart upload's part (S3 wants 5 MiB at least, but for the last)
+UPLOADS = 8  # parts of one upload in flight at once: a capped connection's rate, eight times
+
+
+class MultipartUpload:
+    """An S3 object written as a multipart upload whose parts go up `UPLOADS` at a time on
+    threads of their own (s3fs's file uploads its parts one after the other: one connection,
+    which a store's per-connection cap holds to tens of MB/s). The object appears only when
+    `close` completes the upload; `abort` throws it away. Memory: at most `UPLOADS` parts in
+    flight and one filling. A file smaller than a part is one PUT. Each part, an idempotent
+    request, is retried by the client; the caller's errors name the URL.
+
+    Through s3fs's public `call_s3` (its client, its credentials and endpoint)."""
+
+    def __init__(self, fs: Any, path: str, uploads: int = UPLOADS):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._fs, self._uploads = fs, uploads
+        self._bucket, self._key, _ = fs.split_path(path)
+        self._buffer = bytearray()
+        self._parts: list[Any] = []  # futures of the parts sent, in order
+        self._upload_id: str | None = None
+        self._pool = ThreadPoolExecutor(uploads, thread_name_prefix="shardkit-upload")
+
+    def write(self, data: bytes) -> int:
+        self._buffer += data
+        while len(self._buffer) >= PART:
+            self._send(bytes(self._buffer[:PART]))
+            del self._buffer[:PART]
+        return len(data)
+
+    def _send(self, part: bytes) -> None:
+        if self._upload_id is None:
+            self._upload_id = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket,
+                                               Key=self._key)["UploadId"]
+        while sum(not f.done() for f in self._parts) >= self._uploads:  # bounded: wait for the oldest in flight
+            next(f for f in self._parts if not f.done()).result()
+        number = len(self._parts) + 1
+        self._parts.append(self._pool.submit(self._fs.call_s3, "upload_part", Bucket=self._bucket, Key=self._key,
+                                             UploadId=self._upload_id, PartNumber=number, Body=part))
+
+    def close(self) -> None:
+        """Send what is left and complete the upload: the object appears, whole."""
+        try:
+            if self._upload_id is None:
+                self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._buffer))
+                return
+            if self._buffer:
+                self._send(bytes(self._buffer))
+                self._buffer.clear()
+            parts = [{"PartNumber": n, "ETag": f.result()["ETag"]} for n, f in enumerate(self._parts, 1)]
+            self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
+                             UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fs.invalidate_cache(f"{self._bucket}/{self._key}")
+
+    def abort(self) -> None:
+        """Throw the upload away: nothing appears under its name."""
+        for f in self._parts:
+            f.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._upload_id is not None:
+            with contextlib.suppress(Exception):  # the error that stopped the upload is the one to report
+                self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key,
+                                 UploadId=self._upload_id)

@@ -1,0 +1,329 @@
+"""The fetch engine of a reader: how a remote range is cut into parallel GETs, and the
+GETs stuck in the latency tail sent again.
+
+Object stores cap each connection (tens of MB/s to ~100 MB/s on S3 and GCS) and answer a
+few percent of requests late (hundreds of ms to seconds). So:
+
+- Pieces, sized by throughput: a range is cut into as many pieces as it takes for their
+  connections together to carry the consumer's rate (`wanted()`, bytes a second it takes
+  on its own: the read-ahead's measure) with half as much again to spare, each piece at
+  least a connection's bandwidth-delay product (throughput x first-byte latency, and 1 MB)
+  so that first bytes do not eat its time; one piece where one connection keeps up. The
+  figures are moving averages of every GET (its first byte, then its body's bytes a
+  second); until they are known, a range goes in pieces of `FIRST_PIECE`, four at most, so
+  that the first batch comes as fast as the link allows. The pieces of a range run on the engine's threads
+  (`connections` of them), first in, first out: the range the consumer needs next is ahead
+  of those after it. How many ranges are in flight stays the read-ahead's (prefetch.py:
+  Little's law on the range's whole fetch time, AIMD on throttling); a store that throttles
+  also halves how many pieces a range may take (and each range without one adds one back).
+- Hedges: a GET whose first byte has not come after about the p95 of first-byte latencies
+  seen so far (but no more than 4x their median, so that a tail fat enough to reach the p95
+  does not set the bar inside itself, and at least `HEDGE_FLOOR_S`) is sent again, at most
+  `HEDGE_SHARE` of requests. The first to answer writes the piece, and its end is the GET's;
+  the other, once its own answer comes, is closed unread (a blocking HTTP read cannot be
+  interrupted sooner), on a thread of its own that nobody waits for. Both
+  carry the same pinned version (If-Match), so a hedge never reads another object.
+
+Only the attempt that claimed a piece ever writes to it, so a hedge can neither lose nor
+duplicate a byte; a failed piece is retried from where its bytes stopped by the caller.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from ..errors import ShardkitError
+from .stores import Store
+from .streams import Piece
+
+MIN_PIECE, FIRST_PIECE = 1 << 20, 2 << 20
+FIRST_PIECES = 4  # the most pieces of a range before anything is measured
+HEADROOM = 1.5  # connections for the consumer's rate, and half as many again
+CONNECTIONS = 16  # GETs one reader keeps open at most, hedges aside, where it is told nothing else
+RANK_CONNECTIONS = 32  # ...and a rank's DataLoader workers together: each keeps its share (`per_worker`)
+HEDGE_SHARE = 0.05  # hedges at most per request
+HEDGE_FLOOR_S = 0.05  # never hedge a GET sooner than this
+HEDGE_MIN_SEEN = 16  # first-byte latencies seen before the first hedge
+_ALPHA = 0.1  # weight of the newest GET in the moving averages
+_SEEN = 256  # first-byte latencies kept for the percentiles
+
+
+def per_worker(num_workers: int) -> int:
+    """A DataLoader worker's share of its rank's connections (4 at least): the workers of one
+    rank share its link rather than each opening as many as the link could carry."""
+    return max(4, RANK_CONNECTIONS // max(1, num_workers))
+
+
+class Lost(ShardkitError):
+    """The other attempt at a piece answered first: this one stops, unread."""
+
+
+class _Claim:
+    """Which attempt at a piece writes it: the first to get its first byte."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.by: int | None = None
+
+    def take(self, me: int) -> bool:
+        with self._lock:
+            if self.by is None:
+                self.by = me
+            return self.by == me
+
+
+class _Threads:
+    """Daemon threads running what is submitted, in order (interpreter exit does not wait
+    for a GET stuck on a stalled connection)."""
+
+    def __init__(self, n: int, name: str):
+        self._n = n
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        for i in range(n):
+            threading.Thread(target=self._work, name=f"shardkit-{name}_{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[[], Any], fut: Future[Any] | None = None) -> Future[Any]:
+        fut = fut if fut is not None else Future()
+        self._jobs.put((fut, fn))
+        return fut
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the waiter raises it
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        for _ in range(self._n):
+            self._jobs.put(None)
+
+
+class _Timer:
+    """One thread that calls each function handed to `at` at its time, unless cancelled first."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, list[Callable[[], None] | None]]] = []
+        self._cond = threading.Condition()
+        self._count = itertools.count()
+        self._closed = False
+        threading.Thread(target=self._run, name="shardkit-hedge-timer", daemon=True).start()
+
+    def at(self, when: float, fn: Callable[[], None]) -> list[Callable[[], None] | None]:
+        """Call `fn` at `when` (perf_counter); the handle's [0] = None cancels it."""
+        handle: list[Callable[[], None] | None] = [fn]
+        with self._cond:
+            heapq.heappush(self._heap, (when, next(self._count), handle))
+            self._cond.notify()
+        return handle
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (not self._heap or self._heap[0][0] > time.perf_counter()):
+                    self._cond.wait(self._heap[0][0] - time.perf_counter() if self._heap else None)
+                if self._closed:
+                    return
+                _, _, handle = heapq.heappop(self._heap)
+            fn = handle[0]
+            if fn is not None:
+                fn()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
+class _Attempt:
+    """The sink one GET of a piece writes through: it claims the piece at its first byte
+    (or stops, Lost), and times the GET for the engine."""
+
+    def __init__(self, engine: FetchEngine, piece: Piece, claim: _Claim, me: int):
+        self._engine, self._piece, self._claim, self._me = engine, piece, claim, me
+        self._sent = time.perf_counter()
+        self._first: float | None = None
+        self._from = piece.filled
+
+    def _take(self) -> None:
+        if self._first is None:
+            self._first = time.perf_counter()
+            self._engine.first_byte(self._first - self._sent)
+            if not self._claim.take(self._me):
+                raise Lost("another attempt at this piece answered first")
+            if self._me:
+                self._engine.won()
+
+    def write(self, chunk: bytes) -> None:
+        self._take()
+        self._piece.write(chunk)
+
+    def receive(self, readinto: Callable[[memoryview], int]) -> None:
+        self._take()
+        self._piece.receive(readinto)
+
+    def done(self) -> None:
+        if self._first is not None and self._claim.by == self._me:
+            self._engine.body(self._piece.filled - self._from, time.perf_counter() - self._first)
+
+
+class FetchEngine:
+    """Pieces and hedges for one reader's remote ranges (see the module docstring)."""
+
+    def __init__(self, connections: int = CONNECTIONS):
+        self.connections = max(1, connections)
+        self.requests = self.hedges = self.hedge_wins = 0
+        self.latency_s = 0.0  # moving average of a GET's first byte
+        self.rate = 0.0  # moving average of a connection's bytes/s, once the first byte came
+        self._seen: deque[float] = deque(maxlen=_SEEN)
+        self._lock = threading.Lock()
+        self._pieces_ceiling = float(self.connections)
+        self._pressed = 0
+        self.wanted: Callable[[], float] = lambda: 0.0  # the consumer's own rate, bytes/s (set by the reader's user)
+        self._pool: _Threads | None = None  # the pieces of ranges after their first
+        self._attempts: _Threads | None = None  # the GETs, hedges included
+        self._timer: _Timer | None = None
+
+    # measurements, from the GETs' threads
+    def first_byte(self, seconds: float) -> None:
+        with self._lock:
+            self._seen.append(seconds)
+            self.latency_s += _ALPHA * (seconds - self.latency_s) if self.latency_s else seconds
+
+    def body(self, size: int, seconds: float) -> None:
+        if size < MIN_PIECE // 4 or seconds <= 0:
+            return  # too short to tell a connection's throughput
+        with self._lock:
+            rate = size / seconds
+            self.rate += _ALPHA * (rate - self.rate) if self.rate else rate
+
+    def won(self) -> None:
+        with self._lock:
+            self.hedge_wins += 1
+
+    # cutting ranges
+    def bounds(self, start: int, stop: int, pressure: int = 0) -> list[int]:
+        """Where to cut [start, stop) into pieces; `pressure` counts the store's throttled
+        answers so far (a new one halves the pieces a range may take)."""
+        if pressure > self._pressed:
+            self._pieces_ceiling = max(1.0, self._pieces_ceiling / 2)
+        else:
+            self._pieces_ceiling = min(float(self.connections), self._pieces_ceiling + 1)
+        self._pressed = pressure
+        size, wanted = stop - start, self.wanted()
+        if self.rate and self.latency_s and wanted:
+            smallest = max(MIN_PIECE, self.rate * self.latency_s)  # a piece at least its connection's BDP
+            n = min(math.ceil(HEADROOM * wanted / self.rate), int(size // smallest))
+        else:
+            n = min(FIRST_PIECES, math.ceil(size / FIRST_PIECE))
+        n = max(1, min(n, int(self._pieces_ceiling)))
+        step = -(-size // n)
+        return [*range(start, stop, step), stop]
+
+    def hedge_after(self) -> float | None:
+        """Seconds without a first byte after which a GET is sent again (None: not yet)."""
+        with self._lock:
+            if len(self._seen) < HEDGE_MIN_SEEN or self.hedges >= HEDGE_SHARE * self.requests:
+                return None
+            seen = sorted(self._seen)
+        p50, p95 = seen[len(seen) // 2], seen[int(0.95 * (len(seen) - 1))]
+        return max(HEDGE_FLOOR_S, min(p95, 4 * p50))
+
+    # running
+    def run(self, pieces: list[Piece], fetch: Callable[[Piece], None]) -> None:
+        """`fetch(piece)` for each piece: the first on this thread, the others on the
+        engine's; returns once all are done, raising the first piece's error in order."""
+        if len(pieces) == 1:
+            fetch(pieces[0])
+            return
+        futures = [self._threads()[0].submit(functools.partial(fetch, p)) for p in pieces[1:]]
+        errors: list[BaseException] = []
+        try:
+            fetch(pieces[0])
+        except BaseException as e:  # noqa: BLE001 - raised after the others end, in order
+            errors.append(e)
+        for fut in futures:
+            if (error := fut.exception()) is not None:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+    def get(self, store: Store, url: str, piece: Piece, pin: dict[str, Any] | None) -> int | None:
+        """One GET of the rest of `piece` through `store`, hedged when its first byte is
+        late; the object's size where the answer told it. Returns (or raises) once the
+        attempt that claimed the piece has ended: a loser left waiting for its first byte
+        is not waited for."""
+        at, claim = piece.lo + piece.filled, _Claim()
+        with self._lock:
+            self.requests += 1
+        attempts, timer_thread = self._threads()[1:]
+        ended = threading.Event()
+        outcome: list[Any] = []  # the claiming attempt's size, or its error
+
+        def attempt(me: int) -> None:
+            sink = _Attempt(self, piece, claim, me)
+            try:
+                size: Any = store.get(url, at, piece.hi, sink, pin)
+            except Lost:
+                return
+            except BaseException as e:  # noqa: BLE001 - the caller raises it (retried there)
+                if me == 1 and claim.by is None:
+                    return  # a hedge that failed before its first byte: the first GET is still out
+                size = e
+            if claim.take(me):  # an attempt that ended before any byte claims the piece by ending
+                if not isinstance(size, BaseException):
+                    sink.done()
+                outcome.append(size)
+                ended.set()
+
+        attempts.submit(functools.partial(attempt, 0))
+        after, timer = self.hedge_after(), None
+        if after is not None:
+            timer = timer_thread.at(time.perf_counter() + after,
+                                    functools.partial(self._hedge, claim, functools.partial(attempts.submit, functools.partial(attempt, 1))))
+        ended.wait()
+        if timer is not None:
+            timer[0] = None
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0] if isinstance(outcome[0], int) else None
+
+    def _hedge(self, claim: _Claim, send: Callable[[], Any]) -> None:
+        """On the timer's thread: send the GET again, unless it has answered meanwhile."""
+        with self._lock:
+            if claim.by is not None or self.hedges >= HEDGE_SHARE * self.requests + 1:
+                return
+            self.hedges += 1
+        send()
+
+    def _threads(self) -> tuple[_Threads, _Threads, _Timer]:
+        """(the pieces' threads, the GETs' threads, the hedges' timer), made at first use:
+        room for every connection's GET and as many hedged or waiting for a late answer."""
+        with self._lock:
+            if self._pool is None or self._attempts is None or self._timer is None:
+                self._pool = _Threads(self.connections, "fetch")
+                self._attempts = _Threads(2 * self.connections, "get")
+                self._timer = _Timer()
+            return self._pool, self._attempts, self._timer
+
+    def close(self) -> None:
+        with self._lock:
+            for pool in (self._pool, self._attempts):
+                if pool is not None:
+                    pool.shutdown()
+            if self._timer is not None:
+                self._timer.close()
+            self._pool = self._attempts = self._timer = None

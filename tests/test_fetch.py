@@ -1,0 +1,334 @@
+"""The fetch engine (storage/fetch.py): ranges cut into parallel pieces by throughput,
+GETs stuck in the latency tail hedged. First its arithmetic and its hedging against a
+store of our own making (a `Store` whose answers the test holds back), then against moto
+behind the project's proxy: a per-connection bandwidth cap, a latency tail, resets and
+throttling together, and a replaced shard, every sample exactly once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import fsspec
+import pytest
+from torch.utils.data import DataLoader
+
+import shardkit
+from shardkit import StreamingDataset
+from shardkit.errors import CorruptShardError
+from shardkit.storage import RangeReader, fetch
+from shardkit.storage.fetch import FetchEngine
+from shardkit.storage.stores import Sink, Store
+from shardkit.storage.streams import Arriving
+
+MB = 1 << 20
+
+
+class HeldStore(Store):
+    """An object in memory whose GETs wait for the test's word: `hold[n]` is an Event the
+    n-th GET waits on before its first byte (none: answered at once)."""
+
+    name = "held"
+    conditional = True
+
+    def __init__(self, data: bytes):
+        super().__init__()
+        self.data, self.hold, self.pins, self.calls = data, {}, [], 0
+        self._lock = threading.Lock()
+
+    def get(self, url: str, start: int, stop: int, sink: Sink, pin: dict[str, Any] | None) -> int | None:
+        with self._lock:
+            n, self.calls = self.calls, self.calls + 1
+            self.pins.append(pin)
+        if n in self.hold:
+            assert self.hold[n].wait(10)
+        for at in range(start, min(stop, len(self.data)), 64 << 10):
+            sink.write(self.data[at : min(at + (64 << 10), stop)])
+        return len(self.data)
+
+    def size_now(self, url: str) -> int:
+        return len(self.data)
+
+    def cat(self, url: str) -> bytes:
+        return self.data
+
+    def open(self, url: str, what: str = "") -> BinaryIO:
+        raise NotImplementedError
+
+    def info(self, url: str, what: str = "") -> dict[str, Any]:
+        return {"size": len(self.data)}
+
+    def ls(self, url: str, detail: bool) -> list[Any]:
+        return []
+
+    def find(self, url: str) -> dict[str, dict[str, Any]]:
+        return {}
+
+    def remove(self, url: str) -> None:
+        pass
+
+    def makedirs(self, url: str) -> None:
+        pass
+
+    def remove_dir(self, url: str) -> None:
+        pass
+
+
+def _seasoned(engine: FetchEngine, first_byte_s: float = 0.001, requests: int = 100) -> FetchEngine:
+    """An engine that has seen enough quick GETs to hedge (its p95 under the floor)."""
+    for _ in range(fetch.HEDGE_MIN_SEEN):
+        engine.first_byte(first_byte_s)
+    engine.requests = requests
+    return engine
+
+
+def test_before_anything_is_measured_a_range_goes_in_a_few_pieces() -> None:
+    engine = FetchEngine(16)
+    assert engine.bounds(0, 100) == [0, 100]  # smaller than a piece
+    cuts = engine.bounds(0, 64 * MB)
+    assert len(cuts) - 1 == fetch.FIRST_PIECES and cuts[0] == 0 and cuts[-1] == 64 * MB
+
+
+def test_pieces_are_as_many_as_the_consumers_rate_needs() -> None:
+    """Connections that carry 20 MB/s each, a consumer that takes 90 MB/s: a 16 MB range in
+    7 pieces (90 x 1.5 / 20); where one connection carries 200 MB/s, one piece; never a
+    piece smaller than a connection's bandwidth-delay product."""
+    engine = FetchEngine(16)
+    engine.wanted = lambda: 90e6
+    engine.rate, engine.latency_s = 20e6, 0.05
+    cuts = engine.bounds(0, 16 * MB)
+    assert len(cuts) - 1 == 7 and all(b - a >= MB for a, b in zip(cuts, cuts[1:]))
+    engine.rate = 200e6
+    assert engine.bounds(0, 16 * MB) == [0, 16 * MB]
+    engine.rate, engine.latency_s = 20e6, 0.4  # a BDP of 8 MB: two pieces at most
+    assert len(engine.bounds(0, 16 * MB)) - 1 == 2
+
+
+def test_a_throttling_store_halves_the_pieces_of_a_range() -> None:
+    engine = FetchEngine(16)
+    engine.wanted = lambda: 1e9
+    engine.rate, engine.latency_s = 10e6, 0.01
+    assert len(engine.bounds(0, 64 * MB, pressure=0)) - 1 == 16
+    assert len(engine.bounds(0, 64 * MB, pressure=1)) - 1 == 8
+    assert len(engine.bounds(0, 64 * MB, pressure=2)) - 1 == 4
+    assert len(engine.bounds(0, 64 * MB, pressure=2)) - 1 == 5  # a range without: one more
+
+
+def _fill(engine: FetchEngine, store: Store, data: bytes, pin: dict[str, Any] | None = None) -> Arriving:
+    into = Arriving(0, len(data))
+    engine.run(into.split(engine.bounds(0, len(data))),
+               lambda piece: engine.get(store, "held://x", piece, pin) and None)
+    into.finish(end=into.filled)
+    return into
+
+
+def test_a_late_first_byte_is_hedged_and_the_first_answer_wins() -> None:
+    data = bytes(range(256)) * 4096  # 1 MB
+    store = HeldStore(data)
+    late = store.hold[0] = threading.Event()  # the first GET's answer is held back
+    engine = _seasoned(FetchEngine(4))
+    into = _fill(engine, store, data, pin={"etag": '"v1"'})
+    assert into.data() == data  # the hedge's bytes, once
+    assert (engine.hedges, engine.hedge_wins, store.calls) == (1, 1, 2)
+    assert store.pins == [{"etag": '"v1"'}] * 2  # the hedge reads the pinned version too
+    late.set()  # the first GET answers at last: it stops unread, and writes nothing
+    time.sleep(0.05)
+    assert into.data() == data
+    engine.close()
+
+
+def test_a_first_answer_in_time_is_not_hedged() -> None:
+    data = b"x" * MB
+    store = HeldStore(data)
+    engine = _seasoned(FetchEngine(4))
+    for _ in range(5):
+        assert _fill(engine, store, data).data() == data
+    assert engine.hedges == 0 and store.calls == 5
+    engine.close()
+
+
+def test_hedges_stay_within_their_share_of_requests() -> None:
+    """Every GET late: hedges stop at HEDGE_SHARE of the requests (and one)."""
+    data = b"y" * 4096
+    store = HeldStore(data)
+    engine = _seasoned(FetchEngine(4), requests=0)
+    release = threading.Event()
+    for n in range(0, 400, 1):
+        store.hold[n] = release
+    threads = [threading.Thread(target=_fill, args=(engine, store, data)) for _ in range(60)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # past every hedge's time
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert 0 < engine.hedges <= fetch.HEDGE_SHARE * engine.requests + 1
+    engine.close()
+
+
+def test_a_failing_first_get_waits_for_a_hedge_that_answered() -> None:
+    """The first GET fails after its hedge has claimed the piece: the hedge's bytes stand."""
+
+    class FailsLate(HeldStore):
+        def get(self, url: str, start: int, stop: int, sink: Sink, pin: dict[str, Any] | None) -> int | None:
+            with self._lock:
+                n, self.calls = self.calls, self.calls + 1
+            if n == 0:
+                time.sleep(0.3)
+                raise ConnectionResetError("reset before its first byte")
+            return super().get(url, start, stop, sink, pin)
+
+    data = b"z" * MB
+    engine = _seasoned(FetchEngine(4))
+    assert _fill(engine, FailsLate(data), data).data() == data
+    assert engine.hedge_wins == 1
+    engine.close()
+
+
+# Against moto behind the proxy
+
+
+@pytest.fixture
+def bulky(tmp_path: Path, photos: Path) -> Path:
+    """A dataset of large samples: 30 photos padded to ~96 KB each, in one shard."""
+    from PIL import Image
+
+    big = tmp_path / "bulky"
+    for path in sorted(photos.rglob("*.jpg")):
+        target = big / path.parent.name / path.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        img = Image.open(path).resize((640, 480))
+        img.save(target, quality=100)
+    return big
+
+
+def _upload(s3: dict, folder: Path, name: str) -> str:
+    url = f"{s3['url']}/{name}"
+    shardkit.pack(str(folder), url, workers=1, progress=False, storage_options=s3["storage_options"])
+    return url
+
+
+def test_a_connection_capped_store_is_read_over_parallel_pieces(s3: dict, s3_server: str, bulky: Path,
+                                                                latency_proxy, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                                                                ) -> None:
+    """1 MB/s a connection: a range is cut into pieces read over several connections at once,
+    the engine measures about the cap, and the bytes are the shard's, exactly."""
+    monkeypatch.setattr(fetch, "MIN_PIECE", 64 << 10)
+    monkeypatch.setattr(fetch, "FIRST_PIECE", 256 << 10)
+    url = _upload(s3, bulky, "capped")
+    idx = shardkit.index.load(url, s3["storage_options"])
+    shard = idx.shards[0]
+    proxied, control = latency_proxy(s3_server, latency_ms=5, conn_mbps=1)
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    reader = RangeReader([f"{url}/{shard.name}"], opts, pins=[shard.version], connections=8)
+    expected = fsspec.filesystem("s3", **s3["storage_options"]).cat_file(f"{url}/{shard.name}".removeprefix("s3://"))
+    size = min(len(expected), 1 << 20)
+    try:
+        before = control.stats()["requests"]
+        started = time.perf_counter()
+        assert reader.read(0, 0, size) == expected[:size]
+        took = time.perf_counter() - started
+        first = control.stats()["requests"] - before
+        assert first == fetch.FIRST_PIECES  # measured nothing yet: the first pieces
+        assert took >= 0.9 * size / fetch.FIRST_PIECES / 1e6  # each piece at 1 MB/s at most
+        assert 0.2e6 < reader.engine.rate < 5e6  # what a connection carries, measured
+        reader.engine.wanted = lambda: 4e6  # a consumer taking 4 MB/s: 6 connections at 1 MB/s
+        before = control.stats()["requests"]
+        assert reader.read(0, 0, size) == expected[:size]
+        assert control.stats()["requests"] - before >= 4
+    finally:
+        reader.close()
+
+
+def test_hedges_beat_the_latency_tail_and_lose_no_sample(s3: dict, s3_server: str, packed: Path, latency_proxy,  # type: ignore[no-untyped-def]
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fifth of the first bytes held 1.5 s: hedged GETs answer first, counted in stats(),
+    every sample exactly once."""
+    monkeypatch.setattr(fetch, "HEDGE_MIN_SEEN", 4)
+    monkeypatch.setattr(fetch, "HEDGE_SHARE", 0.5)
+    fs, root = fsspec.core.url_to_fs(s3["url"] + "/tail", **s3["storage_options"])
+    fs.put(str(packed), root, recursive=True)
+    proxied, control = latency_proxy(s3_server, latency_ms=5, tail_prob=0.2, tail_ms=1500, seed=5)
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    ds = StreamingDataset(s3["url"] + "/tail", storage_options=opts, shuffle=True, block=2, prefetch=2)
+    got = [s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=2)]
+    assert sorted(got) == sorted(set(got)) and len(got) == 120
+    stats = ds.stats()
+    assert control.stats()["tailed"] > 0
+    assert stats["hedges"] > 0 and 0 < stats["hedge_wins"] <= stats["hedges"]
+    assert stats["hedges"] <= 0.5 * stats["requests"] + 2  # the share, and one a worker
+    assert stats["store"] == "s3 (presigned)"
+
+
+def test_resets_throttling_and_hedges_together_cost_no_sample(s3: dict, s3_server: str, packed: Path,  # type: ignore[no-untyped-def]
+                                                              latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shardkit.storage.retry, "OUTAGE_RETRIES", 10)
+    monkeypatch.setattr(fetch, "HEDGE_MIN_SEEN", 4)
+    monkeypatch.setattr(fetch, "HEDGE_SHARE", 0.5)
+    fs, root = fsspec.core.url_to_fs(s3["url"] + "/storm", **s3["storage_options"])
+    fs.put(str(packed), root, recursive=True)
+    proxied, control = latency_proxy(s3_server, latency_ms=5, tail_prob=0.2, tail_ms=1500, seed=11)
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    ds = StreamingDataset(s3["url"] + "/storm", storage_options=opts, shuffle=True, block=3)
+    control.set("reset_prob", 0.15)
+    control.set("reset_max_bytes", 2_000)
+    control.storm(600, 0.15)
+    got = [s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=2)]
+    assert sorted(got) == sorted(set(got)) and len(got) == 120
+    stats = control.stats()
+    assert stats["throttled"] > 0 and stats["resets"] > 0 and stats["tailed"] > 0
+
+
+def test_a_replaced_shard_is_caught_under_hedging(s3: dict, s3_server: str, photos: Path, latency_proxy,  # type: ignore[no-untyped-def]
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fetch, "HEDGE_MIN_SEEN", 1)
+    monkeypatch.setattr(fetch, "HEDGE_SHARE", 1.0)
+    url = s3["url"] + "/replaced"
+    shardkit.pack(str(photos), url, max_count=10, workers=1, progress=False, storage_options=s3["storage_options"])
+    fs = fsspec.filesystem("s3", **s3["storage_options"])
+    root = url.removeprefix("s3://")
+    fs.pipe(f"{root}/shard-000001.tar", fs.cat_file(f"{root}/shard-000000.tar"))
+    proxied, _ = latency_proxy(s3_server, latency_ms=5, tail_prob=0.5, tail_ms=1000, seed=2)
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    ds = StreamingDataset(url, storage_options=opts)
+    with pytest.raises(CorruptShardError, match=r"shard-000001\.tar: changed since its index was made"):
+        list(ds)
+
+
+def test_an_upload_sends_its_parts_in_parallel(s3: dict, s3_server: str, latency_proxy) -> None:  # type: ignore[no-untyped-def]
+    """24 MB into a bucket behind 4 MB/s a connection: its parts go up on several
+    connections at once, the object is the bytes written, and an upload that fails leaves
+    nothing under its name."""
+    import os
+
+    from shardkit.storage import atomic_writer
+    from shardkit.storage.stores import s3 as s3_store
+
+    proxied, control = latency_proxy(s3_server, latency_ms=5, conn_mbps=4)
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    data = os.urandom(3 * s3_store.PART)
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], control.stats()["active"])
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with atomic_writer(s3["url"] + "/big.bin", opts) as f:
+            for at in range(0, len(data), 1 << 20):
+                f.write(data[at : at + (1 << 20)])
+    finally:
+        stop.set()
+        watcher.join()
+    fs = fsspec.filesystem("s3", **s3["storage_options"])
+    assert fs.cat_file(s3["url"].removeprefix("s3://") + "/big.bin") == data
+    assert peak[0] >= 2  # parts on several connections at once
+    with pytest.raises(RuntimeError), atomic_writer(s3["url"] + "/broken.bin", opts) as f:
+        f.write(data[: 2 * s3_store.PART])
+        raise RuntimeError("the writer fails")
+    assert not fs.exists(s3["url"].removeprefix("s3://") + "/broken.bin")
