@@ -109,6 +109,7 @@ class Prefetcher(Generic[R, D]):
         self.latency_s = 0.0  # moving average of one fetch
         self.interval_s = 0.0  # moving average of the consumer's own time on one range
         self.rate = 0.0  # moving average of the bytes a second the consumer takes on its own
+        self.waiting = 0.0  # moving average of the share of a range's time the consumer waited for its bytes
         self._pool: _Threads | None = None
         self._pending: deque[tuple[R, Future[D], threading.Event]] = deque()  # sent, not yet taken
         self._streaming_on: list[threading.Event] = []  # fetches taken and still streaming
@@ -155,7 +156,10 @@ class Prefetcher(Generic[R, D]):
                 self._held -= self._size(req)
                 handed, stalled = time.perf_counter(), self._stalled()
                 yield req, data
-                self._adapt(time.perf_counter() - handed - (self._stalled() - stalled), self._size(req))
+                spent, waited = time.perf_counter() - handed, self._stalled() - stalled
+                if spent > 0:
+                    self.waiting += _ALPHA * (waited / spent - self.waiting)
+                self._adapt(spent - waited, self._size(req))
         finally:
             self.close()
 

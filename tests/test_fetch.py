@@ -78,25 +78,28 @@ class HeldStore(Store):
 
 def _seasoned(engine: FetchEngine, first_byte_s: float = 0.001, requests: int = 100) -> FetchEngine:
     """An engine that has seen enough quick GETs to hedge (its p95 under the floor)."""
+    engine._seen = fetch._history(HeldStore(b""))
+    engine._seen.clear()  # the process's history of this store, shared by its engines
     for _ in range(fetch.HEDGE_MIN_SEEN):
         engine.first_byte(first_byte_s)
     engine.requests = requests
     return engine
 
 
-def test_before_anything_is_measured_a_range_goes_in_a_few_pieces() -> None:
+def test_before_anything_is_measured_a_range_is_one_get() -> None:
     engine = FetchEngine(16)
-    assert engine.bounds(0, 100) == [0, 100]  # smaller than a piece
-    cuts = engine.bounds(0, 64 * MB)
-    assert len(cuts) - 1 == fetch.FIRST_PIECES and cuts[0] == 0 and cuts[-1] == 64 * MB
+    engine.wanted = lambda: (1e9, 1.0)
+    assert engine.bounds(0, 100) == [0, 100]
+    assert engine.bounds(0, 64 * MB) == [0, 64 * MB]
 
 
 def test_pieces_are_as_many_as_the_consumers_rate_needs() -> None:
-    """Connections that carry 20 MB/s each, a consumer that takes 90 MB/s: a 16 MB range in
-    7 pieces (90 x 1.5 / 20); where one connection carries 200 MB/s, one piece; never a
-    piece smaller than a connection's bandwidth-delay product."""
+    """Connections that carry 20 MB/s each, a consumer that takes 90 MB/s and waits for its
+    bytes: a 16 MB range in 7 pieces (90 x 1.5 / 20); where one connection carries 200 MB/s,
+    one piece; never a piece smaller than a connection's bandwidth-delay product; a consumer
+    that does not wait for its bytes gets one piece a range, whatever its rate."""
     engine = FetchEngine(16)
-    engine.wanted = lambda: 90e6
+    engine.wanted = lambda: (90e6, 0.9)
     engine.rate, engine.latency_s = 20e6, 0.05
     cuts = engine.bounds(0, 16 * MB)
     assert len(cuts) - 1 == 7 and all(b - a >= MB for a, b in zip(cuts, cuts[1:]))
@@ -104,11 +107,13 @@ def test_pieces_are_as_many_as_the_consumers_rate_needs() -> None:
     assert engine.bounds(0, 16 * MB) == [0, 16 * MB]
     engine.rate, engine.latency_s = 20e6, 0.4  # a BDP of 8 MB: two pieces at most
     assert len(engine.bounds(0, 16 * MB)) - 1 == 2
+    engine.wanted = lambda: (1e9, 0.1)
+    assert engine.bounds(0, 16 * MB) == [0, 16 * MB]
 
 
 def test_a_throttling_store_halves_the_pieces_of_a_range() -> None:
     engine = FetchEngine(16)
-    engine.wanted = lambda: 1e9
+    engine.wanted = lambda: (1e9, 1.0)
     engine.rate, engine.latency_s = 10e6, 0.01
     assert len(engine.bounds(0, 64 * MB, pressure=0)) - 1 == 16
     assert len(engine.bounds(0, 64 * MB, pressure=1)) - 1 == 8
@@ -213,10 +218,10 @@ def _upload(s3: dict, folder: Path, name: str) -> str:
 def test_a_connection_capped_store_is_read_over_parallel_pieces(s3: dict, s3_server: str, bulky: Path,
                                                                 latency_proxy, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
                                                                 ) -> None:
-    """1 MB/s a connection: a range is cut into pieces read over several connections at once,
-    the engine measures about the cap, and the bytes are the shard's, exactly."""
+    """1 MB/s a connection: a first range in one GET, which measures about the cap; then, for a
+    consumer waiting for its bytes, a range is cut into pieces read over several connections at
+    once; the bytes are the shard's, exactly."""
     monkeypatch.setattr(fetch, "MIN_PIECE", 64 << 10)
-    monkeypatch.setattr(fetch, "FIRST_PIECE", 256 << 10)
     url = _upload(s3, bulky, "capped")
     idx = shardkit.index.load(url, s3["storage_options"])
     shard = idx.shards[0]
@@ -230,14 +235,15 @@ def test_a_connection_capped_store_is_read_over_parallel_pieces(s3: dict, s3_ser
         started = time.perf_counter()
         assert reader.read(0, 0, size) == expected[:size]
         took = time.perf_counter() - started
-        first = control.stats()["requests"] - before
-        assert first == fetch.FIRST_PIECES  # measured nothing yet: the first pieces
-        assert took >= 0.9 * size / fetch.FIRST_PIECES / 1e6  # each piece at 1 MB/s at most
+        assert control.stats()["requests"] - before == 1  # measured nothing yet: one GET
+        assert took >= 0.9 * size / 1e6  # at 1 MB/s at most
         assert 0.2e6 < reader.engine.rate < 5e6  # what a connection carries, measured
-        reader.engine.wanted = lambda: 4e6  # a consumer taking 4 MB/s: 6 connections at 1 MB/s
+        reader.engine.wanted = lambda: (4e6, 0.9)  # a consumer taking 4 MB/s, waiting: 6 connections at 1 MB/s
         before = control.stats()["requests"]
+        started = time.perf_counter()
         assert reader.read(0, 0, size) == expected[:size]
-        assert control.stats()["requests"] - before >= 4
+        assert control.stats()["requests"] - before >= 4  # on several connections at once
+        assert time.perf_counter() - started >= 0.9 * size / 1e6 / (control.stats()["requests"] - before)
     finally:
         reader.close()
 

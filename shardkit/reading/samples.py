@@ -142,7 +142,7 @@ class TarSamples:
             prefetcher = Prefetcher(plan, stream, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes,
                                     streaming=True, pressure=lambda: reader.throttled, start=first,
                                     stalled=lambda: stalls.seconds)
-            reader.engine.wanted = lambda: prefetcher.rate  # what the pieces of a range must carry together
+            reader.engine.wanted = lambda: (prefetcher.rate, prefetcher.waiting)  # what a range's pieces must carry
         return _in_order(prefetcher, range_of, shard_of, starts, ends), prefetcher
 
     def _check(self, shard_of: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:

@@ -4,14 +4,17 @@ GETs stuck in the latency tail sent again.
 Object stores cap each connection (tens of MB/s to ~100 MB/s on S3 and GCS) and answer a
 few percent of requests late (hundreds of ms to seconds). So:
 
-- Pieces, sized by throughput: a range is cut into as many pieces as it takes for their
-  connections together to carry the consumer's rate (`wanted()`, bytes a second it takes
-  on its own: the read-ahead's measure) with half as much again to spare, each piece at
-  least a connection's bandwidth-delay product (throughput x first-byte latency, and 1 MB)
-  so that first bytes do not eat its time; one piece where one connection keeps up. The
-  figures are moving averages of every GET (its first byte, then its body's bytes a
-  second); until they are known, a range goes in pieces of `FIRST_PIECE`, four at most, so
-  that the first batch comes as fast as the link allows. The pieces of a range run on the engine's threads
+- Pieces, sized by throughput: where the consumer waits for the bytes of the ranges it
+  reads (more than `SPLIT_WAITING` of its time: the ranges in flight do not carry its rate),
+  a range is cut into as many pieces as it takes for their connections together to carry
+  the consumer's own rate with half as much again to spare (`wanted()`: the read-ahead's
+  measures, bytes a second it takes when not waiting, and the share of time it waits), each
+  piece at least a connection's bandwidth-delay product (throughput x first-byte latency,
+  and 1 MB) so that first bytes do not eat its time. Where it does not wait, one piece a
+  range: more requests would cost the store and the client for nothing. The figures are
+  moving averages of every GET (its first byte, then its body's bytes a second); until
+  they are known, a range is one GET (reading ramps up from one request: measured here, a
+  first range cut in four cost the first batch more on a loaded machine than it saved). The pieces of a range run on the engine's threads
   (`connections` of them), first in, first out: the range the consumer needs next is ahead
   of those after it. How many ranges are in flight stays the read-ahead's (prefetch.py:
   Little's law on the range's whole fetch time, AIMD on throttling); a store that throttles
@@ -34,6 +37,7 @@ import functools
 import heapq
 import itertools
 import math
+import os
 import queue
 import threading
 import time
@@ -43,19 +47,38 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..errors import ShardkitError
+from .clients import endpoint
 from .stores import Store
 from .streams import Piece
 
-MIN_PIECE, FIRST_PIECE = 1 << 20, 2 << 20
-FIRST_PIECES = 4  # the most pieces of a range before anything is measured
+MIN_PIECE = 1 << 20
 HEADROOM = 1.5  # connections for the consumer's rate, and half as many again
+SPLIT_WAITING = 0.5  # ranges are cut into pieces while the consumer waits more than this share of its time
 CONNECTIONS = 16  # GETs one reader keeps open at most, hedges aside, where it is told nothing else
 RANK_CONNECTIONS = 32  # ...and a rank's DataLoader workers together: each keeps its share (`per_worker`)
 HEDGE_SHARE = 0.05  # hedges at most per request
 HEDGE_FLOOR_S = 0.05  # never hedge a GET sooner than this
-HEDGE_MIN_SEEN = 16  # first-byte latencies seen before the first hedge
+HEDGE_MIN_SEEN = 8  # first-byte latencies seen (by this process) before the first hedge
 _ALPHA = 0.1  # weight of the newest GET in the moving averages
 _SEEN = 256  # first-byte latencies kept for the percentiles
+# ...by every engine of the process, a history a store and endpoint: a new pass (a new epoch in a
+# persistent worker) hedges from its first GET
+_FIRST_BYTES: dict[tuple[str, str], deque[float]] = {}
+_FIRST_BYTES_LOCK = threading.Lock()
+
+
+def _history(store: Store) -> deque[float]:
+    key = (store.name, endpoint(store.options))
+    with _FIRST_BYTES_LOCK:
+        return _FIRST_BYTES.setdefault(key, deque(maxlen=_SEEN))
+
+
+def _after_fork() -> None:
+    global _FIRST_BYTES_LOCK  # a worker forked while a thread held it would wait on it forever
+    _FIRST_BYTES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def per_worker(num_workers: int) -> int:
@@ -188,19 +211,21 @@ class FetchEngine:
         self.requests = self.hedges = self.hedge_wins = 0
         self.latency_s = 0.0  # moving average of a GET's first byte
         self.rate = 0.0  # moving average of a connection's bytes/s, once the first byte came
-        self._seen: deque[float] = deque(maxlen=_SEEN)
+        self._seen: deque[float] = deque()  # the store's history in this process, once a GET has named it
         self._lock = threading.Lock()
         self._pieces_ceiling = float(self.connections)
         self._pressed = 0
-        self.wanted: Callable[[], float] = lambda: 0.0  # the consumer's own rate, bytes/s (set by the reader's user)
+        # the consumer's own rate (bytes/s) and the share of its time it waits for bytes (set by the reader's user)
+        self.wanted: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0)
         self._pool: _Threads | None = None  # the pieces of ranges after their first
         self._attempts: _Threads | None = None  # the GETs, hedges included
         self._timer: _Timer | None = None
 
     # measurements, from the GETs' threads
     def first_byte(self, seconds: float) -> None:
-        with self._lock:
+        with _FIRST_BYTES_LOCK:
             self._seen.append(seconds)
+        with self._lock:
             self.latency_s += _ALPHA * (seconds - self.latency_s) if self.latency_s else seconds
 
     def body(self, size: int, seconds: float) -> None:
@@ -223,12 +248,11 @@ class FetchEngine:
         else:
             self._pieces_ceiling = min(float(self.connections), self._pieces_ceiling + 1)
         self._pressed = pressure
-        size, wanted = stop - start, self.wanted()
-        if self.rate and self.latency_s and wanted:
+        size, (wanted, waiting) = stop - start, self.wanted()
+        n = 1
+        if self.rate and self.latency_s and waiting > SPLIT_WAITING and wanted:
             smallest = max(MIN_PIECE, self.rate * self.latency_s)  # a piece at least its connection's BDP
             n = min(math.ceil(HEADROOM * wanted / self.rate), int(size // smallest))
-        else:
-            n = min(FIRST_PIECES, math.ceil(size / FIRST_PIECE))
         n = max(1, min(n, int(self._pieces_ceiling)))
         step = -(-size // n)
         return [*range(start, stop, step), stop]
@@ -236,7 +260,10 @@ class FetchEngine:
     def hedge_after(self) -> float | None:
         """Seconds without a first byte after which a GET is sent again (None: not yet)."""
         with self._lock:
-            if len(self._seen) < HEDGE_MIN_SEEN or self.hedges >= HEDGE_SHARE * self.requests:
+            if self.hedges >= HEDGE_SHARE * self.requests:
+                return None
+        with _FIRST_BYTES_LOCK:
+            if len(self._seen) < HEDGE_MIN_SEEN:
                 return None
             seen = sorted(self._seen)
         p50, p95 = seen[len(seen) // 2], seen[int(0.95 * (len(seen) - 1))]
@@ -269,6 +296,8 @@ class FetchEngine:
         at, claim = piece.lo + piece.filled, _Claim()
         with self._lock:
             self.requests += 1
+            if not self.requests - 1:
+                self._seen = _history(store)
         attempts, timer_thread = self._threads()[1:]
         ended = threading.Event()
         outcome: list[Any] = []  # the claiming attempt's size, or its error
