@@ -1,7 +1,9 @@
 """Turn a sample's raw fields into Python values, WebDataset style.
 
 Images become bytes ("raw"), PIL images ("pil"), HWC uint8 numpy arrays ("rgb8") or CHW
-uint8 torch tensors ("tensor"). The other fields follow webdataset's default decoders:
+uint8 torch tensors ("tensor"). Decoded, a sample's (first) image moves to the field "image"
+whatever its extension, which "__ext__" keeps ("jpg", "png", "seg.png"), so a DataLoader's
+default collate batches a folder of mixed formats; `sample["jpg"]` still reads it. The other fields follow webdataset's default decoders:
 `cls cls2 index inx id` become ints, `json jsn` dicts, `txt text transcript`
 strs. Anything else stays bytes: members are never unpickled or passed to torch.load.
 
@@ -33,6 +35,7 @@ from . import jpeg
 from .errors import FieldError, describe
 
 MODES = ("raw", "pil", "rgb8", "tensor")
+IMAGE, EXT = "image", "__ext__"  # a decoded sample's image, whatever its extension, and the field it came from
 BACKENDS = ("auto", "pil")  # auto: the fast path for JPEG, PIL for the rest
 IMAGE_FIELDS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "pbm", "pnm", "tif", "tiff", "gif"})
 _INT_FIELDS = ("cls", "cls2", "index", "inx", "id")  # webdataset's decoders (its docstring lists more)
@@ -56,6 +59,36 @@ def sample_dict(key: str, url: str, fields: Mapping[str, bytes]) -> dict[str, An
     if len(sample) != len(fields) + 2:
         raise FieldError(f"members {sorted(fields)} name the same field once in lower case")
     return sample
+
+
+class Sample(dict[str, Any]):
+    """A decoded sample: its image under "image", the field it came from under "__ext__".
+    That field's own name still reads the image (`s["png"]`, `s.get("png")`), but is not a key
+    of its own, so default_collate stacks the image once; a batch of one format reads the same."""
+
+    def __missing__(self, key: str) -> Any:
+        if self._names_image(key):
+            return dict.__getitem__(self, IMAGE)
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self or self._names_image(key) else default
+
+    def _names_image(self, key: str) -> bool:
+        ext = dict.get(self, EXT)  # a str; in a batch (default_collate's), a list of them
+        names = [ext] if isinstance(ext, str) else ext if isinstance(ext, list) else []
+        return bool(names) and IMAGE in self and all(name == key for name in names)
+
+
+def with_image(sample: dict[str, Any]) -> dict[str, Any]:
+    """`sample` as a `Sample`: its first image field renamed "image" (the same object, not a
+    copy) and its name kept in "__ext__"; unchanged if it has no image or has an "image" field."""
+    field = image_field(sample)
+    if field is None or field == IMAGE or IMAGE in sample:
+        return sample
+    out = Sample((IMAGE if key == field else key, value) for key, value in sample.items())
+    out[EXT] = field
+    return out
 
 
 def packed_from(sample: Mapping[str, Any]) -> str:
@@ -196,7 +229,7 @@ def decoder(mode: str, backend: str = "auto") -> Callable[[dict[str, Any]], dict
                     raise
                 except Exception as e:  # noqa: BLE001 - the field named here, the sample by the reader
                     raise FieldError(f"field {key!r}: {describe(e)}") from e
-        return sample
+        return sample if image is None else with_image(sample)
 
     return decode
 
@@ -329,12 +362,13 @@ def resized_tensor(data: bytes | bytearray | memoryview | Image.Image, size: Siz
 
 
 def is_image(field: str) -> bool:
-    """Whether the decoders take `field` for an image (jpg, png, seg.PNG, pbm, ...)."""
-    return not field.startswith("_") and _kind(field) in IMAGE_FIELDS
+    """Whether the decoders take `field` for an image (jpg, png, seg.PNG, pbm, ...), or it
+    holds a decoded one ("image")."""
+    return field == IMAGE or (not field.startswith("_") and _kind(field) in IMAGE_FIELDS)
 
 
 def image_field(sample: dict[str, Any]) -> str | None:
-    """The sample's first image field (jpg, png, seg.PNG, ...), or None."""
+    """The sample's first image field ("image" once decoded; jpg, png, seg.PNG, ...), or None."""
     return next((key for key in sample if is_image(key)), None)
 
 
@@ -355,7 +389,7 @@ class ImageTransform:
 
     def __call__(self, sample: dict[str, Any]) -> tuple[Any, Any]:
         field = self.field or image_field(sample)
-        if field is None or field not in sample:  # bad data, as an undecodable image is
+        if field is None or sample.get(field) is None:  # bad data, as an undecodable image is
             raise FieldError(f"no image field{f' {field!r}' if field else ''} in sample {sample.get('__key__')!r} "
                              f"(fields: {', '.join(sample)})")
         image = sample[field]

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit import CorruptShardError, StreamingDataset
-from shardkit.decode import ImageTransform, geometry, image_transform, resized, resized_tensor
+from shardkit.decode import ImageTransform, geometry, image_field, image_transform, resized, resized_tensor
 from shardkit.errors import FieldError
 
 CASES = [(256, 224), (160, 128), (96, None), ((200, 150), None), ((300, 240), (256, 192))]
@@ -314,3 +314,34 @@ def test_a_field_that_does_not_decode_is_named(tmp_path: Path) -> None:
     assert "\n" not in text
     with pytest.raises(CorruptShardError, match=r"field 'jpg': UnidentifiedImageError"):
         list(StreamingDataset([_tar_of(tmp_path / "z.tar", {"s.jpg": b"\xff\xd8"})], decode="pil"))
+
+
+def test_the_first_dataloader_collates_a_folder_of_jpg_png_and_webp(tmp_path: Path) -> None:
+    """`DataLoader(StreamingDataset(src, decode=...), batch_size=4)` over mixed formats packed by
+    `shardkit pack`: the image is under "image" whatever its extension (kept in "__ext__"), stacked
+    once; `s["png"]` still reads it, and a raw sample keeps its fields as they were."""
+    from click.testing import CliRunner
+
+    from shardkit.cli import main
+
+    formats = ("JPEG", "PNG", "WEBP")
+    for label, name in enumerate(("cat", "dog")):
+        for i in range(6):
+            path = tmp_path / "src" / name / f"{i}.{formats[i % 3].lower().replace('jpeg', 'jpg')}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.new("RGBA" if i % 3 == 1 else "RGB", (20, 16), (40 * i, 100 * label, 9)).save(path, formats[i % 3])
+    result = CliRunner().invoke(main, ["pack", str(tmp_path / "src"), str(tmp_path / "out"), "-q"])
+    assert result.exit_code == 0, result.output
+    src = str(tmp_path / "out")
+    for mode, shape in (("tensor", (4, 3, 16, 20)), ("rgb8", (4, 16, 20, 3))):
+        batches = list(DataLoader(StreamingDataset(src, decode=mode), batch_size=4))
+        assert [tuple(b["image"].shape) for b in batches] == [shape] * 3 and sum(len(b["cls"]) for b in batches) == 12
+        assert sorted(e for b in batches for e in b["__ext__"]) == ["jpg"] * 4 + ["png"] * 4 + ["webp"] * 4
+        assert "jpg" not in batches[0] and "png" not in batches[0]  # the image is stacked once
+    in_workers = list(DataLoader(StreamingDataset(src, decode="tensor", batch_size=4), batch_size=None, num_workers=1))
+    assert [tuple(b["image"].shape) for b in in_workers] == [(4, 3, 16, 20)] * 3
+    pil = list(StreamingDataset(src, decode="pil"))
+    assert all(isinstance(s["image"], Image.Image) and s[s["__ext__"]] is s["image"] for s in pil)
+    assert [s.get("png") is s["image"] for s in pil] == [s["__ext__"] == "png" for s in pil]
+    raw = next(iter(StreamingDataset(src)))
+    assert "image" not in raw and "__ext__" not in raw and isinstance(raw[image_field(raw) or ""], bytes)

@@ -37,7 +37,9 @@ class StreamingDataset(EpochDataset):
 
     Yields WebDataset-style dicts: ``__key__``, ``__url__`` and one entry per field,
     images decoded as `decode` says ("raw" bytes, "pil", "rgb8" HWC uint8 numpy, "tensor"
-    CHW uint8 torch), ``cls`` as int, ``json`` as dict; JPEG decodes by libjpeg-turbo's fast
+    CHW uint8 torch), ``cls`` as int, ``json`` as dict. Decoded, the image is under
+    ``"image"`` whatever its extension, which ``"__ext__"`` keeps (``s["jpg"]`` still reads
+    it), so the default collate batches mixed formats. JPEG decodes by libjpeg-turbo's fast
     path to PIL's very pixels unless ``backend="pil"`` (see decode.py). `transform(sample)`
     runs in the worker and its result is what the DataLoader receives.
 
@@ -63,7 +65,7 @@ class StreamingDataset(EpochDataset):
         shuffle: shuffle each epoch: shard blocks in a permuted order, then a bounded buffer.
         seed: the shuffle's seed; the order is a pure function of (seed, epoch, layout).
         decode: how image fields come back: ``"raw"`` bytes, ``"pil"``, ``"rgb8"`` (HWC uint8
-            numpy) or ``"tensor"`` (CHW uint8 torch).
+            numpy) or ``"tensor"`` (CHW uint8 torch), decoded ones under ``"image"``.
         backend: ``"auto"`` decodes JPEGs by libjpeg-turbo's fast path (PIL's very pixels;
             docs/decoding.md), the rest with PIL; ``"pil"`` decodes every image with PIL.
         transform: a function of the sample dict, run in the worker; its result is what the
