@@ -104,7 +104,56 @@ def test_on_error_fail_exits_nonzero(run, photos: Path, tmp_path: Path) -> None:
     (photos / "circle" / "bad.jpg").write_bytes(b"nope")
     result = run("pack", photos, tmp_path / "out", "--on-error", "fail")
     assert result.exit_code == 1
-    assert result.output.strip().splitlines()[-1].endswith("circle/bad.jpg: not an image file")
+    assert result.output.strip().splitlines()[-1].endswith(
+        "circle/bad.jpg: not an image file (--on-error fail; remove the file, or pack with --on-error skip to leave "
+        "it out and list it in the index)")
+
+
+def test_on_error_fail_on_a_stray_file_says_how_to_go_on(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (photos / "circle" / "notes.txt").write_text("not an image")
+    result = run("pack", photos, tmp_path / "out", "--on-error", "fail")
+    assert result.exit_code == 1 and "circle/notes.txt: not an image file extension (--on-error fail; remove the " \
+        "file, or pack with --on-error skip" in result.output
+    assert "no such folder" in run("pack", tmp_path / "missing", tmp_path / "x", "--on-error", "fail").output
+    assert "--on-error skip" not in run("pack", tmp_path / "missing", tmp_path / "x", "--on-error", "fail").output
+
+
+def test_a_flat_folder_packed_without_layout_flat_says_so(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """11 images beside one folder of one: a 1-sample pack, and a hint at --layout flat."""
+    for i in range(11):
+        draw(tmp_path / "src" / f"{i}.jpg", 0, seed=i)
+    draw(tmp_path / "src" / "extra" / "0.jpg", 0, seed=99)
+    result = run("pack", tmp_path / "src", tmp_path / "out")
+    assert result.exit_code == 0 and "packed 1 sample into 1 shard" in result.output
+    assert result.output.endswith("hint: 11 files not inside a class folder, 1 sample packed: for images without "
+                                  "classes (SRC/<image>), pack with --layout flat\n"), result.output
+    assert "hint:" in run("pack", tmp_path / "src", tmp_path / "out2", "-q").output
+    assert "hint:" not in run("pack", tmp_path / "src", tmp_path / "flat", "--layout", "flat").output
+    (tmp_path / "src" / "extra" / "0.jpg").unlink()
+    (tmp_path / "src" / "extra" / "notes.txt").write_text("x")
+    assert "no image files in 1 class folder\n" in run("pack", tmp_path / "src", tmp_path / "none").output
+
+
+def test_info_on_shards_without_class_names_says_what_it_knows(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "wds").mkdir()
+    with tarfile.open(tmp_path / "wds" / "part-000000.tar", "w") as tar:
+        for name in ("k0.jpg", "k0.cls"):
+            (tmp_path / name).write_bytes(b"1")
+            tar.add(tmp_path / name, name)
+    assert run("index", tmp_path / "wds").exit_code == 0
+    assert "classes:  unknown (the index names none; samples carry a cls field)\n" in run("info", tmp_path / "wds").output
+    for i in range(2):
+        draw(tmp_path / "flat" / f"{i}.jpg", 0, seed=i)
+    run("pack", tmp_path / "flat", tmp_path / "flat-out", "--layout", "flat", "-q")
+    assert "classes:  none (no cls field)\n" in run("info", tmp_path / "flat-out").output
+
+
+@pytest.mark.parametrize("command", ["pack", "info", "verify", "index", "bench", "preview"])
+def test_every_command_shows_an_example(run, command: str) -> None:  # type: ignore[no-untyped-def]
+    text = run(command, "--help").output
+    assert f"Examples:\n    shardkit {command} " in text, text
+    if command == "bench":
+        assert "takes about 90 s" in " ".join(text.split())
 
 
 @pytest.mark.parametrize("args, code, text", [

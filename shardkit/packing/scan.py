@@ -20,6 +20,7 @@ from .listing import Listing, ListingBuilder, change_marker
 LAYOUTS = ("classes", "flat")
 
 HIDDEN = "hidden entry ignored"  # listed in the index, but not a failure under on_error="fail"
+OUTSIDE_CLASSES = "not inside a class folder"  # a file beside the class folders (the CLI hints at --layout flat)
 
 
 def _walk(top: str, rel: str, above: frozenset[tuple[int, int]], skipped: list[Skipped]
@@ -96,7 +97,7 @@ def scan_folder(src: str, storage_options: StorageOptions | None = None, layout:
         if entry.is_dir():
             classes.append(entry.name)
         else:
-            skipped.append(Skipped(entry.name, "not inside a class folder"))
+            skipped.append(Skipped(entry.name, OUTSIDE_CLASSES))
     if not classes:
         shards = any(s.path.endswith(index.SHARD_SUFFIXES) for s in skipped)
         hint = f"; tar shards from another tool are converted once `shardkit index {src}` has indexed them" if shards else ""
@@ -106,7 +107,11 @@ def scan_folder(src: str, storage_options: StorageOptions | None = None, layout:
     above = frozenset({(top.st_dev, top.st_ino)})  # a class folder linked to SRC itself is a loop too
     for label, name in enumerate(classes):
         _add(found, _files(_walk(os.path.join(path, name), name, above, skipped)), label, fields, True, skipped)
-    return tuple(classes), _built(found, src, f"{len(classes)} class folders"), skipped
+    return tuple(classes), _built(found, src, _folders(len(classes))), skipped
+
+
+def _folders(n: int) -> str:
+    return f"{n} class folder{'s' * (n != 1)}"
 
 
 def _files(walk: Iterator[tuple[str, os.stat_result]]) -> list[sidecars.File]:
@@ -150,7 +155,7 @@ def _scan_remote(src: str, storage_options: StorageOptions | None, layout: str, 
         if any(part.startswith(".") for part in rel.split("/")):
             skipped.append(Skipped(rel, HIDDEN))
         elif not sep and not flat:
-            skipped.append(Skipped(rel, "not inside a class folder"))
+            skipped.append(Skipped(rel, OUTSIDE_CLASSES))
         else:
             info = entries[path]
             files.setdefault("" if flat else top, []).append(sidecars.File(rel, int(info.get("size") or 0),
@@ -163,7 +168,7 @@ def _scan_remote(src: str, storage_options: StorageOptions | None, layout: str, 
     for label, name in enumerate(classes or ("",)):  # class by class, as locally ("a-b/x" lists before "a/x")
         _add(found, files.get(name, []), label if classes else -1, fields, not flat, skipped)
     skipped.sort(key=lambda s: s.path)  # in the listing's order, as before sidecars
-    return classes, _built(found, src, "an image folder" if flat else f"{len(classes)} class folders"), skipped
+    return classes, _built(found, src, "an image folder" if flat else _folders(len(classes))), skipped
 
 
 def source_kind(src: str, storage_options: StorageOptions | None = None) -> str:

@@ -426,8 +426,8 @@ def format_report(doc: dict[str, Any]) -> str:
                      f"{_mib(s['peak_rss_bytes'])} ({_mib(_minus(s['peak_rss_bytes'], s['peak_main_rss_bytes']))})"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [f"{doc['url']}: batch size {doc['batch_size']}, decode {doc['decode']}, transform {doc['transform']}; "
-             f"{doc['passes']} pass{'es' * (doc['passes'] != 1)} of {doc['batches']} batches after {doc['warmup']} "
-             "warm-up batches"]
+             f"{doc['passes']} pass{'es' * (doc['passes'] != 1)} of {doc['batches']} batch{'es' * (doc['batches'] != 1)} "
+             f"after {doc['warmup']} warm-up batch{'es' * (doc['warmup'] != 1)}"]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     step = doc.get("step_ms")
     if step is not None:
@@ -459,7 +459,7 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise ShardkitError("--plot needs matplotlib: pip install 'shardkit[bench]'") from None
+        raise ShardkitError("--plot needs matplotlib: pip install matplotlib") from None
     varied, settings = doc["varied"], sorted(doc["settings"], key=lambda s: s[doc["varied"]])
     fig = Figure(figsize=(6, 4), dpi=100)
     FigureCanvasAgg(fig)  # Agg, without pyplot's global state
