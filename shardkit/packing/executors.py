@@ -204,7 +204,7 @@ def ray(address: str | None = None, sizes: Callable[[Any], int] = lambda job: 1)
         except ImportError:
             from ..errors import ShardkitError
 
-            raise ShardkitError("the Ray executor needs Ray (pip install 'shardkit[ray]')") from None
+            raise ShardkitError("the Ray executor needs Ray (pip install ray)") from None
         if not ray_module.is_initialized():
             ray_module.init(address=address, include_dashboard=False, log_to_driver=False)
         task = ray_module.remote(fn)
