@@ -27,10 +27,13 @@ if [[ ${1:-} == --s3 ]]; then
     moto_pid=$!
     trap 'kill $moto_pid' EXIT
     endpoint=http://127.0.0.1:$port
+    { set +x; } 2>/dev/null  # the polling below, untraced
+    echo "+ waiting for moto_server on $endpoint" >&2
     until curl -s "$endpoint/moto-api/" >/dev/null; do
         kill -0 $moto_pid || { cat "$demo/moto.log"; exit 1; }  # it did not start
         sleep 0.2
     done
+    set -x
     curl -sf -X PUT "$endpoint/demo" >/dev/null  # the bucket: pack never creates one (a typo would)
     export AWS_ACCESS_KEY_ID=demo AWS_SECRET_ACCESS_KEY=demo  # any credentials work with moto
     shardkit pack "$photos" s3://demo/photos --max-size 16MB --workers 2 -o endpoint_url="$endpoint"

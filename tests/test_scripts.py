@@ -31,3 +31,5 @@ def test_the_demo_runs_both_modes(tmp_path: Path) -> None:
     assert re.search(r"^24 samples in \d+ batches", out, re.M), out
     assert "s3://demo/photos: 24 samples per epoch, 6 classes" in out
     assert re.search(r"^epoch 1: \d+ samples/s, downloaded 0\.0 MB, [1-9]\d* cache hits", out, re.M), out
+    polling = [line for line in proc.stderr.splitlines() if "moto-api" in line or line.startswith(("+ sleep", "+ kill -0"))]
+    assert not polling and "+ waiting for moto_server" in proc.stderr, proc.stderr  # set -x off while it polls
