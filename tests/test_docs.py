@@ -68,3 +68,83 @@ def test_docs_site_builds_strict(tmp_path: Path) -> None:
                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})  # a banner about MkDocs 2
     assert run.returncode == 0, run.stdout + run.stderr
     assert (tmp_path / "site" / "api" / "index.html").read_text().count("StreamingDataset") > 3
+
+
+def test_readme_first_loader_collates_as_written(in_packed_folder: Path) -> None:
+    scope: dict = {}
+    exec(snippet("readme-first-loader"), scope)
+    assert tuple(scope["images"].shape) == (4, 3, 40, 48) and len(scope["labels"]) == 4
+
+
+def _install_block() -> list[str]:
+    """The command lines of the README's first indented block under ## Install."""
+    section = README.split("## Install\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"\n\n((?:    .*\n)+)", section)
+    assert block, "README's Install section has no command block"
+    return [line.split("#")[0].strip() for line in block[1].splitlines()]
+
+
+def test_readme_first_screen_installs_torch_for_cpu_and_cuda_before_shardkit() -> None:
+    """As PyTorch's selector gives them (pip, Linux): the CPU wheel index, PyPI's default CUDA build."""
+    import tomllib
+
+    lines = _install_block()
+    assert README.index("## Install") < 1500  # the first screen
+    assert lines[:2] == ["pip install torch --index-url https://download.pytorch.org/whl/cpu", "pip install torch"]
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    for line in lines[2:]:
+        found = re.fullmatch(r"pip install '\.\[([\w,]+)\]'", line)
+        assert found and set(found[1].split(",")) <= extras, line
+    assert "not on PyPI yet: install it from a checkout" in README
+    said = re.search(r"extras: ([\w, ]+)", README)
+    assert said and set(said[1].split(", ")) == extras - {"test"}, "the README lists the extras pyproject.toml has"
+
+
+def _imports(code: str) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {"shardkit", "train_local", "make_images", "__future__"}
+
+
+def test_the_examples_extra_brings_what_the_examples_and_readme_import() -> None:
+    """`pip install '.[examples]'` is all an example or README snippet needs beyond shardkit."""
+    import importlib.metadata
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].lower()
+                for d in [*project["dependencies"], *project["optional-dependencies"]["examples"]]}
+    code = [p.read_text() for p in (ROOT / "examples").glob("*.py")] + [(ROOT / "scripts" / "make_images.py").read_text()]
+    code += re.findall(r"```python\n(.*?)```", README, re.S)
+    modules = set().union(*map(_imports, code))
+    dists = importlib.metadata.packages_distributions()
+    needed = {dist.lower() for m in modules for dist in dists.get(m, [m])}
+    assert {"torch", "torchdata", "numpy", "pillow"} <= needed
+    assert needed <= declared, f"imported by an example or the README, not in the examples extra: {needed - declared}"
+    assert "scikit-image" in declared and "s3fs" in declared  # the tour's photos, train_s3.py's bucket
+
+
+def test_readme_wheel_line_builds_the_wheel_it_names(tmp_path: Path) -> None:
+    """`pip wheel --no-deps -w dist .` (without build isolation: no registry here), from a copy
+    of the checkout, gives the file the README installs; `python -m build` is said to need `build`."""
+    import shutil
+
+    line = re.search(r"`(pip wheel --no-deps -w dist \.)`", README)
+    assert line and "`python -m build` needs `pip install build`" in README
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "shardkit", src / "shardkit", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src)
+    args = line[1].split()[2:]  # --no-deps -w dist .
+    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", *args], cwd=src,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [p.name for p in (src / "dist").iterdir()] == ["shardkit-0.1.0-py3-none-any.whl"]
+    install = (ROOT / "docs" / "install.md").read_text()
+    assert "dist/shardkit-0.1.0-py3-none-any.whl" in install and "pip install build" in install

@@ -90,10 +90,21 @@ def test_train_s3_second_epoch_from_the_cache(s3: dict, packed: Path, tmp_path: 
     assert float(second[1]) == 0 and int(second[2]) > 0  # epoch 2 read from the cache
 
 
+WITHOUT_SKIMAGE = ("import runpy, sys; sys.modules['skimage'] = None; sys.argv = sys.argv[1:]; "  # as if not installed
+                   "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
 @pytest.mark.timeout(120)
-def test_pack_and_stream(tmp_path: Path) -> None:
-    out = run(example("pack_and_stream.py", "--dir", tmp_path / "tour", "--images", 30, "--classes", 3, "--small",
-                      "--size", 64, "--crop", 56, "--batch-size", 8), tmp_path)
+@pytest.mark.parametrize("skimage", [True, False])
+def test_pack_and_stream(tmp_path: Path, skimage: bool) -> None:
+    """The tour does what the README says: pack, stream, resume; with scikit-image (the
+    `examples` extra) or, drawing its photos with PIL, without."""
+    args = example("pack_and_stream.py", "--dir", tmp_path / "tour", "--images", 30, "--classes", 3, "--small",
+                   "--size", 64, "--crop", 56, "--batch-size", 8)
+    out = run(args if skimage else [sys.executable, "-c", WITHOUT_SKIMAGE, *args[1:]], tmp_path)
+    assert ("no scikit-image: drawing the photos with PIL" in out) is not skimage
+    assert "4. resumed epoch 0 after 8 samples (ds.resume_state): 22 samples, 22 distinct, just those the first " \
+           "run had not reached" in out, out
     assert "1. 30 photos in 3 classes" in out
     assert re.search(r"2\. packed into .*: 30 samples, \d+ shards?", out), out
     assert "images (8, 3, 56, 56) torch.uint8, labels (8,)" in out
