@@ -5,9 +5,12 @@ expect, so `except ValueError` and `except FileNotFoundError` keep working."""
 
 import errno
 import re
+import threading
+from collections.abc import Mapping
+from typing import Any
 
 _USERINFO = re.compile(r"(\b[a-zA-Z][\w+.-]*://)[^/\s]*@")  # up to the last @ of the host part: a password may hold one
-_QUERY = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^\s?]+)\?\S+")
+_QUERY = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^\s?]+)\?\S*?(?=[:,;.)'\"]*(?:\s|$))")  # a sentence's ": " or "." kept
 _PARAMS = re.compile(r"\?[^\s?#=&'\"]+=[^\s'\"]*")  # ?key=value... of a URL that lost its scheme:// (a path)
 
 
@@ -18,8 +21,98 @@ def one_line(e: BaseException | str) -> str:
 
 def redact(text: str) -> str:
     """Hide credentials that URLs can carry: user info (`https://user:pw@host`) and query
-    strings (presigned-URL signatures, WebHDFS delegation tokens) become '***'."""
-    return _PARAMS.sub("?***", _QUERY.sub(r"\1?***", _USERINFO.sub(r"\1***@", text)))
+    strings (presigned-URL signatures, WebHDFS delegation tokens) become '***', and so does
+    every credential of the storage options this process was given (see `hide`)."""
+    text = _PARAMS.sub("?***", _QUERY.sub(r"\1?***", _USERINFO.sub(r"\1***@", text)))
+    hidden = _SECRETS.pattern
+    return hidden.sub("***", text) if hidden is not None else text
+
+
+_SECRET_NAME = re.compile(r"key|secret|token|passw|credential|signature|sas|auth", re.IGNORECASE)
+_NOT_SECRET = frozenset({"google_default", "anon", "browser", "cache", "cloud"})  # gcsfs's token modes
+_SHORTEST_SECRET = 8  # "testing", "anon", "true": not worth hiding, and would hide parts of words
+
+
+class _Secrets:
+    """Credentials seen in this process's storage options, hidden by `redact`."""
+
+    def __init__(self) -> None:
+        self.values: set[str] = set()
+        self.pattern: re.Pattern[str] | None = None
+        self._lock = threading.Lock()
+
+    def add(self, found: set[str]) -> None:
+        with self._lock:
+            if found <= self.values:
+                return
+            self.values |= found
+            longest_first = sorted(self.values, key=len, reverse=True)
+            self.pattern = re.compile("|".join(map(re.escape, longest_first)))
+
+
+_SECRETS = _Secrets()
+
+
+def hide(storage_options: Mapping[str, Any] | None) -> None:
+    """Have `redact` hide, from every message of this process, the credentials these storage
+    options carry: the text values under a name such as key, secret, token, password or
+    credentials, however deep (`client_kwargs`, a token given as a dict)."""
+    if storage_options:
+        found = set(_secret_values(storage_options, False))
+        if found:
+            _SECRETS.add(found)
+
+
+def _secret_values(value: Any, named: bool, depth: int = 0) -> list[str]:
+    if isinstance(value, str):
+        return [value] if named and len(value) >= _SHORTEST_SECRET and value not in _NOT_SECRET else []
+    if depth > 8:
+        return []
+    if isinstance(value, Mapping):
+        return [v for k, item in value.items()
+                for v in _secret_values(item, named or bool(_SECRET_NAME.search(str(k))), depth + 1)]
+    if isinstance(value, (list, tuple)):
+        return [v for item in value for v in _secret_values(item, named, depth + 1)]
+    return []
+
+
+class RedactedError(Exception):
+    """A lower layer's error (a storage client's) that a shardkit error was raised from, as it
+    was raised but with its message redacted: the original could name a presigned URL or a
+    credential. `kind` is the original's type; its traceback and chain are the original's."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def redacted(e: BaseException) -> RedactedError:
+    """`e` and the errors it was raised from or during, each as a RedactedError: what to raise
+    a shardkit error `from`, so that no printed traceback shows a secret."""
+    copies: dict[int, RedactedError] = {}
+
+    def copy(x: BaseException, depth: int) -> RedactedError:
+        if id(x) in copies:
+            return copies[id(x)]
+        kind = f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")
+        try:
+            said = str(x)
+        except Exception:  # noqa: BLE001 - a client's __str__ that fails: its type still tells
+            said = ""
+        out = copies[id(x)] = RedactedError(f"{kind}: {redact(said)}" if said else kind, kind)
+        out.__traceback__ = x.__traceback__  # its frames: code lines, no values
+        if depth < 16:
+            if x.__cause__ is not None:
+                out.__cause__ = copy(x.__cause__, depth + 1)
+            if x.__context__ is not None:
+                out.__context__ = copy(x.__context__, depth + 1)
+        out.__suppress_context__ = x.__suppress_context__
+        notes = getattr(x, "__notes__", None)  # Python 3.11's add_note
+        if isinstance(notes, list):
+            vars(out)["__notes__"] = [redact(str(n)) for n in notes]
+        return out
+
+    return copy(e, 0)
 
 
 _ABOUT_THE_FILE = frozenset({errno.ELOOP, errno.ENAMETOOLONG, errno.ENXIO})

@@ -12,7 +12,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from json.encoder import encode_basestring as _json_str
 from typing import overload
 
@@ -52,7 +52,7 @@ class Job:
     classes: tuple[str, ...]
     options: Options
     fingerprint: str
-    storage_options: StorageOptions | None = None
+    storage_options: StorageOptions | None = field(default=None, repr=False)  # credentials: never shown
     source: str = "folder"  # or "tar", "lmdb": a dataset being converted
     shards: tuple[ShardInfo, ...] = ()  # a tar source's index entries of the shards the items come from
     run: str = ""  # this pack call's id: what a worker learns about source shards holds for one run
@@ -75,7 +75,7 @@ class Plan:
     bounds: tuple[tuple[int, int], ...]
     names: tuple[str, ...]
     options: Options
-    storage_options: StorageOptions | None
+    storage_options: StorageOptions | None = field(repr=False)  # credentials: never shown
     fingerprints: tuple[str, ...] = ()
     fingerprint: str = ""
     inherited: tuple[Skipped, ...] = ()  # a converted dataset's own list of what its pack skipped

@@ -10,7 +10,7 @@ import os
 import socket
 from typing import Any
 
-from ..errors import BadRequestError, ShardkitError, one_line, redact
+from ..errors import BadRequestError, ShardkitError, hide, one_line, redact, redacted
 from .urls import GCS, HTTP, S3, WEBHDFS, StorageOptions, display, netloc, scheme
 
 
@@ -103,7 +103,7 @@ def _resolve_once(url: str, fs: Any) -> None:
         socket.getaddrinfo(host, port or 443, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise ShardkitError(f"{display(url)}: cannot resolve {host} ({e.strerror}): no network, or a wrong "
-                            "endpoint") from e
+                            "endpoint") from redacted(e)
     _RESOLVED.add((host, port))
 
 
@@ -129,6 +129,7 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     import fsspec.core
 
     protocol = scheme(url)
+    hide(storage_options)  # its credentials, out of every message of this process
     try:
         if "::" in url:  # chained URLs (simplecache::s3://...): let fsspec assemble them
             fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -137,9 +138,9 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     except ImportError as e:
         extra = _INSTALL_HINTS.get(protocol)
         hint = f"pip install 'shardkit[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"
-        raise ShardkitError(f"{display(url)}: {protocol}:// support is not installed ({hint})") from e
+        raise ShardkitError(f"{display(url)}: {protocol}:// support is not installed ({hint})") from redacted(e)
     except ValueError as e:  # fsspec: "Protocol not known"
-        raise ShardkitError(f"{display(url)}: unknown storage protocol {protocol}://") from e
+        raise ShardkitError(f"{display(url)}: unknown storage protocol {protocol}://") from redacted(e)
     kwargs = {**cls._get_kwargs_from_urls(url), **(storage_options or {})}
     if protocol in GCS:
         _quiet_gcsfs()
@@ -160,16 +161,7 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     if fs is None:
         if protocol in S3 and not {"session", "profile"} & kwargs.keys():
             kwargs["session"] = _aio_session()
-        try:
-            fs = cls(**kwargs)
-        except ImportError as e:  # hdfs://: pyarrow is imported when the client is made
-            hint = "; it needs `pip install pyarrow` and Hadoop's libhdfs" if protocol == "hdfs" else ""
-            raise ShardkitError(f"{display(url)}: {protocol}:// support is not installed ({one_line(e)}{hint})") from e
-        except (TypeError, ValueError) as e:
-            raise BadRequestError(f"{display(url)}: storage options refused by {protocol}://: {redact(one_line(e))}") from e
-        except Exception as e:  # noqa: BLE001 - a client that checks its credentials as it is made (gcsfs)
-            raise ShardkitError(f"{display(url)}: cannot set up {protocol}://: {type(e).__name__}: "
-                                f"{redact(one_line(e))}") from e
+        fs = _made(cls, kwargs, url, protocol)
         _harden(fs, protocol)
         if protocol in GCS:
             _resolve_once(url, fs)
@@ -177,6 +169,26 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
             fs.retries = 1  # a class attribute of s3fs, not an option
         fs = cache.setdefault(key, fs)
     return fs, cls._strip_protocol(url)
+
+
+def _made(cls: Any, kwargs: dict[str, Any], url: str, protocol: str) -> Any:
+    """A new client, or one line naming the URL (its cause redacted: a client refusing its
+    credentials may quote them)."""
+    try:
+        return cls(**kwargs)
+    except ImportError as e:  # hdfs://: pyarrow is imported when the client is made
+        hint = "; it needs `pip install pyarrow` and Hadoop's libhdfs" if protocol == "hdfs" else ""
+        failure: ShardkitError = ShardkitError(f"{display(url)}: {protocol}:// support is not installed "
+                                               f"({one_line(e)}{hint})")
+        cause = redacted(e)
+    except (TypeError, ValueError) as e:
+        failure = BadRequestError(f"{display(url)}: storage options refused by {protocol}://: {redact(one_line(e))}")
+        cause = redacted(e)
+    except Exception as e:  # noqa: BLE001 - a client that checks its credentials as it is made (gcsfs)
+        failure = ShardkitError(f"{display(url)}: cannot set up {protocol}://: {type(e).__name__}: "
+                                f"{redact(one_line(e))}")
+        cause = redacted(e)
+    raise failure from cause  # out of the except blocks: the client's own error is no __context__ either
 
 
 def endpoint(storage_options: StorageOptions | None) -> str:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from ..errors import AccessDeniedError, BadRequestError, NotFoundError, ShardkitError, one_line, redact
+from ..errors import AccessDeniedError, BadRequestError, NotFoundError, ShardkitError, one_line, redact, redacted
 from .urls import GCS, scheme
 
 
@@ -54,25 +54,38 @@ def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: fl
         except ShardkitError:
             raise
         except Exception as e:  # noqa: BLE001 - the remote client's errors have no common base
-            kind = _permanent(e)
-            if kind is not None:
-                reason = redact(one_line(e)).removeprefix(what).lstrip(": ")  # some name the URL, some only it
-                if re.fullmatch(r"\S+://\S*", reason) or (reason and " " not in reason and reason in what):
-                    reason = _SAY.get(kind, "")  # gcsfs's 404 says nothing but the request's URL, s3fs's the path
-                raise kind(f"{what}: {reason or type(e).__name__}") from e
-            if attempt == attempts:
-                tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
-                if what.startswith(tuple(f"{p}://" for p in GCS)):
-                    tries = "gcsfs's own retries"  # ours is 1 attempt: see attempts_for
-                said = redact(one_line(e)) or ("no answer within the timeout" if "Timeout" in type(e).__name__ else "")
-                raise ShardkitError(f"{what}: {type(e).__name__}{': ' * bool(said)}{said} (gave up after {tries})") from e
-            _before_wait()  # a pack given up (Ctrl-C) tries no more: an attempt can take a minute
+            failure = _failure(e, what, attempt, attempts)
+            cause = redacted(e) if failure is not None else None
             slow_down = status_of(root_cause(e)) in _THROTTLED
-            if slow_down and throttled is not None:
-                throttled()
-            base = max(base_s, THROTTLED_BASE_S) if slow_down else base_s
-            time.sleep(random.uniform(0, min(cap_s, base * 2 ** (attempt - 1))))
+        # raised here, out of the except block, so that the client's own error (its message
+        # may hold a presigned URL) is no __context__ either, of this or of a stop: only its
+        # redacted copy is the cause
+        if failure is not None:
+            raise failure from cause
+        _before_wait()  # a pack given up (Ctrl-C) tries no more: an attempt can take a minute
+        if slow_down and throttled is not None:
+            throttled()
+        base = max(base_s, THROTTLED_BASE_S) if slow_down else base_s
+        time.sleep(random.uniform(0, min(cap_s, base * 2 ** (attempt - 1))))
     raise AssertionError("unreachable")
+
+
+def _failure(e: Exception, what: str, attempt: int, attempts: int) -> ShardkitError | None:
+    """The error to raise for `e` on this attempt, in one line naming `what`; None where
+    another attempt is worth it."""
+    kind = _permanent(e)
+    if kind is not None:
+        reason = redact(one_line(e)).removeprefix(what).lstrip(": ")  # some name the URL, some only it
+        if re.fullmatch(r"\S+://\S*", reason) or (reason and " " not in reason and reason in what):
+            reason = _SAY.get(kind, "")  # gcsfs's 404 says nothing but the request's URL, s3fs's the path
+        return kind(f"{what}: {reason or type(e).__name__}")
+    if attempt < attempts:
+        return None
+    tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
+    if what.startswith(tuple(f"{p}://" for p in GCS)):
+        tries = "gcsfs's own retries"  # ours is 1 attempt: see attempts_for
+    said = redact(one_line(e)) or ("no answer within the timeout" if "Timeout" in type(e).__name__ else "")
+    return ShardkitError(f"{what}: {type(e).__name__}{': ' * bool(said)}{said} (gave up after {tries})")
 
 
 def attempts_for(url: str, patient: bool = False) -> int:

@@ -298,12 +298,12 @@ class Direct:
                     if fresh or not isinstance(e, (ConnectionError, http.client.HTTPException)):
                         raise
             if resp.status == 200 and not headers["Range"].startswith("bytes=0-"):
-                conn.close()  # the whole object, not the range: its first bytes would come twice
+                _close(conn, resp)  # the whole object, not the range: its first bytes would come twice
                 raise HTTPStatusError(400, f"the server ignored the range {headers['Range']}")
             if resp.status in (200, 206):
                 return conn, resp
             said = _said(resp.read(_ERROR_BODY))
-            conn.close()
+            _close(conn, resp)
             region = resp.getheader("x-amz-bucket-region")
             if resp.status in (301, 307, 400) and region and region != signed_for:
                 with self._lock:
@@ -324,10 +324,10 @@ class Direct:
         try:
             receive(lambda view: resp.readinto(view[:_PIECE]))  # a body cut short reads as its end: see the size
         except BaseException:
-            conn.close()
+            _close(conn, resp)
             raise
         if resp.will_close or not resp.isclosed():  # closed by the server, or bytes past the range left unread
-            conn.close()
+            _close(conn, resp)
         total = (resp.getheader("Content-Range") or "").rpartition("/")[2] if resp.status == 206 else \
             resp.getheader("Content-Length") or ""
         return int(total) if total.isdigit() else None
@@ -388,8 +388,15 @@ class Body:
 
     def close(self) -> None:
         if self._answered is not None:
-            self._answered[0].close()
+            _close(*self._answered)
             self._answered = None
+
+
+def _close(conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:
+    """Close a connection and its answer: an answer that ends the connection (HTTP/1.0,
+    `Connection: close`) holds the socket itself, which the connection's close leaves open."""
+    resp.close()
+    conn.close()
 
 
 def _connect(scheme: str, netloc: str) -> http.client.HTTPConnection:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ...errors import hide
 from ..urls import S3, WEBHDFS, StorageOptions, is_local, scheme
 from .base import Sink, Store
 from .fsspec import FsspecStore, WebHdfsStore
@@ -31,6 +32,7 @@ def store_for(url: str, storage_options: StorageOptions | None = None, *, patien
     caller reached it already); `instances`: a reader's own clients, else this process's."""
     if is_local(url):
         return LocalStore(storage_options, patient)
+    hide(storage_options)  # its credentials, out of every message of this process (s3_http's client is not fsspec's)
     make = _BY_SCHEME.get(scheme(url)) if "::" not in url else None  # chained: fsspec assembles them
     if make is None:
         return FsspecStore(storage_options, patient, instances)
