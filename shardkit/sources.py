@@ -8,7 +8,7 @@ import hashlib
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import BinaryIO
 
 from . import checks, index, storage
@@ -147,16 +147,20 @@ def resolve(source: str | Iterable[str], storage_options: StorageOptions | None 
 def _index_of(urls: list[str], storage_options: StorageOptions | None) -> Index:
     """An Index for a list of shards: a shard that the index.json of its folder lists, at
     the size it has, is taken from there (building stays one read per folder, not a read
-    of every byte); any other is scanned."""
+    of every byte); any other is scanned. Each remote shard's version (ETag, generation,
+    Last-Modified) is the one it has now, unless that index recorded one: a reader checks
+    it, so a shard replaced behind its URL since (a presigned HTTPS URL's included) fails
+    at its first read rather than being read silently."""
     folders: dict[str, tuple[Index, dict[str, ShardInfo]] | None] = {}
     used: set[str] = set()
     infos: list[ShardInfo] = []
     fields: set[str] = set()
     scanned = 0
     for u in urls:
-        size = storage.size(u, storage_options)
-        if size is None:
-            raise DatasetNotFoundError(f"{u}: no such shard")
+        try:  # its version now, before its bytes are scanned: a reader checks the shard is still this one
+            size, pin = storage.pin_now(u, storage_options)
+        except FileNotFoundError:
+            raise DatasetNotFoundError(f"{u}: no such shard") from None
         folder, _, name = u.rpartition("/")
         if folder not in folders:
             idx = _tar_index(folder or ".", storage_options)
@@ -164,11 +168,11 @@ def _index_of(urls: list[str], storage_options: StorageOptions | None) -> Index:
         listed = folders[folder]
         known = listed[1].get(name) if listed is not None else None
         if known is not None and known.bytes == size and known.offsets is not None:
-            infos.append(known)
+            infos.append(known if known.version is not None else replace(known, version=pin))
             used.add(folder)
         else:
             found = scan_shard(u, storage_options)
-            infos.append(found.info)
+            infos.append(replace(found.info, version=pin))
             fields |= found.fields
             scanned += 1
     indexes = [listed[0] for f in used if (listed := folders[f]) is not None]  # (used: listed ones only)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import socket
 import struct
 import time
@@ -19,7 +20,7 @@ import pytest
 
 import shardkit
 from shardkit import StreamingDataset, storage
-from shardkit.errors import ShardkitError
+from shardkit.errors import CorruptShardError, ShardkitError
 from shardkit.reading.tar_dataset import TarDataset
 
 from readers import WARNINGS
@@ -27,6 +28,62 @@ from servers import serving
 from test_storage_errors import _Ranges
 
 pytestmark = WARNINGS
+
+
+# -- shards behind presigned or plain HTTPS URLs: versions recorded and checked -----------------
+
+SIGNED = "?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIAFAKE%2F20260101%2Fus-east-1%2Fs3%2Faws4_request" \
+         "&X-Amz-Signature=" + "5e" * 32
+
+
+class _Tagged(_Ranges):
+    """A static file server with ranges that sends an ETag, as nginx does (from the file's
+    modification time and size); _Ranges alone sends only Last-Modified (to a HEAD)."""
+
+    def end_headers(self) -> None:
+        path = self.translate_path(self.path)
+        if os.path.isfile(path):
+            st = os.stat(path)
+            self.send_header("ETag", f'"{st.st_mtime_ns:x}-{st.st_size:x}"')
+        super().end_headers()
+
+
+def _replace_in_place(shard: Path) -> None:
+    """Rewrite a shard with one byte of its first member's data changed, at the same size (its
+    tar headers and offsets all still hold: nothing but its version tells), a minute later."""
+    data = bytearray(shard.read_bytes())
+    data[512 + 100] ^= 0xFF  # inside the first member's data (its header is the first 512 bytes)
+    shard.write_bytes(bytes(data))
+    later = shard.stat().st_mtime + 60
+    os.utime(shard, (later, later))
+
+
+@pytest.mark.parametrize("reader", ["stream", "map"])
+@pytest.mark.parametrize("handler", [_Ranges, _Tagged], ids=["last-modified", "etag"])
+def test_a_shard_replaced_behind_its_signed_url_is_named_at_its_first_read(
+        packed: Path, tmp_path: Path, handler: type[_Ranges], reader: str) -> None:
+    """Issue 40, fail 6: a list of presigned HTTPS URLs recorded no version, so a shard
+    replaced behind its URL was read silently. Its version (ETag, else Last-Modified) is taken
+    as the dataset is made, and checked as a reader first opens the shard."""
+    www = tmp_path / "www" / "ds"
+    shutil.copytree(packed, www)
+    for p in www.iterdir():
+        if not p.name.endswith(".tar"):
+            p.unlink()  # a bucket's other objects are not signed for: the list's shards are scanned
+    names = sorted(p.name for p in www.iterdir())
+    with serving(functools.partial(handler, directory=str(tmp_path / "www"))) as base:
+        urls = [f"{base}/ds/{n}{SIGNED}" for n in names]
+        ds: Any = StreamingDataset(urls, shuffle=False) if reader == "stream" else TarDataset(urls)
+        assert all(s.version is not None and set(s.version) == {"etag" if handler is _Tagged else "last_modified"}
+                   for s in ds.index.shards)
+        _replace_in_place(www / names[1])
+        first = ds.index.shards[0].samples
+        got: list[str] = []
+        with pytest.raises(CorruptShardError, match=rf"/ds/{names[1]}\?\*\*\*: changed since its index was made") as e:
+            for i, sample in enumerate(ds if reader == "stream" else (ds[i] for i in range(len(ds)))):
+                got.append(sample["__url__"])
+                assert i < first, "a sample of the replaced shard was read"
+        assert "5e5e" not in str(e.value) and len(got) == first
 
 
 # -- no secret in any message, repr or chained traceback -----------------------------------------

@@ -13,8 +13,8 @@ clients.py only) with the caller's storage options passed through unchanged.
 
 from .atomic import TMP_MARK, atomic_writer, write_bytes_atomic
 from .clients import REQUEST_TIMEOUT_S, endpoint, filesystem
-from .files import (exists, find, listdir, makedirs, open_read, pins, read_bytes, read_range, remove, remove_dir,
-                    size, version)
+from .files import (exists, find, listdir, makedirs, open_read, pin_now, pins, read_bytes, read_range, remove,
+                    remove_dir, size, version)
 from .range_reader import RangeReader
 from .retry import RETRIES, attempts_for, retrying, stop_when
 from .urls import StorageOptions, display, is_local, join, local_path
@@ -37,6 +37,7 @@ __all__ = [
     "listdir",
     "local_path",
     "makedirs",
+    "pin_now",
     "pins",
     "open_read",
     "read_bytes",

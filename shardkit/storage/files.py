@@ -7,7 +7,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CorruptShardError
 from .stores import store_for
-from .urls import GCS, S3, WEBHDFS, StorageOptions, display, is_local, scheme
+from .urls import GCS, HTTP, S3, WEBHDFS, StorageOptions, display, is_local, join, scheme
 from .streams import Arriving
 
 
@@ -60,30 +60,53 @@ def version(url: str, storage_options: StorageOptions | None = None) -> tuple[in
 
 def pin_of(url: str, info: dict[str, Any]) -> dict[str, Any] | None:
     """What the store changes when the object `url` is replaced, from its details (fsspec's
-    info or listing): S3's ETag, GCS's generation, WebHDFS's modification time; None where
-    the store gives none of them (HTTP)."""
+    info or listing): S3's ETag, GCS's generation, WebHDFS's modification time, an HTTP
+    server's ETag, else its Last-Modified (a presigned URL's answer carries the object's
+    ETag); None where the store gives none of them."""
     if scheme(url) in S3 and info.get("ETag"):
         return {"etag": str(info["ETag"])}
     if scheme(url) in GCS and info.get("generation"):
         return {"generation": str(info["generation"])}
     if scheme(url) in WEBHDFS and info.get("modificationTime"):
         return {"mtime_ns": int(info["modificationTime"]) * 1_000_000}
+    if scheme(url) in HTTP:
+        if info.get("ETag"):
+            return {"etag": str(info["ETag"])}
+        if info.get("Last-Modified"):
+            return {"last_modified": str(info["Last-Modified"])}
     return None
+
+
+def pin_now(url: str, storage_options: StorageOptions | None = None) -> tuple[int, dict[str, Any] | None]:
+    """(size, version) of one remote object, asked now (its version None where its store
+    gives none, or for a local file); FileNotFoundError where it is not there."""
+    info = store_for(url, storage_options).info(url)
+    return int(info["size"]), None if is_local(url) else pin_of(url, info)
 
 
 def pins(url: str, names: list[str], storage_options: StorageOptions | None = None) -> list[dict[str, Any] | None]:
     """The version (`pin_of`) of each file `names` directly under the folder `url`, from one
-    listing; None for one not found, and for local files: their modification time changes
-    with every plain copy (a copied dataset would fail every read) and would make index.json
-    differ between two packs of the same input."""
+    listing (over HTTP, whose listings are pages of links, from each file's own answer);
+    None for one not found, and for local files: their modification time changes with every
+    plain copy (a copied dataset would fail every read) and would make index.json differ
+    between two packs of the same input."""
     if is_local(url):
         return [None] * len(names)
+    if scheme(url) in HTTP:
+        return [_pin_or_none(join(url, n), storage_options) for n in names]
     try:
         found = store_for(url, storage_options).ls(url, detail=True)
     except FileNotFoundError:
         found = []
     listing = {info["name"].rstrip("/").rsplit("/", 1)[-1]: info for info in found}
     return [pin_of(url, listing[n]) if n in listing else None for n in names]
+
+
+def _pin_or_none(url: str, storage_options: StorageOptions | None) -> dict[str, Any] | None:
+    try:
+        return pin_now(url, storage_options)[1]
+    except FileNotFoundError:
+        return None
 
 
 def find(url: str, storage_options: StorageOptions | None = None) -> dict[str, dict[str, Any]]:
