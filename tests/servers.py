@@ -9,7 +9,8 @@ per session, started on first use on a free 127.0.0.1 port and stopped at the en
 
 Servers: moto (S3), gcp-storage-emulator (GCS), ``scripts/webhdfs_server.py`` (WebHDFS) and
 ``scripts/latency_proxy.py`` (delay, latency tail, per-connection bandwidth cap, RST, stall and
-throttling faults in front of any of them).
+throttling faults in front of any of them); ``gcs_conditional`` puts a gate of GCS's
+precondition rules (``ifGenerationMatch``, which the emulator ignores) in front of the emulator.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, NamedTuple
-from urllib.parse import urlsplit, urlunsplit
+from typing import IO, Any, Callable, ClassVar, Iterator, NamedTuple
+from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read by gcsfs at import
 
@@ -208,6 +211,76 @@ def gcs(_gcs_emulator: tuple[Server, str]) -> dict:
     http("POST", url + "/storage/v1/b?project=test", body, {"Content-Type": "application/json"})
     options = {"token": "anon", "project": "test", "endpoint_url": url, "skip_instance_cache": True}
     return {"url": f"gs://{BUCKET}", "storage_options": options}
+
+
+class _Preconditions(BaseHTTPRequestHandler):
+    """In front of the GCS emulator, which ignores `ifGenerationMatch`: a request that carries
+    it (an upload, a delete) is answered 412 where the object's generation is another (0: no
+    object), as GCS does, and passed on otherwise, one at a time; everything else passes on."""
+
+    upstream: ClassVar[tuple[str, int]]
+    one_at_a_time: ClassVar[threading.Lock] = threading.Lock()
+    protocol_version = "HTTP/1.1"
+
+    def _pass(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        parts = urlsplit(self.path)
+        query = parse_qs(parts.query)
+        wanted = query.get("ifGenerationMatch", [None])[0]
+        with self.one_at_a_time if wanted is not None else contextlib.nullcontext():
+            if wanted is not None and self._generation(parts.path, query) != wanted:
+                return self._answer(412, json.dumps({"error": {"code": 412, "message": "conditionNotMet"}}).encode(),
+                                    {"Content-Type": "application/json"})
+            status, headers, data = self._ask(self.command, self.path, body)
+        self._answer(status, data, headers)
+
+    def _generation(self, path: str, query: dict[str, list[str]]) -> str:
+        """The generation of the object a request names ("0": none)."""
+        if path.startswith("/upload/"):  # /upload/storage/v1/b/BUCKET/o?name=KEY
+            bucket, key = path.split("/")[5], query["name"][0]
+        else:  # /storage/v1/b/BUCKET/o/KEY
+            bucket, key = path.split("/")[4], unquote(path.split("/o/", 1)[1])
+        status, _, data = self._ask("GET", f"/storage/v1/b/{bucket}/o/{quote(key, safe='')}", b"")
+        return str(json.loads(data)["generation"]) if status == 200 else "0"
+
+    def _ask(self, method: str, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        import http.client
+
+        conn = http.client.HTTPConnection(*self.upstream, timeout=30)
+        try:
+            skip = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+            conn.request(method, path, body=body or None, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            kept = {k: v for k, v in resp.getheaders() if k.lower() not in skip}
+            return resp.status, kept, data
+        finally:
+            conn.close()
+
+    def _answer(self, status: int, data: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _pass
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def gcs_conditional(gcs: dict, gcs_server: str) -> Iterator[dict]:
+    """`gcs` as seen through `_Preconditions`: a bucket where uploads and deletes with
+    ifGenerationMatch hold to GCS's rules (the emulator alone ignores them)."""
+    u = urlsplit(gcs_server)
+    gate = type("Gate", (_Preconditions,), {"upstream": (u.hostname, u.port)})
+    with serving(gate) as base:
+        yield {"url": gcs["url"], "storage_options": {**gcs["storage_options"], "endpoint_url": base}}
 
 
 # -- WebHDFS: scripts/webhdfs_server.py over a local directory -----------------------------------

@@ -5,9 +5,16 @@ any message or chained traceback."""
 from __future__ import annotations
 
 import functools
+import json
+import logging
 import os
+import re
 import shutil
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import struct
 import time
 import traceback
@@ -20,14 +27,210 @@ import pytest
 
 import shardkit
 from shardkit import StreamingDataset, storage
-from shardkit.errors import CorruptShardError, ShardkitError
+from shardkit.errors import CorruptShardError, DestinationBusyError, ShardkitError
 from shardkit.reading.tar_dataset import TarDataset
 
+from conftest import make_folder
 from readers import WARNINGS
 from servers import serving
 from test_storage_errors import _Ranges
 
 pytestmark = WARNINGS
+
+
+# -- exclusive writers on object stores: conditional writes and DEST's lease ---------------------
+
+@pytest.fixture(params=["local", "s3", "gcs"])
+def conditional(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict | None]:
+    """(folder URL, storage options) on each store with conditional writes; GCS through a gate
+    of GCS's precondition rules (servers._Preconditions), which the emulator ignores."""
+    if request.param == "local":
+        return str(tmp_path / "dest"), None
+    remote = request.getfixturevalue("s3" if request.param == "s3" else "gcs_conditional")
+    return remote["url"] + "/dest", remote["storage_options"]
+
+
+def test_conditional_writes_succeed_only_at_the_version_seen(conditional: tuple[str, dict | None]) -> None:
+    from shardkit.storage.stores import store_for
+
+    folder, opts = conditional
+    storage.makedirs(folder, opts)
+    url = folder + "/x"
+    store = store_for(url, opts)
+    assert store.conditional_writes and store.read_versioned(url) is None
+    first = store.put_if_absent(url, b"one")
+    assert first is not None and store.put_if_absent(url, b"two") is None
+    assert store.read_versioned(url) == (b"one", first)
+    second = store.replace_if(url, b"three", first)
+    assert second is not None and second != first
+    assert store.replace_if(url, b"four", first) is None and store.remove_if(url, first) is False
+    assert store.read_versioned(url) == (b"three", second)
+    assert store.remove_if(url, second) is True and store.read_versioned(url) is None
+    assert store.replace_if(url, b"five", second) is None and store.remove_if(url, second) is False
+    assert store.read_versioned(url) is None
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def bucket(request: pytest.FixtureRequest) -> tuple[str, dict]:
+    """(DEST URL, storage options) in a bucket of each object store with conditional writes."""
+    remote = request.getfixturevalue("s3" if request.param == "s3" else "gcs_conditional")
+    return remote["url"] + "/ds", remote["storage_options"]
+
+
+# A pack in another process that stops before its commit (once every shard is in place) until
+# a line comes on its stdin: a pack under way, for as long as a test needs one.
+_PAUSED = """import json, sys
+import shardkit
+from shardkit import index
+pinned = index.pinned
+def paused(*args, **kwargs):
+    print("paused", flush=True)
+    sys.stdin.readline()
+    return pinned(*args, **kwargs)
+index.pinned = paused
+shardkit.pack(sys.argv[1], sys.argv[2], max_count=4, workers=1, progress=False, storage_options=json.loads(sys.argv[3]))
+print("packed", flush=True)
+"""
+
+
+def _paused_pack(src: Path, dest: str, opts: dict, **env: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSED, str(src), dest, json.dumps(opts)], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **env})
+    assert proc.stdout is not None and proc.stdout.readline() == "paused\n", proc.communicate(timeout=60)
+    return proc
+
+
+def _go_on(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    out, err = proc.communicate("\n", timeout=120)
+    return out, err
+
+
+def _lock_note(dest: str, opts: dict) -> dict | None:
+    from shardkit.storage.stores import store_for
+
+    found = store_for(dest + "/.shardkit-lock", opts).read_versioned(dest + "/.shardkit-lock")
+    return None if found is None else json.loads(found[0])
+
+
+def test_a_second_pack_into_a_bucket_is_refused_naming_the_first(bucket: tuple[str, dict], photos: Path,
+                                                                 tmp_path: Path) -> None:
+    """Issue 40: a remote DEST had no lock, so two packs into one prefix replaced each other's
+    shards. The lock object is created conditionally (If-None-Match: * / ifGenerationMatch=0)
+    and names its holder; a second pack fails at once, before it writes anything."""
+    dest, opts = bucket
+    other = make_folder(tmp_path / "other", per_class=2)
+    first = _paused_pack(photos, dest, opts)
+    try:
+        note = _lock_note(dest, opts)
+        assert note is not None and note["pid"] == first.pid and note["lease_s"] == 120
+        said = (rf"{re.escape(dest)}: another pack is writing into it \(run {note['run'][:12]}, pid {first.pid} on "
+                rf"{re.escape(socket.gethostname())}, since [-+:T\d]+; it holds {re.escape(dest)}/\.shardkit-lock\): "
+                r"wait for it to end, or pack into another prefix; it was refreshed \d+ s ago: a pack that died is "
+                r"taken over once its lease has run out, in \d+ s")
+        with pytest.raises(DestinationBusyError, match=rf"^{said}$"):
+            shardkit.pack(str(other), dest, workers=1, progress=False, storage_options=opts)
+    finally:
+        out, err = _go_on(first)
+    assert first.returncode == 0 and out == "packed\n", err
+    assert _lock_note(dest, opts) is None  # let go as it ended
+    assert shardkit.verify(dest, storage_options=opts) == []
+    assert shardkit.index.load(dest, opts).samples == 30  # the first pack's, whole
+
+
+def test_a_lock_not_refreshed_for_its_lease_is_taken_over(bucket: tuple[str, dict], photos: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A holder that stops refreshing (stopped here with SIGSTOP, as a machine that froze or
+    lost its network) loses its lock once its lease has run out: the next pack takes it over by
+    a conditional replace; the old holder, woken, finds it gone and stops before its commit."""
+    dest, opts = bucket
+    first = _paused_pack(photos, dest, opts, SHARDKIT_LOCK_LEASE_S="1.5")
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        time.sleep(2.0)  # a lease and more since its last refresh (every 0.375 s)
+        with caplog.at_level(logging.WARNING, logger="shardkit"):
+            assert shardkit.pack(str(photos), dest, max_count=4, workers=1, progress=False,
+                                 storage_options=opts).samples == 30
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+        _, err = _go_on(first)
+    (took,) = [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
+    assert re.fullmatch(rf"{re.escape(dest)}: took over the lock of a pack gone \(run \w+, pid {first.pid} on .*; "
+                        r"not refreshed for \d+ s, over its lease of 2 s\)", took), took
+    assert first.returncode == 1 and re.search(rf"DestinationBusyError: {re.escape(dest)}: another pack took this "
+                                               r"pack's lock over \(.*\) after 2 s without a refresh", err), err
+    assert _lock_note(dest, opts) is None and shardkit.verify(dest, storage_options=opts) == []
+
+
+def test_a_killed_pack_into_a_bucket_is_rerun_at_once(bucket: tuple[str, dict], photos: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A pack killed with SIGKILL leaves its lock object behind; a rerun on the same machine
+    sees that its holder's process has ended (boot id, pid namespace, pid and start time) and
+    takes it over at once, keeping the killed pack's finished shards."""
+    dest, opts = bucket
+    first = _paused_pack(photos, dest, opts)
+    first.kill()
+    first.communicate(timeout=60)  # reaped: no zombie left to look alive
+    note = _lock_note(dest, opts)
+    assert note is not None and note["pid"] == first.pid
+    stats: dict[str, int] = {}
+    with caplog.at_level(logging.WARNING, logger="shardkit"):
+        idx = shardkit.pack(str(photos), dest, max_count=4, workers=1, progress=False, storage_options=opts,
+                            stats=stats)
+    assert idx.samples == 30 and stats["kept"] == 30 and stats["written"] == 0  # its shards were all in place
+    assert any(f"its process {first.pid} on this machine has ended" in r.getMessage() for r in caplog.records)
+    assert _lock_note(dest, opts) is None and shardkit.verify(dest, storage_options=opts) == []
+
+
+def test_two_packs_taking_over_one_stale_lock_never_both_win(conditional: tuple[str, dict | None]) -> None:
+    """Both read the stale lock, then both replace it conditionally on the version read: one
+    succeeds, the other finds the winner's lock and is refused. (Not run on moto: its server
+    checks a condition and writes in two steps, not atomically; S3 itself is atomic.)"""
+    from shardkit.packing.lock import Lease
+    from shardkit.storage.stores import store_for
+
+    folder, opts = conditional
+    if folder.startswith("s3://"):
+        pytest.skip("moto checks If-Match and writes in two steps: a race between two writers is not its to settle")
+    storage.makedirs(folder, opts)
+    url = folder + "/.shardkit-lock"
+    store = store_for(url, opts)
+    stale = {"run": "0" * 32, "pid": 1, "host": "elsewhere", "since": "2026-01-01T00:00:00+0000",
+             "lease_s": 60.0, "refreshed": time.time() - 600}
+    assert store.put_if_absent(url, json.dumps(stale).encode()) is not None
+    both_read = threading.Barrier(2, timeout=30)
+    read = store.read_versioned
+    first_read: set[int] = set()
+
+    def read_then_wait(u: str) -> tuple[bytes, str] | None:
+        found = read(u)
+        if threading.get_ident() not in first_read:  # each taker's first look: both see the stale lock
+            first_read.add(threading.get_ident())
+            both_read.wait()
+        return found
+
+    store.read_versioned = read_then_wait  # type: ignore[method-assign]
+    outcomes: list[Any] = []
+
+    def take() -> None:
+        lease = Lease(store, url, folder, 60.0)
+        try:
+            lease.take()
+            outcomes.append(lease)
+        except DestinationBusyError as e:
+            outcomes.append(e)
+
+    takers = [threading.Thread(target=take) for _ in range(2)]
+    for t in takers:
+        t.start()
+    for t in takers:
+        t.join(60)
+    (won,) = [o for o in outcomes if isinstance(o, Lease)]
+    (lost,) = [o for o in outcomes if isinstance(o, DestinationBusyError)]
+    assert f"run {won.note['run'][:12]}" in str(lost)
+    assert json.loads(read(url)[0])["run"] == won.note["run"]  # type: ignore[index]
+    won.release()
+    assert read(url) is None
 
 
 # -- shards behind presigned or plain HTTPS URLs: versions recorded and checked -----------------

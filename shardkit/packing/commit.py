@@ -102,16 +102,17 @@ def run(plan: Plan, sink: Sink, runner: executors.Runner[Job, JobResult], progre
         stats: dict[str, int]) -> Index:
     """Pack `plan` through `sink`, keeping an earlier run's finished work, holding DEST's
     lock throughout (a second pack into it is refused, see lock.py)."""
-    with lock.held(sink.dest):
-        return _run(plan, sink, runner, progress, overwrite, stats)
+    with lock.held(sink.dest, sink.storage_options) as holding:
+        return _run(plan, sink, runner, progress, overwrite, stats, holding)
 
 
 def _run(plan: Plan, sink: Sink, runner: executors.Runner[Job, JobResult], progress: bool | None, overwrite: bool,
-         stats: dict[str, int]) -> Index:
+         stats: dict[str, int], holding: lock.Holding) -> Index:
     try:
         committed = sink.prepare(overwrite)
         if committed is not None:
             refuse_earlier_skips(plan, committed.skipped)
+            holding.confirm()
             sink.commit(committed, fresh=False)  # finishes what a crash in the last run's cleanup left
             return committed
         results = sink.kept()
@@ -122,6 +123,7 @@ def _run(plan: Plan, sink: Sink, runner: executors.Runner[Job, JobResult], progr
         position = {name: i for i, name in enumerate(plan.names)}
 
         def done(result: JobResult) -> None:
+            holding.check()  # another pack took DEST's lock over: stop before recording more
             results[position[result.info.name]] = sink.record(result)
 
         with _bar(plan, initial, progress) as bar:
@@ -131,12 +133,14 @@ def _run(plan: Plan, sink: Sink, runner: executors.Runner[Job, JobResult], progr
                                key=lambda s: s.path))
         samples = sum(r.info.samples for r in ordered)
         if samples == 0:  # a pack that kept nothing fails (exit 1) rather than commit an empty dataset
+            holding.check()  # (what is in DEST is another pack's, once it has taken it over)
             sink.abandon()  # and leaves no unfinished pack whose rerun could only fail again
             first = f" (first: {skipped[0].path}: {skipped[0].reason})" if skipped else ""
             raise SourceError(f"{plan.src}: no usable samples, {len(skipped)} skipped{first}")
         base = {"kind": sink.name, "fields": tuple(sorted({f for r in ordered for f in r.fields})),
                 "classes": plan.classes, "skipped": skipped, "plan": plan.fingerprint}
         idx = index.pinned(sink.make_index(ordered, base), plan.dest, plan.storage_options)  # shards are in place
+        holding.confirm()  # still this pack's DEST, for a lease to come
         sink.commit(idx, fresh=True)
         return idx
     finally:

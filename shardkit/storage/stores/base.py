@@ -7,6 +7,15 @@ removes, and makes or removes folders. Atomic writes are atomic.py's, over the s
 stores' clients. URLs are the user's fsspec URLs, whole; storage options reach the client
 unchanged.
 
+Stores with `conditional_writes` (S3, GCS, local disk) also write small objects only if
+they are as the caller last saw them, with the store's own conditional requests: created
+only where there is none (S3's `If-None-Match: *`, GCS's `ifGenerationMatch=0`), replaced
+or removed only at the version read (`If-Match` the ETag, `ifGenerationMatch` the
+generation). Two writers can never both succeed; a pack's lock on DEST is built on them
+(packing/lock.py). A version is the store's own mark, as text. They are retried like the
+rest: a write whose answer was lost on the way and that is tried again finds its own write
+there and reports a failed condition, so a caller that must know reads the object back.
+
 Errors: the operations here are retried (`retrying`: transient failures again, with
 backoff) and fail as shardkit's errors naming the URL, never a secret; a missing object is
 FileNotFoundError where "not there" is an answer (exists, size, listings) rather than a
@@ -39,6 +48,7 @@ class Store(ABC):
 
     name: ClassVar[str]
     conditional: ClassVar[bool] = False
+    conditional_writes: ClassVar[bool] = False
 
     def __init__(self, storage_options: StorageOptions | None = None, patient: bool = False):
         self.options = storage_options
@@ -89,3 +99,22 @@ class Store(ABC):
     @abstractmethod
     def remove_dir(self, url: str) -> None:
         """Remove an empty folder, best effort (object stores have none: nothing)."""
+
+    def read_versioned(self, url: str) -> tuple[bytes, str] | None:
+        """A small object's bytes and its version (what `replace_if` and `remove_if` are
+        given), or None where there is none."""
+        raise NotImplementedError(f"{self.name}: no conditional writes")
+
+    def put_if_absent(self, url: str, data: bytes) -> str | None:
+        """Create the object holding `data` unless one is there: its version, or None (an
+        object was there, unchanged by this)."""
+        raise NotImplementedError(f"{self.name}: no conditional writes")
+
+    def replace_if(self, url: str, data: bytes, version: str) -> str | None:
+        """Replace the object with `data` if it is still at `version`: the new version, or
+        None (it changed or went since, and is left as it is)."""
+        raise NotImplementedError(f"{self.name}: no conditional writes")
+
+    def remove_if(self, url: str, version: str) -> bool:
+        """Remove the object if it is still at `version`: whether it was removed."""
+        raise NotImplementedError(f"{self.name}: no conditional writes")

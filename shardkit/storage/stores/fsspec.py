@@ -2,9 +2,11 @@
 anything registered): the client from clients.py, made once a process and options, with
 shardkit's retries in place of its own.
 
-Private fsspec API used here, isolated in `WebHdfsStore` (written against fsspec
-2026.9): `fs._call`, `fs.session` and `fs._apply_proxy` of WebHDFS, for a ranged read in
-one OPEN.
+Private API used here, written against fsspec 2026.9 and gcsfs 2026.10: in `WebHdfsStore`,
+`fs._call`, `fs.session` and `fs._apply_proxy` of WebHDFS, for a ranged read in one OPEN;
+in `GcsStore`, gcsfs's `fs.call` (its request, with gcsfs's retries and errors),
+`fs.split_path` and `fs._location`, for uploads and deletes with `ifGenerationMatch`,
+which gcsfs offers only as "create" (`mode="create"`, no replace or delete at a generation).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from typing import Any, BinaryIO, cast
+from urllib.parse import quote
 
 from ...errors import BadRequestError, ShardkitError
 from ..clients import filesystem
@@ -118,6 +121,61 @@ class WebHdfsStore(FsspecStore):
                 return b""
             raise
         return cast(bytes, out.content)
+
+
+class GcsStore(FsspecStore):
+    """gs://: gcsfs, as any fsspec backend, plus conditional writes (base.py): an upload or
+    delete with `ifGenerationMatch` (0: only where there is none), which GCS answers 412
+    when the object's generation is another. (The gcp-storage-emulator ignores it: the
+    tests put a gate of GCS's rules in front of the emulator.)"""
+
+    conditional_writes = True
+
+    def _gcs(self, url: str, method: str, media: bool = False, **params: Any) -> Any:
+        """One JSON API request on the object `url` (`media`: an upload of `data` or a
+        download), retried as gcsfs does; None where GCS answered 412, or 404 other than
+        for an upload's bucket."""
+        fs, path = self.client(url)
+        bucket, key, _ = fs.split_path(path)
+
+        def call() -> Any:
+            fs.invalidate_cache(path)
+            try:
+                if method == "POST":  # an upload, its data as the request's body
+                    return fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket, safe='')}/o",
+                                   uploadType="media", name=key, json_out=True,
+                                   headers={"Content-Type": "application/octet-stream"}, **params)
+                out = fs.call(method, "b/{}/o/{}", bucket, key, json_out=not media and method == "GET", **params)
+                return out[1] if media else out
+            except FileExistsError:  # gcsfs's 412: the generation is another
+                return None
+            except FileNotFoundError:
+                if method == "POST":
+                    raise  # no such bucket
+                return None
+
+        return self.retried(url, "", call)
+
+    def read_versioned(self, url: str) -> tuple[bytes, str] | None:
+        # its generation first, then the bytes of that generation: never a version newer than the bytes
+        meta = self._gcs(url, "GET")
+        if meta is None:
+            return None
+        data = self._gcs(url, "GET", media=True, alt="media", generation=meta["generation"])
+        return None if data is None else (bytes(data), str(meta["generation"]))
+
+    def put_if_absent(self, url: str, data: bytes) -> str | None:
+        return self._upload(url, data, "0")
+
+    def replace_if(self, url: str, data: bytes, version: str) -> str | None:
+        return self._upload(url, data, version)
+
+    def _upload(self, url: str, data: bytes, generation: str) -> str | None:
+        made = self._gcs(url, "POST", ifGenerationMatch=generation, data=data)
+        return None if made is None else str(made["generation"])
+
+    def remove_if(self, url: str, version: str) -> bool:
+        return self._gcs(url, "DELETE", ifGenerationMatch=version) is not None
 
 
 def _cat_whole(fs: Any, path: str) -> bytes:

@@ -1,10 +1,18 @@
-"""Local disk (plain paths and file:// URLs), through os calls: no fsspec in the way."""
+"""Local disk (plain paths and file:// URLs), through os calls: no fsspec in the way.
+
+Conditional writes (base.py) hold to the same rules as on object stores: a new object is
+written aside and hard-linked into place (link(2) fails where a file is there, so no reader
+sees half of it); a replace or remove locks the file there (flock), checks that it is still
+the version read (its inode and modification time), then renames over it or removes it.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from ...errors import name_file
@@ -79,3 +87,87 @@ class LocalStore(Store):
     def remove_dir(self, url: str) -> None:
         with contextlib.suppress(FileNotFoundError, OSError):
             os.rmdir(local_path(url))
+
+    conditional_writes = True
+
+    def read_versioned(self, url: str) -> tuple[bytes, str] | None:
+        try:
+            fd = os.open(local_path(url), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read()
+            return data, _version(os.fstat(fd))
+        finally:
+            os.close(fd)
+
+    def put_if_absent(self, url: str, data: bytes) -> str | None:
+        path = local_path(url)
+        tmp = _written_aside(path, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return None
+        finally:
+            os.remove(tmp)
+        return _version(os.stat(path))
+
+    def replace_if(self, url: str, data: bytes, version: str) -> str | None:
+        path = local_path(url)
+        with _locked_at(path, version) as there:
+            if not there:
+                return None
+            tmp = _written_aside(path, data)
+            new = _version(os.stat(tmp))
+            os.replace(tmp, path)
+            return new
+
+    def remove_if(self, url: str, version: str) -> bool:
+        path = local_path(url)
+        with _locked_at(path, version) as there:
+            if there:
+                os.remove(path)
+            return there
+
+
+def _version(st: os.stat_result) -> str:
+    return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
+
+def _written_aside(path: str, data: bytes) -> str:
+    """A new file beside `path` holding `data`, on disk."""
+    tmp = f"{path}.new-{uuid.uuid4().hex[:12]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.remove(tmp)
+        raise
+    finally:
+        os.close(fd)
+    return tmp
+
+
+@contextlib.contextmanager
+def _locked_at(path: str, version: str) -> Iterator[bool]:
+    """Hold the file at `path` locked; whether it is still `version` (False: it changed or went)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            yield False
+            return
+        mine = os.fstat(fd)
+        yield (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino) and _version(mine) == version
+    finally:
+        os.close(fd)

@@ -7,9 +7,13 @@
 - `S3fsStore`: s3fs for everything else, and for listings and removals always.
 
 Both make every ranged read conditional on the ETag pinned at pack time (If-Match), so a
-replaced shard answers 412. Private s3fs API used here (written against s3fs 2026.9):
+replaced shard answers 412, and write small objects conditionally (base.py): PutObject
+with `If-None-Match: *` or `If-Match` an ETag, DeleteObject with `If-Match` (S3 and moto
+answer 412 to a condition that fails; an S3-compatible store that ignores the header
+would write unconditionally). Private s3fs API used here (written against s3fs 2026.9):
 `fs._call_s3`, `fs.loop` and `fs.split_path`, to stream a body chunk by chunk (s3fs's
-`cat_file` reads a whole body before it returns) with If-Match, which it does not offer.
+`cat_file` reads a whole body before it returns) with If-Match, and to send those
+conditions, which s3fs does not offer.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 from typing import Any, BinaryIO, cast
 
 from .. import s3_http
+from ..retry import root_cause, status_of
 from ..urls import StorageOptions
 from .base import Sink
 from .fsspec import FsspecStore, RetriedFile
@@ -55,6 +60,57 @@ class S3fsStore(FsspecStore):
 
         asyncio.run_coroutine_threadsafe(get(), fs.loop).result()
         return None
+
+    conditional_writes = True
+
+    def _call(self, url: str, method: str, body: bool = False, **kw: Any) -> Any:
+        """One S3 call on the object `url` (with `body`, the whole body read too), retried;
+        a failed condition (412) or a missing object (404) is `_REFUSED`, not an error: a
+        missing bucket is one."""
+        fs, path = self.client(url)
+        bucket, key, _ = fs.split_path(path)
+
+        async def call() -> Any:
+            try:
+                resp = await fs._call_s3(method, Bucket=bucket, Key=key, **kw)
+            except OSError as e:  # s3fs's, from botocore's ClientError (its root cause)
+                cause = root_cause(e)
+                if status_of(cause) in (404, 412) and _code(cause) != "NoSuchBucket":
+                    return _REFUSED
+                raise
+            if body:
+                stream = resp["Body"]
+                try:
+                    resp["Body"] = await stream.read()
+                finally:
+                    stream.close()
+            return resp
+
+        return self.retried(url, "", lambda: asyncio.run_coroutine_threadsafe(call(), fs.loop).result())
+
+    def read_versioned(self, url: str) -> tuple[bytes, str] | None:
+        resp = self._call(url, "get_object", body=True)
+        return None if resp is _REFUSED else (bytes(resp["Body"]), str(resp["ETag"]))
+
+    def put_if_absent(self, url: str, data: bytes) -> str | None:
+        resp = self._call(url, "put_object", Body=data, IfNoneMatch="*")
+        return None if resp is _REFUSED else str(resp["ETag"])
+
+    def replace_if(self, url: str, data: bytes, version: str) -> str | None:
+        resp = self._call(url, "put_object", Body=data, IfMatch=version)
+        return None if resp is _REFUSED else str(resp["ETag"])
+
+    def remove_if(self, url: str, version: str) -> bool:
+        return self._call(url, "delete_object", IfMatch=version) is not _REFUSED
+
+
+def _code(e: BaseException) -> str | None:
+    """The S3 error code botocore's error carries (NoSuchKey, NoSuchBucket, ...)."""
+    response = getattr(e, "response", None)
+    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+
+
+_REFUSED = object()  # a conditional request's condition failed
 
 
 class PresignedS3Store(S3fsStore):
