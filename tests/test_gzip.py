@@ -93,29 +93,6 @@ def test_gunzip_caps_the_inflated_size() -> None:
         gunzip(bomb, 1 << 20, "s.tar: field 'json.gz'")
 
 
-def test_gunzip_refuses_a_bomb_holding_no_more_than_its_limit() -> None:
-    """A .gz field was refused at its limit only after holding it twice (2.3 GB for 1 GiB):
-    one read of `limit` bytes keeps zlib's pieces and their join. A bomb whose gzip trailer
-    gives its size away is refused before any inflating; one with a forged trailer as it
-    passes the limit, inflated a piece at a time."""
-    import tracemalloc
-
-    honest = gzip.compress(bytes(64 << 20), 9)  # 64 MB of zeros in ~64 KB
-    forged = honest[:-4] + (100).to_bytes(4, "little")  # its trailer says 100 bytes
-    limit = 16 << 20
-    for bomb, said, most in ((honest, r"max_member_size; its gzip trailer says 67108864\)", 1 << 20),
-                             (forged, r"max_member_size\)", limit * 13 // 10)):
-        tracemalloc.start()
-        try:
-            with pytest.raises(CorruptShardError, match=rf"^f: inflates to more than {limit} bytes \({said}: a "):
-                gunzip(bomb, limit, "f")
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
-        assert peak < most, peak
-    assert gunzip(gzip.compress(bytes(limit)), limit, "f") == bytes(limit)  # at the limit: whole
-
-
 def test_inflater_never_inflates_much_more_than_asked() -> None:
     """A bomb read a header at a time never holds more than a chunk of its output."""
     stream = Inflater(_reader(gzip.compress(bytes(200 << 20))), "bomb", chunk=1 << 16)

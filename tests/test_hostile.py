@@ -5,6 +5,8 @@ any message or chained traceback."""
 from __future__ import annotations
 
 import functools
+import gzip
+import io
 import json
 import logging
 import os
@@ -23,19 +25,359 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import aiohttp
+import numpy as np
 import pytest
+from PIL import Image
 
 import shardkit
 from shardkit import StreamingDataset, storage
-from shardkit.errors import CorruptShardError, DestinationBusyError, ShardkitError
+from shardkit.errors import CorruptShardError, DestinationBusyError, ShardkitError, SourceError
+from shardkit.formats import lmdb as lmdb_format
+from shardkit.formats.gzip import gunzip
 from shardkit.reading.tar_dataset import TarDataset
 
 from conftest import make_folder
-from readers import WARNINGS
+from readers import WARNINGS, failure
 from servers import serving
+from test_lmdb import records
 from test_storage_errors import _Ranges
 
 pytestmark = WARNINGS
+
+
+# -- hostile tars and indexes: strict header numbers, capped headers, names and inflation --------
+
+def _with_checksum(head: bytearray) -> bytearray:
+    """A tar header with its checksum made to match (a hostile writer's, not a damaged one)."""
+    head[148:156] = b"%06o\0 " % (sum(head[:148]) + sum(head[156:512]) + 8 * ord(" "))
+    return head
+
+
+def _indexed(folder: Path, name: str, data: bytes, offsets: list[int]) -> Path:
+    """`data` as shard `name` of `folder`, with an index.json of version 1 giving `offsets`."""
+    from shardkit.index import Index, ShardInfo
+
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_bytes(data)
+    info = ShardInfo(name, len(offsets) - 1, len(data), None, offsets, "gzip" if name.endswith(".gz") else None)
+    (folder / "index.json").write_text(Index(shards=(info,)).to_json())
+    return folder
+
+
+def _peak(work: Any) -> tuple[BaseException, int]:
+    """The error `work()` raises and the most Python memory it held meanwhile."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        work()
+    except Exception as e:  # noqa: BLE001
+        return e, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    raise AssertionError("no error")
+
+
+@pytest.mark.parametrize("field", [b"-7777777777", b"-1", b" -1", b"+1", b"1_0"])
+def test_a_size_field_that_is_not_octal_digits_is_a_corrupt_shard(tmp_path: Path, field: bytes) -> None:
+    """`int(x, 8)` takes a sign: a negative size made a bare ValueError (or an offset out of
+    range) in both readers and `shardkit index`, and -1 read the rest of the shard into
+    memory. A size field of anything but octal digits is a CorruptShardError naming the shard
+    and the member, found on the header block (16 MB after it are not read)."""
+    from click.testing import CliRunner
+
+    from shardkit.cli import main
+    from shardkit.formats.tar import TarWriter
+
+    buf = io.BytesIO()
+    writer = TarWriter(buf)
+    writer.write("a", {"cls": b"1"})
+    writer.write("b", {"bin": bytes(16 << 20)})
+    writer.close()
+    data = bytearray(buf.getvalue())
+    data[124:136] = field.ljust(12, b"\0")
+    folder = _indexed(tmp_path / "ds", "a.tar", bytes(_with_checksum(data)), writer.offsets)
+    said = re.escape(f"its size field {field!r} is not a number in octal digits")
+    err = failure(StreamingDataset(str(folder)), 0)
+    assert isinstance(err, CorruptShardError) and re.search(rf"a\.tar \(sample at byte 0\): {said}", str(err)), err
+    with pytest.raises(CorruptShardError, match=rf"a\.tar \(sample at byte 0\): {said}"):
+        shardkit.TarDataset(str(folder))[0]
+    err, peak = _peak(lambda: shardkit.build_index(str(folder / "a.tar")))
+    assert isinstance(err, CorruptShardError) and re.search(rf"a\.tar, member at byte 0: {said}", str(err)), err
+    assert peak < 4 << 20  # the second sample's 16 MB are not read
+    (folder / "index.json").unlink()
+    result = CliRunner().invoke(main, ["index", str(folder)])
+    assert result.exit_code == 1 and re.fullmatch(rf"Error: \S*a\.tar, member at byte 0: {said} \(.*\)\n",
+                                                  result.output), result.output
+
+
+@pytest.mark.parametrize("kind", [b"x", b"L"])
+def test_an_extended_header_over_its_limit_is_refused_before_it_is_read(tmp_path: Path, kind: bytes) -> None:
+    """A small .tar.gz whose pax header or GNU long name inflates to gigabytes was read whole
+    into memory (6.4 GB for 3 GiB). The header's declared size is checked against
+    formats.tar.MAX_HEADER on its header block: here it declares 3 GiB over 64 MB of zeros
+    (64 KB compressed), which a read of the whole would hold, and is refused by the index
+    build and both readers with almost nothing read."""
+    import zlib
+
+    from shardkit.formats import tar
+
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip
+    pieces = [z.compress(tar.header("././@PaxHeader", 3 << 30, kind))]
+    pieces += [z.compress(bytes(1 << 20)) for _ in range(64)]
+    folder = _indexed(tmp_path / "ds", "bomb.tar.gz", b"".join([*pieces, z.flush()]), [0, 64 << 20])
+    assert (folder / "bomb.tar.gz").stat().st_size < 200_000
+    what = {b"x": "pax extended header", b"L": "GNU long name"}[kind]
+    said = rf"a {what} of 3221225472 bytes, over the limit of 1048576 \(formats\.tar\.MAX_HEADER\)"
+    err, peak = _peak(lambda: shardkit.build_index(str(folder / "bomb.tar.gz")))
+    assert re.search(rf"bomb\.tar\.gz, member at byte 0: {said}", str(err)), err
+    assert peak < 8 << 20
+    err = failure(StreamingDataset(str(folder), max_member_size="64MiB"), 0)
+    assert isinstance(err, CorruptShardError) and re.search(rf"bomb\.tar\.gz \(sample at byte 0\): {said}", str(err))
+    plain = _indexed(tmp_path / "plain", "a.tar", tar.header("././@PaxHeader", 3 << 30, kind) + bytes(8 << 20),
+                     [0, 8 << 20])
+    err, peak = _peak(lambda: shardkit.TarDataset(str(plain))[0])
+    assert re.search(rf"a\.tar \(sample at byte 0\): {said}", str(err)) and peak < 4 << 20, (err, peak)
+
+
+def test_names_and_pax_records_are_held_to_their_limits(tmp_path: Path) -> None:
+    """A pax record longer than its declared length was accepted (the image landed under a
+    field named 'jpg\\n'); a 100 MB GNU long name became a 100 MB key. A record must end in a
+    newline where its length says, and a name may take formats.tar.MAX_NAME bytes; the writer
+    refuses what the readers would."""
+    from shardkit.formats import tar
+
+    def member(kind: bytes, data: bytes) -> bytes:
+        return tar.header("././@PaxHeader", len(data), kind) + data + bytes(-len(data) % 512)
+
+    image = tar.header("k.jpg", 3) + b"jpg" + bytes(509)
+    cases = {"long.tar": (b"15 path=k.jpg\n", "a malformed pax header record at byte 0"),  # 14 bytes, said 15
+             "short.tar": (b"13 path=k.jpg\n", "a malformed pax header record at byte 0"),  # said 13: no newline there
+             "name.tar": (b"4108 path=" + b"n" * 4097 + b"\n", "a member name of 4097 bytes, over the limit of 4096")}
+    for name, (record, said) in cases.items():
+        data = member(b"x", record) + image + bytes(1024)
+        folder = _indexed(tmp_path / name.removesuffix(".tar"), name, data, [0, len(data) - 1024])
+        with pytest.raises(CorruptShardError, match=rf"{name}, member at byte 0: {said}"):
+            shardkit.build_index(str(folder / name))
+        err = failure(StreamingDataset(str(folder)), 0)
+        assert re.search(rf"{name} \(sample at byte 0\), member at byte 0: {said}", str(err)), err
+    long_name = member(b"L", b"n" * 4097 + b"\0") + image + bytes(1024)
+    gnu = _indexed(tmp_path / "gnu", "gnu.tar", long_name, [0, len(long_name) - 1024])
+    with pytest.raises(CorruptShardError, match=r"gnu\.tar, member at byte 0: a member name of 4097 bytes, over"):
+        shardkit.build_index(str(gnu / "gnu.tar"))
+    with pytest.raises(ValueError, match=r"tar member name of 4101 bytes, over 4096"):
+        tar.TarWriter(io.BytesIO()).write("k" * 4097, {"jpg": b""})
+    fine = member(b"x", b"14 path=k.jpg\n") + image + bytes(1024)  # the record as tarfile writes it
+    assert [s["__key__"] for s in StreamingDataset(str(_indexed(tmp_path / "ok", "ok.tar", fine, [0, 2048])))] == ["k"]
+
+
+@pytest.mark.parametrize("kind", ["zip", None, 7, ["tar"]])
+def test_an_index_of_an_unknown_kind_is_refused_naming_it(packed: Path, tmp_path: Path, kind: Any) -> None:
+    """`kind` was never checked: StreamingDataset read the shards as tar whatever it said,
+    `verify` passed them and TarDataset raised an AttributeError (or, for "zip", advised
+    LMDBDataset). Every reader and `verify` now refuse it in one line naming index.json."""
+    from click.testing import CliRunner
+
+    from shardkit.cli import main
+    from shardkit.formats import FORMATS
+
+    assert shardkit.index.KINDS == FORMATS
+    copy = Path(shutil.copytree(packed, tmp_path / "copy"))
+    doc = json.loads((copy / "index.json").read_text())
+    (copy / "index.json").write_text(json.dumps({**doc, "kind": kind}))
+    said = re.escape(f"{copy}/index.json: kind {kind!r}, not a format this shardkit reads ('tar' or 'lmdb')")
+    for read in (StreamingDataset, shardkit.TarDataset, shardkit.verify):
+        with pytest.raises(CorruptShardError, match=rf"^{said}$"):
+            read(str(copy))
+    result = CliRunner().invoke(main, ["verify", str(copy)])
+    assert result.exit_code == 1 and re.fullmatch(rf"Error: {said}\n", result.output), result.output
+
+
+def test_verify_refuses_an_index_the_readers_refuse(packed: Path, tmp_path: Path) -> None:
+    """A version 1 index without sample offsets: `verify` said "all shards match" while both
+    readers refuse it; it now names index.json and says how to rebuild it."""
+    from conftest import as_version_1
+
+    copy = as_version_1(packed, tmp_path / "copy")
+    doc = json.loads((copy / "index.json").read_text())
+    for shard in doc["shards"][1:]:
+        del shard["offsets"]
+    (copy / "index.json").write_text(json.dumps(doc))
+    with pytest.raises(ShardkitError, match="the index lists no sample offsets"):
+        StreamingDataset(str(copy))
+    problems = shardkit.verify(str(copy))
+    assert problems == [f"{copy}/index.json: lists no sample offsets for {len(doc['shards']) - 1} of its "
+                        f"{len(doc['shards'])} shards (first: shard-000001.tar), and readers refuse it: rebuild it "
+                        f"with `shardkit index {copy}`"]
+
+
+def test_gunzip_refuses_a_bomb_holding_no_more_than_its_limit() -> None:
+    """A .gz field was refused at its limit only after holding it twice (2.3 GB for 1 GiB):
+    one read of `limit` bytes keeps zlib's pieces and their join. A bomb whose gzip trailer
+    gives its size away is refused before any inflating; one with a forged trailer as it
+    passes the limit, inflated a piece at a time."""
+    import tracemalloc
+
+    honest = gzip.compress(bytes(64 << 20), 9)  # 64 MB of zeros in ~64 KB
+    forged = honest[:-4] + (100).to_bytes(4, "little")  # its trailer says 100 bytes
+    limit = 16 << 20
+    for bomb, said, most in ((honest, r"max_member_size; its gzip trailer says 67108864\)", 1 << 20),
+                             (forged, r"max_member_size\)", limit * 13 // 10)):
+        tracemalloc.start()
+        try:
+            with pytest.raises(CorruptShardError, match=rf"^f: inflates to more than {limit} bytes \({said}: a "):
+                gunzip(bomb, limit, "f")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < most, peak
+    assert gunzip(gzip.compress(bytes(limit)), limit, "f") == bytes(limit)  # at the limit: whole
+
+
+# -- hostile images ------------------------------------------------------------------------------
+
+def _claiming(claim: tuple[int, int], seed: int = 0) -> bytes:
+    """A JPEG of 16x16 noise whose frame header claims `claim` (width, height) pixels."""
+    import struct
+
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(out, "JPEG")
+    data, pos = bytearray(out.getvalue()), 2
+    while data[pos + 1] != 0xC0:  # to the start of frame
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+    data[pos + 5 : pos + 9] = struct.pack(">HH", claim[1], claim[0])
+    return bytes(data)
+
+
+def test_a_jpeg_whose_header_claims_more_pixels_than_its_scans_hold_is_refused(photos: Path, tmp_path: Path) -> None:
+    """A header claiming 2000x2000 over a 16x16 scan passed pack, --decode-check and --resize,
+    decoding to grey (libjpeg-turbo only warns, and PIL takes that for a success). Too few
+    bytes of scans for the pixels claimed (one bit per 8x8 block at the least) is refused by
+    the cheap check; one whose scans end early (libjpeg-turbo: "premature end of data
+    segment") by every check that decodes: --decode-check, --resize, verify --decode."""
+    from shardkit.tools.verify import undecodable
+
+    (photos / "circle" / "liar.jpg").write_bytes(_claiming((2000, 2000)))
+    (photos / "circle" / "small_liar.jpg").write_bytes(_claiming((64, 64), seed=1))  # scans long enough for 64x64
+    both = ["circle/liar.jpg", "circle/small_liar.jpg"]
+    for options, refused in (({}, both[:1]), ({"decode_check": True}, both), ({"resize": 8}, both)):
+        idx = shardkit.pack(str(photos), str(tmp_path / f"out{list(options)}"), workers=1, progress=False, **options)
+        reasons = {s.path: s.reason for s in idx.skipped}
+        assert sorted(reasons) == refused and idx.samples == 32 - len(refused), options
+        bound = (r"truncated image: 2000x2000 pixels in \d+ bytes of scans, fewer than the 11719 that even a blank image "
+                 r"of that size takes \(its header claims more pixels than its data holds\)")
+        cut = r"truncated image: its data ends before its pixels do \(libjpeg-turbo: .*premature end of data segment\)"
+        assert all(re.fullmatch(bound if not options and path == both[0] else cut, reasons[path]) for path in refused)
+    with pytest.raises(SourceError, match=r"circle/liar\.jpg: truncated image: 2000x2000 pixels in \d+ bytes"):
+        shardkit.pack(str(photos), str(tmp_path / "fail"), workers=1, progress=False, on_error="fail")
+    (problem,) = undecodable(str(tmp_path / "out[]"), workers=0)  # packed by the cheap checks: found by verify
+    assert "(packed from circle/small_liar.jpg): field 'jpg': truncated image: its data ends before its pixels" in problem
+
+
+# -- a full disk under an LMDB pack --------------------------------------------------------------
+
+_LIMITED = ("import os, resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (60000, 60000)); {disk}from shardkit.cli import main; main()")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE")
+def test_a_full_disk_during_an_lmdb_pack_is_one_line_and_a_rerun_completes(tmp_path: Path) -> None:
+    """A disk that fills up mid-transaction makes LMDB say only "mdb_txn_commit:
+    Input/output error" (a short write): that was a 43-line traceback naming neither DEST nor
+    the cause. Writes cut short by a file size limit (the same short write) fail the pack in
+    one line naming DEST and the cause, the free space looked at: a full disk as statvfs says
+    it (here the child's statvfs reports 0 bytes free), or the limit itself. A rerun resumes
+    after the last job written and ends with the whole dataset."""
+    src = make_folder(tmp_path / "src", per_class=20)
+    out = tmp_path / "out"
+    full = "os.statvfs = lambda path: os.statvfs_result((4096, 4096) + (0,) * 8); "  # a full disk, as statvfs says it
+    for disk, cause in (("", r"data\.mdb \(\d+ bytes\) reached this process's file size limit \(ulimit -f: 60000 bytes\)"),
+                        (full, r"no space left on device \(0 bytes free on its disk, the write needed \d+ and more\)")):
+        cmd = [sys.executable, "-c", _LIMITED.format(disk=disk), "pack", str(src), str(out), "--format", "lmdb",
+               "--max-count", "10", "--workers", "1", "-q"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        assert result.returncode == 1 and re.fullmatch(
+            rf"Error: {re.escape(str(out))}: writing the LMDB failed: {cause} \(LMDB said: mdb_txn_commit: [^()]+\); "
+            r"make room and rerun the same `shardkit pack`, which resumes after the last job written\n",
+            result.stderr), result.stderr
+    assert 0 < len(records(out)) and not (out / "index.json").exists()  # jobs committed before it, no index
+    lmdb_format.close_reader(str(out))
+    stats: dict[str, int] = {}
+    assert shardkit.pack(str(src), str(out), format="lmdb", max_count=10, workers=1, progress=False,
+                         stats=stats).samples == 60
+    assert stats["kept"] > 0 and shardkit.verify(str(out)) == []
+
+
+# -- concurrent packs into a local DEST: its flock -----------------------------------------------
+
+_HOLD = "import sys\nfrom shardkit.packing import lock\nwith lock.held(sys.argv[1]):\n    print('held', flush=True)\n" \
+        "    sys.stdin.read()\n"
+
+
+def _holding(dest: Path) -> subprocess.Popen[str]:
+    """A process holding DEST's lock until its stdin closes (or it is killed)."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(dest)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_second_pack_into_one_dest_is_refused_naming_the_first(photos: Path, tmp_path: Path) -> None:
+    """Two packs into one DEST deleted each other's temporary files and replaced each other's
+    shards, and one could say "packed" over the other's. The second is refused at once, in
+    one line naming DEST, the holder and its lock, before it touches anything."""
+    import socket
+
+    from click.testing import CliRunner
+
+    from shardkit.cli import main
+    from shardkit.errors import DestinationBusyError
+
+    out = tmp_path / "out"
+    (out / ".shardkit-progress").mkdir(parents=True)  # a pack under way: its shard half written
+    (out / "shard-000000.tar.tmp-0123456789ab").write_bytes(b"half a shard")
+    with _holding(out) as holder:
+        said = (rf"{re.escape(str(out))}: another pack is writing into it \(pid {holder.pid} on "
+                rf"{re.escape(socket.gethostname())}, since [-+:T\d]+; it holds "
+                rf"{re.escape(str(out / '.shardkit-lock'))}\): wait for it to end, or pack into another folder")
+        for fmt in ("tar", "lmdb"):
+            with pytest.raises(DestinationBusyError, match=rf"^{said}$"):
+                shardkit.pack(str(photos), str(out), format=fmt, workers=1, progress=False)
+        result = CliRunner().invoke(main, ["pack", str(photos), str(out), "-q"])
+        assert result.exit_code == 1 and re.fullmatch(rf"Error: {said}\n", result.output), result.output
+        assert (out / "shard-000000.tar.tmp-0123456789ab").read_bytes() == b"half a shard"
+    # (the holder's stdin closed: it let go)
+    assert not (out / ".shardkit-lock").exists()  # its holder removes it as it lets go
+    assert shardkit.pack(str(photos), str(out), workers=1, progress=False).samples == 30
+    assert not (out / ".shardkit-lock").exists() and shardkit.verify(str(out)) == []
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb"])
+def test_the_lock_of_a_killed_pack_is_no_lock(photos: Path, tmp_path: Path, fmt: str) -> None:
+    """A holder killed with SIGKILL leaves its lock file, but the kernel has let go of its
+    lock: the next pack takes it, with nothing for anyone to remove."""
+    out = tmp_path / "out"
+    with _holding(out) as holder:
+        holder.kill()
+    assert json.loads((out / ".shardkit-lock").read_text())["pid"] == holder.pid
+    assert shardkit.pack(str(photos), str(out), format=fmt, workers=1, progress=False).samples == 30
+    assert not (out / ".shardkit-lock").exists()
+
+
+def test_two_packs_into_one_dest_at_once_never_both_succeed(tmp_path: Path) -> None:
+    """Started together with different sources: one packs, the other fails naming why (the
+    first holds DEST, or has already filled it), and DEST holds the winner's dataset whole."""
+    sources = [make_folder(tmp_path / "a", per_class=20), make_folder(tmp_path / "b", per_class=10)]
+    out = tmp_path / "out"
+    procs = [subprocess.Popen([sys.executable, "-m", "shardkit.cli", "pack", str(src), str(out), "--max-count", "4",
+                               "--workers", "1", "-q"], stderr=subprocess.PIPE, text=True) for src in sources]
+    said_by = [proc.communicate(timeout=120)[1] for proc in procs]
+    results = [(proc.returncode, said) for proc, said in zip(procs, said_by)]
+    assert sorted(code for code, _ in results) == [0, 1], results
+    won, (_, said) = [code for code, _ in results].index(0), sorted(results)[1]
+    assert re.fullmatch(r"Error: \S+out: (another pack is writing into it .*|already holds a different dataset .*)\n",
+                        said), said
+    assert shardkit.verify(str(out)) == [] and shardkit.index.load(str(out)).samples == (60, 30)[won]
 
 
 # -- exclusive writers on object stores: conditional writes and DEST's lease ---------------------
