@@ -9,7 +9,7 @@ holds an open file or a client: they travel to DataLoader workers as they are.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,8 +48,8 @@ class ReadSpec:
     `block`, `prefetch` and `prefetch_bytes` are the read-ahead's settings (sample
     sources read them); `versions` the shards' sha256s, `pins` their store versions."""
 
-    urls: tuple[str, ...]
-    storage_options: StorageOptions | None
+    urls: tuple[str, ...] = field(repr=False)  # a presigned URL carries its signature: never in a repr
+    storage_options: StorageOptions | None = field(repr=False)  # nor credentials
     versions: tuple[str | None, ...]
     pins: tuple[dict[str, Any] | None, ...]
     order: SampleOrder
