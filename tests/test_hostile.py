@@ -783,3 +783,17 @@ def test_no_secret_in_the_repr_of_a_pack_plan(photos: Path, tmp_path: Path) -> N
     plan = make_plan(str(photos), str(tmp_path / "out"), storage_options=CREDENTIALS)
     assert plan.storage_options == CREDENTIALS
     assert not [v for v in _FAKE.values() if v in repr(plan) + repr(plan.job(0))]
+
+
+def test_a_read_spec_shows_no_secret() -> None:
+    """What a worker's pass is given travels in reprs (a debugger, a log line): its presigned
+    URLs and storage options stay out of them."""
+    import numpy as np
+
+    from shardkit.reading.spec import ReadSpec, SampleOrder
+
+    spec = ReadSpec(("https://b.s3.amazonaws.com/x.tar?X-Amz-Signature=SIGNATURE1234",),
+                    {"key": "AKIAFAKEKEY", "secret": "FAKESECRET1234"}, (None,), (None,),
+                    SampleOrder(np.array([1]), 0, False, 64))
+    shown = repr(spec)
+    assert not any(s in shown for s in ("SIGNATURE1234", "AKIAFAKEKEY", "FAKESECRET1234"))
