@@ -36,7 +36,7 @@ from shardkit.formats import lmdb as lmdb_format
 from shardkit.formats.gzip import gunzip
 from shardkit.reading.tar_dataset import TarDataset
 
-from conftest import make_folder
+from conftest import ROOT, make_folder
 from readers import WARNINGS, failure
 from servers import serving
 from test_lmdb import records
@@ -797,3 +797,29 @@ def test_a_read_spec_shows_no_secret() -> None:
                     SampleOrder(np.array([1]), 0, False, 64))
     shown = repr(spec)
     assert not any(s in shown for s in ("SIGNATURE1234", "AKIAFAKEKEY", "FAKESECRET1234"))
+
+
+# -- what `pip install '.[s3,gcs]'` resolves to -----------------------------------------------------
+
+def test_the_core_and_remote_dependencies_carry_lower_bounds_met_here() -> None:
+    """Unbounded, `pip install '.[s3,gcs]'` settled on s3fs 0.4.2 (2019). Every core dependency and
+    every one of the s3 and gcs extras (and s3fs, gcsfs, botocore wherever named) has a `>=` bound,
+    which the versions the tests run with meet."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    remote = {"s3fs", "gcsfs", "botocore"}
+    named = [*project["dependencies"], *extras["s3"], *extras["gcs"]]
+    named += [d for deps in extras.values() for d in deps if Requirement(d).name.lower() in remote]
+    for dep in map(Requirement, named):
+        bounds = [s for s in dep.specifier if s.operator == ">="]
+        assert bounds, f"pyproject.toml: {dep} has no lower bound"
+        try:
+            installed = importlib.metadata.version(dep.name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        assert dep.specifier.contains(installed, prereleases=True), f"{dep.name} {installed} is outside {dep}"
