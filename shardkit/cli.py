@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from .errors import SKIP_BAD, CorruptShardError, ShardkitError, SourceError, one_line, redact
+from .errors import SKIP_BAD, CorruptShardError, ShardkitError, SourceError, one_line, redact, shown_name
 from .units import format_size, parse_size
 
 
@@ -48,7 +48,7 @@ def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second one at exit's flush
             sys.exit(141)  # a shell's code for a command ended by SIGPIPE
         except OSError as e:  # FileExistsError, NotADirectoryError, ...: the path and the reason
-            text = f"{e.filename}: {e.strerror or e}" if e.filename is not None else one_line(e)
+            text = f"{shown_name(str(e.filename))}: {e.strerror or e}" if e.filename is not None else one_line(e)
             raise click.ClickException(redact(text)) from None
 
     return wrapper
@@ -270,21 +270,17 @@ def _sort_skipped(skipped: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     return [s for s in skipped if s.reason != HIDDEN], [s for s in skipped if s.reason == HIDDEN]
 
 
-def _shown(path: str) -> str:
-    return path if path.isprintable() else repr(path)  # a name with a newline in it stays on one line
-
-
 def _list_skipped(skipped: Sequence[Any], url: str, err: bool = False) -> None:
     """The first ten files left out, a line each."""
     for s in skipped[:10]:
-        click.echo(f"  {_shown(s.path)}: {s.reason}", err=err)
+        click.echo(f"  {shown_name(s.path)}: {s.reason}", err=err)
     if len(skipped) > 10:
         click.echo(f"  ... and {len(skipped) - 10} more (shardkit info --json {url})", err=err)
 
 
 def _hidden(hidden: Sequence[Any]) -> str:
     """'2 hidden entries (.DS_Store, a/.DS_Store)', the first three named."""
-    names = ", ".join(_shown(s.path) for s in hidden[:3]) + (", ..." if len(hidden) > 3 else "")
+    names = ", ".join(shown_name(s.path) for s in hidden[:3]) + (", ..." if len(hidden) > 3 else "")
     return f"{len(hidden)} hidden {'entry' if len(hidden) == 1 else 'entries'} ({names})"
 
 

@@ -19,6 +19,15 @@ def one_line(e: BaseException | str) -> str:
     return " ".join(str(e).split())
 
 
+def shown_name(name: str) -> str:
+    """A file name as a message shows it: as it is where every character is printable, else
+    with its control characters in repr's escapes (`a\\nError: x.jpg`, `\\x1b`) and its
+    backslashes doubled, so that it stays on its line and cannot forge another."""
+    if name.isprintable():
+        return name
+    return "".join(c if c.isprintable() and c != "\\" else repr(c)[1:-1] for c in name)
+
+
 def redact(text: str) -> str:
     """Hide credentials that URLs can carry: user info (`https://user:pw@host`) and query
     strings (presigned-URL signatures, WebHDFS delegation tokens) become '***', and so does

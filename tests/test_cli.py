@@ -395,7 +395,7 @@ def test_a_file_name_with_a_newline_is_listed_on_one_line(run, photos: Path, tmp
     packed = run("pack", photos, tmp_path / "out")
     listed = run("info", tmp_path / "out")
     for result in (packed, listed):
-        assert "  'circle/bad\\nname.jpg': not an image file\n" in result.output, result.output
+        assert "  circle/bad\\nname.jpg: not an image file\n" in result.output, result.output
 
 
 @pytest.mark.parametrize("setup, args, text", [

@@ -823,3 +823,35 @@ def test_the_core_and_remote_dependencies_carry_lower_bounds_met_here() -> None:
         except importlib.metadata.PackageNotFoundError:
             continue
         assert dep.specifier.contains(installed, prereleases=True), f"{dep.name} {installed} is outside {dep}"
+
+
+# -- hostile source folders: names shown escaped, sizes checked before a file is read -----------
+
+FORGED = "a\nError: forged.jpg"  # a file name that, printed raw, starts a line of its own
+
+
+def _forged_name(photos: Path) -> Path:
+    """`photos` with a file named FORGED in its first class folder: no JPEG, so unusable."""
+    folder = next(p for p in sorted(photos.iterdir()) if p.is_dir())
+    fd = os.open(folder / FORGED, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.write(fd, b"not a jpeg, but named as one")
+    os.close(fd)
+    return photos
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_a_file_name_holding_a_newline_is_shown_escaped(photos: Path, tmp_path: Path, on_error: str) -> None:
+    """Under --on-error fail (its error) and skip (its report) the name is one line, its newline
+    written `\\n`: shown raw, or with the newline as a space, it named no real file and could
+    forge an `Error:` line."""
+    from click.testing import CliRunner
+
+    from shardkit.cli import main
+
+    result = CliRunner().invoke(main, ["pack", str(_forged_name(photos)), str(tmp_path / "out"),
+                                       "--on-error", on_error])
+    assert result.exit_code == (1 if on_error == "fail" else 0), result.output
+    out = result.output
+    assert "a\\nError: forged.jpg" in out, out
+    assert not any(line.lstrip().startswith(("Error: forged", "forged")) for line in out.splitlines()), out
+    assert sum(line.startswith("Error:") for line in out.splitlines()) == (on_error == "fail"), out

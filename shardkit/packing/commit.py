@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import index, sidecar, storage
-from ..errors import SourceError
+from ..errors import SourceError, shown_name
 from ..index import Index, ShardInfo, Skipped
 from ..storage import StorageOptions
 from . import executors, lock
@@ -135,7 +135,7 @@ def _run(plan: Plan, sink: Sink, runner: executors.Runner[Job, JobResult], progr
         if samples == 0:  # a pack that kept nothing fails (exit 1) rather than commit an empty dataset
             holding.check()  # (what is in DEST is another pack's, once it has taken it over)
             sink.abandon()  # and leaves no unfinished pack whose rerun could only fail again
-            first = f" (first: {skipped[0].path}: {skipped[0].reason})" if skipped else ""
+            first = f" (first: {shown_name(skipped[0].path)}: {skipped[0].reason})" if skipped else ""
             raise SourceError(f"{plan.src}: no usable samples, {len(skipped)} skipped{first}")
         base = {"kind": sink.name, "fields": tuple(sorted({f for r in ordered for f in r.fields})),
                 "classes": plan.classes, "skipped": skipped, "plan": plan.fingerprint}
@@ -164,7 +164,7 @@ def refuse_earlier_skips(plan: Plan, skipped: Sequence[Skipped]) -> None:
     inherited = set(plan.inherited)
     first = next((s for s in skipped if s.reason != HIDDEN and s not in inherited), None)
     if first is not None:
-        raise SourceError(f"{storage.join(plan.src, first.path)}: {first.reason} (left out by an earlier run "
+        raise SourceError(f"{shown_name(storage.join(plan.src, first.path))}: {first.reason} (left out by an earlier run "
                           "of this pack under --on-error skip)")
 
 

@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 
 from .. import checks, storage
-from ..errors import SourceError
+from ..errors import SourceError, shown_name
 from ..formats import FORMATS
 from ..index import Index
 from ..sources import local_lmdb
@@ -133,7 +133,7 @@ def pack(
                      storage_options=storage_options, layout=layout, fields=fields)
     unusable = [s for s in plan.skipped if s.reason != HIDDEN]
     if on_error == "fail" and unusable:
-        raise SourceError(f"{storage.join(plan.src, unusable[0].path)}: {unusable[0].reason}")
+        raise SourceError(f"{shown_name(storage.join(plan.src, unusable[0].path))}: {unusable[0].reason}")
     runner = (executors.ray(ray_address, sizes=lambda job: len(job.items)) if executor == "ray"
               else executors.local(workers or os.cpu_count() or 1))
     sink = sink_type(plan, dest, storage_options)

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from .. import storage
-from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line
+from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line, shown_name
 from ..formats import gzip
 from ..formats import lmdb as lmdb_format
 from ..formats.tar import check_key, parse_sample
@@ -67,7 +67,7 @@ def _sidecar(job: Job, field: str, path: str) -> bytes:
         if not about_the_file(e):
             name_file(e, url)
             raise
-        raise sidecars.BadField(f"{path}: cannot read ({e.strerror or e})") from None
+        raise sidecars.BadField(f"{shown_name(path)}: cannot read ({e.strerror or e})") from None
     sidecars.check(field, data, path)
     return data
 
@@ -231,7 +231,7 @@ def job_samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None 
                     raise
                 reason = str(e) if isinstance(e, (images.BadImage, CorruptShardError)) else f"cannot read ({e.strerror or e})"
                 if job.options.on_error == "fail":
-                    raise SourceError(f"{storage.join(job.src, item.path)}: {reason}") from None
+                    raise SourceError(f"{shown_name(storage.join(job.src, item.path))}: {reason}") from None
                 yield Skipped(item.path, reason)
             pending += 1
             if pending >= 32:

@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from ..errors import shown_name
 from ..formats.tar import member_size
 from ..index import Skipped
 from . import images
@@ -156,6 +157,6 @@ def check(field: str, data: bytes, where: str) -> None:
         elif image is not None:
             images.check(data, image)
     except images.BadImage as e:
-        raise BadField(f"{where}: {e}") from None
+        raise BadField(f"{shown_name(where)}: {e}") from None
     except (ValueError, RecursionError) as e:
-        raise BadField(f"{where}: not {_KINDS[kind]} ({e})") from None
+        raise BadField(f"{shown_name(where)}: not {_KINDS[kind]} ({e})") from None
