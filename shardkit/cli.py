@@ -166,6 +166,8 @@ def main() -> None:
 @click.option("--decode-check", is_flag=True,
               help="Decode every image in full (a slower pack), so that a corrupt one is skipped now, not met in "
                    "training.")
+@click.option("--max-file-size", default="1GiB", show_default=True, callback=_size,
+              help="Skip (or, with --on-error fail, stop at) a source image larger than this, unread.")
 @click.option("--layout", type=click.Choice(["classes", "flat"]), default="classes", show_default=True,
               help="Images in class folders (SRC/<class>/<image>), or anywhere under SRC without classes.")
 @click.option("--fields", default="", metavar="EXT,...",
@@ -182,7 +184,7 @@ def main() -> None:
 @_errors_to_exit
 def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | None, workers: int | None,
          shuffle: bool, seed: int, on_error: str, resize: int | None, quality: int | None, decode_check: bool,
-         layout: str, fields: str, executor: str,
+         max_file_size: int | None, layout: str, fields: str, executor: str,
          ray_address: str | None, overwrite: bool, quiet: bool, storage_options: tuple[str, ...]) -> None:
     """Pack the image folder SRC (SRC/<class>/<image>) into shards under DEST.
 
@@ -212,7 +214,7 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
     try:
         idx = run_pack(src, dest, format=fmt, max_count=max_count, max_size=max_size, workers=workers,
                        shuffle=shuffle, seed=seed, on_error=on_error, resize=resize, quality=quality,
-                       decode_check=decode_check, layout=layout, fields=[f for f in fields.split(",") if f.strip()],
+                       decode_check=decode_check, max_file_size=max_file_size, layout=layout, fields=[f for f in fields.split(",") if f.strip()],
                        progress=None if not quiet else False, executor=executor, ray_address=ray_address,
                        storage_options=_storage_options(storage_options), overwrite=overwrite, stats=stats)
     except SourceError as e:

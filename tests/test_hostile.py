@@ -855,3 +855,52 @@ def test_a_file_name_holding_a_newline_is_shown_escaped(photos: Path, tmp_path: 
     assert "a\\nError: forged.jpg" in out, out
     assert not any(line.lstrip().startswith(("Error: forged", "forged")) for line in out.splitlines()), out
     assert sum(line.startswith("Error:") for line in out.splitlines()) == (on_error == "fail"), out
+
+
+def _sparse_jpg(photos: Path, size: int = 2 << 30) -> Path:
+    """A `size`-byte `.jpg` of holes in `photos`' first class folder: no disk, and no JPEG."""
+    path = next(p for p in sorted(photos.iterdir()) if p.is_dir()) / "huge.jpg"
+    path.touch()
+    os.truncate(path, size)
+    return path
+
+
+def test_a_file_over_the_size_limit_is_skipped_before_it_is_read(photos: Path, tmp_path: Path) -> None:
+    """A 2 GB sparse `.jpg` was read whole (4.2 GB peak), then skipped as no image. By the
+    listing's size it is skipped unread at the default limit of 1 GiB: the reason says so,
+    where a read would have called it no image."""
+    huge = _sparse_jpg(photos)
+    idx = shardkit.pack(photos, tmp_path / "out", workers=1)
+    (skip,) = [s for s in idx.skipped if s.path.endswith("huge.jpg")]
+    assert skip.reason == "2.1 GB (2147483648 bytes), over the limit of 1.1 GB (1073741824 bytes; " \
+                          "--max-file-size, max_file_size=): not read", skip.reason
+    assert idx.samples == 30
+    huge.unlink()
+
+
+def test_a_file_over_the_size_limit_stops_a_pack_under_fail_naming_it(photos: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from shardkit.cli import main
+
+    huge = _sparse_jpg(photos, 3 << 20)
+    result = CliRunner().invoke(main, ["pack", str(photos), str(tmp_path / "out"), "--on-error", "fail",
+                                       "--max-file-size", "2MiB", "-q"])
+    assert result.exit_code == 1, result.output
+    (line,) = result.output.splitlines()
+    assert line.startswith(f"Error: {huge}: 3.1 MB (3145728 bytes), over the limit of 2.1 MB (2097152 bytes; "), line
+
+
+def test_a_file_over_the_size_limit_is_not_opened(photos: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the job itself, no read at all: the size the listing gave is enough."""
+    from shardkit.packing import images, samples
+    from shardkit.packing.plan import Options, make_plan
+
+    _sparse_jpg(photos, 5000)
+    plan = make_plan(str(photos), str(photos.parent / "out"), max_count=None, max_size=None, shuffle=False,
+                     seed=0, options=Options(max_file_size=4096))
+    job = plan.job(0)
+    (item,) = [it for it in job.items if it.path.endswith("huge.jpg")]
+    monkeypatch.setattr(samples.storage, "read_bytes", lambda *a, **k: pytest.fail("read"))
+    with pytest.raises(images.BadImage, match=r"over the limit of .* \(4096 bytes; --max-file-size"):
+        samples._sample(job, item)

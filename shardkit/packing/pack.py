@@ -24,7 +24,7 @@ from ..storage import StorageOptions
 from . import commit, executors
 from .commit import Sink
 from .lmdb_sink import LmdbSink
-from .plan import DEFAULT_MAX_SIZE, Options, make_plan
+from .plan import DEFAULT_MAX_FILE_SIZE, DEFAULT_MAX_SIZE, Options, make_plan
 from .scan import HIDDEN, LAYOUTS, source_kind
 from .tar_sink import TarSink
 
@@ -54,6 +54,7 @@ def pack(
     stats: dict[str, int] | None = None,
     layout: str = "classes",
     fields: Sequence[str] = (),
+    max_file_size: int | str | None = DEFAULT_MAX_FILE_SIZE,
 ) -> Index:
     """Pack the ImageFolder tree `src` (or the images a `.csv` / `.jsonl` manifest lists, or
     convert the shardkit dataset at `src`) into tar shards or an LMDB (`format`), with
@@ -102,6 +103,9 @@ def pack(
         fields: sidecar extensions besides ``txt``, ``json``, ``cls`` and ``seg.png``
             (``("depth.png", "npy")``): `photo.depth.png` becomes the field `depth.png` of
             `photo.jpg`'s sample.
+        max_file_size: the most bytes of a source image file (``"1GiB"`` or an int, the default;
+            None: no limit); a larger one is skipped (or stops the pack under ``on_error="fail"``)
+            by its listed size, before it is read.
     """
     src, dest = checks.path("src", src), checks.path("dest", dest)
     if executor not in ("local", "ray"):
@@ -125,7 +129,9 @@ def pack(
     _check_apart(src, dest)
     if storage.is_local(dest) and os.path.exists(there := storage.local_path(dest)) and not os.path.isdir(there):
         raise SourceError(f"{dest}: a file, not a folder (DEST is the folder the dataset goes in)")  # or a device
-    options = Options(resize=resize, quality=quality, on_error=on_error, decode_check=checks.flag("decode_check", decode_check))
+    max_file_size = checks.size("max_file_size", max_file_size, 1) if max_file_size is not None else None
+    options = Options(resize=resize, quality=quality, on_error=on_error, decode_check=checks.flag("decode_check", decode_check),
+                      max_file_size=max_file_size)
     if not storage.is_local(src) and source_kind(src, storage_options) == "lmdb":
         src = local_lmdb(src, storage_options, None)  # an LMDB is read from a whole local copy
     plan = make_plan(src, dest, max_count=max_count, max_size=max_size, shuffle=shuffle, seed=seed,

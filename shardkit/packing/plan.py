@@ -29,6 +29,7 @@ from ..storage import StorageOptions
 from ..units import parse_size
 
 DEFAULT_MAX_SIZE = "256MB"
+DEFAULT_MAX_FILE_SIZE = 1 << 30  # a source file larger is skipped unread (a 2 GB sparse .jpg)
 META, META_ASIDE = "json", "shardkit.json"  # shardkit's record of a sample; aside where the samples bring a json
 
 
@@ -41,6 +42,7 @@ class Options:
     quality: int | None = None
     on_error: str = "skip"
     decode_check: bool = False  # decode every image in full, so a corrupt one is skipped at pack time
+    max_file_size: int | None = DEFAULT_MAX_FILE_SIZE  # bytes of a source image file; larger: skipped unread
 
 
 @dataclass(frozen=True)
@@ -289,6 +291,8 @@ def _job_fingerprint(plan: Plan, i: int, source_id: str | None) -> str:
     options = asdict(replace(plan.options, on_error="skip"))
     if not options["decode_check"]:  # absent when off: packs made before the option still match
         del options["decode_check"]
+    if options["max_file_size"] == DEFAULT_MAX_FILE_SIZE:  # absent at its default, as for decode_check
+        del options["max_file_size"]
     h = hashlib.sha256(json.dumps([plan.names[i], plan.source, plan.classes, options, source_id,
                                    lo, hi, len(plan.order)]).encode())
     for column in (ids, listing.labels[ids], listing.sizes[ids], listing.mtimes[ids]):

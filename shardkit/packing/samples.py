@@ -20,6 +20,7 @@ from ..formats import lmdb as lmdb_format
 from ..formats.tar import check_key, parse_sample
 from ..index import Skipped
 from ..sources import shard_problem
+from ..units import format_size
 from . import executors, images, sidecars
 from .executors import tick
 from .listing import Item
@@ -42,8 +43,9 @@ def _sample(job: Job, item: Item, cores: contextlib.AbstractContextManager[Any] 
         if bad is not None:
             raise bad[1]
         return key, fields
-    data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
     opts = job.options
+    _check_size(item, opts.max_file_size)
+    data = storage.read_bytes(storage.join(job.src, item.path), job.storage_options)
     with cores:
         if opts.resize or opts.quality:
             field, data = "jpg", images.reencode(data, opts.resize, opts.quality or 90)
@@ -55,6 +57,14 @@ def _sample(job: Job, item: Item, cores: contextlib.AbstractContextManager[Any] 
     for name, kind, text in sidecars.decode(item.extras):
         fields[name] = _sidecar(job, name, text) if kind == sidecars.FILE else text.encode()
     return item.key, fields
+
+
+def _check_size(item: Item, limit: int | None) -> None:
+    """BadImage for a source file larger than `limit` by the listing's size, before any of it
+    is read (a 2 GB sparse `.jpg` was read whole, then refused)."""
+    if limit is not None and item.size > limit:
+        raise images.BadImage(f"{format_size(item.size)} ({item.size} bytes), over the limit of "
+                              f"{format_size(limit)} ({limit} bytes; --max-file-size, max_file_size=): not read")
 
 
 def _sidecar(job: Job, field: str, path: str) -> bytes:
