@@ -248,17 +248,25 @@ def test_a_connection_capped_store_is_read_over_parallel_pieces(s3: dict, s3_ser
         reader.close()
 
 
+def _behind_a_tail(s3: dict, s3_server: str, packed: Path, latency_proxy, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                   name: str, seed: int) -> tuple[str, dict, Any]:
+    """`packed` uploaded as `name`, read through a proxy holding a fifth of the first bytes
+    1.5 s, hedging from the 4th GET on up to half of them: (url, storage options, control)."""
+    monkeypatch.setattr(fetch, "HEDGE_MIN_SEEN", 4)
+    monkeypatch.setattr(fetch, "HEDGE_SHARE", 0.5)
+    url = f"{s3['url']}/{name}"
+    fs, root = fsspec.core.url_to_fs(url, **s3["storage_options"])
+    fs.put(str(packed), root, recursive=True)
+    proxied, control = latency_proxy(s3_server, latency_ms=5, tail_prob=0.2, tail_ms=1500, seed=seed)
+    return url, {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}, control
+
+
 def test_hedges_beat_the_latency_tail_and_lose_no_sample(s3: dict, s3_server: str, packed: Path, latency_proxy,  # type: ignore[no-untyped-def]
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A fifth of the first bytes held 1.5 s: hedged GETs answer first, counted in stats(),
     every sample exactly once."""
-    monkeypatch.setattr(fetch, "HEDGE_MIN_SEEN", 4)
-    monkeypatch.setattr(fetch, "HEDGE_SHARE", 0.5)
-    fs, root = fsspec.core.url_to_fs(s3["url"] + "/tail", **s3["storage_options"])
-    fs.put(str(packed), root, recursive=True)
-    proxied, control = latency_proxy(s3_server, latency_ms=5, tail_prob=0.2, tail_ms=1500, seed=5)
-    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
-    ds = StreamingDataset(s3["url"] + "/tail", storage_options=opts, shuffle=True, block=2, prefetch=2)
+    url, opts, control = _behind_a_tail(s3, s3_server, packed, latency_proxy, monkeypatch, "tail", 5)
+    ds = StreamingDataset(url, storage_options=opts, shuffle=True, block=2, prefetch=2)
     got = [s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=2)]
     assert sorted(got) == sorted(set(got)) and len(got) == 120
     stats = ds.stats()
@@ -271,13 +279,8 @@ def test_hedges_beat_the_latency_tail_and_lose_no_sample(s3: dict, s3_server: st
 def test_resets_throttling_and_hedges_together_cost_no_sample(s3: dict, s3_server: str, packed: Path,  # type: ignore[no-untyped-def]
                                                               latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shardkit.storage.retry, "OUTAGE_RETRIES", 10)
-    monkeypatch.setattr(fetch, "HEDGE_MIN_SEEN", 4)
-    monkeypatch.setattr(fetch, "HEDGE_SHARE", 0.5)
-    fs, root = fsspec.core.url_to_fs(s3["url"] + "/storm", **s3["storage_options"])
-    fs.put(str(packed), root, recursive=True)
-    proxied, control = latency_proxy(s3_server, latency_ms=5, tail_prob=0.2, tail_ms=1500, seed=11)
-    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
-    ds = StreamingDataset(s3["url"] + "/storm", storage_options=opts, shuffle=True, block=3)
+    url, opts, control = _behind_a_tail(s3, s3_server, packed, latency_proxy, monkeypatch, "storm", 11)
+    ds = StreamingDataset(url, storage_options=opts, shuffle=True, block=3)
     control.set("reset_prob", 0.15)
     control.set("reset_max_bytes", 2_000)
     control.storm(600, 0.15)

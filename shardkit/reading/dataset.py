@@ -179,10 +179,9 @@ class StreamingDataset(EpochDataset):
 
     def read_spec(self) -> ReadSpec:
         """What a pass over this dataset needs, as it is set now (frozen, picklable)."""
-        order = SampleOrder(self._counts, self.seed, self.shuffle, self._blocks)
         shards = self.index.shards
         return ReadSpec(tuple(self.urls), self.storage_options, tuple(s.sha256 for s in shards),
-                        tuple(s.version for s in shards), order, self.decode, self.backend, self.transform,
+                        tuple(s.version for s in shards), self._sample_order(), self.decode, self.backend, self.transform,
                         self.on_error, self.verify, self.block, self.prefetch, self.prefetch_bytes, self.cache_dir,
                         self.cache_limit)
 
@@ -201,9 +200,12 @@ class StreamingDataset(EpochDataset):
         """Where worker `worker_id`'s statistics go (what `stats()` sums)."""
         return Slot(self._shared, worker_id)
 
+    def _sample_order(self) -> SampleOrder:
+        return SampleOrder(self._counts, self.seed, self.shuffle, self._blocks)
+
     def ids_at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """The samples at `positions` of epoch `epoch`'s global sequence."""
-        return SampleOrder(self._counts, self.seed, self.shuffle, self._blocks).ids_at(epoch, positions)
+        return self._sample_order().ids_at(epoch, positions)
 
     def _pass(self, rank: int, world: int, worker_id: int, num_workers: int) -> EpochStream:
         spec, source, slot, window = self.read_spec(), self._samples, self.slot(worker_id), self.shuffle_window

@@ -118,10 +118,6 @@ class RangeReader:
             raise
         return handle
 
-    def store(self, shard: int) -> str:
-        """The name of the store that reads a shard (stats() reports it)."""
-        return "local" if self._local[shard] else str(self._handle(shard).name)
-
     def _check_pin(self, shard: int, handle: Any) -> None:
         """Check a shard's version against the index's as it is opened; a conditional
         store's reads check it themselves (If-Match), at no extra request."""
