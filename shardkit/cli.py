@@ -130,7 +130,8 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
 
 storage_option = click.option(
     "-o", "--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
-    help="fsspec storage option, repeatable (e.g. -o endpoint_url=http://127.0.0.1:9000).",
+    help="fsspec storage option, repeatable (e.g. -o endpoint_url=http://127.0.0.1:9000); shardkit's own: "
+         "-o timeout=SECONDS (silence before a request is retried, default 20), -o attempts=N.",
 )
 
 

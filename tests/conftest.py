@@ -48,9 +48,9 @@ def make_folder(root: Path, per_class: int = 10, classes: tuple[str, ...] = CLAS
 def _impatient_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """A dataset's reads get ~21 s of retries on average before one fails: the tests of
     failures take 5 attempts instead (test_remote's outage test restores the real count)."""
-    from shardkit.storage import retry
+    from shardkit.storage import patience
 
-    monkeypatch.setattr(retry, "OUTAGE_RETRIES", retry.RETRIES)
+    monkeypatch.setattr(patience, "OUTAGE_RETRIES", patience.RETRIES)
 
 
 @pytest.fixture

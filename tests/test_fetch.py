@@ -242,8 +242,9 @@ def test_a_connection_capped_store_is_read_over_parallel_pieces(s3: dict, s3_ser
         before = control.stats()["requests"]
         started = time.perf_counter()
         assert reader.read(0, 0, size) == expected[:size]
-        assert control.stats()["requests"] - before >= 4  # on several connections at once
-        assert time.perf_counter() - started >= 0.9 * size / 1e6 / (control.stats()["requests"] - before)
+        pieces = control.stats()["requests"] - before
+        assert pieces >= 4  # on several connections at once, each held to the cap but its first 64 KiB (a burst)
+        assert time.perf_counter() - started >= 0.9 * (size - pieces * 65536) / 1e6 / pieces
     finally:
         reader.close()
 
@@ -278,7 +279,7 @@ def test_hedges_beat_the_latency_tail_and_lose_no_sample(s3: dict, s3_server: st
 
 def test_resets_throttling_and_hedges_together_cost_no_sample(s3: dict, s3_server: str, packed: Path,  # type: ignore[no-untyped-def]
                                                               latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shardkit.storage.retry, "OUTAGE_RETRIES", 10)
+    monkeypatch.setattr(shardkit.storage.patience, "OUTAGE_RETRIES", 10)
     url, opts, control = _behind_a_tail(s3, s3_server, packed, latency_proxy, monkeypatch, "storm", 11)
     ds = StreamingDataset(url, storage_options=opts, shuffle=True, block=3)
     control.set("reset_prob", 0.15)

@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-import aiohttp
 import numpy as np
 import pytest
 from PIL import Image
@@ -706,10 +705,10 @@ class _Faulty(_Ranges):
 def faulty(tmp_path: Path, packed: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The base URL of a _Faulty server over a folder holding the packed dataset as ds/ and as
     the S3 bucket bucket/ds (no fault set yet); retries cut to 2 attempts."""
-    from shardkit.storage import retry
+    from shardkit.storage import patience
 
-    monkeypatch.setattr(retry, "RETRIES", 2)
-    monkeypatch.setattr(retry, "OUTAGE_RETRIES", 2)
+    monkeypatch.setattr(patience, "RETRIES", 2)
+    monkeypatch.setattr(patience, "OUTAGE_RETRIES", 2)
     (tmp_path / "www" / "bucket").mkdir(parents=True)
     os.symlink(packed, tmp_path / "www" / "ds")
     os.symlink(packed, tmp_path / "www" / "bucket" / "ds")
@@ -727,7 +726,7 @@ def _dead_endpoint() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-_QUICK = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(sock_connect=0.5, sock_read=0.5)}}
+_QUICK = {"timeout": 0.5}
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -761,7 +760,7 @@ def test_no_secret_of_s3_credentials_in_any_error(faulty: str, fault: str, photo
     put in their URLs) stay out of every error too: reading, listing, packing."""
     base = _dead_endpoint() if fault == "refused" else faulty
     opts = {**CREDENTIALS, "client_kwargs": {"endpoint_url": base},
-            "config_kwargs": {"connect_timeout": 0.5, "read_timeout": 0.5}, "skip_instance_cache": True}
+            "timeout": 0.5, "skip_instance_cache": True}
     _Faulty.fault = fault
     calls: list[tuple[Callable[[], Any], str]] = [
         (lambda: storage.read_bytes("s3://bucket/ds/index.json", opts), "s3://bucket/ds/index.json"),

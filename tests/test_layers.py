@@ -98,6 +98,7 @@ INNER: dict[str, list[set[str]]] = {
     ],
     "storage": [
         {"urls", "descriptors", "cache", "seqwrite", "streams"},
+        {"patience"},
         {"retry", "clients"},
         {"s3_http"},
         {"stores"},

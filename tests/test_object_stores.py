@@ -40,7 +40,7 @@ def test_throttling_and_resets_cost_no_sample(s3: dict, s3_server: str, packed: 
     and the throttling shows in stats(). (An epoch is a few dozen requests: at 10% of them,
     one in ~50 runs saw no reset at all. A dataset's reads get their full 10 attempts here,
     as they do outside the tests: at 5, one request in ~100 of this storm failed 5 times.)"""
-    monkeypatch.setattr(shardkit.storage.retry, "OUTAGE_RETRIES", 10)
+    monkeypatch.setattr(shardkit.storage.patience, "OUTAGE_RETRIES", 10)
     fs, root = fsspec.core.url_to_fs(s3["url"] + "/ds", **s3["storage_options"])
     fs.put(str(packed), root, recursive=True)
     proxied, control = latency_proxy(s3_server, latency_ms=5, seed=3)

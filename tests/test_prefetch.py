@@ -439,7 +439,8 @@ def test_retrying_gives_up_with_the_url_named() -> None:
         return b"ok"
 
     assert storage.retrying("s3://b/x.tar", flaky, base_s=0.001) == b"ok" and len(calls) == 3
-    with pytest.raises(ShardkitError, match=r"^s3://b/y\.tar: TimeoutError: slow \(gave up after 3 attempts\)$"):
+    with pytest.raises(ShardkitError, match=r"^s3://b/y\.tar: TimeoutError: slow \(gave up after 3 attempts; the storage "
+                                            r"options timeout= and attempts= set how long to wait\)$"):
         storage.retrying("s3://b/y.tar", lambda: (_ for _ in ()).throw(TimeoutError("slow")), attempts=3, base_s=0.001)
     with pytest.raises(FileNotFoundError):  # not transient: no retries
         storage.retrying("s3://b/z.tar", lambda: (_ for _ in ()).throw(FileNotFoundError("z")), base_s=10)
@@ -450,7 +451,7 @@ def test_retrying_gives_up_with_the_url_named() -> None:
     with pytest.raises(PermissionError, match=r"^gs://b/q\.tar: Forbidden: q detail$"):
         storage.retrying("gs://b/q.tar", lambda: (_ for _ in ()).throw(OSError("Forbidden: q\ndetail")), base_s=10)
     with pytest.raises(ShardkitError, match=r"^gs://b/r\.tar: OSError: gone \(gave up after gcsfs's own retries\)$"):
-        storage.retrying("gs://b/r.tar", lambda: (_ for _ in ()).throw(OSError("gone")), storage.attempts_for("gs://b/r.tar"))
+        storage.retrying("gs://b/r.tar", lambda: (_ for _ in ()).throw(OSError("gone")), storage.patience_for("gs://b/r.tar", None).attempts())
     # a timeout that says nothing (fsspec's FSTimeoutError) says what it was; a 404 that says only its URL, too
     import fsspec.exceptions
 

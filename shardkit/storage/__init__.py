@@ -4,6 +4,7 @@ clients.py only) with the caller's storage options passed through unchanged.
 
     urls          which URL is local, joining, display (no secrets)
     clients       fsspec filesystems, one per process, protocol and options
+    patience      shardkit's own options: a request's timeout and attempts
     retry         the retry policy: transient or permanent, backoff, one-line errors
     files         one-shot operations: read, list, size, version, remove
     atomic        writes a reader never sees half of
@@ -12,21 +13,21 @@ clients.py only) with the caller's storage options passed through unchanged.
 """
 
 from .atomic import TMP_MARK, atomic_writer, write_bytes_atomic
-from .clients import REQUEST_TIMEOUT_S, endpoint, filesystem
+from .clients import endpoint, filesystem
 from .files import (exists, find, listdir, makedirs, open_read, pin_now, pins, read_bytes, read_range, remove,
                     remove_dir, size, version)
 from .range_reader import RangeReader
-from .retry import RETRIES, attempts_for, retrying, stop_when
+from .patience import RETRIES, TIMEOUT_S, patience_for
+from .retry import retrying, stop_when
 from .urls import StorageOptions, display, is_local, join, local_path
 
 __all__ = [
-    "REQUEST_TIMEOUT_S",
     "RETRIES",
+    "TIMEOUT_S",
     "TMP_MARK",
     "RangeReader",
     "StorageOptions",
     "atomic_writer",
-    "attempts_for",
     "display",
     "endpoint",
     "exists",
@@ -40,6 +41,7 @@ __all__ = [
     "pin_now",
     "pins",
     "open_read",
+    "patience_for",
     "read_bytes",
     "read_range",
     "remove",

@@ -11,6 +11,7 @@ import socket
 from typing import Any
 
 from ..errors import BadRequestError, ShardkitError, hide, one_line, redact, redacted
+from .patience import client_options, patience_for
 from .urls import GCS, HTTP, S3, WEBHDFS, StorageOptions, display, netloc, scheme
 
 
@@ -23,30 +24,28 @@ _FILESYSTEMS: dict[tuple[Any, ...], Any] = {}  # this process's filesystem insta
 
 
 _ONE_ATTEMPT = {"retries": {"total_max_attempts": 1}}  # botocore's config: no retries of its own
-REQUEST_TIMEOUT_S = 60  # a connection silent this long fails (and the read is retried)
 
 
-@functools.cache
-def _timeout_adapter() -> Any:
-    """A requests transport adapter that gives every request `REQUEST_TIMEOUT_S` unless it
-    has a timeout of its own (requests has no default: a stalled connection blocks forever)."""
+def _timeout_adapter(timeout_s: float) -> Any:
+    """A requests transport adapter that gives every request `timeout_s` unless it has a
+    timeout of its own (requests has no default: a stalled connection blocks forever)."""
     import requests.adapters
 
     class TimeoutAdapter(requests.adapters.HTTPAdapter):
         def send(self, request: Any, stream: bool = False, timeout: Any = None, verify: Any = True, cert: Any = None,
                  proxies: Any = None) -> Any:
-            return super().send(request, stream=stream, timeout=timeout or REQUEST_TIMEOUT_S, verify=verify,
+            return super().send(request, stream=stream, timeout=timeout or timeout_s, verify=verify,
                                 cert=cert, proxies=proxies)
 
-    return TimeoutAdapter
+    return TimeoutAdapter()
 
 
-def _socket_timeout() -> Any:
+def _socket_timeout(timeout_s: float) -> Any:
     """An aiohttp deadline per socket operation, as requests has: a connection silent for
-    REQUEST_TIMEOUT_S fails (and is retried); a slow download that keeps moving is not cut off."""
+    `timeout_s` fails (and is retried); a slow download that keeps moving is not cut off."""
     import aiohttp
 
-    return aiohttp.ClientTimeout(total=None, sock_connect=REQUEST_TIMEOUT_S, sock_read=REQUEST_TIMEOUT_S)
+    return aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
 
 
 @functools.cache
@@ -57,7 +56,7 @@ def _quiet_gcsfs() -> None:
     logging.getLogger("gcsfs").addHandler(logging.NullHandler())
 
 
-def _harden(fs: Any, protocol: str) -> None:
+def _harden(fs: Any, protocol: str, timeout_s: float) -> None:
     """Give a requests-based filesystem (WebHDFS) a deadline per request, and have a
     datanode's error raise: fsspec checks the namenode's answers, but takes a datanode's
     error page for the file's bytes (an index that reads as JSON garbage, a shard whose
@@ -67,12 +66,13 @@ def _harden(fs: Any, protocol: str) -> None:
     except ImportError:  # then no filesystem in use is built on it
         return
     session = getattr(fs, "session", None)
-    if not isinstance(session, requests.Session) or getattr(session, "_shardkit", False):
+    if not isinstance(session, requests.Session) or getattr(session, "_shardkit", None) == timeout_s:
         return  # fsspec hands out one instance for the same options: harden it once
-    session._shardkit = True  # type: ignore[attr-defined]  # a mark of our own on the client's session
+    hooked = hasattr(session, "_shardkit")
+    session._shardkit = timeout_s  # type: ignore[attr-defined]  # a mark of our own on the client's session
     for prefix in ("http://", "https://"):
-        session.mount(prefix, _timeout_adapter()())
-    if protocol in WEBHDFS:
+        session.mount(prefix, _timeout_adapter(timeout_s))
+    if protocol in WEBHDFS and not hooked:
         session.hooks["response"].append(functools.partial(_datanode_errors, netloc(fs._apply_proxy(fs.url))))
 
 
@@ -124,12 +124,15 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     options, kept in `instances` (this module's by default). Missing backends get an
     install hint. Without `client_retries` the caller retries (`retrying`) and S3's own
     retries are off (botocore's unless the options configure them, and s3fs's), so a
-    failing request takes `RETRIES` attempts, not RETRIES x s3fs x botocore."""
+    failing request takes `RETRIES` attempts, not RETRIES x s3fs x botocore. shardkit's own
+    options (patience.py) set the client's timeouts and are not passed on."""
     import fsspec
     import fsspec.core
 
     protocol = scheme(url)
     hide(storage_options)  # its credentials, out of every message of this process
+    timeout_s = patience_for(url, storage_options).timeout_s
+    storage_options = client_options(storage_options)
     try:
         if "::" in url:  # chained URLs (simplecache::s3://...): let fsspec assemble them
             fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -145,13 +148,16 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     if protocol in GCS:
         _quiet_gcsfs()
         if "requests_timeout" not in kwargs:  # gcsfs waits forever on a stalled connection
-            kwargs["requests_timeout"] = _socket_timeout()
+            kwargs["requests_timeout"] = _socket_timeout(timeout_s)
     client = kwargs.get("client_kwargs") or {}  # None: fsspec's default
     if protocol in HTTP and "timeout" not in client:
         # aiohttp's default: 300 s a request, so a black hole takes 5 x 300 s to fail, and a
         # slow download is cut off at 300 s
-        kwargs["client_kwargs"] = {**client, "timeout": _socket_timeout()}
+        kwargs["client_kwargs"] = {**client, "timeout": _socket_timeout(timeout_s)}
     ours = protocol in S3 and not client_retries
+    if protocol in S3:  # botocore's default: 60 s silent before a read fails
+        config = kwargs.get("config_kwargs") or {}
+        kwargs["config_kwargs"] = {"connect_timeout": timeout_s, "read_timeout": timeout_s, **config}
     if ours:  # an instance of its own (fs.retries is set below), never fsspec's shared one, made once a process
         kwargs["config_kwargs"] = {**_ONE_ATTEMPT, **(kwargs.get("config_kwargs") or {})}
         kwargs["skip_instance_cache"] = True
@@ -162,7 +168,7 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         if protocol in S3 and not {"session", "profile"} & kwargs.keys():
             kwargs["session"] = _aio_session()
         fs = _made(cls, kwargs, url, protocol)
-        _harden(fs, protocol)
+        _harden(fs, protocol, timeout_s)
         if protocol in GCS:
             _resolve_once(url, fs)
         if ours:

@@ -15,7 +15,8 @@ from ..errors import AccessDeniedError, CorruptShardError, NotFoundError, Shardk
 from .descriptors import FILES
 from .fetch import CONNECTIONS, FetchEngine
 from .files import pin_of
-from .retry import attempts_for, retrying, root_cause, status_of
+from .patience import patience_for
+from .retry import retrying, root_cause, status_of
 from .stores import Store, store_for
 from .streams import Arriving, Piece, ReadAt
 from .urls import StorageOptions, display, is_local, local_path
@@ -35,7 +36,7 @@ class RangeReader:
     `advise` starts the disk read-ahead of a range before it is needed; their descriptors
     are the process's bounded set (descriptors.FILES), opened again when needed. A remote
     shard is read through its store (stores/, one a shard): ranged GETs retried on transient
-    errors (`patient`: for as long as an outage of the store may last, see OUTAGE_RETRIES),
+    errors (`patient`: for as long as an outage of the store may last, see patience.py),
     resumed from where their bytes stopped, through the optional local cache; `stream`
     hands a range's bytes over as they arrive. `versions` are the shards' sha256s; `pins`
     their versions (index.ShardInfo.version): a conditional store's reads carry the pin
@@ -166,7 +167,9 @@ class RangeReader:
                     with self._lock:
                         self.fetched_bytes += done
 
-        if retrying(f"{display(url)} (sha256 check)", digest, attempts_for(url, self._patient)) != expected:
+        wait = patience_for(url, self._opts)
+        if retrying(f"{display(url)} (sha256 check)", digest, wait.attempts(self._patient),
+                    stalls=wait.stalls) != expected:
             raise CorruptShardError(f"{display(url)}: sha256 mismatch with the index (shard changed or corrupt)")
 
     def _check_open(self) -> None:
@@ -255,7 +258,6 @@ class RangeReader:
         pin = self._pins[shard]
         bounds = self.engine.bounds(start, stop, self.throttled)
         pieces = into.split(bounds) if len(bounds) > 2 else into.pieces
-        what = f"{display(url)} (bytes {start}-{stop})"
 
         def get(piece: Piece) -> None:
             self._check_open()
@@ -277,7 +279,7 @@ class RangeReader:
                 # else the object does end there
 
         def fetch(piece: Piece) -> None:
-            retrying(what, functools.partial(get, piece), attempts_for(url, self._patient), throttled=self._throttle)
+            store.retried(url, f" (bytes {start}-{stop})", functools.partial(get, piece), throttled=self._throttle)
 
         into.counted = self._fetched  # counted as they come: a pass that ends at its last byte has them all
         self.engine.run(pieces, fetch)

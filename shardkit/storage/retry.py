@@ -10,15 +10,13 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from ..errors import AccessDeniedError, BadRequestError, NotFoundError, ShardkitError, one_line, redact, redacted
-from .urls import GCS, scheme
+from .patience import RETRIES
+from .urls import GCS
 
 
 T = TypeVar("T")
 
 
-RETRIES = 5  # attempts at a request: a wrong endpoint or dead store fails in seconds
-OUTAGE_RETRIES = 10  # a dataset's reads, once it has read its index: waits of up to ~43 s (~21 s on average),
-# so a blip or a restart of the store does not end a training run
 _TRANSIENT_4XX = {408, 409, 425, 429}  # timeout, conflict, too early, throttled: worth another attempt
 _THROTTLED = {429, 503}  # the store asks for fewer requests (S3's SlowDown is a 503)
 THROTTLED_BASE_S = 1.0  # ...so the backoff starts at a second: 5 attempts span up to ~15 s, not ~3 s (10: ~65 s)
@@ -42,19 +40,24 @@ def stop_when(check: Callable[[], None]) -> None:
 
 
 def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: float = 0.2, cap_s: float = 10.0,
-             throttled: Callable[[], None] | None = None) -> T:
+             throttled: Callable[[], None] | None = None, stalls: int | None = None) -> T:
     """Call `fn`, retrying transient failures (resets, timeouts, 5xx, throttling) with
     exponential backoff and full jitter. Fail with one line naming `what` (a URL: never the
     storage options): at once for an error no retry can fix (see `_permanent`), else after
-    `attempts`. A ShardkitError from `fn` passes unchanged. `throttled()` is called each time
-    the store answers that it is overloaded (503 SlowDown, 429), before the wait."""
+    `attempts`, or after `stalls` of them timed out (a silent store is given up on sooner
+    than one that refuses or errs, whose outage may end). A ShardkitError from `fn` passes
+    unchanged. `throttled()` is called each time the store answers that it is overloaded
+    (503 SlowDown, 429), before the wait."""
+    stalled = 0
     for attempt in range(1, attempts + 1):
         try:
             return fn()
         except ShardkitError:
             raise
         except Exception as e:  # noqa: BLE001 - the remote client's errors have no common base
-            failure = _failure(e, what, attempt, attempts)
+            stalled += timed_out(e)
+            last = attempts if stalls is None or stalled < stalls else attempt
+            failure = _failure(e, what, attempt, last)
             cause = redacted(e) if failure is not None else None
             slow_down = status_of(root_cause(e)) in _THROTTLED
         # raised here, out of the except block, so that the client's own error (its message
@@ -83,19 +86,16 @@ def _failure(e: Exception, what: str, attempt: int, attempts: int) -> ShardkitEr
         return None
     tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
     if what.startswith(tuple(f"{p}://" for p in GCS)):
-        tries = "gcsfs's own retries"  # ours is 1 attempt: see attempts_for
-    said = redact(one_line(e)) or ("no answer within the timeout" if "Timeout" in type(e).__name__ else "")
-    return ShardkitError(f"{what}: {type(e).__name__}{': ' * bool(said)}{said} (gave up after {tries})")
+        tries = "gcsfs's own retries"  # ours is 1 attempt: see Patience.attempts
+    said = redact(one_line(e)) or ("no answer within the timeout" if timed_out(e) else "")
+    hint = "; the storage options timeout= and attempts= set how long to wait" if timed_out(e) else ""
+    return ShardkitError(f"{what}: {type(e).__name__}{': ' * bool(said)}{said} (gave up after {tries}{hint})")
 
 
-def attempts_for(url: str, patient: bool = False) -> int:
-    """Our attempts at a request to `url`; `patient` ones ride out an outage (see
-    OUTAGE_RETRIES). gcsfs retries every failed request up to 6 times itself, with backoff
-    (no option turns that off; a body cut short and a silent connection included): those
-    are the retries on GCS, not multiplied by ours."""
-    if scheme(url) in GCS:
-        return 1
-    return OUTAGE_RETRIES if patient else RETRIES
+def timed_out(e: BaseException) -> bool:
+    """Whether `e` is a connection that stayed silent past its timeout (socket, asyncio and
+    aiohttp timeouts are TimeoutErrors; requests', urllib3's and botocore's say so by name)."""
+    return any(isinstance(c, TimeoutError) or "Timeout" in type(c).__name__ for c in _causes(e))
 
 
 def _causes(e: BaseException) -> Iterator[BaseException]:

@@ -31,6 +31,7 @@ from urllib.parse import quote, urlsplit
 from urllib.request import getproxies, proxy_bypass
 
 from .clients import endpoint
+from .patience import OPTIONS, patience_for
 from .urls import S3, scheme
 
 PRESIGN_TTL_S = 300.0  # a presigned URL is used this long (it is valid for an hour)
@@ -40,7 +41,7 @@ _ERROR_BODY = 2000  # bytes of an error answer kept for its message
 # What a presigned GET of ours carries, or what concerns no read; anything else reads through s3fs
 _OPTIONS = {"key", "secret", "token", "profile", "anon", "endpoint_url", "client_kwargs", "config_kwargs",
             "skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "default_block_size",
-            "default_fill_cache", "default_cache_type", "max_concurrency"}
+            "default_fill_cache", "default_cache_type", "max_concurrency", *OPTIONS}
 _CLIENT_OPTIONS = {"endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
 _CONFIG_OPTIONS = {"s3", "signature_version", "region_name", "retries", "connect_timeout", "read_timeout",
                    "max_pool_connections"}
@@ -197,7 +198,9 @@ class Direct:
         self._anon = bool(opts.get("anon"))
         self._profile = opts.get("profile")
         self._endpoint = endpoint_url
-        self._style = ((opts.get("config_kwargs") or {}).get("s3") or {}).get("addressing_style", "auto")
+        config = opts.get("config_kwargs") or {}
+        self._style = (config.get("s3") or {}).get("addressing_style", "auto")
+        self._timeout_s = float(config.get("read_timeout") or patience_for("s3://", opts).timeout_s)
         self._default_region = region
         self._session = session  # botocore's, where a profile or config file is there; else made if needed
         self._regions: dict[str, str] = {}  # bucket -> the region S3 said it is in
@@ -274,7 +277,7 @@ class Direct:
         if conn is None or fresh:
             if conn is not None:
                 conn.close()
-            conn = pool[(scheme, netloc)] = _connect(scheme, netloc)
+            conn = pool[(scheme, netloc)] = _connect(scheme, netloc, self._timeout_s)
         return conn
 
     def _answer(self, path: str, headers: dict[str, str], own: bool = False) -> tuple[http.client.HTTPConnection,
@@ -288,7 +291,8 @@ class Direct:
             u = urlsplit(url)
             target = f"{u.path}?{u.query}" if u.query else u.path
             for fresh in (False, True):  # a kept connection the server has closed meanwhile: once more, anew
-                conn = _connect(u.scheme, u.netloc) if own else self._connection(u.scheme, u.netloc, fresh)
+                conn = (_connect(u.scheme, u.netloc, self._timeout_s) if own
+                        else self._connection(u.scheme, u.netloc, fresh))
                 try:
                     conn.request("GET", target, headers=headers)
                     resp = conn.getresponse()
@@ -399,12 +403,12 @@ def _close(conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> 
     conn.close()
 
 
-def _connect(scheme: str, netloc: str) -> http.client.HTTPConnection:
+def _connect(scheme: str, netloc: str, timeout_s: float) -> http.client.HTTPConnection:
     """A connection to S3, its TLS verified as botocore's is: against AWS_CA_BUNDLE where set,
     else certifi's certificates (botocore's own copy of them without certifi)."""
     if scheme != "https":
-        return http.client.HTTPConnection(netloc, timeout=60)
-    return http.client.HTTPSConnection(netloc, timeout=60, context=_tls(os.environ.get("AWS_CA_BUNDLE")))
+        return http.client.HTTPConnection(netloc, timeout=timeout_s)
+    return http.client.HTTPSConnection(netloc, timeout=timeout_s, context=_tls(os.environ.get("AWS_CA_BUNDLE")))
 
 
 @functools.cache

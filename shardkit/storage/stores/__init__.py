@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import hide
+from ..patience import patience_for
 from ..urls import GCS, S3, WEBHDFS, StorageOptions, is_local, scheme
 from .base import Sink, Store
 from .fsspec import FsspecStore, GcsStore, WebHdfsStore
@@ -32,6 +33,7 @@ def store_for(url: str, storage_options: StorageOptions | None = None, *, patien
               instances: Instances | None = None) -> Store:
     """The store that reads `url`. `patient`: reads ride out an outage of the store (the
     caller reached it already); `instances`: a reader's own clients, else this process's."""
+    patience_for(url, storage_options)  # a bad timeout= or attempts= is one line, on every store
     if is_local(url):
         return LocalStore(storage_options, patient)
     hide(storage_options)  # its credentials, out of every message of this process (s3_http's client is not fsspec's)

@@ -29,7 +29,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, BinaryIO, ClassVar, Protocol
 
-from ..retry import attempts_for, retrying
+from ..patience import patience_for
+from ..retry import retrying
 from ..urls import StorageOptions, display
 
 
@@ -54,9 +55,12 @@ class Store(ABC):
         self.options = storage_options
         self.patient = patient  # its caller has reached the store already: ride out an outage
 
-    def retried(self, url: str, what: str, fn: Callable[[], Any]) -> Any:
-        """`fn()` under the retry policy, failing with one line naming `url` (and `what`)."""
-        return retrying(f"{display(url)}{what}", fn, attempts_for(url, self.patient))
+    def retried(self, url: str, what: str, fn: Callable[[], Any], throttled: Callable[[], None] | None = None) -> Any:
+        """`fn()` under the retry policy and the options' patience (patience.py), failing with
+        one line naming `url` (and `what`)."""
+        wait = patience_for(url, self.options)
+        return retrying(f"{display(url)}{what}", fn, wait.attempts(self.patient), throttled=throttled,
+                        stalls=wait.stalls)
 
     @abstractmethod
     def get(self, url: str, start: int, stop: int, sink: Sink, pin: dict[str, Any] | None) -> int | None:

@@ -24,7 +24,7 @@ class LocalStore(Store):
     name = "local"
     conditional = True  # nothing to pin: a local file's mtime changes with every plain copy
 
-    def retried(self, url: str, what: str, fn: Callable[[], Any]) -> Any:
+    def retried(self, url: str, what: str, fn: Callable[[], Any], throttled: Callable[[], None] | None = None) -> Any:
         return fn()  # a local disk's error is not worth a wait and another try
 
     def get(self, url: str, start: int, stop: int, sink: Sink, pin: dict[str, Any] | None) -> int | None:
