@@ -89,9 +89,7 @@ def _hints(path: Path) -> list[str]:
 HINTED = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "shardkit").rglob("*.py") if _hints(p))
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(
-    strict=True, reason="its 'shardkit[gcs]' hint: storage/ is another's to change (issue 43, item 4)"))
-    if p == "shardkit/storage/clients.py" else p for p in HINTED])
+@pytest.mark.parametrize("path", HINTED)
 def test_install_hints_name_what_installs_from_a_checkout(path: str) -> None:
     """shardkit is not on PyPI: `pip install 'shardkit[gcs]'` finds nothing. A hint names a
     package that pyproject.toml depends on (`pip install gcsfs`), or a checkout's extra (`'.[gcs]'`)."""
@@ -105,4 +103,17 @@ def test_install_hints_name_what_installs_from_a_checkout(path: str) -> None:
             assert extra[1] in extras, f"{path}: {hint}: no such extra"
         else:
             assert word.lower() in names | {"pyarrow"}, f"{path}: `pip install {hint}` names nothing pyproject.toml has"
-    assert "shardkit/cli.py" in HINTED and "shardkit/packing/executors.py" in HINTED
+    assert {"shardkit/cli.py", "shardkit/packing/executors.py", "shardkit/storage/clients.py"} <= set(HINTED)
+
+
+@pytest.mark.parametrize(("url", "hint"), [("s3://bucket/ds", "pip install s3fs"), ("gs://bucket/ds", "pip install gcsfs")])
+def test_a_missing_backend_names_the_package_to_install(url: str, hint: str) -> None:
+    """As a user without the extra sees it: the backend's import fails, the message names a
+    package the registry has (not 'shardkit[s3]', which is not on it)."""
+    backend = hint.split()[-1]
+    code = (f"import sys; sys.modules[{backend!r}] = None\n"  # as if not installed
+            "from shardkit.storage.clients import filesystem\n"
+            f"filesystem({url!r})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1].endswith(f"{url}: {url[:2]}:// support is not installed ({hint})"), proc.stderr

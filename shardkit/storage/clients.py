@@ -15,8 +15,8 @@ from .patience import client_options, patience_for
 from .urls import GCS, HTTP, S3, WEBHDFS, StorageOptions, display, netloc, scheme
 
 
-_INSTALL_HINTS = {
-    "s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs",
+_INSTALL_HINTS = {  # a package from the registry: shardkit is not on it (a checkout's extras: '.[s3]', '.[gcs]')
+    "s3": "pip install s3fs", "s3a": "pip install s3fs", "gs": "pip install gcsfs", "gcs": "pip install gcsfs",
 }
 
 
@@ -139,8 +139,7 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
             return fs, str(path)
         cls = fsspec.get_filesystem_class(protocol)
     except ImportError as e:
-        extra = _INSTALL_HINTS.get(protocol)
-        hint = f"pip install 'shardkit[{extra}]'" if extra else f"install the fsspec backend for {protocol}://"
+        hint = _INSTALL_HINTS.get(protocol) or f"install the fsspec backend for {protocol}://"
         raise ShardkitError(f"{display(url)}: {protocol}:// support is not installed ({hint})") from redacted(e)
     except ValueError as e:  # fsspec: "Protocol not known"
         raise ShardkitError(f"{display(url)}: unknown storage protocol {protocol}://") from redacted(e)
