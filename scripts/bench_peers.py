@@ -29,7 +29,8 @@ images, so it is a what-if, not a like-for-like row.
 
 Runs in .venv-peers (scripts/peers_setup.sh makes it; this script runs that and re-executes
 itself there when started from another interpreter). A peer that failed to install or to run
-is reported as "failed: <reason>". Writes bench-out/peers.md, peers.json and peers.png.
+is reported as "failed: <reason>". Writes bench-out/peers.md and peers.json (every measurement), and
+peers-summary.json and peers.png (the README's table and chart: scripts/peers_chart.py).
 
     .venv-peers/bin/python scripts/bench_peers.py --images 20000 --rounds 3
 """
@@ -482,39 +483,33 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
     return "\n".join(lines) + "\n"
 
 
-def chart(path: Path, results: dict, failures: dict, images: int) -> None:
-    import matplotlib
+LABELS = {"shardkit": "shardkit", "webdataset": "webdataset", "mosaicml-streaming": "mosaicml-streaming",
+          "litdata": "litdata", "plain files": "plain files (ImageFolder + DataLoader)", FAST: FAST}  # the README's rows
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    names, meds, lo, hi, colors = [], [], [], [], []
-    for name in ROWS:
-        runs = results.get(("decoded", name), [])
-        rates = [x["items"] / x["seconds"] for x in runs]
-        names.append(name.replace(" --resize", "\n--resize") + ("\n(smaller images)" if name == RESIZE else ""))
-        m = statistics.median(rates) if rates else 0.0
-        meds.append(m)
-        lo.append(m - min(rates) if rates else 0.0)
-        hi.append(max(rates) - m if rates else 0.0)
-        colors.append("#999999" if name == RESIZE else "#1f77b4" if name.startswith("shardkit") else "#7f9fbf")
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    bars = ax.bar(names, meds, yerr=[lo, hi], capsize=4, color=colors)
-    for bar, m in zip(bars, meds):
-        if not m:
-            ax.text(bar.get_x() + bar.get_width() / 2, 5, "failed", ha="center", va="bottom", color="red")
-    limit = [x["items"] / x["seconds"] for x in results.get(("decoded", "decode limit"), [])]
-    if limit:
-        ax.axhline(statistics.median(limit), color="black", linestyle="--", linewidth=1)
-        ax.text(-0.45, statistics.median(limit), f" decode limit ({WORKERS} processes, no loader) ",
-                ha="left", va="center", fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
-    ax.set_ylabel("decoded images/s (median, min-max)")
-    ax.set_title(f"DataLoader(num_workers={WORKERS}, batch_size={BATCH}), decode + resize to 224, "
-                 f"{images:,} images", fontsize=10)
-    ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def summary(args: argparse.Namespace, results: dict, failures: dict) -> dict:
+    """What the README's table and docs/peers.png show (peers_chart.py draws both from it): the
+    README's rows, in its order; a contestant that failed is left out and named under "failed"."""
+    def stat(stage: str, name: str, key: str = "items", per_second: bool = True) -> dict[str, float]:
+        runs = results.get((stage, name), [])
+        values = [x[key] / x["seconds"] if per_second else x[key] for x in runs if x.get(key) is not None]
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    rows, failed = [], {}
+    for name, label in LABELS.items():
+        if ("decoded", name) in failures or ("decoded", name) not in results:
+            failed[label] = failures.get(("decoded", name), "no result")
+            continue
+        pack = results.get(("pack", name))
+        rows.append({"label": label, "shardkit": name.startswith("shardkit"),
+                     "pack": args.images / statistics.median(x["seconds"] for x in pack) if pack else None,
+                     "decoded": stat("decoded", name),
+                     "first_batch_s": stat("decoded", name, "first", per_second=False)["median"],
+                     "peak_rss_mb": stat("decoded", name, "rss", per_second=False)["median"] / 1e6})
+    return {"command": f".venv-peers/bin/python scripts/bench_peers.py --images {args.images} --rounds {args.rounds}",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "images": args.images,
+            "rounds": args.rounds, "workers": WORKERS, "batch": BATCH,
+            "decode_limit": stat("decoded", "decode limit"), "rows": rows, "failed": failed}
 
 
 def main() -> None:
@@ -549,11 +544,18 @@ def main() -> None:
     (out / "peers.json").write_text(json.dumps(
         {"images": args.images, "rounds": args.rounds, "results": {f"{s}/{n}": v for (s, n), v in results.items()},
          "failures": {f"{s}/{n}": v for (s, n), v in failures.items()}}, indent=1))
+    import peers_chart
+
     try:
-        chart(out / "peers.png", results, failures, args.images)
-    except Exception as e:  # a missing matplotlib must not lose the table
-        print(f"chart failed: {e}", file=sys.stderr)
-    print(f"wrote {out}/peers.md, peers.json, peers.png in {time.time() - start:.0f} s", file=sys.stderr)
+        (out / "peers-summary.json").write_text(json.dumps(summary(args, results, failures), indent=1))
+        print("\nThe README's table (docs/peers.json: copy peers-summary.json there, then redraw docs/peers.png "
+              "with scripts/peers_chart.py):\n\n" + peers_chart.table(peers_chart.load(out / "peers-summary.json")))
+        peers_chart.draw(peers_chart.load(out / "peers-summary.json"), out / "peers.png",
+                         peers_chart.digest(out / "peers-summary.json"))
+    except Exception as e:  # a missing matplotlib (or a limit that failed) must not lose the table
+        print(f"summary or chart failed: {e}", file=sys.stderr)
+    print(f"wrote {out}/peers.md, peers.json, peers-summary.json, peers.png in {time.time() - start:.0f} s",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

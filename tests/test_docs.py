@@ -76,6 +76,33 @@ def test_readme_first_loader_collates_as_written(in_packed_folder: Path) -> None
     assert tuple(scope["images"].shape) == (4, 3, 40, 48) and len(scope["labels"]) == 4
 
 
+def test_readme_peers_table_and_chart_show_docs_peers_json() -> None:
+    """The README's "How it compares" table is the one scripts/peers_chart.py renders from
+    docs/peers.json, and docs/peers.png was drawn from that same file."""
+    from PIL import Image
+
+    import peers_chart
+
+    summary = peers_chart.load(ROOT / "docs" / "peers.json")
+    assert peers_chart.table(summary) in README
+    assert f"`{summary['command']}`, {summary['date']}" in README
+    assert f"no loader: {peers_chart.spread(summary['decode_limit'])}" in README
+    with Image.open(ROOT / "docs" / "peers.png") as png:
+        drawn_from = png.text.get(peers_chart.DIGEST_KEY)
+    assert drawn_from == peers_chart.digest(ROOT / "docs" / "peers.json"), \
+        "docs/peers.png is not drawn from docs/peers.json: python scripts/peers_chart.py docs/peers.json docs/peers.png"
+
+
+def test_the_peers_chart_has_a_bar_for_each_readme_row_and_no_other(tmp_path: Path) -> None:
+    import peers_chart
+
+    table = README.split(peers_chart.HEADER, 1)[1].split("\n\n", 1)[0]
+    rows = [[c.strip().strip("*").replace("`", "") for c in line.strip("|").split("|")] for line in table.splitlines()]
+    expected = [(cells[0], float(cells[2].split()[0].replace(",", ""))) for cells in rows]
+    drawn = peers_chart.draw(peers_chart.load(ROOT / "docs" / "peers.json"), tmp_path / "peers.png", "x")
+    assert drawn == expected and len(drawn) == 6
+
+
 def _install_block() -> list[str]:
     """The command lines of the README's first indented block under ## Install."""
     section = README.split("## Install\n", 1)[1].split("\n## ", 1)[0]
