@@ -76,6 +76,49 @@ def test_readme_first_loader_collates_as_written(in_packed_folder: Path) -> None
     assert tuple(scope["images"].shape) == (4, 3, 40, 48) and len(scope["labels"]) == 4
 
 
+def _as_a_user() -> dict[str, str]:
+    """A shell's environment with this checkout's `python` and `shardkit` first on PATH."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(ROOT)}
+
+
+def _shell(script: str, cwd: Path, timeout: float = 120) -> str:
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, capture_output=True, text=True,
+                         timeout=timeout, env=_as_a_user())
+    assert run.returncode == 0, f"{script}\nexited with {run.returncode}:\n{run.stdout}\n{run.stderr}"
+    return run.stdout
+
+
+@pytest.mark.timeout(180)
+def test_readme_quickstart_runs_as_written_on_its_sample_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A newcomer with no image folder: the Quickstart's commands, then its two loaders, unchanged."""
+    section = README.split("## Quickstart\n", 1)[1].split("\n## ", 1)[0]
+    commands = re.search(r"^((?:    .*\n)+)", section, re.M)  # its first indented block
+    assert commands and commands[1].lstrip().startswith("python -m shardkit.tools.sample_images ./photos")
+    out = _shell(commands[1], tmp_path)
+    assert "120 images in 3 classes under ./photos" in out and "packed 120 samples" in out, out
+    assert "classes:  3 (circle, square, triangle)" in out and "all shards match the index" in out, out
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(snippet("readme-first-loader"), scope)
+    assert tuple(scope["images"].shape) == (4, 3, 240, 320) and set(scope["batch"]["__ext__"]) <= {"jpg", "png", "webp"}
+    exec(snippet("readme-quickstart"), scope)
+    assert tuple(scope["images"].shape[1:]) == (3, 224, 224)
+
+
+def test_sample_images_are_the_same_bytes_every_time_and_refuse_a_used_folder(tmp_path: Path) -> None:
+    from shardkit.tools import sample_images
+
+    first = sample_images.write(tmp_path / "a", per_class=5, size=(64, 48))
+    again = sample_images.write(tmp_path / "b", per_class=5, size=(64, 48))
+    assert [p.read_bytes() for p in first] == [p.read_bytes() for p in again]
+    assert {p.suffix for p in first} == {".jpg", ".png", ".webp"} and len({p.parent.name for p in first}) == 3
+    assert sample_images.write(tmp_path / "a", per_class=5, size=(64, 48)) == first  # a rerun rewrites its own
+    (tmp_path / "a" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"a: holds files this did not write .*notes.txt"):
+        sample_images.write(tmp_path / "a", per_class=5)
+
+
 def test_readme_peers_table_and_chart_show_docs_peers_json() -> None:
     """The README's "How it compares" table is the one scripts/peers_chart.py renders from
     docs/peers.json, and docs/peers.png was drawn from that same file."""
