@@ -119,6 +119,39 @@ def test_sample_images_are_the_same_bytes_every_time_and_refuse_a_used_folder(tm
         sample_images.write(tmp_path / "a", per_class=5)
 
 
+def _guide_block(text: str, tag: str, lang: str) -> str:
+    found = re.search(rf"<!-- {tag} -->\n```{lang}\n(.*?)```", text, re.S)
+    assert found, f"no {lang} block tagged {tag}"
+    return found[1]
+
+
+@pytest.mark.timeout(180)
+def test_try_s3_locally_runs_as_written(tmp_path: Path) -> None:
+    """docs/guides/try-s3.md, its blocks in order in one shell, on a free port for 9000: a real
+    moto server, `shardkit pack` into it, StreamingDataset reading it back; its install line
+    names only what pyproject.toml declares."""
+    import tomllib
+
+    from servers import free_port
+
+    guide = (ROOT / "docs" / "guides" / "try-s3.md").read_text()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0] for deps in project["optional-dependencies"].values()
+                for d in deps}
+    for word in _guide_block(guide, "try-s3-install", "bash").split()[2:]:
+        extra = re.fullmatch(r"'\.\[(\w+)\]'", word)
+        assert (extra[1] in project["optional-dependencies"]) if extra else word.strip("'").split("[")[0] in declared
+    script = "\n".join(["trap 'kill ${MOTO_PID:-} 2>/dev/null || true' EXIT",  # the server goes, whatever fails
+                        _guide_block(guide, "try-s3-serve", "bash"),
+                        "python - <<'PYTHON'\n" + _guide_block(guide, "try-s3-read", "python") + "PYTHON",
+                        _guide_block(guide, "try-s3-stop", "bash")])
+    assert script.count("9000") >= 4
+    out = _shell(script.replace("9000", str(free_port())), tmp_path)
+    assert re.search(r"packed 120 samples into [2-9] shards", out), out
+    assert "samples:  120" in out and "120 samples; images (8, 3, 240, 320)" in out, out
+    assert "# 120 samples; images (8, 3, 240, 320)" in guide  # what the guide says it prints
+
+
 def test_readme_peers_table_and_chart_show_docs_peers_json() -> None:
     """The README's "How it compares" table is the one scripts/peers_chart.py renders from
     docs/peers.json, and docs/peers.png was drawn from that same file."""
