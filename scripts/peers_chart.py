@@ -34,8 +34,9 @@ def load(path: str | Path) -> dict[str, Any]:
             missing = {"label", "shardkit", "pack", "decoded", "first_batch_s", "peak_rss_mb"} - row.keys()
             if missing or {"median", "min", "max"} - row["decoded"].keys():
                 raise KeyError(f"row {row.get('label')!r} lacks {sorted(missing) or 'decoded median/min/max'}")
-        for key in ("workers", "images", "date", "decode_limit"):
-            summary[key]  # noqa: B018 - present, or KeyError
+        lacking = {"command", "date", "images", "workers", "decode_limit"} - summary.keys()
+        if lacking:
+            raise KeyError(f"no {sorted(lacking)}")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{path}: not a peers summary: {type(e).__name__}: {e}") from None
     return summary
