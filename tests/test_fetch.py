@@ -80,7 +80,7 @@ def _seasoned(engine: FetchEngine, first_byte_s: float = 0.001, requests: int = 
     """An engine that has seen enough quick GETs to hedge (its p95 under the floor)."""
     engine._seen = fetch._history(HeldStore(b""))
     engine._seen.clear()  # the process's history of this store, shared by its engines
-    for _ in range(fetch.HEDGE_MIN_SEEN):
+    for _ in range(fetch.P95_SEEN):
         engine.first_byte(first_byte_s)
     engine.requests = requests
     return engine
@@ -173,6 +173,44 @@ def test_hedges_stay_within_their_share_of_requests() -> None:
     engine.close()
 
 
+def test_the_hedge_bar_from_the_first_latency_seen() -> None:
+    """Nothing seen: no hedge. A few seen: 4x their median (a short epoch's few GETs are
+    hedged too). Enough seen: their p95, but no more than 4x their median; the floor always."""
+    engine = FetchEngine(4)
+    engine._seen = fetch._history(HeldStore(b""))
+    engine._seen.clear()
+    engine.requests = 1
+    assert engine.hedge_after() is None
+    for seconds in (0.1, 0.3, 0.2):
+        engine.first_byte(seconds)
+    assert engine.hedge_after() == pytest.approx(0.8)
+    engine._seen.extend([0.1] * 20 + [0.5])
+    assert engine.hedge_after() == pytest.approx(0.2)  # the p95
+    engine._seen.extend([2.0] * 3)
+    assert engine.hedge_after() == pytest.approx(0.4)  # 4x the median: the tail sets no bar inside itself
+    engine._seen.clear()
+    engine.first_byte(0.001)
+    assert engine.hedge_after() == fetch.HEDGE_FLOOR_S
+    engine._seen.clear()
+
+
+def test_a_datasets_index_read_times_its_workers_first_hedges(s3: dict, packed: Path) -> None:
+    """The index's read is a first-byte latency of its store: a DataLoader worker forked after
+    it hedges its first GET, not only after it has timed GETs of its own."""
+    from shardkit.storage import latencies
+
+    url = f"{s3['url']}/seeded"
+    fs, root = fsspec.core.url_to_fs(url, **s3["storage_options"])
+    fs.put(str(packed), root, recursive=True)
+    where = s3["storage_options"]["client_kwargs"]["endpoint_url"]
+    latencies.history("s3 (presigned)", where).clear()
+    ds = StreamingDataset(url, storage_options=s3["storage_options"])
+    assert len(latencies.history(ds.store_name(), where)) == 1
+    engine = FetchEngine(4)
+    engine._seen, engine.requests = latencies.history(ds.store_name(), where), 1
+    assert engine.hedge_after() is not None
+
+
 def test_a_failing_first_get_waits_for_a_hedge_that_answered() -> None:
     """The first GET fails after its hedge has claimed the piece: the hedge's bytes stand."""
 
@@ -252,8 +290,7 @@ def test_a_connection_capped_store_is_read_over_parallel_pieces(s3: dict, s3_ser
 def _behind_a_tail(s3: dict, s3_server: str, packed: Path, latency_proxy, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
                    name: str, seed: int) -> tuple[str, dict, Any]:
     """`packed` uploaded as `name`, read through a proxy holding a fifth of the first bytes
-    1.5 s, hedging from the 4th GET on up to half of them: (url, storage options, control)."""
-    monkeypatch.setattr(fetch, "HEDGE_MIN_SEEN", 4)
+    1.5 s, hedging up to half of them: (url, storage options, control)."""
     monkeypatch.setattr(fetch, "HEDGE_SHARE", 0.5)
     url = f"{s3['url']}/{name}"
     fs, root = fsspec.core.url_to_fs(url, **s3["storage_options"])
@@ -293,7 +330,6 @@ def test_resets_throttling_and_hedges_together_cost_no_sample(s3: dict, s3_serve
 
 def test_a_replaced_shard_is_caught_under_hedging(s3: dict, s3_server: str, photos: Path, latency_proxy,  # type: ignore[no-untyped-def]
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fetch, "HEDGE_MIN_SEEN", 1)
     monkeypatch.setattr(fetch, "HEDGE_SHARE", 1.0)
     url = s3["url"] + "/replaced"
     shardkit.pack(str(photos), url, max_count=10, workers=1, progress=False, storage_options=s3["storage_options"])

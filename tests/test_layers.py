@@ -97,7 +97,7 @@ INNER: dict[str, list[set[str]]] = {
         {"dataset"},
     ],
     "storage": [
-        {"urls", "descriptors", "cache", "seqwrite", "streams"},
+        {"urls", "descriptors", "cache", "seqwrite", "streams", "latencies"},
         {"patience"},
         {"retry", "clients"},
         {"s3_http"},

@@ -6,6 +6,7 @@ clients.py only) with the caller's storage options passed through unchanged.
     clients       fsspec filesystems, one per process, protocol and options
     patience      shardkit's own options: a request's timeout and attempts
     retry         the retry policy: transient or permanent, backoff, one-line errors
+    latencies     the first-byte latencies a process has seen, for hedges
     files         one-shot operations: read, list, size, version, remove
     atomic        writes a reader never sees half of
     range_reader  a worker's ranged reads of its shards, cache, checksums and versions

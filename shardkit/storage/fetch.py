@@ -21,8 +21,10 @@ few percent of requests late (hundreds of ms to seconds). So:
   also halves how many pieces a range may take (and each range without one adds one back).
 - Hedges: a GET whose first byte has not come after about the p95 of first-byte latencies
   seen so far (but no more than 4x their median, so that a tail fat enough to reach the p95
-  does not set the bar inside itself, and at least `HEDGE_FLOOR_S`) is sent again, at most
-  `HEDGE_SHARE` of requests. The first to answer writes the piece, and its end is the GET's;
+  does not set the bar inside itself, and at least `HEDGE_FLOOR_S`; 4x the median until
+  `P95_SEEN` are known) is sent again, at most `HEDGE_SHARE` of requests. The latencies are
+  the process's (latencies.py), the index's read among them: a short epoch's few GETs, which
+  a worker makes before it has seen enough of its own, are hedged too. The first to answer writes the piece, and its end is the GET's;
   the other, once its own answer comes, is closed unread (a blocking HTTP read cannot be
   interrupted sooner), on a thread of its own that nobody waits for. Both
   carry the same pinned version (If-Match), so a hedge never reads another object.
@@ -37,7 +39,6 @@ import functools
 import heapq
 import itertools
 import math
-import os
 import queue
 import threading
 import time
@@ -47,6 +48,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..errors import ShardkitError
+from . import latencies
 from .clients import endpoint
 from .stores import Store
 from .streams import Piece
@@ -58,27 +60,12 @@ CONNECTIONS = 16  # GETs one reader keeps open at most, hedges aside, where it i
 RANK_CONNECTIONS = 32  # ...and a rank's DataLoader workers together: each keeps its share (`per_worker`)
 HEDGE_SHARE = 0.05  # hedges at most per request
 HEDGE_FLOOR_S = 0.05  # never hedge a GET sooner than this
-HEDGE_MIN_SEEN = 8  # first-byte latencies seen (by this process) before the first hedge
+P95_SEEN = 8  # first-byte latencies seen before their p95 sets the bar (before: 4x their median)
 _ALPHA = 0.1  # weight of the newest GET in the moving averages
-_SEEN = 256  # first-byte latencies kept for the percentiles
-# ...by every engine of the process, a history a store and endpoint: a new pass (a new epoch in a
-# persistent worker) hedges from its first GET
-_FIRST_BYTES: dict[tuple[str, str], deque[float]] = {}
-_FIRST_BYTES_LOCK = threading.Lock()
 
 
 def _history(store: Store) -> deque[float]:
-    key = (store.name, endpoint(store.options))
-    with _FIRST_BYTES_LOCK:
-        return _FIRST_BYTES.setdefault(key, deque(maxlen=_SEEN))
-
-
-def _after_fork() -> None:
-    global _FIRST_BYTES_LOCK  # a worker forked while a thread held it would wait on it forever
-    _FIRST_BYTES_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork)
+    return latencies.history(store.name, endpoint(store.options))
 
 
 def per_worker(num_workers: int) -> int:
@@ -223,7 +210,7 @@ class FetchEngine:
 
     # measurements, from the GETs' threads
     def first_byte(self, seconds: float) -> None:
-        with _FIRST_BYTES_LOCK:
+        with latencies.LOCK:
             self._seen.append(seconds)
         with self._lock:
             self.latency_s += _ALPHA * (seconds - self.latency_s) if self.latency_s else seconds
@@ -262,12 +249,12 @@ class FetchEngine:
         with self._lock:
             if self.hedges >= HEDGE_SHARE * self.requests:
                 return None
-        with _FIRST_BYTES_LOCK:
-            if len(self._seen) < HEDGE_MIN_SEEN:
-                return None
+        with latencies.LOCK:
             seen = sorted(self._seen)
+        if not seen:
+            return None
         p50, p95 = seen[len(seen) // 2], seen[int(0.95 * (len(seen) - 1))]
-        return max(HEDGE_FLOOR_S, min(p95, 4 * p50))
+        return max(HEDGE_FLOOR_S, min(p95, 4 * p50) if len(seen) >= P95_SEEN else 4 * p50)
 
     # running
     def run(self, pieces: list[Piece], fetch: Callable[[Piece], None]) -> None:

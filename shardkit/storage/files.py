@@ -3,16 +3,28 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, BinaryIO
 
 from ..errors import CorruptShardError
+from . import latencies
+from .clients import endpoint
 from .stores import store_for
 from .urls import GCS, HTTP, S3, WEBHDFS, StorageOptions, display, is_local, join, scheme
 from .streams import Arriving
 
+_SMALL = 64 << 10  # an object this small takes about its first byte's latency to read
+
 
 def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes:
-    return store_for(url, storage_options).cat(url)
+    """A whole (small) object; how long a small one took is a first-byte latency of its store
+    (latencies.py: a dataset's index read times its workers' first hedges)."""
+    store = store_for(url, storage_options)
+    started = time.perf_counter()
+    data = store.cat(url)
+    if len(data) <= _SMALL and not is_local(url):
+        latencies.record(store.name, endpoint(store.options), time.perf_counter() - started)
+    return data
 
 
 def read_range(url: str, start: int, stop: int, storage_options: StorageOptions | None = None) -> bytes:
