@@ -121,11 +121,25 @@ def test_a_throttling_store_halves_the_pieces_of_a_range() -> None:
     assert len(engine.bounds(0, 64 * MB, pressure=2)) - 1 == 5  # a range without: one more
 
 
-def _fill(engine: FetchEngine, store: Store, data: bytes, pin: dict[str, Any] | None = None) -> Arriving:
+def _fill(engine: FetchEngine, store: Store, data: bytes, pin: dict[str, Any] | None = None,
+          read: bool = True) -> Arriving:
+    """`data` fetched into a buffer by `engine`, `read` by a reader waiting for its bytes
+    meanwhile (as a worker does once it comes to the range), or not (read-ahead, ahead)."""
     into = Arriving(0, len(data))
-    engine.run(into.split(engine.bounds(0, len(data))),
-               lambda piece: engine.get(store, "held://x", piece, pin) and None)
-    into.finish(end=into.filled)
+
+    def run() -> None:
+        try:
+            engine.run(into.split(engine.bounds(0, len(data))),
+                       lambda piece: engine.get(store, "held://x", piece, pin) and None)
+            into.finish(end=into.filled)
+        except BaseException as e:  # noqa: BLE001 - the reader raises it
+            into.finish(error=e)
+
+    fetching = threading.Thread(target=run)
+    fetching.start()
+    if read:
+        assert into.read_at(len(data), 0) == data
+    fetching.join(10)
     return into
 
 
@@ -141,6 +155,25 @@ def test_a_late_first_byte_is_hedged_and_the_first_answer_wins() -> None:
     late.set()  # the first GET answers at last: it stops unread, and writes nothing
     time.sleep(0.05)
     assert into.data() == data
+    engine.close()
+
+
+def test_a_late_get_of_read_ahead_is_hedged_once_its_reader_waits() -> None:
+    """Read-ahead's GET late while no reader needs its bytes yet: no hedge (the share is kept
+    for GETs that hold a reader up); once its reader comes to wait for it, hedged at once."""
+    data = b"r" * MB
+    store = HeldStore(data)
+    late = store.hold[0] = threading.Event()
+    engine = _seasoned(FetchEngine(4))
+    into = Arriving(0, len(data))
+    fetching = threading.Thread(target=lambda: engine.get(store, "held://x", into.pieces[0], None))
+    fetching.start()
+    time.sleep(0.3)  # six times the bar: read-ahead, late, with nobody waiting
+    assert (engine.hedges, store.calls) == (0, 1)
+    assert into.read_at(len(data), 0) == data  # the reader comes: the hedge answers it
+    assert (engine.hedges, engine.hedge_wins, store.calls) == (1, 1, 2)
+    late.set()
+    fetching.join(10)
     engine.close()
 
 

@@ -22,11 +22,13 @@ few percent of requests late (hundreds of ms to seconds). So:
 - Hedges: a GET whose first byte has not come after about the p95 of first-byte latencies
   seen so far (but no more than 4x their median, so that a tail fat enough to reach the p95
   does not set the bar inside itself, and at least `HEDGE_FLOOR_S`; 4x the median until
-  `P95_SEEN` are known) is sent again, at most `HEDGE_SHARE` of requests. The latencies are
-  the process's (latencies.py), the index's read among them: a short epoch's few GETs, which
-  a worker makes before it has seen enough of its own, are hedged too. The first to answer writes the piece, and its end is the GET's;
-  the other, once its own answer comes, is closed unread (a blocking HTTP read cannot be
-  interrupted sooner), on a thread of its own that nobody waits for. Both
+  `P95_SEEN` are known), and whose bytes a reader waits for, is sent again, at most
+  `HEDGE_SHARE` of requests. A late GET of read-ahead is hedged only once its reader comes
+  to wait for it: then at once. The latencies are the process's (latencies.py), the
+  index's read among them: a short epoch's few GETs, which a worker makes before it has
+  seen enough of its own, are hedged too. The first to answer writes the piece, and its end
+  is the GET's; the other, once its own answer comes, is closed unread (a blocking HTTP
+  read cannot be interrupted sooner), on a thread of its own that nobody waits for. Both
   carry the same pinned version (If-Match), so a hedge never reads another object.
 
 Only the attempt that claimed a piece ever writes to it, so a hedge can neither lose nor
@@ -60,6 +62,7 @@ CONNECTIONS = 16  # GETs one reader keeps open at most, hedges aside, where it i
 RANK_CONNECTIONS = 32  # ...and a rank's DataLoader workers together: each keeps its share (`per_worker`)
 HEDGE_SHARE = 0.05  # hedges at most per request
 HEDGE_FLOOR_S = 0.05  # never hedge a GET sooner than this
+HEDGE_POLL_S = 0.02  # a late GET of read-ahead is hedged this soon after a reader starts to wait for it
 P95_SEEN = 8  # first-byte latencies seen before their p95 sets the bar (before: 4x their median)
 _ALPHA = 0.1  # weight of the newest GET in the moving averages
 
@@ -308,8 +311,8 @@ class FetchEngine:
         attempts.submit(functools.partial(attempt, 0))
         after, timer = self.hedge_after(), None
         if after is not None:
-            timer = timer_thread.at(time.perf_counter() + after,
-                                    functools.partial(self._hedge, claim, functools.partial(attempts.submit, functools.partial(attempt, 1))))
+            send = functools.partial(attempts.submit, functools.partial(attempt, 1))
+            timer = timer_thread.at(time.perf_counter() + after, functools.partial(self._hedge, claim, send, piece))
         ended.wait()
         if timer is not None:
             timer[0] = None
@@ -317,10 +320,21 @@ class FetchEngine:
             raise outcome[0]
         return outcome[0] if isinstance(outcome[0], int) else None
 
-    def _hedge(self, claim: _Claim, send: Callable[[], Any]) -> None:
-        """On the timer's thread: send the GET again, unless it has answered meanwhile."""
+    def _hedge(self, claim: _Claim, send: Callable[[], Any], piece: Piece) -> None:
+        """On the timer's thread: send the GET again, unless it has answered meanwhile; while
+        no reader waits for its bytes (a read-ahead's GET), look again every `HEDGE_POLL_S`
+        instead: the hedges' share is spent on the GETs that hold a reader up, not on read-ahead
+        that is late but still ahead of its reader (measured here: at an epoch's start, GETs
+        slowed by their own number spent it before a GET in the tail came)."""
+        if claim.by is not None:
+            return
+        if not piece.awaited:
+            timer = self._timer
+            if timer is not None:
+                timer.at(time.perf_counter() + HEDGE_POLL_S, functools.partial(self._hedge, claim, send, piece))
+            return
         with self._lock:
-            if claim.by is not None or self.hedges >= HEDGE_SHARE * self.requests + 1:
+            if self.hedges >= HEDGE_SHARE * self.requests + 1:
                 return
             self.hedges += 1
         send()

@@ -48,6 +48,11 @@ class Piece:
     def full(self) -> bool:
         return self.filled == self.hi - self.lo
 
+    @property
+    def awaited(self) -> bool:
+        """Whether a reader waits for bytes of this piece now (not a read-ahead's yet)."""
+        return self._arriving.awaits(self.lo + self.filled)
+
 
 class Arriving:
     """Bytes [start, stop) of a shard, filled by one writer or by several, each its own
@@ -71,6 +76,10 @@ class Arriving:
         self.pieces = [Piece(self, start, stop)]
         self._gapless = 0  # the first piece not yet full
         self.counted: Callable[[int], None] | None = None  # told of each byte that comes, before a reader sees it
+
+    def awaits(self, offset: int) -> bool:
+        """Whether a reader waits for the byte at `offset` (a glance without the lock)."""
+        return 0 <= offset - self.start < self._wanted
 
     def split(self, bounds: list[int]) -> list[Piece]:
         """Cut the range into pieces at `bounds` (start < b1 < ... < stop), before any byte."""
