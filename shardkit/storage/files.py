@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, BinaryIO
 
 from ..errors import CorruptShardError
-from . import latencies
+from . import fingerprint, latencies
 from .clients import endpoint
 from .stores import store_for
-from .urls import GCS, HTTP, S3, WEBHDFS, StorageOptions, display, is_local, join, scheme
+from .urls import GCS, HTTP, S3, WEBHDFS, StorageOptions, display, is_local, join, local_path, scheme
 from .streams import Arriving
 
 _SMALL = 64 << 10  # an object this small takes about its first byte's latency to read
@@ -90,20 +91,24 @@ def pin_of(url: str, info: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def pin_now(url: str, storage_options: StorageOptions | None = None) -> tuple[int, dict[str, Any] | None]:
-    """(size, version) of one remote object, asked now (its version None where its store
-    gives none, or for a local file); FileNotFoundError where it is not there."""
+    """(size, pin) of one shard, asked now: its store's version (`pin_of`), else its
+    fingerprint (a local file's always: fingerprint.py says why); FileNotFoundError where it
+    is not there."""
+    if is_local(url):
+        path = local_path(url)
+        return os.stat(path).st_size, {fingerprint.MARK: fingerprint.of_path(path)}
     info = store_for(url, storage_options).info(url)
-    return int(info["size"]), None if is_local(url) else pin_of(url, info)
+    size = int(info["size"])
+    return size, pin_of(url, info) or _fingerprinted(url, size, storage_options)
 
 
 def pins(url: str, names: list[str], storage_options: StorageOptions | None = None) -> list[dict[str, Any] | None]:
-    """The version (`pin_of`) of each file `names` directly under the folder `url`, from one
-    listing (over HTTP, whose listings are pages of links, from each file's own answer);
-    None for one not found, and for local files: their modification time changes with every
-    plain copy (a copied dataset would fail every read) and would make index.json differ
-    between two packs of the same input."""
+    """The pin of each file `names` directly under the folder `url`: its store's version
+    (`pin_of`) from one listing (over HTTP, whose listings are pages of links, from each
+    file's own answer), else its fingerprint (local files, stores that keep no version);
+    None for one not found."""
     if is_local(url):
-        return [None] * len(names)
+        return [_pin_or_none(join(url, n), storage_options) for n in names]
     if scheme(url) in HTTP:
         return [_pin_or_none(join(url, n), storage_options) for n in names]
     try:
@@ -111,7 +116,13 @@ def pins(url: str, names: list[str], storage_options: StorageOptions | None = No
     except FileNotFoundError:
         found = []
     listing = {info["name"].rstrip("/").rsplit("/", 1)[-1]: info for info in found}
-    return [pin_of(url, listing[n]) if n in listing else None for n in names]
+    return [None if n not in listing else pin_of(url, listing[n]) or
+            _fingerprinted(join(url, n), int(listing[n]["size"]), storage_options) for n in names]
+
+
+def _fingerprinted(url: str, size: int, storage_options: StorageOptions | None) -> dict[str, Any]:
+    """The pin of a remote object whose store gives no version: its fingerprint, two ranged reads."""
+    return {fingerprint.MARK: fingerprint.fingerprint(size, lambda a, b: read_range(url, a, b, storage_options))}
 
 
 def _pin_or_none(url: str, storage_options: StorageOptions | None) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AccessDeniedError, CorruptShardError, NotFoundError, ShardkitError, one_line
+from . import fingerprint
 from .descriptors import FILES
 from .fetch import CONNECTIONS, FetchEngine
 from .files import pin_of
@@ -120,15 +121,49 @@ class RangeReader:
         return handle
 
     def _check_pin(self, shard: int, handle: Any) -> None:
-        """Check a shard's version against the index's as it is opened; a conditional
-        store's reads check it themselves (If-Match), at no extra request."""
+        """Check a shard's pin against the index's as it is opened: its fingerprint (two
+        reads of 64 KiB: local shards, and stores that keep no version), or its store's
+        version; a conditional store's reads check that themselves (If-Match), at no extra
+        request."""
         expected, url = self._pins[shard], self._urls[shard]
-        if expected is None or self._local[shard] or handle.conditional:
+        if expected is None:
+            return
+        if fingerprint.MARK in expected:
+            if self._verify and self._versions[shard] is not None:
+                return  # the whole shard's sha256 is checked next
+            if self._fingerprint(shard, handle) != expected[fingerprint.MARK]:
+                raise self._replaced(shard, f"its size or its first or last {fingerprint.ENDS >> 10} KiB are not "
+                                            "the index's")
+            return
+        if self._local[shard] or handle.conditional:
             return
         found = pin_of(url, handle.info(url, " (version)"))
         if found is not None and found.keys() == expected.keys() and found != expected:
             mark = next(iter(expected))
             raise self._replaced(shard, f"{mark} {found[mark]}, the index has {expected[mark]}")
+
+    def _fingerprint(self, shard: int, handle: Any) -> str:
+        """The shard's fingerprint now: through its descriptor, or its store's ranged reads."""
+        if self._local[shard]:
+            try:
+                return fingerprint.of_descriptor(handle)
+            except OSError as e:
+                raise ShardkitError(f"{display(self._urls[shard])}: {type(e).__name__}: {one_line(e)}") from e
+        store, url = handle, self._urls[shard]
+
+        def read(start: int, stop: int) -> tuple[bytes, int | None]:
+            into = Arriving(start, stop)
+            size = store.get(url, start, stop, into, None)
+            return into.data(), size
+
+        def remote() -> str:  # two ranged GETs: the size comes with the first where the answer tells it
+            head, size = read(0, fingerprint.ENDS)
+            if size is None:
+                size = store.size_now(url)
+            return fingerprint.fingerprint(size, lambda start, stop: head[start:stop] if start == 0 else
+                                           read(start, stop)[0])
+
+        return str(retrying(f"{display(url)} (fingerprint)", remote, attempts_for(url, self._patient)))
 
     def _replaced(self, shard: int, how: str) -> CorruptShardError:
         return CorruptShardError(f"{display(self._urls[shard])}: changed since its index was made ({how}): a replaced "

@@ -271,8 +271,8 @@ class Direct:
 
     def _connection(self, scheme: str, netloc: str, fresh: bool) -> http.client.HTTPConnection:
         if getattr(self._local, "pid", None) != os.getpid():  # a forked worker: not its parent's sockets
-            self._local.pid, self._local.pool = os.getpid(), {}
-        pool: dict[tuple[str, str], http.client.HTTPConnection] = self._local.pool
+            self._local.pid, self._local.pool = os.getpid(), _Pool()
+        pool: _Pool = self._local.pool
         conn = pool.get((scheme, netloc))
         if conn is None or fresh:
             if conn is not None:
@@ -394,6 +394,16 @@ class Body:
         if self._answered is not None:
             _close(*self._answered)
             self._answered = None
+
+
+class _Pool(dict[tuple[str, str], http.client.HTTPConnection]):
+    """A thread's kept connections, by (scheme, host), closed when the thread ends (its
+    thread-local data goes): a store that keeps connections open (SeaweedFS, AWS) would
+    otherwise leave their sockets to the garbage collector."""
+
+    def __del__(self) -> None:
+        for conn in self.values():
+            conn.close()
 
 
 def _close(conn: http.client.HTTPConnection, resp: http.client.HTTPResponse) -> None:

