@@ -322,9 +322,9 @@ def webhdfs(webhdfs_server: WebHDFSServer) -> dict:
 
 
 # -- all three -----------------------------------------------------------------------------------
-@pytest.fixture(params=["s3", "gcs", "webhdfs"])
+@pytest.fixture(params=["s3", "gcs", "webhdfs", "seaweedfs", "fakegcs"])  # the last two: seaweed.py, fakegcs.py
 def remote(request: pytest.FixtureRequest) -> dict:
-    """Each of s3, gcs and webhdfs in turn: {"url": ..., "storage_options": {...}}."""
+    """Each of s3, gcs and webhdfs (and SeaweedFS's S3, fake-gcs-server) in turn: {"url": ..., "storage_options": {...}}."""
     return request.getfixturevalue(request.param)
 
 

@@ -56,7 +56,7 @@ def test_throttling_and_resets_cost_no_sample(s3: dict, s3_server: str, packed: 
     assert ds.stats()["throttled"] > 0
 
 
-@pytest.mark.parametrize("store", ["s3", "s3 client", "gcs"])
+@pytest.mark.parametrize("store", ["s3", "s3 client", "seaweedfs", "gcs", "fakegcs"])
 def test_a_shard_replaced_under_its_name_is_caught_at_its_first_read(store: str, request: pytest.FixtureRequest,
                                                                      photos: Path) -> None:
     """The index pins each shard's version (S3's ETag, GCS's generation): a shard replaced
@@ -75,7 +75,8 @@ def test_a_shard_replaced_under_its_name_is_caught_at_its_first_read(store: str,
         assert shardkit.storage.s3_http.usable(opts) != client and not shardkit.storage.s3_http.usable(
             {**opts, **proxy})
     idx = shardkit.pack(str(photos), url, max_count=10, workers=1, progress=False, storage_options=opts)
-    kind = "etag" if store == "s3" else "generation"
+    api = "s3" if store in ("s3", "seaweedfs") else "gcs"
+    kind = "etag" if api == "s3" else "generation"
     assert all(s.version is not None and list(s.version) == [kind] for s in idx.shards)
     assert index.load(url, opts).shards == idx.shards
     fs, root = fsspec.core.url_to_fs(url, **opts)
@@ -90,9 +91,9 @@ def test_a_shard_replaced_under_its_name_is_caught_at_its_first_read(store: str,
     got = keys(skipping)
     assert len(got) == 30 and not replaced & set(got) and len(replaced) == 10
     assert skipping.stats()["skipped"] == 10
-    endpoint = {"s3": ["-o", f'client_kwargs={{"endpoint_url": "{s3_endpoint(opts)}"}}', "-o", "key=testing",
-                       "-o", "secret=testing"],
-                "gcs": ["-o", f"endpoint_url={opts.get('endpoint_url')}", "-o", "token=anon"]}[store]
+    endpoint = {"s3": ["-o", f'client_kwargs={{"endpoint_url": "{s3_endpoint(opts)}"}}', "-o", f"key={opts.get('key')}",
+                       "-o", f"secret={opts.get('secret')}"],
+                "gcs": ["-o", f"endpoint_url={opts.get('endpoint_url')}", "-o", "token=anon"]}[api]
     with pytest.raises(SystemExit) as done:
         main(["index", "--versions", url, *endpoint])
     assert done.value.code == 0

@@ -121,7 +121,7 @@ def pins(url: str, names: list[str], storage_options: StorageOptions | None = No
 
 
 def _fingerprinted(url: str, size: int, storage_options: StorageOptions | None) -> dict[str, Any]:
-    """The pin of a remote object whose store gives no version: its fingerprint, two ranged reads."""
+    """The pin of a remote object whose store gives no version: its fingerprint, one ranged read."""
     return {fingerprint.MARK: fingerprint.fingerprint(size, lambda a, b: read_range(url, a, b, storage_options))}
 
 

@@ -9,7 +9,7 @@ import hashlib
 import itertools
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import AccessDeniedError, CorruptShardError, NotFoundError, ShardkitError, one_line
 from . import fingerprint
@@ -121,8 +121,8 @@ class RangeReader:
         return handle
 
     def _check_pin(self, shard: int, handle: Any) -> None:
-        """Check a shard's pin against the index's as it is opened: its fingerprint (two
-        reads of 64 KiB: local shards, and stores that keep no version), or its store's
+        """Check a shard's pin against the index's as it is opened: its fingerprint (one
+        read of its first block: local shards, and stores that keep no version), or its store's
         version; a conditional store's reads check that themselves (If-Match), at no extra
         request."""
         expected, url = self._pins[shard], self._urls[shard]
@@ -131,9 +131,9 @@ class RangeReader:
         if fingerprint.MARK in expected:
             if self._verify and self._versions[shard] is not None:
                 return  # the whole shard's sha256 is checked next
-            if self._fingerprint(shard, handle) != expected[fingerprint.MARK]:
-                raise self._replaced(shard, f"its size or its first or last {fingerprint.ENDS >> 10} KiB are not "
-                                            "the index's")
+            why = self._fingerprint(shard, handle, str(expected[fingerprint.MARK]))
+            if why is not None:
+                raise self._replaced(shard, why)
             return
         if self._local[shard] or handle.conditional:
             return
@@ -142,28 +142,34 @@ class RangeReader:
             mark = next(iter(expected))
             raise self._replaced(shard, f"{mark} {found[mark]}, the index has {expected[mark]}")
 
-    def _fingerprint(self, shard: int, handle: Any) -> str:
-        """The shard's fingerprint now: through its descriptor, or its store's ranged reads."""
+    def _fingerprint(self, shard: int, handle: Any, expected: str) -> str | None:
+        """How the shard differs from its fingerprint (fingerprint.mismatch), read through its
+        descriptor or its store's ranged GETs."""
         if self._local[shard]:
             try:
-                return fingerprint.of_descriptor(handle)
+                return fingerprint.mismatch(expected, os.fstat(handle).st_size, fingerprint.read_descriptor(handle))
             except OSError as e:
-                raise ShardkitError(f"{display(self._urls[shard])}: {type(e).__name__}: {one_line(e)}") from e
+                raise ShardkitError(f"{display(self._urls[shard])}: reading bytes 0-{fingerprint.HEAD}: "
+                                    f"{type(e).__name__}: {one_line(e)}") from e
         store, url = handle, self._urls[shard]
 
         def read(start: int, stop: int) -> tuple[bytes, int | None]:
             into = Arriving(start, stop)
-            size = store.get(url, start, stop, into, None)
+            try:
+                size = store.get(url, start, stop, into, None)
+            except Exception as e:
+                if status_of(root_cause(e)) != 416:  # 416: the object ends before `start` (an emptied shard)
+                    raise
+                return b"", None
             return into.data(), size
 
-        def remote() -> str:  # two ranged GETs: the size comes with the first where the answer tells it
-            head, size = read(0, fingerprint.ENDS)
+        def remote() -> str | None:  # one ranged GET: the size comes with it where the answer tells it
+            head, size = read(0, fingerprint.HEAD)
             if size is None:
                 size = store.size_now(url)
-            return fingerprint.fingerprint(size, lambda start, stop: head[start:stop] if start == 0 else
-                                           read(start, stop)[0])
+            return fingerprint.mismatch(expected, size, lambda start, stop: head[start:stop])
 
-        return str(retrying(f"{display(url)} (fingerprint)", remote, attempts_for(url, self._patient)))
+        return cast("str | None", retrying(f"{display(url)} (fingerprint)", remote, attempts_for(url, self._patient)))
 
     def _replaced(self, shard: int, how: str) -> CorruptShardError:
         return CorruptShardError(f"{display(self._urls[shard])}: changed since its index was made ({how}): a replaced "

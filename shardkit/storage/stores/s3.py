@@ -61,6 +61,21 @@ class S3fsStore(FsspecStore):
         asyncio.run_coroutine_threadsafe(get(), fs.loop).result()
         return None
 
+    def remove_dir(self, url: str) -> None:
+        """S3 has no folders, but stores built on a file system do: SeaweedFS's filer keeps an
+        emptied prefix as a folder, listed as one, until its "folder/" key is deleted. Where
+        nothing is under the prefix, that key is deleted (on AWS and moto: a key that is not
+        there, which is no error); best effort."""
+        fs, path = self.client(url)
+        bucket, key, _ = fs.split_path(path.rstrip("/"))
+        if not key:
+            return
+        with contextlib.suppress(Exception):
+            listed = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key + "/", MaxKeys=1)
+            if not listed.get("KeyCount") and not listed.get("Contents"):
+                fs.call_s3("delete_object", Bucket=bucket, Key=key + "/")
+                fs.invalidate_cache(path)
+
     conditional_writes = True
 
     def _call(self, url: str, method: str, body: bool = False, **kw: Any) -> Any:
