@@ -97,7 +97,7 @@ INNER: dict[str, list[set[str]]] = {
         {"dataset"},
     ],
     "storage": [
-        {"urls", "descriptors", "cache", "seqwrite", "streams", "latencies"},
+        {"urls", "descriptors", "cache", "seqwrite", "streams", "latencies", "fingerprint"},
         {"patience"},
         {"retry", "clients"},
         {"s3_http"},

@@ -111,3 +111,24 @@ def test_a_fingerprint_tells_shards_apart_not_bad_bytes_inside_them(tmp_path: Pa
     assert mismatch(data + b"\0") == "524289 bytes, the index has 524288"
     assert "not one this shardkit writes" in str(fingerprint.mismatch("abc", 3, lambda a, b: b"abc"))
     assert fingerprint.fingerprint(0, lambda a, b: b"") != fingerprint.fingerprint(1, lambda a, b: b"\0")
+
+
+def test_an_s3_compatible_endpoint_works_from_endpoint_url_alone(seaweedfs: dict, twins: Path,
+                                                                 seaweedfs_server: str) -> None:
+    """A store on another endpoint than AWS's, named by a host name: packs and reads with the
+    endpoint alone; shardkit's decision for such endpoints is path-style addressing and
+    checksums only where S3's API requires them (as MinIO, Ceph and R2 want). (botocore
+    addresses `localhost` path-style itself: the pack here does not tell the decision apart.)"""
+    from shardkit.storage.clients import s3_compatible
+
+    opts = {**seaweedfs["storage_options"], "client_kwargs": {"endpoint_url": seaweedfs_server.replace(
+        "127.0.0.1", "localhost")}}
+    url = seaweedfs["url"] + "/named"
+    shardkit.pack(str(twins), url, max_count=20, workers=1, progress=False, storage_options=opts)
+    assert len(set(keys(StreamingDataset(url, storage_options=opts)))) == 40
+    decided = s3_compatible(opts)
+    assert decided == {"s3": {"addressing_style": "path"}, "request_checksum_calculation": "when_required",
+                       "response_checksum_validation": "when_required"}
+    assert s3_compatible({"endpoint_url": "http://h", "config_kwargs": {"s3": {"addressing_style": "virtual"}}})[
+        "s3"] == {"addressing_style": "virtual"}
+    assert s3_compatible({}) == {} and s3_compatible({"endpoint_url": "https://s3.eu-west-1.amazonaws.com"}) == {}

@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..errors import BadRequestError, ShardkitError, hide, one_line, redact, redacted
 from .patience import client_options, patience_for
@@ -153,6 +154,8 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         # aiohttp's default: 300 s a request, so a black hole takes 5 x 300 s to fail, and a
         # slow download is cut off at 300 s
         kwargs["client_kwargs"] = {**client, "timeout": _socket_timeout(timeout_s)}
+    if protocol in S3:
+        kwargs["config_kwargs"] = s3_compatible(kwargs)
     ours = protocol in S3 and not client_retries
     if protocol in S3:  # botocore's default: 60 s silent before a read fails
         config = kwargs.get("config_kwargs") or {}
@@ -194,6 +197,23 @@ def _made(cls: Any, kwargs: dict[str, Any], url: str, protocol: str) -> Any:
                                 f"{redact(one_line(e))}")
         cause = redacted(e)
     raise failure from cause  # out of the except blocks: the client's own error is no __context__ either
+
+
+def s3_compatible(storage_options: StorageOptions) -> dict[str, Any]:
+    """botocore's config for these S3 options: on an endpoint that is not AWS's (MinIO,
+    SeaweedFS, Ceph, R2, Garage...), path-style addressing (botocore would put the bucket in
+    the host name, which such a store's DNS rarely resolves) and checksums only where the
+    API requires them (botocore 1.36+ adds CRC32 headers and aws-chunked bodies to every
+    upload, which many of them refuse), unless the options say otherwise. From
+    `endpoint_url` alone, as the other stores' users expect."""
+    config = dict(storage_options.get("config_kwargs") or {})
+    url = endpoint(storage_options)
+    host = (urlsplit(url).hostname or "") if url else ""
+    if url and not host.endswith((".amazonaws.com", ".amazonaws.com.cn")):
+        config["s3"] = {"addressing_style": "path", **(config.get("s3") or {})}
+        config.setdefault("request_checksum_calculation", "when_required")
+        config.setdefault("response_checksum_validation", "when_required")
+    return config
 
 
 def endpoint(storage_options: StorageOptions | None) -> str:

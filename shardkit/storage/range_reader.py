@@ -9,7 +9,7 @@ import hashlib
 import itertools
 import os
 import threading
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from ..errors import AccessDeniedError, CorruptShardError, NotFoundError, ShardkitError, one_line
 from . import fingerprint
@@ -169,7 +169,8 @@ class RangeReader:
                 size = store.size_now(url)
             return fingerprint.mismatch(expected, size, lambda start, stop: head[start:stop])
 
-        return cast("str | None", retrying(f"{display(url)} (fingerprint)", remote, attempts_for(url, self._patient)))
+        found: str | None = retrying(f"{display(url)} (fingerprint)", remote, attempts_for(url, self._patient))
+        return found
 
     def _replaced(self, shard: int, how: str) -> CorruptShardError:
         return CorruptShardError(f"{display(self._urls[shard])}: changed since its index was made ({how}): a replaced "
