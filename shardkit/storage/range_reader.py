@@ -169,7 +169,7 @@ class RangeReader:
                 size = store.size_now(url)
             return fingerprint.mismatch(expected, size, lambda start, stop: head[start:stop])
 
-        found: str | None = retrying(f"{display(url)} (fingerprint)", remote, attempts_for(url, self._patient))
+        found: str | None = handle.retried(url, " (fingerprint)", remote)
         return found
 
     def _replaced(self, shard: int, how: str) -> CorruptShardError:
