@@ -72,7 +72,8 @@ def test_index_records_counts_offsets_and_checksums(photos: Path, tmp_path: Path
     assert table.dtype == np.dtype("<i8") and len(table) == 30 + len(doc["shards"])
     at = 0
     for s in doc["shards"]:
-        assert set(s) == {"name", "samples", "bytes", "sha256"}  # per shard only: no per-sample list
+        assert set(s) == {"name", "samples", "bytes", "sha256", "version"}  # per shard only: no per-sample list
+        assert set(s["version"]) == {"fingerprint"}  # a local shard's pin (storage/fingerprint.py)
         data = (tmp_path / "out" / s["name"]).read_bytes()
         assert s["bytes"] == len(data)
         assert s["sha256"] == hashlib.sha256(data).hexdigest()

@@ -141,7 +141,7 @@ def pack(
     if on_error == "fail" and unusable:
         raise SourceError(f"{shown_name(storage.join(plan.src, unusable[0].path))}: {unusable[0].reason}")
     runner = (executors.ray(ray_address, sizes=lambda job: len(job.items)) if executor == "ray"
-              else executors.local(workers or os.cpu_count() or 1))
+              else executors.local(workers or os.cpu_count() or 1, uploading=not storage.is_local(dest)))
     sink = sink_type(plan, dest, storage_options)
     tally = stats if stats is not None else {}
     tally.update(kept=len(plan.order), written=0, unchanged=1)  # what a finished pack's rerun reports

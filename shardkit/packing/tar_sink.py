@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -62,8 +63,6 @@ def _table_url(dest: str, name: str) -> str:
 def _tables(dest: str, names: Sequence[str], storage_options: StorageOptions | None) -> Iterator[np.ndarray]:
     """The offset tables the jobs wrote, in the order of `names`: read on threads a few
     dozen ahead (an object store answers each read in tens of ms), one batch held at a time."""
-    from concurrent.futures import ThreadPoolExecutor
-
     def read(name: str) -> np.ndarray:
         return np.frombuffer(storage.read_bytes(_table_url(dest, name), storage_options), dtype=sidecar.DTYPE)
 
@@ -133,12 +132,13 @@ class TarSink(Sink):
         return None
 
     def kept(self) -> dict[int, JobResult]:
-        found = {}
-        for i in range(len(self.plan.names)):
-            result = self._done(i)
-            if result is not None:
-                found[i] = result
-        return found
+        """The jobs an earlier run finished: the progress records listed once, those there
+        read on threads (a store answers each in tens of ms; a fresh DEST has none to read)."""
+        listed = set(storage.listdir(storage.join(self.dest, index.PROGRESS_DIR), self.storage_options))
+        there = [i for i, name in enumerate(self.plan.names) if name + ".json" in listed]
+        with ThreadPoolExecutor(16, thread_name_prefix="shardkit-commit") as pool:
+            done = dict(zip(there, pool.map(self._done, there)))
+        return {i: result for i, result in done.items() if result is not None}
 
     def _done(self, i: int) -> JobResult | None:
         """The result of an earlier run of job i, if its shard is complete and unchanged."""
@@ -184,9 +184,8 @@ def cleanup(dest: str, keep: set[str], storage_options: StorageOptions | None) -
     names = storage.listdir(dest, storage_options)
     if index.PROGRESS_DIR not in names:
         return
-    for name in names:
-        if SHARD_RE.match(name) and name not in keep:
-            storage.remove(storage.join(dest, name), storage_options)
-    for name in storage.listdir(progress, storage_options):
-        storage.remove(storage.join(progress, name), storage_options)
+    gone = [storage.join(dest, name) for name in names if SHARD_RE.match(name) and name not in keep]
+    gone += [storage.join(progress, name) for name in storage.listdir(progress, storage_options)]
+    with ThreadPoolExecutor(16, thread_name_prefix="shardkit-commit") as pool:  # a store's round trips, at once
+        list(pool.map(lambda url: storage.remove(url, storage_options), gone))
     storage.remove_dir(progress, storage_options)
