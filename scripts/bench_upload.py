@@ -13,12 +13,14 @@ saw at once at most.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,14 +37,14 @@ def watch_connections(control: int, stop: threading.Event, peak: list[int]) -> N
         time.sleep(0.05)
 
 
-def timed(control: int, fn: object) -> tuple[float, int]:
+def timed(control: int, fn: Callable[[], None]) -> tuple[float, int]:
     """(seconds `fn()` took, most connections open through the proxy at once meanwhile)."""
     stop, peak = threading.Event(), [0]
     watcher = threading.Thread(target=watch_connections, args=(control, stop, peak))
     watcher.start()
     t0 = time.perf_counter()
     try:
-        fn()  # type: ignore[operator]
+        fn()
     finally:
         took = time.perf_counter() - t0
         stop.set()
@@ -102,9 +104,9 @@ def main() -> None:
         for r in range(args.rounds):
             for name in runs:
                 if name == "shardkit pack":
-                    run = lambda: pack_up(photos, f"s3://{BUCKET}/pack-{r}", options(proxied))  # noqa: E731
+                    run = functools.partial(pack_up, photos, f"s3://{BUCKET}/pack-{r}", options(proxied))
                 else:
-                    run = lambda: curl_up(tars, proxied, endpoint, f"curl-{r}")  # noqa: E731
+                    run = functools.partial(curl_up, tars, proxied, endpoint, f"curl-{r}")
                 runs[name].append(timed(control, run))
                 took, peak = runs[name][-1]
                 print(f"round {r + 1} {name}: {size / took / 1e6:.1f} MB/s, {peak} connections", file=sys.stderr)
