@@ -11,12 +11,15 @@ import socket
 from typing import Any
 
 from ..errors import BadRequestError, ShardkitError, hide, one_line, redact, redacted
-from .urls import GCS, HTTP, S3, WEBHDFS, StorageOptions, display, netloc, scheme
+from .urls import AZURE, GCS, HTTP, S3, WEBHDFS, StorageOptions, display, netloc, scheme
 
 
 _INSTALL_HINTS = {
-    "s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs",
+    "s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure",
 }
+# where adlfs finds credentials that are not in the options: hidden from messages as the options' are
+_AZURE_ENV = {"connection_string": "AZURE_STORAGE_CONNECTION_STRING", "account_key": "AZURE_STORAGE_ACCOUNT_KEY",
+              "sas_token": "AZURE_STORAGE_SAS_TOKEN", "client_secret": "AZURE_STORAGE_CLIENT_SECRET"}
 
 
 _FILESYSTEMS: dict[tuple[Any, ...], Any] = {}  # this process's filesystem instances
@@ -151,9 +154,12 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         # aiohttp's default: 300 s a request, so a black hole takes 5 x 300 s to fail, and a
         # slow download is cut off at 300 s
         kwargs["client_kwargs"] = {**client, "timeout": _socket_timeout()}
-    ours = protocol in S3 and not client_retries
-    if ours:  # an instance of its own (fs.retries is set below), never fsspec's shared one, made once a process
-        kwargs["config_kwargs"] = {**_ONE_ATTEMPT, **(kwargs.get("config_kwargs") or {})}
+    if protocol in AZURE:
+        hide({name: os.environ.get(variable) for name, variable in _AZURE_ENV.items()})
+    ours = protocol in S3 + AZURE and not client_retries
+    if ours:  # an instance of its own (its retries are turned off below), never fsspec's shared one, made once a process
+        if protocol in S3:
+            kwargs["config_kwargs"] = {**_ONE_ATTEMPT, **(kwargs.get("config_kwargs") or {})}
         kwargs["skip_instance_cache"] = True
     key = (os.getpid(), protocol, ours, json.dumps(kwargs, sort_keys=True, default=repr))
     cache = _FILESYSTEMS if instances is None or ours else instances
@@ -165,10 +171,22 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         _harden(fs, protocol)
         if protocol in GCS:
             _resolve_once(url, fs)
-        if ours:
+        if ours and protocol in S3:
             fs.retries = 1  # a class attribute of s3fs, not an option
+        elif ours:
+            _azure_retries_off(fs)
         fs = cache.setdefault(key, fs)
     return fs, cls._strip_protocol(url)
+
+
+def _azure_retries_off(fs: Any) -> None:
+    """azure-storage-blob retries a failed request itself, 3 times from 15 s apart
+    (ExponentialRetry's defaults, which adlfs gives no option for): a throttled read would
+    wait a minute unseen by the read-ahead, and a dead endpoint take 5 x 1 min to fail. Off
+    on the client whose requests shardkit retries. Private API, written against
+    azure-storage-blob 12.31: the client's `_config.retry_policy`, which every blob client
+    made from it shares."""
+    fs.service_client._config.retry_policy.total_retries = 0
 
 
 def _made(cls: Any, kwargs: dict[str, Any], url: str, protocol: str) -> Any:
