@@ -1,4 +1,4 @@
-"""The contract every format and store keeps, run over {tar, LMDB} x {local, loopback S3}:
+"""The contract every format and store keeps, run over {tar, LMDB} x {local, loopback S3, Azurite}:
 pack, read (every sample once, the source's own bytes), resume, bad data.
 
 An LMDB is written to a local folder only (pack refuses a remote one, saying so); one
@@ -60,14 +60,14 @@ def pack(source: Path, dest: str, fmt: str, **kw: Any) -> shardkit.Index:
     return shardkit.pack(str(source), dest, format=fmt, max_count=5, workers=1, progress=False, **kw)
 
 
-@pytest.fixture(params=[("tar", "local"), ("tar", "s3"), ("lmdb", "local"), ("lmdb", "s3")], ids="-".join)
+@pytest.fixture(params=[(fmt, place) for fmt in ("tar", "lmdb") for place in ("local", "s3", "azure")], ids="-".join)
 def stored(request: pytest.FixtureRequest, source: Path, local: dict[str, Path], tmp_path: Path) -> Stored:
-    """The packed source where the cell says: packed to S3 directly (tar) or copied up (LMDB)."""
+    """The packed source where the cell says: packed to the store directly (tar) or copied up (LMDB)."""
     fmt, place = request.param
     if place == "local":
         return Stored(fmt, str(local[fmt]), {})
-    s3 = request.getfixturevalue("s3")
-    url, opts = s3["url"] + "/ds", s3["storage_options"]
+    remote = request.getfixturevalue(place)
+    url, opts = remote["url"] + "/ds", remote["storage_options"]
     if fmt == "tar":
         pack(source, url, fmt, storage_options=opts)
         return Stored(fmt, url, {"storage_options": opts})

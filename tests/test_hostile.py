@@ -382,13 +382,13 @@ def test_two_packs_into_one_dest_at_once_never_both_succeed(tmp_path: Path) -> N
 
 # -- exclusive writers on object stores: conditional writes and DEST's lease ---------------------
 
-@pytest.fixture(params=["local", "s3", "gcs"])
+@pytest.fixture(params=["local", "s3", "gcs", "azure"])
 def conditional(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict | None]:
     """(folder URL, storage options) on each store with conditional writes; GCS through a gate
     of GCS's precondition rules (servers._Preconditions), which the emulator ignores."""
     if request.param == "local":
         return str(tmp_path / "dest"), None
-    remote = request.getfixturevalue("s3" if request.param == "s3" else "gcs_conditional")
+    remote = request.getfixturevalue("gcs_conditional" if request.param == "gcs" else request.param)
     return remote["url"] + "/dest", remote["storage_options"]
 
 
@@ -412,10 +412,10 @@ def test_conditional_writes_succeed_only_at_the_version_seen(conditional: tuple[
     assert store.read_versioned(url) is None
 
 
-@pytest.fixture(params=["s3", "gcs"])
+@pytest.fixture(params=["s3", "gcs", "azure"])
 def bucket(request: pytest.FixtureRequest) -> tuple[str, dict]:
     """(DEST URL, storage options) in a bucket of each object store with conditional writes."""
-    remote = request.getfixturevalue("s3" if request.param == "s3" else "gcs_conditional")
+    remote = request.getfixturevalue("gcs_conditional" if request.param == "gcs" else request.param)
     return remote["url"] + "/ds", remote["storage_options"]
 
 
