@@ -803,7 +803,7 @@ def test_a_read_spec_shows_no_secret() -> None:
 
 def test_the_core_and_remote_dependencies_carry_lower_bounds_met_here() -> None:
     """Unbounded, `pip install '.[s3,gcs]'` settled on s3fs 0.4.2 (2019). Every core dependency and
-    every one of the s3 and gcs extras (and s3fs, gcsfs, botocore wherever named) has a `>=` bound,
+    every one of the s3, gcs and azure extras (and their clients wherever named) has a `>=` bound,
     which the versions the tests run with meet."""
     import importlib.metadata
     import tomllib
@@ -812,8 +812,8 @@ def test_the_core_and_remote_dependencies_carry_lower_bounds_met_here() -> None:
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    remote = {"s3fs", "gcsfs", "botocore"}
-    named = [*project["dependencies"], *extras["s3"], *extras["gcs"]]
+    remote = {"s3fs", "gcsfs", "botocore", "adlfs", "azure-storage-blob"}
+    named = [*project["dependencies"], *extras["s3"], *extras["gcs"], *extras["azure"]]
     named += [d for deps in extras.values() for d in deps if Requirement(d).name.lower() in remote]
     for dep in map(Requirement, named):
         bounds = [s for s in dep.specifier if s.operator == ">="]
