@@ -132,3 +132,26 @@ def test_a_conditional_write_into_a_missing_container_fails_naming_it(azure: dic
     url = re.sub(r"shardkit-\d+", "no-such-container", azure["url"]) + "/ds/.shardkit-lock"
     with pytest.raises(ShardkitError, match=rf"^{url}: 404 ContainerNotFound: The specified container does not"):
         store_for(url, azure["storage_options"]).put_if_absent(url, b"x")
+
+
+def test_a_blob_read_in_order_is_pinned_to_its_first_etag(azure: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """storage.open_read (an LMDB's data.mdb, an offsets file, verify's sha256): ranged
+    downloads in order, an empty blob read as no bytes, a missing one failing as it is
+    opened, and a blob replaced between two downloads failing, named, not mixing versions."""
+    from shardkit.storage.stores.azure import InOrder
+
+    monkeypatch.setattr(InOrder, "BLOCK", 64 << 10)
+    url, opts = azure["url"], azure["storage_options"]
+    fs = fsspec.filesystem("az", **opts)
+    some = bytes(range(256)) * 800  # 200 KiB: 4 downloads
+    fs.pipe({f"{url}/empty": b"", f"{url}/some": some})
+    for name, data in (("empty", b""), ("some", some)):
+        with shardkit.storage.open_read(f"{url}/{name}", opts) as f:
+            assert b"".join(iter(lambda: f.read(10_000), b"")) == data
+    with pytest.raises(FileNotFoundError, match=rf"^{url}/missing: 404 BlobNotFound"):
+        shardkit.storage.open_read(f"{url}/missing", opts)
+    with shardkit.storage.open_read(f"{url}/some", opts) as f:
+        assert f.read(1000) == some[:1000]
+        fs.pipe(f"{url}/some", some[::-1])
+        with pytest.raises(ShardkitError, match=rf"^{url}/some: 412 ConditionNotMet: replaced while it was read"):
+            f.read()

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, cast
+from typing import Any, BinaryIO, TypeVar, cast
 
 from .base import Sink
-from .fsspec import FsspecStore
+from .fsspec import FsspecStore, RetriedFile
 
 T = TypeVar("T")
 _REFUSED = object()  # a conditional request's condition failed
@@ -68,6 +68,32 @@ class AzureStore(FsspecStore):
         self._run(url, download)
         return None
 
+    def open(self, url: str, what: str = "") -> BinaryIO:
+        """The blob read in order, in ranged downloads each If-Match the first one's ETag (a
+        blob replaced meanwhile fails rather than mixing two versions); the first is sent as
+        it is opened, so a missing or forbidden blob fails there."""
+        blob = InOrder(self, url)
+        self.retried(url, what, blob.fetch)
+        return cast(BinaryIO, RetriedFile(blob, url, self, what))
+
+    def download(self, url: str, start: int, stop: int, etag: str | None) -> tuple[bytes, str | None]:
+        """Bytes [start, stop) (fewer where the blob ends, none past its end) and the blob's
+        ETag; If-Match `etag` where one is given."""
+        condition = _if_match(etag) if etag else {}
+
+        async def download(client: Any) -> tuple[bytes, str | None]:
+            from azure.core.exceptions import HttpResponseError
+
+            try:
+                stream = await client.download_blob(offset=start, length=stop - start, max_concurrency=1, **condition)
+            except HttpResponseError as e:
+                if e.status_code == 416:  # the range starts past the end (an empty blob's every range)
+                    return b"", etag
+                raise
+            return await stream.readall(), str(stream.properties.etag)
+
+        return self._run(url, download)
+
     def _conditional(self, url: str, call: Callable[[Any], Awaitable[Any]], refused: tuple[str, ...]) -> Any:
         """One conditional request, retried; `_REFUSED` where Azure answered with one of the
         `refused` error codes (the condition failed, or the blob is not there)."""
@@ -108,6 +134,46 @@ class AzureStore(FsspecStore):
             await client.delete_blob(**_if_match(version))
 
         return self._conditional(url, delete, ("ConditionNotMet", "BlobNotFound")) is not _REFUSED
+
+
+class InOrder:
+    """A blob read front to back, `BLOCK` bytes a download, the first download's ETag pinned
+    on the rest. A read that fails leaves the position where it was: its retry (RetriedFile)
+    asks for the same bytes. `fetch` is the next download (`open` sends the first at once)."""
+
+    BLOCK = 8 << 20
+
+    def __init__(self, store: AzureStore, url: str):
+        self._store, self._url = store, url
+        self._at, self._ended = 0, False
+        self._buffer = bytearray()
+        self._etag: str | None = None
+
+    def fetch(self) -> None:
+        if self._ended:
+            return
+        try:
+            data, etag = self._store.download(self._url, self._at, self._at + self.BLOCK, self._etag)
+        except AzureRequestError as e:
+            if self._etag is None or getattr(e.__cause__, "status_code", None) != 412:
+                raise
+            raise AzureRequestError(f"412 ConditionNotMet: replaced while it was read (its ETag is no longer "
+                                    f"{self._etag})") from e.__cause__
+        self._etag = self._etag or etag
+        self._at += len(data)
+        self._buffer += data
+        self._ended = len(data) < self.BLOCK
+
+    def read(self, n: int = -1) -> bytes:
+        while (n < 0 or len(self._buffer) < n) and not self._ended:
+            self.fetch()
+        out = bytes(self._buffer if n < 0 else self._buffer[:n])
+        del self._buffer[: len(out)]
+        return out
+
+    def close(self) -> None:
+        self._buffer.clear()
+        self._ended = True
 
 
 def _if_match(version: str) -> dict[str, Any]:
