@@ -155,3 +155,17 @@ def test_a_blob_read_in_order_is_pinned_to_its_first_etag(azure: dict, monkeypat
         fs.pipe(f"{url}/some", some[::-1])
         with pytest.raises(ShardkitError, match=rf"^{url}/some: 412 ConditionNotMet: replaced while it was read"):
             f.read()
+
+
+def test_a_silent_store_fails_by_the_read_timeout_of_the_options(azure: dict, azure_server: str,
+                                                                  latency_proxy) -> None:  # type: ignore[no-untyped-def]
+    """adlfs's `read_timeout` holds for shardkit's own requests too: a store that takes the
+    request and then says nothing fails each attempt by it, named, instead of the SDK's 60 s."""
+    url = azure["url"] + "/x"
+    fsspec.filesystem("az", **azure["storage_options"]).pipe(url, b"data")
+    proxied, control = latency_proxy(azure_server, stall_prob=1)
+    opts = {"connection_string": connection_string(proxied), "read_timeout": 1}
+    said = r"ServiceResponseTimeoutError: Timeout on reading data from socket \(gave up after 5 attempts\)"
+    with pytest.raises(ShardkitError, match=rf"^{url}: {said}$"):
+        shardkit.storage.read_range(url, 0, 4, opts)
+    assert control.stats()["stalls"] == 5

@@ -28,6 +28,7 @@ from .fsspec import FsspecStore, RetriedFile
 
 T = TypeVar("T")
 _REFUSED = object()  # a conditional request's condition failed
+_TIMEOUTS = ("timeout", "connection_timeout", "read_timeout")
 
 
 class AzureRequestError(OSError):
@@ -38,6 +39,11 @@ class AzureStore(FsspecStore):
     name = "azure (adlfs)"
     conditional = True
     conditional_writes = True
+
+    def timeouts(self) -> dict[str, Any]:
+        """adlfs's timeout options (`timeout`, `connection_timeout`, `read_timeout`, in
+        seconds), which it applies to its own requests: on shardkit's too."""
+        return {k: v for k, v in (self.options or {}).items() if k in _TIMEOUTS and v is not None}
 
     def retried(self, url: str, what: str, fn: Callable[[], T]) -> T:
         return cast(T, super().retried(url, what, lambda: _plainly(fn)))
@@ -59,6 +65,7 @@ class AzureStore(FsspecStore):
         from azure.core import MatchConditions
 
         condition = {"etag": pin["etag"], "match_condition": MatchConditions.IfNotModified} if pin else {}
+        condition.update(self.timeouts())
 
         async def download(client: Any) -> None:
             stream = await client.download_blob(offset=start, length=stop - start, max_concurrency=1, **condition)
@@ -79,7 +86,7 @@ class AzureStore(FsspecStore):
     def download(self, url: str, start: int, stop: int, etag: str | None) -> tuple[bytes, str | None]:
         """Bytes [start, stop) (fewer where the blob ends, none past its end) and the blob's
         ETag; If-Match `etag` where one is given."""
-        condition = _if_match(etag) if etag else {}
+        condition = {**(_if_match(etag) if etag else {}), **self.timeouts()}
 
         async def download(client: Any) -> tuple[bytes, str | None]:
             from azure.core.exceptions import HttpResponseError
@@ -110,7 +117,7 @@ class AzureStore(FsspecStore):
 
     def read_versioned(self, url: str) -> tuple[bytes, str] | None:
         async def read(client: Any) -> tuple[bytes, str]:
-            stream = await client.download_blob(max_concurrency=1)
+            stream = await client.download_blob(max_concurrency=1, **self.timeouts())
             return await stream.readall(), str(stream.properties.etag)
 
         found = self._conditional(url, read, ("BlobNotFound",))
@@ -124,14 +131,14 @@ class AzureStore(FsspecStore):
 
     def _upload(self, url: str, data: bytes, condition: dict[str, Any]) -> str | None:
         async def upload(client: Any) -> Any:
-            return await client.upload_blob(data, **condition)
+            return await client.upload_blob(data, **condition, **self.timeouts())
 
         made = self._conditional(url, upload, ("BlobAlreadyExists", "ConditionNotMet", "BlobNotFound"))
         return None if made is _REFUSED else str(made["etag"])
 
     def remove_if(self, url: str, version: str) -> bool:
         async def delete(client: Any) -> None:
-            await client.delete_blob(**_if_match(version))
+            await client.delete_blob(**_if_match(version), **self.timeouts())
 
         return self._conditional(url, delete, ("ConditionNotMet", "BlobNotFound")) is not _REFUSED
 
