@@ -4,7 +4,7 @@ Load it with ``pytest_plugins = ["servers"]`` (or ``-p servers``).  Each server 
 per session, started on first use on a free 127.0.0.1 port and stopped at the end (terminate,
 5 s, kill); the function-scoped fixtures wipe its state and hand out a fresh bucket or directory::
 
-    def test_x(remote):                      # runs over s3, gcs and webhdfs
+    def test_x(remote):                      # runs over s3, gcs, webhdfs and azure
         fs, path = fsspec.core.url_to_fs(remote["url"], **remote["storage_options"])
 
 Servers: moto (S3), gcp-storage-emulator (GCS), ``scripts/webhdfs_server.py`` (WebHDFS) and
@@ -321,10 +321,10 @@ def webhdfs(webhdfs_server: WebHDFSServer) -> dict:
     }
 
 
-# -- all three -----------------------------------------------------------------------------------
-@pytest.fixture(params=["s3", "gcs", "webhdfs"])
+# -- all four ------------------------------------------------------------------------------------
+@pytest.fixture(params=["s3", "gcs", "webhdfs", "azure"])
 def remote(request: pytest.FixtureRequest) -> dict:
-    """Each of s3, gcs and webhdfs in turn: {"url": ..., "storage_options": {...}}."""
+    """Each of s3, gcs, webhdfs and azure (tests/azurite.py) in turn: {"url": ..., "storage_options": {...}}."""
     return request.getfixturevalue(request.param)
 
 
