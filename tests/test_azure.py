@@ -7,6 +7,7 @@ over Azure beside S3 and GCS too.)"""
 from __future__ import annotations
 
 import io
+import os
 import re
 import tarfile
 from pathlib import Path
@@ -169,3 +170,21 @@ def test_a_silent_store_fails_by_the_read_timeout_of_the_options(azure: dict, az
     with pytest.raises(ShardkitError, match=rf"^{url}: {said}$"):
         shardkit.storage.read_range(url, 0, 4, opts)
     assert control.stats()["stalls"] == 5
+
+
+def test_no_credentials_at_all_fail_at_once_saying_so(monkeypatch: pytest.MonkeyPatch,
+                                                      capfd: pytest.CaptureFixture[str]) -> None:
+    """An account name alone: adlfs asks azure-identity's DefaultAzureCredential, which finds
+    nothing here (no AZURE_* variables; the sign-in tools it would also ask are excluded by
+    its own options, so a developer's `az login` does not change the outcome). One line naming
+    the URL, at once (no retries: none can find a credential), and none of azure-identity's
+    dozen lines of warnings on stderr."""
+    for name in [k for k in os.environ if k.startswith("AZURE_")]:
+        monkeypatch.delenv(name)
+    excluded = {f"exclude_{c}_credential": True for c in ("cli", "powershell", "developer_cli", "visual_studio_code",
+                                                         "shared_token_cache", "managed_identity")}
+    opts = {"account_name": ACCOUNT, "account_host": "127.0.0.1:9", **excluded}
+    with pytest.raises(AccessDeniedError, match=r"^az://data/ds/index.json: no credentials: DefaultAzureCredential "
+                                                r"failed to retrieve a token .*\(give storage_options a connection"):
+        StreamingDataset("az://data/ds", storage_options=opts)
+    assert capfd.readouterr().err == ""

@@ -60,6 +60,14 @@ def _quiet_gcsfs() -> None:
     logging.getLogger("gcsfs").addHandler(logging.NullHandler())
 
 
+@functools.cache
+def _quiet_azure() -> None:
+    """azure-identity logs every credential it tried, a dozen lines, as a warning each time
+    none gave a token: a handler of its own keeps them off stderr, under shardkit's one-line
+    error (an application that set logging up still gets the records)."""
+    logging.getLogger("azure").addHandler(logging.NullHandler())
+
+
 def _harden(fs: Any, protocol: str) -> None:
     """Give a requests-based filesystem (WebHDFS) a deadline per request, and have a
     datanode's error raise: fsspec checks the namenode's answers, but takes a datanode's
@@ -156,6 +164,7 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         kwargs["client_kwargs"] = {**client, "timeout": _socket_timeout()}
     if protocol in AZURE:
         hide({name: os.environ.get(variable) for name, variable in _AZURE_ENV.items()})
+        _quiet_azure()
     ours = protocol in S3 + AZURE and not client_retries
     if ours:  # an instance of its own (its retries are turned off below), never fsspec's shared one, made once a process
         if protocol in S3:

@@ -23,12 +23,16 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, BinaryIO, TypeVar, cast
 
+from ...errors import AccessDeniedError, redact, redacted
+from ..urls import display
 from .base import Sink
 from .fsspec import FsspecStore, RetriedFile
 
 T = TypeVar("T")
 _REFUSED = object()  # a conditional request's condition failed
 _TIMEOUTS = ("timeout", "connection_timeout", "read_timeout")
+# azure-identity's: no credential it tried gave a token (no status: Azure was never asked)
+_NO_CREDENTIALS = {"ClientAuthenticationError", "CredentialUnavailableError"}
 
 
 class AzureRequestError(OSError):
@@ -46,7 +50,7 @@ class AzureStore(FsspecStore):
         return {k: v for k, v in (self.options or {}).items() if k in _TIMEOUTS and v is not None}
 
     def retried(self, url: str, what: str, fn: Callable[[], T]) -> T:
-        return cast(T, super().retried(url, what, lambda: _plainly(fn)))
+        return cast(T, super().retried(url, what, lambda: _plainly(url, fn)))
 
     def _run(self, url: str, call: Callable[[Any], Awaitable[T]]) -> T:
         """`call(blob client of url)` on adlfs's event loop, its errors in one line."""
@@ -57,7 +61,7 @@ class AzureStore(FsspecStore):
             async with fs.service_client.get_blob_client(container, blob, version_id=version_id) as client:
                 return await call(client)
 
-        return _plainly(lambda: asyncio.run_coroutine_threadsafe(run(), fs.loop).result())
+        return _plainly(url, lambda: asyncio.run_coroutine_threadsafe(run(), fs.loop).result())
 
     def get(self, url: str, start: int, stop: int, sink: Sink, pin: dict[str, Any] | None) -> int | None:
         """Bytes [start, stop) in one ranged download If-Match the pinned ETag (else 412),
@@ -189,15 +193,23 @@ def _if_match(version: str) -> dict[str, Any]:
     return {"etag": version, "match_condition": MatchConditions.IfNotModified}
 
 
-def _plainly(fn: Callable[[], T]) -> T:
-    """`fn()`, an error Azure answered raised again in one line (its cause the SDK's error)."""
+def _plainly(url: str, fn: Callable[[], T]) -> T:
+    """`fn()`, an error Azure answered raised again in one line (its cause the SDK's error);
+    no credentials at all (DefaultAzureCredential found none) fails at once, saying so."""
     try:
         return fn()
     except Exception as e:
         short = _one_line(e)
-        if short is None:
+        if short is not None:
+            raise AzureRequestError(short) from e
+        if type(e).__name__ not in _NO_CREDENTIALS:
             raise
-        raise AzureRequestError(short) from e
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        failure = AccessDeniedError(f"{display(url)}: no credentials: {redact(first)} (give storage_options a "
+                                    "connection_string, account_key or sas_token, or sign in: az login, a managed "
+                                    "identity, AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET)")
+        cause = redacted(e)
+    raise failure from cause  # out of the except block: the SDK's own error is no __context__ either
 
 
 def _code(e: BaseException | None) -> str | None:
