@@ -70,9 +70,10 @@ def members(shard: bytes) -> set[str]:
 @pytest.mark.parametrize("status", [503, 429])
 def test_throttling_is_retried_and_slows_the_read_ahead(status: int, azure: dict, azure_server: str, packed: Path,
                                                          latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """Azure's 503 ServerBusy and 429, from a proxy in front of Azurite on a fifth of the
-    GETs and HEADs of a whole epoch: every sample exactly once, and the throttling counted in
-    stats(), where the read-ahead's AIMD sees it (the SDK's own retries would hide it)."""
+    """503 (Azure's ServerBusy) and 429, from a proxy in front of Azurite on a fifth of the
+    GETs and HEADs of a whole epoch (the proxy's bodies are S3's and GCS's: the client goes by
+    the status): every sample exactly once, and the throttling counted in stats(), where the
+    read-ahead's AIMD sees it (the SDK's own retries would hide it)."""
     monkeypatch.setattr(shardkit.storage.retry, "OUTAGE_RETRIES", 10)
     url, opts = azure["url"] + "/ds", azure["storage_options"]
     fs, root = fsspec.core.url_to_fs(url, **opts)
