@@ -26,7 +26,7 @@ else
         "$venv/bin/python" -m pip check || echo "setup: warning: pip check found conflicts" >&2
         touch "$stamp"
     fi
-    # Azurite, Azure Storage's emulator (an npm package, ~20 s), for the Azure tests: into .azurite/
+    # Azurite, Azure Storage's emulator (an npm package, 20-40 s), for the Azure tests: into .azurite/
     # (gitignored). Without npm the Azure tests are skipped, saying so; nothing else needs it.
     if [[ ! -x .azurite/node_modules/.bin/azurite-blob ]]; then
         if command -v npm >/dev/null; then

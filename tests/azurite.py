@@ -47,9 +47,16 @@ def azurite_blob() -> str | None:
 def azure_server(_server_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The endpoint (http://127.0.0.1:PORT) of an Azurite Blob service, one per session."""
     exe = azurite_blob()
-    if exe is None or shutil.which("node") is None:
-        pytest.skip("Azurite is not installed (scripts/_setup.sh installs it with npm into .azurite/; "
-                    "it needs node and npm): the Azure tests are skipped")
+    if exe is None:
+        why = "Azurite is not installed (scripts/_setup.sh installs it with npm into .azurite/; it needs node and npm)"
+    elif not Path(exe).exists():
+        why = f"AZURITE_BLOB={exe} is not there"
+    elif shutil.which("node") is None:
+        why = "node, which Azurite runs on, is not on PATH"
+    else:
+        why = ""
+    if why:
+        pytest.skip(f"{why}: the Azure tests are skipped")
     pytest.importorskip("adlfs", reason="adlfs is not installed (pip install 'shardkit[azure]')")
     port = free_port()
     where = tmp_path_factory.mktemp("azurite")

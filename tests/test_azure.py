@@ -23,6 +23,8 @@ from shardkit.storage.stores import store_for
 
 from azurite import ACCOUNT, connection_string
 
+pytest.importorskip("adlfs", reason="adlfs is not installed (pip install '.[azure]'): the Azure tests are skipped")
+
 
 def keys(ds: StreamingDataset, workers: int = 0) -> list[str]:
     return [s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=workers)]
