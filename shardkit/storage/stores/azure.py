@@ -1,7 +1,8 @@
 """Azure Blob Storage and ADLS Gen2 (az://, abfs://, abfss://): adlfs for listings, details,
 removals and uploads, and its azure-storage-blob client, driven directly, for what adlfs
 does not offer: a ranged read If-Match the ETag pinned at pack time (adlfs's `cat_file`
-sends no condition, so a replaced shard would be read silently), and conditional writes
+sends no condition, so a replaced shard would be read silently), a blob read in order
+pinned to its first ETag likewise (`InOrder`, in place of adlfs's file), and conditional writes
 (base.py): Put Blob with `If-None-Match: *` (Azure answers 409 BlobAlreadyExists where a
 blob is there) or `If-Match` an ETag, Delete Blob `If-Match` (412 ConditionNotMet where it
 changed). A store of its own rather than azure-storage-blob alone: adlfs already reads the
