@@ -22,9 +22,20 @@ else
         # Pinned and first, so the extras' torch>=2.1 is already met and pip never pulls a CUDA build.
         "${pip[@]}" torch==2.13.0
         # One resolve: naming s3fs beside moto keeps botocore within aiobotocore's pin.
-        "${pip[@]}" -e '.[test,s3,gcs,docs]' 'moto[server]' s3fs gcp-storage-emulator
+        "${pip[@]}" -e '.[test,s3,gcs,azure,docs]' 'moto[server]' s3fs gcp-storage-emulator
         "$venv/bin/python" -m pip check || echo "setup: warning: pip check found conflicts" >&2
         touch "$stamp"
+    fi
+    # Azurite, Azure Storage's emulator (an npm package, 20-40 s), for the Azure tests: into .azurite/
+    # (gitignored). Without npm the Azure tests are skipped, saying so; nothing else needs it.
+    if [[ ! -x .azurite/node_modules/.bin/azurite-blob ]]; then
+        if command -v npm >/dev/null; then
+            echo "setup: installing Azurite into .azurite (npm)" >&2
+            npm install --prefix .azurite --no-audit --no-fund --loglevel=error azurite@3.37.0 >&2 ||
+                echo "setup: warning: npm could not install Azurite: the Azure tests will be skipped" >&2
+        else
+            echo "setup: npm not found: Azurite is not installed, so the Azure tests will be skipped" >&2
+        fi
     fi
 fi
 

@@ -37,7 +37,10 @@ def redact(text: str) -> str:
     return hidden.sub("***", text) if hidden is not None else text
 
 
-_SECRET_NAME = re.compile(r"key|secret|token|passw|credential|signature|sas|auth", re.IGNORECASE)
+_SECRET_NAME = re.compile(r"key|secret|token|passw|credential|signature|sas|auth|connection_str", re.IGNORECASE)
+# the parts of an Azure connection string or SAS that are secrets: its key, its SAS, the SAS's signature
+_SECRET_PARTS = (re.compile(r"(?:AccountKey|SharedAccessSignature)=([^;]+)", re.IGNORECASE),
+                 re.compile(r"\bsig=([^;&\s]+)"))
 _NOT_SECRET = frozenset({"google_default", "anon", "browser", "cache", "cloud"})  # gcsfs's token modes
 _SHORTEST_SECRET = 8  # "testing", "anon", "true": not worth hiding, and would hide parts of words
 
@@ -74,7 +77,10 @@ def hide(storage_options: Mapping[str, Any] | None) -> None:
 
 def _secret_values(value: Any, named: bool, depth: int = 0) -> list[str]:
     if isinstance(value, str):
-        return [value] if named and len(value) >= _SHORTEST_SECRET and value not in _NOT_SECRET else []
+        if not named or len(value) < _SHORTEST_SECRET or value in _NOT_SECRET:
+            return []
+        parts = [part for pattern in _SECRET_PARTS for part in pattern.findall(value) if len(part) >= _SHORTEST_SECRET]
+        return [value, *parts]
     if depth > 8:
         return []
     if isinstance(value, Mapping):

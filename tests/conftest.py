@@ -15,7 +15,7 @@ from PIL import Image, ImageDraw
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-pytest_plugins = ["servers", "seaweed", "fakegcs"]  # real S3, GCS and WebHDFS servers on loopback
+pytest_plugins = ["servers", "seaweed", "fakegcs", "azurite"]  # real S3, GCS, WebHDFS and Azure servers on loopback
 
 CLASSES = ("circle", "square", "triangle")
 

@@ -4,7 +4,7 @@ Load it with ``pytest_plugins = ["servers"]`` (or ``-p servers``).  Each server 
 per session, started on first use on a free 127.0.0.1 port and stopped at the end (terminate,
 5 s, kill); the function-scoped fixtures wipe its state and hand out a fresh bucket or directory::
 
-    def test_x(remote):                      # runs over s3, gcs and webhdfs
+    def test_x(remote):                      # runs over s3, gcs, webhdfs and azure
         fs, path = fsspec.core.url_to_fs(remote["url"], **remote["storage_options"])
 
 Servers: moto (S3), gcp-storage-emulator (GCS), ``scripts/webhdfs_server.py`` (WebHDFS) and
@@ -321,10 +321,11 @@ def webhdfs(webhdfs_server: WebHDFSServer) -> dict:
     }
 
 
-# -- all three -----------------------------------------------------------------------------------
-@pytest.fixture(params=["s3", "gcs", "webhdfs", "seaweedfs", "fakegcs"])  # the last two: seaweed.py, fakegcs.py
+# -- all of them ---------------------------------------------------------------------------------
+@pytest.fixture(params=["s3", "gcs", "webhdfs", "seaweedfs", "fakegcs", "azure"])  # seaweed.py, fakegcs.py, azurite.py
 def remote(request: pytest.FixtureRequest) -> dict:
-    """Each of s3, gcs and webhdfs (and SeaweedFS's S3, fake-gcs-server) in turn: {"url": ..., "storage_options": {...}}."""
+    """Each of s3, gcs, webhdfs, SeaweedFS's S3, fake-gcs-server and azure (Azurite) in turn:
+    {"url": ..., "storage_options": {...}}."""
     return request.getfixturevalue(request.param)
 
 

@@ -1,4 +1,4 @@
-"""The contract every format and store keeps, run over {tar, LMDB} x {local, moto's S3, SeaweedFS's S3}:
+"""The contract every format and store keeps, run over {tar, LMDB} x {local, moto's S3, SeaweedFS's S3, Azurite}:
 pack, read (every sample once, the source's own bytes), resume, bad data.
 
 An LMDB is written to a local folder only (pack refuses a remote one, saying so); one
@@ -60,15 +60,14 @@ def pack(source: Path, dest: str, fmt: str, **kw: Any) -> shardkit.Index:
     return shardkit.pack(str(source), dest, format=fmt, max_count=5, workers=1, progress=False, **kw)
 
 
-@pytest.fixture(params=[(f, p) for f in ("tar", "lmdb") for p in ("local", "s3", "seaweedfs")], ids="-".join)
+@pytest.fixture(params=[(f, p) for f in ("tar", "lmdb") for p in ("local", "s3", "seaweedfs", "azure")], ids="-".join)
 def stored(request: pytest.FixtureRequest, source: Path, local: dict[str, Path], tmp_path: Path) -> Stored:
-    """The packed source where the cell says: packed to S3 (moto's or SeaweedFS's) directly
-    (tar) or copied up (LMDB)."""
+    """The packed source where the cell says: packed to the store directly (tar) or copied up (LMDB)."""
     fmt, place = request.param
     if place == "local":
         return Stored(fmt, str(local[fmt]), {})
-    s3 = request.getfixturevalue(place)
-    url, opts = s3["url"] + "/ds", s3["storage_options"]
+    remote = request.getfixturevalue(place)
+    url, opts = remote["url"] + "/ds", remote["storage_options"]
     if fmt == "tar":
         pack(source, url, fmt, storage_options=opts)
         return Stored(fmt, url, {"storage_options": opts})

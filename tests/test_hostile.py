@@ -381,13 +381,13 @@ def test_two_packs_into_one_dest_at_once_never_both_succeed(tmp_path: Path) -> N
 
 # -- exclusive writers on object stores: conditional writes and DEST's lease ---------------------
 
-@pytest.fixture(params=["local", "s3", "gcs"])
+@pytest.fixture(params=["local", "s3", "gcs", "azure"])
 def conditional(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict | None]:
     """(folder URL, storage options) on each store with conditional writes; GCS through a gate
     of GCS's precondition rules (servers._Preconditions), which the emulator ignores."""
     if request.param == "local":
         return str(tmp_path / "dest"), None
-    remote = request.getfixturevalue("s3" if request.param == "s3" else "gcs_conditional")
+    remote = request.getfixturevalue("gcs_conditional" if request.param == "gcs" else request.param)
     return remote["url"] + "/dest", remote["storage_options"]
 
 
@@ -411,10 +411,10 @@ def test_conditional_writes_succeed_only_at_the_version_seen(conditional: tuple[
     assert store.read_versioned(url) is None
 
 
-@pytest.fixture(params=["s3", "gcs"])
+@pytest.fixture(params=["s3", "gcs", "azure"])
 def bucket(request: pytest.FixtureRequest) -> tuple[str, dict]:
     """(DEST URL, storage options) in a bucket of each object store with conditional writes."""
-    remote = request.getfixturevalue("s3" if request.param == "s3" else "gcs_conditional")
+    remote = request.getfixturevalue("gcs_conditional" if request.param == "gcs" else request.param)
     return remote["url"] + "/ds", remote["storage_options"]
 
 
@@ -802,7 +802,7 @@ def test_a_read_spec_shows_no_secret() -> None:
 
 def test_the_core_and_remote_dependencies_carry_lower_bounds_met_here() -> None:
     """Unbounded, `pip install '.[s3,gcs]'` settled on s3fs 0.4.2 (2019). Every core dependency and
-    every one of the s3 and gcs extras (and s3fs, gcsfs, botocore wherever named) has a `>=` bound,
+    every one of the s3, gcs and azure extras (and their clients wherever named) has a `>=` bound,
     which the versions the tests run with meet."""
     import importlib.metadata
     import tomllib
@@ -811,8 +811,8 @@ def test_the_core_and_remote_dependencies_carry_lower_bounds_met_here() -> None:
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    remote = {"s3fs", "gcsfs", "botocore"}
-    named = [*project["dependencies"], *extras["s3"], *extras["gcs"]]
+    remote = {"s3fs", "gcsfs", "botocore", "adlfs", "azure-storage-blob"}
+    named = [*project["dependencies"], *extras["s3"], *extras["gcs"], *extras["azure"]]
     named += [d for deps in extras.values() for d in deps if Requirement(d).name.lower() in remote]
     for dep in map(Requirement, named):
         bounds = [s for s in dep.specifier if s.operator == ">="]

@@ -108,7 +108,7 @@ INNER: dict[str, list[set[str]]] = {
     "storage.stores": [
         {"base"},
         {"local", "fsspec"},
-        {"s3"},
+        {"s3", "azure"},
     ],
 }
 

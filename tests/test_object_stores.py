@@ -56,12 +56,13 @@ def test_throttling_and_resets_cost_no_sample(s3: dict, s3_server: str, packed: 
     assert ds.stats()["throttled"] > 0
 
 
-@pytest.mark.parametrize("store", ["s3", "s3 client", "seaweedfs", "gcs", "fakegcs"])
+@pytest.mark.parametrize("store", ["s3", "s3 client", "seaweedfs", "gcs", "fakegcs", "azure"])
 def test_a_shard_replaced_under_its_name_is_caught_at_its_first_read(store: str, request: pytest.FixtureRequest,
                                                                      photos: Path) -> None:
-    """The index pins each shard's version (S3's ETag, GCS's generation): a shard replaced
-    since is named at its first read (S3: the GET is If-Match, on plain HTTP or, where the
-    options set TLS up, through s3fs's client; GCS: checked on open) and handled by on_error;
+    """The index pins each shard's version (S3's and Azure's ETag, GCS's generation): a shard
+    replaced since is named at its first read (S3: the GET is If-Match, on plain HTTP or, where
+    the options set TLS up, through s3fs's client; Azure: If-Match too; GCS: checked on open)
+    and handled by on_error;
     `shardkit index --versions` records the new versions."""
     client = store == "s3 client"
     store = store.split()[0]
@@ -75,8 +76,8 @@ def test_a_shard_replaced_under_its_name_is_caught_at_its_first_read(store: str,
         assert shardkit.storage.s3_http.usable(opts) != client and not shardkit.storage.s3_http.usable(
             {**opts, **proxy})
     idx = shardkit.pack(str(photos), url, max_count=10, workers=1, progress=False, storage_options=opts)
-    api = "s3" if store in ("s3", "seaweedfs") else "gcs"
-    kind = "etag" if api == "s3" else "generation"
+    api = {"seaweedfs": "s3", "fakegcs": "gcs"}.get(store, store)
+    kind = "generation" if api == "gcs" else "etag"
     assert all(s.version is not None and list(s.version) == [kind] for s in idx.shards)
     assert index.load(url, opts).shards == idx.shards
     fs, root = fsspec.core.url_to_fs(url, **opts)
@@ -93,7 +94,8 @@ def test_a_shard_replaced_under_its_name_is_caught_at_its_first_read(store: str,
     assert skipping.stats()["skipped"] == 10
     endpoint = {"s3": ["-o", f'client_kwargs={{"endpoint_url": "{s3_endpoint(opts)}"}}', "-o", f"key={opts.get('key')}",
                        "-o", f"secret={opts.get('secret')}"],
-                "gcs": ["-o", f"endpoint_url={opts.get('endpoint_url')}", "-o", "token=anon"]}[api]
+                "gcs": ["-o", f"endpoint_url={opts.get('endpoint_url')}", "-o", "token=anon"],
+                "azure": ["-o", f"connection_string={opts.get('connection_string')}"]}[api]
     with pytest.raises(SystemExit) as done:
         main(["index", "--versions", url, *endpoint])
     assert done.value.code == 0

@@ -13,7 +13,7 @@ while it was held, keep it until they exit: they may still be writing. The holde
 the file as it lets go; a pack that opened it just before checks, once locked, that it
 still holds the file at that path, else starts again.
 
-On S3 and GCS the lock is an object, created only where there is none (`If-None-Match: *`,
+On S3, GCS and Azure the lock is an object, created only where there is none (`If-None-Match: *`,
 `ifGenerationMatch=0`: of two packs starting together one creates it, the other is refused)
 and held by a lease: the holder rewrites it every quarter of the lease (LEASE_S, 2 minutes
 by default; `SHARDKIT_LOCK_LEASE_S` sets it for the packs a process starts), each time
@@ -26,8 +26,8 @@ once; elsewhere it starts once the dead pack's lease has run out (the refusal sa
 The clocks of the machines packing into one bucket must agree to well within a lease (NTP
 does). A holder that finds its lock taken over (its lease ran out while the store could not
 be reached, say) stops before it commits an index, and lets the lock be. It is removed as
-the pack ends, conditional on its version. Other remote stores (WebHDFS, HDFS, Azure) are
-not locked: run one pack at a time into them.
+the pack ends, conditional on its version. Other remote stores (WebHDFS, HDFS) are not
+locked: run one pack at a time into them.
 """
 
 from __future__ import annotations

@@ -75,9 +75,9 @@ def pack(
             a URL.
         dest: the folder or URL prefix the dataset goes in (LMDB: a local path). It is locked
             for the pack (`DEST/.shardkit-lock`: a file locked with flock locally, an object
-            created conditionally and held by a lease on S3 and GCS): a second pack into it
-            raises DestinationBusyError at once, naming the first. Other remote stores
-            (WebHDFS, HDFS, Azure) are not locked: one pack at a time.
+            created conditionally and held by a lease on S3, GCS and Azure): a second pack into
+            it raises DestinationBusyError at once, naming the first. Other remote stores
+            (WebHDFS, HDFS) are not locked: one pack at a time.
         format: ``"tar"`` (WebDataset shards) or ``"lmdb"``.
         max_count: the most samples a shard holds.
         max_size: the most bytes a shard holds (``"256MB"`` or an int; None: no limit).

@@ -13,12 +13,16 @@ from urllib.parse import urlsplit
 
 from ..errors import BadRequestError, ShardkitError, hide, one_line, redact, redacted
 from .patience import client_options, patience_for
-from .urls import GCS, HTTP, S3, WEBHDFS, StorageOptions, display, netloc, scheme
+from .urls import AZURE, GCS, HTTP, S3, WEBHDFS, StorageOptions, display, netloc, scheme
 
 
 _INSTALL_HINTS = {  # a package from the registry: shardkit is not on it (a checkout's extras: '.[s3]', '.[gcs]')
     "s3": "pip install s3fs", "s3a": "pip install s3fs", "gs": "pip install gcsfs", "gcs": "pip install gcsfs",
+    "az": "pip install adlfs", "abfs": "pip install adlfs", "abfss": "pip install adlfs",
 }
+# where adlfs finds credentials that are not in the options: hidden from messages as the options' are
+_AZURE_ENV = {"connection_string": "AZURE_STORAGE_CONNECTION_STRING", "account_key": "AZURE_STORAGE_ACCOUNT_KEY",
+              "sas_token": "AZURE_STORAGE_SAS_TOKEN", "client_secret": "AZURE_STORAGE_CLIENT_SECRET"}
 
 
 _FILESYSTEMS: dict[tuple[Any, ...], Any] = {}  # this process's filesystem instances
@@ -55,6 +59,14 @@ def _quiet_gcsfs() -> None:
     Python's last-resort one from printing it on stderr, over shardkit's one-line error
     (an application that set logging up still gets the records)."""
     logging.getLogger("gcsfs").addHandler(logging.NullHandler())
+
+
+@functools.cache
+def _quiet_azure() -> None:
+    """azure-identity logs every credential it tried, a dozen lines, as a warning each time
+    none gave a token: a handler of its own keeps them off stderr, under shardkit's one-line
+    error (an application that set logging up still gets the records)."""
+    logging.getLogger("azure").addHandler(logging.NullHandler())
 
 
 def _harden(fs: Any, protocol: str, timeout_s: float) -> None:
@@ -156,12 +168,16 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         kwargs["client_kwargs"] = {**client, "timeout": _socket_timeout(timeout_s)}
     if protocol in S3:
         kwargs["config_kwargs"] = s3_compatible(kwargs)
-    ours = protocol in S3 and not client_retries
+    if protocol in AZURE:
+        hide({name: os.environ.get(variable) for name, variable in _AZURE_ENV.items()})
+        _quiet_azure()
+    ours = protocol in S3 + AZURE and not client_retries
     if protocol in S3:  # botocore's default: 60 s silent before a read fails
         config = kwargs.get("config_kwargs") or {}
         kwargs["config_kwargs"] = {"connect_timeout": timeout_s, "read_timeout": timeout_s, **config}
-    if ours:  # an instance of its own (fs.retries is set below), never fsspec's shared one, made once a process
-        kwargs["config_kwargs"] = {**_ONE_ATTEMPT, **(kwargs.get("config_kwargs") or {})}
+    if ours:  # an instance of its own (its retries are turned off below), never fsspec's shared one, made once a process
+        if protocol in S3:
+            kwargs["config_kwargs"] = {**_ONE_ATTEMPT, **(kwargs.get("config_kwargs") or {})}
         kwargs["skip_instance_cache"] = True
     key = (os.getpid(), protocol, ours, json.dumps(kwargs, sort_keys=True, default=repr))
     cache = _FILESYSTEMS if instances is None or ours else instances
@@ -173,10 +189,22 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         _harden(fs, protocol, timeout_s)
         if protocol in GCS:
             _resolve_once(url, fs)
-        if ours:
+        if ours and protocol in S3:
             fs.retries = 1  # a class attribute of s3fs, not an option
+        elif ours:
+            _azure_retries_off(fs)
         fs = cache.setdefault(key, fs)
     return fs, cls._strip_protocol(url)
+
+
+def _azure_retries_off(fs: Any) -> None:
+    """azure-storage-blob retries a failed request itself, 3 times from 15 s apart
+    (ExponentialRetry's defaults, which adlfs gives no option for): a throttled read would
+    wait a minute unseen by the read-ahead, and a dead endpoint take 5 x 1 min to fail. Off
+    on the client whose requests shardkit retries. Private API, written against
+    azure-storage-blob 12.31: the client's `_config.retry_policy`, which every blob client
+    made from it shares."""
+    fs.service_client._config.retry_policy.total_retries = 0
 
 
 def _made(cls: Any, kwargs: dict[str, Any], url: str, protocol: str) -> Any:

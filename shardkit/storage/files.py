@@ -11,7 +11,7 @@ from ..errors import CorruptShardError
 from . import fingerprint, latencies
 from .clients import endpoint
 from .stores import store_for
-from .urls import GCS, HTTP, S3, WEBHDFS, StorageOptions, display, is_local, join, local_path, scheme
+from .urls import AZURE, GCS, HTTP, S3, WEBHDFS, StorageOptions, display, is_local, join, local_path, scheme
 from .streams import Arriving
 
 _SMALL = 64 << 10  # an object this small takes about its first byte's latency to read
@@ -73,11 +73,13 @@ def version(url: str, storage_options: StorageOptions | None = None) -> tuple[in
 
 def pin_of(url: str, info: dict[str, Any]) -> dict[str, Any] | None:
     """What the store changes when the object `url` is replaced, from its details (fsspec's
-    info or listing): S3's ETag, GCS's generation, WebHDFS's modification time, an HTTP
+    info or listing): S3's and Azure's ETag, GCS's generation, WebHDFS's modification time, an HTTP
     server's ETag, else its Last-Modified (a presigned URL's answer carries the object's
     ETag); None where the store gives none of them."""
     if scheme(url) in S3 and info.get("ETag"):
         return {"etag": str(info["ETag"])}
+    if scheme(url) in AZURE and info.get("etag"):  # adlfs's, quoted as Azure sends it
+        return {"etag": str(info["etag"])}
     if scheme(url) in GCS and info.get("generation"):
         return {"generation": str(info["generation"])}
     if scheme(url) in WEBHDFS and info.get("modificationTime"):

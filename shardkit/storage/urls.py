@@ -37,6 +37,7 @@ GCS = ("gs", "gcs")
 WEBHDFS = ("webhdfs",)
 HTTP = ("http", "https")
 S3 = ("s3", "s3a")
+AZURE = ("az", "abfs", "abfss")  # adlfs: Blob Storage and ADLS Gen2, one client
 OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"}  # no folders: a prefix is all there is
 
 

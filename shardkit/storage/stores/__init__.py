@@ -4,6 +4,7 @@ reads a URL (base.py says what a store does).
     local    plain paths and file://           os calls
     s3       s3://, s3a://                     presigned GETs (s3_http.py), else s3fs
     gcs      gs://, gcs://                     gcsfs (fsspec.py), with conditional writes
+    azure    az://, abfs://, abfss://          adlfs, reads and conditional writes on its client (azure.py)
     webhdfs  webhdfs://, swebhdfs://           fsspec, a ranged read in one OPEN
     fsspec   everything else, chained URLs     the scheme's fsspec backend
 """
@@ -15,7 +16,8 @@ from typing import Any
 
 from ...errors import hide
 from ..patience import patience_for
-from ..urls import GCS, S3, WEBHDFS, StorageOptions, is_local, scheme
+from ..urls import AZURE, GCS, S3, WEBHDFS, StorageOptions, is_local, scheme
+from .azure import AzureStore
 from .base import Sink, Store
 from .fsspec import FsspecStore, GcsStore, WebHdfsStore
 from .local import LocalStore
@@ -26,6 +28,7 @@ _BY_SCHEME: dict[str, Callable[[str, StorageOptions | None, bool, Instances | No
     **{s: s3_store for s in S3},
     **{s: lambda url, opts, patient, inst: GcsStore(opts, patient, inst) for s in GCS},
     **{s: lambda url, opts, patient, inst: WebHdfsStore(opts, patient, inst) for s in WEBHDFS},
+    **{s: lambda url, opts, patient, inst: AzureStore(opts, patient, inst) for s in AZURE},
 }
 
 
@@ -43,4 +46,4 @@ def store_for(url: str, storage_options: StorageOptions | None = None, *, patien
     return make(url, storage_options, patient, instances)
 
 
-__all__ = ["FsspecStore", "GcsStore", "LocalStore", "Sink", "Store", "store_for"]
+__all__ = ["AzureStore", "FsspecStore", "GcsStore", "LocalStore", "Sink", "Store", "store_for"]

@@ -7,9 +7,9 @@ removes, and makes or removes folders. Atomic writes are atomic.py's, over the s
 stores' clients. URLs are the user's fsspec URLs, whole; storage options reach the client
 unchanged.
 
-Stores with `conditional_writes` (S3, GCS, local disk) also write small objects only if
-they are as the caller last saw them, with the store's own conditional requests: created
-only where there is none (S3's `If-None-Match: *`, GCS's `ifGenerationMatch=0`), replaced
+Stores with `conditional_writes` (S3, GCS, Azure, local disk) also write small objects only
+if they are as the caller last saw them, with the store's own conditional requests: created
+only where there is none (S3's and Azure's `If-None-Match: *`, GCS's `ifGenerationMatch=0`), replaced
 or removed only at the version read (`If-Match` the ETag, `ifGenerationMatch` the
 generation). Two writers can never both succeed; a pack's lock on DEST is built on them
 (packing/lock.py). A version is the store's own mark, as text. They are retried like the
