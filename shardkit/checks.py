@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import operator
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from .units import parse_size
+
+ON_ERROR = ("raise", "skip")  # what a bad sample or file does, in the reader and the packer alike
 
 
 def integer(name: str, value: Any, minimum: int | None = 0, maximum: int | None = None) -> int:
@@ -77,4 +80,16 @@ def mapping(name: str, value: Any) -> Any:
     """A dict of options, or None."""
     if value is not None and not isinstance(value, Mapping):
         raise TypeError(f"{name} must be a dict (or None), not {value!r}")
+    return value
+
+
+def on_error(value: Any, stacklevel: int = 3) -> str:
+    """``"raise"`` or ``"skip"``, for the reader and the packer alike. The packer's old
+    ``"fail"`` is still taken, as ``"raise"``, with a DeprecationWarning pointing at the call
+    (`stacklevel` 3: the caller of the function that checks)."""
+    if isinstance(value, str) and value == "fail":
+        warnings.warn('on_error="fail" is deprecated: use on_error="raise"', DeprecationWarning, stacklevel=stacklevel)
+        return "raise"
+    if not isinstance(value, str) or value not in ON_ERROR:
+        raise ValueError(f"on_error must be 'raise' or 'skip', not {value!r}")
     return value

@@ -22,6 +22,7 @@ from typing import Any
 
 import click
 
+from .checks import ON_ERROR
 from .errors import SKIP_BAD, CorruptShardError, ShardkitError, SourceError, one_line, redact, shown_name
 from .units import format_size, parse_size
 
@@ -128,6 +129,20 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
     return size
 
 
+class _OnError(click.Choice):  # type: ignore[type-arg]  # generic from click 8.2 on, not in 8.1
+    """--on-error raise|skip, the words of on_error= in Python; pack's old "fail" is still taken,
+    as raise, with a warning on stderr."""
+
+    def __init__(self) -> None:
+        super().__init__(ON_ERROR)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value == "fail":
+            click.echo("Warning: --on-error fail is deprecated: use --on-error raise", err=True)
+            return "raise"
+        return super().convert(value, param, ctx)
+
+
 storage_option = click.option(
     "-o", "--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
     help="fsspec storage option, repeatable (e.g. -o endpoint_url=http://127.0.0.1:9000); shardkit's own: "
@@ -158,7 +173,7 @@ def main() -> None:
 @click.option("--shuffle/--no-shuffle", default=True, show_default=True,
               help="Shuffle samples across shards (recommended for training).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the pack-time shuffle.")
-@click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
+@click.option("--on-error", type=_OnError(), default="skip", show_default=True,
               help="Skip unusable files (listed in the index) or stop at the first one.")
 @click.option("--resize", type=click.IntRange(min=1), metavar="PX",
               help="Shrink each image so its shorter side is at most PX, re-encoded as JPEG.")
@@ -168,7 +183,7 @@ def main() -> None:
               help="Decode every image in full (a slower pack), so that a corrupt one is skipped now, not met in "
                    "training.")
 @click.option("--max-file-size", default="1GiB", show_default=True, callback=_size,
-              help="Skip (or, with --on-error fail, stop at) a source image larger than this, unread.")
+              help="Skip (or, with --on-error raise, stop at) a source image larger than this, unread.")
 @click.option("--layout", type=click.Choice(["classes", "flat"]), default="classes", show_default=True,
               help="Images in class folders (SRC/<class>/<image>), or anywhere under SRC without classes.")
 @click.option("--fields", default="", metavar="EXT,...",
@@ -219,8 +234,8 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
                        progress=None if not quiet else False, executor=executor, ray_address=ray_address,
                        storage_options=_storage_options(storage_options), overwrite=overwrite, stats=stats)
     except SourceError as e:
-        if on_error == "fail" and str(e).startswith(join(src, "")):  # a file of SRC it could not use
-            raise SourceError(f"{e} (--on-error fail; remove the file, or pack with --on-error skip to leave it out "
+        if on_error == "raise" and str(e).startswith(join(src, "")):  # a file of SRC it could not use
+            raise SourceError(f"{e} (--on-error raise; remove the file, or pack with --on-error skip to leave it out "
                               "and list it in the index)") from None
         raise
     unusable, hidden = _sort_skipped(idx.skipped)
@@ -487,9 +502,8 @@ def _transform(ctx: click.Context, param: click.Parameter, value: str | None) ->
         raise click.BadParameter(str(e)) from None
 
 
-_READ_ERRORS = {"fail": "raise", "skip": "skip"}  # the CLI's words (as pack's) -> the dataset's
 read_error_option = click.option(
-    "--on-error", type=click.Choice(["fail", "skip"]), default="fail", show_default=True,
+    "--on-error", type=_OnError(), default="raise", show_default=True,
     help="On a bad sample (undecodable image, truncated shard): stop with an error naming it, "
          "or leave it out and count it.",
 )
@@ -552,7 +566,7 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
     try:
         doc = run_bench(url, workers=workers, prefetch=prefetch or [8], batch_size=batch_size, decode=decode,
                         transform=transform, batches=batches, passes=passes, warmup=warmup, step_ms=step_ms,
-                        storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error],
+                        storage_options=_storage_options(storage_options), on_error=on_error,
                         progress=progress)
     except (ValueError, TypeError) as e:  # results that do not batch (images of several sizes), a bad sample
         raise click.ClickException(_in_cli_words(_message(e))) from None
@@ -586,7 +600,7 @@ def preview(url: str, n: int, out: str, transform: Any, decode: str, seed: int, 
 
     try:
         result = render_preview(url, n=n, out=out, transform=transform, decode=decode, seed=seed, tile=tile,
-                                storage_options=_storage_options(storage_options), on_error=_READ_ERRORS[on_error])
+                                storage_options=_storage_options(storage_options), on_error=on_error)
     except CorruptShardError as e:
         raise click.ClickException(_in_cli_words(_message(e))) from None
     cols, rows = result["grid"]

@@ -100,22 +100,22 @@ def test_skipped_files_are_reported(run, photos: Path, tmp_path: Path) -> None: 
     assert "skipped:  1 file\n" in run("info", tmp_path / "out").output
 
 
-def test_on_error_fail_exits_nonzero(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_on_error_raise_exits_nonzero(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     (photos / "circle" / "bad.jpg").write_bytes(b"nope")
-    result = run("pack", photos, tmp_path / "out", "--on-error", "fail")
+    result = run("pack", photos, tmp_path / "out", "--on-error", "raise")
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1].endswith(
-        "circle/bad.jpg: not an image file (--on-error fail; remove the file, or pack with --on-error skip to leave "
+        "circle/bad.jpg: not an image file (--on-error raise; remove the file, or pack with --on-error skip to leave "
         "it out and list it in the index)")
 
 
-def test_on_error_fail_on_a_stray_file_says_how_to_go_on(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_on_error_raise_on_a_stray_file_says_how_to_go_on(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     (photos / "circle" / "notes.txt").write_text("not an image")
-    result = run("pack", photos, tmp_path / "out", "--on-error", "fail")
-    assert result.exit_code == 1 and "circle/notes.txt: not an image file extension (--on-error fail; remove the " \
+    result = run("pack", photos, tmp_path / "out", "--on-error", "raise")
+    assert result.exit_code == 1 and "circle/notes.txt: not an image file extension (--on-error raise; remove the " \
         "file, or pack with --on-error skip" in result.output
-    assert "no such folder" in run("pack", tmp_path / "missing", tmp_path / "x", "--on-error", "fail").output
-    assert "--on-error skip" not in run("pack", tmp_path / "missing", tmp_path / "x", "--on-error", "fail").output
+    assert "no such folder" in run("pack", tmp_path / "missing", tmp_path / "x", "--on-error", "raise").output
+    assert "--on-error skip" not in run("pack", tmp_path / "missing", tmp_path / "x", "--on-error", "raise").output
 
 
 def test_a_flat_folder_packed_without_layout_flat_says_so(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

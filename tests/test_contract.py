@@ -95,7 +95,7 @@ def test_pack_with_decode_check_skips_or_names_the_bad_image(source: Path, tmp_p
     skipped = pack(source, str(tmp_path / "checked"), fmt, decode_check=True)
     assert skipped.samples == 11 and [s.path for s in skipped.skipped] == [BAD]
     with pytest.raises(SourceError, match=f"{re.escape(BAD)}: cannot decode image"):
-        pack(source, str(tmp_path / "strict"), fmt, decode_check=True, on_error="fail")
+        pack(source, str(tmp_path / "strict"), fmt, decode_check=True, on_error="raise")
 
 
 def test_every_sample_once_with_the_source_bytes(stored: Stored, source: Path) -> None:

@@ -268,7 +268,7 @@ def test_a_jpeg_whose_header_claims_more_pixels_than_its_scans_hold_is_refused(p
         cut = r"truncated image: its data ends before its pixels do \(libjpeg-turbo: .*premature end of data segment\)"
         assert all(re.fullmatch(bound if not options and path == both[0] else cut, reasons[path]) for path in refused)
     with pytest.raises(SourceError, match=r"circle/liar\.jpg: truncated image: 2000x2000 pixels in \d+ bytes"):
-        shardkit.pack(str(photos), str(tmp_path / "fail"), workers=1, progress=False, on_error="fail")
+        shardkit.pack(str(photos), str(tmp_path / "fail"), workers=1, progress=False, on_error="raise")
     (problem,) = undecodable(str(tmp_path / "out[]"), workers=0)  # packed by the cheap checks: found by verify
     assert "(packed from circle/small_liar.jpg): field 'jpg': truncated image: its data ends before its pixels" in problem
 
@@ -838,9 +838,9 @@ def _forged_name(photos: Path) -> Path:
     return photos
 
 
-@pytest.mark.parametrize("on_error", ["fail", "skip"])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
 def test_a_file_name_holding_a_newline_is_shown_escaped(photos: Path, tmp_path: Path, on_error: str) -> None:
-    """Under --on-error fail (its error) and skip (its report) the name is one line, its newline
+    """Under --on-error raise (its error) and skip (its report) the name is one line, its newline
     written `\\n`: shown raw, or with the newline as a space, it named no real file and could
     forge an `Error:` line."""
     from click.testing import CliRunner
@@ -849,11 +849,11 @@ def test_a_file_name_holding_a_newline_is_shown_escaped(photos: Path, tmp_path: 
 
     result = CliRunner().invoke(main, ["pack", str(_forged_name(photos)), str(tmp_path / "out"),
                                        "--on-error", on_error])
-    assert result.exit_code == (1 if on_error == "fail" else 0), result.output
+    assert result.exit_code == (1 if on_error == "raise" else 0), result.output
     out = result.output
     assert "a\\nError: forged.jpg" in out, out
     assert not any(line.lstrip().startswith(("Error: forged", "forged")) for line in out.splitlines()), out
-    assert sum(line.startswith("Error:") for line in out.splitlines()) == (on_error == "fail"), out
+    assert sum(line.startswith("Error:") for line in out.splitlines()) == (on_error == "raise"), out
 
 
 def _sparse_jpg(photos: Path, size: int = 2 << 30) -> Path:
@@ -877,13 +877,13 @@ def test_a_file_over_the_size_limit_is_skipped_before_it_is_read(photos: Path, t
     huge.unlink()
 
 
-def test_a_file_over_the_size_limit_stops_a_pack_under_fail_naming_it(photos: Path, tmp_path: Path) -> None:
+def test_a_file_over_the_size_limit_stops_a_pack_under_raise_naming_it(photos: Path, tmp_path: Path) -> None:
     from click.testing import CliRunner
 
     from shardkit.cli import main
 
     huge = _sparse_jpg(photos, 3 << 20)
-    result = CliRunner().invoke(main, ["pack", str(photos), str(tmp_path / "out"), "--on-error", "fail",
+    result = CliRunner().invoke(main, ["pack", str(photos), str(tmp_path / "out"), "--on-error", "raise",
                                        "--max-file-size", "2MiB", "-q"])
     assert result.exit_code == 1, result.output
     (line,) = result.output.splitlines()

@@ -92,7 +92,7 @@ def test_conversions_keep_the_list_of_skipped_files(photos: Path, tmp_path: Path
     first = shardkit.pack(str(photos), str(tmp_path / "tar1"), workers=1, progress=False)
     db = shardkit.pack(str(tmp_path / "tar1"), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
     again = shardkit.pack(str(tmp_path / "db"), str(tmp_path / "tar2"), workers=1, progress=False,
-                          on_error="fail")  # what the first pack skipped is no failure of this one
+                          on_error="raise")  # what the first pack skipped is no failure of this one
     assert first.skipped == db.skipped == again.skipped and [s.path for s in first.skipped] == ["circle/broken.jpg"]
 
 
@@ -524,7 +524,7 @@ def test_a_key_too_long_for_lmdb_is_skipped_by_the_conversion(tmp_path: Path) ->
     assert idx.samples == 2 and len(idx.skipped) == 1
     assert "605 bytes as an LMDB key, over LMDB's 511" in idx.skipped[0].reason
     with pytest.raises(shardkit.SourceError, match="over LMDB's 511"):
-        shardkit.pack(str(tmp_path / "wds"), str(tmp_path / "fail"), format="lmdb", on_error="fail", workers=1,
+        shardkit.pack(str(tmp_path / "wds"), str(tmp_path / "fail"), format="lmdb", on_error="raise", workers=1,
                       progress=False)
 
 

@@ -195,10 +195,10 @@ def test_bad_files_are_skipped_and_listed(photos: Path, tmp_path: Path) -> None:
     assert len(info["skipped"]) == 6
 
 
-def test_on_error_fail_names_the_file(photos: Path, tmp_path: Path) -> None:
+def test_on_error_raise_names_the_file(photos: Path, tmp_path: Path) -> None:
     (photos / "square" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0garbage")
     with pytest.raises(SourceError, match=r"square/broken\.jpg: "):
-        shardkit.pack(str(photos), str(tmp_path / "out"), on_error="fail", workers=2, max_count=3, progress=False)
+        shardkit.pack(str(photos), str(tmp_path / "out"), on_error="raise", workers=2, max_count=3, progress=False)
     assert not (tmp_path / "out" / "index.json").exists()
     assert not [p for p in (tmp_path / "out").iterdir() if ".tmp-" in p.name]
 
@@ -210,7 +210,7 @@ def test_on_error_is_no_part_of_what_a_pack_is(photos: Path, tmp_path: Path, fmt
     unless that work left a file out and the rerun says fail: then it fails, naming it."""
     out = tmp_path / "out"
     shardkit.pack(str(photos), str(out), format=fmt, workers=1, max_count=7, progress=False)
-    again = shardkit.pack(str(photos), str(out), format=fmt, workers=1, max_count=7, on_error="fail", progress=False)
+    again = shardkit.pack(str(photos), str(out), format=fmt, workers=1, max_count=7, on_error="raise", progress=False)
     assert again.samples == 30
 
     (photos / "square" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0garbage")
@@ -218,7 +218,7 @@ def test_on_error_is_no_part_of_what_a_pack_is(photos: Path, tmp_path: Path, fmt
     shardkit.pack(str(photos), str(out), format=fmt, workers=1, max_count=7, progress=False)  # under skip
     message = r"square/broken\.jpg: .*\(left out by an earlier run of this pack under --on-error skip\)"
     with pytest.raises(SourceError, match=message):  # the finished pack
-        shardkit.pack(str(photos), str(out), format=fmt, workers=1, max_count=7, on_error="fail", progress=False)
+        shardkit.pack(str(photos), str(out), format=fmt, workers=1, max_count=7, on_error="raise", progress=False)
     if fmt == "tar":  # and one that a crash stopped before its index: its shards are kept work
         shutil.rmtree(out)
 
@@ -230,14 +230,14 @@ def test_on_error_is_no_part_of_what_a_pack_is(photos: Path, tmp_path: Path, fmt
             with pytest.raises(RuntimeError, match="killed before the index"):
                 shardkit.pack(str(photos), str(out), workers=1, max_count=7, progress=False)
         with pytest.raises(SourceError, match=message):
-            shardkit.pack(str(photos), str(out), workers=1, max_count=7, on_error="fail", progress=False)
+            shardkit.pack(str(photos), str(out), workers=1, max_count=7, on_error="raise", progress=False)
         assert shardkit.pack(str(photos), str(out), workers=1, max_count=7, progress=False).samples == 30
 
 
-def test_on_error_fail_passes_over_hidden_entries(photos: Path, tmp_path: Path) -> None:
+def test_on_error_raise_passes_over_hidden_entries(photos: Path, tmp_path: Path) -> None:
     """.DS_Store and friends are not input: listed as ignored, never a failure."""
     (photos / "square" / ".DS_Store").write_bytes(b"\x00\x01")
-    idx = shardkit.pack(str(photos), str(tmp_path / "out"), on_error="fail", workers=1, progress=False)
+    idx = shardkit.pack(str(photos), str(tmp_path / "out"), on_error="raise", workers=1, progress=False)
     assert idx.samples == 30 and [(s.path, s.reason) for s in idx.skipped] == [("square/.DS_Store", "hidden entry ignored")]
 
 
@@ -272,7 +272,7 @@ def test_decode_check_finds_what_the_cheap_checks_miss(photos: Path, tmp_path: P
         idx = shardkit.pack(str(src), str(tmp_path / dest), workers=2, progress=False, decode_check=True)
         assert idx.samples == 30 and [s.reason.split(" (")[0] for s in idx.skipped] == ["cannot decode image"]
     with pytest.raises(SourceError, match=r"damaged\.png: cannot decode image"):
-        shardkit.pack(str(photos), str(tmp_path / "fail"), workers=1, progress=False, decode_check=True, on_error="fail")
+        shardkit.pack(str(photos), str(tmp_path / "fail"), workers=1, progress=False, decode_check=True, on_error="raise")
 
 
 def test_symlink_loops_do_not_hang(photos: Path, tmp_path: Path) -> None:
@@ -454,7 +454,7 @@ def test_one_shard_of_heavy_work_keeps_every_worker_busy(photos: Path, tmp_path:
     failures = []
     for workers in (1, 3):  # the first bad file in the pack's order, whatever the threads
         with pytest.raises(SourceError, match=r"(circle/img_0003|square/text)\.jpg: ") as failed:
-            shardkit.pack(str(photos), str(tmp_path / "fail"), workers=workers, on_error="fail", progress=False, **options)
+            shardkit.pack(str(photos), str(tmp_path / "fail"), workers=workers, on_error="raise", progress=False, **options)
         failures.append(str(failed.value))
     assert failures[0] == failures[1]
 
@@ -859,7 +859,7 @@ def test_verify_catches_a_flipped_byte(photos: Path, tmp_path: Path) -> None:
 def test_a_conversion_does_not_copy_damage_into_fresh_checksums(photos: Path, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A shard being converted that does not match its index has its samples skipped, each
-    listed (or stops the pack under "fail"), rather than copied into shards that `verify`
+    listed (or stops the pack under "raise"), rather than copied into shards that `verify`
     would then pass; once repaired, a rerun packs it; a shard gone stops the pack, as it
     stops a reader."""
     src = tmp_path / "src"
@@ -869,7 +869,7 @@ def test_a_conversion_does_not_copy_damage_into_fresh_checksums(photos: Path, tm
     data[2000] ^= 0x01
     shard.write_bytes(bytes(data))
     with pytest.raises(SourceError, match=r"shard-000001\.tar@0:\d+: source shard shard-000001\.tar: sha256 mismatch"):
-        shardkit.pack(str(src), str(tmp_path / "fail"), on_error="fail", workers=1, progress=False)
+        shardkit.pack(str(src), str(tmp_path / "fail"), on_error="raise", workers=1, progress=False)
     for fmt in ("tar", "lmdb"):
         idx = shardkit.pack(str(src), str(tmp_path / fmt), format=fmt, workers=2, progress=False)
         assert idx.samples == 20 and len(idx.skipped) == 10 and shardkit.verify(str(tmp_path / fmt)) == []
@@ -1203,7 +1203,7 @@ def test_a_foreign_sample_whose_key_cannot_be_written_is_skipped_and_listed(phot
     assert idx.samples == 1 and len(idx.skipped) == 1
     assert "sample key must have a non-empty base name" in idx.skipped[0].reason
     with pytest.raises(SourceError, match=r"data-0.tar \(sample at byte \d+\): sample key must"):
-        shardkit.pack(str(foreign), str(tmp_path / "out2"), workers=1, progress=False, on_error="fail")
+        shardkit.pack(str(foreign), str(tmp_path / "out2"), workers=1, progress=False, on_error="raise")
 
 
 def test_a_symlink_to_something_not_a_file_is_named_so(photos: Path, tmp_path: Path) -> None:

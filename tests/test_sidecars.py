@@ -170,7 +170,7 @@ def test_a_bad_sidecar_skips_its_sample_naming_the_file(tmp_path: Path) -> None:
     assert {s.path: s.reason.split(" (")[0] for s in idx.skipped} == {
         "cat/p000.jpg": "cat/p000.json: not valid JSON", "dog/p003.jpg": "dog/p003.txt: not UTF-8 text"}
     with pytest.raises(SourceError, match=r"cat/p000.jpg: cat/p000.json: not valid JSON"):
-        shardkit.pack(str(src), str(tmp_path / "fail"), workers=1, progress=False, on_error="fail")
+        shardkit.pack(str(src), str(tmp_path / "fail"), workers=1, progress=False, on_error="raise")
 
 
 @pytest.mark.parametrize("kind", ["csv", "jsonl"])
@@ -223,7 +223,7 @@ def test_bad_rows_and_missing_files_are_named(tmp_path: Path, kind: str) -> None
     assert {k: v.split(" (")[0] for k, v in reasons.items()} == {
         f"train.{kind}:{first + 8 + n}": reason for n, reason in enumerate(why)}
     with pytest.raises(SourceError, match=rf"images/002.jpg: no such file \(train.{kind} line {first + 2}\)"):
-        shardkit.pack(str(path), str(tmp_path / "fail"), workers=1, progress=False, on_error="fail")
+        shardkit.pack(str(path), str(tmp_path / "fail"), workers=1, progress=False, on_error="raise")
 
 
 @pytest.mark.parametrize("text, message", [

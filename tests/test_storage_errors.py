@@ -131,7 +131,7 @@ def test_a_failed_pack_commits_no_partial_shard(remote: dict, photos: Path) -> N
     (photos / "circle" / "img_0002.jpg").write_bytes(b"not an image")
     url, opts = remote["url"] + "/ds", remote["storage_options"]
     with pytest.raises(ShardkitError, match="img_0002.jpg: not an image file"):
-        shardkit.pack(str(photos), url, max_count=100, workers=1, shuffle=False, on_error="fail", progress=False,
+        shardkit.pack(str(photos), url, max_count=100, workers=1, shuffle=False, on_error="raise", progress=False,
                       storage_options=opts)
     gc.collect()
     fs, root = fsspec.core.url_to_fs(url, **opts)

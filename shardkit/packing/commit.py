@@ -156,10 +156,10 @@ def left_out_damage(plan: Plan, skipped: Sequence[Skipped]) -> bool:
 
 
 def refuse_earlier_skips(plan: Plan, skipped: Sequence[Skipped]) -> None:
-    """Under on_error="fail", refuse to keep work of an earlier run that left a file out
+    """Under on_error="raise", refuse to keep work of an earlier run that left a file out
     (that run was under "skip"); hidden entries and what a converted dataset's own pack
     left out do not count."""
-    if plan.options.on_error != "fail":
+    if plan.options.on_error != "raise":
         return
     inherited = set(plan.inherited)
     first = next((s for s in skipped if s.reason != HIDDEN and s not in inherited), None)

@@ -86,7 +86,8 @@ def pack(
             re-encoding or decode check of the shards still going.
         shuffle: shuffle the samples across shards (with `seed`) rather than keep sorted order.
         seed: the shuffle's seed.
-        on_error: ``"skip"`` leaves an unusable file out and lists it; ``"fail"`` stops the pack.
+        on_error: ``"skip"`` leaves an unusable file out and lists it; ``"raise"`` stops the pack
+            (``"fail"``, its old name, still works, with a DeprecationWarning).
         resize: re-encode each image with its shorter side at most this many pixels.
         quality: the JPEG quality of re-encoded images (default 90 with `resize`).
         decode_check: decode every image in full, as a reader's decoder would (a slower pack),
@@ -104,7 +105,7 @@ def pack(
             (``("depth.png", "npy")``): `photo.depth.png` becomes the field `depth.png` of
             `photo.jpg`'s sample.
         max_file_size: the most bytes of a source image file (``"1GiB"`` or an int, the default;
-            None: no limit); a larger one is skipped (or stops the pack under ``on_error="fail"``)
+            None: no limit); a larger one is skipped (or stops the pack under ``on_error="raise"``)
             by its listed size, before it is read.
     """
     src, dest = checks.path("src", src), checks.path("dest", dest)
@@ -114,8 +115,7 @@ def pack(
         raise ValueError(f"format must be {' or '.join(map(repr, FORMATS))}, not {format!r}")
     seed, shuffle, overwrite = checks.integer("seed", seed), checks.flag("shuffle", shuffle), checks.flag("overwrite", overwrite)
     storage_options = checks.mapping("storage_options", storage_options)
-    if on_error not in ("skip", "fail"):
-        raise ValueError(f"on_error must be 'skip' or 'fail', not {on_error!r}")
+    on_error = checks.on_error(on_error)
     max_count, workers = checks.optional("max_count", max_count, 1), checks.optional("workers", workers, 1)
     resize, quality = checks.optional("resize", resize, 1), checks.optional("quality", quality, 1, 100)
     sink_type = SINKS[format]
@@ -138,7 +138,7 @@ def pack(
                      options=options, fmt=format, job_name=sink_type.job_name, payload=sink_type.payload,
                      storage_options=storage_options, layout=layout, fields=fields)
     unusable = [s for s in plan.skipped if s.reason != HIDDEN]
-    if on_error == "fail" and unusable:
+    if on_error == "raise" and unusable:
         raise SourceError(f"{shown_name(storage.join(plan.src, unusable[0].path))}: {unusable[0].reason}")
     runner = (executors.ray(ray_address, sizes=lambda job: len(job.items)) if executor == "ray"
               else executors.local(workers or os.cpu_count() or 1, uploading=not storage.is_local(dest)))

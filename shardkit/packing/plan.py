@@ -287,7 +287,7 @@ def _job_fingerprint(plan: Plan, i: int, source_id: str | None) -> str:
     listing, ids = plan.listing, plan.order[lo:hi]
     starts = np.where(ids > 0, listing.ends[ids - 1], 0).tolist()  # this job's items only, not the listing
     # on_error decides whether a pack goes on past a bad file, not what a shard holds: a shard
-    # written under "fail" is the one "skip" writes (kept under "fail" only if it skipped nothing)
+    # written under "raise" is the one "skip" writes (kept under "raise" only if it skipped nothing)
     options = asdict(replace(plan.options, on_error="skip"))
     if not options["decode_check"]:  # absent when off: packs made before the option still match
         del options["decode_check"]

@@ -1,5 +1,5 @@
 """A pack job's samples: each source item read, checked and optionally re-encoded, in order;
-an unusable one as a Skipped (or a SourceError under on_error="fail")."""
+an unusable one as a Skipped (or a SourceError under on_error="raise")."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def _let_go() -> None:
 
 def _check_source_shard(job: Job, shard: str) -> None:
     """Raise CorruptShardError if the shard being converted is not the one its index
-    describes (its samples are then skipped, or stop the pack under on_error="fail"), so
+    describes (its samples are then skipped, or stop the pack under on_error="raise"), so
     that damage is never copied into shards with fresh checksums. Each process of a run
     reads and hashes a shard whole once, before it copies the shard's first sample; a remote
     one is downloaded into a temporary file as it is hashed, and its samples read from there
@@ -224,7 +224,7 @@ def _source_problem(job: Job, shard: str, copy_to: Callable[[bytes], None] | Non
 
 def job_samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None = None) -> Iterator[Sample | Skipped]:
     """The job's samples in order; unusable ones (by `check` too) as Skipped (or SourceError
-    under on_error='fail'). This process's copy of a remote source shard is kept after the
+    under on_error='raise'). This process's copy of a remote source shard is kept after the
     job only where the next job goes on in that shard."""
     pending, finished = 0, False
     try:
@@ -240,7 +240,7 @@ def job_samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None 
                     name_file(e, storage.join(job.src, item.path))
                     raise
                 reason = str(e) if isinstance(e, (images.BadImage, CorruptShardError)) else f"cannot read ({e.strerror or e})"
-                if job.options.on_error == "fail":
+                if job.options.on_error == "raise":
                     raise SourceError(f"{shown_name(storage.join(job.src, item.path))}: {reason}") from None
                 yield Skipped(item.path, reason)
             pending += 1

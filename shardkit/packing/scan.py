@@ -19,7 +19,7 @@ from .listing import Listing, ListingBuilder, change_marker
 
 LAYOUTS = ("classes", "flat")
 
-HIDDEN = "hidden entry ignored"  # listed in the index, but not a failure under on_error="fail"
+HIDDEN = "hidden entry ignored"  # listed in the index, but not a failure under on_error="raise"
 OUTSIDE_CLASSES = "not inside a class folder"  # a file beside the class folders (the CLI hints at --layout flat)
 
 

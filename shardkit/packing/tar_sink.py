@@ -26,7 +26,7 @@ STARTED = "started"  # in the progress folder, written first: even an object sto
 
 
 def write_shard(job: Job) -> JobResult:
-    """Write one shard atomically; bad inputs are skipped (or raise under on_error='fail').
+    """Write one shard atomically; bad inputs are skipped (or raise under on_error='raise').
     An earlier run's progress record goes first (only this shard's: another plan's records
     of shards this run does not reach stay good): left beside this run's shard by a crash
     before the new record, it would vouch for bytes it does not describe."""

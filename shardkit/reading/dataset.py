@@ -117,8 +117,7 @@ class StreamingDataset(EpochDataset):
     ):
         super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
                          remainder=remainder, batch_size=batch_size)
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+        on_error = checks.on_error(on_error)
         self.block, self.prefetch = checks.integer("block", block, 1), checks.integer("prefetch", prefetch)
         decoder(decode, backend)  # validate early, in the main process
         self.urls, self.index = resolve(source, checks.mapping("storage_options", storage_options))

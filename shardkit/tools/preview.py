@@ -156,7 +156,7 @@ def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.p
             try:
                 image = _image(sample, fn)
             except Exception as e:  # noqa: BLE001 - bad data is skipped or named as the reader's is
-                said = bad_sample(e, on_error, sample["__url__"], f"sample {key}{packed_from(sample)}", True)
+                said = bad_sample(e, ds.on_error, sample["__url__"], f"sample {key}{packed_from(sample)}", True)
                 logging.getLogger("shardkit").warning("skipped %s", said)
                 skipped += 1
                 continue
