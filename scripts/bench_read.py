@@ -26,9 +26,11 @@ taken minutes apart would mostly measure the drift):
   and decode="rgb8" alone (no resize), fast and PIL, the decoder's; the fast-path limit also
   with torch's default threads in each of its 2 processes (more threads than cores: a busy
   machine);
-- in the main process (DataLoader(num_workers=0, batch_size=64), torch's default threads, as
-  in a notebook or a preprocessing script): image_transform(256, crop=224) against the PIL
-  transform of the decoded rows, round by round;
+- in the main process (DataLoader(num_workers=0, batch_size=64, collate_fn=shardkit.collate),
+  torch's default threads, as in a notebook or a preprocessing script): image_transform(256,
+  crop=224) against the PIL transform of the decoded rows, round by round (shardkit.collate
+  stacks with numpy: torch's default collate splits each stack over torch's threads, which on
+  a busy machine costs more than either transform, see docs/decoding.md);
 - time to first batch, peak RSS (main process + workers, sampled at 20 Hz; a page shared
   by several processes counts in each, a mapped file's cached pages count) and peak memory
   in use (anonymous + shared memory of the main process and its workers, each page once,
@@ -245,7 +247,9 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
 
         fast = name == MAIN_FAST
         ds = StreamingDataset(shards, shuffle=True, decode="raw", transform=_transform() if fast else shardkit_transform)
-        loader = DataLoader(ds, batch_size=BATCH, num_workers=0)  # torch's threads as the process has them
+        import shardkit  # torch's threads as the process has them
+
+        loader = DataLoader(ds, batch_size=BATCH, num_workers=0, collate_fn=shardkit.collate)
     elif name == "webdataset":
         import webdataset as wds
 
@@ -478,7 +482,8 @@ def main() -> None:
     if main_process:
         import torch
 
-        print(f"\n| main process, DataLoader(num_workers=0, batch_size={BATCH}), torch's default threads "
+        print(f"\n| main process, DataLoader(num_workers=0, batch_size={BATCH}, collate_fn=shardkit.collate), torch's "
+              "default threads "
               f"({torch.get_num_threads()}) | images/s | x the PIL transform's, by round | images per CPU-second "
               "| first batch s | peak RSS MB | peak in use MB |")
         print("|---|---|---|---|---|---|---|")
