@@ -1,17 +1,26 @@
-"""Where a JPEG's time goes on the fast path (docs/decoding.md), and what bounds it.
+"""Where a JPEG's time goes on the fast path (docs/decoding.md), what bounds it, and whether it
+beats PIL in every process that runs it.
 
-One process, no loader, photos preloaded as bytes, torch on one thread (as in a DataLoader
-worker); each step timed over all photos, the steps interleaved round after round (the order
-rotating), medians with min-max in ms per photo, and each step's images/s against the PIL
-decode limit's code (bench_read.decode_resize) in the same round:
+Photos preloaded as bytes, no loader; each step timed over all photos, the steps taking turns
+10 photos at a time (the order turning), round after round; medians with min-max in ms per
+photo, and each step's images/s against the PIL decode limit's code (bench_read.decode_resize)
+in the same round.
 
-- the PIL decode limit's code, image_transform(256, crop=224) fast and with backend="pil";
-- the fast path's parts: simplejpeg's decode as shardkit runs it (accurate DCT, PIL's
-  pixels), torch's antialiased resize + center crop of photos decoded in advance;
-- what bounds the decode: at 1/8 scale libjpeg-turbo still entropy-decodes every
-  coefficient but does almost no inverse DCT or colour conversion;
-- an idea put aside: the fast integer DCT (`fastdct=True`), with its agreement with PIL's
-  resize (mean absolute difference, worst photo, lowest PSNR) beside the shipped path's.
+Settings, one table row each, image_transform(256, crop=224) against the PIL code, timed in
+the same round, settings interleaved too:
+
+- inside a DataLoader worker (num_workers=1, which sets torch to one thread);
+- in the main process with torch's default threads (num_workers=0, a notebook, a script);
+- the same with CPU hogs beside it (`--hogs`, default 1: processes spinning on a core, started
+  by the benchmark for that setting's turn and stopped after it), a busy machine;
+- in the main process on one torch thread, where the steps below are timed too:
+  - the PIL decode limit's code, image_transform(256, crop=224) fast and with backend="pil";
+  - the fast path's parts: simplejpeg's decode as shardkit runs it (accurate DCT, PIL's
+    pixels), torch's antialiased resize + center crop of photos decoded in advance;
+  - what bounds the decode: at 1/8 scale libjpeg-turbo still entropy-decodes every
+    coefficient but does almost no inverse DCT or colour conversion;
+  - an idea put aside: the fast integer DCT (`fastdct=True`), with its agreement with PIL's
+    resize (mean absolute difference, worst photo, lowest PSNR) beside the shipped path's.
 
     python scripts/bench_decode.py --images 400 --rounds 5
 """
@@ -20,33 +29,50 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_read as br  # noqa: E402
 from make_images import make_image_folder  # noqa: E402
 
 PIL_LIMIT = "PIL decode limit's code (decode + resize to 224)"
+FAST = "image_transform(256, crop=224)"
 
 
-def steps(blobs: list[bytes]) -> dict[str, tuple[object, list]]:
-    """name -> (function of one input, its inputs)."""
+Steps = dict[str, tuple[Callable[[Any], object], list]]  # name -> (function of one input, its inputs)
+
+
+def pair(blobs: list[bytes]) -> Steps:
+    """The PIL decode limit's code and image_transform(256, crop=224)."""
+    from shardkit.decode import image_transform
+
+    samples = [{"jpg": b, "cls": 0} for b in blobs]
+    return {PIL_LIMIT: (br.decode_resize, blobs), FAST: (image_transform(256, crop=224), samples)}
+
+
+def steps(blobs: list[bytes]) -> Steps:
+    """The pair, and the fast path's parts."""
     import simplejpeg
 
     from shardkit import jpeg
     from shardkit.decode import image_transform
 
-    fast, pil = image_transform(256, crop=224), image_transform(256, crop=224, backend="pil")
+    pil = image_transform(256, crop=224, backend="pil")
     decoded = [jpeg.decode(b) for b in blobs]
     samples = [{"jpg": b, "cls": 0} for b in blobs]
     return {
-        PIL_LIMIT: (br.decode_resize, blobs),
-        "image_transform(256, crop=224)": (fast, samples),
+        **pair(blobs),
         "image_transform(256, crop=224, backend='pil')": (pil, samples),
         "simplejpeg decode (the fast path's)": (jpeg.decode, blobs),
         "simplejpeg decode at 1/8 scale (entropy decoding)": (
@@ -57,7 +83,7 @@ def steps(blobs: list[bytes]) -> dict[str, tuple[object, list]]:
     }
 
 
-def resize_crop(hwc: np.ndarray, size: int = 256, crop: int = 224) -> "torch.Tensor":  # noqa: F821
+def resize_crop(hwc: np.ndarray, size: int = 256, crop: int = 224) -> torch.Tensor:
     """What the fast path does after decoding (jpeg.resize, then torchvision's center crop),
     as a CHW contiguous tensor."""
     from shardkit import jpeg
@@ -65,7 +91,8 @@ def resize_crop(hwc: np.ndarray, size: int = 256, crop: int = 224) -> "torch.Ten
 
     full, out, _ = geometry((hwc.shape[1], hwc.shape[0]), size, crop)
     left, top = center_offset(full, out)
-    return jpeg.resize(hwc, full, BILINEAR)[top:top + out[1], left:left + out[0]].permute(2, 0, 1).contiguous()
+    hwc = jpeg.resize(hwc, full, BILINEAR)[top:top + out[1], left:left + out[0]].numpy()
+    return torch.from_numpy(np.ascontiguousarray(hwc.transpose(2, 0, 1)))  # numpy's copy, as the fast path's
 
 
 def agreement(blobs: list[bytes], fastdct: bool) -> str:
@@ -86,38 +113,107 @@ def agreement(blobs: list[bytes], fastdct: bool) -> str:
     return f"{statistics.mean(mads):.3f} | {max(mads):.3f} | {min(psnrs):.1f} dB"
 
 
+def race(todo: Steps, r: int, block: int = 10) -> dict[str, float]:
+    """One round: ms per input of each step. The steps take turns `block` inputs at a time (the
+    order turning each turn, from round r's), so that a machine whose load drifts by the second
+    slows them alike; every step's inputs are the same photos in the same order."""
+    names, total = br.rotate(list(todo), r), dict.fromkeys(todo, 0.0)
+    count = len(next(iter(todo.values()))[1])
+    br.start_clock()  # one full collection first
+    for turn, lo in enumerate(range(0, count, block)):
+        for name in br.rotate(names, turn):
+            fn, inputs = todo[name]
+            start = time.perf_counter()
+            for x in inputs[lo:lo + block]:
+                fn(x)
+            total[name] += time.perf_counter() - start
+    return {name: total[name] / count * 1000 for name in todo}
+
+
+def warmed(todo: Steps) -> Steps:
+    for fn, inputs in todo.values():  # imports, first-call set-up
+        fn(inputs[0])
+    return todo
+
+
+class InWorker(IterableDataset):
+    """A dataset whose one item is a round of the race, run inside a DataLoader worker."""
+
+    def __init__(self, blobs: list[bytes], r: int):
+        self.blobs, self.r = blobs, r
+
+    def __iter__(self) -> Iterator[dict[str, float]]:
+        yield race(warmed(pair(self.blobs)), self.r)
+
+
+def in_worker(blobs: list[bytes], r: int) -> dict[str, float]:
+    """A round in a fresh DataLoader worker (forked, as on Linux by default)."""
+    loader = DataLoader(InWorker(blobs, r), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    return next(iter(loader))  # type: ignore[no-any-return]
+
+
+def hogs(n: int) -> list[subprocess.Popen]:
+    """n processes spinning on a core each, until killed."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    time.sleep(0.3)  # started and spinning
+    return procs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--images", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--hogs", type=int, default=1, help="CPU hogs beside the busy-machine setting")
     ap.add_argument("--dir", default="/tmp/shardkit-bench", help="where the generated photos go")
     args = ap.parse_args()
-    import torch
-
-    torch.set_num_threads(1)
+    default_threads = torch.get_num_threads()
     paths = make_image_folder(Path(args.dir) / f"photos-{args.images}", args.images, n_classes=10, seed=0)
     blobs = [p.read_bytes() for p in paths]
-    todo = steps(blobs)
-    for fn, inputs in todo.values():  # warm: imports, first-call set-up
-        fn(inputs[0])  # type: ignore[operator]
-    ms: dict[str, list[float]] = {name: [] for name in todo}
+    todo = warmed(steps(blobs))
+    two = {name: todo[name] for name in (PIL_LIMIT, FAST)}
+    settings = {
+        "inside a DataLoader worker (num_workers=1: one torch thread)": "worker",
+        f"main process, torch's default threads ({default_threads})": "default",
+        f"main process, torch's default threads ({default_threads}), {args.hogs} CPU hog(s) beside it": "busy",
+        "main process, one torch thread (the steps below)": "one",
+    }
+    by_setting: dict[str, dict[str, list[float]]] = {s: {} for s in settings}
+    load = [os.getloadavg()[0]]
     for r in range(args.rounds):
-        for name in br.rotate(list(todo), r):
-            fn, inputs = todo[name]
-            start = br.start_clock()
-            for x in inputs:
-                fn(x)  # type: ignore[operator]
-            ms[name].append((time.perf_counter() - start) / len(inputs) * 1000)
+        for setting in br.rotate(list(settings), r):
+            kind = settings[setting]
+            torch.set_num_threads(1 if kind == "one" else default_threads)
+            running = hogs(args.hogs) if kind == "busy" else []
+            try:
+                ms = in_worker(blobs, r) if kind == "worker" else race(todo if kind == "one" else two, r)
+            finally:
+                for proc in running:
+                    proc.kill()
+                    proc.wait()
+            for name, value in ms.items():
+                by_setting[setting].setdefault(name, []).append(value)
+        load.append(os.getloadavg()[0])
+        print(f"round {r + 1} done, load {load[-1]:.1f}", file=sys.stderr)
+    torch.set_num_threads(default_threads)
 
-    print(f"\n{args.images} photos, {sum(map(len, blobs)) / 1e6:.1f} MB, {args.rounds} rounds, one process; "
-          "median (min-max)\n")
-    print("| step | ms per photo | images/s | rate against the PIL decode limit's, by round |")
+    print(f"\n{args.images} photos, {sum(map(len, blobs)) / 1e6:.1f} MB, {args.rounds} rounds, {os.cpu_count()} CPUs, "
+          f"load average {min(load):.1f}-{max(load):.1f} (1 min, sampled between rounds); median (min-max)\n")
+    print("| setting | PIL decode limit's code, images/s | image_transform(256, crop=224), images/s | "
+          "x PIL, by round |")
+    print("|---|---|---|---|")
+    for setting, ms in by_setting.items():
+        pil, fast = ([1000 / v for v in ms[name]] for name in (PIL_LIMIT, FAST))
+        print(f"| {setting} | {br._fmt(pil)} | {br._fmt(fast)} | {times(fast, pil)} |")
+
+    ms = by_setting["main process, one torch thread (the steps below)"]
+    print("\n| step, main process, one torch thread | ms per photo | images/s | "
+          "rate against the PIL decode limit's, by round |")
     print("|---|---|---|---|")
     for name, values in ms.items():
         print(f"| {name} | {br._fmt(values, digits=3)} | {1000 / statistics.median(values):,.0f} | "
               f"{br.ratio([1 / v for v in values], [1 / v for v in ms[PIL_LIMIT]])} |")
     med = {name: statistics.median(v) for name, v in ms.items()}
-    total, decode = med["image_transform(256, crop=224)"], med["simplejpeg decode (the fast path's)"]
+    total, decode = med[FAST], med["simplejpeg decode (the fast path's)"]
     resize = med["torch resize 256 + crop 224 (decoded photos)"]
     print(f"\nimage_transform: decode {decode / total:.0%}, resize + crop {resize / total:.0%}, the rest "
           f"{(total - decode - resize) / total:.0%}; with a free resize it would be "
@@ -127,6 +223,12 @@ def main() -> None:
     print("|---|---|---|---|")
     print(f"| the fast path (accurate DCT) | {agreement(blobs, fastdct=False)} |")
     print(f"| fastdct=True (put aside) | {agreement(blobs, fastdct=True)} |")
+
+
+def times(values: list[float], limits: list[float]) -> str:
+    """Median (min-max) over rounds of value / limit, round by round, as 1.23x."""
+    ratios = [v / x for v, x in zip(values, limits)]
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 if __name__ == "__main__":

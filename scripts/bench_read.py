@@ -23,7 +23,14 @@ taken minutes apart would mostly measure the drift):
   DataLoader(num_workers=2, batch_size=64) (also with the batches made in the dataset), against the same transform alone on 2 processes
   with no loader (the fast-path limit) and against the PIL decode limit above, round by
   round; the same transform with backend="pil" alone shows the per-core gain of the fast path,
-  and decode="rgb8" alone (no resize), fast and PIL, the decoder's;
+  and decode="rgb8" alone (no resize), fast and PIL, the decoder's; the fast-path limit also
+  with torch's default threads in each of its 2 processes (more threads than cores: a busy
+  machine);
+- in the main process (DataLoader(num_workers=0, batch_size=64, collate_fn=shardkit.collate),
+  torch's default threads, as in a notebook or a preprocessing script): image_transform(256,
+  crop=224) against the PIL transform of the decoded rows, round by round (shardkit.collate
+  stacks with numpy: torch's default collate splits each stack over torch's threads, which on
+  a busy machine costs more than either transform, see docs/decoding.md);
 - time to first batch, peak RSS (main process + workers, sampled at 20 Hz; a page shared
   by several processes counts in each, a mapped file's cached pages count) and peak memory
   in use (anonymous + shared memory of the main process and its workers, each page once,
@@ -71,6 +78,9 @@ FAST_LIMIT = "image_transform(256, crop=224) limit"
 PIL_TRANSFORM_LIMIT = "image_transform(..., backend='pil') limit"
 FAST = "shardkit, image_transform(256, crop=224)"
 FAST_BATCHED = "shardkit StreamingDataset(batch_size=64), image_transform"
+FAST_LIMIT_THREADS = "image_transform(256, crop=224) limit, torch's default threads"
+MAIN_PIL = "shardkit, PIL transform, num_workers=0"
+MAIN_FAST = "shardkit, image_transform(256, crop=224), num_workers=0"
 RGB8_LIMIT = "decode='rgb8' limit (no resize)"
 PIL_RGB8_LIMIT = "decode='rgb8', backend='pil' limit"
 
@@ -232,6 +242,14 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
         ds = StreamingDataset(shards, shuffle=True, decode="raw", transform=_transform(),
                               batch_size=BATCH if batched else None)
         loader = DataLoader(ds, batch_size=None if batched else BATCH, num_workers=WORKERS)
+    elif name in (MAIN_PIL, MAIN_FAST):
+        from shardkit import StreamingDataset
+
+        fast = name == MAIN_FAST
+        ds = StreamingDataset(shards, shuffle=True, decode="raw", transform=_transform() if fast else shardkit_transform)
+        import shardkit  # torch's threads as the process has them
+
+        loader = DataLoader(ds, batch_size=BATCH, num_workers=0, collate_fn=shardkit.collate)
     elif name == "webdataset":
         import webdataset as wds
 
@@ -279,7 +297,8 @@ def _decode_all(job: tuple[str, list[str]]) -> tuple[int, float]:
     """The work on this process's share, and the CPU seconds it took."""
     import torch
 
-    torch.set_num_threads(1)  # as in a DataLoader worker
+    if job[0] != FAST_LIMIT_THREADS:
+        torch.set_num_threads(1)  # as in a DataLoader worker
     work = LIMITS[job[0]]()
     cpu = time.process_time()
     for data in _BLOBS:
@@ -301,6 +320,7 @@ def _rgb8(backend: str):  # type: ignore[no-untyped-def]
 
 # a limit's name -> its per-image work (made in the worker)
 LIMITS = {"decode limit": lambda: decode_resize, FAST_LIMIT: lambda: _sample_transform("auto"),
+          FAST_LIMIT_THREADS: lambda: _sample_transform("auto"),
           PIL_TRANSFORM_LIMIT: lambda: _sample_transform("pil"), RGB8_LIMIT: lambda: _rgb8("auto"),
           PIL_RGB8_LIMIT: lambda: _rgb8("pil")}
 
@@ -404,20 +424,21 @@ def main() -> None:
     raw = ["cat (limit)", PREAD_FLOOR, "shardkit raw", "webdataset raw"]
     decoded = ["decode limit", "shardkit", BATCHED, "LMDB random access", LMDB_FAST, TAR_MAP, "plain files",
                FILES_FAST, "webdataset"]
-    fast = [FAST_LIMIT, FAST, FAST_BATCHED, PIL_TRANSFORM_LIMIT, RGB8_LIMIT, PIL_RGB8_LIMIT]
+    fast = [FAST_LIMIT, FAST, FAST_BATCHED, PIL_TRANSFORM_LIMIT, FAST_LIMIT_THREADS, RGB8_LIMIT, PIL_RGB8_LIMIT]
     shuffled = list(RANDOM)
+    main_process = [MAIN_PIL, MAIN_FAST]
     if args.only:
-        names = raw[1:] + decoded[1:] + fast[1:] + shuffled[1:]  # the limits run with their group
+        names = raw[1:] + decoded[1:] + fast[1:] + shuffled[1:] + main_process[1:]  # the limits run with their group
         unknown = set(args.only) - set(names)
         if unknown:
             ap.error(f"unknown contestant {sorted(unknown)[0]!r}; one of: {', '.join(names)}")
-        raw, decoded, fast, shuffled = ([g[0]] + [n for n in g[1:] if n in args.only]
-                                        for g in (raw, decoded, fast, shuffled))
-        raw, decoded, fast, shuffled = (g if len(g) > 1 else [] for g in (raw, decoded, fast, shuffled))
+        groups = [[g[0]] + [n for n in g[1:] if n in args.only] for g in (raw, decoded, fast, shuffled, main_process)]
+        raw, decoded, fast, shuffled, main_process = (g if len(g) > 1 else [] for g in groups)
         decoded = decoded or (["decode limit"] if fast else [])  # the fast path's rows compare with it too
     results: dict[str, list[dict]] = {}
     for r in range(args.rounds):
-        for name in rotate(raw, r) + rotate(decoded, r) + rotate(fast, r) + rotate(shuffled, r):
+        for name in (rotate(raw, r) + rotate(decoded, r) + rotate(fast, r) + rotate(shuffled, r)
+                     + rotate(main_process, r)):
             results.setdefault(name, []).append(measure(name, str(shards), str(photos)))
             print(f"round {r + 1}: {name} done", file=sys.stderr)
 
@@ -454,10 +475,22 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|")
         for name in ["decode limit", *fast]:
             times = [v / x for v, x in zip(rate(name), rate("decode limit"))]
-            mine = name in fast[:4]  # the rgb8 limits do other work
+            mine = name not in (RGB8_LIMIT, PIL_RGB8_LIMIT)  # the rgb8 limits do other work
             print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), rate(FAST_LIMIT)) if mine else '-'} | "
                   f"{statistics.median(times):.2f}x ({min(times):.2f}-{max(times):.2f}) | {_fmt(rate(name, 'cpu'))} | "
                   f"{_memory(results[name])} |")
+    if main_process:
+        import torch
+
+        print(f"\n| main process, DataLoader(num_workers=0, batch_size={BATCH}, collate_fn=shardkit.collate), torch's "
+              "default threads "
+              f"({torch.get_num_threads()}) | images/s | x the PIL transform's, by round | images per CPU-second "
+              "| first batch s | peak RSS MB | peak in use MB |")
+        print("|---|---|---|---|---|---|---|")
+        for name in main_process:
+            times = [v / x for v, x in zip(rate(name), rate(MAIN_PIL))]
+            print(f"| {name} | {_fmt(rate(name))} | {statistics.median(times):.2f}x ({min(times):.2f}-{max(times):.2f}) "
+                  f"| {_fmt(rate(name, 'cpu'))} | {_memory(results[name])} |")
 
 
 def _memory(runs: list[dict]) -> str:

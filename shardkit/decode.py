@@ -13,7 +13,8 @@ first; `image_transform(size, crop)` packages that as a picklable transform for
 `StreamingDataset(decode="raw", transform=...)`.
 
 JPEG takes the fast path of `jpeg.py` ("rgb8" and "tensor" decode to PIL's very pixels,
-resizing uses PIL's filters on torch's kernels); everything else, and `backend="pil"`, is PIL's.
+resizing uses PIL's filters on torch's SIMD kernels, or PIL's own where torch has none, on the
+calling thread either way); everything else, and `backend="pil"`, is PIL's.
 """
 
 from __future__ import annotations
@@ -299,24 +300,34 @@ def center_offset(full: tuple[int, int], out: tuple[int, int]) -> tuple[int, int
 
 
 def _fast_resized(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop: Size | None, resample: int,
-                  reducing_gap: float | None, backend: str) -> Any:
-    """`resized` by the fast path, as an HWC uint8 tensor (a view), or None where it is PIL's
+                  reducing_gap: float | None, backend: str) -> np.ndarray | None:
+    """`resized` by the fast path, as HWC uint8 pixels (maybe a view), or None where it is PIL's
     to do: decoded in the DCT domain to at least `reducing_gap` times the resized size, then
-    resized in full with PIL's antialiased filter and cropped (torchvision's Resize and
-    CenterCrop)."""
-    if backend != "auto" or isinstance(data, Image.Image) or not jpeg.can_resize(resample):
+    resized and cropped (torchvision's Resize and CenterCrop) with PIL's antialiased filter on
+    torch's SIMD kernel (`jpeg.can_resize`), or else by PIL itself, from the decoded pixels and
+    PIL's own box: PIL's very pixels. Neither starts a torch intra-op thread, which in a main
+    process with torch's default threads, on a busy machine, made a resize several times slower."""
+    if backend != "auto" or isinstance(data, Image.Image):
         return None
     source = jpeg.header(data)
     if source is None:
         return None
-    full, out, _ = geometry(source, size, crop)
+    full, out, box = geometry(source, size, crop)
     # as much as PIL's draft asks for; all of it without a reducing_gap
     at_least = None if reducing_gap is None else (int(full[0] * reducing_gap), int(full[1] * reducing_gap))
-    image = jpeg.resized(data, full, at_least, resample)
-    if image is None:
+    if jpeg.can_resize(resample):
+        image = jpeg.resized(data, full, at_least, resample)
+        if image is None:
+            return None
+        left, top = center_offset(full, out)
+        return image[top:top + out[1], left:left + out[0]].numpy()
+    decoded = jpeg.decode_spanning(data, at_least)
+    if decoded is None:
         return None
-    left, top = center_offset(full, out)
-    return image[top:top + out[1], left:left + out[0]]
+    hwc, span_w, span_h = decoded  # the box in the decoded pixels, as `resized` maps it into PIL's drafted ones
+    fx, fy = span_w / source[0], span_h / source[1]
+    box = (box[0] * fx, box[1] * fy, box[2] * fx, box[3] * fy)
+    return np.asarray(Image.fromarray(hwc).resize(out, resample, box=box, reducing_gap=reducing_gap))
 
 
 def resized(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop: Size | None = None, *,
@@ -331,14 +342,15 @@ def resized(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop
     still larger than that. As in PIL's `thumbnail`, 2.0 stays within a few levels of the
     exact two-step result, larger is closer and slower, None resamples the full image exactly.
 
-    A JPEG takes the fast path (see `jpeg.py`) where torch is installed and `resample` is
-    bilinear or bicubic, unless `backend="pil"`: decoded in the DCT domain as above, then
-    resized exactly, within a level of PIL's pixels on average.
+    A JPEG takes the fast path (see `jpeg.py`) unless `backend="pil"`: decoded by
+    libjpeg-turbo in the DCT domain as above, then resized exactly with a bilinear or bicubic
+    `resample` on torch's SIMD kernel (x86-64), within a level of PIL's pixels on average, or
+    else by PIL from the decoded pixels, PIL's very pixels. It starts no torch intra-op thread.
     """
     _check(size, crop, reducing_gap, backend)
     fast = _fast_resized(data, size, crop, resample, reducing_gap, backend)
     if fast is not None:
-        return Image.fromarray(np.ascontiguousarray(fast.numpy()))
+        return Image.fromarray(np.ascontiguousarray(fast))
     img = data if isinstance(data, Image.Image) else open_image(data)
     source = img.size
     full, out, box = geometry(source, size, crop)
@@ -357,7 +369,7 @@ def resized_tensor(data: bytes | bytearray | memoryview | Image.Image, size: Siz
     _check(size, crop, reducing_gap, backend)
     fast = _fast_resized(data, size, crop, resample, reducing_gap, backend)
     if fast is not None:
-        return fast.permute(2, 0, 1).contiguous()
+        return _chw(fast)  # numpy's copy: torch's would split it over its intra-op threads
     return _chw(resized(data, size, crop, resample=resample, reducing_gap=reducing_gap, backend="pil"))
 
 

@@ -4,7 +4,11 @@ PIL decodes JPEG with libjpeg-turbo too, but spends about as long again around i
 resize (the antialiased filters that torch implements with SIMD, to match PIL) is slower
 still. Here a JPEG decodes to the very pixels PIL gives (same library, same settings), scaled
 down in the DCT domain where that keeps at least the size asked for (as PIL's `draft`), and
-resizes with torch's antialiased bilinear or bicubic kernels on uint8.
+resizes with torch's antialiased bilinear or bicubic kernels on uint8 where torch has them in
+SIMD (x86-64 with AVX2): pillow-simd's code, run on the calling thread alone. Elsewhere (ARM,
+older x86) torch's generic kernel is slower than PIL's own and splits each image over torch's
+intra-op threads, which on a busy machine or in a main process with torch's default threads
+costs more than it saves; `torch_resizes` says which, and the caller resizes with PIL there.
 
 Every function returns None where the fast path would not give PIL's answer: not a JPEG, CMYK
 or YCCK, a header or scan that libjpeg-turbo calls damaged (a truncated file, 12-bit data), or
@@ -14,6 +18,7 @@ its own pixels or its own error. simplejpeg and torch are imported on first use.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import TYPE_CHECKING
 
@@ -26,11 +31,24 @@ if TYPE_CHECKING:
 _SOI = b"\xff\xd8\xff"  # start of image, then the first marker
 _COLORSPACES = frozenset({"YCbCr", "RGB", "Gray"})  # not CMYK, YCCK: PIL converts those its own way
 MODES: dict[int, str] = {Image.Resampling.BILINEAR: "bilinear", Image.Resampling.BICUBIC: "bicubic"}  # PIL's -> torch's
+_SIMD = frozenset({"AVX2", "AVX512"})  # torch's CPU capabilities with the uint8 antialiased kernel (AVX-512 runs AVX2's)
+
+
+@functools.cache
+def torch_resizes() -> bool:
+    """Whether torch is installed and resizes uint8 with its SIMD antialiased kernel, which
+    runs on the calling thread alone (`interpolate` of one image starts no intra-op thread)."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability() in _SIMD
 
 
 def can_resize(resample: int) -> bool:
-    """Whether the fast path resizes with this PIL filter: bilinear or bicubic, torch installed."""
-    return resample in MODES and importlib.util.find_spec("torch") is not None
+    """Whether the fast path resizes with this PIL filter on torch: bilinear or bicubic, where
+    `torch_resizes`; PIL's to resize (the decoded pixels) otherwise."""
+    return resample in MODES and torch_resizes()
 
 
 def header(data: bytes | bytearray | memoryview) -> tuple[int, int] | None:
@@ -53,13 +71,14 @@ def decode(data: bytes | bytearray | memoryview, at_least: tuple[int, int] | Non
     """A JPEG as HWC uint8 RGB, in full or scaled down by 1/2, 1/4 or 1/8 in the DCT domain
     as far as keeps it at least `at_least` (width, height), as PIL's `draft` does; None where
     PIL must decode it."""
-    decoded = _decode(data, at_least)
+    decoded = decode_spanning(data, at_least)
     return None if decoded is None else decoded[0]
 
 
-def _decode(data: bytes | bytearray | memoryview, at_least: tuple[int, int] | None) -> tuple[np.ndarray, float, float] | None:
+def decode_spanning(data: bytes | bytearray | memoryview, at_least: tuple[int, int] | None = None
+                    ) -> tuple[np.ndarray, float, float] | None:
     """`decode`'s pixels, and the source's width and height in them (a scaled decode rounds up:
-    ceil(width / 4) pixels hold width / 4 of the source)."""
+    ceil(width / 4) pixels hold width / 4 of the source), as PIL's `draft` box gives them."""
     source = header(data)
     if source is None:
         return None
@@ -99,7 +118,7 @@ def resized(data: bytes | bytearray | memoryview, size: tuple[int, int], at_leas
     """A JPEG decoded as `decode(data, at_least)` does, then resized to `size` (width, height)
     with PIL's antialiased `resample` filter (bilinear or bicubic): an HWC uint8 tensor (a view,
     maybe not contiguous), or None where PIL must decode it."""
-    decoded = _decode(data, at_least)
+    decoded = decode_spanning(data, at_least)
     return None if decoded is None else resize(decoded[0], size, resample, decoded[1:])
 
 

@@ -4,6 +4,7 @@ same pixels within a level where it resizes, PIL's own answer (pixels or error) 
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -132,6 +133,64 @@ def test_a_2000px_pattern_downscaled_to_224_stays_antialiased(fast_decodes: list
     aliased = Image.fromarray(four_tap[0].permute(1, 2, 0).numpy())
     with pytest.raises(AssertionError):  # the test can tell aliasing from the real thing
         agree(aliased, resized(data, 224, backend="pil"), mean=20.0, db=20.0)
+
+
+@pytest.mark.parametrize("resample", [Image.Resampling.LANCZOS, Image.Resampling.BOX, Image.Resampling.NEAREST])
+def test_other_filters_decode_fast_and_resize_to_pils_very_pixels(pictures: dict, fast_decodes: list,
+                                                                  resample: int) -> None:
+    """A filter torch lacks: libjpeg-turbo decodes (scaled as PIL's draft), PIL resizes it with PIL's box."""
+    sources = pictures["large"] + pictures["odd"]
+    for data in sources:
+        for size, crop in CASES:
+            fast, pil = (resized(data, size, crop, resample=resample, backend=b) for b in ("auto", "pil"))  # type: ignore[arg-type]
+            assert np.array_equal(np.asarray(fast), np.asarray(pil)), (size, crop)
+        tensor = resized_tensor(data, 256, 224, resample=resample)
+        assert tensor.is_contiguous() and torch.equal(tensor, resized_tensor(data, 256, 224, resample=resample,
+                                                                             backend="pil"))
+    assert len(fast_decodes) == len(sources) * (len(CASES) + 1)
+    assert (376, 501, 3) in fast_decodes  # 2001x1503 decoded at 1/4 for 96 px, as PIL's draft does
+
+
+_NO_THREADS = """if True:
+    import os, sys
+    import numpy as np, torch
+    from shardkit import jpeg
+    from shardkit.decode import decoder, image_transform, resized, resized_tensor
+    torch.set_num_threads(4)  # as a notebook or script has it (torch's default: one per core)
+    threads = lambda: len(os.listdir("/proc/self/task"))
+    blobs = [open(path, "rb").read() for path in sys.argv[1:]]
+    before = threads()
+    transform, tensor = image_transform(256, crop=224), decoder("tensor")
+    for data in blobs:
+        for resample in (2, 3):  # bilinear, bicubic
+            resized(data, 256, 224, resample=resample), resized_tensor(data, 160, 128, resample=resample)
+        transform({"jpg": data, "cls": 0}), tensor({"jpg": data})
+    assert threads() == before, ("torch started intra-op threads", before, threads())
+    assert torch.get_num_threads() == 4
+    pil = [np.array_equal(np.asarray(resized(d, s, c)), np.asarray(resized(d, s, c, backend="pil")))
+           for d in blobs for s, c in [(256, 224), (96, None), ((300, 240), (256, 192))]]
+    print(torch.backends.cpu.get_cpu_capability(), jpeg.torch_resizes(), all(pil))
+    """
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+@pytest.mark.parametrize("capability", ["", "default"])
+def test_the_fast_path_runs_on_the_calling_thread_alone(pictures: dict, tmp_path: Path, capability: str) -> None:
+    """In a main process with torch's threads (a notebook, num_workers=0), a busy machine's cores
+    shared by them made a resize 5x slower than PIL's: no fast-path op may start one. Where
+    torch has no SIMD kernel (ATEN_CPU_CAPABILITY=default: ARM, old x86), PIL resizes, exactly."""
+    paths = []
+    for i, data in enumerate(pictures["large"] + pictures["medium"] + pictures["odd"]):
+        paths.append(tmp_path / f"{i}.jpg")
+        paths[-1].write_bytes(data)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability} if capability else {
+        k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    out = subprocess.run([sys.executable, "-c", _NO_THREADS, *map(str, paths)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    if capability == "default":
+        assert out.stdout.split() == ["DEFAULT", "False", "True"]  # PIL's resize of libjpeg-turbo's pixels
+    else:
+        assert out.stdout.split()[1] == str(torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 
 def test_dct_scaling_follows_pils_draft(fast_decodes: list) -> None:
