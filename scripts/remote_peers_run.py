@@ -1,4 +1,5 @@
-"""`bench_remote.py --peers`: shardkit against its peers and a ceiling on one S3 server (moto),
+"""`bench_remote.py --peers`: shardkit against its peers and a ceiling on one S3 server (moto, or
+SeaweedFS with --server seaweedfs),
 each condition a proxy of its own in front of it (scripts/latency_proxy.py, CONDITIONS below),
 contestants interleaved (the order rotates each round), each epoch a fresh process
 (scripts/remote_peers.py says what each contestant does).
@@ -7,10 +8,10 @@ Per run: samples/s (images / seconds), first batch, the requests and bytes throu
 the resets and tails it dealt), shardkit's hedges and hedge wins (its stats() after the epoch),
 the client's CPU seconds while its clock ran (its process tree: DataLoader workers, CRT threads,
 curls; getrusage and /proc, measured in the process; the tree's whole life, imports and exit
-included, is tree_cpu_s in the JSON, from getrusage(RUSAGE_CHILDREN) around the process), moto's
-CPU seconds (moto shares the machine's cores with the readers), and whether every sample came
-exactly once. Then a fault run of shardkit's defaults.
-Writes bench-out/remote-peers.{md,json,png}.
+included, is tree_cpu_s in the JSON, from getrusage(RUSAGE_CHILDREN) around the process), the
+server's CPU seconds (it shares the machine's cores with the readers), and whether every sample
+came exactly once. Then a fault run of shardkit's defaults.
+Writes bench-out/remote-peers.{md,json,png} (remote-peers-seaweedfs.* with --server seaweedfs).
 
 An untimed warm-up epoch of each contestant comes first (bytecode compiled, files in the page
 cache), through a proxy that adds nothing; the fault run uses that proxy too.
@@ -120,10 +121,10 @@ def prepare(photos: Path, root: Path, names: list[str]) -> tuple[Path, dict[str,
     return out, missing
 
 
-def measure(key: str, endpoint: str, control: int, moto_pid: int, timeout: float, images: int) -> dict:
+def measure(key: str, endpoint: str, control: int, server_pid: int, timeout: float, images: int) -> dict:
     """One epoch of `key` in a fresh process, through the proxy at `endpoint`."""
     python = str(PEERS_PYTHON) if key in PEERS_VENV else sys.executable
-    before, moto0, kids0 = json.loads(bench.proxy_command(control, "stats")), cpu_seconds(moto_pid), children_cpu()
+    before, server0, kids0 = json.loads(bench.proxy_command(control, "stats")), cpu_seconds(server_pid), children_cpu()
     env = {**os.environ, **CREDENTIALS, "PYTHONPATH": str(REPO), "PYTHONPYCACHEPREFIX": str(PYCACHE)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # imports from cached bytecode, as on a user's machine
     t0 = time.perf_counter()
@@ -143,7 +144,7 @@ def measure(key: str, endpoint: str, control: int, moto_pid: int, timeout: float
     tree = children_cpu() - kids0
     after = json.loads(bench.proxy_command(control, "stats"))
     res: dict = {k: after[k] - before[k] for k in ("requests", "bytes", "resets", "tailed", "throttled")}
-    res.update(moto_cpu_s=cpu_seconds(moto_pid) - moto0, wall_s=wall, tree_cpu_s=tree)
+    res.update(server_cpu_s=cpu_seconds(server_pid) - server0, wall_s=wall, tree_cpu_s=tree)
     if failed or proc.returncode:
         return {**res, "failed": failed or (err.strip().splitlines() or [f"exit {proc.returncode}, no output"])[-1][:200]}
     res.update(json.loads(out.strip().splitlines()[-1]))
@@ -162,7 +163,7 @@ def exact(run: dict, images: int) -> bool:
 
 
 def render(results: dict, failures: list[dict], skipped: dict[str, str], names: list[str], conds: list[str],
-           images: int, rounds: int, shards: tuple[int, int]) -> str:
+           images: int, rounds: int, shards: tuple[int, int], server: str = "moto") -> str:
     """The markdown report: samples/s, then one table for each other metric."""
     notes: list[str] = []  # footnotes: why a run failed, one a distinct reason
 
@@ -208,7 +209,7 @@ def render(results: dict, failures: list[dict], skipped: dict[str, str], names: 
 
     size, count = shards
     lines = [f"{images:,} images ({size / 1e6:.0f} MB in {count} tar shards), {rounds} interleaved round(s), each epoch "
-             "a fresh process, DataLoader(num_workers=2, batch_size=64), raw bytes, shuffled, fresh caches; moto on "
+             f"a fresh process, DataLoader(num_workers=2, batch_size=64), raw bytes, shuffled, fresh caches; {server} on "
              "loopback behind scripts/latency_proxy.py; median (min-max) over rounds.", "",
              "Conditions (proxy settings): " + "; ".join(f"{CONDITIONS[c][0]} (`{c}`: {flags(CONDITIONS[c][1])})"
                                                         for c in conds) + ".", ""]
@@ -226,8 +227,8 @@ def render(results: dict, failures: list[dict], skipped: dict[str, str], names: 
         return text + (f" ({', '.join(faults)})" if faults else "")
 
     lines += table("requests / MB through the proxy, an epoch", traffic)
-    lines += table("client CPU s (process tree) / moto CPU s, an epoch",
-                   lambda runs, k, c: f"{med(runs, 'client_cpu_s'):.1f} / {med(runs, 'moto_cpu_s'):.1f}")
+    lines += table(f"client CPU s (process tree) / {server} CPU s, an epoch",
+                   lambda runs, k, c: f"{med(runs, 'client_cpu_s'):.1f} / {med(runs, 'server_cpu_s'):.1f}")
 
     def hedges(runs: list[dict], k: str, c: str) -> str:
         stats = [r.get("stats", {}) for r in runs]
@@ -254,7 +255,7 @@ def render(results: dict, failures: list[dict], skipped: dict[str, str], names: 
     return "\n".join(lines)
 
 
-def chart(path: Path, results: dict, names: list[str], conds: list[str], images: int) -> None:
+def chart(path: Path, results: dict, names: list[str], conds: list[str], images: int, server: str) -> None:
     """Grouped bars: a group a condition, a bar a contestant (only those with results), min-max
     as error bars."""
     import matplotlib
@@ -282,7 +283,7 @@ def chart(path: Path, results: dict, names: list[str], conds: list[str], images:
         ax.bar(xs, meds, width, yerr=[lo, hi], capsize=2, label=CONTESTANTS[n], **style)
     ax.set_xticks(range(len(conds)), [textwrap.fill(CONDITIONS[c][0], 16) for c in conds], fontsize=8)
     ax.set_ylabel("samples/s (median, min-max)")
-    ax.set_title(f"One epoch from S3 (moto on loopback behind a proxy), {images:,} images,\n"
+    ax.set_title(f"One epoch from S3 ({server} on loopback behind a proxy), {images:,} images,\n"
                  "DataLoader(num_workers=2, batch_size=64), raw bytes", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
@@ -319,23 +320,22 @@ def command_line(args: argparse.Namespace) -> str:
         line += f" --conditions {','.join(args.condition_keys)}"
     if args.contestants:
         line += f" --contestants {','.join(args.contestant_keys)}"
+    if args.server != "moto":
+        line += f" --server {args.server}"
     return line
 
 
 def main(args: argparse.Namespace, photos: Path, shards: Path) -> None:
-    import fsspec.core
-
     began = time.perf_counter()
     conds, names = args.condition_keys, args.contestant_keys
     peers, skipped = prepare(photos, Path(args.dir), names)
     for key, why in skipped.items():
         print(f"{CONTESTANTS[key]}: skipped, {why}", file=sys.stderr)
     names = [n for n in names if n not in skipped]
-    moto, endpoint = bench.start_moto()
-    procs = [moto]
+    server, endpoint = bench.start_server(args.server, Path(args.dir))
+    procs = [server]
     try:
-        fs, _ = fsspec.core.url_to_fs(f"s3://{bench.BUCKET}", **bench.options(endpoint))
-        fs.mkdir(bench.BUCKET)
+        fs = bench.bucket_fs(endpoint)
         fs.put(str(shards), f"{bench.BUCKET}/shardkit", recursive=True)
         for key, folder in (("mosaic", "mds"), ("litdata", "lit")):
             if key in names:
@@ -353,14 +353,14 @@ def main(args: argparse.Namespace, photos: Path, shards: Path) -> None:
         failures: list[dict] = []
         runs: list[dict] = []
         for name in names:  # untimed: every contestant's bytecode compiled and its files in the page cache
-            res = measure(name, *proxies["plain"], moto.pid, args.timeout, args.images)
+            res = measure(name, *proxies["plain"], server.pid, args.timeout, args.images)
             if "failed" in res:
                 print(f"warm-up {name}: FAILED {res['failed']}", file=sys.stderr)
         for r in range(args.rounds):
             order = names[r % len(names):] + names[: r % len(names)] if names else []
             for c in conds:
                 for name in order:
-                    res = measure(name, *proxies[c], moto.pid, args.timeout, args.images)
+                    res = measure(name, *proxies[c], server.pid, args.timeout, args.images)
                     runs.append({"contestant": name, "condition": c, "round": r + 1, **res})
                     if "failed" in res:
                         failures.append(runs[-1])
@@ -372,21 +372,22 @@ def main(args: argparse.Namespace, photos: Path, shards: Path) -> None:
                           f"{res['requests']} requests, {res['client_cpu_s']:.1f} CPU s", file=sys.stderr)
         tars = list(shards.glob("*.tar"))
         table = render(results, failures, skipped, names + list(skipped), conds, args.images, args.rounds,
-                       (sum(p.stat().st_size for p in tars), len(tars)))
+                       (sum(p.stat().st_size for p in tars), len(tars)), args.server)
         fault = fault_run(url, *proxies["plain"], args.images) if "shardkit" in names else ""
         OUT.mkdir(exist_ok=True)
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         took = time.perf_counter() - began
         text = f"{stamp}, `{command_line(args)}` ({took / 60:.1f} min)\n\n{table}\n" + (f"\n{fault}\n" if fault else "")
-        (OUT / "remote-peers.md").write_text(text)
-        doc = {"date": stamp, "command": command_line(args), "images": args.images, "rounds": args.rounds,
+        name = "remote-peers" + ("" if args.server == "moto" else f"-{args.server}")
+        (OUT / f"{name}.md").write_text(text)
+        doc = {"date": stamp, "command": command_line(args), "server": args.server, "images": args.images,
+               "rounds": args.rounds,
                "shards": len(tars), "conditions": {c: {"label": CONDITIONS[c][0], "proxy": CONDITIONS[c][1]} for c in conds},
                "contestants": {n: CONTESTANTS[n] for n in names}, "skipped": skipped, "runs": runs, "fault_run": fault,
                "seconds": took}
-        (OUT / "remote-peers.json").write_text(json.dumps(doc, indent=1))
-        chart(OUT / "remote-peers.png", results, names, conds, args.images)
+        (OUT / f"{name}.json").write_text(json.dumps(doc, indent=1))
+        chart(OUT / f"{name}.png", results, names, conds, args.images, args.server)
         print(text)
     finally:
         for p in procs:
-            p.terminate()
-            p.wait(5)
+            bench.stop(p)

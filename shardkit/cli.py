@@ -302,17 +302,22 @@ def _hidden(hidden: Sequence[Any]) -> str:
     return f"{len(hidden)} hidden {'entry' if len(hidden) == 1 else 'entries'} ({names})"
 
 
-@main.command(epilog=_examples("shardkit info ./photos-shards", "shardkit info s3://bucket/photos --json"))
+@main.command(epilog=_examples("shardkit info ./photos-shards", "shardkit info s3://bucket/photos --json",
+                               "shardkit info s3://bucket/photos -v -o endpoint_url=http://127.0.0.1:8333"))
 @click.argument("url")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole index as JSON.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Also say what reads the shards and how: for S3, the endpoint, addressing style, region, "
+                   "checksums and client shardkit chose, and why.")
 @storage_option
 @_errors_to_exit
-def info(url: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
+def info(url: str, as_json: bool, verbose: bool, storage_options: tuple[str, ...]) -> None:
     """Summarise the dataset at URL from its index.json."""
     from . import index
     from .storage import display
 
-    idx = index.load(url, _storage_options(storage_options))
+    opts = _storage_options(storage_options)
+    idx = index.load(url, opts)
     if as_json:
         click.echo(idx.to_json(), nl=False)
         return
@@ -331,6 +336,20 @@ def info(url: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     _list_skipped(unusable, display(url))
     if hidden:
         click.echo(f"ignored:  {_hidden(hidden)}")
+    if verbose:
+        _describe_store(url, idx, opts)
+
+
+def _describe_store(url: str, idx: Any, storage_options: dict[str, Any] | None) -> None:
+    """What reads the dataset's shards, and how (its first shard's store: one dataset, one store)."""
+    from .storage import join
+    from .storage.stores import store_for
+
+    first = join(url, "") + idx.shards[0].name if idx.kind == "tar" and idx.shards else url
+    decided = store_for(first, storage_options).describe(first)
+    click.echo(f"store:    {decided.pop('store')}")
+    for name, value in decided.items():
+        click.echo(f"  {name + ':':<12}{value}")
 
 
 def _classes(idx: Any) -> str:

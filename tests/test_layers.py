@@ -101,6 +101,7 @@ INNER: dict[str, list[set[str]]] = {
         {"patience"},
         {"retry", "clients"},
         {"s3_http"},
+        {"s3_config"},
         {"stores"},
         {"files", "atomic", "fetch"},
         {"range_reader"},

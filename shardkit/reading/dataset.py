@@ -24,7 +24,7 @@ from ..storage.stores import store_for
 from . import compressed
 from .counters import Slot
 from .epoch_stream import EpochStream
-from .epochs import EpochDataset
+from .epochs import EpochDataset, distinct
 from .mix import MixedDataset, check_parts
 from .pass_ import Pass
 from .samples import SampleSource, source_for
@@ -140,6 +140,7 @@ class StreamingDataset(EpochDataset):
         self._blocks = compressed.blocks(self.index.shards, self.block)
         self.index = self.index.slim()  # the per-sample tables live on in the source's arrays only
         self._store: str | None = None  # store_name(), once asked
+        self._config: list[dict[str, str]] | None = None  # store_config(), once asked
 
     @property
     def classes(self) -> tuple[str, ...]:
@@ -196,6 +197,11 @@ class StreamingDataset(EpochDataset):
             names = {store_for(u, self.storage_options).name for u in self.urls}
             self._store = ", ".join(sorted(names))
         return self._store
+
+    def store_config(self) -> list[dict[str, str]]:
+        if self._config is None:
+            self._config = distinct(store_for(u, self.storage_options).describe(u) for u in self.urls)
+        return [dict(c) for c in self._config]
 
     def slot(self, worker_id: int) -> Slot:
         """Where worker `worker_id`'s statistics go (what `stats()` sums)."""

@@ -9,7 +9,7 @@ subclass says, by the `run` it gives, how positions of the sequence become sampl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
@@ -60,11 +60,18 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         503 SlowDown or 429: each one halved a worker's reads in flight and was retried after
         a backoff), `requests` (ranged GETs sent, hedges aside), `hedges` (GETs sent again
         because their first byte was late) and `hedge_wins` (those that answered first), the
-        read-ahead's depth and fetch latency, and `store`: which client reads the shards."""
-        return {**stats_summary(self._shared.totals()), "store": self.store_name()}
+        read-ahead's depth and fetch latency, `store`: which client reads the shards, and
+        `store_config`: what was decided for each store (`store_config()`)."""
+        return {**stats_summary(self._shared.totals()), "store": self.store_name(), "store_config": self.store_config()}
 
     def store_name(self) -> str:
         """The client that reads this dataset's shards ("local", "s3 (presigned)", "s3fs", ...)."""
+        raise NotImplementedError
+
+    def store_config(self) -> list[dict[str, str]]:
+        """What was decided for the stores that read the shards, one dict per distinct
+        configuration (one, mostly): "store" (the client, as `store_name`) and, for S3,
+        "endpoint", "addressing", "region", "checksums" and "client" (why that client)."""
         raise NotImplementedError
 
     def _rank_world(self) -> tuple[int, int]:
@@ -215,3 +222,12 @@ def stats_summary(total: dict[str, float]) -> dict[str, float]:
     busy = total["read_s"] + total["decode_s"] + total["transform_s"]
     total["read_fraction"] = total["read_s"] / busy if busy else 0.0
     return total
+
+
+def distinct(configs: Iterable[dict[str, str]]) -> list[dict[str, str]]:
+    """Each store configuration once, in the order first seen (a dataset's shards share one, mostly)."""
+    out: list[dict[str, str]] = []
+    for c in configs:
+        if c not in out:
+            out.append(c)
+    return out

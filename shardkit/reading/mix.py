@@ -23,7 +23,7 @@ from .. import checks, partition, ranges
 from . import state
 from .counters import Slot
 from .epoch_stream import EpochStream
-from .epochs import EpochDataset, stats_summary
+from .epochs import EpochDataset, distinct, stats_summary
 from .pass_ import Pass
 from ..storage.fetch import per_worker
 from .samples import SampleSource
@@ -50,6 +50,8 @@ class Part(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
     def store_name(self) -> str: ...
+
+    def store_config(self) -> list[dict[str, str]]: ...
 
 
 def check_parts(parts: Any) -> None:
@@ -135,11 +137,14 @@ class MixedDataset(EpochDataset):
     def stats(self) -> dict[str, Any]:
         """The parts' statistics, summed."""
         totals = [p.stats() for p in self.parts]
-        out = {k: sum(t[k] for t in totals) for k in totals[0] if k not in ("read_fraction", "store")}
-        return {**stats_summary(out), "store": self.store_name()}
+        out = {k: sum(t[k] for t in totals) for k in totals[0] if k not in ("read_fraction", "store", "store_config")}
+        return {**stats_summary(out), "store": self.store_name(), "store_config": self.store_config()}
 
     def store_name(self) -> str:
         return ", ".join(sorted({p.store_name() for p in self.parts}))
+
+    def store_config(self) -> list[dict[str, str]]:
+        return distinct(c for p in self.parts for c in p.store_config())
 
 
 def _part_ids(counts: np.ndarray, sizes: Sequence[int], specs: Sequence[ReadSpec], seed: int, shuffle: bool,

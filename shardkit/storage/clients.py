@@ -233,9 +233,10 @@ def s3_compatible(storage_options: StorageOptions) -> dict[str, Any]:
     the host name, which such a store's DNS rarely resolves) and checksums only where the
     API requires them (botocore 1.36+ adds CRC32 headers and aws-chunked bodies to every
     upload, which many of them refuse), unless the options say otherwise. From
-    `endpoint_url` alone, as the other stores' users expect."""
+    `endpoint_url` alone (or AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL), as the other stores'
+    users expect."""
     config = dict(storage_options.get("config_kwargs") or {})
-    url = endpoint(storage_options)
+    url = endpoint(storage_options) or env_endpoint()
     host = (urlsplit(url).hostname or "") if url else ""
     if url and not host.endswith((".amazonaws.com", ".amazonaws.com.cn")):
         config["s3"] = {"addressing_style": "path", **(config.get("s3") or {})}
@@ -249,3 +250,11 @@ def endpoint(storage_options: StorageOptions | None) -> str:
     names two objects."""
     opts = storage_options or {}
     return str(opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") or "")
+
+
+def env_endpoint() -> str:
+    """The S3 endpoint AWS's variables name ('' for none), as botocore reads them."""
+    env = os.environ
+    if env.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
+        return ""
+    return env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or ""

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
 from urllib.request import getproxies, proxy_bypass
 
-from .clients import endpoint
+from .clients import endpoint, env_endpoint
 from .patience import OPTIONS, patience_for
 from .urls import S3, scheme
 
@@ -44,7 +44,7 @@ _OPTIONS = {"key", "secret", "token", "profile", "anon", "endpoint_url", "client
             "default_fill_cache", "default_cache_type", "max_concurrency", *OPTIONS}
 _CLIENT_OPTIONS = {"endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
 _CONFIG_OPTIONS = {"s3", "signature_version", "region_name", "retries", "connect_timeout", "read_timeout",
-                   "max_pool_connections"}
+                   "max_pool_connections", "request_checksum_calculation", "response_checksum_validation"}
 # keys of an AWS config profile that choose credentials or concern no request: any other
 # (endpoint_url, services, use_fips_endpoint, s3, ca_bundle...) is botocore's to apply, through s3fs
 _PROFILE_KEYS = {"region", "output", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
@@ -104,6 +104,12 @@ def direct(storage_options: dict[str, Any] | None) -> Direct | None:
     """This process's Direct for these options and environment (one signer: credentials
     resolved, regions learnt, shared by its readers and by the DataLoader workers it forks),
     or None where s3fs must read (see `_resolve`)."""
+    found = decided(storage_options)
+    return found if isinstance(found, Direct) else None
+
+
+def decided(storage_options: dict[str, Any] | None) -> Direct | str:
+    """`direct`'s Direct, or why s3fs reads instead (what `shardkit info -v` and `stats()` say)."""
     env = sorted((k, v) for k, v in os.environ.items() if _RELEVANT_ENV.match(k))
     key = json.dumps([storage_options or {}, env], sort_keys=True, default=repr)
     if key not in _DIRECTS:
@@ -111,39 +117,46 @@ def direct(storage_options: dict[str, Any] | None) -> Direct | None:
     return _DIRECTS[key]
 
 
-_DIRECTS: dict[str, Direct | None] = {}
+_DIRECTS: dict[str, Direct | str] = {}
 
 
 def _after_fork() -> None:
     """A worker forked while a thread of its parent held a Direct's lock would wait on it forever."""
     for found in _DIRECTS.values():
-        if found is not None:
+        if isinstance(found, Direct):
             found._lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def _resolve(opts: dict[str, Any]) -> Direct | None:
+def _resolve(opts: dict[str, Any]) -> Direct | str:
     """A Direct where a presigned GET of ours goes where s3fs's client would and carries all it
     would: credentials, a profile or none (anon), an endpoint, a region, path or virtual
-    addressing. None for what only botocore's client applies: an option this module does not
-    know, a TLS setting of the client's own (verify), request payer, FIPS, dual-stack or
-    accelerated endpoints, a partition outside amazonaws.com, an endpoint or S3 setting in the
-    AWS config profile, fsspec's own S3 configuration, a proxy for the store's host."""
+    addressing. Else why not, for what only botocore's client applies: an option this module
+    does not know, a TLS setting of the client's own (verify), request payer, FIPS, dual-stack
+    or accelerated endpoints, a partition outside amazonaws.com, an endpoint or S3 setting in
+    the AWS config profile, fsspec's own S3 configuration, a proxy for the store's host."""
     client, config = opts.get("client_kwargs") or {}, opts.get("config_kwargs") or {}
-    if not (_botocore() and opts.keys() <= _OPTIONS and client.keys() <= _CLIENT_OPTIONS
-            and config.keys() <= _CONFIG_OPTIONS and set(config.get("s3") or {}) <= {"addressing_style"}
-            and config.get("signature_version") in (None, "s3v4")):
-        return None
+    if not _botocore():
+        return "botocore is not installed"
+    unknown = sorted({*(opts.keys() - _OPTIONS), *(f"client_kwargs.{k}" for k in client.keys() - _CLIENT_OPTIONS),
+                      *(f"config_kwargs.{k}" for k in config.keys() - _CONFIG_OPTIONS),
+                      *(f"config_kwargs.s3.{k}" for k in set(config.get("s3") or {}) - {"addressing_style"})})
+    if config.get("signature_version") not in (None, "s3v4"):
+        unknown.append("config_kwargs.signature_version")
+    if unknown:
+        return f"the options set {', '.join(unknown)}, which botocore's client applies"
     key, secret, _ = _given(opts)
     env = os.environ
-    if bool(key) != bool(secret) or any(env.get(f"AWS_USE_{v}_ENDPOINT", "").lower() == "true"
-                                        for v in ("FIPS", "DUALSTACK")) or _fsspec_configures_s3():
-        return None
-    url = endpoint(opts)
-    if not url and env.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() != "true":
-        url = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or ""
+    if bool(key) != bool(secret):
+        return "the options give a key without a secret, or a secret without a key"
+    for variable in ("AWS_USE_FIPS_ENDPOINT", "AWS_USE_DUALSTACK_ENDPOINT"):
+        if env.get(variable, "").lower() == "true":
+            return f"{variable} is set"
+    if _fsspec_configures_s3():
+        return "fsspec's configuration may give s3fs options (FSSPEC_S3* variables or files in its config folder)"
+    url = endpoint(opts) or env_endpoint()
     region = client.get("region_name") or config.get("region_name") or env.get("AWS_DEFAULT_REGION")
     session = None
     if opts.get("profile") or env.get("AWS_PROFILE") or os.path.exists(
@@ -155,17 +168,18 @@ def _resolve(opts: dict[str, Any]) -> Direct | None:
         try:
             profile = session.get_scoped_config()
         except botocore.exceptions.BotoCoreError:  # a profile that is not there: s3fs names it
-            return None
+            return "the AWS profile named is not there"
         if profile.keys() - _PROFILE_KEYS:
-            return None
+            return f"the AWS config profile sets {', '.join(sorted(profile.keys() - _PROFILE_KEYS))}"
         region = region or profile.get("region")
     region = str(region or "us-east-1")
     target = urlsplit(url or f"https://bucket.s3.{region}.amazonaws.com")
-    if target.scheme not in ("http", "https") or not target.hostname or (not url and region.startswith(
-            _OTHER_PARTITIONS)):
-        return None  # an endpoint botocore refuses ("Invalid endpoint"), or not *.amazonaws.com
+    if target.scheme not in ("http", "https") or not target.hostname:
+        return f"the endpoint {url!r} is not an http(s) URL"  # botocore's "Invalid endpoint"
+    if not url and region.startswith(_OTHER_PARTITIONS):
+        return f"region {region} is outside amazonaws.com"
     if getproxies().get(target.scheme) and not proxy_bypass(target.hostname):
-        return None
+        return f"a proxy is set for {target.scheme}://{target.hostname}"
     return Direct(opts, url, region, session)
 
 
@@ -228,6 +242,11 @@ class Direct:
 
             raise botocore.exceptions.NoCredentialsError()
         return found.get_frozen_credentials()  # refreshed by botocore when they are about to expire
+
+    @property
+    def region(self) -> str:
+        """The region GETs are signed for until S3 names a bucket's own."""
+        return self._default_region
 
     def _region(self, bucket: str) -> str:
         return self._regions.get(bucket, self._default_region)

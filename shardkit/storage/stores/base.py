@@ -55,6 +55,11 @@ class Store(ABC):
         self.options = storage_options
         self.patient = patient  # its caller has reached the store already: ride out an outage
 
+    def describe(self, url: str) -> dict[str, str]:
+        """What reads `url` and how ("store": the client; an S3 store adds its endpoint,
+        addressing, region and checksums, and why): `shardkit info -v` and `stats()` show it."""
+        return {"store": self.name}
+
     def retried(self, url: str, what: str, fn: Callable[[], Any], throttled: Callable[[], None] | None = None) -> Any:
         """`fn()` under the retry policy and the options' patience (patience.py), failing with
         one line naming `url` (and `what`)."""

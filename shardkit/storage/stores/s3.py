@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 from typing import Any, BinaryIO, cast
 
-from .. import s3_http
+from .. import s3_config, s3_http
 from ..retry import root_cause, status_of
 from ..urls import StorageOptions
 from .base import Sink
@@ -60,6 +60,9 @@ class S3fsStore(FsspecStore):
 
         asyncio.run_coroutine_threadsafe(get(), fs.loop).result()
         return None
+
+    def describe(self, url: str) -> dict[str, str]:
+        return {"store": self.name, **s3_config.decisions(url, self.options)}
 
     def remove_dir(self, url: str) -> None:
         """S3 has no folders, but stores built on a file system do: SeaweedFS's filer keeps an
