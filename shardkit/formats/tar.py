@@ -1,7 +1,7 @@
 """WebDataset-compatible tar shards: a deterministic writer and a streaming reader.
 
 Both work on plain binary file objects (never on paths or URLs), so they are testable on
-io.BytesIO and storage stays in storage.py. Headers are POSIX ustar with every variable
+io.BytesIO and storage stays in storage/. Headers are POSIX ustar with every variable
 field fixed (mtime 0, uid/gid 0, no user names, mode 0644): the same samples give the same
 bytes. The reader also understands what other writers emit: pax extended headers (Python's
 tarfile default, used by webdataset's ShardWriter), GNU long names, directories.
