@@ -229,6 +229,16 @@ def test_resets_cost_no_sample(client: str, s3: dict, s3_server: str, packed: Pa
     assert control.stats()["resets"] > 0
 
 
+def test_a_pack_into_the_bucket_takes_the_option_too(s3: dict, photos: Path) -> None:
+    """The same options pack and read: `client` reaches no fsspec backend (s3fs writes)."""
+    import shardkit
+
+    opts = {**s3["storage_options"], "client": "obstore"}
+    shardkit.pack(str(photos), f"{s3['url']}/p", max_count=10, workers=1, progress=False, storage_options=opts)
+    ds = StreamingDataset(f"{s3['url']}/p", storage_options=opts)
+    assert len(keys(ds, 0)) == 30 and ds.stats()["store"] == "s3 (obstore)"
+
+
 def test_choices_refused_in_a_line(s3: dict) -> None:
     """An unknown client, a client for another scheme, options only botocore's client applies."""
     opts = s3["storage_options"]

@@ -108,6 +108,8 @@ INNER: dict[str, list[set[str]]] = {
         {"base"},
         {"local", "fsspec"},
         {"s3"},
+        {"obstore_s3", "crt_s3"},
+        {"choice"},
     ],
 }
 
