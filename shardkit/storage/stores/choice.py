@@ -1,8 +1,8 @@
 """Which client reads an S3 dataset's shards: `storage_options={"client": NAME}`.
 
     presigned  GETs presigned by botocore's signer, on blocking HTTP (s3_http.py): the default
-    obstore    the Rust object_store client (`pip install obstore`: the `obstore` extra)
-    crt        s3torchconnector's CRT client (`pip install s3torchconnectorclient`: the `crt` extra)
+    obstore    the Rust object_store client (the `obstore` extra, or pip install obstore)
+    crt        s3torchconnector's CRT client (the `crt` extra, or pip install s3torchconnectorclient)
     s3fs       s3fs (aiobotocore) for everything
 
 The choice is shardkit's, not the client's: the key is taken out of the options before they
@@ -10,7 +10,8 @@ reach any client, a name not listed here is refused, and so is a choice the opti
 URL cannot honour (no silent fallback); the store that reads says its name in `stats()`.
 Listings, writes and the main process's reads (the index) stay with presigned GETs and s3fs
 whatever the choice, so no Rust or CRT runtime starts before DataLoader forks its workers.
-docs/design.md says why presigned is the default (measured in docs/measurements.md).
+docs/design.md says why presigned is the default and what the others are kept for (measured:
+docs/measurements.md).
 """
 
 from __future__ import annotations
