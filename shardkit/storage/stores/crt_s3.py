@@ -41,7 +41,8 @@ _STATUS = re.compile(r"response_status: (\d{3})")
 # what the CRT's errors say where they quote no status (mountpoint-s3-client's messages)
 _SAID = ((re.compile(r"key does not exist|bucket does not exist|object was not found|NoSuchKey|NoSuchBucket"), 404),
          (re.compile(r"Forbidden|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|No signing credentials"), 403),
-         (re.compile(r"Request throttled|SlowDown|Too Many Requests"), 503))
+         (re.compile(r"Request throttled|SlowDown|Too Many Requests"), 503),
+         (re.compile(r"invalid configuration"), 400))  # the client refused its own settings: no retry mends that
 
 _clients: dict[tuple[int, str, str, bool], Any] = {}  # (pid, endpoint, region, virtual) -> MountpointS3Client
 _lock = threading.Lock()
