@@ -83,7 +83,9 @@ class StreamingDataset(EpochDataset):
         prefetch_bytes: the most bytes read ahead per worker (``"256MB"`` or an int).
         cache_dir: a local folder that keeps remote blocks read once (None: no cache).
         cache_limit: the cache's size cap; least recently used blocks go first.
-        storage_options: passed to fsspec unchanged (``endpoint_url``, ``anon``, ...).
+        storage_options: passed to fsspec unchanged (``endpoint_url``, ``anon``, ...), but for
+            shardkit's ``client``: the S3 client of the shard reads, ``"presigned"`` (the
+            default), ``"obstore"``, ``"crt"`` or ``"s3fs"`` (storage/stores/choice.py).
         batch_size: yield batches of this many samples, built in the workers.
         max_member_size: the most a ``.gz`` field, or a sample of a compressed shard, may
             inflate to (a decompression bomb is refused, naming it).
