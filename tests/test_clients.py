@@ -216,6 +216,20 @@ def test_credentials_endpoint_region_and_addressing(client: str, credentials: st
         assert gets and all(r["if_match"] for r in gets)
 
 
+def test_two_datasets_sign_with_their_own_credentials(s3: dict, s3_server: str) -> None:
+    """One bucket and endpoint read with two sets of options: obstore signs each one's GETs
+    with its own key, never with the first one's."""
+    fs, _ = fsspec.core.url_to_fs(s3["url"], **s3["storage_options"])
+    fs.pipe(f"{s3['url']}/o.bin", b"x" * 1000)
+    with recording(s3_server) as (base, seen):
+        for key in ("first", "second"):
+            opts = {"key": key, "secret": "s", "client": "obstore", "client_kwargs": {"endpoint_url": base}}
+            sink = Arriving(0, 10)
+            store_for(f"{s3['url']}/o.bin", opts).get(f"{s3['url']}/o.bin", 0, 10, sink, None)
+            assert sink.filled == 10
+    assert [r["key"] for r in seen] == ["first", "second"]
+
+
 @pytest.mark.parametrize("client", NATIVE)
 def test_resets_and_throttling_cost_no_sample(client: str, s3: dict, s3_server: str, packed: Path,  # type: ignore[no-untyped-def]
                                               latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:

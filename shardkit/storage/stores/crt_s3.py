@@ -44,7 +44,7 @@ _SAID = ((re.compile(r"key does not exist|bucket does not exist|object was not f
          (re.compile(r"Request throttled|SlowDown|Too Many Requests"), 503),
          (re.compile(r"invalid configuration"), 400))  # the client refused its own settings: no retry mends that
 
-_clients: dict[tuple[int, str, str, bool], Any] = {}  # (pid, endpoint, region, virtual) -> MountpointS3Client
+_clients: dict[tuple[int, int, str, bool], Any] = {}  # (pid, the options' Direct, region, virtual) -> client
 _lock = threading.Lock()
 
 
@@ -101,7 +101,7 @@ class CrtS3Store(PresignedS3Store):
         direct = self.direct
         region, endpoint = direct._region(bucket), direct._endpoint or None
         virtual = self.endpoint_for(bucket)[1]  # botocore's choice of addressing, as the presigned path makes it
-        key = (os.getpid(), endpoint or "", region, virtual)
+        key = (os.getpid(), id(direct), region, virtual)  # a Direct is one a process and set of options
         found = _clients.get(key)
         if found is not None:
             return found

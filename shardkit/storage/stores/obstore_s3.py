@@ -38,7 +38,9 @@ _BY_KIND = {"PreconditionError": 412, "NotFoundError": 404, "PermissionDeniedErr
             "UnauthenticatedError": 401, "NotModifiedError": 304}
 
 _used_by: int | None = None  # the process whose obstore runtime has started (a forked child inherits the mark)
-_stores: dict[tuple[int, str, str], Any] = {}  # (pid, endpoint, bucket) -> obstore's S3Store
+# (pid, the options' Direct, bucket) -> obstore's S3Store: a Direct is one a process and set of
+# options (s3_http.direct keeps it), so two datasets' credentials never share a store
+_stores: dict[tuple[int, int, str], Any] = {}
 _lock = threading.Lock()
 
 
@@ -84,7 +86,8 @@ class ObstoreS3Store(PresignedS3Store):
                                 "in DataLoader workers only, or use multiprocessing_context='spawn' or 'forkserver'")
         direct = self.direct
         endpoint, virtual = self.endpoint_for(bucket)
-        found = _stores.get((pid, endpoint, bucket))
+        key = (pid, id(direct), bucket)
+        found = _stores.get(key)
         if found is not None:
             return found
         from obstore.store import S3Store
@@ -100,7 +103,7 @@ class ObstoreS3Store(PresignedS3Store):
                         client_options=client, retry_config={"max_retries": 0}, **auth)  # the caller retries
         with _lock:
             _used_by = pid
-            return _stores.setdefault((pid, endpoint, bucket), store)
+            return _stores.setdefault(key, store)
 
 
 def _credentials(direct: s3_http.Direct) -> dict[str, Any]:
