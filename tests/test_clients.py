@@ -216,6 +216,25 @@ def test_credentials_endpoint_region_and_addressing(client: str, credentials: st
         assert gets and all(r["if_match"] for r in gets)
 
 
+@pytest.mark.parametrize("client", NATIVE)
+def test_refused_credentials_fail_at_once_naming_the_shard(client: str, forbidding: tuple[str, list[str]]) -> None:
+    """A store answering 403 to every request: the shard's read fails as AccessDeniedError
+    naming it, after one request, not after the retries."""
+    from shardkit.errors import AccessDeniedError
+    from shardkit.storage.range_reader import RangeReader
+
+    base, log = forbidding
+    url = "s3://bkt/ds/shard-000000.tar"
+    reader = RangeReader([url], {"key": "testing", "secret": "testing", "client": client,
+                                 "client_kwargs": {"endpoint_url": base}})
+    try:
+        with pytest.raises(AccessDeniedError, match=rf"{url} \(bytes 0-10\)"):
+            reader.read(0, 0, 10)
+    finally:
+        reader.close()
+    assert len(log) == 1
+
+
 def test_two_datasets_sign_with_their_own_credentials(s3: dict, s3_server: str) -> None:
     """One bucket and endpoint read with two sets of options: obstore signs each one's GETs
     with its own key, never with the first one's."""
