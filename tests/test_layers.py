@@ -105,7 +105,7 @@ INNER: dict[str, list[set[str]]] = {
         {"range_reader"},
     ],
     "storage.stores": [
-        {"base"},
+        {"base", "forks"},
         {"local", "fsspec"},
         {"s3"},
         {"obstore_s3", "crt_s3"},

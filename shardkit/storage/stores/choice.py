@@ -28,7 +28,6 @@ from .s3 import PresignedS3Store, S3fsStore
 
 CLIENT = "client"
 CLIENTS = ("presigned", "obstore", "crt", "s3fs")
-DEFAULT = "presigned"
 
 
 def client_of(url: str, storage_options: StorageOptions | None) -> str | None:
@@ -70,7 +69,9 @@ def s3_store(url: str, storage_options: StorageOptions | None, patient: bool,
         raise BadRequestError(f"{display(url)}: storage option client={client!r} cannot apply {cannot}; client='s3fs' can")
     if importlib.util.find_spec(_MODULES[client]) is None:
         raise ShardkitError(f"{display(url)}: storage option client={client!r}: {_HINTS[client]}")
-    return (ObstoreS3Store if client == "obstore" else CrtS3Store)(direct, opts, patient, instances)
+    if client == "obstore":
+        return ObstoreS3Store(direct, opts, patient, instances)
+    return CrtS3Store(direct, opts, patient, instances, url)
 
 
 _MODULES = {"obstore": "obstore", "crt": "s3torchconnectorclient"}

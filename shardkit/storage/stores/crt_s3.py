@@ -17,8 +17,9 @@ What the client cannot do, and so this store does not either:
   resets inside one GET (seen against the fault proxy: none reached this store), so the
   reader's AIMD never hears the store ask for fewer requests (`stats()["throttled"]` 0).
 
-Fork: a client is made per process (as s3torchconnector does): a child forked after its
-parent read through one makes its own, which works (checked with s3torchconnectorclient 1.5).
+Fork: the CRT does not survive one (forks.py): a child forked after its parent read through
+it crashed (SIGSEGV) in 4 of 6 runs though it made its own client, so it fails at its first
+read with a line instead. Clients are joined at exit (a CRT thread left running then panics).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from typing import Any, NoReturn, cast
 
 from ...errors import BadRequestError, ShardkitError
 from .. import s3_http
-from ..urls import display
+from ..urls import StorageOptions, display
 from .base import Sink
+from .forks import starting
 from .s3 import PresignedS3Store
 
 JOIN_S = 5.0  # the most seconds the exit waits for the CRT's threads
@@ -97,7 +99,6 @@ class CrtS3Store(PresignedS3Store):
 
     def _client(self, url: str, bucket: str) -> Any:
         """This process's CRT client for the endpoint and region, made at its first use."""
-        self._check_credentials(url)  # for each store: its options' keys, against this environment's
         direct = self.direct
         region, endpoint = direct._region(bucket), direct._endpoint or None
         virtual = self.endpoint_for(bucket)[1]  # botocore's choice of addressing, as the presigned path makes it
@@ -105,6 +106,7 @@ class CrtS3Store(PresignedS3Store):
         found = _clients.get(key)
         if found is not None:
             return found
+        starting("crt", url)
         from s3torchconnectorclient._mountpoint_s3_client import MountpointS3Client
 
         client = MountpointS3Client(region, user_agent_prefix="shardkit", profile=direct._profile,
@@ -114,6 +116,11 @@ class CrtS3Store(PresignedS3Store):
             if not _clients:
                 atexit.register(_close_all)
             return _clients.setdefault(key, client)
+
+    def __init__(self, direct: s3_http.Direct, storage_options: StorageOptions | None = None, patient: bool = False,
+                 instances: dict[tuple[Any, ...], Any] | None = None, url: str = ""):
+        super().__init__(direct, storage_options, patient, instances)
+        self._check_credentials(url)  # as the store is made: a dataset fails as it is built, not in its workers
 
     def _check_credentials(self, url: str) -> None:
         key, secret, token = self.direct._given

@@ -5,11 +5,8 @@ writes stay with presigned GETs and s3fs (PresignedS3Store). The options are rea
 presigned path reads them (s3_http.Direct: credentials through the same chain, the same
 endpoint, region and addressing), so both clients reach the same object the same way.
 
-Fork: obstore runs one tokio runtime a process, started at its first request and broken in
-a child forked after that (its worker threads are not there: the child's first request
-hangs, checked with obstore 0.12). A pass reads in the DataLoader workers, so the runtime
-starts there; a process forked from one that has used it (a pass with num_workers=0, then
-DataLoader workers) fails at its first read with a line that says so, rather than hanging.
+Fork: obstore's runtime does not survive one (forks.py): a process forked from one that has
+read through obstore fails at its first read with a line that says so, rather than hanging.
 """
 
 from __future__ import annotations
@@ -20,11 +17,10 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ...errors import ShardkitError
 from .. import s3_http
 from ..clients import REQUEST_TIMEOUT_S
-from ..urls import display
 from .base import Sink
+from .forks import starting
 from .s3 import PresignedS3Store, _etag
 
 if TYPE_CHECKING:
@@ -37,7 +33,6 @@ _STATUS = re.compile(r"status code: (\d{3})")
 _BY_KIND = {"PreconditionError": 412, "NotFoundError": 404, "PermissionDeniedError": 403,
             "UnauthenticatedError": 401, "NotModifiedError": 304}
 
-_used_by: int | None = None  # the process whose obstore runtime has started (a forked child inherits the mark)
 # (pid, the options' Direct, bucket) -> obstore's S3Store: a Direct is one a process and set of
 # options (s3_http.direct keeps it), so two datasets' credentials never share a store
 _stores: dict[tuple[int, int, str], Any] = {}
@@ -78,12 +73,7 @@ class ObstoreS3Store(PresignedS3Store):
 
     def _client(self, url: str, bucket: str) -> Any:
         """This process's obstore store for the bucket, made at its first read."""
-        global _used_by
         pid = os.getpid()
-        if _used_by not in (None, pid):
-            raise ShardkitError(f"{display(url)}: storage option client='obstore': this process was forked from one "
-                                "that had already read through obstore, whose runtime does not survive a fork; read "
-                                "in DataLoader workers only, or use multiprocessing_context='spawn' or 'forkserver'")
         direct = self.direct
         endpoint, virtual = self.endpoint_for(bucket)
         key = (pid, id(direct), bucket)
@@ -101,8 +91,8 @@ class ObstoreS3Store(PresignedS3Store):
             "credential_provider": lambda: _credentials(direct)}
         store = S3Store(bucket, endpoint=endpoint, region=direct._region(bucket), virtual_hosted_style_request=virtual,
                         client_options=client, retry_config={"max_retries": 0}, **auth)  # the caller retries
+        starting("obstore", url)
         with _lock:
-            _used_by = pid
             return _stores.setdefault(key, store)
 
 
