@@ -1,7 +1,8 @@
 """The contestants of `bench_remote.py --peers`: one epoch each, in a fresh process, from
 the same S3 server through the same proxy, as each library documents it:
 
-- shardkit: StreamingDataset(s3://..., storage_options=...), defaults, or prefetch=0;
+- shardkit: StreamingDataset(s3://..., storage_options=...), defaults, or prefetch=0, or each S3
+  client by name (storage_options["client"]: presigned, obstore, crt, s3fs);
 - webdataset: its documented http(s) URLs (presigned GETs), which it reads through `curl`;
 - MosaicML Streaming: StreamingDataset(remote="s3://...", local=a fresh folder), S3_ENDPOINT_URL;
 - litdata: StreamingDataset("s3://...", storage_options={endpoint_url...}), a fresh cache; patched
@@ -78,12 +79,14 @@ def _keys(batch: object) -> list[str]:
     return list(batch["__key__"] if "__key__" in batch else batch["key"])  # type: ignore[index, operator]
 
 
-def _shardkit(endpoint: str, bucket: str, prefetch: int | None):  # type: ignore[no-untyped-def]
+def _shardkit(endpoint: str, bucket: str, prefetch: int | None, client: str | None = None):  # type: ignore[no-untyped-def]
     from torch.utils.data import DataLoader
 
     from shardkit import StreamingDataset
 
     opts = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": endpoint}}
+    if client is not None:  # the S3 client of its shards' reads (storage/stores/choice.py)
+        opts["client"] = client
     extra = {} if prefetch is None else {"prefetch": prefetch}
     ds = StreamingDataset(f"s3://{bucket}/shardkit", storage_options=opts, shuffle=True, **extra)
     return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
@@ -217,6 +220,10 @@ def _ceiling(endpoint: str, bucket: str) -> dict:
 LOADERS = {  # key: (its label in the tables, what builds its loader)
     "shardkit": ("shardkit", lambda e, b: _shardkit(e, b, None)),
     "shardkit-off": ("shardkit, read-ahead off", lambda e, b: _shardkit(e, b, 0)),
+    "shardkit-presigned": ("shardkit, client presigned", lambda e, b: _shardkit(e, b, None, "presigned")),
+    "shardkit-obstore": ("shardkit, client obstore", lambda e, b: _shardkit(e, b, None, "obstore")),
+    "shardkit-crt": ("shardkit, client crt (CRT)", lambda e, b: _shardkit(e, b, None, "crt")),
+    "shardkit-s3fs": ("shardkit, client s3fs", lambda e, b: _shardkit(e, b, None, "s3fs")),
     "webdataset": ("webdataset (curl)", _webdataset),
     "mosaic": ("MosaicML Streaming", _mosaic),
     "litdata": ("litdata (patched: allow_http)", _litdata),
@@ -229,7 +236,8 @@ INSTALLED_AS = {"mosaic": "mosaicml-streaming", "litdata": "litdata", "s3torch":
 
 
 IMPORTS = {  # what each one imports before its clock starts (as a training script has it imported)
-    "shardkit": ("shardkit",), "shardkit-off": ("shardkit",), "webdataset": ("webdataset", "boto3"), "mosaic": (),
+    "shardkit": ("shardkit",), "shardkit-off": ("shardkit",), "shardkit-presigned": ("shardkit",),
+    "shardkit-obstore": ("shardkit",), "shardkit-crt": ("shardkit",), "shardkit-s3fs": ("shardkit",), "webdataset": ("webdataset", "boto3"), "mosaic": (),
     "litdata": ("litdata", "litdata.streaming.downloader"), "s3torch": ("s3torchconnector", "boto3"), CEILING: ("boto3",),
 }
 

@@ -6,9 +6,9 @@ contestants interleaved (the order rotates each round), each epoch a fresh proce
 
 Per run: samples/s (images / seconds), first batch, the requests and bytes through the proxy (and
 the resets and tails it dealt), shardkit's hedges and hedge wins (its stats() after the epoch),
-the client's CPU seconds while its clock ran (its process tree: DataLoader workers, CRT threads,
-curls; getrusage and /proc, measured in the process; the tree's whole life, imports and exit
-included, is tree_cpu_s in the JSON, from getrusage(RUSAGE_CHILDREN) around the process), the
+the client's CPU seconds while its clock ran, and per GB that came through the proxy (its process
+tree: DataLoader workers, CRT threads, curls; getrusage and /proc, measured in the process; the tree's whole life,
+imports and exit included, is tree_cpu_s in the JSON, from getrusage(RUSAGE_CHILDREN) around the process), the
 server's CPU seconds (it shares the machine's cores with the readers), and whether every sample
 came exactly once. Then a fault run of shardkit's defaults.
 Writes bench-out/remote-peers.{md,json,png} (remote-peers-seaweedfs.* with --server seaweedfs).
@@ -229,6 +229,8 @@ def render(results: dict, failures: list[dict], skipped: dict[str, str], names: 
     lines += table("requests / MB through the proxy, an epoch", traffic)
     lines += table(f"client CPU s (process tree) / {server} CPU s, an epoch",
                    lambda runs, k, c: f"{med(runs, 'client_cpu_s'):.1f} / {med(runs, 'server_cpu_s'):.1f}")
+    lines += table("client CPU s per GB through the proxy", lambda runs, k, c: spread(
+        [r["client_cpu_s"] / (r["bytes"] / 1e9) for r in runs if r["bytes"]], 1))
 
     def hedges(runs: list[dict], k: str, c: str) -> str:
         stats = [r.get("stats", {}) for r in runs]

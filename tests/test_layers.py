@@ -107,9 +107,11 @@ INNER: dict[str, list[set[str]]] = {
         {"range_reader"},
     ],
     "storage.stores": [
-        {"base"},
+        {"base", "forks"},
         {"local", "fsspec"},
         {"s3", "azure"},
+        {"obstore_s3", "crt_s3"},
+        {"choice"},
     ],
 }
 

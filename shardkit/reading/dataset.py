@@ -85,7 +85,9 @@ class StreamingDataset(EpochDataset):
         cache_limit: the cache's size cap; least recently used blocks go first.
         storage_options: passed to fsspec unchanged (``endpoint_url``, ``anon``, ...), but for
             shardkit's own ``timeout`` (seconds of silence before a request is tried again,
-            default 20) and ``attempts`` (see docs/guides/remote.md).
+            default 20) and ``attempts`` (see docs/guides/remote.md), and ``client``: the S3 client
+            of the shard reads, ``"presigned"`` (the default), ``"obstore"``, ``"crt"`` or ``"s3fs"``
+            (storage/stores/choice.py).
         batch_size: yield batches of this many samples, built in the workers.
         max_member_size: the most a ``.gz`` field, or a sample of a compressed shard, may
             inflate to (a decompression bomb is refused, naming it).

@@ -156,7 +156,8 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         raise ShardkitError(f"{display(url)}: {protocol}:// support is not installed ({hint})") from redacted(e)
     except ValueError as e:  # fsspec: "Protocol not known"
         raise ShardkitError(f"{display(url)}: unknown storage protocol {protocol}://") from redacted(e)
-    kwargs = {**cls._get_kwargs_from_urls(url), **(storage_options or {})}
+    # "client" is shardkit's choice of S3 client (stores/choice.py), for no fsspec backend
+    kwargs = {**cls._get_kwargs_from_urls(url), **{k: v for k, v in (storage_options or {}).items() if k != "client"}}
     if protocol in GCS:
         _quiet_gcsfs()
         if "requests_timeout" not in kwargs:  # gcsfs waits forever on a stalled connection

@@ -183,6 +183,17 @@ def _resolve(opts: dict[str, Any]) -> Direct | str:
     return Direct(opts, url, region, session)
 
 
+def unapplied(opts: dict[str, Any]) -> str:
+    """What of these options, or of this environment, keeps presigned GETs out (for a message)."""
+    client, config = opts.get("client_kwargs") or {}, opts.get("config_kwargs") or {}
+    keys = sorted(opts.keys() - _OPTIONS) + sorted(f"client_kwargs.{k}" for k in client.keys() - _CLIENT_OPTIONS) + \
+        sorted(f"config_kwargs.{k}" for k in config.keys() - _CONFIG_OPTIONS)
+    if keys:
+        return f"the storage option(s) {', '.join(keys)}"
+    return ("these storage options or this environment (a setting only botocore's client applies: a profile's "
+            "endpoint or S3 settings, FIPS or dual-stack endpoints, fsspec's S3 configuration, a proxy)")
+
+
 def _fsspec_configures_s3() -> bool:
     """Whether fsspec's configuration (FSSPEC_S3* variables, files in its config folder) may
     give s3fs options of its own, which reads through s3fs would apply."""

@@ -2,7 +2,7 @@
 reads a URL (base.py says what a store does).
 
     local    plain paths and file://           os calls
-    s3       s3://, s3a://                     presigned GETs (s3_http.py), else s3fs
+    s3       s3://, s3a://                     presigned GETs (s3_http.py), else s3fs; or as chosen (choice.py)
     gcs      gs://, gcs://                     gcsfs (fsspec.py), with conditional writes
     azure    az://, abfs://, abfss://          adlfs, reads and conditional writes on its client (azure.py)
     webhdfs  webhdfs://, swebhdfs://           fsspec, a ranged read in one OPEN
@@ -21,7 +21,7 @@ from .azure import AzureStore
 from .base import Sink, Store
 from .fsspec import FsspecStore, GcsStore, WebHdfsStore
 from .local import LocalStore
-from .s3 import s3_store
+from .choice import client_of, s3_store
 
 Instances = dict[tuple[Any, ...], Any]
 _BY_SCHEME: dict[str, Callable[[str, StorageOptions | None, bool, Instances | None], Store]] = {
@@ -40,6 +40,7 @@ def store_for(url: str, storage_options: StorageOptions | None = None, *, patien
     if is_local(url):
         return LocalStore(storage_options, patient)
     hide(storage_options)  # its credentials, out of every message of this process (s3_http's client is not fsspec's)
+    client_of(url, storage_options)  # a choice of client no store here can honour fails, naming the URL
     make = _BY_SCHEME.get(scheme(url)) if "::" not in url else None  # chained: fsspec assembles them
     if make is None:
         return FsspecStore(storage_options, patient, instances)

@@ -1,4 +1,5 @@
-"""S3 and the stores that speak its API. Two clients, one chosen per URL and options:
+"""S3 and the stores that speak its API. Two clients, one chosen per URL and options
+(choice.py; obstore_s3.py and crt_s3.py are the others a user may choose):
 
 - `PresignedS3Store`: a GET presigned by botocore's signer alone, read on blocking HTTP
   straight into the caller's buffer (s3_http.py: no s3fs, aiobotocore or event loop in a
@@ -139,6 +140,14 @@ class PresignedS3Store(S3fsStore):
         super().__init__(storage_options, patient, instances)
         self.direct = direct
 
+    def endpoint_for(self, bucket: str) -> tuple[str, bool]:
+        """(the endpoint the bucket's GETs go to, whether it is virtual-hosted: the bucket in
+        its host name), as s3_http.Direct addresses them: for the other clients of S3."""
+        url = self.direct._object_url(bucket, "k", self.direct._region(bucket))
+        base = url[: -len("/k")]
+        virtual = not base.endswith(f"/{bucket}")
+        return (base if virtual else base[: -len(f"/{bucket}")]), virtual
+
     def get(self, url: str, start: int, stop: int, sink: Sink, pin: dict[str, Any] | None) -> int | None:
         return self.direct.get(s3_http.path_of(url), start, stop, sink.receive, _etag(pin))
 
@@ -148,15 +157,6 @@ class PresignedS3Store(S3fsStore):
     def open(self, url: str, what: str = "") -> BinaryIO:
         body = self.retried(url, what, lambda: self.direct.open(s3_http.path_of(url)))
         return cast(BinaryIO, RetriedFile(body, url, self, what))
-
-
-def s3_store(url: str, storage_options: StorageOptions | None, patient: bool,
-             instances: dict[tuple[Any, ...], Any] | None) -> S3fsStore:
-    """The S3 store that reads `url` with these options (and this environment)."""
-    direct = s3_http.direct_for(url, storage_options)
-    if direct is not None:
-        return PresignedS3Store(direct, storage_options, patient, instances)
-    return S3fsStore(storage_options, patient, instances)
 
 
 PART = 8 << 20  # a multipart upload's part (S3 wants 5 MiB at least, but for the last)
