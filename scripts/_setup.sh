@@ -22,7 +22,7 @@ else
         # Pinned and first, so the extras' torch>=2.1 is already met and pip never pulls a CUDA build.
         "${pip[@]}" torch==2.13.0
         # One resolve: naming s3fs beside moto keeps botocore within aiobotocore's pin.
-        "${pip[@]}" -e '.[test,s3,gcs,azure,docs,obstore,crt]' 'moto[server]' s3fs gcp-storage-emulator
+        "${pip[@]}" -e '.[test,s3,gcs,azure,docs,obstore]' 'moto[server]' s3fs gcp-storage-emulator
         "$venv/bin/python" -m pip check || echo "setup: warning: pip check found conflicts" >&2
         touch "$stamp"
     fi

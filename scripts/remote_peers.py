@@ -222,7 +222,6 @@ LOADERS = {  # key: (its label in the tables, what builds its loader)
     "shardkit-off": ("shardkit, read-ahead off", lambda e, b: _shardkit(e, b, 0)),
     "shardkit-presigned": ("shardkit, client presigned", lambda e, b: _shardkit(e, b, None, "presigned")),
     "shardkit-obstore": ("shardkit, client obstore", lambda e, b: _shardkit(e, b, None, "obstore")),
-    "shardkit-crt": ("shardkit, client crt (CRT)", lambda e, b: _shardkit(e, b, None, "crt")),
     "shardkit-s3fs": ("shardkit, client s3fs", lambda e, b: _shardkit(e, b, None, "s3fs")),
     "webdataset": ("webdataset (curl)", _webdataset),
     "mosaic": ("MosaicML Streaming", _mosaic),
@@ -237,7 +236,7 @@ INSTALLED_AS = {"mosaic": "mosaicml-streaming", "litdata": "litdata", "s3torch":
 
 IMPORTS = {  # what each one imports before its clock starts (as a training script has it imported)
     "shardkit": ("shardkit",), "shardkit-off": ("shardkit",), "shardkit-presigned": ("shardkit",),
-    "shardkit-obstore": ("shardkit",), "shardkit-crt": ("shardkit",), "shardkit-s3fs": ("shardkit",), "webdataset": ("webdataset", "boto3"), "mosaic": (),
+    "shardkit-obstore": ("shardkit",), "shardkit-s3fs": ("shardkit",), "webdataset": ("webdataset", "boto3"), "mosaic": (),
     "litdata": ("litdata", "litdata.streaming.downloader"), "s3torch": ("s3torchconnector", "boto3"), CEILING: ("boto3",),
 }
 

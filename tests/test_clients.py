@@ -1,7 +1,7 @@
 """The S3 clients a user may choose (`storage_options={"client": ...}`, stores/choice.py), each
 against moto: ranged reads, a replaced shard refused, credentials, endpoint, region and
 addressing as the presigned path sends them, resets retried without a sample lost, and no
-Rust or CRT runtime started in the main process before DataLoader forks its workers."""
+Rust runtime started in the main process before DataLoader forks its workers."""
 
 from __future__ import annotations
 
@@ -30,14 +30,14 @@ from shardkit.storage.streams import Arriving
 
 from servers import serving
 
-NATIVE = ["obstore", "crt"]
-RUNTIMES = {"obstore": "obstore", "crt": "s3torchconnectorclient"}
-NAMES = {"obstore": "s3 (obstore)", "crt": "s3 (crt)"}
+NATIVE = ["obstore"]
+RUNTIMES = {"obstore": "obstore"}
+NAMES = {"obstore": "s3 (obstore)"}
 
 
 @pytest.fixture(autouse=True)
 def _credentials_in_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """moto's credentials in AWS_* (the CRT client reads them there), nothing else of AWS's."""
+    """moto's credentials in AWS_*, nothing else of AWS's."""
     for name in [k for k in os.environ if k.startswith(("AWS_", "FSSPEC_"))]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
@@ -83,8 +83,7 @@ def test_ranged_reads(client: str, s3: dict) -> None:
 
 @pytest.mark.parametrize("client", NATIVE)
 def test_a_replaced_shard_is_refused_naming_it(client: str, s3: dict, packed: Path) -> None:
-    """obstore's GETs carry If-Match (412 from moto); the CRT client's cannot, so its shards'
-    ETags are checked by a HEAD as a worker opens them. Either way: the shard named."""
+    """obstore's GETs carry If-Match (412 from moto): the shard named."""
     url, opts = upload(s3, packed)
     name = index.load(url, opts).shards[2].name
     fs, root = fsspec.core.url_to_fs(url, **opts)
@@ -118,7 +117,7 @@ def test_an_epoch_in_forked_workers_starts_no_runtime_before_the_fork(client: st
 @pytest.mark.parametrize("client", NATIVE)
 def test_a_client_used_before_a_fork_fails_in_the_child_rather_than_hang(client: str, s3: dict,
                                                                           packed: Path) -> None:
-    """Neither runtime survives a fork (obstore's child hangs, the CRT's crashes: forks.py):
+    """obstore's runtime does not survive a fork (its child hangs: forks.py):
     a pass in the main process, then DataLoader workers forked from it, fail at their first
     read with a line that says so. In a fresh process: this one may have used either."""
     url, opts = upload(s3, packed)
@@ -186,20 +185,13 @@ def test_credentials_endpoint_region_and_addressing(client: str, credentials: st
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Each client signs the shards' GETs with the key the options, AWS_* variables or a
     profile give, for the options' region, path-style on the options' endpoint (as botocore
-    and the presigned path address an S3-compatible store); the CRT client refuses keys in the
-    options that are not the environment's, in a line, rather than sign with others."""
+    and the presigned path address an S3-compatible store)."""
     url, opts = upload(s3, packed)
     opts = {k: v for k, v in opts.items() if k not in ("key", "secret")}
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     if credentials == "options":
         opts.update(key="testing", secret="testing")
-        if client == "crt":
-            with pytest.raises(BadRequestError, match=rf"{url}/index.json: storage option client='crt' takes "
-                                                      "credentials from the AWS_"):
-                StreamingDataset(url, storage_options={**opts, "client": client})  # as it is built
-            monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # the same key in the environment: no conflict
-            monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     elif credentials == "environment":
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
@@ -257,8 +249,8 @@ def test_resets_and_throttling_cost_no_sample(client: str, s3: dict, s3_server: 
                                               latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fifth of the responses reset part-way and a fifth of the GETs answered 503 SlowDown:
     every sample comes once. obstore's GET fails raw and the reader asks for the rest (after
-    a backoff, counted as throttling, for a 503); the CRT retries inside its GET."""
-    monkeypatch.setattr(shardkit.storage.retry, "OUTAGE_RETRIES", 10)
+    a backoff, counted as throttling, for a 503)."""
+    monkeypatch.setattr(shardkit.storage.patience, "OUTAGE_RETRIES", 10)
     url, opts = upload(s3, packed)
     proxied, control = latency_proxy(s3_server, latency_ms=2, seed=5)
     chosen = {**opts, "client": client, "client_kwargs": {"endpoint_url": proxied}}
@@ -269,8 +261,7 @@ def test_resets_and_throttling_cost_no_sample(client: str, s3: dict, s3_server: 
     got = keys(ds, 0)  # in this process: a worker forked from it could use neither client (forks.py)
     assert sorted(got) == sorted(set(got)) and len(got) == 120
     assert control.stats()["resets"] > 0 and control.stats()["throttled"] > 0
-    if client == "obstore":  # the CRT retries throttling inside its GET, unseen (crt_s3.py)
-        assert ds.stats()["throttled"] > 0
+    assert ds.stats()["throttled"] > 0
 
 
 def test_a_pack_into_the_bucket_takes_the_option_too(s3: dict, photos: Path) -> None:

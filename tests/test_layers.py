@@ -110,7 +110,7 @@ INNER: dict[str, list[set[str]]] = {
         {"base", "forks"},
         {"local", "fsspec"},
         {"s3", "azure"},
-        {"obstore_s3", "crt_s3"},
+        {"obstore_s3"},
         {"choice"},
     ],
 }

@@ -86,7 +86,7 @@ class StreamingDataset(EpochDataset):
         storage_options: passed to fsspec unchanged (``endpoint_url``, ``anon``, ...), but for
             shardkit's own ``timeout`` (seconds of silence before a request is tried again,
             default 20) and ``attempts`` (see docs/guides/remote.md), and ``client``: the S3 client
-            of the shard reads, ``"presigned"`` (the default), ``"obstore"``, ``"crt"`` or ``"s3fs"``
+            of the shard reads, ``"presigned"`` (the default), ``"obstore"`` or ``"s3fs"``
             (storage/stores/choice.py).
         batch_size: yield batches of this many samples, built in the workers.
         max_member_size: the most a ``.gz`` field, or a sample of a compressed shard, may

@@ -2,16 +2,15 @@
 
     presigned  GETs presigned by botocore's signer, on blocking HTTP (s3_http.py): the default
     obstore    the Rust object_store client (the `obstore` extra, or pip install obstore)
-    crt        s3torchconnector's CRT client (the `crt` extra, or pip install s3torchconnectorclient)
     s3fs       s3fs (aiobotocore) for everything
 
 The choice is shardkit's, not the client's: the key is taken out of the options before they
 reach any client, a name not listed here is refused, and so is a choice the options or the
 URL cannot honour (no silent fallback); the store that reads says its name in `stats()`.
 Listings, writes and the main process's reads (the index) stay with presigned GETs and s3fs
-whatever the choice, so no Rust or CRT runtime starts before DataLoader forks its workers.
+whatever the choice, so no Rust runtime starts before DataLoader forks its workers.
 docs/design.md says why presigned is the default and what the others are kept for (measured:
-docs/measurements.md).
+docs/measurements.md; s3torchconnector's CRT client was measured too, and dropped).
 """
 
 from __future__ import annotations
@@ -22,12 +21,11 @@ from typing import Any
 from ...errors import BadRequestError, ShardkitError
 from .. import s3_http
 from ..urls import S3, StorageOptions, display, scheme
-from .crt_s3 import CrtS3Store
 from .obstore_s3 import ObstoreS3Store
 from .s3 import PresignedS3Store, S3fsStore
 
 CLIENT = "client"
-CLIENTS = ("presigned", "obstore", "crt", "s3fs")
+CLIENTS = ("presigned", "obstore", "s3fs")
 
 
 def client_of(url: str, storage_options: StorageOptions | None) -> str | None:
@@ -69,11 +67,8 @@ def s3_store(url: str, storage_options: StorageOptions | None, patient: bool,
         raise BadRequestError(f"{display(url)}: storage option client={client!r} cannot apply {cannot}; client='s3fs' can")
     if importlib.util.find_spec(_MODULES[client]) is None:
         raise ShardkitError(f"{display(url)}: storage option client={client!r}: {_HINTS[client]}")
-    if client == "obstore":
-        return ObstoreS3Store(direct, opts, patient, instances)
-    return CrtS3Store(direct, opts, patient, instances, url)
+    return ObstoreS3Store(direct, opts, patient, instances)
 
 
-_MODULES = {"obstore": "obstore", "crt": "s3torchconnectorclient"}
-_HINTS = {"obstore": "obstore is not installed (pip install obstore, or the obstore extra)",
-          "crt": "s3torchconnectorclient is not installed (pip install s3torchconnectorclient, or the crt extra)"}
+_MODULES = {"obstore": "obstore"}
+_HINTS = {"obstore": "obstore is not installed (pip install obstore, or the obstore extra)"}

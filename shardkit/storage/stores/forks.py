@@ -1,8 +1,7 @@
-"""Clients whose runtime does not survive a fork: obstore's (one tokio runtime a process) and
-the CRT's (its event loops and allocator). Checked with obstore 0.12 and s3torchconnectorclient
-1.5: a DataLoader worker forked from a process that had read through obstore hangs at its own
-first request; one forked from a process that had read through the CRT was killed by SIGSEGV
-in 4 of 6 runs, though it makes a client of its own. So the main process never starts them
+"""Clients whose runtime does not survive a fork: obstore's (one tokio runtime a process).
+Checked with obstore 0.12: a DataLoader worker forked from a process that had read through
+obstore hangs at its own first request (s3torchconnector's CRT client, measured and dropped,
+was killed by SIGSEGV in 4 of 6 runs the same way). So the main process never starts it
 (stores/choice.py), and `starting` makes a child of a process that has refuse to, in a line,
 rather than hang or crash.
 """

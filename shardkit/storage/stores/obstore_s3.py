@@ -18,7 +18,6 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from .. import s3_http
-from ..clients import REQUEST_TIMEOUT_S
 from .base import Sink
 from .forks import starting
 from .s3 import PresignedS3Store, _etag
@@ -82,8 +81,9 @@ class ObstoreS3Store(PresignedS3Store):
             return found
         from obstore.store import S3Store
 
+        silence = f"{direct._timeout_s:g}s"  # the options' patience (patience.py), as the presigned path's
         client: ClientConfig = {"allow_http": endpoint.startswith("http://"), "timeout": "24h",
-                                  "connect_timeout": f"{REQUEST_TIMEOUT_S}s", "read_timeout": f"{REQUEST_TIMEOUT_S}s"}
+                                "connect_timeout": silence, "read_timeout": silence}
         if bundle := os.environ.get("AWS_CA_BUNDLE"):  # botocore's setting, read as the presigned path reads it
             with open(bundle) as f:
                 client["root_certificate"] = f.read()

@@ -1,5 +1,5 @@
 """S3 and the stores that speak its API. Two clients, one chosen per URL and options
-(choice.py; obstore_s3.py and crt_s3.py are the others a user may choose):
+(choice.py; obstore_s3.py is the other a user may choose):
 
 - `PresignedS3Store`: a GET presigned by botocore's signer alone, read on blocking HTTP
   straight into the caller's buffer (s3_http.py: no s3fs, aiobotocore or event loop in a
