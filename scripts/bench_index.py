@@ -49,7 +49,8 @@ def in_worker(ds, world, resume, traced, out):
     if traced:
         tracemalloc.start()
     start = time.perf_counter()
-    ids = ds._pass(world // 2, world, 3, WORKERS)._plan()
+    stream = ds._pass(world // 2, world, 3, WORKERS)
+    ids = ds.ids_at(stream.epoch, next(stream._chunks()))  # a pass plans a piece of its stream at a time
     src = ds._samples
     shard_of, starts, ends = ranges.bounds(ids, src.first, src.offsets)
     reads, range_of = ranges.coalesce(shard_of, starts, ends, 16 << 20)  # a local dataset's read plan
@@ -95,7 +96,7 @@ MIX = r"""
 import json, multiprocessing, sys, time, tracemalloc
 import torch
 from shardkit import StreamingDataset
-from shardkit.reading.mix import _MixedStream
+from shardkit.reading.mix import _part_ids
 
 parts = [(folder, 1.0) for folder in sys.argv[1:]]
 mix = StreamingDataset.mix(parts, shuffle=True, seed=1)
@@ -106,8 +107,9 @@ def in_worker(world, traced, q):
     if traced:
         tracemalloc.start()
     start = time.perf_counter()
-    stream = _MixedStream(mix, world // 2, world, 1, 2)
-    part_of, ids = stream._part_ids(stream._plan())
+    stream = mix._pass(world // 2, world, 1, 2)
+    specs = [p.read_spec() for p in mix.parts]
+    part_of, ids = _part_ids(mix.counts, mix.sizes, specs, mix.seed, mix.shuffle, 0, next(stream._chunks()))
     q.put((time.perf_counter() - start, tracemalloc.get_traced_memory()[1]))
 
 

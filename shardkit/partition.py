@@ -31,7 +31,7 @@ of positions, so a re-plan costs O(W * N * window), not O(samples).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ import numpy as np
 from . import blockplan, checks
 
 REMAINDERS = ("repeat", "drop")
+CHUNK = 1 << 16  # positions of a worker's stream planned at a time (~6 MB of plan at ~88 B a position)
 
 
 def world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -125,14 +126,29 @@ class Layout:
 
 def worker_positions(total: int, layout: Layout, rank: int, worker_id: int) -> np.ndarray:
     """The positions (in a sequence of `total`) that worker `worker_id` of rank `rank`
-    yields, in order."""
+    yields, in order (all of `worker_chunks`, for tests and small datasets)."""
+    return np.concatenate([np.empty(0, dtype=np.int64), *worker_chunks(total, layout, rank, worker_id)])
+
+
+def worker_chunks(total: int, layout: Layout, rank: int, worker_id: int, skip: int = 0,
+                  chunk: int = CHUNK) -> Iterator[np.ndarray]:
+    """`worker_positions` from its `skip`-th on, made a piece of about `chunk` positions at a
+    time, as they are needed: a pass's memory and start follow the piece, not the epoch.
+    Pieces end on shuffle windows, each window being permuted on its own."""
     r = per_rank(total, layout.world_size, layout.remainder)
     lo, hi = worker_bounds(r, layout.num_workers, worker_id, layout.batch)
-    if _windowed(layout):
-        stream = blockplan.window_order(_window_key(layout, rank, worker_id), 0, hi - lo, layout.window)
-    else:
-        stream = np.arange(hi - lo, dtype=np.int64)
-    return (rank * r + lo + stream) % total if total else stream
+    n, first = hi - lo, rank * r + lo
+    at = skip
+    while at < n:
+        if _windowed(layout):
+            a = blockplan.window_bounds(at, layout.window)[0]
+            b = min(n, blockplan.window_bounds(min(n, a + chunk) - 1, layout.window)[1])
+            stream = blockplan.window_order(_window_key(layout, rank, worker_id), a, b, layout.window)[at - a :]
+        else:
+            b = min(n, at + chunk)
+            stream = np.arange(at, b, dtype=np.int64)
+        yield (first + stream) % total
+        at = b
 
 
 def _windowed(layout: Layout) -> bool:

@@ -211,8 +211,8 @@ class StreamingDataset(EpochDataset):
         spec, source, slot, window = self.read_spec(), self._samples, self.slot(worker_id), self.shuffle_window
         connections = per_worker(num_workers)
 
-        def run(epoch: int, positions: np.ndarray) -> Generator[Any, None, None]:
-            return Pass(spec, source, spec.order.ids_at(epoch, positions), slot, window, connections).samples()
+        def run(epoch: int, positions: Iterator[np.ndarray]) -> Generator[Any, None, None]:
+            return Pass(spec, source, spec.order.ids_in(epoch, positions), slot, window, connections).samples()
 
         return self._epoch_stream(rank, world, worker_id, num_workers, run)
 

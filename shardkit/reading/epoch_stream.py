@@ -9,7 +9,7 @@ samples (a Pass of pass_.py, or a mixture's). It never sees the dataset.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from ..partition import Layout, Progress
 from . import state, worker
 from .counters import Shared
 
-Run = Callable[[int, np.ndarray], Generator[Any, None, None]]  # (epoch, positions) -> the samples
+Run = Callable[[int, Iterator[np.ndarray]], Generator[Any, None, None]]  # (epoch, pieces of positions) -> samples
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,7 +94,7 @@ class EpochStream:
         if self._gen is None:
             if self._refusal is not None:
                 raise self._refusal
-            self._gen = self.run(self.epoch, self._plan())
+            self._gen = self.run(self.epoch, self._chunks())
         try:
             item = next(self._gen)
         except StopIteration:
@@ -131,13 +131,18 @@ class EpochStream:
         self.skip = int(found[state.YIELDED])
         self.shared.resumed(self.worker_id, self._layout, self.epoch)
 
-    def _plan(self) -> np.ndarray:
+    def _chunks(self) -> Iterator[np.ndarray]:
         """This worker's positions in the epoch's sequence for this pass, in order, minus
-        those already yielded."""
+        those already yielded: made a piece at a time, as the pass needs them."""
         o = self.ordering
         here = o.segment(self.epoch, self.world, self.num_workers, len(self.history), o.batch)
         left = o.left(self.epoch, self.history)
-        return left.base(partition.worker_positions(left.left, here, self.rank, self.worker_id)[self.skip :])
+        for piece in partition.worker_chunks(left.left, here, self.rank, self.worker_id, self.skip):
+            yield left.base(piece)
+
+    def _plan(self) -> np.ndarray:
+        """All of `_chunks` at once (tests, benchmarks)."""
+        return np.concatenate([np.empty(0, dtype=np.int64), *self._chunks()])
 
 
 class Samples:

@@ -8,7 +8,7 @@ holds an open file or a client: they travel to DataLoader workers as they are.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,13 @@ class SampleOrder:
         order = partition.epoch_order(self.counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                                       block=self.blocks)
         return order.ids(positions)
+
+    def ids_in(self, epoch: int, positions: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+        """`ids_at` for pieces of positions, one piece at a time (the epoch's order made once)."""
+        order = partition.epoch_order(self.counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                                      block=self.blocks)
+        for piece in positions:
+            yield order.ids(piece)
 
 
 @dataclass(frozen=True, eq=False)
