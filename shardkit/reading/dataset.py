@@ -85,6 +85,10 @@ class StreamingDataset(EpochDataset):
         cache_limit: the cache's size cap; least recently used blocks go first.
         storage_options: passed to fsspec unchanged (``endpoint_url``, ``anon``, ...).
         batch_size: yield batches of this many samples, built in the workers.
+        global_batch_size: B: the epoch becomes a sequence of global batches of B samples that
+            is the same for any world size and num_workers; each rank's DataLoader (its
+            ``batch_size=ds.local_batch_size``, B / world size) hands over its slice of global
+            batch k as its k-th batch (docs/guides/resume.md).
         max_member_size: the most a ``.gz`` field, or a sample of a compressed shard, may
             inflate to (a decompression bomb is refused, naming it).
     """
@@ -112,9 +116,10 @@ class StreamingDataset(EpochDataset):
         storage_options: StorageOptions | None = None,
         batch_size: int | None = None,
         max_member_size: int | str = MAX_MEMBER,
+        global_batch_size: int | None = None,
     ):
         super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
-                         remainder=remainder, batch_size=batch_size)
+                         remainder=remainder, batch_size=batch_size, global_batch_size=global_batch_size)
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
         self.block, self.prefetch = checks.integer("block", block, 1), checks.integer("prefetch", prefetch)
@@ -167,6 +172,9 @@ class StreamingDataset(EpochDataset):
     def total_samples(self) -> int:
         return int(self._counts.sum())
 
+    def _piece(self) -> int:
+        return max(1, self.block // 2)  # a block's halves go to different global batches
+
     def order_key(self) -> dict[str, Any]:
         if not self.shuffle:
             return super().order_key()
@@ -183,7 +191,7 @@ class StreamingDataset(EpochDataset):
         return ReadSpec(tuple(self.urls), self.storage_options, tuple(s.sha256 for s in shards),
                         tuple(s.version for s in shards), self._sample_order(), self.decode, self.backend, self.transform,
                         self.on_error, self.verify, self.block, self.prefetch, self.prefetch_bytes, self.cache_dir,
-                        self.cache_limit)
+                        self.cache_limit, bool(self.global_batch_size))
 
     @property
     def source(self) -> SampleSource:

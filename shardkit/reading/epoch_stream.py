@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from .. import partition
+from .. import globalbatch, partition
 from ..partition import Layout, Progress
 from . import state, worker
 from .counters import Shared
@@ -36,6 +36,38 @@ class Ordering:
     remainder: str
     batch: int  # samples a batch when the dataset batches, else 1
     key: dict[str, Any]
+    global_batch: int = 0  # B of global_batch_size (0: the default order)
+    piece: int = 32  # consecutive positions a global batch takes together (global batches only)
+
+    def global_batches(self, epoch: int) -> globalbatch.GlobalBatches:
+        return globalbatch.plan(self.total, self.global_batch, remainder=self.remainder, shuffle=self.shuffle,
+                                window=self.shuffle_window, piece=self.piece, seed=self.seed, epoch=epoch)
+
+    def batches_before(self, history: Sequence[dict[str, Any]]) -> int:
+        """Global batches that the interrupted segments in `history` delivered."""
+        done = 0
+        for entry in history:
+            p = Progress.from_json(entry)
+            done += globalbatch.batches_done(p.num_workers, p.yielded, globalbatch.local_size(self.global_batch,
+                                                                                              p.world_size))
+        return done
+
+    def per_rank(self, epoch: int, history: Sequence[dict[str, Any]], world: int) -> int:
+        """Samples each rank yields in a pass that follows `history`."""
+        if self.global_batch:
+            gb = self.global_batches(epoch)
+            return (gb.batches - self.batches_before(history)) * globalbatch.local_size(self.global_batch, world)
+        return partition.per_rank(self.left(epoch, history).left, world, self.remainder)
+
+    def worker_sizes(self, epoch: int, history: Sequence[dict[str, Any]], world: int, workers: int) -> list[int]:
+        """Samples each worker of a rank yields in a pass that follows `history`."""
+        if self.global_batch:
+            b = globalbatch.local_size(self.global_batch, world)
+            left = self.per_rank(epoch, history, world) // b
+            return [b * globalbatch.worker_batches(left, workers, w) for w in range(workers)]
+        rank_total = self.per_rank(epoch, history, world)
+        bounds = (partition.worker_bounds(rank_total, workers, w, self.batch) for w in range(workers))
+        return [b - a for a, b in bounds]
 
     def segment(self, epoch: int, world: int, workers: int, segment: int, batch: int) -> Layout:
         return Layout(world, workers, self.seed, epoch, self.shuffle, self.shuffle_window, self.remainder, segment, batch)
@@ -135,6 +167,11 @@ class EpochStream:
         """This worker's positions in the epoch's sequence for this pass, in order, minus
         those already yielded: made a piece at a time, as the pass needs them."""
         o = self.ordering
+        if o.global_batch:
+            gb = o.global_batches(self.epoch)
+            yield from globalbatch.worker_chunks(gb, o.batches_before(self.history), self.world, self.rank,
+                                                 self.num_workers, self.worker_id, self.skip)
+            return
         here = o.segment(self.epoch, self.world, self.num_workers, len(self.history), o.batch)
         left = o.left(self.epoch, self.history)
         for piece in partition.worker_chunks(left.left, here, self.rank, self.worker_id, self.skip):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.utils.data
 
-from .. import checks, partition
+from .. import checks, globalbatch, partition
 from . import state
 from .batching import Batches
 from .counters import MAX_WORKERS, Shared
@@ -27,7 +27,7 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
     splitting) and `__iter__`. `batch_size` set: the dataset yields batches (see batching.py)."""
 
     def __init__(self, rank: int | None, world_size: int | None, *, shuffle: bool, seed: int, shuffle_window: int,
-                 remainder: str, batch_size: int | None) -> None:
+                 remainder: str, batch_size: int | None, global_batch_size: int | None = None) -> None:
         """Checks and keeps what every epoch dataset's order and layout depend on."""
         super().__init__()
         # explicit ones are checked (and fixed) now; else asked when needed: DDP may start later
@@ -38,8 +38,29 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         self.seed = checks.integer("seed", seed, None)
         self.shuffle_window = checks.integer("shuffle_window", shuffle_window, 1)
         self.batch_size = checks.optional("batch_size", batch_size, 1)
+        self.global_batch_size = checks.optional("global_batch_size", global_batch_size, 1)
         self._shared = Shared()
         self._resume: dict[str, Any] | None = None
+        if self.global_batch_size:  # a world size known now (given, or torchrun's) must split it
+            self._local_batch(self._rank_world()[1])
+
+    def _local_batch(self, world: int) -> int:
+        """B / W under global_batch_size=B, checked: W must divide B, and a dataset that
+        batches itself must batch by B / W."""
+        b = globalbatch.local_size(self.global_batch_size or 1, world)
+        if self.batch_size not in (None, b):
+            raise ValueError(f"batch_size={self.batch_size} with global_batch_size={self.global_batch_size} over "
+                             f"{world} ranks: each rank's batches hold {b} samples (leave batch_size out, or pass {b})")
+        return b
+
+    @property
+    def local_batch_size(self) -> int | None:
+        """Under global_batch_size=B: B / world size, the batch_size to give the DataLoader."""
+        return self._local_batch(self._rank_world()[1]) if self.global_batch_size else None
+
+    def _piece(self) -> int:
+        """Consecutive positions a global batch takes together (see globalbatch.py)."""
+        return 32
 
     def total_samples(self) -> int:
         raise NotImplementedError
@@ -47,7 +68,7 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
     def _ordering(self) -> Ordering:
         """The values a pass's plan and state follow, fixed as it starts."""
         return Ordering(self.total_samples(), self.seed, self.shuffle, self.shuffle_window, self.remainder,
-                        self._batch, self.order_key())
+                        self._batch, self.order_key(), self.global_batch_size or 0, self._piece())
 
     def _epoch_stream(self, rank: int, world: int, worker_id: int, num_workers: int, run: Run) -> EpochStream:
         """A pass of this worker whose positions become samples by `run`."""
@@ -82,7 +103,11 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
     def __len__(self) -> int:
         """Samples this rank yields per epoch (the same on every rank); batches, if the
         dataset batches."""
-        samples = partition.per_rank(self.total_samples(), self._rank_world()[1], self.remainder)
+        world = self._rank_world()[1]
+        if self.global_batch_size:
+            samples = self._ordering().global_batches(0).batches * self._local_batch(world)
+        else:
+            samples = partition.per_rank(self.total_samples(), world, self.remainder)
         return -(-samples // self.batch_size) if self.batch_size else samples
 
     @property
@@ -95,6 +120,8 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         order = {"samples": self.total_samples(), "shuffle": bool(self.shuffle), "remainder": self.remainder}
         if self.shuffle:  # without it, the order is the dataset's own, whatever the seed
             order.update(seed=self.seed, shuffle_window=self.shuffle_window, shuffle_version=state.SHUFFLE_VERSION)
+        if self.global_batch_size:
+            order.update(global_batch_size=self.global_batch_size, piece=self._piece())
         return order
 
     def _stream(self, stream: EpochStream) -> Iterator[Any]:
@@ -125,6 +152,8 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         worker_id, num_workers = partition.worker()
         if num_workers > MAX_WORKERS:
             raise ValueError(f"at most {MAX_WORKERS} DataLoader workers are supported")
+        if self.global_batch_size:
+            self._local_batch(world)
         return rank, world, worker_id, num_workers
 
     def state_dict(self) -> dict[str, Any]:
@@ -191,6 +220,10 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
             batch_size = self.batch_size
         elif batch_size is None:
             raise ValueError("batch_size: the DataLoader's batch size is needed")
+        world = world_size if world_size is not None else self._rank_world()[1]
+        if self.global_batch_size and batch_size != self._local_batch(world):
+            raise ValueError(f"batch_size={batch_size}: under global_batch_size={self.global_batch_size} over {world} "
+                             f"ranks the DataLoader's batch_size is {self._local_batch(world)}")
         ordering = self._ordering()
         history: list[dict[str, Any]] = []
         if resumed_from is not None:
@@ -201,10 +234,8 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
             history = state.history_of(earlier)
         elif self._resume is not None and self._resume["epoch"] == epoch:
             raise ValueError("this epoch was itself resumed from a partial state: pass that state as resumed_from")
-        world = world_size if world_size is not None else self._rank_world()[1]
-        rank_total = partition.per_rank(ordering.left(epoch, history).left, world, self.remainder)
         workers = max(num_workers, 1)
-        sizes = [b - a for a, b in (partition.worker_bounds(rank_total, workers, w, self._batch) for w in range(workers))]
+        sizes = ordering.worker_sizes(epoch, history, world, workers)
         yielded = partition.yielded_after(sizes, batch_size, samples_seen, drop_last)
         if samples_seen == partition.pass_length(sizes, batch_size, drop_last):
             yielded = tuple(sizes)  # a whole pass: what drop_last dropped is done with too

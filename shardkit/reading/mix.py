@@ -14,6 +14,7 @@ from (seed, epoch), elastic resume.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, Protocol
@@ -78,13 +79,14 @@ class MixedDataset(EpochDataset):
     """Build it with `StreamingDataset.mix([(source, weight), ...], ...)`, which makes the
     parts given as URLs."""
 
-    OPTIONS = ("samples_per_epoch", "shuffle_window", "remainder", "batch_size")  # the mixture's own, besides its order
+    OPTIONS = ("samples_per_epoch", "shuffle_window", "remainder", "batch_size", "global_batch_size")  # the mixture's own, besides its order
 
     def __init__(self, parts: Sequence[tuple[Part, Any]], *, samples_per_epoch: int | None = None,
                  shuffle: bool = True, seed: int = 0, shuffle_window: int = 1024, remainder: str = "repeat",
-                 rank: int | None = None, world_size: int | None = None, batch_size: int | None = None):
+                 rank: int | None = None, world_size: int | None = None, batch_size: int | None = None,
+                 global_batch_size: int | None = None):
         super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
-                         remainder=remainder, batch_size=batch_size)
+                         remainder=remainder, batch_size=batch_size, global_batch_size=global_batch_size)
         check_parts(parts)
         self.parts = [p for p, _ in parts]
         self.weights = tuple(_weight(w) for _, w in parts)
@@ -115,7 +117,8 @@ class MixedDataset(EpochDataset):
         return self._stream(self._pass(*self._layout()))
 
     def _pass(self, rank: int, world: int, worker_id: int, num_workers: int) -> EpochStream:
-        inputs = [(p.read_spec(), p.source, p.slot(worker_id)) for p in self.parts]
+        inputs = [(dataclasses.replace(p.read_spec(), global_batches=bool(self.global_batch_size)), p.source,
+                   p.slot(worker_id)) for p in self.parts]
         connections = per_worker(num_workers) // len(self.parts) or 1  # the parts' passes share the worker's
         window = max(self.shuffle_window, *(p.shuffle_window for p in self.parts))
         counts, sizes, seed, shuffle = self.counts, self.sizes, self.seed, self.shuffle

@@ -87,7 +87,10 @@ class Pass:
                         item = self._process(shard, start, data, decode, meter)
                     except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
                         self._skip(e, shard, start, meter)
-                        pending += 1
+                        if spec.global_batches:  # the same stand-in under any layout
+                            yield self._borrow(reader, decode, int(ids[count - 1]))
+                        else:
+                            pending += 1
                         continue
                     for _ in range(pending + 1):
                         yield item

@@ -42,6 +42,9 @@ class Settings(Protocol):
     @property
     def prefetch_bytes(self) -> int: ...
 
+    @property
+    def global_batches(self) -> bool: ...
+
 
 class SampleSource(Protocol):
     def reads(self, ids: np.ndarray, reader: storage.RangeReader, opts: Settings, window: int,
@@ -98,7 +101,7 @@ class TarSamples:
         shard_of, starts, ends = ranges.bounds(ids, self.first, self.offsets)
         self._check(shard_of, starts, ends)
         local = all(map(storage.is_local, self.urls))  # one remote shard: its ranges go through the budget
-        if local:
+        if local or opts.global_batches:  # a global batch's pieces: their own samples, not whole blocks
             plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=RANGE_BYTES)
         else:  # a block's samples come within block + 2 windows of each other: further apart, a new use,
             # read again rather than held, unless the whole dataset fits in the read-ahead budget

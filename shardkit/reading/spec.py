@@ -70,6 +70,10 @@ class ReadSpec:
     prefetch_bytes: int = 256 << 20
     cache_dir: str | None = None
     cache_limit: int = 20 << 30
+    # a slice of global batches (globalbatch.py): a block's other pieces are other ranks', so
+    # samples are read as byte ranges, not whole blocks, and a skipped sample's place is taken
+    # by the next usable sample by id, the same under any layout
+    global_batches: bool = False
 
     def cache(self) -> RangeCache | None:
         return RangeCache(self.cache_dir, self.cache_limit) if self.cache_dir is not None else None
