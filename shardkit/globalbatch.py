@@ -109,14 +109,28 @@ def worker_chunks(gb: GlobalBatches, start: int, world: int, rank: int, num_work
     """The positions worker `worker_id` of rank `rank` yields in a pass that begins at global
     batch `start`, from its `skip`-th on, a piece at a time: its rank's slice of global
     batches start + w, start + w + N, ..."""
+    for slots in worker_slots(gb, start, world, rank, num_workers, worker_id, skip, chunk):
+        yield gb.positions(slots)
+
+
+def worker_slots(gb: GlobalBatches, start: int, world: int, rank: int, num_workers: int, worker_id: int,
+                 skip: int = 0, chunk: int = CHUNK) -> Iterator[np.ndarray]:
+    """The slots behind `worker_chunks`' positions."""
     b = local_size(gb.size, world)
     mine = worker_batches(gb.batches - start, num_workers, worker_id)
     per = max(1, min(chunk // b, MAX_BATCHES))
     first, cut = divmod(skip, b)
     for i in range(first, mine, per):
-        j = np.arange(i, min(mine, i + per), dtype=np.int64) * num_workers + worker_id
-        slots = ((start + j) * gb.size + rank * b)[:, None] + np.arange(b)[None, :]
-        yield gb.positions(slots.ravel()[cut if i == first else 0 :])
+        spans = slot_spans(gb.size, start, b, rank, num_workers, worker_id, i, min(mine, i + per))
+        yield (spans[:, None] + np.arange(b)[None, :]).ravel()[cut if i == first else 0 :]
+
+
+def slot_spans(size: int, start: int, b: int, rank: int, num_workers: int, worker_id: int, lo: int,
+               hi: int) -> np.ndarray:
+    """The first slot of the worker's local batches lo..hi-1 (each b slots long)."""
+    j = np.arange(lo, hi, dtype=np.int64) * num_workers + worker_id
+    out: np.ndarray = (start + j) * size + rank * b
+    return out
 
 
 def batches_done(num_workers: int, yielded: Sequence[int], b: int) -> int:

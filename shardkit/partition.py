@@ -194,34 +194,51 @@ def remaining(total: int, layout: Layout, progress: Progress) -> np.ndarray:
     padding repeated count as delivered wherever they sit."""
     if total == 0:
         return np.empty((0, 2), dtype=np.int64)
+    return _complement(*delivered(total, layout, progress), total)
+
+
+def delivered(total: int, layout: Layout, progress: Progress, rank: int | None = None,
+              worker_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The positions of a sequence of `total` that `progress` under `layout` delivered (of
+    one rank, or one worker, if given), as spans [starts, stops) that may run past `total`
+    (padding: they wrap round to the sequence's start)."""
     r = per_rank(total, layout.world_size, layout.remainder)
-    starts, stops = [], []
+    ranks = np.arange(layout.world_size, dtype=np.int64) if rank is None else np.array([rank], dtype=np.int64)
+    starts, stops = [np.empty(0, dtype=np.int64)], [np.empty(0, dtype=np.int64)]
     for w, k in enumerate(progress.yielded):
+        if worker_id is not None and w != worker_id:
+            continue
         lo, hi = worker_bounds(r, layout.num_workers, w, layout.batch)
         k = min(k, hi - lo)
         whole, end = blockplan.window_bounds(k, layout.window) if _windowed(layout) else (k, k)
-        first = np.arange(layout.world_size, dtype=np.int64) * r + lo  # each rank's first position of w
+        first = ranks * r + lo  # each rank's first position of w
         starts.append(first)
         stops.append(first + whole)
         if k > whole:  # the partial window: its first k - whole positions in shuffled order
             end = min(end, hi - lo)
-            for rank in range(layout.world_size):
-                part = blockplan.window_order(_window_key(layout, rank, w), whole, end, layout.window)[: k - whole]
-                starts.append(first[rank] + part)
-                stops.append(first[rank] + part + 1)
-    return _complement(np.concatenate(starts), np.concatenate(stops), total)
+            for i, one in enumerate(ranks.tolist()):
+                part = blockplan.window_order(_window_key(layout, one, w), whole, end, layout.window)[: k - whole]
+                starts.append(first[i] + part)
+                stops.append(first[i] + part + 1)
+    return np.concatenate(starts), np.concatenate(stops)
+
+
+def wrapped(starts: np.ndarray, stops: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """Spans of `delivered` inside [0, total): one running past it split in two (no span is
+    longer than `total`)."""
+    lengths = stops - starts
+    starts = starts[lengths > 0] % total
+    ends = starts + lengths[lengths > 0]
+    over = ends[ends > total] - total
+    return (np.concatenate([starts, np.zeros(len(over), dtype=np.int64)]),
+            np.concatenate([np.minimum(ends, total), over]))
 
 
 def _complement(starts: np.ndarray, stops: np.ndarray, total: int) -> np.ndarray:
     """The spans of [0, total) outside the spans [starts, stops). A span may start past
     `total` or run over it (padding repeats the sequence's start): it wraps around, at
     most once since none is longer than `total`."""
-    lengths = stops - starts
-    starts = starts[lengths > 0] % total
-    ends = starts + lengths[lengths > 0]
-    over = ends[ends > total] - total
-    starts = np.concatenate([starts, np.zeros(len(over), dtype=np.int64)])
-    ends = np.concatenate([np.minimum(ends, total), over])
+    starts, ends = wrapped(starts, stops, total)
     order = np.argsort(starts, kind="stable")
     starts, ends = starts[order], ends[order]
     covered = np.concatenate([[0], np.maximum.accumulate(ends)]) if len(ends) else np.zeros(1, dtype=np.int64)
@@ -248,6 +265,21 @@ class Segments:
     def after(self, layout: Layout, progress: Progress) -> Segments:
         """These segments, then one under `layout` that got as far as `progress`."""
         return Segments(self.total, (*self.spans, remaining(self.left, layout, progress)))
+
+    def base_spans(self, starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Spans of the last segment's sequence as spans of the epoch's (each cut where the
+        earlier segments' spans end)."""
+        for spans in reversed(self.spans):
+            lengths = spans[:, 1] - spans[:, 0]
+            before = np.cumsum(lengths) - lengths
+            first = np.searchsorted(before, starts, side="right") - 1
+            last = np.searchsorted(before, stops - 1, side="right") - 1
+            n = np.maximum(last - first + 1, 0)
+            which = np.repeat(first, n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+            lo = np.maximum(np.repeat(starts, n), before[which])
+            hi = np.minimum(np.repeat(stops, n), before[which] + lengths[which])
+            starts, stops = spans[which, 0] + lo - before[which], spans[which, 0] + hi - before[which]
+        return starts, stops
 
     def base(self, positions: np.ndarray) -> np.ndarray:
         """Positions in the last segment's sequence as positions in the epoch's."""
@@ -285,6 +317,19 @@ def yielded_after(counts: Sequence[int], batch_size: int, samples_seen: int, dro
     if seen != samples_seen:
         raise ValueError(f"samples_seen={samples_seen} is not a whole number of batches of this loader: "
                          f"it hands out {seen - n} and then {seen}")
+    return tuple(taken)
+
+
+def taken_after(counts: Sequence[int], batch_size: int, batches: int) -> tuple[int, ...]:
+    """Per-worker samples a torch DataLoader has taken after handing out `batches` batches
+    from workers holding `counts` (in turn, an exhausted worker dropping out)."""
+    rounds = min(batches // len(counts), min(c // batch_size for c in counts)) if counts else 0
+    taken, handed = [rounds * batch_size] * len(counts), rounds * len(counts)  # whole rounds at once
+    while handed < batches and any(t < c for t, c in zip(taken, counts)):
+        for w, c in enumerate(counts):
+            if taken[w] < c and handed < batches:
+                taken[w] += min(batch_size, c - taken[w])
+                handed += 1
     return tuple(taken)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from .. import globalbatch, partition
+from .. import digest, globalbatch, partition
 from ..partition import Layout, Progress
 from . import state, worker
 from .counters import Shared
@@ -59,6 +59,80 @@ class Ordering:
             return (gb.batches - self.batches_before(history)) * globalbatch.local_size(self.global_batch, world)
         return partition.per_rank(self.left(epoch, history).left, world, self.remainder)
 
+    def fingerprint(self, epoch: int, history: Sequence[dict[str, Any]], progress: Progress, rank: int | None = None,
+               worker_id: int | None = None) -> digest.Digest:
+        """The fingerprint of what `progress` delivered after `history` (of one rank, or one
+        worker, if given): epoch positions, or slots of the global batches."""
+        a, z = self.delivered(epoch, history, progress, rank, worker_id)
+        return digest.of_spans(a, z)
+
+    def delivered(self, epoch: int, history: Sequence[dict[str, Any]], progress: Progress, rank: int | None = None,
+                  worker_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The spans behind `fingerprint`."""
+        if self.global_batch:
+            start, size = self.batches_before(history), self.global_batch
+            b = globalbatch.local_size(size, progress.world_size)
+            if rank is None:  # all ranks together: the batches delivered, whole
+                done = globalbatch.batches_done(progress.num_workers, progress.yielded, b)
+                return np.array([start * size]), np.array([(start + done) * size])
+            starts, stops = [np.empty(0, dtype=np.int64)], [np.empty(0, dtype=np.int64)]
+            for w, k in enumerate(progress.yielded):
+                if worker_id is None or w == worker_id:
+                    first = globalbatch.slot_spans(size, start, b, rank, progress.num_workers, w, 0, -(-k // b))
+                    ends = first + b
+                    if k % b:
+                        ends[-1] = first[-1] + k % b
+                    starts.append(first)
+                    stops.append(ends)
+            return np.concatenate(starts), np.concatenate(stops)
+        left = self.left(epoch, history)
+        if not left.left:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        layout = self.segment(epoch, progress.world_size, progress.num_workers, len(history), progress.batch)
+        a, z = partition.wrapped(*partition.delivered(left.left, layout, progress, rank, worker_id), left.left)
+        return left.base_spans(a, z)
+
+    def record(self, epoch: int, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`history` with each segment's fingerprint (of all ranks' deliveries), the last one
+        worked out now, the earlier ones checked."""
+        self.check_history(epoch, history[:-1])
+        last = dict(history[-1])
+        last[state.DIGEST] = digest.text(self.fingerprint(epoch, history[:-1], Progress.from_json(last)))
+        return [*history[:-1], last]
+
+    def check_history(self, epoch: int, history: Sequence[dict[str, Any]]) -> None:
+        """Refuse a history whose counts are not those its fingerprints were made from."""
+        for i, entry in enumerate(history):
+            saved = entry.get(state.DIGEST)
+            if saved is None:  # saved by an earlier version
+                continue
+            p = Progress.from_json(entry)
+            if digest.parse(saved) != self.fingerprint(epoch, history[:i], p):
+                a, z = self.delivered(epoch, history[:i], p)
+                raise ValueError(f"{_where(a, z, epoch)}: this state's segment {i} ({p.world_size} ranks x "
+                                 f"{p.num_workers} workers, counts {list(p.yielded)}) is not the one its fingerprint "
+                                 "was made from (an edited or mixed-up state): resuming from it would repeat or skip "
+                                 "samples there")
+
+    def check_worker(self, epoch: int, history: Sequence[dict[str, Any]], found: dict[str, Any]) -> None:
+        """Refuse a worker state whose count is not that of the samples it delivered."""
+        saved = found.get(state.DIGEST)
+        if saved is None:
+            return
+        if not isinstance(saved, dict) or not isinstance(saved.get("rank"), int) or "sums" not in saved:
+            raise ValueError(f"not a valid shardkit state ({state.DIGEST} must hold a rank and sums)")
+        world, workers, w = int(found[state.WORLD_SIZE]), int(found[state.NUM_WORKERS]), int(found[state.WORKER])
+        k = int(found[state.YIELDED])
+        progress = Progress(world, workers, tuple(k if i == w else 0 for i in range(workers)),
+                            int(found.get(state.BATCH, 1)))
+        rank = saved["rank"]
+        if not 0 <= rank < world or digest.parse(saved["sums"]) != self.fingerprint(epoch, history, progress, rank, w):
+            full = self.worker_sizes(epoch, history, world, workers)
+            a, z = self.delivered(epoch, history, Progress(world, workers, tuple(full), progress.batch), rank % world, w)
+            raise ValueError(f"{_where(a, z, epoch)}: worker {w} of rank {rank} says it delivered {k} samples, not "
+                             "the ones its fingerprint records (an edited or stale state): resuming from it would "
+                             "repeat or skip samples there")
+
     def worker_sizes(self, epoch: int, history: Sequence[dict[str, Any]], world: int, workers: int) -> list[int]:
         """Samples each worker of a rank yields in a pass that follows `history`."""
         if self.global_batch:
@@ -81,6 +155,13 @@ class Ordering:
         return left
 
 
+def _where(starts: np.ndarray, stops: np.ndarray, epoch: int) -> str:
+    """Names the sample range that spans cover."""
+    if not len(starts):
+        return f"epoch {epoch}"
+    return f"epoch {epoch}, positions {int(starts.min())}..{int(stops.max()) - 1}"
+
+
 class EpochStream:
     """One pass of one worker. Stateful (torchdata's protocol): `state_dict()` says how
     many samples this worker has yielded; `load_state_dict()` before the first sample
@@ -99,6 +180,8 @@ class EpochStream:
         self.skip = 0
         self.yielded = 0
         self._gen: Generator[Any, None, None] | None = None
+        self._done = digest.ZERO  # fingerprint of the positions delivered, but those of `_pieces`
+        self._pieces: list[tuple[int, np.ndarray]] = []  # (index in the pass, positions) not yet all delivered
         self._resume_token = 0  # the resume point this pass follows, if any
         # the pass counters' layout: the DataLoader's num_workers, 0 in the main process
         self._layout = num_workers if torch.utils.data.get_worker_info() is not None else 0
@@ -130,6 +213,7 @@ class EpochStream:
         try:
             item = next(self._gen)
         except StopIteration:
+            self._check_end()
             if not self._layout:  # a whole pass in the main process
                 self.shared.ended_in_main()
                 if self._resume_token:
@@ -144,8 +228,30 @@ class EpochStream:
             self._gen.close()
 
     def state_dict(self) -> dict[str, Any]:
-        return state.worker_state(self.epoch, self.world, self.num_workers, self.ordering.batch, self.worker_id,
-                                  self.skip + self.yielded, self.ordering.key, self.history)
+        saved = state.worker_state(self.epoch, self.world, self.num_workers, self.ordering.batch, self.worker_id,
+                                   self.skip + self.yielded, self.ordering.key, self.history)
+        saved[state.DIGEST] = {"rank": self.rank, "sums": digest.text(self._delivered())}
+        return saved
+
+    def _delivered(self) -> digest.Digest:
+        """The fingerprint of the positions (slots, under global batches) this worker has
+        delivered in this segment, worked out from those it did deliver."""
+        while self._pieces and self._pieces[0][0] + len(self._pieces[0][1]) <= self.yielded:
+            self._done = digest.add(self._done, digest.of_positions(self._pieces.pop(0)[1]))
+        partly = [digest.of_positions(p[: max(0, self.yielded - at)]) for at, p in self._pieces]
+        return digest.add(self._done, *partly)
+
+    def _check_end(self) -> None:
+        """At the end of the pass: what it delivered is what its share is, by the spans' arithmetic."""
+        o = self.ordering
+        sizes = o.worker_sizes(self.epoch, self.history, self.world, self.num_workers)
+        full = Progress(self.world, self.num_workers, tuple(sizes), o.batch)
+        if self.skip + self.yielded != sizes[self.worker_id] or \
+                self._delivered() != o.fingerprint(self.epoch, self.history, full, self.rank, self.worker_id):
+            a, z = o.delivered(self.epoch, self.history, full, self.rank, self.worker_id)
+            raise RuntimeError(f"{_where(a, z, self.epoch)}: worker {self.worker_id} of rank {self.rank} delivered "
+                               f"{self.skip + self.yielded} samples that are not its share of the epoch "
+                               f"({sizes[self.worker_id]}): samples there were repeated or skipped")
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if self._gen is not None:
@@ -160,22 +266,41 @@ class EpochStream:
                 "the dataset's load_state_dict to resume under a new world size or num_workers"
             )
         self.epoch, self.history = int(found[state.EPOCH]), list(found[state.HISTORY])
+        self.ordering.check_history(self.epoch, self.history)
+        self.ordering.check_worker(self.epoch, self.history, found)
         self.skip = int(found[state.YIELDED])
+        if state.DIGEST in found:
+            self._done = digest.parse(found[state.DIGEST]["sums"])
+        elif self.skip:  # an earlier version's state: what it delivered is taken as its count says
+            self._done = self.ordering.fingerprint(self.epoch, self.history, Progress(
+                self.world, self.num_workers, tuple(self.skip * (i == self.worker_id) for i in range(self.num_workers)),
+                self.ordering.batch), self.rank, self.worker_id)
         self.shared.resumed(self.worker_id, self._layout, self.epoch)
 
     def _chunks(self) -> Iterator[np.ndarray]:
         """This worker's positions in the epoch's sequence for this pass, in order, minus
         those already yielded: made a piece at a time, as the pass needs them."""
+        at = 0
+        for coords, positions in self._pieces_of_plan():
+            self._pieces.append((at, coords))
+            at += len(coords)
+            yield positions
+
+    def _pieces_of_plan(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(what the fingerprint counts, positions) of each piece of the plan: the positions
+        themselves, or under global batches their slots."""
         o = self.ordering
         if o.global_batch:
             gb = o.global_batches(self.epoch)
-            yield from globalbatch.worker_chunks(gb, o.batches_before(self.history), self.world, self.rank,
-                                                 self.num_workers, self.worker_id, self.skip)
+            for slots in globalbatch.worker_slots(gb, o.batches_before(self.history), self.world, self.rank,
+                                                  self.num_workers, self.worker_id, self.skip):
+                yield slots, gb.positions(slots)
             return
         here = o.segment(self.epoch, self.world, self.num_workers, len(self.history), o.batch)
         left = o.left(self.epoch, self.history)
         for piece in partition.worker_chunks(left.left, here, self.rank, self.worker_id, self.skip):
-            yield left.base(piece)
+            positions = left.base(piece)
+            yield positions, positions
 
     def _plan(self) -> np.ndarray:
         """All of `_chunks` at once (tests, benchmarks)."""

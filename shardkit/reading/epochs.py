@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.utils.data
 
-from .. import checks, globalbatch, partition
+from .. import checks, digest, globalbatch, partition
 from . import state
 from .batching import Batches
 from .counters import MAX_WORKERS, Shared
@@ -196,7 +196,15 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
                 "load_state_dict, or checkpoint with snapshot_every_n_steps=1 to resume under a new layout "
                 "(a loader with in_order=False gives such states too, and no resume of it is exact: "
                 "checkpoint with in_order=True, the default)")
-        self._resume = {"epoch": epoch, "history": state.history_of(workers), "token": self._shared.new_resume()}
+        ordering = self._ordering()
+        earlier = list(workers[0].get(state.HISTORY, []))
+        ordering.check_history(epoch, earlier)
+        for s in workers:
+            ordering.check_worker(epoch, earlier, s)
+        _check_snapshot(loader, workers, ordering.worker_sizes(epoch, earlier, int(workers[0][state.WORLD_SIZE]),
+                                                               int(workers[0][state.NUM_WORKERS])), self.batch_size)
+        history = ordering.record(epoch, state.history_of(workers))
+        self._resume = {"epoch": epoch, "history": history, "token": self._shared.new_resume()}
         self._shared.set_epoch(epoch)
 
     def resume_state(self, *, epoch: int, samples_seen: int, num_workers: int, batch_size: int | None = None,
@@ -231,7 +239,16 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
             if not earlier or any(s[state.EPOCH] != epoch for s in earlier):
                 raise ValueError(f"resumed_from is not a resume state of epoch {epoch}")
             state.check_order(earlier, ordering.key)
-            history = state.history_of(earlier)
+            before = list(earlier[0].get(state.HISTORY, []))
+            ordering.check_history(epoch, before)
+            for s in earlier:
+                ordering.check_worker(epoch, before, s)
+            history = ordering.record(epoch, state.history_of(earlier))
+            if self._resume is not None and self._resume["epoch"] == epoch and _plain(self._resume["history"]) != \
+                    _plain(history):
+                raise ValueError(f"resumed_from is not the state this dataset resumed epoch {epoch} from (a stale "
+                                 "checkpoint?): the new state would count from other progress and repeat or skip "
+                                 "samples; pass the state given to load_state_dict")
         elif self._resume is not None and self._resume["epoch"] == epoch:
             raise ValueError("this epoch was itself resumed from a partial state: pass that state as resumed_from")
         workers = max(num_workers, 1)
@@ -239,7 +256,39 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         yielded = partition.yielded_after(sizes, batch_size, samples_seen, drop_last)
         if samples_seen == partition.pass_length(sizes, batch_size, drop_last):
             yielded = tuple(sizes)  # a whole pass: what drop_last dropped is done with too
-        return state.loader_state(epoch, world, workers, self._batch, ordering.key, history, yielded)
+        saved = state.loader_state(epoch, world, workers, self._batch, ordering.key, history, yielded)
+        rank = min(self._rank_world()[0], world - 1)
+        for w, entry in enumerate(saved[state.WORKERS]):  # what a worker's own state would say it delivered
+            one = partition.Progress(world, workers, tuple(k * (i == w) for i, k in enumerate(yielded)), self._batch)
+            entry[state.DIGEST] = {"rank": rank, "sums": digest.text(ordering.fingerprint(epoch, history, one, rank, w))}
+        return saved
+
+
+def _plain(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A history's progress, fingerprints aside (an earlier version's states have none)."""
+    return [{k: v for k, v in h.items() if k != state.DIGEST} for h in history]
+
+
+def _check_snapshot(loader: dict[str, Any], workers: list[dict[str, Any]], sizes: list[int],
+                    batch_size: int | None) -> None:
+    """Refuse a StatefulDataLoader state whose worker snapshots are not those of the batch
+    its own count says it is at (a worker's snapshot from another checkpoint: its samples
+    since would come again, or never)."""
+    main = loader.get("_snapshot", {}).get("_main_snapshot", {})
+    batches = main.get("_sampler_iter_yielded")
+    seen = (main.get("_sampler_iter_state") or {}).get("samples_yielded")
+    if not isinstance(batches, int) or not isinstance(seen, int) or batches <= 0 or loader.get("_steps_since_snapshot"):
+        return
+    size = batch_size or seen // batches  # items of a DataLoader batch: a batching dataset's batch is one item
+    counts = [0] * len(sizes)
+    for s in workers:
+        counts[int(s[state.WORKER])] = int(s[state.YIELDED])
+    want = partition.taken_after(sizes, size, batches)
+    if tuple(counts) != want:
+        w = next(i for i, (a, b) in enumerate(zip(counts, want)) if a != b)
+        raise ValueError(f"this StatefulDataLoader state is at its batch {batches}, but its snapshot of worker {w} "
+                         f"counts {counts[w]} samples, not {want[w]} (a stale or mixed-up state): resuming from it "
+                         "would repeat or skip that worker's samples")
 
 
 def stats_summary(total: dict[str, float]) -> dict[str, float]:
