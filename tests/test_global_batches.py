@@ -71,3 +71,37 @@ def test_a_world_size_that_does_not_divide_the_global_batch(packed: Path) -> Non
     with pytest.raises(ValueError, match=r"batch_size=4: under global_batch_size=12 over 2 ranks the DataLoader's "
                                          r"batch_size is 6"):
         ds.resume_state(epoch=0, samples_seen=8, num_workers=1, batch_size=4)
+
+
+def test_bad_samples_skipped_the_same_under_every_layout(tmp_path: Path) -> None:
+    """on_error="skip": a bad sample's place goes to the next usable sample by id, whoever
+    reads it, so the global batches stay those of one rank and no workers."""
+    from conftest import make_folder
+    from readers import break_image, pack
+
+    dataset = pack(make_folder(tmp_path / "photos", per_class=8), tmp_path / "shards", max_count=5)
+    keys = [break_image(dataset, shard, i)[1] for shard, i in ((0, 1), (2, 4), (3, 0))]
+    options = {**OPTIONS, "decode": "rgb8", "on_error": "skip"}
+    whole = global_batches(dataset, 1, 0, **options)
+    flat = [k for b in whole for k in b]
+    assert len(whole) == 2 and not set(keys) & set(flat) and len(set(flat)) == 21
+    for world, workers in ((2, 3), (3, 2), (4, 1)):
+        assert global_batches(dataset, world, workers, **options) == whole
+
+
+def test_a_mixture_resumed_under_another_layout_continues_its_batches(packed: Path) -> None:
+    def mix(rank: int, world: int) -> Any:
+        return StreamingDataset.mix([(str(packed), 1.0), (str(packed), 2.0)], shuffle=True, seed=2, rank=rank,
+                                    world_size=world, global_batch_size=B, samples_per_epoch=96, block=4)
+
+    whole = [list(b["__key__"]) for b in DataLoader(mix(0, 1), batch_size=B)]
+    first = [mix(r, 2) for r in range(2)]
+    head = [[list(b["__key__"]) for b, _ in zip(DataLoader(m, batch_size=6, num_workers=2), range(3))] for m in first]
+    saved = first[0].resume_state(epoch=0, samples_seen=18, num_workers=2, batch_size=6)
+    rest = []
+    for rank in range(3):  # 3 ranks of 4 samples a batch, one worker each
+        m = mix(rank, 3)
+        m.load_state_dict(saved)
+        rest.append([list(b["__key__"]) for b in DataLoader(m, batch_size=4, num_workers=1)])
+    got = [a + b for a, b in zip(*head)] + [sum(parts, []) for parts in zip(*rest)]
+    assert got == whole
