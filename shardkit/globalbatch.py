@@ -5,9 +5,10 @@ The epoch's global sequence (partition.epoch_order: blocks of a shard's consecut
 in permuted order) is cut into slots: `batches` global batches of B slots, the sequence
 padded by its start ("repeat") or cut short ("drop") to a whole number of them. With
 shuffle, slots are grouped in windows of whole batches (about `shuffle_window` slots) and
-each window's positions are cut into pieces of `piece` consecutive positions (half a block
-by default), which the window permutes: a global batch then holds runs of `piece` samples
-from several blocks, and each block's pieces land in different batches of its window.
+each window's positions are cut into pieces, the halves of its blocks (each a run of one
+shard; a mixture's, runs of `piece` positions), which the window permutes: a global batch
+then holds runs of about half a block from several blocks, and each block's two halves land
+in different batches of its window.
 
 Rank r takes slots [r * B / W, (r + 1) * B / W) of every global batch; the DataLoader of a
 rank takes batch j of its N workers from worker j % N, so worker w yields the rank's
@@ -21,7 +22,7 @@ found from any rank's worker counts, and any layout continues at batch K.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,7 @@ import numpy as np
 from . import blockplan
 
 CHUNK = 1 << 16  # slots of a worker planned at a time
-MAX_BATCHES = 4096  # local batches planned at a time (each may touch two windows' tables)
+MAX_BATCHES = 1024  # local batches planned at a time (each may touch two windows, each worked out alone)
 
 
 def local_size(batch: int, world: int) -> int:
@@ -42,10 +43,15 @@ def local_size(batch: int, world: int) -> int:
     return batch // world
 
 
+Bounds = Callable[[int, int], tuple[np.ndarray, np.ndarray]]  # (lo, hi) -> the blocks meeting lo..hi-1
+
+
 @dataclass(frozen=True, eq=False)
 class GlobalBatches:
     """The slots of an epoch of `total` positions: `positions(slots)` says which position
-    of the global sequence each slot holds."""
+    of the global sequence each slot holds. With `bounds` (where the sequence's blocks lie)
+    the pieces are the halves of the blocks, so that a piece is one run of a shard; without,
+    runs of `piece` positions."""
 
     total: int
     size: int  # B
@@ -53,6 +59,7 @@ class GlobalBatches:
     window: int  # slots a window: a whole number of batches
     piece: int
     key: np.uint64 | None  # None: no shuffle, slot s holds position s
+    bounds: Bounds | None = None
 
     @property
     def batches(self) -> int:
@@ -69,34 +76,49 @@ class GlobalBatches:
         if self.key is None:
             out: np.ndarray = slots % self.total
             return out
-        win, offset = np.divmod(slots, self.window)
-        full = np.minimum(self.window, self.slots - win * self.window) // self.piece  # whole pieces of each window
-        q, within = np.divmod(offset, self.piece)
-        moved = q < full  # a window's short last piece stays where it is
-        p = slots.copy()
-        p[moved] = win[moved] * self.window + self._permuted(win[moved], q[moved], full[moved]) * self.piece \
-            + within[moved]
+        win = slots // self.window
+        by_window = np.argsort(win, kind="stable")
+        windows, first = np.unique(win[by_window], return_index=True)
+        p = np.empty_like(slots)
+        for w, sel in zip(windows.tolist(), np.split(by_window, first[1:])):
+            lo = w * self.window
+            starts, lengths = self._pieces(w, lo, min(lo + self.window, self.slots))
+            ends = np.cumsum(lengths)
+            offset = slots[sel] - lo
+            i = np.searchsorted(ends, offset, side="right")
+            p[sel] = starts[i] + offset - (ends[i] - lengths[i])
         out = p % self.total
         return out
 
-    def _permuted(self, win: np.ndarray, q: np.ndarray, n: np.ndarray) -> np.ndarray:
-        """Where window `win`'s permutation of its `n` pieces sends piece q: for each window,
-        its pieces sorted by hashes keyed by (window, piece)."""
-        out = np.empty(len(q), dtype=np.int64)
-        for size in np.unique(n).tolist():  # the last window of an epoch may be shorter
-            sel = np.flatnonzero(n == size)
-            windows, row = np.unique(win[sel], return_inverse=True)
-            hashes = blockplan.hashed(self.key, windows[:, None] * size + np.arange(size)[None, :])  # type: ignore[arg-type]
-            table = np.argsort(hashes, axis=1, kind="stable")
-            out[sel] = table[row, q[sel]]
+    def _pieces(self, w: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(first position, length) of window w's pieces, in the order the window takes them."""
+        cuts = np.unique(np.concatenate([self._cuts(lo, min(hi, self.total)),
+                                         self.total + self._cuts(max(lo, self.total) - self.total, hi - self.total),
+                                         [lo]]))
+        lengths = np.diff(np.append(cuts, hi))
+        k = blockplan.mix64(np.array([w], dtype=np.uint64) + self.key)[0]  # type: ignore[operator]
+        order = np.argsort(blockplan.hashed(k, np.arange(len(cuts))), kind="stable")
+        return cuts[order], lengths[order]
+
+    def _cuts(self, lo: int, hi: int) -> np.ndarray:
+        """Where pieces start among positions lo..hi-1 (below `total`): halves of blocks, or
+        every `piece` positions."""
+        if hi <= lo:
+            return np.empty(0, dtype=np.int64)
+        if self.bounds is None:
+            cuts = np.arange(lo - lo % self.piece, hi, self.piece, dtype=np.int64)
+        else:
+            starts, stops = self.bounds(lo, hi)
+            cuts = np.concatenate([starts, starts + (stops - starts + 1) // 2])
+        out: np.ndarray = cuts[(cuts >= lo) & (cuts < hi)]
         return out
 
 
 def plan(total: int, size: int, *, remainder: str, shuffle: bool, window: int, piece: int, seed: int,
-         epoch: int) -> GlobalBatches:
+         epoch: int, bounds: Bounds | None = None) -> GlobalBatches:
     """The global batches of an epoch: a pure function of these values, W and N aside."""
     key = blockplan.key(seed, epoch, 0x6B47, n=1)[0] if shuffle else None
-    return GlobalBatches(total, size, remainder, max(1, window // size) * size, max(1, piece), key)
+    return GlobalBatches(total, size, remainder, max(1, window // size) * size, max(1, piece), key, bounds)
 
 
 def worker_batches(batches: int, num_workers: int, worker_id: int) -> int:

@@ -113,3 +113,26 @@ def test_a_world_size_that_does_not_divide_the_batch_is_named() -> None:
                                          r"size that divides it \(1, 2, 3, 4, 6, 12\)"):
         globalbatch.local_size(12, 5)
     assert globalbatch.local_size(12, 4) == 3
+
+
+@pytest.mark.parametrize("remainder", ["repeat", "drop"])
+def test_pieces_are_the_halves_of_the_blocks(remainder: str) -> None:
+    """With the sequence's blocks known, a window's pieces are half blocks: a rank reads
+    each of its pieces as one run of a shard, whatever short blocks shifted the blocks."""
+    from shardkit import partition
+
+    counts = [7, 13, 64, 5, 30, 1, 22]
+    order = partition.epoch_order(counts, seed=2, epoch=0, shuffle=True, block=8)
+    gb = globalbatch.plan(order.total, 12, remainder=remainder, shuffle=True, window=48, piece=4, seed=1, epoch=0,
+                          bounds=order.bounds)
+    slots = np.arange(gb.slots)
+    positions = gb.positions(slots)
+    assert sorted(positions.tolist()) == sorted((np.arange(gb.slots) % order.total).tolist())
+    starts, stops = order.bounds(0, order.total)
+    block_of = np.searchsorted(starts, positions, side="right") - 1
+    cut = np.flatnonzero((np.diff(positions) != 1) | (np.diff(block_of) != 0)) + 1
+    runs = np.split(positions, cut)  # what a reader of the whole sequence reads as one range each
+    windows = -(-gb.slots // gb.window)
+    # two halves a block, and a cut where a window's edge or the padding's wrap splits one
+    assert len(starts) < len(runs) <= 2 * len(starts) + windows + 2 * (remainder == "repeat")
+    assert all(int(r[-1]) < stops[block_of[i]] for i, r in zip(np.append(0, cut), runs))

@@ -175,6 +175,10 @@ class StreamingDataset(EpochDataset):
     def _piece(self) -> int:
         return max(1, self.block // 2)  # a block's halves go to different global batches
 
+    def _bounds(self) -> Callable[[int], Callable[[int, int], tuple[np.ndarray, np.ndarray]]]:
+        order = self._sample_order()
+        return lambda epoch: order.epoch(epoch).bounds
+
     def order_key(self) -> dict[str, Any]:
         if not self.shuffle:
             return super().order_key()

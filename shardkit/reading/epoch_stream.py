@@ -38,10 +38,14 @@ class Ordering:
     key: dict[str, Any]
     global_batch: int = 0  # B of global_batch_size (0: the default order)
     piece: int = 32  # consecutive positions a global batch takes together (global batches only)
+    # where an epoch's blocks lie (epoch -> (lo, hi) -> blocks): a global batch's pieces are their halves
+    bounds: Callable[[int], globalbatch.Bounds] | None = None
 
     def global_batches(self, epoch: int) -> globalbatch.GlobalBatches:
+        bounds = self.bounds(epoch) if self.bounds is not None and self.shuffle else None
         return globalbatch.plan(self.total, self.global_batch, remainder=self.remainder, shuffle=self.shuffle,
-                                window=self.shuffle_window, piece=self.piece, seed=self.seed, epoch=epoch)
+                                window=self.shuffle_window, piece=self.piece, seed=self.seed, epoch=epoch,
+                                bounds=bounds)
 
     def batches_before(self, history: Sequence[dict[str, Any]]) -> int:
         """Global batches that the interrupted segments in `history` delivered."""

@@ -9,7 +9,7 @@ subclass says, by the `run` it gives, how positions of the sequence become sampl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
@@ -62,13 +62,17 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         """Consecutive positions a global batch takes together (see globalbatch.py)."""
         return 32
 
+    def _bounds(self) -> Callable[[int], globalbatch.Bounds] | None:
+        """Where an epoch's blocks lie in its sequence, if it has blocks (see globalbatch.py)."""
+        return None
+
     def total_samples(self) -> int:
         raise NotImplementedError
 
     def _ordering(self) -> Ordering:
         """The values a pass's plan and state follow, fixed as it starts."""
         return Ordering(self.total_samples(), self.seed, self.shuffle, self.shuffle_window, self.remainder,
-                        self._batch, self.order_key(), self.global_batch_size or 0, self._piece())
+                        self._batch, self.order_key(), self.global_batch_size or 0, self._piece(), self._bounds())
 
     def _epoch_stream(self, rank: int, world: int, worker_id: int, num_workers: int, run: Run) -> EpochStream:
         """A pass of this worker whose positions become samples by `run`."""

@@ -142,7 +142,8 @@ class TarSamples:
 
             # a shuffled stream's first window takes its samples from every range it spans, in turn
             first = len(np.unique(range_of[: blockplan.ramp(window)[1] if window > 1 else 1]))
-            prefetcher = Prefetcher(plan, stream, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes,
+            depth = opts.prefetch * (2 if opts.global_batches else 1)  # a global batch's ranges are half blocks
+            prefetcher = Prefetcher(plan, stream, lambda r: r.size, depth=depth, budget=opts.prefetch_bytes,
                                     streaming=True, pressure=lambda: reader.throttled, start=first,
                                     stalled=lambda: stalls.seconds)
             reader.engine.wanted = lambda: (prefetcher.rate, prefetcher.waiting)  # what a range's pieces must carry

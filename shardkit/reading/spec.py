@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import partition
+from .. import blockplan, partition
 from ..storage import RangeReader, StorageOptions
 from ..storage.cache import RangeCache
 
@@ -35,16 +35,17 @@ class SampleOrder:
     def total(self) -> int:
         return int(self.counts.sum())
 
+    def epoch(self, epoch: int) -> blockplan.BlockOrder:
+        """Epoch `epoch`'s global sequence."""
+        return partition.epoch_order(self.counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self.blocks)
+
     def ids_at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """The samples at `positions` of epoch `epoch`'s global sequence."""
-        order = partition.epoch_order(self.counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                                      block=self.blocks)
-        return order.ids(positions)
+        return self.epoch(epoch).ids(positions)
 
     def ids_in(self, epoch: int, positions: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
         """`ids_at` for pieces of positions, one piece at a time (the epoch's order made once)."""
-        order = partition.epoch_order(self.counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                                      block=self.blocks)
+        order = self.epoch(epoch)
         for piece in positions:
             yield order.ids(piece)
 
