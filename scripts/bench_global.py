@@ -5,7 +5,7 @@ local disk (speed only: a local read sends no request). Each rank's share is rea
 process, raw samples, read-ahead on, ranks one after another (the epoch's totals are the
 ranks' sums); rounds interleave the modes. Medians.
 
-    python scripts/bench_global.py --images 2000 --world 8 --batch 256 --rounds 3
+    python scripts/bench_global.py --images 3000 --shard-size 16MB --world 8 --batch 256 --rounds 3
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256, help="global batch size of the global mode")
     ap.add_argument("--latency", type=float, default=100, help="ms the proxy adds")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shard-size", default="64MB")
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
     args = ap.parse_args()
 
@@ -57,11 +58,11 @@ def main() -> None:
     from make_images import make_image_folder
 
     root = Path(args.dir)
-    photos, shards = root / f"photos-{args.images}", root / f"remote-shards-{args.images}-64MB"
+    photos, shards = root / f"photos-{args.images}", root / f"remote-shards-{args.images}-{args.shard_size}"
     make_image_folder(photos, args.images, n_classes=100, seed=0)
     if not (shards / "index.json").exists():
         shutil.rmtree(shards, ignore_errors=True)
-        shardkit.pack(str(photos), str(shards), max_size="64MB", progress=False)
+        shardkit.pack(str(photos), str(shards), max_size=args.shard_size, progress=False)
     total = sum(p.stat().st_size for p in shards.glob("*.tar"))
     moto, endpoint = start_moto()
     proxy, purl, control = start_proxy(endpoint, args.latency)

@@ -6,9 +6,11 @@ in permuted order) is cut into slots: `batches` global batches of B slots, the s
 padded by its start ("repeat") or cut short ("drop") to a whole number of them. With
 shuffle, slots are grouped in windows of whole batches (about `shuffle_window` slots) and
 each window's positions are cut into pieces, the halves of its blocks (each a run of one
-shard; a mixture's, runs of `piece` positions), which the window permutes: a global batch
-then holds runs of about half a block from several blocks, and each block's two halves land
-in different batches of its window.
+shard; a mixture's, runs of `piece` positions), which the window permutes, the pieces
+shorter than `piece` (a shard's short last block, a block cut by the window's edge) at its
+end, so that pieces start on multiples of `piece` as the ranks' slices do: a global batch
+then holds runs of half a block from several blocks, and a block's two halves land in
+different batches of its window.
 
 Rank r takes slots [r * B / W, (r + 1) * B / W) of every global batch; the DataLoader of a
 rank takes batch j of its N workers from worker j % N, so worker w yields the rank's
@@ -97,7 +99,9 @@ class GlobalBatches:
                                          [lo]]))
         lengths = np.diff(np.append(cuts, hi))
         k = blockplan.mix64(np.array([w], dtype=np.uint64) + self.key)[0]  # type: ignore[operator]
-        order = np.argsort(blockplan.hashed(k, np.arange(len(cuts))), kind="stable")
+        # whole pieces first, in a random order, the short ones (a shard's last block, the window's
+        # edges) after them: pieces then start on multiples of `piece`, as the ranks' slices do
+        order = np.lexsort((blockplan.hashed(k, np.arange(len(cuts))), lengths != self.piece))
         return cuts[order], lengths[order]
 
     def _cuts(self, lo: int, hi: int) -> np.ndarray:
