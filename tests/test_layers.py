@@ -91,7 +91,7 @@ def test_every_format_has_a_sink_named_as_it() -> None:
 # Inside a package, lowest first: a module imports only its own layer's modules and those below
 INNER: dict[str, list[set[str]]] = {
     "reading": [
-        {"worker", "counters", "state", "compressed"},
+        {"worker", "counters", "state", "compressed", "ordering"},
         {"spec", "batching", "epoch_stream", "samples"},
         {"pass_", "epochs"},
         {"mix", "tar_dataset", "lmdb_dataset"},

@@ -19,7 +19,8 @@ from .. import checks, digest, globalbatch, partition
 from . import state
 from .batching import Batches
 from .counters import MAX_WORKERS, Shared
-from .epoch_stream import EpochStream, Ordering, Run, Samples
+from .epoch_stream import EpochStream, Run, Samples
+from .ordering import Ordering
 
 
 class EpochDataset(torch.utils.data.IterableDataset[Any]):
