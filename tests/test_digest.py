@@ -147,3 +147,18 @@ def test_the_end_of_a_pass_checks_what_it_delivered(packed: Path) -> None:
                                            r"that are not its share of the epoch \(120\)"):
         for _ in it:
             pass
+
+
+@pytest.mark.parametrize("global_batch", [None, 6])
+def test_a_mixture_resumed_five_times(packed: Path, global_batch: int | None) -> None:
+    def build(workers: int) -> Any:
+        def make() -> DataLoader:
+            mix = StreamingDataset.mix([(str(packed), 1.0), (str(packed), 3.0)], shuffle=True, seed=3,
+                                       samples_per_epoch=90, block=4, global_batch_size=global_batch)
+            return DataLoader(mix, batch_size=6, num_workers=workers)
+        return make
+
+    keys = lambda batch: [f"{k}@{u.rsplit('/', 1)[-1]}" for k, u in zip(batch["__key__"], batch["__url__"])]  # noqa: E731
+    resumed = check_save_load([build(w) for w in (2, 1, 3, 0, 2, 1)], stops(5), save=resume_state(epoch=0),
+                              load=into_dataset, keys=keys, same_order=global_batch is not None)
+    assert all(state.DIGEST in h for h in resumed.states[-1][state.HISTORY])
