@@ -406,3 +406,16 @@ def test_repeat_pads_with_the_first_samples_of_the_order() -> None:
     twice = sorted(i for i, n in c.items() if n == 2)
     assert max(c.values()) == 2
     assert twice == sorted(seq[: 3 * 6 - 16].tolist())
+
+
+def test_taken_after_a_number_of_batches_matches_the_count_of_samples() -> None:
+    """`taken_after` (by batches handed out) agrees with `yielded_after` (by samples)."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        counts = rng.integers(0, 40, rng.integers(1, 6)).tolist()
+        size = int(rng.integers(1, 9))
+        batches = sum(-(-c // size) for c in counts)
+        for k in range(batches + 1):
+            taken = partition.taken_after(counts, size, k)
+            assert partition.yielded_after(counts, size, sum(taken)) == taken
+            assert sum(-(-t // size) for t in taken) == k
