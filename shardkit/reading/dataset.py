@@ -143,6 +143,10 @@ class StreamingDataset(EpochDataset):
                                    self.max_member_size)
         self._blocks = compressed.blocks(self.index.shards, self.block)
         self.index = self.index.slim()  # the per-sample tables live on in the source's arrays only
+        # made once: a worker building them again from the shards touches every shard's objects,
+        # and with them copies the pages they sit on (~30 MB a worker at 100k shards)
+        self._shard_values = (tuple(self.urls), tuple(s.sha256 for s in self.index.shards),
+                              tuple(s.version for s in self.index.shards))
         self._store: str | None = None  # store_name(), once asked
 
     @property
@@ -191,11 +195,10 @@ class StreamingDataset(EpochDataset):
 
     def read_spec(self) -> ReadSpec:
         """What a pass over this dataset needs, as it is set now (frozen, picklable)."""
-        shards = self.index.shards
-        return ReadSpec(tuple(self.urls), self.storage_options, tuple(s.sha256 for s in shards),
-                        tuple(s.version for s in shards), self._sample_order(), self.decode, self.backend, self.transform,
-                        self.on_error, self.verify, self.block, self.prefetch, self.prefetch_bytes, self.cache_dir,
-                        self.cache_limit, bool(self.global_batch_size))
+        urls, versions, pins = self._shard_values
+        return ReadSpec(urls, self.storage_options, versions, pins, self._sample_order(), self.decode, self.backend,
+                        self.transform, self.on_error, self.verify, self.block, self.prefetch, self.prefetch_bytes,
+                        self.cache_dir, self.cache_limit, bool(self.global_batch_size))
 
     @property
     def source(self) -> SampleSource:
