@@ -48,6 +48,9 @@ class StreamingDataset(EpochDataset):
     the start of the epoch's order, so none is ever left out; ``"drop"`` leaves a few out.
     With ``shuffle=True`` the order depends only on (seed, epoch) and the layout (world size,
     num_workers); call ``set_epoch`` each epoch, or let each pass advance the epoch by one.
+    With ``global_batch_size=B`` it depends on (seed, epoch) alone: the epoch is a sequence
+    of global batches of B samples, the same for any layout, each rank handing over its
+    B / world-size slice of batch k as its k-th batch.
 
     ``batch_size=B`` makes each worker yield whole batches, collated as ``default_collate``
     would but straight into reused shared memory (see batching.py): use it with
@@ -159,7 +162,8 @@ class StreamingDataset(EpochDataset):
         """Several datasets drawn by weight: `StreamingDataset.mix([("s3://a", 0.7), ("s3://b", 0.3)],
         shuffle=True)`. Options: samples_per_epoch (default: all samples together), shuffle,
         seed, shuffle_window, remainder, rank, world_size, batch_size (batches of the mixture,
-        as StreamingDataset's), and any StreamingDataset option for the parts given as URLs.
+        as StreamingDataset's), global_batch_size (global batches of the mixture), and any
+        StreamingDataset option for the parts given as URLs.
         See shardkit/reading/mix.py for the epoch semantics."""
         check_parts(parts)
         own = {k: options.pop(k) for k in MixedDataset.OPTIONS if k in options}
