@@ -23,14 +23,14 @@ from bench_remote import BUCKET, PREFETCH_ON, options, proxy_command, start_moto
 from bench_stats import median  # noqa: E402
 
 
-def epoch(url: str, opts: dict | None, world: int, batch: int | None) -> dict[str, float]:
+def epoch(url: str, opts: dict | None, world: int, batch: int | None, block: int) -> dict[str, float]:
     """One epoch as `world` ranks read it, one rank after the other."""
     from shardkit import StreamingDataset
 
     out = {"samples": 0.0, "seconds": 0.0, "fetched_bytes": 0.0, "requests": 0.0}
     for rank in range(world):
         ds = StreamingDataset(url, storage_options=opts, prefetch=PREFETCH_ON, shuffle=True, seed=1, rank=rank,
-                              world_size=world, global_batch_size=batch)
+                              world_size=world, global_batch_size=batch, block=block)
         t0 = time.perf_counter()
         n = sum(1 for _ in ds)
         out["seconds"] += time.perf_counter() - t0
@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--latency", type=float, default=100, help="ms the proxy adds")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shard-size", default="64MB")
+    ap.add_argument("--global-block", type=int, nargs="*", default=[64],
+                    help="the block sizes to run the global mode with (the default order runs with 64)")
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
     args = ap.parse_args()
 
@@ -73,13 +75,14 @@ def main() -> None:
         url = f"s3://{BUCKET}/ds"
         sources = {"local disk": (str(shards), None), "S3": (url, options(endpoint)),
                    f"S3 +{args.latency:g} ms": (url, options(purl))}
-        modes = {"default": None, f"global_batch_size={args.batch}": args.batch}
+        modes = {"default": (None, 64), **{f"global_batch_size={args.batch}" + (f", block={b}" if b != 64 else ""):
+                                           (args.batch, b) for b in args.global_block}}
         runs: dict[tuple[str, str], list[dict[str, float]]] = {}
         for r in range(args.rounds):
             for source, (src, opts) in sources.items():
-                for mode, batch in modes.items():
+                for mode, (batch, block) in modes.items():
                     before = json.loads(proxy_command(control, "stats"))
-                    got = epoch(src, opts, args.world, batch)
+                    got = epoch(src, opts, args.world, batch, block)
                     after = json.loads(proxy_command(control, "stats"))
                     got["proxy_requests"] = after["requests"] - before["requests"]
                     runs.setdefault((source, mode), []).append(got)
