@@ -57,8 +57,8 @@ class Ordering:
             return (gb.batches - self.batches_before(history)) * globalbatch.local_size(self.global_batch, world)
         return partition.per_rank(self.left(epoch, history).left, world, self.remainder)
 
-    def fingerprint(self, epoch: int, history: Sequence[dict[str, Any]], progress: Progress, rank: int | None = None,
-               worker_id: int | None = None) -> digest.Digest:
+    def fingerprint(self, epoch: int, history: Sequence[dict[str, Any]], progress: Progress,
+                    rank: int | None = None, worker_id: int | None = None) -> digest.Digest:
         """The fingerprint of what `progress` delivered after `history` (of one rank, or one
         worker, if given): epoch positions, or slots of the global batches."""
         a, z = self.delivered(epoch, history, progress, rank, worker_id)
