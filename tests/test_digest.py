@@ -162,3 +162,21 @@ def test_a_mixture_resumed_five_times(packed: Path, global_batch: int | None) ->
     resumed = check_save_load([build(w) for w in (2, 1, 3, 0, 2, 1)], stops(5), save=resume_state(epoch=0),
                               load=into_dataset, keys=keys, same_order=global_batch is not None)
     assert all(state.DIGEST in h for h in resumed.states[-1][state.HISTORY])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_loaders_own_resume_five_times_and_an_edited_worker_state(packed: Path, mode: str) -> None:
+    """StatefulDataLoader's own load_state_dict, same layout: each worker checks its state."""
+    b = 6 if mode == "global" else 4
+
+    def build() -> Any:
+        return StatefulDataLoader(dataset(packed, mode), batch_size=b, num_workers=2)
+
+    resumed = check_save_load(build, stops(6), same_order=True)
+    edited = copy.deepcopy(resumed.states[2])
+    worker_states(edited)[0][state.YIELDED] += b
+    loader = build()
+    loader.load_state_dict(edited)
+    with pytest.raises(ValueError, match=r"worker 0 of rank 0 says it delivered \d+ samples, not the ones its "
+                                         r"fingerprint records"):
+        list(loader)
