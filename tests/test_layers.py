@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "shardkit"
 # lowest first; a module may import from its own layer's unit (same file, or same package) and below
 LAYERS: list[dict[str, str]] = [
     {"errors": "errors", "units": "units"},
-    {"checks": "checks", "blockplan": "blockplan", "digest": "digest"},
+    {"checks": "checks", "blockplan": "blockplan", "digest": "digest", "turns": "turns"},
     {"storage": "storage"},
     {"sidecar": "sidecar"},
     {"index": "index"},

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.utils.data
 
-from .. import checks, digest, globalbatch, partition
+from .. import checks, digest, globalbatch, partition, turns
 from . import state
 from .batching import Batches
 from .counters import MAX_WORKERS, Shared
@@ -258,8 +258,8 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
             raise ValueError("this epoch was itself resumed from a partial state: pass that state as resumed_from")
         workers = max(num_workers, 1)
         sizes = ordering.worker_sizes(epoch, history, world, workers)
-        yielded = partition.yielded_after(sizes, batch_size, samples_seen, drop_last)
-        if samples_seen == partition.pass_length(sizes, batch_size, drop_last):
+        yielded = turns.yielded_after(sizes, batch_size, samples_seen, drop_last)
+        if samples_seen == turns.pass_length(sizes, batch_size, drop_last):
             yielded = tuple(sizes)  # a whole pass: what drop_last dropped is done with too
         saved = state.loader_state(epoch, world, workers, self._batch, ordering.key, history, yielded)
         rank = min(self._rank_world()[0], world - 1)
@@ -288,7 +288,7 @@ def _check_snapshot(loader: dict[str, Any], workers: list[dict[str, Any]], sizes
     counts = [0] * len(sizes)
     for s in workers:
         counts[int(s[state.WORKER])] = int(s[state.YIELDED])
-    want = partition.taken_after(sizes, size, batches)
+    want = turns.taken_after(sizes, size, batches)
     # a worker at its end may have read a short last batch that drop_last dropped
     off = [w for w, (a, b) in enumerate(zip(counts, want)) if a != b and not (a == sizes[w] and b > a - size)]
     if off:
