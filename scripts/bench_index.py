@@ -49,7 +49,8 @@ def in_worker(ds, world, resume, traced, out):
     if traced:
         tracemalloc.start()
     start = time.perf_counter()
-    ids = ds._pass(world // 2, world, 3, WORKERS)._plan()
+    stream = ds._pass(world // 2, world, 3, WORKERS)
+    ids = ds.ids_at(stream.epoch, next(stream._chunks()))  # a pass plans a piece of its stream at a time
     src = ds._samples
     shard_of, starts, ends = ranges.bounds(ids, src.first, src.offsets)
     reads, range_of = ranges.coalesce(shard_of, starts, ends, 16 << 20)  # a local dataset's read plan
@@ -71,9 +72,10 @@ def forked(ds, world, resume=None):
     return took, peak, own, n
 
 
+GLOBAL = int(sys.argv[2]) or None  # global_batch_size, or the default order
 before = rss(os.getpid())
 start = time.perf_counter()
-ds = StreamingDataset(sys.argv[1], shuffle=True, rank=0, world_size=8)
+ds = StreamingDataset(sys.argv[1], shuffle=True, rank=0, world_size=8, global_batch_size=GLOBAL)
 took = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 gc.collect()
@@ -83,9 +85,11 @@ out = {"build_s": took, "build_peak": peak, "kept": kept, "pickle": pickled}
 for world in (8, 512):
     t, p, u, n = forked(ds, world)
     out.update({f"start_s_{world}": t, f"start_peak_{world}": p, f"uss_{world}": u, f"share_{world}": n})
-seen = len(ds) // 2 // 16 * 16  # half an epoch under 8 ranks x 8 workers, batches of 16
-state = ds.resume_state(epoch=0, samples_seen=seen, batch_size=16, num_workers=WORKERS, world_size=8)
-t, p, u, n = forked(StreamingDataset(sys.argv[1], shuffle=True, rank=0, world_size=512), 512, state)
+batch = ds.local_batch_size or 16
+seen = len(ds) // 2 // batch * batch  # half an epoch under 8 ranks x 8 workers
+state = ds.resume_state(epoch=0, samples_seen=seen, batch_size=batch, num_workers=WORKERS, world_size=8)
+t, p, u, n = forked(StreamingDataset(sys.argv[1], shuffle=True, rank=0, world_size=512, global_batch_size=GLOBAL), 512,
+                    state)
 out.update({"replan_s": t, "replan_peak": p})
 print(json.dumps(out))
 """
@@ -95,7 +99,7 @@ MIX = r"""
 import json, multiprocessing, sys, time, tracemalloc
 import torch
 from shardkit import StreamingDataset
-from shardkit.reading.mix import _MixedStream
+from shardkit.reading.mix import _part_ids
 
 parts = [(folder, 1.0) for folder in sys.argv[1:]]
 mix = StreamingDataset.mix(parts, shuffle=True, seed=1)
@@ -106,8 +110,9 @@ def in_worker(world, traced, q):
     if traced:
         tracemalloc.start()
     start = time.perf_counter()
-    stream = _MixedStream(mix, world // 2, world, 1, 2)
-    part_of, ids = stream._part_ids(stream._plan())
+    stream = mix._pass(world // 2, world, 1, 2)
+    specs = [p.read_spec() for p in mix.parts]
+    part_of, ids = _part_ids(mix.counts, mix.sizes, specs, mix.seed, mix.shuffle, 0, next(stream._chunks()))
     q.put((time.perf_counter() - start, tracemalloc.get_traced_memory()[1]))
 
 
@@ -156,8 +161,8 @@ def write_dataset(folder: Path, samples: int, shards: int, version: int) -> None
     (folder / "index.json").write_text(json.dumps({**doc, "shards": entries}, separators=(",", ":")))
 
 
-def measure(folder: Path) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(folder)], capture_output=True, text=True)
+def measure(folder: Path, global_batch: int) -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(folder), str(global_batch)], capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
     return json.loads(out.stdout.splitlines()[-1])
@@ -205,6 +210,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--parts", type=int, nargs="*", default=[], help="also mixtures of 1M samples in this many parts")
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
+    ap.add_argument("--global-batch", type=int, default=0,
+                    help="also global_batch_size=N (a multiple of 512: the table's world sizes split it)")
     args = ap.parse_args()
     if args.parts:
         mixtures(args.parts, args.rounds, Path(args.dir))
@@ -217,17 +224,21 @@ def main() -> None:
         folders[samples] = folder
     if not sizes:
         return
-    runs: dict[int, list[dict[str, float]]] = {n: [] for n, _ in sizes}
+    modes = [0] + ([args.global_batch] if args.global_batch else [])
+    runs: dict[tuple[int, int], list[dict[str, float]]] = {(n, m): [] for n, _ in sizes for m in modes}
     for _ in range(args.rounds):
         for samples, _shards in sizes:  # interleaved: a busy moment of the machine hits every size
-            runs[samples].append(measure(folders[samples]))
-    print(f"index version {args.version}; per worker: time s / peak MB (tracemalloc) / private dirty MB")
-    print("| samples | shards | index.json MB | build s | build peak MB | kept per rank MB | spawn pickle MB | "
-          "epoch start, W=8 | epoch start, W=512 | elastic re-plan 8 -> 512 ranks |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for samples, shards in sizes:
-        size = (folders[samples] / "index.json").stat().st_size
-        print(row(samples, shards, size, runs[samples]))
+            for mode in modes:
+                runs[(samples, mode)].append(measure(folders[samples], mode))
+    for mode in modes:
+        print(f"\n{f'global_batch_size={mode}' if mode else 'default order'}, index version {args.version}; "
+              "per worker: time s / peak MB (tracemalloc) / private dirty MB")
+        print("| samples | shards | index.json MB | build s | build peak MB | kept per rank MB | spawn pickle MB | "
+              "epoch start, W=8 | epoch start, W=512 | elastic re-plan 8 -> 512 ranks |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for samples, shards in sizes:
+            size = (folders[samples] / "index.json").stat().st_size
+            print(row(samples, shards, size, runs[(samples, mode)]))
 
 
 if __name__ == "__main__":

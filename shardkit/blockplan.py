@@ -111,6 +111,27 @@ class BlockOrder:
         deficit = np.cumsum((block - counts[short] % block)[by_position])
         self._deficit = np.append(0, deficit)  # samples missing from the short blocks up to each one
         self._short_end = block * (where[by_position] + 1) - deficit  # first position after each short block
+        self._short_slot = where[by_position]  # the block positions of the short blocks, in order
+
+    def bounds(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(first position, position after) of each block of the sequence that meets
+        positions lo..hi-1, in order."""
+        if hi <= lo:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        if self._table is not None:
+            ends = self._table[0]
+            i, j = np.searchsorted(ends, [lo, hi - 1], side="right")
+            stops = ends[i : j + 1]
+            return np.append(0, ends)[i : j + 1], stops
+        if self.keys is None or not self.block:
+            step = self.block or max(1, self.total)
+            first = np.arange(lo // step * step, hi, step, dtype=np.int64)
+            return first, np.minimum(first + step, self.total)
+        edge = np.searchsorted(self._short_end, [lo, hi - 1], side="right")
+        first_slot, last_slot = ((np.array([lo, hi - 1]) + self._deficit[edge]) // self.block).tolist()
+        slots = np.arange(first_slot, last_slot + 2, dtype=np.int64)
+        starts = slots * self.block - self._deficit[np.searchsorted(self._short_slot, slots, side="left")]
+        return starts[:-1], np.minimum(starts[1:], self.total)
 
     def ids(self, positions: np.ndarray) -> np.ndarray:
         positions = np.array(positions, dtype=np.int64)  # a copy: the caller's stays theirs

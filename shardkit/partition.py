@@ -31,7 +31,7 @@ of positions, so a re-plan costs O(W * N * window), not O(samples).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ import numpy as np
 from . import blockplan, checks
 
 REMAINDERS = ("repeat", "drop")
+CHUNK = 1 << 16  # positions of a worker's stream planned at a time (~6 MB of plan at ~88 B a position)
 
 
 def world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -125,14 +126,29 @@ class Layout:
 
 def worker_positions(total: int, layout: Layout, rank: int, worker_id: int) -> np.ndarray:
     """The positions (in a sequence of `total`) that worker `worker_id` of rank `rank`
-    yields, in order."""
+    yields, in order (all of `worker_chunks`, for tests and small datasets)."""
+    return np.concatenate([np.empty(0, dtype=np.int64), *worker_chunks(total, layout, rank, worker_id)])
+
+
+def worker_chunks(total: int, layout: Layout, rank: int, worker_id: int, skip: int = 0,
+                  chunk: int = CHUNK) -> Iterator[np.ndarray]:
+    """`worker_positions` from its `skip`-th on, made a piece of about `chunk` positions at a
+    time, as they are needed: a pass's memory and start follow the piece, not the epoch.
+    Pieces end on shuffle windows, each window being permuted on its own."""
     r = per_rank(total, layout.world_size, layout.remainder)
     lo, hi = worker_bounds(r, layout.num_workers, worker_id, layout.batch)
-    if _windowed(layout):
-        stream = blockplan.window_order(_window_key(layout, rank, worker_id), 0, hi - lo, layout.window)
-    else:
-        stream = np.arange(hi - lo, dtype=np.int64)
-    return (rank * r + lo + stream) % total if total else stream
+    n, first = hi - lo, rank * r + lo
+    at = skip
+    while at < n:
+        if _windowed(layout):
+            a = blockplan.window_bounds(at, layout.window)[0]
+            b = min(n, blockplan.window_bounds(min(n, a + chunk) - 1, layout.window)[1])
+            stream = blockplan.window_order(_window_key(layout, rank, worker_id), a, b, layout.window)[at - a :]
+        else:
+            b = min(n, at + chunk)
+            stream = np.arange(at, b, dtype=np.int64)
+        yield (first + stream) % total
+        at = b
 
 
 def _windowed(layout: Layout) -> bool:
@@ -178,34 +194,51 @@ def remaining(total: int, layout: Layout, progress: Progress) -> np.ndarray:
     padding repeated count as delivered wherever they sit."""
     if total == 0:
         return np.empty((0, 2), dtype=np.int64)
+    return _complement(*delivered(total, layout, progress), total)
+
+
+def delivered(total: int, layout: Layout, progress: Progress, rank: int | None = None,
+              worker_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The positions of a sequence of `total` that `progress` under `layout` delivered (of
+    one rank, or one worker, if given), as spans [starts, stops) that may run past `total`
+    (padding: they wrap round to the sequence's start)."""
     r = per_rank(total, layout.world_size, layout.remainder)
-    starts, stops = [], []
+    ranks = np.arange(layout.world_size, dtype=np.int64) if rank is None else np.array([rank], dtype=np.int64)
+    starts, stops = [np.empty(0, dtype=np.int64)], [np.empty(0, dtype=np.int64)]
     for w, k in enumerate(progress.yielded):
+        if worker_id is not None and w != worker_id:
+            continue
         lo, hi = worker_bounds(r, layout.num_workers, w, layout.batch)
         k = min(k, hi - lo)
         whole, end = blockplan.window_bounds(k, layout.window) if _windowed(layout) else (k, k)
-        first = np.arange(layout.world_size, dtype=np.int64) * r + lo  # each rank's first position of w
+        first = ranks * r + lo  # each rank's first position of w
         starts.append(first)
         stops.append(first + whole)
         if k > whole:  # the partial window: its first k - whole positions in shuffled order
             end = min(end, hi - lo)
-            for rank in range(layout.world_size):
-                part = blockplan.window_order(_window_key(layout, rank, w), whole, end, layout.window)[: k - whole]
-                starts.append(first[rank] + part)
-                stops.append(first[rank] + part + 1)
-    return _complement(np.concatenate(starts), np.concatenate(stops), total)
+            for i, one in enumerate(ranks.tolist()):
+                part = blockplan.window_order(_window_key(layout, one, w), whole, end, layout.window)[: k - whole]
+                starts.append(first[i] + part)
+                stops.append(first[i] + part + 1)
+    return np.concatenate(starts), np.concatenate(stops)
+
+
+def wrapped(starts: np.ndarray, stops: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """Spans of `delivered` inside [0, total): one running past it split in two (no span is
+    longer than `total`)."""
+    lengths = stops - starts
+    starts = starts[lengths > 0] % total
+    ends = starts + lengths[lengths > 0]
+    over = ends[ends > total] - total
+    return (np.concatenate([starts, np.zeros(len(over), dtype=np.int64)]),
+            np.concatenate([np.minimum(ends, total), over]))
 
 
 def _complement(starts: np.ndarray, stops: np.ndarray, total: int) -> np.ndarray:
     """The spans of [0, total) outside the spans [starts, stops). A span may start past
     `total` or run over it (padding repeats the sequence's start): it wraps around, at
     most once since none is longer than `total`."""
-    lengths = stops - starts
-    starts = starts[lengths > 0] % total
-    ends = starts + lengths[lengths > 0]
-    over = ends[ends > total] - total
-    starts = np.concatenate([starts, np.zeros(len(over), dtype=np.int64)])
-    ends = np.concatenate([np.minimum(ends, total), over])
+    starts, ends = wrapped(starts, stops, total)
     order = np.argsort(starts, kind="stable")
     starts, ends = starts[order], ends[order]
     covered = np.concatenate([[0], np.maximum.accumulate(ends)]) if len(ends) else np.zeros(1, dtype=np.int64)
@@ -233,6 +266,21 @@ class Segments:
         """These segments, then one under `layout` that got as far as `progress`."""
         return Segments(self.total, (*self.spans, remaining(self.left, layout, progress)))
 
+    def base_spans(self, starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Spans of the last segment's sequence as spans of the epoch's (each cut where the
+        earlier segments' spans end)."""
+        for spans in reversed(self.spans):
+            lengths = spans[:, 1] - spans[:, 0]
+            before = np.cumsum(lengths) - lengths
+            first = np.searchsorted(before, starts, side="right") - 1
+            last = np.searchsorted(before, stops - 1, side="right") - 1
+            n = np.maximum(last - first + 1, 0)
+            which = np.repeat(first, n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+            lo = np.maximum(np.repeat(starts, n), before[which])
+            hi = np.minimum(np.repeat(stops, n), before[which] + lengths[which])
+            starts, stops = spans[which, 0] + lo - before[which], spans[which, 0] + hi - before[which]
+        return starts, stops
+
     def base(self, positions: np.ndarray) -> np.ndarray:
         """Positions in the last segment's sequence as positions in the epoch's."""
         for spans in reversed(self.spans):
@@ -241,35 +289,6 @@ class Segments:
             i = np.searchsorted(before, positions, side="right") - 1
             positions = spans[i, 0] + positions - before[i]
         return positions
-
-
-def pass_length(counts: Sequence[int], batch_size: int, drop_last: bool = False) -> int:
-    """Samples a torch DataLoader hands out in a pass over workers holding `counts`."""
-    return sum(c - c % batch_size if drop_last else c for c in counts)
-
-
-def yielded_after(counts: Sequence[int], batch_size: int, samples_seen: int, drop_last: bool = False) -> tuple[int, ...]:
-    """Per-worker samples a torch DataLoader has taken after it handed out `samples_seen`
-    samples: batches come from workers in turn, an exhausted worker drops out of the turn.
-    Raises ValueError for a count no such loader hands out: negative, past the pass, or
-    not a whole number of its batches."""
-    whole = pass_length(counts, batch_size, drop_last)
-    if not 0 <= samples_seen <= whole:
-        raise ValueError(f"samples_seen={samples_seen}: a pass of this loader hands out 0 to {whole} samples (per rank)")
-    left = [c // batch_size if drop_last else -(-c // batch_size) for c in counts]
-    taken = [0] * len(counts)
-    seen = 0
-    while seen < samples_seen and any(left):
-        for w, c in enumerate(counts):
-            if left[w] and seen < samples_seen:
-                n = min(batch_size, c - taken[w])
-                taken[w] += n
-                seen += n
-                left[w] -= 1
-    if seen != samples_seen:
-        raise ValueError(f"samples_seen={samples_seen} is not a whole number of batches of this loader: "
-                         f"it hands out {seen - n} and then {seen}")
-    return tuple(taken)
 
 
 def mix_counts(weights: Sequence[float], total: int) -> np.ndarray:

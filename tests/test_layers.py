@@ -15,12 +15,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "shardkit"
 # lowest first; a module may import from its own layer's unit (same file, or same package) and below
 LAYERS: list[dict[str, str]] = [
     {"errors": "errors", "units": "units"},
-    {"checks": "checks", "blockplan": "blockplan"},
+    {"checks": "checks", "blockplan": "blockplan", "digest": "digest", "turns": "turns"},
     {"storage": "storage"},
     {"sidecar": "sidecar"},
     {"index": "index"},
     {"jpeg": "jpeg"},
-    {"formats": "formats", "partition": "partition", "ranges": "ranges", "prefetch": "prefetch", "decode": "decode"},
+    {"formats": "formats", "partition": "partition", "ranges": "ranges", "prefetch": "prefetch", "decode": "decode",
+     "globalbatch": "globalbatch"},
     {"sources": "sources"},
     {"packing": "packing", "reading": "reading"},
     {"tools": "tools"},
@@ -90,7 +91,7 @@ def test_every_format_has_a_sink_named_as_it() -> None:
 # Inside a package, lowest first: a module imports only its own layer's modules and those below
 INNER: dict[str, list[set[str]]] = {
     "reading": [
-        {"worker", "counters", "state", "compressed"},
+        {"worker", "counters", "state", "compressed", "ordering"},
         {"spec", "batching", "epoch_stream", "samples"},
         {"pass_", "epochs"},
         {"mix", "tar_dataset", "lmdb_dataset"},

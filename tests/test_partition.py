@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from shardkit import partition
+from shardkit import partition, turns
 from shardkit.partition import Layout, Progress
 
 # 3 workers on a 2-core runner is deliberate: torch warns, and warnings are errors here
@@ -223,7 +223,7 @@ def progress_after(sequence: np.ndarray, lay: Layout, batch_size: int, batches: 
     r = partition.per_rank(len(sequence), lay.world_size, lay.remainder)
     sizes = [b - a for a, b in (partition.worker_bounds(r, lay.num_workers, w) for w in range(lay.num_workers))]
     seen = min(batches * batch_size, r)
-    return Progress(lay.world_size, lay.num_workers, partition.yielded_after(sizes, batch_size, seen))
+    return Progress(lay.world_size, lay.num_workers, turns.yielded_after(sizes, batch_size, seen))
 
 
 RESUMES = [
@@ -356,16 +356,16 @@ def test_yielded_after_matches_a_real_dataloader(sizes: list[int], batch_size: i
         checks.append((seen, tuple(taken)))
     assert seen == (sum(s // batch_size * batch_size for s in sizes) if drop_last else sum(sizes))
     for seen, expected in checks:
-        assert partition.yielded_after(sizes, batch_size, seen, drop_last) == expected, seen
+        assert turns.yielded_after(sizes, batch_size, seen, drop_last) == expected, seen
 
 
 def test_yielded_after_round_robin_by_hand() -> None:
-    assert partition.yielded_after([10, 10], 3, 0) == (0, 0)
-    assert partition.yielded_after([10, 10], 3, 3) == (3, 0)
-    assert partition.yielded_after([10, 10], 3, 9) == (6, 3)
-    assert partition.yielded_after([10, 10], 3, 19) == (10, 9)  # the two last batches hold one sample each
-    assert partition.yielded_after([10, 10], 3, 20) == (10, 10)
-    assert partition.yielded_after([10, 10], 3, 18, drop_last=True) == (9, 9)
+    assert turns.yielded_after([10, 10], 3, 0) == (0, 0)
+    assert turns.yielded_after([10, 10], 3, 3) == (3, 0)
+    assert turns.yielded_after([10, 10], 3, 9) == (6, 3)
+    assert turns.yielded_after([10, 10], 3, 19) == (10, 9)  # the two last batches hold one sample each
+    assert turns.yielded_after([10, 10], 3, 20) == (10, 10)
+    assert turns.yielded_after([10, 10], 3, 18, drop_last=True) == (9, 9)
 
 
 @pytest.mark.parametrize("seen, drop_last, message", [
@@ -376,7 +376,7 @@ def test_yielded_after_round_robin_by_hand() -> None:
 ])
 def test_yielded_after_refuses_what_no_loader_hands_out(seen: int, drop_last: bool, message: str) -> None:
     with pytest.raises(ValueError, match=f"samples_seen={seen}.*{message}"):
-        partition.yielded_after([10, 10], 3, seen, drop_last)
+        turns.yielded_after([10, 10], 3, seen, drop_last)
 
 
 # ---------------------------------------------------------------- world()
@@ -406,3 +406,16 @@ def test_repeat_pads_with_the_first_samples_of_the_order() -> None:
     twice = sorted(i for i, n in c.items() if n == 2)
     assert max(c.values()) == 2
     assert twice == sorted(seq[: 3 * 6 - 16].tolist())
+
+
+def test_taken_after_a_number_of_batches_matches_the_count_of_samples() -> None:
+    """`taken_after` (by batches handed out) agrees with `yielded_after` (by samples)."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        counts = rng.integers(0, 40, rng.integers(1, 6)).tolist()
+        size = int(rng.integers(1, 9))
+        batches = sum(-(-c // size) for c in counts)
+        for k in range(batches + 1):
+            taken = turns.taken_after(counts, size, k)
+            assert turns.yielded_after(counts, size, sum(taken)) == taken
+            assert sum(-(-t // size) for t in taken) == k

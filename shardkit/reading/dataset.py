@@ -48,6 +48,9 @@ class StreamingDataset(EpochDataset):
     the start of the epoch's order, so none is ever left out; ``"drop"`` leaves a few out.
     With ``shuffle=True`` the order depends only on (seed, epoch) and the layout (world size,
     num_workers); call ``set_epoch`` each epoch, or let each pass advance the epoch by one.
+    With ``global_batch_size=B`` it depends on (seed, epoch) alone: the epoch is a sequence
+    of global batches of B samples, the same for any layout, each rank handing over its
+    B / world-size slice of batch k as its k-th batch.
 
     ``batch_size=B`` makes each worker yield whole batches, collated as ``default_collate``
     would but straight into reused shared memory (see batching.py): use it with
@@ -89,6 +92,10 @@ class StreamingDataset(EpochDataset):
             of the shard reads, ``"presigned"`` (the default), ``"obstore"`` or ``"s3fs"``
             (storage/stores/choice.py).
         batch_size: yield batches of this many samples, built in the workers.
+        global_batch_size: B: the epoch becomes a sequence of global batches of B samples that
+            is the same for any world size and num_workers; each rank's DataLoader (its
+            ``batch_size=ds.local_batch_size``, B / world size) hands over its slice of global
+            batch k as its k-th batch (docs/guides/resume.md).
         max_member_size: the most a ``.gz`` field, or a sample of a compressed shard, may
             inflate to (a decompression bomb is refused, naming it).
     """
@@ -116,9 +123,10 @@ class StreamingDataset(EpochDataset):
         storage_options: StorageOptions | None = None,
         batch_size: int | None = None,
         max_member_size: int | str = MAX_MEMBER,
+        global_batch_size: int | None = None,
     ):
         super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
-                         remainder=remainder, batch_size=batch_size)
+                         remainder=remainder, batch_size=batch_size, global_batch_size=global_batch_size)
         on_error = checks.on_error(on_error)
         self.block, self.prefetch = checks.integer("block", block, 1), checks.integer("prefetch", prefetch)
         decoder(decode, backend)  # validate early, in the main process
@@ -141,6 +149,10 @@ class StreamingDataset(EpochDataset):
                                    self.max_member_size)
         self._blocks = compressed.blocks(self.index.shards, self.block)
         self.index = self.index.slim()  # the per-sample tables live on in the source's arrays only
+        # made once: a worker building them again from the shards touches every shard's objects,
+        # and with them copies the pages they sit on (~30 MB a worker at 100k shards)
+        self._shard_values = (tuple(self.urls), tuple(s.sha256 for s in self.index.shards),
+                              tuple(s.version for s in self.index.shards))
         self._store: str | None = None  # store_name(), once asked
         self._config: list[dict[str, str]] | None = None  # store_config(), once asked
 
@@ -154,7 +166,8 @@ class StreamingDataset(EpochDataset):
         """Several datasets drawn by weight: `StreamingDataset.mix([("s3://a", 0.7), ("s3://b", 0.3)],
         shuffle=True)`. Options: samples_per_epoch (default: all samples together), shuffle,
         seed, shuffle_window, remainder, rank, world_size, batch_size (batches of the mixture,
-        as StreamingDataset's), and any StreamingDataset option for the parts given as URLs.
+        as StreamingDataset's), global_batch_size (global batches of the mixture), and any
+        StreamingDataset option for the parts given as URLs.
         See shardkit/reading/mix.py for the epoch semantics."""
         check_parts(parts)
         own = {k: options.pop(k) for k in MixedDataset.OPTIONS if k in options}
@@ -171,6 +184,13 @@ class StreamingDataset(EpochDataset):
     def total_samples(self) -> int:
         return int(self._counts.sum())
 
+    def _piece(self) -> int:
+        return max(1, self.block // 2)  # a block's halves go to different global batches
+
+    def _bounds(self) -> Callable[[int], Callable[[int, int], tuple[np.ndarray, np.ndarray]]]:
+        order = self._sample_order()
+        return lambda epoch: order.epoch(epoch).bounds
+
     def order_key(self) -> dict[str, Any]:
         if not self.shuffle:
             return super().order_key()
@@ -183,11 +203,10 @@ class StreamingDataset(EpochDataset):
 
     def read_spec(self) -> ReadSpec:
         """What a pass over this dataset needs, as it is set now (frozen, picklable)."""
-        shards = self.index.shards
-        return ReadSpec(tuple(self.urls), self.storage_options, tuple(s.sha256 for s in shards),
-                        tuple(s.version for s in shards), self._sample_order(), self.decode, self.backend, self.transform,
-                        self.on_error, self.verify, self.block, self.prefetch, self.prefetch_bytes, self.cache_dir,
-                        self.cache_limit)
+        urls, versions, pins = self._shard_values
+        return ReadSpec(urls, self.storage_options, versions, pins, self._sample_order(), self.decode, self.backend,
+                        self.transform, self.on_error, self.verify, self.block, self.prefetch, self.prefetch_bytes,
+                        self.cache_dir, self.cache_limit, bool(self.global_batch_size))
 
     @property
     def source(self) -> SampleSource:
@@ -220,8 +239,8 @@ class StreamingDataset(EpochDataset):
         spec, source, slot, window = self.read_spec(), self._samples, self.slot(worker_id), self.shuffle_window
         connections = per_worker(num_workers)
 
-        def run(epoch: int, positions: np.ndarray) -> Generator[Any, None, None]:
-            return Pass(spec, source, spec.order.ids_at(epoch, positions), slot, window, connections).samples()
+        def run(epoch: int, positions: Iterator[np.ndarray]) -> Generator[Any, None, None]:
+            return Pass(spec, source, spec.order.ids_in(epoch, positions), slot, window, connections).samples()
 
         return self._epoch_stream(rank, world, worker_id, num_workers, run)
 

@@ -9,44 +9,19 @@ samples (a Pass of pass_.py, or a mixture's). It never sees the dataset.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
 import torch.utils.data
 
-from .. import partition
-from ..partition import Layout, Progress
+from .. import digest, globalbatch, partition
+from ..partition import Progress
 from . import state, worker
 from .counters import Shared
+from .ordering import Ordering, where
 
-Run = Callable[[int, np.ndarray], Generator[Any, None, None]]  # (epoch, positions) -> the samples
-
-
-@dataclass(frozen=True, eq=False)
-class Ordering:
-    """What an epoch's sequence and its split over ranks and workers depend on, besides
-    the layout; `key` is what a saved state carries of it (and must match to resume)."""
-
-    total: int  # samples in an epoch, before splitting
-    seed: int
-    shuffle: bool
-    shuffle_window: int
-    remainder: str
-    batch: int  # samples a batch when the dataset batches, else 1
-    key: dict[str, Any]
-
-    def segment(self, epoch: int, world: int, workers: int, segment: int, batch: int) -> Layout:
-        return Layout(world, workers, self.seed, epoch, self.shuffle, self.shuffle_window, self.remainder, segment, batch)
-
-    def left(self, epoch: int, history: Sequence[dict[str, Any]]) -> partition.Segments:
-        """The epoch's sequence minus what the interrupted segments in `history` delivered."""
-        left = partition.Segments(self.total)
-        for segment, done in enumerate(history):
-            p = Progress.from_json(done)
-            left = left.after(self.segment(epoch, p.world_size, p.num_workers, segment, p.batch), p)
-        return left
+Run = Callable[[int, Iterator[np.ndarray]], Generator[Any, None, None]]  # (epoch, pieces of positions) -> samples
 
 
 class EpochStream:
@@ -67,6 +42,8 @@ class EpochStream:
         self.skip = 0
         self.yielded = 0
         self._gen: Generator[Any, None, None] | None = None
+        self._done = digest.ZERO  # fingerprint of the positions delivered, but those of `_pieces`
+        self._pieces: list[tuple[int, np.ndarray]] = []  # (index in the pass, positions) not yet all delivered
         self._resume_token = 0  # the resume point this pass follows, if any
         # the pass counters' layout: the DataLoader's num_workers, 0 in the main process
         self._layout = num_workers if torch.utils.data.get_worker_info() is not None else 0
@@ -94,10 +71,11 @@ class EpochStream:
         if self._gen is None:
             if self._refusal is not None:
                 raise self._refusal
-            self._gen = self.run(self.epoch, self._plan())
+            self._gen = self.run(self.epoch, self._chunks())
         try:
             item = next(self._gen)
         except StopIteration:
+            self._check_end()
             if not self._layout:  # a whole pass in the main process
                 self.shared.ended_in_main()
                 if self._resume_token:
@@ -112,8 +90,30 @@ class EpochStream:
             self._gen.close()
 
     def state_dict(self) -> dict[str, Any]:
-        return state.worker_state(self.epoch, self.world, self.num_workers, self.ordering.batch, self.worker_id,
-                                  self.skip + self.yielded, self.ordering.key, self.history)
+        saved = state.worker_state(self.epoch, self.world, self.num_workers, self.ordering.batch, self.worker_id,
+                                   self.skip + self.yielded, self.ordering.key, self.history)
+        saved[state.DIGEST] = {"rank": self.rank, "sums": digest.text(self._delivered())}
+        return saved
+
+    def _delivered(self) -> digest.Digest:
+        """The fingerprint of the positions (slots, under global batches) this worker has
+        delivered in this segment, worked out from those it did deliver."""
+        while self._pieces and self._pieces[0][0] + len(self._pieces[0][1]) <= self.yielded:
+            self._done = digest.add(self._done, digest.of_positions(self._pieces.pop(0)[1]))
+        partly = [digest.of_positions(p[: max(0, self.yielded - at)]) for at, p in self._pieces]
+        return digest.add(self._done, *partly)
+
+    def _check_end(self) -> None:
+        """At the end of the pass: what it delivered is what its share is, by the spans' arithmetic."""
+        o = self.ordering
+        sizes = o.worker_sizes(self.epoch, self.history, self.world, self.num_workers)
+        full = Progress(self.world, self.num_workers, tuple(sizes), o.batch)
+        if self.skip + self.yielded != sizes[self.worker_id] or \
+                self._delivered() != o.fingerprint(self.epoch, self.history, full, self.rank, self.worker_id):
+            a, z = o.delivered(self.epoch, self.history, full, self.rank, self.worker_id)
+            raise RuntimeError(f"{where(a, z, self.epoch)}: worker {self.worker_id} of rank {self.rank} delivered "
+                               f"{self.skip + self.yielded} samples that are not its share of the epoch "
+                               f"({sizes[self.worker_id]}): samples there were repeated or skipped")
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if self._gen is not None:
@@ -128,16 +128,45 @@ class EpochStream:
                 "the dataset's load_state_dict to resume under a new world size or num_workers"
             )
         self.epoch, self.history = int(found[state.EPOCH]), list(found[state.HISTORY])
+        self.ordering.check_history(self.epoch, self.history)
+        self.ordering.check_worker(self.epoch, self.history, found)
         self.skip = int(found[state.YIELDED])
+        if state.DIGEST in found:
+            self._done = digest.parse(found[state.DIGEST]["sums"])
+        elif self.skip:  # an earlier version's state: what it delivered is taken as its count says
+            self._done = self.ordering.fingerprint(self.epoch, self.history, Progress(
+                self.world, self.num_workers, tuple(self.skip * (i == self.worker_id) for i in range(self.num_workers)),
+                self.ordering.batch), self.rank, self.worker_id)
         self.shared.resumed(self.worker_id, self._layout, self.epoch)
 
-    def _plan(self) -> np.ndarray:
+    def _chunks(self) -> Iterator[np.ndarray]:
         """This worker's positions in the epoch's sequence for this pass, in order, minus
-        those already yielded."""
+        those already yielded: made a piece at a time, as the pass needs them."""
+        at = 0
+        for coords, positions in self._pieces_of_plan():
+            self._pieces.append((at, coords))
+            at += len(coords)
+            yield positions
+
+    def _pieces_of_plan(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(what the fingerprint counts, positions) of each piece of the plan: the positions
+        themselves, or under global batches their slots."""
         o = self.ordering
+        if o.global_batch:
+            gb = o.global_batches(self.epoch)
+            for slots in globalbatch.worker_slots(gb, o.batches_before(self.history), self.world, self.rank,
+                                                  self.num_workers, self.worker_id, self.skip):
+                yield slots, gb.positions(slots)
+            return
         here = o.segment(self.epoch, self.world, self.num_workers, len(self.history), o.batch)
         left = o.left(self.epoch, self.history)
-        return left.base(partition.worker_positions(left.left, here, self.rank, self.worker_id)[self.skip :])
+        for piece in partition.worker_chunks(left.left, here, self.rank, self.worker_id, self.skip):
+            positions = left.base(piece)
+            yield positions, positions
+
+    def _plan(self) -> np.ndarray:
+        """All of `_chunks` at once (tests, benchmarks)."""
+        return np.concatenate([np.empty(0, dtype=np.int64), *self._chunks()])
 
 
 class Samples:

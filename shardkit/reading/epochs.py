@@ -9,17 +9,18 @@ subclass says, by the `run` it gives, how positions of the sequence become sampl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 import torch.utils.data
 
-from .. import checks, partition
+from .. import checks, digest, globalbatch, partition, turns
 from . import state
 from .batching import Batches
 from .counters import MAX_WORKERS, Shared
-from .epoch_stream import EpochStream, Ordering, Run, Samples
+from .epoch_stream import EpochStream, Run, Samples
+from .ordering import Ordering
 
 
 class EpochDataset(torch.utils.data.IterableDataset[Any]):
@@ -27,7 +28,7 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
     splitting) and `__iter__`. `batch_size` set: the dataset yields batches (see batching.py)."""
 
     def __init__(self, rank: int | None, world_size: int | None, *, shuffle: bool, seed: int, shuffle_window: int,
-                 remainder: str, batch_size: int | None) -> None:
+                 remainder: str, batch_size: int | None, global_batch_size: int | None = None) -> None:
         """Checks and keeps what every epoch dataset's order and layout depend on."""
         super().__init__()
         # explicit ones are checked (and fixed) now; else asked when needed: DDP may start later
@@ -38,8 +39,33 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         self.seed = checks.integer("seed", seed, None)
         self.shuffle_window = checks.integer("shuffle_window", shuffle_window, 1)
         self.batch_size = checks.optional("batch_size", batch_size, 1)
+        self.global_batch_size = checks.optional("global_batch_size", global_batch_size, 1)
         self._shared = Shared()
         self._resume: dict[str, Any] | None = None
+        if self.global_batch_size:  # a world size known now (given, or torchrun's) must split it
+            self._local_batch(self._rank_world()[1])
+
+    def _local_batch(self, world: int) -> int:
+        """B / W under global_batch_size=B, checked: W must divide B, and a dataset that
+        batches itself must batch by B / W."""
+        b = globalbatch.local_size(self.global_batch_size or 1, world)
+        if self.batch_size not in (None, b):
+            raise ValueError(f"batch_size={self.batch_size} with global_batch_size={self.global_batch_size} over "
+                             f"{world} ranks: each rank's batches hold {b} samples (leave batch_size out, or pass {b})")
+        return b
+
+    @property
+    def local_batch_size(self) -> int | None:
+        """Under global_batch_size=B: B / world size, the batch_size to give the DataLoader."""
+        return self._local_batch(self._rank_world()[1]) if self.global_batch_size else None
+
+    def _piece(self) -> int:
+        """Consecutive positions a global batch takes together (see globalbatch.py)."""
+        return 32
+
+    def _bounds(self) -> Callable[[int], globalbatch.Bounds] | None:
+        """Where an epoch's blocks lie in its sequence, if it has blocks (see globalbatch.py)."""
+        return None
 
     def total_samples(self) -> int:
         raise NotImplementedError
@@ -47,7 +73,7 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
     def _ordering(self) -> Ordering:
         """The values a pass's plan and state follow, fixed as it starts."""
         return Ordering(self.total_samples(), self.seed, self.shuffle, self.shuffle_window, self.remainder,
-                        self._batch, self.order_key())
+                        self._batch, self.order_key(), self.global_batch_size or 0, self._piece(), self._bounds())
 
     def _epoch_stream(self, rank: int, world: int, worker_id: int, num_workers: int, run: Run) -> EpochStream:
         """A pass of this worker whose positions become samples by `run`."""
@@ -89,7 +115,11 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
     def __len__(self) -> int:
         """Samples this rank yields per epoch (the same on every rank); batches, if the
         dataset batches."""
-        samples = partition.per_rank(self.total_samples(), self._rank_world()[1], self.remainder)
+        world = self._rank_world()[1]
+        if self.global_batch_size:
+            samples = self._ordering().global_batches(0).batches * self._local_batch(world)
+        else:
+            samples = partition.per_rank(self.total_samples(), world, self.remainder)
         return -(-samples // self.batch_size) if self.batch_size else samples
 
     @property
@@ -102,6 +132,8 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         order = {"samples": self.total_samples(), "shuffle": bool(self.shuffle), "remainder": self.remainder}
         if self.shuffle:  # without it, the order is the dataset's own, whatever the seed
             order.update(seed=self.seed, shuffle_window=self.shuffle_window, shuffle_version=state.SHUFFLE_VERSION)
+        if self.global_batch_size:
+            order.update(global_batch_size=self.global_batch_size, piece=self._piece())
         return order
 
     def _stream(self, stream: EpochStream) -> Iterator[Any]:
@@ -132,6 +164,8 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         worker_id, num_workers = partition.worker()
         if num_workers > MAX_WORKERS:
             raise ValueError(f"at most {MAX_WORKERS} DataLoader workers are supported")
+        if self.global_batch_size:
+            self._local_batch(world)
         return rank, world, worker_id, num_workers
 
     def state_dict(self) -> dict[str, Any]:
@@ -174,7 +208,15 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
                 "load_state_dict, or checkpoint with snapshot_every_n_steps=1 to resume under a new layout "
                 "(a loader with in_order=False gives such states too, and no resume of it is exact: "
                 "checkpoint with in_order=True, the default)")
-        self._resume = {"epoch": epoch, "history": state.history_of(workers), "token": self._shared.new_resume()}
+        ordering = self._ordering()
+        earlier = list(workers[0].get(state.HISTORY, []))
+        ordering.check_history(epoch, earlier)
+        for s in workers:
+            ordering.check_worker(epoch, earlier, s)
+        _check_snapshot(loader, workers, ordering.worker_sizes(epoch, earlier, int(workers[0][state.WORLD_SIZE]),
+                                                               int(workers[0][state.NUM_WORKERS])), self.batch_size)
+        history = ordering.record(epoch, state.history_of(workers))
+        self._resume = {"epoch": epoch, "history": history, "token": self._shared.new_resume()}
         self._shared.set_epoch(epoch)
 
     def resume_state(self, *, epoch: int, samples_seen: int, num_workers: int, batch_size: int | None = None,
@@ -198,6 +240,10 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
             batch_size = self.batch_size
         elif batch_size is None:
             raise ValueError("batch_size: the DataLoader's batch size is needed")
+        world = world_size if world_size is not None else self._rank_world()[1]
+        if self.global_batch_size and batch_size != self._local_batch(world):
+            raise ValueError(f"batch_size={batch_size}: under global_batch_size={self.global_batch_size} over {world} "
+                             f"ranks the DataLoader's batch_size is {self._local_batch(world)}")
         ordering = self._ordering()
         history: list[dict[str, Any]] = []
         if resumed_from is not None:
@@ -205,17 +251,58 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
             if not earlier or any(s[state.EPOCH] != epoch for s in earlier):
                 raise ValueError(f"resumed_from is not a resume state of epoch {epoch}")
             state.check_order(earlier, ordering.key)
-            history = state.history_of(earlier)
+            before = list(earlier[0].get(state.HISTORY, []))
+            ordering.check_history(epoch, before)
+            for s in earlier:
+                ordering.check_worker(epoch, before, s)
+            history = ordering.record(epoch, state.history_of(earlier))
+            if self._resume is not None and self._resume["epoch"] == epoch and _plain(self._resume["history"]) != \
+                    _plain(history):
+                raise ValueError(f"resumed_from is not the state this dataset resumed epoch {epoch} from (a stale "
+                                 "checkpoint?): the new state would count from other progress and repeat or skip "
+                                 "samples; pass the state given to load_state_dict")
         elif self._resume is not None and self._resume["epoch"] == epoch:
             raise ValueError("this epoch was itself resumed from a partial state: pass that state as resumed_from")
-        world = world_size if world_size is not None else self._rank_world()[1]
-        rank_total = partition.per_rank(ordering.left(epoch, history).left, world, self.remainder)
         workers = max(num_workers, 1)
-        sizes = [b - a for a, b in (partition.worker_bounds(rank_total, workers, w, self._batch) for w in range(workers))]
-        yielded = partition.yielded_after(sizes, batch_size, samples_seen, drop_last)
-        if samples_seen == partition.pass_length(sizes, batch_size, drop_last):
+        sizes = ordering.worker_sizes(epoch, history, world, workers)
+        yielded = turns.yielded_after(sizes, batch_size, samples_seen, drop_last)
+        if samples_seen == turns.pass_length(sizes, batch_size, drop_last):
             yielded = tuple(sizes)  # a whole pass: what drop_last dropped is done with too
-        return state.loader_state(epoch, world, workers, self._batch, ordering.key, history, yielded)
+        saved = state.loader_state(epoch, world, workers, self._batch, ordering.key, history, yielded)
+        rank = min(self._rank_world()[0], world - 1)
+        for w, entry in enumerate(saved[state.WORKERS]):  # what a worker's own state would say it delivered
+            one = partition.Progress(world, workers, tuple(k * (i == w) for i, k in enumerate(yielded)), self._batch)
+            entry[state.DIGEST] = {"rank": rank, "sums": digest.text(ordering.fingerprint(epoch, history, one, rank, w))}
+        return saved
+
+
+def _plain(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A history's progress, fingerprints aside (an earlier version's states have none)."""
+    return [{k: v for k, v in h.items() if k != state.DIGEST} for h in history]
+
+
+def _check_snapshot(loader: dict[str, Any], workers: list[dict[str, Any]], sizes: list[int],
+                    batch_size: int | None) -> None:
+    """Refuse a StatefulDataLoader state whose worker snapshots are not those of the batch
+    its own count says it is at (a worker's snapshot from another checkpoint: its samples
+    since would come again, or never)."""
+    main = loader.get("_snapshot", {}).get("_main_snapshot", {})
+    batches = main.get("_sampler_iter_yielded")
+    seen = (main.get("_sampler_iter_state") or {}).get("samples_yielded")
+    if not isinstance(batches, int) or not isinstance(seen, int) or batches <= 0 or loader.get("_steps_since_snapshot"):
+        return
+    size = batch_size or seen // batches  # items of a DataLoader batch: a batching dataset's batch is one item
+    counts = [0] * len(sizes)
+    for s in workers:
+        counts[int(s[state.WORKER])] = int(s[state.YIELDED])
+    want = turns.taken_after(sizes, size, batches)
+    # a worker at its end may have read a short last batch that drop_last dropped
+    off = [w for w, (a, b) in enumerate(zip(counts, want)) if a != b and not (a == sizes[w] and b > a - size)]
+    if off:
+        w = off[0]
+        raise ValueError(f"this StatefulDataLoader state is at its batch {batches}, but its snapshot of worker {w} "
+                         f"counts {counts[w]} samples, not {want[w]} (a stale or mixed-up state): resuming from it "
+                         "would repeat or skip that worker's samples")
 
 
 def stats_summary(total: dict[str, float]) -> dict[str, float]:

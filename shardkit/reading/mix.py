@@ -14,7 +14,9 @@ from (seed, epoch), elastic resume.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+import dataclasses
+import itertools
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -79,13 +81,14 @@ class MixedDataset(EpochDataset):
     """Build it with `StreamingDataset.mix([(source, weight), ...], ...)`, which makes the
     parts given as URLs."""
 
-    OPTIONS = ("samples_per_epoch", "shuffle_window", "remainder", "batch_size")  # the mixture's own, besides its order
+    OPTIONS = ("samples_per_epoch", "shuffle_window", "remainder", "batch_size", "global_batch_size")  # the mixture's own, besides its order
 
     def __init__(self, parts: Sequence[tuple[Part, Any]], *, samples_per_epoch: int | None = None,
                  shuffle: bool = True, seed: int = 0, shuffle_window: int = 1024, remainder: str = "repeat",
-                 rank: int | None = None, world_size: int | None = None, batch_size: int | None = None):
+                 rank: int | None = None, world_size: int | None = None, batch_size: int | None = None,
+                 global_batch_size: int | None = None):
         super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
-                         remainder=remainder, batch_size=batch_size)
+                         remainder=remainder, batch_size=batch_size, global_batch_size=global_batch_size)
         check_parts(parts)
         self.parts = [p for p, _ in parts]
         self.weights = tuple(_weight(w) for _, w in parts)
@@ -116,18 +119,21 @@ class MixedDataset(EpochDataset):
         return self._stream(self._pass(*self._layout()))
 
     def _pass(self, rank: int, world: int, worker_id: int, num_workers: int) -> EpochStream:
-        inputs = [(p.read_spec(), p.source, p.slot(worker_id)) for p in self.parts]
+        inputs = [(dataclasses.replace(p.read_spec(), global_batches=bool(self.global_batch_size)), p.source,
+                   p.slot(worker_id)) for p in self.parts]
         connections = per_worker(num_workers) // len(self.parts) or 1  # the parts' passes share the worker's
         window = max(self.shuffle_window, *(p.shuffle_window for p in self.parts))
         counts, sizes, seed, shuffle = self.counts, self.sizes, self.seed, self.shuffle
 
-        def run(epoch: int, positions: np.ndarray) -> Generator[Any, None, None]:
-            part_of, ids = _part_ids(counts, sizes, [spec for spec, _, _ in inputs], seed, shuffle, epoch, positions)
-            passes = [Pass(spec, source, i, slot, window, connections).samples()
-                      for (spec, source, slot), i in zip(inputs, ids)]
+        def run(epoch: int, positions: Iterator[np.ndarray]) -> Generator[Any, None, None]:
+            specs = [spec for spec, _, _ in inputs]
+            pieces = _Pieces(lambda p: _part_ids(counts, sizes, specs, seed, shuffle, epoch, p), positions)
+            passes = [Pass(spec, source, pieces.of(d), slot, window, connections).samples()
+                      for d, (spec, source, slot) in enumerate(inputs)]
             try:
-                for (d,) in ranges.rows(part_of):
-                    yield next(passes[d])
+                for part_of in pieces.of(-1):
+                    for (d,) in ranges.rows(part_of):
+                        yield next(passes[d])
             finally:
                 for p in passes:
                     p.close()
@@ -145,6 +151,40 @@ class MixedDataset(EpochDataset):
 
     def store_config(self) -> list[dict[str, str]]:
         return distinct(c for p in self.parts for c in p.store_config())
+
+
+class _Pieces:
+    """A mixed pass's pieces of positions, each turned once into (part of each position,
+    each part's sample ids): the mixture's loop (`of(-1)`) and each part's pass (`of(d)`)
+    walk them in step, a part's pass never past the piece the loop is in, so only the last
+    few are kept."""
+
+    KEEP = 4
+
+    def __init__(self, plan: Callable[[np.ndarray], tuple[np.ndarray, list[np.ndarray]]],
+                 positions: Iterator[np.ndarray]):
+        self.plan, self.positions = plan, positions
+        self.made: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
+        self.count = 0  # pieces made so far
+
+    def _get(self, i: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
+        while self.count <= i:
+            piece = next(self.positions, None)
+            if piece is None:
+                return None
+            self.made[self.count] = self.plan(piece)
+            self.made.pop(self.count - self.KEEP, None)
+            self.count += 1
+        return self.made.get(i)
+
+    def of(self, d: int) -> Iterator[np.ndarray]:
+        """Part d's ids piece by piece (-1: the part of each position). A piece no longer
+        kept held none of part d's: its pass would have asked for it while it was."""
+        for i in itertools.count():
+            got = self._get(i)
+            if got is None and i >= self.count:
+                return
+            yield np.empty(0, dtype=np.int64) if got is None else got[0] if d < 0 else got[1][d]
 
 
 def _part_ids(counts: np.ndarray, sizes: Sequence[int], specs: Sequence[ReadSpec], seed: int, shuffle: bool,

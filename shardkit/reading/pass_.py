@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
 import numpy as np
@@ -49,11 +49,12 @@ def bad_sample(e: BaseException, on_error: str, url: str, where: str, in_transfo
 
 
 class Pass:
-    """The samples `ids` (global sample ids, in order), read, decoded and transformed as
-    `spec` says. Iterate it once; `window` is the shuffle window that spreads the ids (how
-    far apart a block's samples may come, for the read-ahead)."""
+    """The samples of `ids` (pieces of global sample ids, in order; a piece is planned and
+    read as it comes, so a pass holds one piece's plan at a time), read, decoded and
+    transformed as `spec` says. Iterate it once; `window` is the shuffle window that spreads
+    the ids (how far apart a block's samples may come, for the read-ahead)."""
 
-    def __init__(self, spec: ReadSpec, source: SampleSource, ids: np.ndarray, slot: Slot, window: int,
+    def __init__(self, spec: ReadSpec, source: SampleSource, ids: Iterable[np.ndarray], slot: Slot, window: int,
                  connections: int = CONNECTIONS):
         self.spec, self.source, self.ids, self.slot, self.window = spec, source, ids, slot, window
         self.connections = connections  # this worker's share of its rank's connections (fetch.per_worker)
@@ -66,33 +67,45 @@ class Pass:
 
     def samples(self) -> Generator[Any, None, None]:
         """The samples, one by one; closing it ends the pass (its reads, threads and files)."""
-        spec, source, ids = self.spec, self.source, self.ids
+        spec, source = self.spec, self.source
         cache = spec.cache()
         reader = spec.reader(cache, self.connections)
         decode = decoder(spec.decode, spec.backend)
-        reads, self.prefetcher = source.reads(ids, reader, spec, self.window)
         meter = Meter(self.slot, reader, cache)
         pending = 0  # skipped samples still to be replaced, so the rank's count stays exact
+        last = -1  # the last id planned, after which a stand-in is looked for
+        reads: Generator[Any, None, None] | None = None
         try:
-            for count in range(1, len(ids) + 1):
-                shard, start, data = next(reads)
-                try:
-                    item = self._process(shard, start, data, decode, meter)
-                except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
-                    self._skip(e, shard, start, meter)
-                    pending += 1
+            for ids in self.ids:
+                if not len(ids):
                     continue
-                for _ in range(pending + 1):
-                    yield item
-                pending = 0
-                if count % 256 == 0:
-                    meter.flush(self.prefetcher)
+                reads, self.prefetcher = source.reads(ids, reader, spec, self.window)
+                last = int(ids[-1])
+                for count in range(1, len(ids) + 1):
+                    shard, start, data = next(reads)
+                    try:
+                        item = self._process(shard, start, data, decode, meter)
+                    except Exception as e:  # noqa: BLE001 - bad data, reported with the shard and sample named
+                        self._skip(e, shard, start, meter)
+                        if spec.global_batches:  # the same stand-in under any layout
+                            yield self._borrow(reader, decode, int(ids[count - 1]))
+                        else:
+                            pending += 1
+                        continue
+                    for _ in range(pending + 1):
+                        yield item
+                    pending = 0
+                    if count % 256 == 0:
+                        meter.flush(self.prefetcher)
+                reads.close()
+                meter.flush(self.prefetcher)
             if pending:  # bad samples at the end of the plan: a stand-in that a resumed pass picks too
-                stand_in = self._borrow(reader, decode, int(ids[-1]))
+                stand_in = self._borrow(reader, decode, last)
                 for _ in range(pending):
                     yield stand_in
         finally:
-            reads.close()
+            if reads is not None:
+                reads.close()
             meter.flush(self.prefetcher)
             reader.close()
 

@@ -42,6 +42,9 @@ class Settings(Protocol):
     @property
     def prefetch_bytes(self) -> int: ...
 
+    @property
+    def global_batches(self) -> bool: ...
+
 
 class SampleSource(Protocol):
     def reads(self, ids: np.ndarray, reader: storage.RangeReader, opts: Settings, window: int,
@@ -98,7 +101,7 @@ class TarSamples:
         shard_of, starts, ends = ranges.bounds(ids, self.first, self.offsets)
         self._check(shard_of, starts, ends)
         local = all(map(storage.is_local, self.urls))  # one remote shard: its ranges go through the budget
-        if local:
+        if local or opts.global_batches:  # a global batch's pieces: their own samples, not whole blocks
             plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=RANGE_BYTES)
         else:  # a block's samples come within block + 2 windows of each other: further apart, a new use,
             # read again rather than held, unless the whole dataset fits in the read-ahead budget
@@ -139,7 +142,8 @@ class TarSamples:
 
             # a shuffled stream's first window takes its samples from every range it spans, in turn
             first = len(np.unique(range_of[: blockplan.ramp(window)[1] if window > 1 else 1]))
-            prefetcher = Prefetcher(plan, stream, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes,
+            depth = opts.prefetch * (2 if opts.global_batches else 1)  # a global batch's ranges are half blocks
+            prefetcher = Prefetcher(plan, stream, lambda r: r.size, depth=depth, budget=opts.prefetch_bytes,
                                     streaming=True, pressure=lambda: reader.throttled, start=first,
                                     stalled=lambda: stalls.seconds)
             reader.engine.wanted = lambda: (prefetcher.rate, prefetcher.waiting)  # what a range's pieces must carry

@@ -8,13 +8,13 @@ holds an open file or a client: they travel to DataLoader workers as they are.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .. import partition
+from .. import blockplan, partition
 from ..storage import RangeReader, StorageOptions
 from ..storage.cache import RangeCache
 
@@ -35,11 +35,19 @@ class SampleOrder:
     def total(self) -> int:
         return int(self.counts.sum())
 
+    def epoch(self, epoch: int) -> blockplan.BlockOrder:
+        """Epoch `epoch`'s global sequence."""
+        return partition.epoch_order(self.counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, block=self.blocks)
+
     def ids_at(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """The samples at `positions` of epoch `epoch`'s global sequence."""
-        order = partition.epoch_order(self.counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                                      block=self.blocks)
-        return order.ids(positions)
+        return self.epoch(epoch).ids(positions)
+
+    def ids_in(self, epoch: int, positions: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+        """`ids_at` for pieces of positions, one piece at a time (the epoch's order made once)."""
+        order = self.epoch(epoch)
+        for piece in positions:
+            yield order.ids(piece)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,6 +71,10 @@ class ReadSpec:
     prefetch_bytes: int = 256 << 20
     cache_dir: str | None = None
     cache_limit: int = 20 << 30
+    # a slice of global batches (globalbatch.py): a block's other pieces are other ranks', so
+    # samples are read as byte ranges, not whole blocks, and a skipped sample's place is taken
+    # by the next usable sample by id, the same under any layout
+    global_batches: bool = False
 
     def cache(self) -> RangeCache | None:
         return RangeCache(self.cache_dir, self.cache_limit) if self.cache_dir is not None else None

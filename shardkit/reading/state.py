@@ -26,6 +26,7 @@ from ..partition import Progress
 MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
 EPOCH, WORLD_SIZE, NUM_WORKERS, BATCH = "epoch", "world_size", "num_workers", "batch"
 WORKER, YIELDED, WORKERS, ORDER, HISTORY = "worker", "yielded", "workers", "order", "history"
+DIGEST = "digest"  # a fingerprint of what was delivered (digest.py): a worker's, or a history segment's
 SHUFFLE_VERSION_KEY = "shuffle_version"
 
 MAX_EPOCH = 2**32 - 1  # far past any run; a mixture counts epoch x samples of a part in 64 bits
