@@ -23,6 +23,8 @@ from shardkit.storage.fetch import FetchEngine
 from shardkit.storage.stores import Sink, Store
 from shardkit.storage.streams import Arriving
 
+from latency_proxy import BURST  # (scripts/, on the path by conftest)
+
 MB = 1 << 20
 
 
@@ -242,8 +244,9 @@ def test_a_connection_capped_store_is_read_over_parallel_pieces(s3: dict, s3_ser
         before = control.stats()["requests"]
         started = time.perf_counter()
         assert reader.read(0, 0, size) == expected[:size]
-        assert control.stats()["requests"] - before >= 4  # on several connections at once
-        assert time.perf_counter() - started >= 0.9 * size / 1e6 / (control.stats()["requests"] - before)
+        took, pieces = time.perf_counter() - started, control.stats()["requests"] - before
+        assert pieces >= 4  # on several connections at once
+        assert took >= 0.9 * (size / pieces - BURST) / 1e6  # each at 1 MB/s at most, after its bucket's burst
     finally:
         reader.close()
 
