@@ -11,6 +11,7 @@ source scripts/_setup.sh
 # gcsfs reads this at import; without it every emulator bucket costs a 60 s gRPC retry loop.
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false
 parallel=(-n "${SHARDKIT_TEST_WORKERS:-4}" --dist loadgroup)
+python -c 'import xdist' 2>/dev/null || parallel=()  # an environment of your own without it: serially
 for arg in "$@"; do
     case $arg in -n* | --numprocesses* | --dist* | -pno:xdist | no:xdist) parallel=() ;; esac
 done
