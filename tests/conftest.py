@@ -53,6 +53,16 @@ def _impatient_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(patience, "OUTAGE_RETRIES", patience.RETRIES)
 
 
+@pytest.fixture(autouse=True)
+def _no_latency_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with no first-byte latencies seen, whatever ran before it in its process
+    (under pytest-xdist, other tests each run): a history of fast GETs left by another test
+    would have a slow answer hedged, and a count of requests come out one more."""
+    from shardkit.storage import fetch
+
+    monkeypatch.setattr(fetch, "_FIRST_BYTES", {})
+
+
 @pytest.fixture
 def photos(tmp_path: Path) -> Path:
     """An ImageFolder tree: 3 classes x 10 JPEGs."""
@@ -118,3 +128,54 @@ def packed_v1(packed: Path) -> Path:
 def any_index(request: pytest.FixtureRequest, packed: Path) -> Path:
     """`packed` under each index version a reader takes: a test of a guarantee runs on both."""
     return packed if request.param == "v2" else request.getfixturevalue("packed_v1")
+
+
+# Test files whose tests share a costly module fixture (test_ray's cluster: ~15 s of CPU to
+# start): under pytest-xdist's --dist loadgroup (scripts/test.sh) each goes whole to one worker.
+# An xdist_group mark would say it, but with pytest 9.2 xdist 3.8 ignores the marks
+# (pytest-xdist issue 1386): the scheduler groups by file name instead.
+TOGETHER = frozenset({"tests/test_ray.py"})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Scheduler(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return file if file in TOGETHER else super()._split_scope(nodeid)
+
+    return Scheduler(config, log)
+
+
+# The slowest tests (minutes of a 4-process run of the suite, busy 2-core machine), started
+# first so that none of them starts last and leaves the other processes idle at the end:
+# node id prefixes, slowest first. A test not named here keeps its place after them.
+SLOW_FIRST = (
+    "tests/test_lint.py::test_mypy",
+    "tests/test_remote.py::test_a_stalled_connection_fails_in_bounded_time",
+    "tests/test_examples.py",
+    "tests/test_ddp.py",
+    "tests/test_multinode.py",
+    "tests/test_scripts.py",
+    "tests/test_dataset.py::test_spawned_workers",
+    "tests/test_dataset.py::test_workers_freeze",
+    "tests/test_packaging.py::test_the_wheel",
+    "tests/test_hostile.py::test_no_secret_of_s3_credentials_in_any_error",
+    "tests/test_sidecars.py::test_the_clip_snippet",
+    "tests/test_tools.py::test_preview_and_bench_skip_bad_samples",
+    "tests/test_lmdb.py::test_verify_and_remote_copies",
+    "tests/test_docs.py::test_docs_site_builds",
+    "tests/test_ray.py",
+    "tests/test_fetch.py::test_resets_throttling",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        return next((i for i, prefix in enumerate(SLOW_FIRST) if item.nodeid.startswith(prefix)), len(SLOW_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order

@@ -1,10 +1,12 @@
 """One rank of the multi-node test (tests/test_multinode.py), started by torchrun.
 
-    worker.py DATASET OUT_DIR PHASE [STATE_FILE]
+    worker.py DATASET OUT_DIR PHASE[+PHASE...] [STATE_FILE]
 
 phase "full":  iterate one epoch, record every key and the batch count.
 phase "part":  take BATCHES batches, then record them and this rank's resume state.
 phase "rest":  load the saved state (taken under another world size) and record the rest.
+Phases joined by "+" run one after another in one launch, each on a dataset of its own:
+the launch and the process group (seconds of torch start-up on every rank) are shared.
 """
 
 from __future__ import annotations
@@ -21,10 +23,7 @@ from shardkit import StreamingDataset
 BATCH, WORKERS, EPOCH, BATCHES = 4, 2, 3, 3
 
 
-def main() -> None:
-    dataset, out, phase = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def run(dataset: str, out: Path, phase: str, rank: int, world: int) -> None:
     ds = StreamingDataset(dataset, shuffle=True, seed=7)  # rank and world from torch.distributed
     ds.set_epoch(EPOCH)
     if phase == "rest":
@@ -39,7 +38,15 @@ def main() -> None:
     if phase == "part":
         record["state"] = ds.resume_state(epoch=EPOCH, samples_seen=len(keys), batch_size=BATCH, num_workers=WORKERS)
     (out / f"{phase}-{rank}.json").write_text(json.dumps(record))
-    dist.barrier()
+
+
+def main() -> None:
+    dataset, out, phases = sys.argv[1], Path(sys.argv[2]), sys.argv[3].split("+")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for phase in phases:
+        run(dataset, out, phase, rank, world)
+        dist.barrier()
     dist.destroy_process_group()
 
 

@@ -145,15 +145,38 @@ def _server_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("server-logs")
 
 
-def _serve_http(name: str, cmd: Callable[[int], list[str]], probe: str, logs: Path) -> Iterator[tuple[Server, str]]:
-    port = free_port()
-    server = Server(name, cmd(port), logs / f"{name}.log")
+def _holds_port(pid: int, port: int) -> bool:
+    """Whether process `pid` holds the socket listening on 127.0.0.1:`port` (True where /proc
+    cannot tell: not Linux)."""
     try:
-        url = f"http://127.0.0.1:{port}"
-        server.wait_http(url + probe)
-        yield server, url
-    finally:
-        server.stop()
+        lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return True
+    wanted = {f"socket:[{f[9]}]" for f in map(str.split, lines) if f[1] == f"0100007F:{port:04X}" and f[3] == "0A"}
+    held = set()
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed meanwhile
+            held.add(os.readlink(fd))
+    return bool(wanted & held)
+
+
+def _serve_http(name: str, cmd: Callable[[int], list[str]], probe: str, logs: Path) -> Iterator[tuple[Server, str]]:
+    """A server on a free port that answers `probe`. free_port() closes its socket before the
+    server binds: another process (another pytest-xdist worker's server) may take the port in
+    between, and answer the probe in its stead, so the port must be the server's own."""
+    for _ in range(3):
+        port = free_port()
+        server = Server(name, cmd(port), logs / f"{name}.log")
+        try:
+            url = f"http://127.0.0.1:{port}"
+            server.wait_http(url + probe)
+            if _holds_port(server.proc.pid, port):
+                yield server, url
+                return
+        finally:
+            server.stop()
+    pytest.fail(f"{name}: its free port was taken by another process, 3 times", pytrace=False)
 
 
 # -- S3: moto in server mode ---------------------------------------------------------------------

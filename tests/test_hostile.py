@@ -681,7 +681,7 @@ class _Faulty(_Ranges):
             self.close_connection = True
             return
         if self.fault == "silent":
-            time.sleep(1.5)  # past the client's timeout
+            time.sleep(0.75)  # past botocore's 0.5 s read timeout; a presigned GET (its own timeout) sees the close
             self.close_connection = True
             return
         code = {"403": "AccessDenied", "404": "NoSuchKey", "500": "InternalError"}[self.fault]

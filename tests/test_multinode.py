@@ -43,7 +43,7 @@ def results(out: Path, phase: str) -> list[dict]:
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
 def test_two_nodes_then_resume_on_one(packed: Path, tmp_path: Path) -> None:
-    launch(2, 2, str(packed), str(tmp_path), "full")
+    launch(2, 2, str(packed), str(tmp_path), "full+part")  # one launch for both: torch starts once a rank
     full = results(tmp_path, "full")
     assert [r["world"] for r in full] == [4] * 4
     assert len({r["batches"] for r in full}) == 1 and len({len(r["keys"]) for r in full}) == 1  # equal ranks
@@ -51,7 +51,6 @@ def test_two_nodes_then_resume_on_one(packed: Path, tmp_path: Path) -> None:
     union = [k for r in full for k in r["keys"]]
     assert len(union) == len(set(union)) == 120  # the whole dataset, once
 
-    launch(2, 2, str(packed), str(tmp_path), "part")
     part = results(tmp_path, "part")
     seen = [k for r in part for k in r["keys"]]
     state = tmp_path / "state.json"
