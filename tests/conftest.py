@@ -58,9 +58,9 @@ def _no_latency_history(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test starts with no first-byte latencies seen, whatever ran before it in its process
     (under pytest-xdist, other tests each run): a history of fast GETs left by another test
     would have a slow answer hedged, and a count of requests come out one more."""
-    from shardkit.storage import fetch
+    from shardkit.storage import latencies
 
-    monkeypatch.setattr(fetch, "_FIRST_BYTES", {})
+    monkeypatch.setattr(latencies, "_SEEN", {})
 
 
 @pytest.fixture
