@@ -80,7 +80,7 @@ class HeldStore(Store):
 
 def _seasoned(engine: FetchEngine, first_byte_s: float = 0.001, requests: int = 100) -> FetchEngine:
     """An engine that has seen enough quick GETs to hedge (its p95 under the floor)."""
-    engine._seen = fetch._history(HeldStore(b""))
+    engine._seen = fetch._history(HeldStore(b""), "held://x")
     engine._seen.clear()  # the process's history of this store, shared by its engines
     for _ in range(fetch.P95_SEEN):
         engine.first_byte(first_byte_s)
@@ -212,7 +212,7 @@ def test_the_hedge_bar_from_the_first_latency_seen() -> None:
     """Nothing seen: no hedge. A few seen: 4x their median (a short epoch's few GETs are
     hedged too). Enough seen: their p95, but no more than 4x their median; the floor always."""
     engine = FetchEngine(4)
-    engine._seen = fetch._history(HeldStore(b""))
+    engine._seen = fetch._history(HeldStore(b""), "held://x")
     engine._seen.clear()
     engine.requests = 1
     assert engine.hedge_after() is None
@@ -413,3 +413,14 @@ def test_an_upload_sends_its_parts_in_parallel(s3: dict, s3_server: str, latency
         f.write(data[: 2 * s3_store.PART])
         raise RuntimeError("the writer fails")
     assert not fs.exists(s3["url"].removeprefix("s3://") + "/broken.bin")
+
+
+def test_each_web_server_keeps_a_latency_history_of_its_own() -> None:
+    """Hedges are timed by the latencies of the host a GET goes to: two web servers are two
+    stores; an S3 or GCS dataset's is its endpoint's."""
+    from shardkit.storage.clients import origin
+
+    assert origin("https://a.example/ds/x.tar", None) == "https://a.example"
+    assert origin("https://a.example/ds/x.tar", None) != origin("http://127.0.0.1:8000/x.tar", None)
+    assert origin("s3://b/x.tar", {"client_kwargs": {"endpoint_url": "http://h:9000"}}) == "http://h:9000"
+    assert origin("s3://b/x.tar", None) == ""  # AWS's own endpoints

@@ -246,6 +246,16 @@ def s3_compatible(storage_options: StorageOptions) -> dict[str, Any]:
     return config
 
 
+def origin(url: str, storage_options: StorageOptions | None) -> str:
+    """Where a request for `url` goes, as far as its latency goes: the options' endpoint, or
+    an HTTP(S) URL's own host (every plain web server is a store of its own)."""
+    found = endpoint(storage_options)
+    if found or scheme(url) not in HTTP:
+        return found
+    host, port = netloc(url)
+    return f"{scheme(url)}://{host}" + (f":{port}" if port else "")
+
+
 def endpoint(storage_options: StorageOptions | None) -> str:
     """Where the options point S3 or GCS ('' for the default): one URL on two endpoints
     names two objects."""

@@ -51,7 +51,7 @@ from typing import Any
 
 from ..errors import ShardkitError
 from . import latencies
-from .clients import endpoint
+from .clients import origin
 from .stores import Store
 from .streams import Piece
 
@@ -67,8 +67,8 @@ P95_SEEN = 8  # first-byte latencies seen before their p95 sets the bar (before:
 _ALPHA = 0.1  # weight of the newest GET in the moving averages
 
 
-def _history(store: Store) -> deque[float]:
-    return latencies.history(store.name, endpoint(store.options))
+def _history(store: Store, url: str) -> deque[float]:
+    return latencies.history(store.name, origin(url, store.options))
 
 
 def per_worker(num_workers: int) -> int:
@@ -287,7 +287,7 @@ class FetchEngine:
         with self._lock:
             self.requests += 1
             if not self.requests - 1:
-                self._seen = _history(store)
+                self._seen = _history(store, url)
         attempts, timer_thread = self._threads()[1:]
         ended = threading.Event()
         outcome: list[Any] = []  # the claiming attempt's size, or its error

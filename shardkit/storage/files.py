@@ -9,7 +9,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CorruptShardError
 from . import fingerprint, latencies
-from .clients import endpoint
+from .clients import origin
 from .stores import store_for
 from .urls import AZURE, GCS, HTTP, S3, WEBHDFS, StorageOptions, display, is_local, join, local_path, scheme
 from .streams import Arriving
@@ -24,7 +24,7 @@ def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes
     started = time.perf_counter()
     data = store.cat(url)
     if len(data) <= _SMALL and not is_local(url):
-        latencies.record(store.name, endpoint(store.options), time.perf_counter() - started)
+        latencies.record(store.name, origin(url, store.options), time.perf_counter() - started)
     return data
 
 
