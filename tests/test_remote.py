@@ -327,7 +327,7 @@ def test_a_slow_but_moving_gcs_download_is_not_cut_off(monkeypatch: pytest.Monke
         assert fs.cat_file(path, start=0, end=6000) == b"x" * 6000
 
 
-def test_missing_backend_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_backend_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
     import fsspec.registry  # noqa: F401 - the module (fsspec's `registry` attribute is its mapping)
@@ -335,7 +335,7 @@ def test_missing_backend_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setitem(sys.modules, "adlfs", None)  # as if not installed (the test extra brings it)
     for protocol in ("az", "abfs", "abfss"):  # forget the class fsspec loaded already
         monkeypatch.delitem(sys.modules["fsspec.registry"]._registry, protocol, raising=False)
-    with pytest.raises(ShardkitError, match=r"abfs:// support is not installed \(pip install 'shardkit\[azure\]'\)"):
+    with pytest.raises(ShardkitError, match=r"abfs:// support is not installed \(pip install adlfs\)"):
         StreamingDataset("abfs://container/data")
     with pytest.raises(ShardkitError, match=r"oss:// support is not installed \(install the fsspec backend for oss"):
         StreamingDataset("oss://bucket/data")
