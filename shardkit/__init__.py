@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .reading.batching import collate
     from .reading.dataset import StreamingDataset
     from .reading.lmdb_dataset import LMDBDataset
+    from .reading.map_dataset import MapDataset
     from .reading.tar_dataset import TarDataset
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "Index",
     "IndexVersionError",
     "LMDBDataset",
+    "MapDataset",
     "ShardInfo",
     "ShardkitError",
     "SourceError",
@@ -39,7 +41,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"LMDBDataset": "reading.lmdb_dataset", "StreamingDataset": "reading.dataset", "TarDataset": "reading.tar_dataset",
+_LAZY = {"LMDBDataset": "reading.lmdb_dataset", "MapDataset": "reading.map_dataset", "StreamingDataset": "reading.dataset", "TarDataset": "reading.tar_dataset",
          "collate": "reading.batching"}
 
 

@@ -93,8 +93,9 @@ INNER: dict[str, list[set[str]]] = {
     "reading": [
         {"worker", "counters", "state", "compressed", "ordering"},
         {"spec", "batching", "epoch_stream", "samples"},
-        {"pass_", "epochs"},
-        {"mix", "tar_dataset", "lmdb_dataset"},
+        {"pass_", "epochs", "map_records"},
+        {"mix", "map_dataset"},
+        {"tar_dataset", "lmdb_dataset"},
         {"dataset"},
     ],
     "storage": [

@@ -210,7 +210,7 @@ def test_threads_opening_the_environment_at_once_open_it_once(lmdb_pack: Path) -
     with ThreadPoolExecutor(8) as pool:
         for _ in range(5):
             lmdb_format.close_reader(str(lmdb_pack))
-            assert [k for k, _ in pool.map(ds._read, range(30))] == [ds[i]["__key__"] for i in range(30)]
+            assert [s["__key__"] for s in pool.map(ds._read, range(30))] == [ds[i]["__key__"] for i in range(30)]
 
 
 class WithIndex(LMDBDataset):
