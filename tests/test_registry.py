@@ -68,3 +68,30 @@ def test_no_branch_on_a_format_name_outside_the_registries(path: Path) -> None:
 
 def test_every_allowed_module_exists() -> None:
     assert {n for n in ALLOWED if not (PACKAGE / n).is_file()} == set()
+
+
+def test_a_format_registered_in_both_registries_packs_and_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new format (here tar shards under another name) needs a Format, a sink and a source:
+    with those registered, pack writes it, the index names it and StreamingDataset reads it."""
+    from conftest import make_folder
+
+    import shardkit
+    from shardkit import formats
+    from shardkit.packing import sinks
+    from shardkit.packing.tar_sink import TarSink
+    from shardkit.reading import samples
+
+    class TwinSink(TarSink):
+        name = "twin"
+
+    class TwinSamples(samples.TarSamples):
+        format = "twin"
+
+    monkeypatch.setitem(formats.REGISTRY, "twin", formats.Format("twin", sharded=True, local_only=False, noun="twins"))
+    monkeypatch.setitem(sinks.SINKS, "twin", TwinSink)
+    monkeypatch.setitem(samples.SOURCES, "twin", TwinSamples)
+    src = make_folder(tmp_path / "src", per_class=3)
+    idx = shardkit.pack(str(src), str(tmp_path / "out"), format="twin", workers=1, progress=False)
+    assert idx.kind == "twin" and idx.samples == 9
+    ds = shardkit.StreamingDataset(str(tmp_path / "out"), shuffle=False)
+    assert isinstance(ds.source, TwinSamples) and len(list(ds)) == 9
