@@ -22,6 +22,7 @@ from typing import Any
 
 import click
 
+from . import formats
 from .checks import ON_ERROR
 from .errors import SKIP_BAD, CorruptShardError, ShardkitError, SourceError, one_line, redact, shown_name
 from .units import format_size, parse_size
@@ -161,7 +162,7 @@ def main() -> None:
                                "shardkit pack ./photos s3://bucket/photos -o endpoint_url=http://127.0.0.1:9000"))
 @click.argument("src")
 @click.argument("dest")
-@click.option("--format", "fmt", type=click.Choice(["tar", "lmdb"]), default="tar", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(formats.FORMATS), default=formats.DEFAULT, show_default=True,
               help="Output format: WebDataset tar shards, or one LMDB (local random access).")
 @click.option("--max-count", type=click.IntRange(min=1), help="At most this many samples per shard.")
 @click.option("--max-size", default="256MB", show_default=True, callback=_size,
@@ -215,15 +216,15 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
     index.json is written last. A finished dataset already in DEST from another source or
     with other options is left alone unless --overwrite is given.
     """
-    from .formats.tar import RECORD
     from .packing.pack import pack as run_pack
+    from .packing.sinks import sink_for
     from .storage import join
 
     if ray_address is not None and executor != "ray":
         raise click.UsageError("--ray-address needs --executor ray")
-    if fmt == "tar" and max_size is not None and max_size < RECORD:
-        raise click.BadParameter(f"at least 10KiB for tar shards (the smallest tar file), not {max_size} bytes",
-                                 param_hint="'--max-size'")
+    sink = sink_for(fmt)
+    if max_size is not None and max_size < sink.min_size:
+        raise click.BadParameter(f"at least {sink.min_size_note}, not {max_size} bytes", param_hint="'--max-size'")
 
     start = time.perf_counter()
     stats: dict[str, int] = {}
@@ -248,9 +249,10 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
             click.echo(hint, err=True)
         return
     took = time.perf_counter() - start
-    where = f"{_plural(len(idx.shards), 'shard')}" if idx.kind == "tar" else "an LMDB"
+    sharded = formats.get(idx.kind).sharded
+    where = f"{_plural(len(idx.shards), 'shard')}" if sharded else formats.get(idx.kind).noun
     empty = sum(s.samples == 0 for s in idx.shards)
-    if empty and idx.kind == "tar":  # valid shards (readers skip them), but worth knowing about
+    if empty and sharded:  # valid shards (readers skip them), but worth knowing about
         where += f" ({empty} empty: every file in {'it' if empty == 1 else 'them'} was skipped)"
     samples, size = _plural(idx.samples, "sample"), format_size(idx.bytes)
     if stats["unchanged"]:
@@ -324,7 +326,7 @@ def info(url: str, as_json: bool, verbose: bool, storage_options: tuple[str, ...
     click.echo(f"dataset:  {display(url)}")
     click.echo(f"format:   {idx.kind}, fields {', '.join(idx.fields)}")
     click.echo(f"samples:  {idx.samples}")
-    if idx.kind == "tar":  # an LMDB is one file, not shards
+    if formats.get(idx.kind).sharded:  # an LMDB is one file, not shards
         click.echo(f"shards:   {_shard_counts([s.samples for s in idx.shards])}")
     click.echo(f"bytes:    {format_size(idx.bytes)}")
     packed = sum(s.compression is not None for s in idx.shards)
@@ -345,7 +347,7 @@ def _describe_store(url: str, idx: Any, storage_options: dict[str, Any] | None) 
     from .storage import join
     from .storage.stores import store_for
 
-    first = join(url, "") + idx.shards[0].name if idx.kind == "tar" and idx.shards else url
+    first = join(url, "") + idx.shards[0].name if formats.get(idx.kind).sharded and idx.shards else url
     decided = store_for(first, storage_options).describe(first)
     click.echo(f"store:    {decided.pop('store')}")
     for name, value in decided.items():
@@ -386,7 +388,7 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
     decoded too (damaged pixel data between intact ends passes the checks above), and
     each one that does not decode is named by shard, sample and field.
     """
-    from .index import LMDB_DATA_FILE
+    from .formats.lmdb import DATA_FILE as LMDB_DATA_FILE
     from .storage import display
     from .tools.verify import undecodable
     from .tools.verify import verify as run_verify
@@ -475,7 +477,7 @@ def index_cmd(url: str, force: bool, upgrade: bool, versions: bool, storage_opti
     else:
         index.check_finished(url, opts)  # a shardkit pack's own shards: finished by rerunning it, not indexed
     idx = index.pinned(build_index(shard_urls(url, opts), opts), url, opts)
-    if old is not None and old.kind == "tar":  # what the shards cannot tell; not the plan, which vouches for bytes
+    if old is not None and formats.get(old.kind).sharded:  # what the shards cannot tell; not the plan, which vouches for bytes
         idx = replace(idx, classes=old.classes, skipped=old.skipped)
     index.save(idx, url, opts)
     click.echo(f"indexed {_plural(idx.samples, 'sample')} in {_plural(len(idx.shards), 'shard')} "
@@ -486,8 +488,9 @@ def _upgrade(url: str, opts: dict[str, Any] | None) -> None:
     from . import index
 
     idx = index.load(url, opts)
-    if idx.kind != "tar" or idx.sidecar is not None:
-        what = "an LMDB's index (its keys stay inside it)" if idx.kind != "tar" else "of version 2 already"
+    if not formats.get(idx.kind).sharded or idx.sidecar is not None:
+        keyed = not formats.get(idx.kind).sharded
+        what = f"{formats.get(idx.kind).noun}'s index (its keys stay inside it)" if keyed else "of version 2 already"
         click.echo(f"{index.INDEX_NAME} is {what}: nothing to upgrade")
         return
     saved = index.save(idx, url, opts)

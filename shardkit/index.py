@@ -28,18 +28,17 @@ from typing import Any
 import numpy as np
 import orjson
 
-from . import sidecar, storage
+from . import formats, sidecar, storage
 from .errors import CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, UnfinishedPackError
+from .formats.lmdb import DATA_FILE as LMDB_DATA_FILE  # noqa: F401  (re-exported: the name other modules use)
 from .storage import StorageOptions
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # tar shards in a folder, by name (gzip is told by its first bytes)
-LMDB_DATA_FILE = "data.mdb"  # the lmdb library's name for its data file: a folder holding one is an LMDB
 INDEX_NAME = "index.json"
 PROGRESS_DIR = ".shardkit-progress"  # a tar pack's records of finished shards, until index.json commits
 FORMAT = "shardkit"
 VERSION = 2
 READS = (1, 2)  # the versions this shardkit reads
-KINDS = ("tar", "lmdb")  # what an index's "kind" may name: formats.FORMATS (which sits above this module)
 _PER_SAMPLE = ("keys", "sizes")  # an LMDB index's per-sample lists, in `extra`
 _SHARD_KEYS = {"name", "samples", "bytes", "sha256", "offsets", "compression", "version"}
 
@@ -119,7 +118,7 @@ def _version(found: Any, name: str) -> dict[str, Any] | None:
 def pinned(index: Index, url: str, storage_options: StorageOptions | None = None) -> Index:
     """`index` with each shard's current version (one listing of the dataset's folder), for
     readers to check; a tar index only (an LMDB is read from a local copy)."""
-    if index.kind != "tar":
+    if not formats.get(index.kind).sharded:
         return index
     found = storage.pins(url, [s.name for s in index.shards], storage_options)
     return replace(index, shards=tuple(replace(s, version=v) for s, v in zip(index.shards, found)))
@@ -160,7 +159,7 @@ class Sidecar:
 @dataclass(frozen=True)
 class Index:
     shards: tuple[ShardInfo, ...]
-    kind: str = "tar"
+    kind: str = formats.DEFAULT
     fields: tuple[str, ...] = ()
     classes: tuple[str, ...] = ()
     skipped: tuple[Skipped, ...] = ()
@@ -218,10 +217,7 @@ class Index:
                 f"{where}: index version {version!r}, this shardkit reads versions {READS[0]} to {READS[-1]}; "
                 "upgrade shardkit"
             )
-        kind = doc.get("kind", "tar")
-        if kind not in KINDS or type(kind) is not str:
-            raise CorruptShardError(f"{where}: kind {kind!r}, not a format this shardkit reads "
-                                    f"({' or '.join(map(repr, KINDS))})")
+        kind = formats.get(doc.get("kind", formats.DEFAULT), where).name
         known = {"format", "version", "kind", "samples", "bytes", "fields", "classes", "plan", "skipped", "shards",
                  "offsets"}
         try:
@@ -250,8 +246,8 @@ class Index:
         _check_names(index, where)
         if doc.get("samples") is not None and doc["samples"] != index.samples:
             raise CorruptShardError(f"{where}: total {doc['samples']} samples but shards add up to {index.samples}")
-        if index.kind == "lmdb":
-            _check_lmdb(index, where)
+        if not formats.get(kind).sharded:
+            _check_keyed(index, where)
         return index
 
 
@@ -259,7 +255,7 @@ def _sidecar(doc: dict[str, Any], where: str) -> Sidecar | None:
     """The "offsets" entry of a version 2 index: a file of the dataset's folder."""
     entry = doc.get("offsets")
     if entry is None:
-        if doc.get("kind", "tar") == "tar":
+        if formats.get(doc.get("kind", formats.DEFAULT)).sharded:
             raise CorruptShardError(f"{where}: a version 2 index of tar shards names no file of sample offsets")
         return None
     if any(s.get("offsets") is not None for s in doc["shards"]):
@@ -287,7 +283,7 @@ def _check_names(index: Index, where: str) -> None:
         seen.add(name)
 
 
-def _check_lmdb(index: Index, where: str) -> None:
+def _check_keyed(index: Index, where: str) -> None:
     """An LMDB's index is one `data.mdb` shard and a key (and a size) for every sample."""
     keys, sizes = index.extra.get("keys"), index.extra.get("sizes")
     if len(index.shards) != 1:
@@ -356,7 +352,7 @@ def save(index: Index, url: str, storage_options: StorageOptions | None = None) 
     after the sidecar of the offsets its tar shards carry; then remove other sidecars.
     Returns the index as saved."""
     _check_names(index, storage.join(url, INDEX_NAME))
-    if index.kind == "tar" and index.sidecar is None:
+    if formats.get(index.kind).sharded and index.sidecar is None:
         tables = [s.offsets for s in index.shards]
         if any(t is None for t in tables):
             raise ShardkitError(f"{storage.join(url, INDEX_NAME)}: not saved: shards without sample offsets")

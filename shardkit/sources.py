@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import BinaryIO
 
-from . import checks, index, storage
+from . import checks, formats, index, storage
 from .errors import (AccessDeniedError, BadRequestError, CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, UnfinishedPackError)
 from .formats import gzip, tar
 from .formats import lmdb as lmdb_format
@@ -128,7 +128,7 @@ def resolve(source: str | Iterable[str], storage_options: StorageOptions | None 
         except DatasetNotFoundError:  # not a folder
             idx = None
         if idx is not None:
-            if idx.kind == "lmdb":
+            if not formats.get(idx.kind).sharded:  # one database: its folder is the one "shard"
                 return [source], idx
             folder = storage.join(source, "")
             return [folder + s.name for s in idx.shards], idx
@@ -189,7 +189,7 @@ def _tar_index(folder: str, storage_options: StorageOptions | None) -> Index | N
         idx = index.find(folder, storage_options)
     except (CorruptShardError, IndexVersionError, DatasetNotFoundError, AccessDeniedError, BadRequestError, OSError):
         return None  # none usable, a pack into it unfinished, or not ours to read (signed shard URLs)
-    return index.with_offsets(idx, storage_options) if idx is not None and idx.kind == "tar" else None
+    return index.with_offsets(idx, storage_options) if idx is not None and formats.get(idx.kind).sharded else None
 
 
 def lmdb_index(path: str, readahead: bool = False) -> Index:

@@ -15,12 +15,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "shardkit"
 # lowest first; a module may import from its own layer's unit (same file, or same package) and below
 LAYERS: list[dict[str, str]] = [
     {"errors": "errors", "units": "units"},
-    {"checks": "checks", "blockplan": "blockplan", "digest": "digest", "turns": "turns"},
+    {"checks": "checks", "blockplan": "blockplan", "digest": "digest", "turns": "turns", "formats": "formats"},
     {"storage": "storage"},
     {"sidecar": "sidecar"},
     {"index": "index"},
     {"jpeg": "jpeg"},
-    {"formats": "formats", "partition": "partition", "ranges": "ranges", "prefetch": "prefetch", "decode": "decode",
+    {"partition": "partition", "ranges": "ranges", "prefetch": "prefetch", "decode": "decode",
      "globalbatch": "globalbatch"},
     {"sources": "sources"},
     {"packing": "packing", "reading": "reading"},
@@ -83,9 +83,11 @@ def test_only_storage_clients_imports_fsspec() -> None:
 
 def test_every_format_has_a_sink_named_as_it() -> None:
     from shardkit.formats import FORMATS
-    from shardkit.packing.pack import SINKS
+    from shardkit.packing.sinks import SINKS
+    from shardkit.reading.samples import SOURCES
 
     assert tuple(SINKS) == FORMATS and all(SINKS[name].name == name for name in FORMATS)
+    assert tuple(SOURCES) == FORMATS and all(SOURCES[name].format == name for name in FORMATS)
 
 
 # Inside a package, lowest first: a module imports only its own layer's modules and those below

@@ -26,14 +26,13 @@ from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
-from ..index import LMDB_DATA_FILE
 from ..errors import CorruptShardError, DatasetNotFoundError, ShardkitError, SourceError, UnfinishedPackError, one_line
 
 T = TypeVar("T")
 R = TypeVar("R")
 INDEX_KEY = b"__index__"
 PROGRESS_KEY = b"__progress__"
-DATA_FILE = LMDB_DATA_FILE
+DATA_FILE = "data.mdb"  # the lmdb library's name for its data file: a folder holding one is an LMDB
 LOCK_FILE = "lock.mdb"
 _INITIAL_MAP = 1 << 30
 MAX_KEY = 511  # bytes: LMDB's limit on a key (as the lmdb package builds it)

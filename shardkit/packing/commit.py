@@ -55,6 +55,8 @@ class Sink(ABC):
     name: str  # the format's name, the index's `kind`
     job_name: str  # a job's unit, by job number: "shard-{:06d}.tar"
     local_only = False  # whether DEST must be a local path
+    min_size = 1  # the smallest max_size it can keep to, and why (for the CLI's message)
+    min_size_note = "1 byte"
     work: Callable[[Job], JobResult]
 
     def __init__(self, plan: Plan, dest: str, storage_options: StorageOptions | None):

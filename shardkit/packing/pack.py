@@ -17,26 +17,21 @@ from collections.abc import Sequence
 
 from .. import checks, storage
 from ..errors import SourceError, shown_name
-from ..formats import FORMATS
+from ..formats import DEFAULT, FORMATS
+from ..formats import get as format_of
 from ..index import Index
 from ..sources import local_lmdb
 from ..storage import StorageOptions
-from . import commit, executors
-from .commit import Sink
-from .lmdb_sink import LmdbSink
+from . import commit, executors, sinks
 from .plan import DEFAULT_MAX_FILE_SIZE, DEFAULT_MAX_SIZE, Options, make_plan
 from .scan import HIDDEN, LAYOUTS, source_kind
-from .tar_sink import TarSink
-
-
-SINKS: dict[str, type[Sink]] = {"tar": TarSink, "lmdb": LmdbSink}  # by formats.FORMATS
 
 
 def pack(
     src: str,
     dest: str,
     *,
-    format: str = "tar",
+    format: str = DEFAULT,
     max_count: int | None = None,
     max_size: int | str | None = DEFAULT_MAX_SIZE,
     workers: int | None = None,
@@ -111,14 +106,12 @@ def pack(
     src, dest = checks.path("src", src), checks.path("dest", dest)
     if executor not in ("local", "ray"):
         raise ValueError(f"executor must be 'local' or 'ray', not {executor!r}")
-    if format not in FORMATS:
-        raise ValueError(f"format must be {' or '.join(map(repr, FORMATS))}, not {format!r}")
+    sink_type = sinks.sink_for(format)
     seed, shuffle, overwrite = checks.integer("seed", seed), checks.flag("shuffle", shuffle), checks.flag("overwrite", overwrite)
     storage_options = checks.mapping("storage_options", storage_options)
     on_error = checks.on_error(on_error)
     max_count, workers = checks.optional("max_count", max_count, 1), checks.optional("workers", workers, 1)
     resize, quality = checks.optional("resize", resize, 1), checks.optional("quality", quality, 1, 100)
-    sink_type = SINKS[format]
     max_size = sink_type.job_limit(checks.size("max_size", max_size, 1) if max_size is not None else None)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be 'classes' or 'flat', not {layout!r}")
@@ -132,7 +125,7 @@ def pack(
     max_file_size = checks.size("max_file_size", max_file_size, 1) if max_file_size is not None else None
     options = Options(resize=resize, quality=quality, on_error=on_error, decode_check=checks.flag("decode_check", decode_check),
                       max_file_size=max_file_size)
-    if not storage.is_local(src) and source_kind(src, storage_options) == "lmdb":
+    if not storage.is_local(src) and (kind := source_kind(src, storage_options)) in FORMATS and format_of(kind).local_only:
         src = local_lmdb(src, storage_options, None)  # an LMDB is read from a whole local copy
     plan = make_plan(src, dest, max_count=max_count, max_size=max_size, shuffle=shuffle, seed=seed,
                      options=options, fmt=format, job_name=sink_type.job_name, payload=sink_type.payload,

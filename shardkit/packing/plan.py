@@ -18,13 +18,13 @@ from typing import overload
 
 import numpy as np
 
-from .. import storage
+from .. import formats, storage
 from ..errors import SourceError
 from ..formats.tar import BLOCK, member_size
 from ..index import ShardInfo, Skipped
 from . import manifest, sidecars
 from .listing import Item, Listing
-from .scan import HIDDEN, scan_dataset, scan_folder, source_kind
+from .scan import HIDDEN, converted, scan_dataset, scan_folder, source_kind
 from ..storage import StorageOptions
 from ..units import parse_size
 
@@ -93,7 +93,7 @@ class Plan:
             item = self.listing.item(int(self.order[position]))
             if self.source == "folder":  # a new sample number; conversions keep their keys
                 item = item._replace(key=f"{position:0{width}d}")
-            elif self.source == "lmdb":
+            elif (fmt := converted(self.source)) and not fmt.sharded:  # the path is its key
                 item = item._replace(key=item.path)
             out.append(item)
         return tuple(out)
@@ -105,7 +105,7 @@ class Plan:
         items = self.items(i)
         shards: tuple[ShardInfo, ...] = ()
         goes_on = False
-        if self.source == "tar":
+        if (fmt := converted(self.source)) and fmt.sharded:
             names = dict.fromkeys(_shard_of(it) for it in items)
             shards = tuple(replace(s, offsets=None) if s.sha256 else s  # a hash checks them
                            for s in map(self._shard.__getitem__, names))
@@ -202,7 +202,7 @@ def make_plan(
     shuffle: bool = True,
     seed: int = 0,
     options: Options = Options(),
-    fmt: str = "tar",
+    fmt: str = formats.DEFAULT,
     job_name: str = "shard-{:06d}.tar",
     payload: Callable[[int], int] = lambda limit: limit,
     storage_options: StorageOptions | None = None,
@@ -234,7 +234,7 @@ def make_plan(
                               "quality re-encode the images of an image folder (pack the folder itself)")
         idx, listing = scan_dataset(src, source, storage_options)
         classes, source_id, order = idx.classes, _fingerprint(idx.to_json()), np.arange(len(listing))
-        inherited, shards = idx.skipped, idx.shards if source == "tar" else ()
+        inherited, shards = idx.skipped, idx.shards if formats.get(source).sharded else ()
     limit = parse_size(max_size) if max_size is not None else None
     if limit is not None:  # the members' share of a job's bytes (the format's own overhead aside)
         limit = payload(limit)
@@ -256,10 +256,10 @@ def make_plan(
 
 def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarray:
     """The bytes each item takes in a tar shard, from the listing's arrays."""
-    if source == "tar":  # a sample's whole byte range
-        return listing.sizes
-    if source == "lmdb":  # member payloads: add the tar headers and padding
-        return listing.sizes + 6 * BLOCK
+    if (fmt := converted(source)) is not None:
+        if fmt.sharded:  # a sample's whole byte range
+            return listing.sizes
+        return listing.sizes + 6 * BLOCK  # member payloads: add the tar headers and padding
     # a folder: the image (copied as is), `cls` and `json` (sample_meta) members, exactly, and the extras
     path_bytes = np.diff(listing.ends, prepend=0)
     if _JSON_ESCAPED.search(listing.paths):  # rare: measure the escaped paths one by one

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
-from .. import storage
+from .. import formats, storage
 from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line, shown_name
 from ..formats import gzip
 from ..formats import lmdb as lmdb_format
@@ -84,7 +84,7 @@ def _sidecar(job: Job, field: str, path: str) -> bytes:
 
 def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
     """(key, fields) of one sample of the dataset being converted, as its source holds it."""
-    if job.source == "tar":
+    if formats.get(job.source).sharded:
         shard, _, span = item.path.rpartition("@")
         start, stop = (int(x) for x in span.split(":"))
         _check_source_shard(job, shard)
@@ -96,9 +96,8 @@ def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
         except ValueError as e:
             raise CorruptShardError(f"{where}: {e}") from None
         return key, fields
-    if job.source == "lmdb":
-        path = storage.local_path(job.src)
-        size = item.size if item.size > 0 else None  # the source index's, where it has them
+    path = storage.local_path(job.src)  # a keyed database, read from its local copy
+    size = item.size if item.size > 0 else None  # the source index's, where it has them
     return item.key, lmdb_format.read_one(lmdb_format.open_reader(path), item.key, path, size)
 
 

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator, Sequence
 
 from . import manifest, sidecars
-from .. import index, storage
+from .. import formats, index, storage
 from ..errors import SourceError, about_the_file
 from ..formats import lmdb as lmdb_format
 from ..index import Index, Skipped
@@ -184,11 +184,17 @@ def source_kind(src: str, storage_options: StorageOptions | None = None) -> str:
     return "folder"
 
 
+def converted(source: str) -> formats.Format | None:
+    """The format of the shardkit dataset a plan converts (`source_kind`'s answer; None: an
+    image folder or a manifest)."""
+    return formats.REGISTRY.get(source)
+
+
 def scan_dataset(src: str, kind: str, storage_options: StorageOptions | None = None) -> tuple[Index, Listing]:
     """The samples of a shardkit dataset, in its order, as items to copy byte for byte: for
     LMDB the path is the sample key, for tar "SHARD@START:END"."""
     found = ListingBuilder()
-    if kind == "lmdb":
+    if not formats.get(kind).sharded:
         from ..sources import lmdb_index
 
         idx = index.load(src, storage_options) if storage.exists(storage.join(src, index.INDEX_NAME)) else lmdb_index(src)

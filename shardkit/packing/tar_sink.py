@@ -82,6 +82,9 @@ class TarSink(Sink):
     job_name = "shard-{:06d}.tar"
     payload = staticmethod(_payload)
 
+    min_size = RECORD
+    min_size_note = "10KiB for tar shards (the smallest tar file)"
+
     @staticmethod
     def job_limit(max_size: int | None) -> int | None:
         if max_size is not None and max_size < RECORD:

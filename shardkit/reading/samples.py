@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import blockplan, index, ranges, sidecar, storage
+from .. import blockplan, formats, index, ranges, sidecar, storage
 from ..decode import sample_dict
 from ..errors import CorruptShardError
 from ..formats import lmdb as lmdb_format
@@ -64,6 +64,15 @@ class SampleSource(Protocol):
 class TarSamples:
     """Tar shards: each sample's byte range, from the index's offsets (the sidecar mapped
     into memory, or a version 1 index's tables)."""
+
+    format = "tar"
+
+    @classmethod
+    def of(cls, idx: Index, urls: list[str], storage_options: StorageOptions | None, cache_dir: str | None,
+           cache_limit: int, max_member: int = MAX_MEMBER) -> TarSamples:
+        """The registry's constructor, the same for every source (shards are read in place:
+        no cache limit)."""
+        return cls(idx, urls, storage_options, cache_dir, max_member)
 
     def __init__(self, idx: Index, urls: list[str], storage_options: StorageOptions | None, cache_dir: str | None,
                  max_member: int = MAX_MEMBER):
@@ -204,6 +213,14 @@ class LmdbSamples:
     """An LMDB: each sample's key (and size, checked at each read), from the index; the
     environment is a local copy for a remote LMDB."""
 
+    format = "lmdb"
+
+    @classmethod
+    def of(cls, idx: Index, urls: list[str], storage_options: StorageOptions | None, cache_dir: str | None,
+           cache_limit: int, max_member: int = MAX_MEMBER) -> LmdbSamples:
+        """The registry's constructor, the same for every source."""
+        return cls(idx, urls, storage_options, cache_dir, cache_limit, max_member)
+
     def __init__(self, index: Index, urls: list[str], storage_options: StorageOptions | None,
                  cache_dir: str | None, cache_limit: int, max_member: int = MAX_MEMBER):
         self.url, self.path = urls[0], local_lmdb(urls[0], storage_options, cache_dir, cache_limit)
@@ -286,6 +303,9 @@ def source_for(idx: Index, urls: list[str], storage_options: StorageOptions | No
                cache_limit: int, max_member: int = MAX_MEMBER) -> SampleSource:
     """The sample source of a dataset, by its format; `max_member` caps what a `.gz` field
     (or a compressed shard's sample) inflates to."""
-    if idx.kind == "lmdb":
-        return LmdbSamples(idx, urls, storage_options, cache_dir, cache_limit, max_member)
-    return TarSamples(idx, urls, storage_options, cache_dir, max_member)
+    return SOURCES[formats.get(idx.kind).name].of(idx, urls, storage_options, cache_dir, cache_limit, max_member)
+
+
+SOURCES: dict[str, type[TarSamples] | type[LmdbSamples]] = {s.format: s for s in (TarSamples, LmdbSamples)}
+"""The reading side's registry: a format's name -> its sample source (the index's kind was
+checked against formats.FORMATS when it was read)."""

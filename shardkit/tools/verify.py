@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .. import checks, index, storage
+from .. import checks, formats, index, storage
 from ..decode import packed_from
 from ..packing import images
 from ..errors import ShardkitError
@@ -35,7 +35,7 @@ def verify(url: str, storage_options: StorageOptions | None = None,
     """
     url = checks.path("url", url)
     idx = index.load(url, storage_options)
-    if idx.kind == "lmdb":
+    if not formats.get(idx.kind).sharded:
         problem = _verify_lmdb(url, idx, storage_options)
         if on_shard:
             on_shard(idx.shards[0], problem)
