@@ -17,9 +17,6 @@ ALLOWED = {
     "formats/__init__.py", "formats/tar.py", "formats/gzip.py", "formats/lmdb.py",
     "packing/sinks.py", "packing/tar_sink.py", "packing/lmdb_sink.py",
     "reading/samples.py", "reading/compressed.py", "sources.py",
-    # TarDataset and LMDBDataset check their index's kind; another change folds them into one
-    # map-style dataset over any source (issue 39), which removes these two
-    "reading/tar_dataset.py", "reading/lmdb_dataset.py",
 }
 
 
