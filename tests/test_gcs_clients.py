@@ -177,6 +177,24 @@ def test_gcsfs_endpoint_and_credentials_reach_obstores_gets(fakegcs: dict, fakeg
     assert shards and all(r["auth"] == "Bearer sk-test-token" for r in shards)
 
 
+def test_two_datasets_sign_with_their_own_credentials(fakegcs: dict, fakegcs_server: str) -> None:
+    """One bucket and endpoint read with two tokens: obstore signs each one's GETs with its own,
+    never with the first one's (its stores are one a process, bucket and options)."""
+    from google.oauth2.credentials import Credentials
+
+    url = f"{fakegcs['url']}/o.bin"
+    fs, _ = fsspec.core.url_to_fs(url, **fakegcs["storage_options"])
+    fs.pipe(url, b"x" * 1000)
+    with recording(fakegcs_server) as (base, seen):
+        for token in ("first", "second", "first"):
+            opts = {"project": "test", "endpoint_url": base, "token": Credentials(token=token), "client": "obstore"}
+            sink = Arriving(0, 10)
+            store_for(url, opts).get(url, 0, 10, sink, None)
+            assert sink.filled == 10
+    assert [r["auth"] for r in seen if r["path"].startswith("/shardkit%2Dtest/")] == [
+        "Bearer first", "Bearer second", "Bearer first"]
+
+
 def test_resets_cost_no_sample(fakegcs: dict, fakegcs_server: str, packed: Path,  # type: ignore[no-untyped-def]
                                latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fifth of the responses reset part-way: obstore's retries are off, shardkit's ask for

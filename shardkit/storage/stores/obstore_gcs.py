@@ -17,6 +17,7 @@ its own for the rest. Fork: as obstore_s3.py (forks.py).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import threading
 from typing import TYPE_CHECKING, Any
@@ -41,9 +42,10 @@ PUBLIC = "https://storage.googleapis.com"
 UNAPPLIED = ("requester_pays", "session_kwargs")  # gcsfs options obstore's GETs would not carry
 TOKEN_TTL = datetime.timedelta(minutes=5)  # a token without an expiry is asked of gcsfs again after this
 
-# (pid, id of the gcsfs client, bucket) -> (that client, obstore's GCSStore): the client is kept so
-# that its id is not reused by one with other options
-_stores: dict[tuple[int, int, str], tuple[Any, Any]] = {}
+# (pid, bucket, the options as text) -> (the options, obstore's GCSStore): one a process, bucket and
+# options, however many readers (each has a gcsfs client of its own); the options are kept, so
+# that the ids of the objects in them (a credentials object) are not reused by others'
+_stores: dict[tuple[int, str, str], tuple[Any, Any]] = {}
 _lock = threading.Lock()
 
 
@@ -107,8 +109,9 @@ class ObstoreGcsStore(GcsStore):
         return True
 
     def _obstore(self, url: str, fs: Any, bucket: str) -> Any:
-        """This process's obstore store for the bucket and gcsfs client, made at its first read."""
-        key = (os.getpid(), id(fs), bucket)
+        """This process's obstore store for the bucket and options, made at its first read,
+        signed with the credentials of the gcsfs client `fs` (one of these options)."""
+        key = (os.getpid(), bucket, _as_text(self.options))
         found = _stores.get(key)
         if found is not None:
             return found[1]
@@ -123,7 +126,12 @@ class ObstoreGcsStore(GcsStore):
         store = GCSStore(bucket, base_url=base, client_options=client, retry_config={"max_retries": 0}, **auth)
         starting("obstore", url)
         with _lock:
-            return _stores.setdefault(key, (fs, store))[1]
+            return _stores.setdefault(key, (self.options, store))[1]
+
+
+def _as_text(storage_options: StorageOptions | None) -> str:
+    """The options as a key: values that are not JSON (a credentials object) by their identity."""
+    return json.dumps(storage_options or {}, sort_keys=True, default=lambda v: f"{type(v).__name__}@{id(v)}")
 
 
 def _endpoint(storage_options: StorageOptions | None) -> str:
