@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 import shardkit.storage.patience
 from shardkit import StreamingDataset, index
-from shardkit.errors import BadRequestError, CorruptShardError
+from shardkit.errors import BadRequestError, CorruptShardError, ShardkitError
 from shardkit.storage import s3_http
 from shardkit.storage.stores import store_for
 from shardkit.storage.streams import Arriving
@@ -209,6 +209,23 @@ def test_resets_cost_no_sample(fakegcs: dict, fakegcs_server: str, packed: Path,
     got = keys(ds)
     assert sorted(got) == sorted(set(got)) and len(got) == 120
     assert control.stats()["resets"] > 0
+
+
+def test_a_stalled_get_times_out_by_the_options_patience(fakegcs: dict, fakegcs_server: str, packed: Path,  # type: ignore[no-untyped-def]
+                                                          latency_proxy) -> None:
+    """A store gone silent once the index is read: obstore's GETs give up after `timeout`
+    seconds each, shardkit tries 3 times (its stalls), then one line names the shard."""
+    url, opts = upload(fakegcs, packed, "stall")
+    proxied, control = latency_proxy(fakegcs_server)
+    ds = StreamingDataset(url, storage_options={**opts, "endpoint_url": proxied, "client": "obstore", "timeout": 1},
+                          shuffle=False, prefetch=0)
+    control.set("stall_prob", 1.0)
+    try:
+        with pytest.raises(ShardkitError, match=r"shard-000000\.tar \(bytes \d+-\d+\): .*gave up after 3 attempts"):
+            next(iter(ds))
+    finally:
+        control.set("stall_prob", 0.0)
+    assert control.stats()["stalls"] == 3
 
 
 def test_choices_refused_in_a_line(fakegcs: dict) -> None:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from obstore.store import ClientConfig
 
 PUBLIC = "https://storage.googleapis.com"
+_TIMEOUT = "kind: Timeout"  # how object_store's error says its client's timeout passed
 UNAPPLIED = ("requester_pays", "session_kwargs")  # gcsfs options obstore's GETs would not carry
 TOKEN_TTL = datetime.timedelta(minutes=5)  # a token without an expiry is asked of gcsfs again after this
 
@@ -88,8 +89,10 @@ class ObstoreGcsStore(GcsStore):
             return int(result.meta["size"])
         except (obstore.exceptions.BaseError, FileNotFoundError, PermissionError) as e:  # its 404 and 403: builtins
             status = _status(e)
+            if status is None and _TIMEOUT in str(e):  # a silent connection: one of the options' stalls (retry.py)
+                raise TimeoutError(_said(e)) from None
             if status is None:
-                raise  # no answer (a reset, a timeout): the caller tries again, from where the bytes stopped
+                raise  # no answer (a reset): the caller tries again, from where the bytes stopped
             if status == 404 and generation and self._there(url):
                 raise HTTPStatusError(412, f"generation {generation} is no longer the object's") from None
             raise HTTPStatusError(status, _said(e)) from None
