@@ -43,8 +43,10 @@ def fakegcs_server(_server_logs: Path) -> Iterator[str]:
     """The endpoint URL of a fake-gcs-server (one per session, in memory; ~1 s to start)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # -public-host without a port: the XML API's path-style requests (obstore's) are told by
+    # that host, and through a proxy on another port the Host would otherwise be taken for a bucket
     cmd = [str(_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend", "memory",
-           "-public-host", f"127.0.0.1:{port}", "-external-url", url, "-log-level", "error"]
+           "-public-host", "127.0.0.1", "-external-url", url, "-log-level", "error"]
     server = Server("fake-gcs-server", cmd, _server_logs / "fake-gcs-server.log")
     try:
         server.wait_http(url + "/storage/v1/b")

@@ -115,6 +115,7 @@ INNER: dict[str, list[set[str]]] = {
         {"local", "fsspec"},
         {"s3", "azure"},
         {"obstore_s3"},
+        {"obstore_gcs"},
         {"choice"},
     ],
 }

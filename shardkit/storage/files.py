@@ -32,7 +32,7 @@ def read_range(url: str, start: int, stop: int, storage_options: StorageOptions 
     """Bytes [start, stop) of a file."""
     store = store_for(url, storage_options)
     into = Arriving(start, stop)
-    store.retried(url, "", lambda: store.get(url, start, stop, into, None))
+    store.retried_get(url, "", lambda: store.get(url, start, stop, into, None))
     data = into.data()
     if len(data) != stop - start:
         raise CorruptShardError(f"{display(url)}: {len(data)} bytes at offset {start}, expected {stop - start}")

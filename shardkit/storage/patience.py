@@ -5,7 +5,8 @@
               slow body that keeps moving is never cut off: the deadline is per socket
               read, not per request. Default 20; on GCS 5, because gcsfs tries every
               request 6 times itself (no option changes that), so 5 s a try bounds a
-              stall to about a minute there too.
+              stall to about a minute there too
+              (obstore's GCS reads, retried by shardkit: 20, as on S3).
     attempts  tries at a request before it fails. Default 5; a dataset's reads once it has
               read its index 10 (an outage or a restart of the store is ridden out); a
               request that stalls (its `timeout` passed) is tried at most 3 times, so a
@@ -56,10 +57,12 @@ class Patience:
         return min(STALLS, self.attempts(patient=True))
 
 
-def patience_for(url: str, storage_options: StorageOptions | None) -> Patience:
-    """The Patience that `storage_options` ask for at `url`; a bad value is one line."""
+def patience_for(url: str, storage_options: StorageOptions | None, *, gcsfs: bool = True) -> Patience:
+    """The Patience that `storage_options` ask for at `url`; a bad value is one line. `gcsfs`:
+    whether gcsfs makes a gs:// URL's requests (False: obstore's GETs, which shardkit retries
+    as it retries S3's, stores/obstore_gcs.py)."""
     opts = storage_options or {}
-    gcs = scheme(url) in GCS
+    gcs = scheme(url) in GCS and gcsfs
     timeout = opts.get("timeout", GCS_TIMEOUT_S if gcs else TIMEOUT_S)
     attempts = opts.get("attempts")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:

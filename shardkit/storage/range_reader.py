@@ -169,7 +169,7 @@ class RangeReader:
                 size = store.size_now(url)
             return fingerprint.mismatch(expected, size, lambda start, stop: head[start:stop])
 
-        found: str | None = handle.retried(url, " (fingerprint)", remote)
+        found: str | None = handle.retried_get(url, " (fingerprint)", remote)
         return found
 
     def _replaced(self, shard: int, how: str) -> CorruptShardError:
@@ -309,7 +309,7 @@ class RangeReader:
             except Exception as e:
                 status = status_of(root_cause(e))
                 if status == 412:
-                    raise self._replaced(shard, f"its ETag is no longer {(pin or {}).get('etag')}") from None
+                    raise self._replaced(shard, _no_longer(pin)) from None
                 if status != 416:  # 416: the object ends before `at`
                     raise
                 size = at
@@ -321,7 +321,7 @@ class RangeReader:
                 # else the object does end there
 
         def fetch(piece: Piece) -> None:
-            store.retried(url, f" (bytes {start}-{stop})", functools.partial(get, piece), throttled=self._throttle)
+            store.retried_get(url, f" (bytes {start}-{stop})", functools.partial(get, piece), throttled=self._throttle)
 
         into.counted = self._fetched  # counted as they come: a pass that ends at its last byte has them all
         self.engine.run(pieces, fetch)
@@ -342,3 +342,12 @@ class RangeReader:
             self._handles.clear()
         FILES.forget(self._number)
         self.engine.close()
+
+
+def _no_longer(pin: dict[str, Any] | None) -> str:
+    """What a conditional read found changed: the pin's mark (S3's ETag, GCS's generation)."""
+    mark, value = next(iter((pin or {"etag": None}).items()))
+    return f"its {_MARKS.get(mark, mark)} is no longer {value}"
+
+
+_MARKS = {"etag": "ETag"}

@@ -85,8 +85,8 @@ def _failure(e: Exception, what: str, attempt: int, attempts: int) -> ShardkitEr
     if attempt < attempts:
         return None
     tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
-    if what.startswith(tuple(f"{p}://" for p in GCS)):
-        tries = "gcsfs's own retries"  # ours is 1 attempt: see Patience.attempts
+    if attempts == 1 and what.startswith(tuple(f"{p}://" for p in GCS)):
+        tries = "gcsfs's own retries"  # ours is 1 attempt: see Patience.attempts (obstore's GETs: ours)
     said = redact(one_line(e)) or ("no answer within the timeout" if timed_out(e) else "")
     hint = "; the storage options timeout= and attempts= set how long to wait" if timed_out(e) else ""
     return ShardkitError(f"{what}: {type(e).__name__}{': ' * bool(said)}{said} (gave up after {tries}{hint})")

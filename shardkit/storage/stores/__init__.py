@@ -3,7 +3,7 @@ reads a URL (base.py says what a store does).
 
     local    plain paths and file://           os calls
     s3       s3://, s3a://                     presigned GETs (s3_http.py), else s3fs; or as chosen (choice.py)
-    gcs      gs://, gcs://                     gcsfs (fsspec.py), with conditional writes
+    gcs      gs://, gcs://                     gcsfs (fsspec.py), with conditional writes; or as chosen (choice.py)
     azure    az://, abfs://, abfss://          adlfs, reads and conditional writes on its client (azure.py)
     webhdfs  webhdfs://, swebhdfs://           fsspec, a ranged read in one OPEN
     fsspec   everything else, chained URLs     the scheme's fsspec backend
@@ -21,12 +21,12 @@ from .azure import AzureStore
 from .base import Sink, Store
 from .fsspec import FsspecStore, GcsStore, WebHdfsStore
 from .local import LocalStore
-from .choice import client_of, s3_store
+from .choice import client_of, gcs_store, s3_store
 
 Instances = dict[tuple[Any, ...], Any]
 _BY_SCHEME: dict[str, Callable[[str, StorageOptions | None, bool, Instances | None], Store]] = {
     **{s: s3_store for s in S3},
-    **{s: lambda url, opts, patient, inst: GcsStore(opts, patient, inst) for s in GCS},
+    **{s: gcs_store for s in GCS},
     **{s: lambda url, opts, patient, inst: WebHdfsStore(opts, patient, inst) for s in WEBHDFS},
     **{s: lambda url, opts, patient, inst: AzureStore(opts, patient, inst) for s in AZURE},
 }

@@ -67,6 +67,12 @@ class Store(ABC):
         return retrying(f"{display(url)}{what}", fn, wait.attempts(self.patient), throttled=throttled,
                         stalls=wait.stalls)
 
+    def retried_get(self, url: str, what: str, fn: Callable[[], Any],
+                    throttled: Callable[[], None] | None = None) -> Any:
+        """`fn()`, which calls `get`, retried as this store's GETs are: as `retried`, but for
+        a store whose GETs go through another client than the rest (obstore_gcs.py)."""
+        return self.retried(url, what, fn, throttled)
+
     @abstractmethod
     def get(self, url: str, start: int, stop: int, sink: Sink, pin: dict[str, Any] | None) -> int | None:
         """One request for bytes [start, stop), handed to `sink` as they arrive (fewer where

@@ -1,15 +1,17 @@
-"""Which client reads an S3 dataset's shards: `storage_options={"client": NAME}`.
+"""Which client reads an S3 or GCS dataset's shards: `storage_options={"client": NAME}`.
 
-    presigned  GETs presigned by botocore's signer, on blocking HTTP (s3_http.py): the default
-    obstore    the Rust object_store client (the `obstore` extra, or pip install obstore)
-    s3fs       s3fs (aiobotocore) for everything
+    s3://  presigned  GETs presigned by botocore's signer, on blocking HTTP (s3_http.py): the default
+           obstore    the Rust object_store client (the `obstore` extra, or pip install obstore)
+           s3fs       s3fs (aiobotocore) for everything
+    gs://  gcsfs      gcsfs for everything: the default
+           obstore    obstore's GETs, gcsfs for the rest (obstore_gcs.py)
 
 The choice is shardkit's, not the client's: the key is taken out of the options before they
 reach any client, a name not listed here is refused, and so is a choice the options or the
 URL cannot honour (no silent fallback); the store that reads says its name in `stats()`.
 Listings, writes and the main process's reads (the index) stay with presigned GETs and s3fs
-whatever the choice, so no Rust runtime starts before DataLoader forks its workers.
-docs/design.md says why presigned is the default and what the others are kept for (measured:
+(gcsfs on GCS) whatever the choice, so no Rust runtime starts before DataLoader forks its workers.
+docs/design.md says why presigned (and gcsfs) is the default and what the others are kept for (measured:
 docs/measurements.md; s3torchconnector's CRT client was measured too, and dropped).
 """
 
@@ -20,25 +22,31 @@ from typing import Any
 
 from ...errors import BadRequestError, ShardkitError
 from .. import s3_http
-from ..urls import S3, StorageOptions, display, scheme
+from ..urls import GCS, S3, StorageOptions, display, scheme
+from .fsspec import GcsStore
+from .obstore_gcs import ObstoreGcsStore, unapplied
 from .obstore_s3 import ObstoreS3Store
 from .s3 import PresignedS3Store, S3fsStore
 
 CLIENT = "client"
-CLIENTS = ("presigned", "obstore", "s3fs")
+CLIENTS = ("presigned", "obstore", "s3fs")  # S3's
+GCS_CLIENTS = ("gcsfs", "obstore")
+_ANY = tuple(dict.fromkeys((*CLIENTS, *GCS_CLIENTS)))
 
 
 def client_of(url: str, storage_options: StorageOptions | None) -> str | None:
     """The client the options choose for `url` (None: the default); an unknown name, or a
-    choice for a URL that is not S3's, is a BadRequestError naming the URL."""
+    choice for a URL that is neither S3's nor GCS's, is a BadRequestError naming the URL."""
     chosen = (storage_options or {}).get(CLIENT)
     if chosen is None:
         return None
-    if chosen not in CLIENTS:
+    known = CLIENTS if scheme(url) in S3 else GCS_CLIENTS if scheme(url) in GCS else _ANY
+    if chosen not in known:
         raise BadRequestError(f"{display(url)}: unknown storage option client={chosen!r}; choose from "
-                              f"{', '.join(CLIENTS)}")
-    if scheme(url) not in S3 or "::" in url:
-        raise BadRequestError(f"{display(url)}: storage option client={chosen!r} applies to s3:// URLs only")
+                              f"{', '.join(known)}")
+    if (scheme(url) not in S3 and scheme(url) not in GCS) or "::" in url:
+        raise BadRequestError(f"{display(url)}: storage option client={chosen!r} applies to s3:// and gs:// URLs "
+                              "only")
     return str(chosen)
 
 
@@ -68,6 +76,19 @@ def s3_store(url: str, storage_options: StorageOptions | None, patient: bool,
     if importlib.util.find_spec(_MODULES[client]) is None:
         raise ShardkitError(f"{display(url)}: storage option client={client!r}: {_HINTS[client]}")
     return ObstoreS3Store(direct, opts, patient, instances)
+
+
+def gcs_store(url: str, storage_options: StorageOptions | None, patient: bool,
+              instances: dict[tuple[Any, ...], Any] | None) -> GcsStore:
+    """The GCS store that reads `url`: gcsfs, or obstore's GETs where the options choose it."""
+    client = client_of(url, storage_options)
+    opts = without_client(storage_options)
+    if client != "obstore":
+        return GcsStore(opts, patient, instances)
+    unapplied(url, opts)
+    if importlib.util.find_spec(_MODULES[client]) is None:
+        raise ShardkitError(f"{display(url)}: storage option client={client!r}: {_HINTS[client]}")
+    return ObstoreGcsStore(opts, patient, instances)
 
 
 _MODULES = {"obstore": "obstore"}

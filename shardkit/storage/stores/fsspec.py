@@ -129,6 +129,7 @@ class GcsStore(FsspecStore):
     when the object's generation is another. (The gcp-storage-emulator ignores it: the
     tests put a gate of GCS's rules in front of the emulator.)"""
 
+    name = "gcs (gcsfs)"
     conditional_writes = True
 
     def _gcs(self, url: str, method: str, media: bool = False, **params: Any) -> Any:
