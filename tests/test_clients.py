@@ -287,3 +287,22 @@ def test_choices_refused_in_a_line(s3: dict) -> None:
     assert store_for(f"{s3['url']}/x", {**opts, "client": "s3fs"}).name == "s3fs"
     assert store_for(f"{s3['url']}/x", {**opts, "client": "presigned"}).name == "s3 (presigned)"
     assert store_for(f"{s3['url']}/x", opts).name == "s3 (presigned)"  # the default
+
+
+def test_a_stalled_store_through_obstore_is_three_stalls(s3: dict, s3_server: str, packed: Path,  # type: ignore[no-untyped-def]
+                                                          latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """obstore's timeout is a stall as the presigned path's is (patience.py): three silent
+    tries, then one line naming the shard, not a dataset's ten attempts."""
+    from shardkit.errors import ShardkitError
+
+    monkeypatch.setattr(shardkit.storage.patience, "OUTAGE_RETRIES", 10)
+    url, opts = upload(s3, packed, "stalled")
+    proxied, control = latency_proxy(s3_server)
+    chosen = {**opts, "client": "obstore", "timeout": 1, "client_kwargs": {"endpoint_url": proxied}}
+    ds = StreamingDataset(url, storage_options=chosen, shuffle=False, prefetch=0)
+    control.set("stall_prob", 1.0)
+    with pytest.raises(ShardkitError, match=r"shard-000000\.tar \(bytes \d+-\d+\): TimeoutError: .*gave up after 3 "
+                                            r"attempts; the storage options timeout= and attempts= set"):
+        keys(ds, 0)  # in this process: a worker forked from it could not use obstore (forks.py)
+    control.set("stall_prob", 0.0)
+    assert control.stats()["stalls"] == 3

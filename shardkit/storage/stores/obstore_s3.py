@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from obstore import GetOptions
     from obstore.store import ClientConfig
 
+_TIMEOUT = "kind: Timeout"  # how object_store's error says its client's timeout passed
 CHUNK = 256 << 10  # obstore hands the body over in chunks of at least this (its default, 10 MB, holds a sample back)
 CREDENTIALS_TTL = datetime.timedelta(minutes=5)  # asked of the presigned path's chain again after this
 _STATUS = re.compile(r"status code: (\d{3})")
@@ -66,8 +67,10 @@ class ObstoreS3Store(PresignedS3Store):
             return int(result.meta["size"])
         except obstore.exceptions.BaseError as e:
             status = _status(e)
+            if status is None and _TIMEOUT in str(e):  # a silent connection: one of the options' stalls (retry.py)
+                raise TimeoutError(_said(e)) from None
             if status is None:
-                raise  # no answer (a reset, a timeout): the caller tries again, from where the bytes stopped
+                raise  # no answer (a reset): the caller tries again, from where the bytes stopped
             raise s3_http.HTTPStatusError(status, _said(e)) from None
 
     def _client(self, url: str, bucket: str) -> Any:
