@@ -407,24 +407,13 @@ def read_sample(read_at: ReadAt, start: int, stop: int, where: object) -> tuple[
                 break
             _check_extended(kind, _octal(buf[h + 124 : h + 136]) or 0, where)  # before reading the range
             return _parse_general(_read_exactly(read_at, start, stop, where), where, start)
-        try:
-            if not size_field.isdigit():  # `int` would take a sign: a negative size
-                raise ValueError
-            size = int(size_field, 8)
-        except ValueError:
-            size = _parse_octal(buf[h + 124 : h + 136], str(where))
+        size = _member_size(size_field, buf[h + 124 : h + 136], where)
         begin = pos + BLOCK
         pos = begin + size
         if pos > stop:
             raise CorruptShardError(f"{where}: the member at byte {begin - BLOCK - start} of the sample runs past "
                                     "the sample's end")
-        try:
-            text = name.split(b"\x00", 1)[0].decode("utf-8")
-            if prefix[0] and magic == _POSIX:  # a long path's folders
-                text = prefix.split(b"\x00", 1)[0].decode("utf-8") + "/" + text
-        except UnicodeDecodeError:
-            raise CorruptShardError(f"{where}: the member at byte {begin - BLOCK - start} of the sample has a name "
-                                    f"that is not UTF-8 ({name.rstrip(bytes(1))!r})") from None
+        text = _member_name(name, prefix if magic == _POSIX else b"", where, begin - BLOCK - start)
         dot = text.find(".", text.rfind("/") + 1)  # split_name, inlined
         k, ext = (text, "") if dot < 0 else (text[:dot], text[dot + 1 :])
         if key is None:
@@ -439,6 +428,29 @@ def read_sample(read_at: ReadAt, start: int, stop: int, where: object) -> tuple[
     if key is None:
         raise CorruptShardError(f"{where}: no tar member in the sample's byte range")
     return key, fields
+
+
+def _member_size(digits: bytes, field: bytes, where: object) -> int:
+    """A ustar header's member size: plain octal digits at once, anything else (spaces, NULs,
+    base-256) by the general parser, which names a bad field."""
+    try:
+        if not digits.isdigit():  # `int` would take a sign: a negative size
+            raise ValueError
+        return int(digits, 8)
+    except ValueError:
+        return _parse_octal(field, str(where))
+
+
+def _member_name(name: bytes, prefix: bytes, where: object, offset: int) -> str:
+    """A ustar header's member name, its `prefix` (a long path's folders) joined in front."""
+    try:
+        text = name.split(b"\x00", 1)[0].decode("utf-8")
+        if prefix[:1] not in (b"", b"\x00"):
+            text = prefix.split(b"\x00", 1)[0].decode("utf-8") + "/" + text
+    except UnicodeDecodeError:
+        raise CorruptShardError(f"{where}: the member at byte {offset} of the sample has a name "
+                                f"that is not UTF-8 ({name.rstrip(bytes(1))!r})") from None
+    return text
 
 
 def buffer_reader(buf: bytes | memoryview, base: int = 0) -> ReadAt:

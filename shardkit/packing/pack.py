@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from .. import checks, storage
 from ..errors import SourceError, shown_name
@@ -23,7 +24,8 @@ from ..index import Index
 from ..sources import local_lmdb
 from ..storage import StorageOptions
 from . import commit, executors, sinks
-from .plan import DEFAULT_MAX_FILE_SIZE, DEFAULT_MAX_SIZE, Options, make_plan
+from .commit import Sink
+from .plan import DEFAULT_MAX_FILE_SIZE, DEFAULT_MAX_SIZE, Options, Plan, make_plan
 from .scan import HIDDEN, LAYOUTS, source_kind
 
 
@@ -117,28 +119,48 @@ def pack(
         raise ValueError(f"layout must be 'classes' or 'flat', not {layout!r}")
     if stats is not None and not isinstance(stats, dict):
         raise TypeError(f"stats must be a dict to fill (or None), not {stats!r}")
-    if sink_type.local_only and not storage.is_local(dest):
-        raise SourceError(f"{storage.display(dest)}: {format.upper()} output must be a local path (copy it up afterwards)")
-    _check_apart(src, dest)
-    if storage.is_local(dest) and os.path.exists(there := storage.local_path(dest)) and not os.path.isdir(there):
-        raise SourceError(f"{dest}: a file, not a folder (DEST is the folder the dataset goes in)")  # or a device
+    _check_dest(src, dest, sink_type.local_only, format)
     max_file_size = checks.size("max_file_size", max_file_size, 1) if max_file_size is not None else None
     options = Options(resize=resize, quality=quality, on_error=on_error, decode_check=checks.flag("decode_check", decode_check),
                       max_file_size=max_file_size)
-    if not storage.is_local(src) and (kind := source_kind(src, storage_options)) in FORMATS and format_of(kind).local_only:
-        src = local_lmdb(src, storage_options, None)  # an LMDB is read from a whole local copy
-    plan = make_plan(src, dest, max_count=max_count, max_size=max_size, shuffle=shuffle, seed=seed,
-                     options=options, fmt=format, job_name=sink_type.job_name, payload=sink_type.payload,
-                     storage_options=storage_options, layout=layout, fields=fields)
-    unusable = [s for s in plan.skipped if s.reason != HIDDEN]
-    if on_error == "raise" and unusable:
-        raise SourceError(f"{shown_name(storage.join(plan.src, unusable[0].path))}: {unusable[0].reason}")
-    runner = (executors.ray(ray_address, sizes=lambda job: len(job.items)) if executor == "ray"
-              else executors.local(workers or os.cpu_count() or 1, uploading=not storage.is_local(dest)))
+    plan = _planned(src, dest, sink_type, options, storage_options, max_count=max_count, max_size=max_size,
+                    shuffle=shuffle, seed=seed, layout=layout, fields=fields)
+    runner = _runner(executor, ray_address, workers, dest)
     sink = sink_type(plan, dest, storage_options)
     tally = stats if stats is not None else {}
     tally.update(kept=len(plan.order), written=0, unchanged=1)  # what a finished pack's rerun reports
     return commit.run(plan, sink, runner, progress, overwrite, tally)
+
+
+def _check_dest(src: str, dest: str, local_only: bool, fmt: str) -> None:
+    """Refuse a DEST the pack cannot write: remote for a local-only format, SRC or inside it, a file."""
+    if local_only and not storage.is_local(dest):
+        raise SourceError(f"{storage.display(dest)}: {fmt.upper()} output must be a local path (copy it up afterwards)")
+    _check_apart(src, dest)
+    if storage.is_local(dest) and os.path.exists(there := storage.local_path(dest)) and not os.path.isdir(there):
+        raise SourceError(f"{dest}: a file, not a folder (DEST is the folder the dataset goes in)")  # or a device
+
+
+def _planned(src: str, dest: str, sink_type: type[Sink], options: Options, storage_options: StorageOptions,
+             *, max_count: int | None, max_size: int | None, shuffle: bool, seed: int, layout: str,
+             fields: Sequence[str]) -> Plan:
+    """The pack's plan; under on_error="raise", the first unusable input stops it here, before any write."""
+    if not storage.is_local(src) and (kind := source_kind(src, storage_options)) in FORMATS and format_of(kind).local_only:
+        src = local_lmdb(src, storage_options, None)  # an LMDB is read from a whole local copy
+    plan = make_plan(src, dest, max_count=max_count, max_size=max_size, shuffle=shuffle, seed=seed,
+                     options=options, fmt=sink_type.name, job_name=sink_type.job_name, payload=sink_type.payload,
+                     storage_options=storage_options, layout=layout, fields=fields)
+    unusable = [s for s in plan.skipped if s.reason != HIDDEN]
+    if options.on_error == "raise" and unusable:
+        raise SourceError(f"{shown_name(storage.join(plan.src, unusable[0].path))}: {unusable[0].reason}")
+    return plan
+
+
+def _runner(executor: str, ray_address: str | None, workers: int | None, dest: str) -> executors.Runner[Any, Any]:
+    """Where the jobs run: Ray tasks, or a local process pool (a process a core by default)."""
+    if executor == "ray":
+        return executors.ray(ray_address, sizes=lambda job: len(job.items))
+    return executors.local(workers or os.cpu_count() or 1, uploading=not storage.is_local(dest))
 
 
 def _check_apart(src: str, dest: str) -> None:

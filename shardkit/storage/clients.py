@@ -156,6 +156,20 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         raise ShardkitError(f"{display(url)}: {protocol}:// support is not installed ({hint})") from redacted(e)
     except ValueError as e:  # fsspec: "Protocol not known"
         raise ShardkitError(f"{display(url)}: unknown storage protocol {protocol}://") from redacted(e)
+    ours = protocol in S3 + AZURE and not client_retries
+    kwargs = _client_kwargs(cls, url, protocol, storage_options, timeout_s, ours)
+    key = (os.getpid(), protocol, ours, json.dumps(kwargs, sort_keys=True, default=repr))
+    cache = _FILESYSTEMS if instances is None or ours else instances
+    fs = cache.get(key)
+    if fs is None:
+        fs = cache.setdefault(key, _new_filesystem(cls, kwargs, url, protocol, timeout_s, ours))
+    return fs, cls._strip_protocol(url)
+
+
+def _client_kwargs(cls: Any, url: str, protocol: str, storage_options: StorageOptions | None, timeout_s: float,
+                   ours: bool) -> dict[str, Any]:
+    """The backend's options: the URL's and the caller's, with shardkit's timeouts where the
+    caller set none, and (`ours`: shardkit retries) the S3 client's own retries off."""
     # "client" is shardkit's choice of S3 client (stores/choice.py), for no fsspec backend
     kwargs = {**cls._get_kwargs_from_urls(url), **{k: v for k, v in (storage_options or {}).items() if k != "client"}}
     if protocol in GCS:
@@ -172,7 +186,6 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     if protocol in AZURE:
         hide({name: os.environ.get(variable) for name, variable in _AZURE_ENV.items()})
         _quiet_azure()
-    ours = protocol in S3 + AZURE and not client_retries
     if protocol in S3:  # botocore's default: 60 s silent before a read fails
         config = kwargs.get("config_kwargs") or {}
         kwargs["config_kwargs"] = {"connect_timeout": timeout_s, "read_timeout": timeout_s, **config}
@@ -180,22 +193,23 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
         if protocol in S3:
             kwargs["config_kwargs"] = {**_ONE_ATTEMPT, **(kwargs.get("config_kwargs") or {})}
         kwargs["skip_instance_cache"] = True
-    key = (os.getpid(), protocol, ours, json.dumps(kwargs, sort_keys=True, default=repr))
-    cache = _FILESYSTEMS if instances is None or ours else instances
-    fs = cache.get(key)
-    if fs is None:
-        if protocol in S3 and not {"session", "profile"} & kwargs.keys():
-            kwargs["session"] = _aio_session()
-        fs = _made(cls, kwargs, url, protocol)
-        _harden(fs, protocol, timeout_s)
-        if protocol in GCS:
-            _resolve_once(url, fs)
-        if ours and protocol in S3:
-            fs.retries = 1  # a class attribute of s3fs, not an option
-        elif ours:
-            _azure_retries_off(fs)
-        fs = cache.setdefault(key, fs)
-    return fs, cls._strip_protocol(url)
+    return kwargs
+
+
+def _new_filesystem(cls: Any, kwargs: dict[str, Any], url: str, protocol: str, timeout_s: float, ours: bool) -> Any:
+    """A new filesystem instance, hardened (timeouts, one DNS lookup for GCS) and, where
+    shardkit retries (`ours`), with the client's own retries off."""
+    if protocol in S3 and not {"session", "profile"} & kwargs.keys():
+        kwargs["session"] = _aio_session()  # after the cache key: the session is not an option of the caller's
+    fs = _made(cls, kwargs, url, protocol)
+    _harden(fs, protocol, timeout_s)
+    if protocol in GCS:
+        _resolve_once(url, fs)
+    if ours and protocol in S3:
+        fs.retries = 1  # a class attribute of s3fs, not an option
+    elif ours:
+        _azure_retries_off(fs)
+    return fs
 
 
 def _azure_retries_off(fs: Any) -> None:

@@ -22,13 +22,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from ..decode import image_field, to_rgb
 from ..errors import FieldError, ShardkitError, describe
 from ..storage import StorageOptions
+
+if TYPE_CHECKING:
+    from ..reading.dataset import StreamingDataset
 
 WITHIN = 0.05  # the recommendation: the smallest setting within 5% of the best mean
 IMAGE_SIZE = 224  # the default transform resizes every image to this square, so batches collate
@@ -294,42 +297,65 @@ def bench_setting(url: str | Sequence[str], *, num_workers: int, prefetch: int, 
     """Measure one setting: warm-up (the first batch timed from a cold start), then `passes`
     passes of `batches` batches, each from a fresh iterator of the same loader."""
     import torch
-    from torch.utils.data import DataLoader
-
-    from ..reading.dataset import StreamingDataset
 
     gc.collect()  # else the process's first full collection after importing torch (~0.15 s) lands in a first batch
     start = time.perf_counter()  # the first batch counts building the dataset too (a remote index.json)
-    # the training setup the README recommends: batches made in the workers
-    ds = StreamingDataset(url, shuffle=True, decode=decode, transform=transform, prefetch=prefetch,
-                          storage_options=storage_options, batch_size=batch_size, on_error=on_error)
-    loader = DataLoader(ds, batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0)
+    ds, loader = _loader(url, num_workers=num_workers, prefetch=prefetch, batch_size=batch_size, decode=decode,
+                         transform=transform, storage_options=storage_options, on_error=on_error)
     memory = PeakRss()
-    rates: list[float] = []
     threads = torch.get_num_threads()
     if not num_workers:  # one torch thread, as DataLoader gives each worker: settings differ in processes only
         torch.set_num_threads(1)  # (torch's threads on a busy machine made num_workers=0 look 7x slower)
     try:
-        it = iter(loader)  # starts the workers
-        memory.start()  # after the fork: no thread is running while workers start
-        _, it = _next(loader, it)
-        first_batch_s = time.perf_counter() - start
-        for _ in range(warmup - 1):
-            _, it = _next(loader, it)
-        for _ in range(passes):
-            # a fresh pass; with persistent workers iter() first collects the batches the
-            # workers made ahead for the previous iterator, so the clock starts after it
-            it = iter(loader)
-            start, images = time.perf_counter(), 0
-            for _ in range(batches):
-                batch, it = _next(loader, it)
-                images += _batch_len(batch)
-            rates.append(images / (time.perf_counter() - start))
-        del it, loader  # shuts the workers down
+        first_batch_s, rates = _passes(loader, memory, start, warmup=warmup, passes=passes, batches=batches)
+        del loader  # shuts the workers down
         gc.collect()  # a pass left unfinished in this process flushes its counters when collected
     finally:
         memory.stop()
         torch.set_num_threads(threads)
+    return _summary(ds, rates, memory, num_workers=num_workers, prefetch=prefetch, batch_size=batch_size,
+                    first_batch_s=first_batch_s)
+
+
+def _loader(url: str | Sequence[str], *, num_workers: int, prefetch: int, batch_size: int, decode: str,
+            transform: Callable[[dict[str, Any]], Any], storage_options: StorageOptions | None,
+            on_error: str) -> tuple[StreamingDataset, Any]:
+    """(dataset, DataLoader) as the README recommends training: batches made in the workers."""
+    from torch.utils.data import DataLoader
+
+    from ..reading.dataset import StreamingDataset
+
+    ds = StreamingDataset(url, shuffle=True, decode=decode, transform=transform, prefetch=prefetch,
+                          storage_options=storage_options, batch_size=batch_size, on_error=on_error)
+    return ds, DataLoader(ds, batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0)
+
+
+def _passes(loader: Any, memory: PeakRss, start: float, *, warmup: int, passes: int,
+            batches: int) -> tuple[float, list[float]]:
+    """(seconds from `start` to the first batch, images/s of each pass): `warmup` batches, then
+    `passes` passes of `batches` batches, each from a fresh iterator of `loader`."""
+    it = iter(loader)  # starts the workers
+    memory.start()  # after the fork: no thread is running while workers start
+    _, it = _next(loader, it)
+    first_batch_s = time.perf_counter() - start
+    for _ in range(warmup - 1):
+        _, it = _next(loader, it)
+    rates: list[float] = []
+    for _ in range(passes):
+        # a fresh pass; with persistent workers iter() first collects the batches the
+        # workers made ahead for the previous iterator, so the clock starts after it
+        it = iter(loader)
+        start, images = time.perf_counter(), 0
+        for _ in range(batches):
+            batch, it = _next(loader, it)
+            images += _batch_len(batch)
+        rates.append(images / (time.perf_counter() - start))
+    return first_batch_s, rates
+
+
+def _summary(ds: StreamingDataset, rates: list[float], memory: PeakRss, *, num_workers: int, prefetch: int, batch_size: int,
+             first_batch_s: float) -> dict[str, Any]:
+    """One setting's figures: images/s and MB/s per pass with mean and spread, memory, counters."""
     stats = ds.stats()
     if stats["samples"]:
         per_sample = stats["bytes"] / stats["samples"]
