@@ -542,7 +542,7 @@ def test_ctrl_c_exits_130(run, photos: Path, tmp_path: Path, monkeypatch: pytest
 
 _CTRL_C = """
 import os, signal, sys, time
-from shardkit import cli
+from shardkit import cli, interrupts
 
 def ctrl_c_twice():
     caught = 0
@@ -558,7 +558,7 @@ mode = sys.argv[1]
 if mode == "in-process":  # main() in a user's process leaves its Ctrl-C alone
     cli.main(["--help"], standalone_mode=False)
     sys.exit(ctrl_c_twice())
-cli._exit_on_second_ctrl_c()
+interrupts.exit_on_second_ctrl_c()
 if mode == "forked":  # a DataLoader worker, say: Python's behaviour, the pack's message never
     pid = os.fork()
     if pid == 0:
