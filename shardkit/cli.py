@@ -290,7 +290,7 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
     unhashed = []  # shards whose index entry has no sha256 (a hand-made index): their bytes go unchecked
     checked: list[str] = []
 
-    def report(info: Any, problem: str | None) -> None:
+    def on_shard(info: Any, problem: str | None) -> None:
         checked.append(info.name)
         unchecked = problem is None and info.sha256 is None and info.offsets is not None  # a tar shard (an LMDB has neither)
         if unchecked:
@@ -298,7 +298,7 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
         if not quiet and problem is None:
             click.echo(report.verify_ok(info.name, info.samples, unchecked))
 
-    problems = run_verify(url, _storage_options(storage_options), on_shard=report)
+    problems = run_verify(url, _storage_options(storage_options), on_shard=on_shard)
     lmdb = checked == [LMDB_DATA_FILE]  # an LMDB is one file, not shards
     for p in problems:
         click.echo(f"BAD  {p}", err=True)
