@@ -12,20 +12,19 @@ import importlib.util
 import json
 import math
 import os
-import re
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import click
 
 from . import formats
 from .checks import ON_ERROR
-from .errors import SKIP_BAD, CorruptShardError, ShardkitError, SourceError, one_line, redact, shown_name
-from .units import format_size, parse_size
+from .errors import CorruptShardError, ShardkitError, SourceError, one_line, redact, shown_name
+from .interrupts import exit_on_second_ctrl_c
+from .tools import report
+from .units import parse_size
 
 
 def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -37,7 +36,7 @@ def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except ShardkitError as e:
-            raise click.ClickException(_message(e)) from None
+            raise click.ClickException(report.message(e)) from None
         except ModuleNotFoundError as e:
             if (e.name or "").split(".")[0] != "torch":
                 raise
@@ -54,22 +53,6 @@ def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise click.ClickException(redact(text)) from None
 
     return wrapper
-
-
-def _message(e: BaseException) -> str:
-    """An error's message, on one line. One raised in a DataLoader worker comes back with the
-    worker's traceback as its message ("Caught X in DataLoader worker process 0. Original
-    Traceback ..."): its last line is the worker's own message."""
-    text = str(e)
-    if text.startswith("Caught ") and "Original Traceback" in text:
-        last = text.rstrip().splitlines()[-1]
-        text = last.partition(": ")[2] if re.match(r"[\w.]+: ", last) else last
-    return one_line(text)
-
-
-def _in_cli_words(text: str) -> str:
-    """A reader's advice on bad samples as bench and preview take it."""
-    return text.replace(SKIP_BAD, "--on-error skip leaves bad samples out")
 
 
 def _output(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -98,10 +81,6 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
 def _examples(*lines: str) -> str:
     """An epilog of example command lines, kept as written (click's \\b)."""
     return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _storage_options(pairs: tuple[str, ...]) -> dict[str, Any] | None:
@@ -239,69 +218,10 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
             raise SourceError(f"{e} (--on-error raise; remove the file, or pack with --on-error skip to leave it out "
                               "and list it in the index)") from None
         raise
-    unusable, hidden = _sort_skipped(idx.skipped)
-    hint = _layout_hint(unusable, idx.samples) if layout == "classes" else ""
-    if quiet:
-        if unusable:  # bad input is never silent, even here
-            click.echo(f"skipped {_plural(len(unusable), 'unusable file')} (shardkit info {dest} lists them)",
-                       err=True)
-        if hint:
-            click.echo(hint, err=True)
-        return
-    took = time.perf_counter() - start
-    sharded = formats.get(idx.kind).sharded
-    where = f"{_plural(len(idx.shards), 'shard')}" if sharded else formats.get(idx.kind).noun
-    empty = sum(s.samples == 0 for s in idx.shards)
-    if empty and sharded:  # valid shards (readers skip them), but worth knowing about
-        where += f" ({empty} empty: every file in {'it' if empty == 1 else 'them'} was skipped)"
-    samples, size = _plural(idx.samples, "sample"), format_size(idx.bytes)
-    if stats["unchanged"]:
-        click.echo(f"{dest}: already holds this pack ({samples} in {where}, {size}): nothing to do")
-    elif not stats["written"]:  # every shard was there: a crash before the index
-        click.echo(f"finished the pack in {dest}: index.json written ({samples} in {where}, {size})")
-    else:
-        kept = f"; {stats['kept']} kept from an earlier run" if stats["kept"] else ""
-        click.echo(f"packed {samples} into {where} ({size}) in {took:.1f} s: "
-                   f"{stats['written'] / took:.0f} source files/s{kept}")
-    if unusable:
-        click.echo(f"skipped {_plural(len(unusable), 'file')}:", err=True)
-        _list_skipped(unusable, dest, err=True)
-    if hidden:
-        click.echo(f"ignored {_hidden(hidden)}", err=True)
-    if hint:
-        click.echo(hint, err=True)
-
-
-def _layout_hint(unusable: Sequence[Any], samples: int) -> str:
-    """A hint to pack with --layout flat where most files sat outside any class folder."""
-    from .packing.scan import OUTSIDE_CLASSES
-
-    outside = sum(s.reason == OUTSIDE_CLASSES for s in unusable)
-    if outside <= samples:
-        return ""
-    return (f"hint: {_plural(outside, 'file')} not inside a class folder, {_plural(samples, 'sample')} packed: "
-            "for images without classes (SRC/<image>), pack with --layout flat")
-
-
-def _sort_skipped(skipped: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    """(files left out as unusable, hidden entries left alone): .DS_Store is no bad input."""
-    from .packing.scan import HIDDEN
-
-    return [s for s in skipped if s.reason != HIDDEN], [s for s in skipped if s.reason == HIDDEN]
-
-
-def _list_skipped(skipped: Sequence[Any], url: str, err: bool = False) -> None:
-    """The first ten files left out, a line each."""
-    for s in skipped[:10]:
-        click.echo(f"  {shown_name(s.path)}: {s.reason}", err=err)
-    if len(skipped) > 10:
-        click.echo(f"  ... and {len(skipped) - 10} more (shardkit info --json {url})", err=err)
-
-
-def _hidden(hidden: Sequence[Any]) -> str:
-    """'2 hidden entries (.DS_Store, a/.DS_Store)', the first three named."""
-    names = ", ".join(shown_name(s.path) for s in hidden[:3]) + (", ..." if len(hidden) > 3 else "")
-    return f"{len(hidden)} hidden {'entry' if len(hidden) == 1 else 'entries'} ({names})"
+    if not quiet:
+        click.echo(report.pack_summary(idx, dest, stats, time.perf_counter() - start))
+    for line in report.pack_warnings(idx, dest, layout, quiet):
+        click.echo(line, err=True)
 
 
 @main.command(epilog=_examples("shardkit info ./photos-shards", "shardkit info s3://bucket/photos --json",
@@ -323,21 +243,8 @@ def info(url: str, as_json: bool, verbose: bool, storage_options: tuple[str, ...
     if as_json:
         click.echo(idx.to_json(), nl=False)
         return
-    click.echo(f"dataset:  {display(url)}")
-    click.echo(f"format:   {idx.kind}, fields {', '.join(idx.fields)}")
-    click.echo(f"samples:  {idx.samples}")
-    if formats.get(idx.kind).sharded:  # an LMDB is one file, not shards
-        click.echo(f"shards:   {_shard_counts([s.samples for s in idx.shards])}")
-    click.echo(f"bytes:    {format_size(idx.bytes)}")
-    packed = sum(s.compression is not None for s in idx.shards)
-    if packed:
-        click.echo(f"compressed: {packed} of {len(idx.shards)} shards (gzip: read as streams, no random access)")
-    click.echo(f"classes:  {_classes(idx)}")
-    unusable, hidden = _sort_skipped(idx.skipped)
-    click.echo(f"skipped:  {_plural(len(unusable), 'file')}")
-    _list_skipped(unusable, display(url))
-    if hidden:
-        click.echo(f"ignored:  {_hidden(hidden)}")
+    for line in report.info_lines(idx, display(url)):
+        click.echo(line)
     if verbose:
         _describe_store(url, idx, opts)
 
@@ -348,26 +255,8 @@ def _describe_store(url: str, idx: Any, storage_options: dict[str, Any] | None) 
     from .storage.stores import store_for
 
     first = join(url, "") + idx.shards[0].name if formats.get(idx.kind).sharded and idx.shards else url
-    decided = store_for(first, storage_options).describe(first)
-    click.echo(f"store:    {decided.pop('store')}")
-    for name, value in decided.items():
-        click.echo(f"  {name + ':':<12}{value}")
-
-
-def _classes(idx: Any) -> str:
-    """'3 (cat, dog, fox)', or what is known where the index names no classes."""
-    if idx.classes:
-        return f"{len(idx.classes)} (" + ", ".join(idx.classes[:8]) + (", ..." if len(idx.classes) > 8 else "") + ")"
-    if "cls" in idx.fields:  # another tool's shards: labels, but no names for them
-        return "unknown (the index names none; samples carry a cls field)"
-    return "none (no cls field)"
-
-
-def _shard_counts(counts: list[int]) -> str:
-    """'4 (310-315 samples each)', '4 (315 samples each)', '1 (315 samples)'."""
-    low, high = min(counts, default=0), max(counts, default=0)
-    each = _plural(high, "sample") if low == high else f"{low}-{high} samples"
-    return f"{len(counts)} ({each}{' each' * (len(counts) > 1)})"
+    for line in report.store_lines(store_for(first, storage_options).describe(first)):
+        click.echo(line)
 
 
 @main.command(epilog=_examples("shardkit verify ./photos-shards", "shardkit verify ./photos-shards --decode --workers 4"))
@@ -401,26 +290,23 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
     unhashed = []  # shards whose index entry has no sha256 (a hand-made index): their bytes go unchecked
     checked: list[str] = []
 
-    def report(info: Any, problem: str | None) -> None:
+    def on_shard(info: Any, problem: str | None) -> None:
         checked.append(info.name)
         unchecked = problem is None and info.sha256 is None and info.offsets is not None  # a tar shard (an LMDB has neither)
         if unchecked:
             unhashed.append(info.name)
         if not quiet and problem is None:
-            click.echo(f"ok   {info.name} ({_plural(info.samples, 'sample')})" +
-                       (" (no sha256 in the index)" if unchecked else ""))
+            click.echo(report.verify_ok(info.name, info.samples, unchecked))
 
-    problems = run_verify(url, _storage_options(storage_options), on_shard=report)
+    problems = run_verify(url, _storage_options(storage_options), on_shard=on_shard)
     lmdb = checked == [LMDB_DATA_FILE]  # an LMDB is one file, not shards
     for p in problems:
         click.echo(f"BAD  {p}", err=True)
     if problems:
-        skipped = "; the images were not decoded" if decode else ""
-        what = f"{LMDB_DATA_FILE} is bad" if lmdb else _plural(len(problems), "bad shard")
-        raise click.ClickException(f"{what} in {display(url)}{skipped}")
+        raise click.ClickException(report.verify_failure(len(problems), LMDB_DATA_FILE if lmdb else None,
+                                                         display(url), decode))
     if unhashed:
-        click.echo(f"{_plural(len(unhashed), 'shard')} without a sha256 in the index: sizes, counts and offsets "
-                   "match, their bytes were not checked", err=True)
+        click.echo(report.unhashed_note(len(unhashed)), err=True)
     if not quiet:
         click.echo(f"{LMDB_DATA_FILE} matches the index" if lmdb else "all shards match the index")
     if decode:
@@ -428,9 +314,7 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
         for p in bad:
             click.echo(f"BAD  {p}", err=True)
         if bad:
-            raise click.ClickException(f"images that do not decode in {display(url)}: {len(bad)} (readers leave them "
-                                       'out with on_error="skip", bench and preview with --on-error skip; '
-                                       "`shardkit pack --decode-check` keeps them out of a pack)")
+            raise click.ClickException(report.undecodable_failure(len(bad), display(url)))
         if not quiet:
             click.echo("every image decodes")
 
@@ -467,7 +351,7 @@ def index_cmd(url: str, force: bool, upgrade: bool, versions: bool, storage_opti
     if versions:
         idx = index.pinned(index.load(url, opts), url, opts)
         index.save(idx, url, opts)
-        click.echo(f"recorded the versions of {_plural(sum(s.version is not None for s in idx.shards), 'shard')}")
+        click.echo(report.versions_recorded(idx))
         return
     if storage.exists(storage.join(url, index.INDEX_NAME), opts):
         if not force:
@@ -480,23 +364,20 @@ def index_cmd(url: str, force: bool, upgrade: bool, versions: bool, storage_opti
     if old is not None and formats.get(old.kind).sharded:  # what the shards cannot tell; not the plan, which vouches for bytes
         idx = replace(idx, classes=old.classes, skipped=old.skipped)
     index.save(idx, url, opts)
-    click.echo(f"indexed {_plural(idx.samples, 'sample')} in {_plural(len(idx.shards), 'shard')} "
-               f"({format_size(idx.bytes)})")
+    click.echo(report.indexed(idx))
 
 
 def _upgrade(url: str, opts: dict[str, Any] | None) -> None:
     from . import index
 
     idx = index.load(url, opts)
-    if not formats.get(idx.kind).sharded or idx.sidecar is not None:
-        keyed = not formats.get(idx.kind).sharded
-        what = f"{formats.get(idx.kind).noun}'s index (its keys stay inside it)" if keyed else "of version 2 already"
-        click.echo(f"{index.INDEX_NAME} is {what}: nothing to upgrade")
+    already = report.nothing_to_upgrade(idx, index.INDEX_NAME)
+    if already is not None:
+        click.echo(already)
         return
     saved = index.save(idx, url, opts)
     assert saved.sidecar is not None
-    click.echo(f"upgraded {index.INDEX_NAME} to version {index.VERSION}: the offsets of "
-               f"{_plural(idx.samples, 'sample')} are in {saved.sidecar.file}")
+    click.echo(report.upgraded(idx, saved, index.INDEX_NAME, index.VERSION))
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
@@ -581,9 +462,8 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
         workers = [2] if prefetch is not None and len(prefetch) > 1 else [0, 1, 2]
     from .tools.bench import format_report, run_bench, write_plot
 
-    def progress(s: dict[str, Any]) -> None:
-        click.echo(f"  num_workers={s['num_workers']} prefetch={s['prefetch']}: "
-                   f"{s['mean_images_per_s']:.0f} ± {s['std_images_per_s']:.0f} images/s", err=True)
+    def progress(setting: dict[str, Any]) -> None:
+        click.echo(report.bench_progress(setting), err=True)
 
     try:
         doc = run_bench(url, workers=workers, prefetch=prefetch or [8], batch_size=batch_size, decode=decode,
@@ -591,7 +471,7 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
                         storage_options=_storage_options(storage_options), on_error=on_error,
                         progress=progress)
     except (ValueError, TypeError) as e:  # results that do not batch (images of several sizes), a bad sample
-        raise click.ClickException(_in_cli_words(_message(e))) from None
+        raise click.ClickException(report.in_cli_words(report.message(e))) from None
     click.echo(json.dumps(doc, indent=2) if as_json else format_report(doc))  # before the plot: a failed
     if plot:  # write costs no result
         write_plot(doc, plot)
@@ -624,42 +504,15 @@ def preview(url: str, n: int, out: str, transform: Any, decode: str, seed: int, 
         result = render_preview(url, n=n, out=out, transform=transform, decode=decode, seed=seed, tile=tile,
                                 storage_options=_storage_options(storage_options), on_error=on_error)
     except CorruptShardError as e:
-        raise click.ClickException(_in_cli_words(_message(e))) from None
-    cols, rows = result["grid"]
-    width, height = result["size"]
-    skipped = f", {_plural(result['skipped'], 'bad sample')} skipped" if result["skipped"] else ""
-    click.echo(f"wrote {out}: {_plural(result['samples'], 'sample')}, {cols}x{rows} grid, {width}x{height} px{skipped}")
-
-
-def _exit_on_second_ctrl_c() -> None:
-    """For the life of this process: the first Ctrl-C raises KeyboardInterrupt and the command
-    stops cleanly (a pack waits for its jobs in flight to reach their next image, which a
-    stalled remote read puts off by up to a minute); a second one exits at once with 130, as
-    a kill would (pool workers die with the process on Linux; a pack resumes on a rerun).
-    Processes forked from this one keep Python's behaviour. Not where Ctrl-C is ignored (a
-    background job) or handled by someone else."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return
-    owner, pressed = os.getpid(), False
-
-    def on_ctrl_c(signum: int, frame: Any) -> None:
-        nonlocal pressed
-        if pressed and os.getpid() == owner:
-            with contextlib.suppress(OSError):  # stderr gone: `| tee` ended by the first Ctrl-C
-                os.write(2, b"\ninterrupted again: exiting now (a rerun of pack resumes)\n")
-            os._exit(130)
-        pressed = True
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_ctrl_c)
+        raise click.ClickException(report.in_cli_words(report.message(e))) from None
+    click.echo(report.preview_written(out, result))
 
 
 def run(*args: Any, **kwargs: Any) -> Any:
     """The `shardkit` command (its script and `python -m shardkit`): `main` with a second
     Ctrl-C that exits at once. `main` itself, called in a user's process (a notebook, a test's
     CliRunner), leaves that process's Ctrl-C alone."""
-    _exit_on_second_ctrl_c()
+    exit_on_second_ctrl_c()
     return main(*args, **kwargs)
 
 

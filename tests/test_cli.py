@@ -43,6 +43,23 @@ def test_pack_info_verify(run, photos: Path, tmp_path: Path) -> None:  # type: i
     assert result.exit_code == 0 and "all shards match the index" in result.output
 
 
+def test_what_the_commands_say_comes_from_python(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The CLI is thin: a pack's warnings and info's summary are shardkit.tools.report's lines,
+    from the same results, called in Python."""
+    from shardkit import index, pack
+    from shardkit.storage import display
+    from shardkit.tools import report
+
+    (photos / "circle" / ".DS_Store").write_bytes(b"x")
+    (photos / "circle" / "notes.txt").write_text("not an image")
+    said = run("pack", photos, tmp_path / "cli", "--max-count", "8", "-q").output
+    idx = pack(str(photos), str(tmp_path / "py"), max_count=8, progress=False)
+    assert said == "".join(f"{line}\n" for line in report.pack_warnings(idx, str(tmp_path / "cli"), "classes", True))
+    lines = report.info_lines(index.load(str(tmp_path / "cli")), display(str(tmp_path / "cli")))
+    assert run("info", tmp_path / "cli").output == "".join(f"{line}\n" for line in lines)
+    assert "ignored:  1 hidden entry (circle/.DS_Store)" in lines
+
+
 def test_the_summaries_say_what_they_count(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Shard sizes without '8-8', an LMDB not called shards, a Finder's .DS_Store not counted
     among the skipped files, a missing folder named as bench names it, -V."""
@@ -542,7 +559,7 @@ def test_ctrl_c_exits_130(run, photos: Path, tmp_path: Path, monkeypatch: pytest
 
 _CTRL_C = """
 import os, signal, sys, time
-from shardkit import cli
+from shardkit import cli, interrupts
 
 def ctrl_c_twice():
     caught = 0
@@ -558,7 +575,7 @@ mode = sys.argv[1]
 if mode == "in-process":  # main() in a user's process leaves its Ctrl-C alone
     cli.main(["--help"], standalone_mode=False)
     sys.exit(ctrl_c_twice())
-cli._exit_on_second_ctrl_c()
+interrupts.exit_on_second_ctrl_c()
 if mode == "forked":  # a DataLoader worker, say: Python's behaviour, the pack's message never
     pid = os.fork()
     if pid == 0:

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "shardkit"
 
 # lowest first; a module may import from its own layer's unit (same file, or same package) and below
 LAYERS: list[dict[str, str]] = [
-    {"errors": "errors", "units": "units"},
+    {"errors": "errors", "units": "units", "interrupts": "interrupts"},
     {"checks": "checks", "blockplan": "blockplan", "digest": "digest", "turns": "turns", "formats": "formats"},
     {"storage": "storage"},
     {"sidecar": "sidecar"},
