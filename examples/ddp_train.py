@@ -42,19 +42,31 @@ def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the machine's cores
     torch.manual_seed(0)
-    ds = StreamingDataset(args.shards, shuffle=True, seed=0, decode="tensor",
-                          transform=functools.partial(to_training_pair, label=args.label),
-                          batch_size=args.batch_size)  # batches made in the workers: batch_size=None below
+    ds = StreamingDataset(
+        args.shards,
+        shuffle=True,
+        seed=0,
+        decode="tensor",
+        transform=functools.partial(to_training_pair, label=args.label),
+        batch_size=args.batch_size,
+    )  # batches made in the workers: batch_size=None below
     # A process started by mp.spawn starts its own children by spawn too: every DataLoader worker
     # would import torch and this script again (seconds each). Fork them, as under torchrun.
     fork = args.workers > 0 and "fork" in multiprocessing.get_all_start_methods()
-    loader = DataLoader(ds, batch_size=None, num_workers=args.workers,
-                        persistent_workers=args.workers > 0, multiprocessing_context="fork" if fork else None)
+    loader = DataLoader(
+        ds,
+        batch_size=None,
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+        multiprocessing_context="fork" if fork else None,
+    )
     net = DistributedDataParallel(model(len(ds.classes) or 1000))  # broadcasts rank 0's weights
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     if rank == 0:
-        print(f"{world} ranks x {args.workers} workers: {len(ds)} batches per rank per epoch, "
-              f"{len(ds.classes)} classes", flush=True)
+        print(
+            f"{world} ranks x {args.workers} workers: {len(ds)} batches per rank per epoch, {len(ds.classes)} classes",
+            flush=True,
+        )
     for epoch in range(args.epochs):
         ds.set_epoch(epoch)  # the same order on every rank; each takes its own share of it
         dist.barrier()
@@ -77,8 +89,11 @@ def train(args: argparse.Namespace) -> None:
             total = sum(int(t[1]) for t in everyone)
             took = max(float(t[3]) for t in everyone)
             loss_avg = sum(float(t[2]) for t in everyone) / max(total, 1)
-            print(f"epoch {epoch}: batches per rank {per_rank}, samples per rank {[int(t[1]) for t in everyone]}; "
-                  f"{total} samples in {took:.2f} s = {total / took:.0f} samples/s, loss {loss_avg:.3f}", flush=True)
+            print(
+                f"epoch {epoch}: batches per rank {per_rank}, samples per rank {[int(t[1]) for t in everyone]}; "
+                f"{total} samples in {took:.2f} s = {total / took:.0f} samples/s, loss {loss_avg:.3f}",
+                flush=True,
+            )
             if len(set(per_rank)) != 1:
                 raise RuntimeError(f"ranks took different numbers of batches: {per_rank}")
 
@@ -104,8 +119,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--label", default="cls", help="the field holding each sample's class number")
-    ap.add_argument("--spawn", type=int, metavar="N", help="start N ranks here (torch.multiprocessing.spawn) "
-                    "instead of being started by torchrun")
+    ap.add_argument(
+        "--spawn",
+        type=int,
+        metavar="N",
+        help="start N ranks here (torch.multiprocessing.spawn) instead of being started by torchrun",
+    )
     args = ap.parse_args()
 
     if args.spawn:

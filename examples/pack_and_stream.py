@@ -64,8 +64,10 @@ def make_photos(root: Path, images: int, classes: int, small: bool) -> None:
     else:
         paths = make_image_folder(root, images, classes, seed=0, min_side=sides[0], max_side=sides[1])
     size = sum(p.stat().st_size for p in paths)
-    print(f"1. {len(paths)} photos in {classes} classes under {root}: {size / 1e6:.1f} MB "
-          f"({time.perf_counter() - start:.1f} s)")
+    print(
+        f"1. {len(paths)} photos in {classes} classes under {root}: {size / 1e6:.1f} MB "
+        f"({time.perf_counter() - start:.1f} s)"
+    )
 
 
 def main() -> None:
@@ -89,9 +91,11 @@ def main() -> None:
     index = shardkit.pack(str(photos), str(shards), max_size=args.max_size, workers=2, progress=False)
     took = time.perf_counter() - start
     counts = [s.samples for s in index.shards]
-    print(f"2. packed into {shards} in {took:.1f} s: {index.samples} samples, {len(index.shards)} shard{'s' * (len(index.shards) != 1)} "
-          f"({min(counts)}-{max(counts)} samples each), {index.bytes / 1e6:.1f} MB, "
-          f"fields {', '.join(index.fields)}, classes {', '.join(index.classes)}")
+    print(
+        f"2. packed into {shards} in {took:.1f} s: {index.samples} samples, {len(index.shards)} shard{'s' * (len(index.shards) != 1)} "
+        f"({min(counts)}-{max(counts)} samples each), {index.bytes / 1e6:.1f} MB, "
+        f"fields {', '.join(index.fields)}, classes {', '.join(index.classes)}"
+    )
 
     transform = image_transform(size=args.size, crop=args.crop)
     ds = StreamingDataset(str(shards), shuffle=True, seed=0, decode="raw", transform=transform)
@@ -101,14 +105,18 @@ def main() -> None:
     start = time.perf_counter()  # worker start-up included, as in a training epoch
     for images, labels in loader:
         if not samples:
-            print(f"3. first batch after {time.perf_counter() - start:.2f} s: images {tuple(images.shape)} "
-                  f"{images.dtype}, labels {tuple(labels.shape)}")
+            print(
+                f"3. first batch after {time.perf_counter() - start:.2f} s: images {tuple(images.shape)} "
+                f"{images.dtype}, labels {tuple(labels.shape)}"
+            )
         samples += len(labels)
         histogram.update(labels.tolist())
     took = time.perf_counter() - start
     stats = ds.stats()
-    print(f"   streamed {samples} samples in {took:.2f} s: {samples / took:.0f} samples/s with {args.workers} workers; "
-          f"worker time {stats['read_s']:.2f} s reading, {stats['transform_s']:.2f} s decoding to {args.crop} px")
+    print(
+        f"   streamed {samples} samples in {took:.2f} s: {samples / took:.0f} samples/s with {args.workers} workers; "
+        f"worker time {stats['read_s']:.2f} s reading, {stats['transform_s']:.2f} s decoding to {args.crop} px"
+    )
     width = max(histogram.values(), default=0)
     print("   class histogram:")
     for label in range(len(index.classes)):
@@ -123,6 +131,7 @@ def key_of(sample: dict) -> str:
 
 def resume(shards: Path, batch_size: int, workers: int) -> None:
     """Epoch 0 read whole, then again as a restarted job would read it after `seen` samples."""
+
     def keys() -> tuple[StreamingDataset, DataLoader]:
         ds = StreamingDataset(str(shards), shuffle=True, seed=0, transform=key_of)
         return ds, DataLoader(ds, batch_size=batch_size, num_workers=workers)
@@ -134,8 +143,10 @@ def resume(shards: Path, batch_size: int, workers: int) -> None:
     ds.load_state_dict(ds.resume_state(epoch=0, samples_seen=seen, batch_size=batch_size, num_workers=workers))
     rest = [key for batch in loader for key in batch]
     left = "just those the first run had not reached" if sorted(rest) == sorted(epoch[seen:]) else "NOT THE REST"
-    print(f"4. resumed epoch 0 after {seen} samples (ds.resume_state): {len(rest)} samples, {len(set(rest))} "
-          f"distinct, {left}")
+    print(
+        f"4. resumed epoch 0 after {seen} samples (ds.resume_state): {len(rest)} samples, {len(set(rest))} "
+        f"distinct, {left}"
+    )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,9 @@ def main() -> None:
     parser.add_argument("--label", default="cls", help="the field holding each sample's class number")
     args = parser.parse_args()
 
-    ds = StreamingDataset(args.shards, shuffle=True, seed=0, decode="tensor",
-                          transform=functools.partial(to_input, label=args.label))
+    ds = StreamingDataset(
+        args.shards, shuffle=True, seed=0, decode="tensor", transform=functools.partial(to_input, label=args.label)
+    )
     loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
 
     samples = batches = 0

@@ -32,8 +32,10 @@ def image_and_label(sample: dict, label: str = "cls") -> tuple[torch.Tensor, int
     """The sample's first image field (decoded to a CHW uint8 tensor) and its label."""
     field = image_field(sample)
     if field is None or label not in sample:
-        raise ValueError(f"sample {sample['__key__']}: no {'image' if field is None else repr(label)} field among "
-                         f"{', '.join(k for k in sample if not k.startswith('__'))}")
+        raise ValueError(
+            f"sample {sample['__key__']}: no {'image' if field is None else repr(label)} field among "
+            f"{', '.join(k for k in sample if not k.startswith('__'))}"
+        )
     return sample[field], sample[label]
 
 
@@ -51,8 +53,9 @@ def model(classes: int) -> nn.Module:
     def block(cin: int, cout: int) -> nn.Sequential:
         return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(), nn.MaxPool2d(2))
 
-    return nn.Sequential(block(3, 16), block(16, 32), block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(64, classes))
+    return nn.Sequential(
+        block(3, 16), block(16, 32), block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, classes)
+    )
 
 
 def train_epoch(net: nn.Module, opt: torch.optim.Optimizer, loader: DataLoader) -> dict[str, float]:
@@ -70,8 +73,13 @@ def train_epoch(net: nn.Module, opt: torch.optim.Optimizer, loader: DataLoader) 
         loss_sum += loss.item() * len(labels)
         if step == 0:
             first = time.perf_counter() - start
-    return {"seen": seen, "correct": correct, "loss_sum": loss_sum, "first_s": first,
-            "took": time.perf_counter() - start}
+    return {
+        "seen": seen,
+        "correct": correct,
+        "loss_sum": loss_sum,
+        "first_s": first,
+        "took": time.perf_counter() - start,
+    }
 
 
 def main() -> None:
@@ -84,10 +92,16 @@ def main() -> None:
     args = ap.parse_args()
 
     transform = functools.partial(to_training_pair, label=args.label)  # a partial pickles, for workers
-    ds = StreamingDataset(args.shards, shuffle=True, seed=0, decode="tensor", transform=transform,
-                          batch_size=args.batch_size)
-    loader = DataLoader(ds, batch_size=None, num_workers=args.workers, pin_memory=torch.cuda.is_available(),
-                        persistent_workers=args.workers > 0)
+    ds = StreamingDataset(
+        args.shards, shuffle=True, seed=0, decode="tensor", transform=transform, batch_size=args.batch_size
+    )
+    loader = DataLoader(
+        ds,
+        batch_size=None,
+        num_workers=args.workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=args.workers > 0,
+    )
     net = model(len(ds.classes) or 1000)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     print(f"{len(ds)} batches of up to {args.batch_size} per epoch, {len(ds.classes)} classes, {args.workers} workers")
@@ -98,8 +112,10 @@ def main() -> None:
         print(f"epoch {epoch}: first batch after {r['first_s']:.2f} s")
         # To resume mid-epoch with a plain DataLoader, save (epoch, samples seen) and later call
         # ds.load_state_dict(ds.resume_state(epoch=..., samples_seen=..., num_workers=...)).
-        print(f"epoch {epoch}: {seen} samples in {took:.1f} s = {seen / took:.0f} samples/s, "
-              f"loss {r['loss_sum'] / seen:.3f}, train accuracy {r['correct'] / seen:.1%}")
+        print(
+            f"epoch {epoch}: {seen} samples in {took:.1f} s = {seen / took:.0f} samples/s, "
+            f"loss {r['loss_sum'] / seen:.3f}, train accuracy {r['correct'] / seen:.1%}"
+        )
     stats = ds.stats()
     print(f"loader: {stats['samples']:.0f} samples, {stats['read_fraction']:.0%} of worker time waiting for data")
 

@@ -31,11 +31,22 @@ def main() -> None:
     args = ap.parse_args()
 
     options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
-    ds = StreamingDataset(args.url, shuffle=True, seed=0, decode="tensor",
-                          transform=functools.partial(to_training_pair, label=args.label),
-                          storage_options=options, cache_dir=args.cache_dir)
-    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, pin_memory=torch.cuda.is_available(),
-                        persistent_workers=args.workers > 0)
+    ds = StreamingDataset(
+        args.url,
+        shuffle=True,
+        seed=0,
+        decode="tensor",
+        transform=functools.partial(to_training_pair, label=args.label),
+        storage_options=options,
+        cache_dir=args.cache_dir,
+    )
+    loader = DataLoader(
+        ds,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=args.workers > 0,
+    )
     net = model(len(ds.classes) or 1000)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     print(f"{args.url}: {len(ds)} samples per epoch, {len(ds.classes)} classes")
@@ -47,8 +58,10 @@ def main() -> None:
         after = ds.stats()
         downloaded = (after["fetched_bytes"] - before["fetched_bytes"]) / 1e6
         hits = after["cache_hits"] - before["cache_hits"]
-        print(f"epoch {epoch}: {seen / took:.0f} samples/s, downloaded {downloaded:.1f} MB, {hits:.0f} cache hits, "
-              f"read-ahead depth {after['prefetch_depth']:.1f}, fetch latency {after['fetch_latency_s'] * 1e3:.0f} ms")
+        print(
+            f"epoch {epoch}: {seen / took:.0f} samples/s, downloaded {downloaded:.1f} MB, {hits:.0f} cache hits, "
+            f"read-ahead depth {after['prefetch_depth']:.1f}, fetch latency {after['fetch_latency_s'] * 1e3:.0f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -66,14 +66,22 @@ def measure(name: str, decoded: bool, photos: Path, lmdb: Path, picks: list[int]
     options = CONTESTANTS[name]
     transform = shardkit_transform if decoded else raw_length
     if options is None:
-        loader = DataLoader(Files(str(photos)) if decoded else RawFiles(str(photos)), batch_size=BATCH, sampler=picks,
-                            num_workers=WORKERS)
+        loader = DataLoader(
+            Files(str(photos)) if decoded else RawFiles(str(photos)),
+            batch_size=BATCH,
+            sampler=picks,
+            num_workers=WORKERS,
+        )
     elif name in (STREAM, STREAM_SERIAL):
         ds = shardkit.StreamingDataset(str(lmdb), shuffle=True, seed=seed, transform=transform, **options)
         loader = DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
     else:
-        loader = DataLoader(shardkit.LMDBDataset(str(lmdb), transform=transform, **options), batch_size=BATCH,
-                            sampler=picks, num_workers=WORKERS)
+        loader = DataLoader(
+            shardkit.LMDBDataset(str(lmdb), transform=transform, **options),
+            batch_size=BATCH,
+            sampler=picks,
+            num_workers=WORKERS,
+        )
     start = time.perf_counter()
     n = 0
     for batch in loader:
@@ -104,8 +112,10 @@ def main() -> None:
                 results.setdefault((name, decoded), []).append(measure(name, decoded, photos, lmdb, picks, r))
                 print(f"round {r + 1}: {'decoded' if decoded else 'raw'} {name} done", file=sys.stderr)
     base = {d: statistics.median(results[("plain files (ImageFolder-like)", d)]) for d in (False, True)}
-    print(f"| cold page cache, {args.samples} random samples, DataLoader(num_workers={WORKERS}) "
-          "| raw samples/s | vs plain files | decoded images/s | vs plain files |")
+    print(
+        f"| cold page cache, {args.samples} random samples, DataLoader(num_workers={WORKERS}) "
+        "| raw samples/s | vs plain files | decoded images/s | vs plain files |"
+    )
     print("|---|---|---|---|---|")
     for name in CONTESTANTS:
         cells = []

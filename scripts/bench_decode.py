@@ -76,9 +76,13 @@ def steps(blobs: list[bytes]) -> Steps:
         "image_transform(256, crop=224, backend='pil')": (pil, samples),
         "simplejpeg decode (the fast path's)": (jpeg.decode, blobs),
         "simplejpeg decode at 1/8 scale (entropy decoding)": (
-            lambda b: simplejpeg.decode_jpeg(b, "RGB", min_width=1, min_height=1, min_factor=8), blobs),
+            lambda b: simplejpeg.decode_jpeg(b, "RGB", min_width=1, min_height=1, min_factor=8),
+            blobs,
+        ),
         "simplejpeg decode, fastdct=True (put aside)": (
-            lambda b: simplejpeg.decode_jpeg(b, "RGB", fastdct=True), blobs),
+            lambda b: simplejpeg.decode_jpeg(b, "RGB", fastdct=True),
+            blobs,
+        ),
         "torch resize 256 + crop 224 (decoded photos)": (resize_crop, decoded),
     }
 
@@ -91,7 +95,7 @@ def resize_crop(hwc: np.ndarray, size: int = 256, crop: int = 224) -> torch.Tens
 
     full, out, _ = geometry((hwc.shape[1], hwc.shape[0]), size, crop)
     left, top = center_offset(full, out)
-    hwc = jpeg.resize(hwc, full, BILINEAR)[top:top + out[1], left:left + out[0]].numpy()
+    hwc = jpeg.resize(hwc, full, BILINEAR)[top : top + out[1], left : left + out[0]].numpy()
     return torch.from_numpy(np.ascontiguousarray(hwc.transpose(2, 0, 1)))  # numpy's copy, as the fast path's
 
 
@@ -108,8 +112,8 @@ def agreement(blobs: list[bytes], fastdct: bool) -> str:
         got = resize_crop(simplejpeg.decode_jpeg(b, "RGB", fastdct=fastdct))
         diff = np.abs(got.permute(1, 2, 0).numpy().astype(np.float64) - ref)
         mads.append(diff.mean())
-        mse = (diff ** 2).mean()
-        psnrs.append(10 * math.log10(255 ** 2 / mse) if mse else math.inf)
+        mse = (diff**2).mean()
+        psnrs.append(10 * math.log10(255**2 / mse) if mse else math.inf)
     return f"{statistics.mean(mads):.3f} | {max(mads):.3f} | {min(psnrs):.1f} dB"
 
 
@@ -124,7 +128,7 @@ def race(todo: Steps, r: int, block: int = 10) -> dict[str, float]:
         for name in br.rotate(names, turn):
             fn, inputs = todo[name]
             start = time.perf_counter()
-            for x in inputs[lo:lo + block]:
+            for x in inputs[lo : lo + block]:
                 fn(x)
             total[name] += time.perf_counter() - start
     return {name: total[name] / count * 1000 for name in todo}
@@ -196,29 +200,38 @@ def main() -> None:
         print(f"round {r + 1} done, load {load[-1]:.1f}", file=sys.stderr)
     torch.set_num_threads(default_threads)
 
-    print(f"\n{args.images} photos, {sum(map(len, blobs)) / 1e6:.1f} MB, {args.rounds} rounds, {os.cpu_count()} CPUs, "
-          f"load average {min(load):.1f}-{max(load):.1f} (1 min, sampled between rounds); median (min-max)\n")
-    print("| setting | PIL decode limit's code, images/s | image_transform(256, crop=224), images/s | "
-          "x PIL, by round |")
+    print(
+        f"\n{args.images} photos, {sum(map(len, blobs)) / 1e6:.1f} MB, {args.rounds} rounds, {os.cpu_count()} CPUs, "
+        f"load average {min(load):.1f}-{max(load):.1f} (1 min, sampled between rounds); median (min-max)\n"
+    )
+    print(
+        "| setting | PIL decode limit's code, images/s | image_transform(256, crop=224), images/s | x PIL, by round |"
+    )
     print("|---|---|---|---|")
     for setting, ms in by_setting.items():
         pil, fast = ([1000 / v for v in ms[name]] for name in (PIL_LIMIT, FAST))
         print(f"| {setting} | {br._fmt(pil)} | {br._fmt(fast)} | {times(fast, pil)} |")
 
     ms = by_setting["main process, one torch thread (the steps below)"]
-    print("\n| step, main process, one torch thread | ms per photo | images/s | "
-          "rate against the PIL decode limit's, by round |")
+    print(
+        "\n| step, main process, one torch thread | ms per photo | images/s | "
+        "rate against the PIL decode limit's, by round |"
+    )
     print("|---|---|---|---|")
     for name, values in ms.items():
-        print(f"| {name} | {br._fmt(values, digits=3)} | {1000 / statistics.median(values):,.0f} | "
-              f"{br.ratio([1 / v for v in values], [1 / v for v in ms[PIL_LIMIT]])} |")
+        print(
+            f"| {name} | {br._fmt(values, digits=3)} | {1000 / statistics.median(values):,.0f} | "
+            f"{br.ratio([1 / v for v in values], [1 / v for v in ms[PIL_LIMIT]])} |"
+        )
     med = {name: statistics.median(v) for name, v in ms.items()}
     total, decode = med[FAST], med["simplejpeg decode (the fast path's)"]
     resize = med["torch resize 256 + crop 224 (decoded photos)"]
-    print(f"\nimage_transform: decode {decode / total:.0%}, resize + crop {resize / total:.0%}, the rest "
-          f"{(total - decode - resize) / total:.0%}; with a free resize it would be "
-          f"{med[PIL_LIMIT] / (total - resize):.2f}x the PIL decode limit, decoding nothing but entropy "
-          f"{med[PIL_LIMIT] / med['simplejpeg decode at 1/8 scale (entropy decoding)']:.2f}x")
+    print(
+        f"\nimage_transform: decode {decode / total:.0%}, resize + crop {resize / total:.0%}, the rest "
+        f"{(total - decode - resize) / total:.0%}; with a free resize it would be "
+        f"{med[PIL_LIMIT] / (total - resize):.2f}x the PIL decode limit, decoding nothing but entropy "
+        f"{med[PIL_LIMIT] / med['simplejpeg decode at 1/8 scale (entropy decoding)']:.2f}x"
+    )
     print("\n| against PIL's resize (256, crop 224) | mean abs diff | worst photo | lowest PSNR |")
     print("|---|---|---|---|")
     print(f"| the fast path (accurate DCT) | {agreement(blobs, fastdct=False)} |")

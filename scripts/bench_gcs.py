@@ -62,8 +62,25 @@ def start_fakegcs() -> tuple[subprocess.Popen, str]:
     exe.chmod(exe.stat().st_mode | 0o111)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([str(exe), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend",
-                             "memory", "-public-host", "127.0.0.1", "-external-url", url, "-log-level", "error"])
+    proc = subprocess.Popen(
+        [
+            str(exe),
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-backend",
+            "memory",
+            "-public-host",
+            "127.0.0.1",
+            "-external-url",
+            url,
+            "-log-level",
+            "error",
+        ]
+    )
     for _ in range(300):
         try:
             urllib.request.urlopen(url + "/storage/v1/b", timeout=1).read()
@@ -79,8 +96,13 @@ def options(endpoint: str) -> dict:
 
 
 def epoch(url: str, opts: dict, timeout: float) -> dict:
-    done = subprocess.run([sys.executable, "-c", EPOCH, url, json.dumps(opts)], capture_output=True, text=True,
-                          timeout=timeout, env=os.environ)
+    done = subprocess.run(
+        [sys.executable, "-c", EPOCH, url, json.dumps(opts)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ,
+    )
     if done.returncode:
         raise SystemExit(f"epoch failed ({opts.get('client')}): {done.stderr[-2000:]}")
     return json.loads(done.stdout.splitlines()[-1])
@@ -109,9 +131,15 @@ def main() -> None:
     server, endpoint = start_fakegcs()
     procs = [server]
     try:
-        urllib.request.urlopen(urllib.request.Request(
-            f"{endpoint}/storage/v1/b?project=test", data=json.dumps({"name": BUCKET}).encode(),
-            headers={"Content-Type": "application/json"}, method="POST"), timeout=10).read()
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{endpoint}/storage/v1/b?project=test",
+                data=json.dumps({"name": BUCKET}).encode(),
+                headers={"Content-Type": "application/json"},
+                method="POST",
+            ),
+            timeout=10,
+        ).read()
         url, opts = f"gs://{BUCKET}/ds", options(endpoint)
         fs, path = fsspec.core.url_to_fs(url, **opts)
         fs.put(str(shards), path, recursive=True)
@@ -132,8 +160,11 @@ def main() -> None:
                     got["gb"] = (json.loads(proxy_command(control, "stats"))["bytes"] - before) / 1e9
                     assert got["samples"] == got["unique"] == args.images, got
                     runs.setdefault((label, client), []).append(got)
-                    print(f"round {r + 1} {label} {client}: {args.images / got['seconds']:,.0f} samples/s, "
-                          f"{got['cpu_s']:.2f} CPU s, {got['gb'] * 1e3:.0f} MB, {got['store']}", flush=True)
+                    print(
+                        f"round {r + 1} {label} {client}: {args.images / got['seconds']:,.0f} samples/s, "
+                        f"{got['cpu_s']:.2f} CPU s, {got['gb'] * 1e3:.0f} MB, {got['store']}",
+                        flush=True,
+                    )
         report(runs, args)
     finally:
         for proc in procs:
@@ -144,17 +175,26 @@ def report(runs: dict[tuple[str, str], list[dict]], args: argparse.Namespace) ->
     def cell(values: list[float], digits: int) -> str:
         return spread(values, digits)
 
-    print(f"\n{args.images:,} images, {args.rounds} interleaved rounds, fake-gcs-server behind "
-          "scripts/latency_proxy.py; median (min-max) over rounds\n")
-    print("| client | " + " | ".join(f"samples/s, {c}" for c in CONDITIONS) + " | "
-          + " | ".join(f"CPU s / GB, {c}" for c in CONDITIONS) + " |")
+    print(
+        f"\n{args.images:,} images, {args.rounds} interleaved rounds, fake-gcs-server behind "
+        "scripts/latency_proxy.py; median (min-max) over rounds\n"
+    )
+    print(
+        "| client | "
+        + " | ".join(f"samples/s, {c}" for c in CONDITIONS)
+        + " | "
+        + " | ".join(f"CPU s / GB, {c}" for c in CONDITIONS)
+        + " |"
+    )
     print("|---" * (1 + 2 * len(CONDITIONS)) + "|")
     for client in CLIENTS:
         rates = [cell([args.images / g["seconds"] for g in runs[(c, client)]], 0) for c in CONDITIONS]
         cpus = [cell([g["cpu_s"] / g["gb"] for g in runs[(c, client)]], 2) for c in CONDITIONS]
         print(f"| {client} | " + " | ".join(rates + cpus) + " |")
-    ratios = [cell([b["seconds"] / a["seconds"] for a, b in zip(runs[(c, "obstore")], runs[(c, "gcsfs")])], 2)
-              for c in CONDITIONS]
+    ratios = [
+        cell([b["seconds"] / a["seconds"] for a, b in zip(runs[(c, "obstore")], runs[(c, "gcsfs")])], 2)
+        for c in CONDITIONS
+    ]
     print("| obstore / gcsfs, same round | " + " | ".join(ratios) + " | | |")
 
 

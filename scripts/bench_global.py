@@ -29,8 +29,17 @@ def epoch(url: str, opts: dict | None, world: int, batch: int | None, block: int
 
     out = {"samples": 0.0, "seconds": 0.0, "fetched_bytes": 0.0, "requests": 0.0}
     for rank in range(world):
-        ds = StreamingDataset(url, storage_options=opts, prefetch=PREFETCH_ON, shuffle=True, seed=1, rank=rank,
-                              world_size=world, global_batch_size=batch, block=block)
+        ds = StreamingDataset(
+            url,
+            storage_options=opts,
+            prefetch=PREFETCH_ON,
+            shuffle=True,
+            seed=1,
+            rank=rank,
+            world_size=world,
+            global_batch_size=batch,
+            block=block,
+        )
         t0 = time.perf_counter()
         n = sum(1 for _ in ds)
         out["seconds"] += time.perf_counter() - t0
@@ -49,8 +58,13 @@ def main() -> None:
     ap.add_argument("--latency", type=float, default=100, help="ms the proxy adds")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shard-size", default="64MB")
-    ap.add_argument("--global-block", type=int, nargs="*", default=[64],
-                    help="the block sizes to run the global mode with (the default order runs with 64)")
+    ap.add_argument(
+        "--global-block",
+        type=int,
+        nargs="*",
+        default=[64],
+        help="the block sizes to run the global mode with (the default order runs with 64)",
+    )
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
     args = ap.parse_args()
 
@@ -73,10 +87,18 @@ def main() -> None:
         fs.mkdir(BUCKET)
         fs.put(str(shards), f"{BUCKET}/ds", recursive=True)
         url = f"s3://{BUCKET}/ds"
-        sources = {"local disk": (str(shards), None), "S3": (url, options(endpoint)),
-                   f"S3 +{args.latency:g} ms": (url, options(purl))}
-        modes = {"default": (None, 64), **{f"global_batch_size={args.batch}" + (f", block={b}" if b != 64 else ""):
-                                           (args.batch, b) for b in args.global_block}}
+        sources = {
+            "local disk": (str(shards), None),
+            "S3": (url, options(endpoint)),
+            f"S3 +{args.latency:g} ms": (url, options(purl)),
+        }
+        modes = {
+            "default": (None, 64),
+            **{
+                f"global_batch_size={args.batch}" + (f", block={b}" if b != 64 else ""): (args.batch, b)
+                for b in args.global_block
+            },
+        }
         runs: dict[tuple[str, str], list[dict[str, float]]] = {}
         for r in range(args.rounds):
             for source, (src, opts) in sources.items():
@@ -91,8 +113,10 @@ def main() -> None:
         for p in (proxy, moto):
             p.terminate()
             p.wait(5)
-    print(f"\n{args.images} images, {total / 1e6:.0f} MB in {len(list(shards.glob('*.tar')))} shards, an epoch of "
-          f"{args.world} ranks read one after another, raw samples, {args.rounds} rounds; medians\n")
+    print(
+        f"\n{args.images} images, {total / 1e6:.0f} MB in {len(list(shards.glob('*.tar')))} shards, an epoch of "
+        f"{args.world} ranks read one after another, raw samples, {args.rounds} rounds; medians\n"
+    )
     print("| source | order | samples/s | vs default | bytes fetched / dataset | GET requests | vs default |")
     print("|---|---|---|---|---|---|---|")
     for source in sources:
@@ -105,9 +129,11 @@ def main() -> None:
             requests = median(x["requests"] for x in xs)
             fetched = median(x["fetched_bytes"] for x in xs) / total
             remote = source != "local disk"
-            print(f"| {source} | {mode} | {rate:,.0f} | {rate / base_rate:.2f}x | "
-                  f"{f'{fetched:.2f}x' if remote else '-'} | {f'{requests:,.0f}' if remote else '-'} | "
-                  f"{f'{requests / base_requests:.2f}x' if remote and base_requests else '-'} |")
+            print(
+                f"| {source} | {mode} | {rate:,.0f} | {rate / base_rate:.2f}x | "
+                f"{f'{fetched:.2f}x' if remote else '-'} | {f'{requests:,.0f}' if remote else '-'} | "
+                f"{f'{requests / base_requests:.2f}x' if remote and base_requests else '-'} |"
+            )
 
 
 if __name__ == "__main__":

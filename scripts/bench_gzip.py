@@ -99,10 +99,11 @@ def main() -> None:
     jobs = [(kind, name, str(source)) for kind in RUNS for name, source in (("plain", plain), ("gzip", packed))]
     jobs.append(("inflate", "gzip", first_gz))
     for r in range(args.rounds):
-        for kind, name, source in jobs[r % len(jobs):] + jobs[: r % len(jobs)]:
+        for kind, name, source in jobs[r % len(jobs) :] + jobs[: r % len(jobs)]:
             subprocess.run(f"cat {plain}/*.tar {packed}/*.tar.gz > /dev/null", shell=True, check=True)
-            out = subprocess.run([sys.executable, __file__, "--run", kind, source], capture_output=True, text=True,
-                                 check=True).stdout
+            out = subprocess.run(
+                [sys.executable, __file__, "--run", kind, source], capture_output=True, text=True, check=True
+            ).stdout
             results.setdefault((kind, name), []).append(json.loads(out.strip().splitlines()[-1]))
         print(f"round {r + 1} done", file=sys.stderr)
 
@@ -112,17 +113,26 @@ def main() -> None:
 
         return f"{num(statistics.median(values))} ({num(min(values))}-{num(max(values))})"
 
-    print(f"\n{args.images} images: plain shards {sizes[0] / 1e6:.1f} MB, gzipped {sizes[1] / 1e6:.1f} MB "
-          f"({sizes[1] / sizes[0]:.1%}); {args.rounds} rounds, median (min-max)\n")
+    print(
+        f"\n{args.images} images: plain shards {sizes[0] / 1e6:.1f} MB, gzipped {sizes[1] / 1e6:.1f} MB "
+        f"({sizes[1] / sizes[0]:.1%}); {args.rounds} rounds, median (min-max)\n"
+    )
     print("| read | plain | gzip |")
     print("|---|---|---|")
-    for label, kind, unit in (("raw pass, samples/s", "raw pass", "samples"),
-                              ("one sample mid-shard, ms", "one sample mid-shard", "ms")):
+    for label, kind, unit in (
+        ("raw pass, samples/s", "raw pass", "samples"),
+        ("one sample mid-shard, ms", "one sample mid-shard", "ms"),
+    ):
         row = []
         for name in ("plain", "gzip"):
             xs = results[(kind, name)]
-            row.append(med([x["samples"] / x["seconds"] for x in xs] if unit == "samples"
-                           else [x["seconds"] * 1000 for x in xs]))
+            row.append(
+                med(
+                    [x["samples"] / x["seconds"] for x in xs]
+                    if unit == "samples"
+                    else [x["seconds"] * 1000 for x in xs]
+                )
+            )
         print(f"| {label} | {row[0]} | {row[1]} |")
     mbs = [x["bytes"] / x["seconds"] / 1e6 for x in results[("inflate", "gzip")]]
     print(f"| inflating alone, MB/s of tar | | {med(mbs)} |")

@@ -142,16 +142,26 @@ def write_dataset(folder: Path, samples: int, shards: int, version: int) -> None
 
     counts = shard_counts(samples, shards)
     folder.mkdir(parents=True, exist_ok=True)
-    entries = [{"name": f"shard-{i:06d}.tar", "samples": int(n), "bytes": int(n) * 110_000 + 1024,
-                "sha256": f"{i:064x}"} for i, n in enumerate(counts)]
+    entries = [
+        {"name": f"shard-{i:06d}.tar", "samples": int(n), "bytes": int(n) * 110_000 + 1024, "sha256": f"{i:064x}"}
+        for i, n in enumerate(counts)
+    ]
 
     def tables():
         for n in counts:
             yield np.arange(n + 1, dtype=np.int64) * 110_000
 
-    doc = {"format": "shardkit", "version": version, "kind": "tar", "samples": samples,
-           "bytes": sum(e["bytes"] for e in entries), "fields": ["cls", "jpg"],
-           "classes": [f"class_{i:04d}" for i in range(1000)], "plan": None, "skipped": []}
+    doc = {
+        "format": "shardkit",
+        "version": version,
+        "kind": "tar",
+        "samples": samples,
+        "bytes": sum(e["bytes"] for e in entries),
+        "fields": ["cls", "jpg"],
+        "classes": [f"class_{i:04d}" for i in range(1000)],
+        "plan": None,
+        "skipped": [],
+    }
     if version == 2:
         name = sidecar.name_for((e["name"], e["samples"], e["bytes"], e["sha256"]) for e in entries)
         sha = sidecar.write(str(folder / name), tables(), samples + shards)
@@ -162,7 +172,9 @@ def write_dataset(folder: Path, samples: int, shards: int, version: int) -> None
 
 
 def measure(folder: Path, global_batch: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(folder), str(global_batch)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(folder), str(global_batch)], capture_output=True, text=True
+    )
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
     return json.loads(out.stdout.splitlines()[-1])
@@ -171,11 +183,13 @@ def measure(folder: Path, global_batch: int) -> dict[str, float]:
 def row(samples: int, shards: int, size: int, runs: list[dict[str, float]]) -> str:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     mb = 1e6
-    return (f"| {samples:,} | {shards:,} | {size / mb:,.1f} | {med['build_s']:.3f} | {med['build_peak'] / mb:,.0f} | "
-            f"{med['kept'] / mb:,.0f} | {med['pickle'] / mb:,.1f} | "
-            f"{med['start_s_8']:.2f} / {med['start_peak_8'] / mb:,.0f} / {med['uss_8'] / mb:,.0f} | "
-            f"{med['start_s_512']:.3f} / {med['start_peak_512'] / mb:,.1f} / {med['uss_512'] / mb:,.0f} | "
-            f"{med['replan_s']:.3f} / {med['replan_peak'] / mb:,.1f} |")
+    return (
+        f"| {samples:,} | {shards:,} | {size / mb:,.1f} | {med['build_s']:.3f} | {med['build_peak'] / mb:,.0f} | "
+        f"{med['kept'] / mb:,.0f} | {med['pickle'] / mb:,.1f} | "
+        f"{med['start_s_8']:.2f} / {med['start_peak_8'] / mb:,.0f} / {med['uss_8'] / mb:,.0f} | "
+        f"{med['start_s_512']:.3f} / {med['start_peak_512'] / mb:,.1f} / {med['uss_512'] / mb:,.0f} | "
+        f"{med['replan_s']:.3f} / {med['replan_peak'] / mb:,.1f} |"
+    )
 
 
 def mixtures(counts: list[int], rounds: int, root: Path) -> None:
@@ -198,8 +212,10 @@ def mixtures(counts: list[int], rounds: int, root: Path) -> None:
     print("|---|---|---|")
     for parts in counts:
         med = {k: statistics.median(r[k] for r in runs[parts]) for k in runs[parts][0]}
-        print(f"| {parts:,} | {med['s_1']:.3f} / {med['peak_1'] / 1e6:.1f} | {med['s_512']:.3f} / "
-              f"{med['peak_512'] / 1e6:.2f} |")
+        print(
+            f"| {parts:,} | {med['s_1']:.3f} / {med['peak_1'] / 1e6:.1f} | {med['s_512']:.3f} / "
+            f"{med['peak_512'] / 1e6:.2f} |"
+        )
 
 
 def main() -> None:
@@ -210,8 +226,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--parts", type=int, nargs="*", default=[], help="also mixtures of 1M samples in this many parts")
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
-    ap.add_argument("--global-batch", type=int, default=0,
-                    help="also global_batch_size=N (a multiple of 512: the table's world sizes split it)")
+    ap.add_argument(
+        "--global-batch",
+        type=int,
+        default=0,
+        help="also global_batch_size=N (a multiple of 512: the table's world sizes split it)",
+    )
     args = ap.parse_args()
     if args.parts:
         mixtures(args.parts, args.rounds, Path(args.dir))
@@ -231,10 +251,14 @@ def main() -> None:
             for mode in modes:
                 runs[(samples, mode)].append(measure(folders[samples], mode))
     for mode in modes:
-        print(f"\n{f'global_batch_size={mode}' if mode else 'default order'}, index version {args.version}; "
-              "per worker: time s / peak MB (tracemalloc) / private dirty MB")
-        print("| samples | shards | index.json MB | build s | build peak MB | kept per rank MB | spawn pickle MB | "
-              "epoch start, W=8 | epoch start, W=512 | elastic re-plan 8 -> 512 ranks |")
+        print(
+            f"\n{f'global_batch_size={mode}' if mode else 'default order'}, index version {args.version}; "
+            "per worker: time s / peak MB (tracemalloc) / private dirty MB"
+        )
+        print(
+            "| samples | shards | index.json MB | build s | build peak MB | kept per rank MB | spawn pickle MB | "
+            "epoch start, W=8 | epoch start, W=512 | elastic re-plan 8 -> 512 ranks |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for samples, shards in sizes:
             size = (folders[samples] / "index.json").stat().st_size

@@ -38,8 +38,10 @@ def main() -> None:
         (root / ".complete").touch()
     out = subprocess.run([sys.executable, "-c", MEASURE, str(root)], capture_output=True, text=True, check=True).stdout
     files, jobs, took, base, peak = out.split()
-    print(f"{int(files):,} files, {int(jobs):,} jobs of 1000: planned in {took} s, "
-          f"peak RSS {peak} MB ({int(peak) - int(base)} MB above the interpreter with shardkit imported)")
+    print(
+        f"{int(files):,} files, {int(jobs):,} jobs of 1000: planned in {took} s, "
+        f"peak RSS {peak} MB ({int(peak) - int(base)} MB above the interpreter with shardkit imported)"
+    )
 
 
 if __name__ == "__main__":

@@ -49,20 +49,47 @@ shardkit.pack(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]), max_size="256M
 """
 
 
-def contestants(src: Path, out: Path, workers: int, resize: int | None,
-                max_count: int | None) -> dict[str, list[str] | str]:
+def contestants(
+    src: Path, out: Path, workers: int, resize: int | None, max_count: int | None
+) -> dict[str, list[str] | str]:
     count = ["--max-count", str(max_count)] if max_count else []
-    shardkit = [sys.executable, "-m", "shardkit.cli", "pack", str(src), str(out), "--workers", str(workers),
-                "--max-size", "256MB", *count, "-q"]
+    shardkit = [
+        sys.executable,
+        "-m",
+        "shardkit.cli",
+        "pack",
+        str(src),
+        str(out),
+        "--workers",
+        str(workers),
+        "--max-size",
+        "256MB",
+        *count,
+        "-q",
+    ]
     found: dict[str, list[str] | str] = {
         "tar (limit)": f"tar cf - -C {src} . | cat > /dev/null",
         f"shardkit ({workers} workers)": shardkit,
         "webdataset ShardWriter": [sys.executable, "-c", WDS_WRITER, str(src), str(out)],
     }
     if resize:
-        found[f"shardkit --resize {resize} ({workers} workers)"] = [*shardkit, "--resize", str(resize), "--quality", "90"]
-        found[f"shardkit --resize {resize}, PIL decoding"] = [sys.executable, "-c", PIL_RESIZE, str(src), str(out),
-                                                              str(workers), str(resize), *count[1:]]
+        found[f"shardkit --resize {resize} ({workers} workers)"] = [
+            *shardkit,
+            "--resize",
+            str(resize),
+            "--quality",
+            "90",
+        ]
+        found[f"shardkit --resize {resize}, PIL decoding"] = [
+            sys.executable,
+            "-c",
+            PIL_RESIZE,
+            str(src),
+            str(out),
+            str(workers),
+            str(resize),
+            *count[1:],
+        ]
     return found
 
 
@@ -110,17 +137,25 @@ def main() -> None:
     print("\n| packer | images/s | MB/s | seconds (median, min-max) |")
     print("|---|---|---|---|")
     for name, t in times.items():
-        print(f"| {name} | {len(files) / med[name]:,.0f} | {total_bytes / med[name] / 1e6:,.0f} | "
-              f"{med[name]:.2f} ({min(t):.2f}-{max(t):.2f}) |")
+        print(
+            f"| {name} | {len(files) / med[name]:,.0f} | {total_bytes / med[name] / 1e6:,.0f} | "
+            f"{med[name]:.2f} ({min(t):.2f}-{max(t):.2f}) |"
+        )
     ours = next(n for n in med if n.startswith("shardkit"))
-    print(f"\nshardkit / webdataset: {med['webdataset ShardWriter'] / med[ours]:.2f}x   "
-          f"shardkit / tar limit: {med['tar (limit)'] / med[ours]:.0%}")
+    print(
+        f"\nshardkit / webdataset: {med['webdataset ShardWriter'] / med[ours]:.2f}x   "
+        f"shardkit / tar limit: {med['tar (limit)'] / med[ours]:.0%}"
+    )
     if args.resize:
-        fast, pil = (next(n for n in med if n.startswith(f"shardkit --resize {args.resize}") and n.endswith(end))
-                     for end in ("workers)", "PIL decoding"))
+        fast, pil = (
+            next(n for n in med if n.startswith(f"shardkit --resize {args.resize}") and n.endswith(end))
+            for end in ("workers)", "PIL decoding")
+        )
         speedups = [p / f for f, p in zip(times[fast], times[pil])]
-        print(f"--resize {args.resize}, fast path / PIL decoding: {statistics.median(speedups):.2f}x "
-              f"({min(speedups):.2f}-{max(speedups):.2f}, by round)")
+        print(
+            f"--resize {args.resize}, fast path / PIL decoding: {statistics.median(speedups):.2f}x "
+            f"({min(speedups):.2f}-{max(speedups):.2f}, by round)"
+        )
 
 
 if __name__ == "__main__":

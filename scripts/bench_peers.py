@@ -75,13 +75,33 @@ RESIZE = "shardkit --resize 256"
 FAST = "shardkit, image_transform(256, crop=224)"
 PACKERS = ["tar (limit)", "shardkit", RESIZE, "webdataset", "mosaicml-streaming", "litdata"]
 RAW = ["cat (limit)", "shardkit", RESIZE, "webdataset", "mosaicml-streaming", "litdata", "plain files"]
-DECODED = ["decode limit", br.FAST_LIMIT, "shardkit", FAST, RESIZE, "webdataset", "mosaicml-streaming", "litdata",
-           "plain files"]
+DECODED = [
+    "decode limit",
+    br.FAST_LIMIT,
+    "shardkit",
+    FAST,
+    RESIZE,
+    "webdataset",
+    "mosaicml-streaming",
+    "litdata",
+    "plain files",
+]
 ROWS = ["shardkit", FAST, "webdataset", "mosaicml-streaming", "litdata", "plain files", RESIZE]
-FOLDER = {"shardkit": "shardkit", FAST: "shardkit", RESIZE: "shardkit-resize256", "webdataset": "webdataset",
-          "mosaicml-streaming": "mds", "litdata": "litdata"}
-DISTRIBUTION = {"shardkit": "shardkit", RESIZE: "shardkit", "webdataset": "webdataset",
-                "mosaicml-streaming": "mosaicml-streaming", "litdata": "litdata"}
+FOLDER = {
+    "shardkit": "shardkit",
+    FAST: "shardkit",
+    RESIZE: "shardkit-resize256",
+    "webdataset": "webdataset",
+    "mosaicml-streaming": "mds",
+    "litdata": "litdata",
+}
+DISTRIBUTION = {
+    "shardkit": "shardkit",
+    RESIZE: "shardkit",
+    "webdataset": "webdataset",
+    "mosaicml-streaming": "mosaicml-streaming",
+    "litdata": "litdata",
+}
 
 
 # ---------------------------------------------------------------- peers' own code paths
@@ -326,7 +346,7 @@ def measure(stage: str, name: str, data: str, photos: str, timeout: float) -> di
     if proc.returncode or not lines:
         why = [line.strip() for line in err.splitlines() if line.strip()]
         raise Failed(why[-1] if why else f"exit code {proc.returncode}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     result["rss"] = rss.peak_total or 0
     result["in_use"] = rss.peak_in_use or 0
     return result
@@ -430,12 +450,18 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
         runs = results[("decoded", name)]
         firsts = [x["first"] for x in runs if x.get("first") is not None]
         ips = rate("decoded", name)
-        return [br._fmt(ips), br.ratio(ips, limit),
-                br._fmt(firsts, digits=2) if firsts else "–", br._fmt([x["rss"] for x in runs], 1e-6),
-                br._fmt([x.get("in_use", 0) for x in runs], 1e-6)]
+        return [
+            br._fmt(ips),
+            br.ratio(ips, limit),
+            br._fmt(firsts, digits=2) if firsts else "–",
+            br._fmt([x["rss"] for x in runs], 1e-6),
+            br._fmt([x.get("in_use", 0) for x in runs], 1e-6),
+        ]
 
     photo_bytes = sum(p.stat().st_size for p in photos.rglob("*.jpg"))
-    versions = ", ".join(f"{d} {_version(d)}" for d in ("shardkit", "webdataset", "mosaicml-streaming", "litdata", "torch"))
+    versions = ", ".join(
+        f"{d} {_version(d)}" for d in ("shardkit", "webdataset", "mosaicml-streaming", "litdata", "torch")
+    )
     lines = [
         f"{args.images:,} images ({photo_bytes / 1e9:.2f} GB of JPEG), {os.cpu_count()} CPUs, {args.rounds} rounds, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; median (min-max); page cache warm",
@@ -463,8 +489,13 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
     lines.append(f"| limits: `tar` / `cat` / decode on {WORKERS} processes | " + " | ".join(limit_cells) + " |")
     fast = rate("decoded", br.FAST_LIMIT)
     fast_cells = [failures.get(("decoded", br.FAST_LIMIT)) or br._fmt(fast), br.ratio(fast, limit), "–", "–", "–"]
-    lines.append(f"| limit: image_transform(256, crop=224) on {WORKERS} processes | " + " – |" * 5 + " "
-                 + " | ".join(fast_cells) + " |")
+    lines.append(
+        f"| limit: image_transform(256, crop=224) on {WORKERS} processes | "
+        + " – |" * 5
+        + " "
+        + " | ".join(fast_cells)
+        + " |"
+    )
     broken = _install_failures()
     for name in ROWS:
         label = f"{name} (pack-time resize: smaller images, not like-for-like)" if name == RESIZE else name
@@ -483,13 +514,20 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
     return "\n".join(lines) + "\n"
 
 
-LABELS = {"shardkit": "shardkit", "webdataset": "webdataset", "mosaicml-streaming": "mosaicml-streaming",
-          "litdata": "litdata", "plain files": "plain files (ImageFolder + DataLoader)", FAST: FAST}  # the README's rows
+LABELS = {
+    "shardkit": "shardkit",
+    "webdataset": "webdataset",
+    "mosaicml-streaming": "mosaicml-streaming",
+    "litdata": "litdata",
+    "plain files": "plain files (ImageFolder + DataLoader)",
+    FAST: FAST,
+}  # the README's rows
 
 
 def summary(args: argparse.Namespace, results: dict, failures: dict) -> dict:
     """What the README's table and docs/peers.png show (peers_chart.py draws both from it): the
     README's rows, in its order; a contestant that failed is left out and named under "failed"."""
+
     def stat(stage: str, name: str, key: str = "items", per_second: bool = True) -> dict[str, float]:
         runs = results.get((stage, name), [])
         values = [x[key] / x["seconds"] if per_second else x[key] for x in runs if x.get(key) is not None]
@@ -501,15 +539,27 @@ def summary(args: argparse.Namespace, results: dict, failures: dict) -> dict:
             failed[label] = failures.get(("decoded", name), "no result")
             continue
         pack = results.get(("pack", name))
-        rows.append({"label": label, "shardkit": name.startswith("shardkit"),
-                     "pack": args.images / statistics.median(x["seconds"] for x in pack) if pack else None,
-                     "decoded": stat("decoded", name),
-                     "first_batch_s": stat("decoded", name, "first", per_second=False)["median"],
-                     "peak_rss_mb": stat("decoded", name, "rss", per_second=False)["median"] / 1e6})
-    return {"command": f".venv-peers/bin/python scripts/bench_peers.py --images {args.images} --rounds {args.rounds}",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "images": args.images,
-            "rounds": args.rounds, "workers": WORKERS, "batch": BATCH,
-            "decode_limit": stat("decoded", "decode limit"), "rows": rows, "failed": failed}
+        rows.append(
+            {
+                "label": label,
+                "shardkit": name.startswith("shardkit"),
+                "pack": args.images / statistics.median(x["seconds"] for x in pack) if pack else None,
+                "decoded": stat("decoded", name),
+                "first_batch_s": stat("decoded", name, "first", per_second=False)["median"],
+                "peak_rss_mb": stat("decoded", name, "rss", per_second=False)["median"] / 1e6,
+            }
+        )
+    return {
+        "command": f".venv-peers/bin/python scripts/bench_peers.py --images {args.images} --rounds {args.rounds}",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "images": args.images,
+        "rounds": args.rounds,
+        "workers": WORKERS,
+        "batch": BATCH,
+        "decode_limit": stat("decoded", "decode limit"),
+        "rows": rows,
+        "failed": failed,
+    }
 
 
 def main() -> None:
@@ -541,21 +591,36 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "peers.md").write_text(table)
-    (out / "peers.json").write_text(json.dumps(
-        {"images": args.images, "rounds": args.rounds, "results": {f"{s}/{n}": v for (s, n), v in results.items()},
-         "failures": {f"{s}/{n}": v for (s, n), v in failures.items()}}, indent=1))
+    (out / "peers.json").write_text(
+        json.dumps(
+            {
+                "images": args.images,
+                "rounds": args.rounds,
+                "results": {f"{s}/{n}": v for (s, n), v in results.items()},
+                "failures": {f"{s}/{n}": v for (s, n), v in failures.items()},
+            },
+            indent=1,
+        )
+    )
     import peers_chart
 
     try:
         (out / "peers-summary.json").write_text(json.dumps(summary(args, results, failures), indent=1))
-        print("\nThe README's table (docs/peers.json: copy peers-summary.json there, then redraw docs/peers.png "
-              "with scripts/peers_chart.py):\n\n" + peers_chart.table(peers_chart.load(out / "peers-summary.json")))
-        peers_chart.draw(peers_chart.load(out / "peers-summary.json"), out / "peers.png",
-                         peers_chart.digest(out / "peers-summary.json"))
+        print(
+            "\nThe README's table (docs/peers.json: copy peers-summary.json there, then redraw docs/peers.png "
+            "with scripts/peers_chart.py):\n\n" + peers_chart.table(peers_chart.load(out / "peers-summary.json"))
+        )
+        peers_chart.draw(
+            peers_chart.load(out / "peers-summary.json"),
+            out / "peers.png",
+            peers_chart.digest(out / "peers-summary.json"),
+        )
     except Exception as e:  # a missing matplotlib (or a limit that failed) must not lose the table
         print(f"summary or chart failed: {e}", file=sys.stderr)
-    print(f"wrote {out}/peers.md, peers.json, peers-summary.json, peers.png in {time.time() - start:.0f} s",
-          file=sys.stderr)
+    print(
+        f"wrote {out}/peers.md, peers.json, peers-summary.json, peers.png in {time.time() - start:.0f} s",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

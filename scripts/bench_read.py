@@ -112,7 +112,11 @@ class Files:
 
     def __init__(self, root: str):
         classes = sorted(os.listdir(root))
-        self.items = [(os.path.join(root, c, f), i) for i, c in enumerate(classes) for f in sorted(os.listdir(os.path.join(root, c)))]
+        self.items = [
+            (os.path.join(root, c, f), i)
+            for i, c in enumerate(classes)
+            for f in sorted(os.listdir(os.path.join(root, c)))
+        ]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -188,8 +192,12 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
                     os.pread(fd, size, offset)
             finally:
                 os.close(fd)
-        return {"seconds": time.perf_counter() - start, "items": _samples(shards), "bytes": _shard_bytes(shards),
-                "first": None}
+        return {
+            "seconds": time.perf_counter() - start,
+            "items": _samples(shards),
+            "bytes": _shard_bytes(shards),
+            "first": None,
+        }
     if name in RANDOM:
         return _shuffled(name, shards, photos)
     if name == "shardkit raw":
@@ -239,14 +247,17 @@ def run_contestant(name: str, shards: str, photos: str) -> dict:
         from shardkit import StreamingDataset
 
         batched = name == FAST_BATCHED
-        ds = StreamingDataset(shards, shuffle=True, decode="raw", transform=_transform(),
-                              batch_size=BATCH if batched else None)
+        ds = StreamingDataset(
+            shards, shuffle=True, decode="raw", transform=_transform(), batch_size=BATCH if batched else None
+        )
         loader = DataLoader(ds, batch_size=None if batched else BATCH, num_workers=WORKERS)
     elif name in (MAIN_PIL, MAIN_FAST):
         from shardkit import StreamingDataset
 
         fast = name == MAIN_FAST
-        ds = StreamingDataset(shards, shuffle=True, decode="raw", transform=_transform() if fast else shardkit_transform)
+        ds = StreamingDataset(
+            shards, shuffle=True, decode="raw", transform=_transform() if fast else shardkit_transform
+        )
         import shardkit  # torch's threads as the process has them
 
         loader = DataLoader(ds, batch_size=BATCH, num_workers=0, collate_fn=shardkit.collate)
@@ -268,7 +279,11 @@ def _shuffled(name: str, shards: str, photos: str) -> dict:
     order = np.random.default_rng(0).permutation(_samples(shards)).tolist()
     if name == RANDOM_FLOOR:
         idx = json.loads((Path(shards) / "index.json").read_text())
-        spans = [(os.path.join(shards, s["name"]), a, b) for s in idx["shards"] for a, b in zip(s["offsets"], s["offsets"][1:])]
+        spans = [
+            (os.path.join(shards, s["name"]), a, b)
+            for s in idx["shards"]
+            for a, b in zip(s["offsets"], s["offsets"][1:])
+        ]
         fds = {path: os.open(path, os.O_RDONLY) for path, _, _ in spans}
         start, size = start_clock(), 0
         for i in order:
@@ -319,10 +334,14 @@ def _rgb8(backend: str):  # type: ignore[no-untyped-def]
 
 
 # a limit's name -> its per-image work (made in the worker)
-LIMITS = {"decode limit": lambda: decode_resize, FAST_LIMIT: lambda: _sample_transform("auto"),
-          FAST_LIMIT_THREADS: lambda: _sample_transform("auto"),
-          PIL_TRANSFORM_LIMIT: lambda: _sample_transform("pil"), RGB8_LIMIT: lambda: _rgb8("auto"),
-          PIL_RGB8_LIMIT: lambda: _rgb8("pil")}
+LIMITS = {
+    "decode limit": lambda: decode_resize,
+    FAST_LIMIT: lambda: _sample_transform("auto"),
+    FAST_LIMIT_THREADS: lambda: _sample_transform("auto"),
+    PIL_TRANSFORM_LIMIT: lambda: _sample_transform("pil"),
+    RGB8_LIMIT: lambda: _rgb8("auto"),
+    PIL_RGB8_LIMIT: lambda: _rgb8("pil"),
+}
 
 
 _BLOBS: list[bytes] = []
@@ -348,8 +367,15 @@ def warm(name: str, shards: str, photos: str) -> None:
     kernel here reclaims idle page cache proactively, so warming once at the start is not
     enough)."""
     jpgs, mdb = f"$(find {photos} -name '*.jpg')", f"{shards}.lmdb/data.mdb"
-    files = {"plain files": jpgs, FILES_FAST: jpgs, **dict.fromkeys(LIMITS, jpgs), "plain files, shuffled": jpgs,
-             "LMDB random access": mdb, LMDB_FAST: mdb, "LMDBDataset[i], shuffled": mdb}.get(name, f"{shards}/*.tar")
+    files = {
+        "plain files": jpgs,
+        FILES_FAST: jpgs,
+        **dict.fromkeys(LIMITS, jpgs),
+        "plain files, shuffled": jpgs,
+        "LMDB random access": mdb,
+        LMDB_FAST: mdb,
+        "LMDBDataset[i], shuffled": mdb,
+    }.get(name, f"{shards}/*.tar")
     subprocess.run(f"cat {files} > /dev/null", shell=True, check=True)
 
 
@@ -393,8 +419,12 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
-    ap.add_argument("--only", action="append", metavar="NAME",
-                    help="run this contestant (repeatable; its group's limit runs too); default: all")
+    ap.add_argument(
+        "--only",
+        action="append",
+        metavar="NAME",
+        help="run this contestant (repeatable; its group's limit runs too); default: all",
+    )
     ap.add_argument("--contestant", help=argparse.SUPPRESS)
     ap.add_argument("--shards", help=argparse.SUPPRESS)
     ap.add_argument("--photos", help=argparse.SUPPRESS)
@@ -418,12 +448,24 @@ def main() -> None:
     if not (lmdb / "index.json").exists():
         shutil.rmtree(lmdb, ignore_errors=True)
         shardkit.pack(str(shards), str(lmdb), format="lmdb", progress=False)
-    subprocess.run(f"cat {shards}/*.tar {lmdb}/data.mdb > /dev/null; tar cf - -C {photos} . | cat > /dev/null",
-                   shell=True, check=True)
+    subprocess.run(
+        f"cat {shards}/*.tar {lmdb}/data.mdb > /dev/null; tar cf - -C {photos} . | cat > /dev/null",
+        shell=True,
+        check=True,
+    )
 
     raw = ["cat (limit)", PREAD_FLOOR, "shardkit raw", "webdataset raw"]
-    decoded = ["decode limit", "shardkit", BATCHED, "LMDB random access", LMDB_FAST, TAR_MAP, "plain files",
-               FILES_FAST, "webdataset"]
+    decoded = [
+        "decode limit",
+        "shardkit",
+        BATCHED,
+        "LMDB random access",
+        LMDB_FAST,
+        TAR_MAP,
+        "plain files",
+        FILES_FAST,
+        "webdataset",
+    ]
     fast = [FAST_LIMIT, FAST, FAST_BATCHED, PIL_TRANSFORM_LIMIT, FAST_LIMIT_THREADS, RGB8_LIMIT, PIL_RGB8_LIMIT]
     shuffled = list(RANDOM)
     main_process = [MAIN_PIL, MAIN_FAST]
@@ -437,8 +479,9 @@ def main() -> None:
         decoded = decoded or (["decode limit"] if fast else [])  # the fast path's rows compare with it too
     results: dict[str, list[dict]] = {}
     for r in range(args.rounds):
-        for name in (rotate(raw, r) + rotate(decoded, r) + rotate(fast, r) + rotate(shuffled, r)
-                     + rotate(main_process, r)):
+        for name in (
+            rotate(raw, r) + rotate(decoded, r) + rotate(fast, r) + rotate(shuffled, r) + rotate(main_process, r)
+        ):
             results.setdefault(name, []).append(measure(name, str(shards), str(photos)))
             print(f"round {r + 1}: {name} done", file=sys.stderr)
 
@@ -446,8 +489,10 @@ def main() -> None:
         """Per round: `key` per second, or (key "cpu") images per CPU-second."""
         return [x["items"] / x["cpu"] if key == "cpu" else x[key] / x["seconds"] for x in results[name]]
 
-    print(f"\n{args.images} images, {_shard_bytes(str(shards)) / 1e9:.2f} GB of shards, {os.cpu_count()} CPUs, "
-          f"{args.rounds} rounds; median (min-max)\n")
+    print(
+        f"\n{args.images} images, {_shard_bytes(str(shards)) / 1e9:.2f} GB of shards, {os.cpu_count()} CPUs, "
+        f"{args.rounds} rounds; median (min-max)\n"
+    )
     if raw:
         print("| raw read, 1 process | samples/s | MB/s | % of cat, by round |")
         print("|---|---|---|---|")
@@ -462,35 +507,45 @@ def main() -> None:
         for name in shuffled:
             print(f"| {name} | {_fmt(rate(name))} | {_fmt(rate(name, 'bytes'), 1e-6)} | {ratio(rate(name), floor)} |")
     if decoded:
-        print(f"\n| decoded, DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s | % of decode limit, "
-              "by round | first batch s | peak RSS MB | peak in use MB |")
+        print(
+            f"\n| decoded, DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s | % of decode limit, "
+            "by round | first batch s | peak RSS MB | peak in use MB |"
+        )
         print("|---|---|---|---|---|---|")
         limit = rate("decode limit")
         for name in decoded:
             print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), limit)} | {_memory(results[name])} |")
     if fast:
-        print(f"\n| image_transform(256, crop=224), DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s "
-              "| % of its limit, by round | x the PIL decode limit, by round | images per CPU-second | first batch s "
-              "| peak RSS MB | peak in use MB |")
+        print(
+            f"\n| image_transform(256, crop=224), DataLoader(num_workers={WORKERS}, batch_size={BATCH}) | images/s "
+            "| % of its limit, by round | x the PIL decode limit, by round | images per CPU-second | first batch s "
+            "| peak RSS MB | peak in use MB |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for name in ["decode limit", *fast]:
             times = [v / x for v, x in zip(rate(name), rate("decode limit"))]
             mine = name not in (RGB8_LIMIT, PIL_RGB8_LIMIT)  # the rgb8 limits do other work
-            print(f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), rate(FAST_LIMIT)) if mine else '-'} | "
-                  f"{statistics.median(times):.2f}x ({min(times):.2f}-{max(times):.2f}) | {_fmt(rate(name, 'cpu'))} | "
-                  f"{_memory(results[name])} |")
+            print(
+                f"| {name} | {_fmt(rate(name))} | {ratio(rate(name), rate(FAST_LIMIT)) if mine else '-'} | "
+                f"{statistics.median(times):.2f}x ({min(times):.2f}-{max(times):.2f}) | {_fmt(rate(name, 'cpu'))} | "
+                f"{_memory(results[name])} |"
+            )
     if main_process:
         import torch
 
-        print(f"\n| main process, DataLoader(num_workers=0, batch_size={BATCH}, collate_fn=shardkit.collate), torch's "
-              "default threads "
-              f"({torch.get_num_threads()}) | images/s | x the PIL transform's, by round | images per CPU-second "
-              "| first batch s | peak RSS MB | peak in use MB |")
+        print(
+            f"\n| main process, DataLoader(num_workers=0, batch_size={BATCH}, collate_fn=shardkit.collate), torch's "
+            "default threads "
+            f"({torch.get_num_threads()}) | images/s | x the PIL transform's, by round | images per CPU-second "
+            "| first batch s | peak RSS MB | peak in use MB |"
+        )
         print("|---|---|---|---|---|---|---|")
         for name in main_process:
             times = [v / x for v, x in zip(rate(name), rate(MAIN_PIL))]
-            print(f"| {name} | {_fmt(rate(name))} | {statistics.median(times):.2f}x ({min(times):.2f}-{max(times):.2f}) "
-                  f"| {_fmt(rate(name, 'cpu'))} | {_memory(results[name])} |")
+            print(
+                f"| {name} | {_fmt(rate(name))} | {statistics.median(times):.2f}x ({min(times):.2f}-{max(times):.2f}) "
+                f"| {_fmt(rate(name, 'cpu'))} | {_memory(results[name])} |"
+            )
 
 
 def _memory(runs: list[dict]) -> str:

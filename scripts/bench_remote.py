@@ -42,6 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_stats import median, spread  # noqa: E402
+
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 BUCKET = "bench"
@@ -56,8 +57,11 @@ def free_port() -> int:
 
 def start_moto() -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -70,8 +74,17 @@ def start_moto() -> tuple[subprocess.Popen, str]:
 
 SERVERS = ("moto", "seaweedfs")
 # every port `weed mini` binds, some to fixed defaults unless told (as tests/seaweed.py starts it)
-WEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-              "s3.port.grpc", "admin.port", "admin.port.grpc")
+WEED_PORTS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+)
 
 
 def start_server(kind: str, root: Path) -> tuple[subprocess.Popen, str]:
@@ -98,14 +111,39 @@ def start_seaweedfs(root: Path) -> tuple[subprocess.Popen, str]:
     shutil.rmtree(root, ignore_errors=True)
     (root / "data").mkdir(parents=True)
     config = root / "s3.json"
-    config.write_text(json.dumps({"identities": [{"name": "bench", "credentials": [
-        {"accessKey": "bench", "secretKey": "bench"}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    config.write_text(
+        json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": "bench",
+                        "credentials": [{"accessKey": "bench", "secretKey": "bench"}],
+                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                    }
+                ]
+            }
+        )
+    )
     port = free_port()
     with open(root / "weed.log", "w") as log:
-        proc = subprocess.Popen([str(weed), "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                                 f"-s3.config={config}", f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                                 "-admin.ui=false", "-webdav=false", *(f"-{name}={free_port()}" for name in WEED_PORTS)],
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                str(weed),
+                "mini",
+                f"-dir={root / 'data'}",
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                f"-s3.config={config}",
+                f"-s3.port={port}",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+                "-admin.ui=false",
+                "-webdav=false",
+                *(f"-{name}={free_port()}" for name in WEED_PORTS),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -144,8 +182,11 @@ def start_proxy(upstream: str, latency_ms: float = 0, **settings: float) -> tupl
     tail_prob, tail_ms, reset_prob, ...) and seed 1; (process, its URL, its control port)."""
     host_port = upstream.split("://", 1)[1]
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in {"latency_ms": latency_ms, **settings}.items()]
-    proc = subprocess.Popen([sys.executable, str(HERE / "latency_proxy.py"), "--upstream", host_port, *flags,
-                             "--seed", "1"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "latency_proxy.py"), "--upstream", host_port, *flags, "--seed", "1"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     _, port, control = proc.stdout.readline().split()  # type: ignore[union-attr]
     return proc, f"http://127.0.0.1:{port}", int(control)
 
@@ -177,8 +218,15 @@ def read_pass(url: str, opts: dict | None, prefetch: int) -> dict:
         size += len(sample["jpg"])
         keys.append(sample["__key__"])
     took = time.perf_counter() - t1
-    return {"open_s": t1 - t0, "first_s": first, "seconds": took, "samples": n, "bytes": size, "keys": keys,
-            "depth": ds.stats()["prefetch_depth"]}
+    return {
+        "open_s": t1 - t0,
+        "first_s": first,
+        "seconds": took,
+        "samples": n,
+        "bytes": size,
+        "keys": keys,
+        "depth": ds.stats()["prefetch_depth"],
+    }
 
 
 def pack_pass(src: str, dest: Path, opts: dict | None, settings: dict[str, int]) -> float:
@@ -210,12 +258,17 @@ def pack_run(args: argparse.Namespace, photos: Path, shards: Path) -> None:
         fs.put(str(photos), f"{BUCKET}/raw", recursive=True)
         fs.put(str(shards), f"{BUCKET}/ds", recursive=True)
         dest = Path(args.dir) / "packed-from-s3"
-        ways = {"image folder": (f"s3://{BUCKET}/raw", (({}, f"{REMOTE_READS} files at once"),
-                                                         ({"REMOTE_READS": 1}, "a file at a time (before)"))),
-                "dataset (conversion)": (f"s3://{BUCKET}/ds", (({}, "a download a shard"),))}
+        ways = {
+            "image folder": (
+                f"s3://{BUCKET}/raw",
+                (({}, f"{REMOTE_READS} files at once"), ({"REMOTE_READS": 1}, "a file at a time (before)")),
+            ),
+            "dataset (conversion)": (f"s3://{BUCKET}/ds", (({}, "a download a shard"),)),
+        }
         runs: dict[tuple[str, str, str], tuple[str, dict | None, dict[str, int]]] = {
             ("image folder", "local disk", "-"): (str(photos), None, {}),
-            ("dataset (conversion)", "local disk", "-"): (str(shards), None, {})}
+            ("dataset (conversion)", "local disk", "-"): (str(shards), None, {}),
+        }
         for what, (url, variants) in ways.items():
             for where, endpoint_url in (("S3", endpoint), ("S3 +50 ms", purl)):
                 for settings, label in variants:
@@ -230,15 +283,19 @@ def pack_run(args: argparse.Namespace, photos: Path, shards: Path) -> None:
                 if after["requests"] > before["requests"]:
                     fetched[key] = (after["requests"] - before["requests"], after["bytes"] - before["bytes"])
             print(f"round {r + 1} done", file=sys.stderr)
-        print(f"\n{args.images} photos ({sum(p.stat().st_size for p in photos.rglob('*.jpg')) / 1e6:.0f} MB), "
-              f"shardkit.pack(..., workers=2) to local disk, S3 on {args.server}, {args.rounds} rounds; "
-              "median (min-max)\n")
+        print(
+            f"\n{args.images} photos ({sum(p.stat().st_size for p in photos.rglob('*.jpg')) / 1e6:.0f} MB), "
+            f"shardkit.pack(..., workers=2) to local disk, S3 on {args.server}, {args.rounds} rounds; "
+            "median (min-max)\n"
+        )
         print("| source | where | reads | seconds | images/s | requests | MB fetched |")
         print("|---|---|---|---|---|---|---|")
         for key, values in seconds.items():
             requests, size = fetched.get(key, (0, 0))
             traffic = f"{requests} | {size / 1e6:.1f}" if requests else "- | -"
-            print(f"| {' | '.join(key)} | {spread(values, digits=2)} | {args.images / median(values):,.0f} | {traffic} |")
+            print(
+                f"| {' | '.join(key)} | {spread(values, digits=2)} | {args.images / median(values):,.0f} | {traffic} |"
+            )
     finally:
         for p in (proxy, server):
             stop(p)
@@ -251,16 +308,26 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
     ap.add_argument("--peers", action="store_true", help="shardkit against its peers (see above)")
     ap.add_argument("--pack", action="store_true", help="packing from the bucket (see above)")
-    ap.add_argument("--server", choices=SERVERS, default="moto",
-                    help="the S3 server on loopback: moto (an emulator for AWS's SDK tests) or seaweedfs (a store "
-                         "people run), so a figure can be told apart from the server's cost")
+    ap.add_argument(
+        "--server",
+        choices=SERVERS,
+        default="moto",
+        help="the S3 server on loopback: moto (an emulator for AWS's SDK tests) or seaweedfs (a store "
+        "people run), so a figure can be told apart from the server's cost",
+    )
     ap.add_argument("--timeout", type=float, default=600, help="seconds one contestant's epoch may take")
-    ap.add_argument("--conditions", default="",
-                    help="with --peers: the proxy conditions to run, comma-separated keys or indices "
-                         "(default all; scripts/remote_peers_run.py CONDITIONS)")
-    ap.add_argument("--contestants", default="",
-                    help="with --peers: the contestants to run, comma-separated keys or indices "
-                         "(default all; scripts/remote_peers.py CONTESTANTS)")
+    ap.add_argument(
+        "--conditions",
+        default="",
+        help="with --peers: the proxy conditions to run, comma-separated keys or indices "
+        "(default all; scripts/remote_peers_run.py CONDITIONS)",
+    )
+    ap.add_argument(
+        "--contestants",
+        default="",
+        help="with --peers: the contestants to run, comma-separated keys or indices "
+        "(default all; scripts/remote_peers.py CONTESTANTS)",
+    )
     args = ap.parse_args()
     if args.peers:
         import remote_peers_run
@@ -294,8 +361,12 @@ def main() -> None:
             proc, purl, control = start_proxy(endpoint, ms)
             procs.append(proc)
             proxies[ms] = (purl, control)
-        sources = {"local disk": (str(shards), None), "S3": (url, options(endpoint)),
-                   "S3 +50 ms": (url, options(proxies[50][0])), "S3 +100 ms": (url, options(proxies[100][0]))}
+        sources = {
+            "local disk": (str(shards), None),
+            "S3": (url, options(endpoint)),
+            "S3 +50 ms": (url, options(proxies[50][0])),
+            "S3 +100 ms": (url, options(proxies[100][0])),
+        }
         results: dict[tuple[str, int], list[dict]] = {}
         for r in range(args.rounds):
             for name, (src, opts) in sources.items():
@@ -310,8 +381,10 @@ def main() -> None:
             return [x["bytes"] / x["seconds"] / 1e6 for x in results[(name, prefetch)]]
 
         total = sum(p.stat().st_size for p in shards.glob("*.tar"))
-        print(f"\n{args.images} images, {total / 1e6:.0f} MB in {len(list(shards.glob('*.tar')))} shards, "
-              f"S3 on {args.server}, {args.rounds} rounds, one process, raw samples; median (min-max)\n")
+        print(
+            f"\n{args.images} images, {total / 1e6:.0f} MB in {len(list(shards.glob('*.tar')))} shards, "
+            f"S3 on {args.server}, {args.rounds} rounds, one process, raw samples; median (min-max)\n"
+        )
         print("| source | read-ahead | MB/s | samples/s | open s | first sample s | depth |")
         print("|---|---|---|---|---|---|---|")
         for name in sources:
@@ -319,13 +392,17 @@ def main() -> None:
                 m = mbs(name, prefetch)
                 sps = median(x["samples"] / x["seconds"] for x in results[(name, prefetch)])
                 label = "off" if prefetch == 0 else f"on ({prefetch} max)"
-                print(f"| {name} | {label} | {spread(m)} | {sps:,.0f} | "
-                      f"{med(name, prefetch, 'open_s'):.2f} | {med(name, prefetch, 'first_s'):.2f} | "
-                      f"{med(name, prefetch, 'depth'):.1f} |")
+                print(
+                    f"| {name} | {label} | {spread(m)} | {sps:,.0f} | "
+                    f"{med(name, prefetch, 'open_s'):.2f} | {med(name, prefetch, 'first_s'):.2f} | "
+                    f"{med(name, prefetch, 'depth'):.1f} |"
+                )
         s3_on = median(mbs("S3", PREFETCH_ON))
         on100, off100 = median(mbs("S3 +100 ms", PREFETCH_ON)), median(mbs("S3 +100 ms", 0))
-        print(f"\nat +100 ms with read-ahead: {on100 / s3_on:.0%} of S3 without added latency, "
-              f"{on100 / off100:.1f}x read-ahead off")
+        print(
+            f"\nat +100 ms with read-ahead: {on100 / s3_on:.0%} of S3 without added latency, "
+            f"{on100 / off100:.1f}x read-ahead off"
+        )
 
         # fault run: 5% of responses reset part-way
         purl, control = proxies[50]
@@ -335,9 +412,11 @@ def main() -> None:
         resets = json.loads(proxy_command(control, "stats"))["resets"] - before
         keys = fault["keys"]
         exact = len(keys) == len(set(keys)) == args.images
-        print(f"\nfault run (+50 ms, 5% of responses reset): {resets} resets, {len(keys)} samples, "
-              f"{len(set(keys))} distinct, every sample exactly once: {exact}, "
-              f"{fault['bytes'] / fault['seconds'] / 1e6:,.0f} MB/s")
+        print(
+            f"\nfault run (+50 ms, 5% of responses reset): {resets} resets, {len(keys)} samples, "
+            f"{len(set(keys))} distinct, every sample exactly once: {exact}, "
+            f"{fault['bytes'] / fault['seconds'] / 1e6:,.0f} MB/s"
+        )
     finally:
         for p in procs:
             stop(p)

@@ -63,13 +63,15 @@ def curl_up(shards: list[Path], proxied: str, endpoint: str, prefix: str) -> Non
     the proxy (the signature covers the path, not the host's port: moto does not check it)."""
     import boto3
 
-    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                      region_name="us-east-1")
+    s3 = boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench", region_name="us-east-1"
+    )
     procs = []
     for shard in shards:
         signed = s3.generate_presigned_url("put_object", Params={"Bucket": BUCKET, "Key": f"{prefix}/{shard.name}"})
-        procs.append(subprocess.Popen(["curl", "-sf", "-o", "/dev/null", "-T", str(shard),
-                                       signed.replace(endpoint, proxied)]))
+        procs.append(
+            subprocess.Popen(["curl", "-sf", "-o", "/dev/null", "-T", str(shard), signed.replace(endpoint, proxied)])
+        )
     if any(p.wait() for p in procs):
         raise SystemExit("a curl upload failed")
 
@@ -111,16 +113,20 @@ def main() -> None:
                 took, peak = runs[name][-1]
                 print(f"round {r + 1} {name}: {size / took / 1e6:.1f} MB/s, {peak} connections", file=sys.stderr)
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        print(f"\n{when}, `python scripts/bench_upload.py --images {args.images} --rounds {args.rounds}`: "
-              f"{len(tars)} shards, {size / 1e6:.0f} MB, into moto through 50 ms and {args.conn_mbps:g} MB/s a "
-              f"connection; median (min-max) of {args.rounds} interleaved rounds\n")
+        print(
+            f"\n{when}, `python scripts/bench_upload.py --images {args.images} --rounds {args.rounds}`: "
+            f"{len(tars)} shards, {size / 1e6:.0f} MB, into moto through 50 ms and {args.conn_mbps:g} MB/s a "
+            f"connection; median (min-max) of {args.rounds} interleaved rounds\n"
+        )
         print("| MB/s into the bucket | MB/s | share of the ceiling | connections at once |")
         print("|---|---|---|---|")
         ceiling = median([size / t / 1e6 for t, _ in runs["ceiling: curl, every shard at once"]])
         for name, values in runs.items():
             rates = [size / t / 1e6 for t, _ in values]
-            print(f"| {name} | {spread(rates, digits=1)} | {median(rates) / ceiling:.0%} | "
-                  f"{median([p for _, p in values]):.0f} |")
+            print(
+                f"| {name} | {spread(rates, digits=1)} | {median(rates) / ceiling:.0%} | "
+                f"{median([p for _, p in values]):.0f} |"
+            )
     finally:
         for p in (proxy, moto):
             p.terminate()

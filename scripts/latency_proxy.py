@@ -71,8 +71,17 @@ class Proxy:
     def __init__(self, upstream: tuple[str, int], rng: random.Random, **settings: float) -> None:
         self.upstream, self.rng, self.settings = upstream, rng, settings
         self.live: set[asyncio.StreamWriter] = set()
-        self.stats = {"connections": 0, "resets": 0, "stalls": 0, "throttled": 0, "requests": 0, "responses": 0,
-                      "tailed": 0, "bytes": 0, "bytes_up": 0}
+        self.stats = {
+            "connections": 0,
+            "resets": 0,
+            "stalls": 0,
+            "throttled": 0,
+            "requests": 0,
+            "responses": 0,
+            "tailed": 0,
+            "bytes": 0,
+            "bytes_up": 0,
+        }
         self.storm_ends, self.calm = 0.0, 0.0  # loop time the current storm ends, throttle_prob after it
 
     def conn_rate(self) -> float:
@@ -190,15 +199,26 @@ class Proxy:
         """The store's answer to too many requests: S3's 503 SlowDown or GCS's 429."""
         if self.settings["throttle_status"] == 429:
             reason, kind = "Too Many Requests", "application/json"
-            body = json.dumps({"error": {"code": 429, "message": "The rate of requests is too high.",
-                                         "errors": [{"reason": "rateLimitExceeded"}]}}).encode()
+            body = json.dumps(
+                {
+                    "error": {
+                        "code": 429,
+                        "message": "The rate of requests is too high.",
+                        "errors": [{"reason": "rateLimitExceeded"}],
+                    }
+                }
+            ).encode()
         else:
             reason, kind = "Slow Down", "application/xml"
-            body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
-                    b"<Message>Please reduce your request rate.</Message></Error>")
+            body = (
+                b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                b"<Message>Please reduce your request rate.</Message></Error>"
+            )
         status = int(self.settings["throttle_status"])
-        head_lines = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {0 if head else len(body)}"
-                      "\r\nConnection: close\r\n\r\n")
+        head_lines = (
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {0 if head else len(body)}"
+            "\r\nConnection: close\r\n\r\n"
+        )
         return head_lines.encode() + (b"" if head else body)
 
     def storm(self, seconds: float, prob: float) -> None:

@@ -92,9 +92,7 @@ def _render(seed: int, index: int, min_side: int, max_side: int) -> bytes:
     # The bundled photos are ~512 px, so crops are at best 1:1 and often upscaled: smoother than
     # camera images, and about half ImageNet's bytes per pixel. Luminance grain, quality 88-95
     # and no chroma subsampling bring the mean back to ~100 KB, as in ImageNet.
-    noise = np.random.default_rng(rng.getrandbits(64)).standard_normal(
-        (size[1], size[0], 1), dtype=np.float32
-    )
+    noise = np.random.default_rng(rng.getrandbits(64)).standard_normal((size[1], size[0], 1), dtype=np.float32)
     pixels = np.asarray(img, dtype=np.float32) + noise * rng.uniform(4, 10)
     img = Image.fromarray(np.clip(pixels + 0.5, 0, 255).astype(np.uint8))
 
@@ -157,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     min_side, max_side = SMALL_SIDES if args.small else (300, 500)
-    paths = make_image_folder(
-        args.root, args.images, args.classes, args.seed, min_side, max_side, args.workers
-    )
+    paths = make_image_folder(args.root, args.images, args.classes, args.seed, min_side, max_side, args.workers)
     total = sum(p.stat().st_size for p in paths)
     print(f"{len(paths)} images in {args.classes} classes under {args.root} ({total / 1e6:.1f} MB)")
     return 0

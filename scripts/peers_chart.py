@@ -55,8 +55,13 @@ def table(summary: dict[str, Any]) -> str:
     lines = []
     for row in summary["rows"]:
         label = row["label"].replace("image_transform(256, crop=224)", "`image_transform(256, crop=224)`")
-        cells = [label, "-" if row["pack"] is None else f"{row['pack']:,.0f}", spread(row["decoded"]),
-                 f"{row['first_batch_s']:.2f}", f"{row['peak_rss_mb']:,.0f}"]
+        cells = [
+            label,
+            "-" if row["pack"] is None else f"{row['pack']:,.0f}",
+            spread(row["decoded"]),
+            f"{row['first_batch_s']:.2f}",
+            f"{row['peak_rss_mb']:,.0f}",
+        ]
         if row["shardkit"]:
             cells = [f"**{c}**" if c != "-" else c for c in cells]
         lines.append("| " + " | ".join(cells) + " |\n")
@@ -80,33 +85,63 @@ def draw(summary: dict[str, Any], path: str | Path, source_digest: str) -> list[
 
     rows = summary["rows"]
     meds = [r["decoded"]["median"] for r in rows]
-    err = [[r["decoded"]["median"] - r["decoded"]["min"] for r in rows],
-           [r["decoded"]["max"] - r["decoded"]["median"] for r in rows]]
+    err = [
+        [r["decoded"]["median"] - r["decoded"]["min"] for r in rows],
+        [r["decoded"]["max"] - r["decoded"]["median"] for r in rows],
+    ]
     limit = summary["decode_limit"]
     fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 2.2))
     y = range(len(rows))
-    ax.barh(y, meds, xerr=err, capsize=3, color=[colour(r) for r in rows], height=0.6,
-            error_kw={"elinewidth": 1, "ecolor": "#333333"})
+    ax.barh(
+        y,
+        meds,
+        xerr=err,
+        capsize=3,
+        color=[colour(r) for r in rows],
+        height=0.6,
+        error_kw={"elinewidth": 1, "ecolor": "#333333"},
+    )
     ax.set_yticks(list(y), [r["label"].replace("shardkit, ", "shardkit,\n") for r in rows], fontsize=9)
     ax.invert_yaxis()  # the table's first row on top
     right = max(r["decoded"]["max"] for r in rows)
     for i, r in enumerate(rows):  # inside the bar, at its start: clear of the error bar and the limit line
-        ax.text(right * 0.012, i, spread(r["decoded"]), va="center", fontsize=8.5, color="white",
-                fontweight="bold" if r["shardkit"] else "normal")
+        ax.text(
+            right * 0.012,
+            i,
+            spread(r["decoded"]),
+            va="center",
+            fontsize=8.5,
+            color="white",
+            fontweight="bold" if r["shardkit"] else "normal",
+        )
     ax.axvline(limit["median"], color="black", linestyle="--", linewidth=1)
     ax.set_xlim(0, right * 1.05)
     ax.set_xlabel("decoded images/s: median (min-max) of interleaved rounds")
-    ax.set_title(f"DataLoader(num_workers={summary['workers']}): JPEG -> 224x224 CHW uint8, "
-                 f"{summary['images']:,} images ({summary['date'].split()[0]})", fontsize=10)
+    ax.set_title(
+        f"DataLoader(num_workers={summary['workers']}): JPEG -> 224x224 CHW uint8, "
+        f"{summary['images']:,} images ({summary['date'].split()[0]})",
+        fontsize=10,
+    )
     ax.spines[["top", "right"]].set_visible(False)
-    handles = [Patch(color=SHARDKIT, label="shardkit"), Patch(color=PEER, label="another loader"),
-               Patch(color=PLAIN, label="plain files"),
-               Line2D([], [], color="black", linestyle="--", linewidth=1,
-                      label=f"PIL decode limit ({summary['workers']} processes, no loader): {spread(limit)}")]
+    handles = [
+        Patch(color=SHARDKIT, label="shardkit"),
+        Patch(color=PEER, label="another loader"),
+        Patch(color=PLAIN, label="plain files"),
+        Line2D(
+            [],
+            [],
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label=f"PIL decode limit ({summary['workers']} processes, no loader): {spread(limit)}",
+        ),
+    ]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=120, metadata={DIGEST_KEY: source_digest})
-    drawn = [(t.get_text().replace("\n", " "), float(bar.get_width())) for t, bar in zip(ax.get_yticklabels(), ax.patches)]
+    drawn = [
+        (t.get_text().replace("\n", " "), float(bar.get_width())) for t, bar in zip(ax.get_yticklabels(), ax.patches)
+    ]
     plt.close(fig)
     return drawn
 

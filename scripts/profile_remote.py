@@ -21,8 +21,24 @@ sys.path.insert(0, str(HERE))
 from bench_remote import BUCKET, options, proxy_command, start_moto, start_proxy  # noqa: E402
 
 RATE = 200  # py-spy samples a second
-PACKAGES = ("shardkit", "s3fs", "aiobotocore", "botocore", "aiohttp", "asyncio", "fsspec", "urllib3", "threading",
-            "concurrent", "selectors", "ssl", "json", "xml", "hashlib", "numpy")
+PACKAGES = (
+    "shardkit",
+    "s3fs",
+    "aiobotocore",
+    "botocore",
+    "aiohttp",
+    "asyncio",
+    "fsspec",
+    "urllib3",
+    "threading",
+    "concurrent",
+    "selectors",
+    "ssl",
+    "json",
+    "xml",
+    "hashlib",
+    "numpy",
+)
 
 
 def one_epoch(url: str, endpoint: str, prefetch: int) -> None:
@@ -36,8 +52,16 @@ def one_epoch(url: str, endpoint: str, prefetch: int) -> None:
 # leaf frames that wait (py-spy shows a wait in C as the Python frame that called it): the
 # read-ahead threads' queue, thread pools, conditions, the event loop's select; "" is a thread
 # with no Python frame
-IDLE = ("Condition.wait", "Event.wait", "EpollSelector.select", "SimpleQueue.get", "_worker (concurrent", "sleep",
-        "Thread._wait_for_tstate_lock", "_Threads._work")
+IDLE = (
+    "Condition.wait",
+    "Event.wait",
+    "EpollSelector.select",
+    "SimpleQueue.get",
+    "_worker (concurrent",
+    "sleep",
+    "Thread._wait_for_tstate_lock",
+    "_Threads._work",
+)
 
 
 def package_of(frame: str) -> str:
@@ -62,8 +86,10 @@ def report(raw: Path, requests: int, mb: float, rate: int) -> None:
         leaf[frames[-1]] += int(count)
     total = sum(self_time.values())
     cpu = total / rate
-    print(f"\n{requests} requests, {mb:.0f} MB; {cpu:.2f} CPU s sampled in the epoch (all threads; imports and waits "
-          f"left out): {1000 * cpu / max(requests, 1):.1f} ms a request, {1000 * cpu / max(mb, 1):.2f} ms a MB\n")
+    print(
+        f"\n{requests} requests, {mb:.0f} MB; {cpu:.2f} CPU s sampled in the epoch (all threads; imports and waits "
+        f"left out): {1000 * cpu / max(requests, 1):.1f} ms a request, {1000 * cpu / max(mb, 1):.2f} ms a MB\n"
+    )
     for name, n in self_time.most_common(14):
         print(f"{100 * n / total:5.1f}%  {name}")
     print()
@@ -92,9 +118,27 @@ def main() -> None:
         fs.put(args.shards, f"{BUCKET}/ds", recursive=True)
         before = proxy_command(control, "stats")
         t0 = time.perf_counter()
-        subprocess.run([args.py_spy, "record", "--format", "raw", "--rate", str(RATE), "--output", args.out, "--",
-                        sys.executable, __file__, args.shards, "--prefetch", str(args.prefetch),
-                        "--stage", f"s3://{BUCKET}/ds,{purl}"], check=True)
+        subprocess.run(
+            [
+                args.py_spy,
+                "record",
+                "--format",
+                "raw",
+                "--rate",
+                str(RATE),
+                "--output",
+                args.out,
+                "--",
+                sys.executable,
+                __file__,
+                args.shards,
+                "--prefetch",
+                str(args.prefetch),
+                "--stage",
+                f"s3://{BUCKET}/ds,{purl}",
+            ],
+            check=True,
+        )
         took = time.perf_counter() - t0
         after = proxy_command(control, "stats")
     finally:

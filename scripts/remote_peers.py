@@ -49,8 +49,11 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "
 def _items(photos: str) -> list[tuple[str, str, int]]:
     """(key, path, label) of every image, in class order."""
     classes = sorted(p.name for p in Path(photos).iterdir() if p.is_dir())
-    return [(f"{c}/{f.name}", str(f), label) for label, c in enumerate(classes)
-            for f in sorted((Path(photos) / c).iterdir())]
+    return [
+        (f"{c}/{f.name}", str(f), label)
+        for label, c in enumerate(classes)
+        for f in sorted((Path(photos) / c).iterdir())
+    ]
 
 
 def _lit_item(item: tuple[str, str, int]) -> dict:
@@ -67,12 +70,17 @@ def prepare(photos: str, out: str) -> None:
     from streaming import MDSWriter
 
     items = _items(photos)
-    with MDSWriter(out=os.path.join(out, "mds"), columns={"key": "str", "jpg": "bytes", "cls": "int"},
-                   compression=None, size_limit=CHUNK) as w:
+    with MDSWriter(
+        out=os.path.join(out, "mds"),
+        columns={"key": "str", "jpg": "bytes", "cls": "int"},
+        compression=None,
+        size_limit=CHUNK,
+    ) as w:
         for item in items:
             w.write(_lit_item(item))
-    litdata.optimize(fn=_lit_item, inputs=items, output_dir=os.path.join(out, "lit"), chunk_bytes=CHUNK,
-                     num_workers=WORKERS)
+    litdata.optimize(
+        fn=_lit_item, inputs=items, output_dir=os.path.join(out, "lit"), chunk_bytes=CHUNK, num_workers=WORKERS
+    )
 
 
 def _keys(batch: object) -> list[str]:
@@ -96,15 +104,17 @@ def _shard_names(endpoint: str, bucket: str) -> tuple[object, list[tuple[str, in
     """A boto3 client on `endpoint`, and the (key, size) of shardkit's tar shards by name."""
     import boto3
 
-    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                      region_name="us-east-1")
+    s3 = boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench", region_name="us-east-1"
+    )
     found = s3.list_objects_v2(Bucket=bucket, Prefix="shardkit/")["Contents"]
     return s3, sorted((o["Key"], o["Size"]) for o in found if o["Key"].endswith(".tar"))
 
 
 def _presigned(s3, bucket: str, names: list[tuple[str, int]]) -> list[str]:  # type: ignore[no-untyped-def]
-    return [s3.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": n}, ExpiresIn=3600)
-            for n, _ in names]
+    return [
+        s3.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": n}, ExpiresIn=3600) for n, _ in names
+    ]
 
 
 def _webdataset(endpoint: str, bucket: str):  # type: ignore[no-untyped-def]
@@ -123,8 +133,9 @@ def _mosaic(endpoint: str, bucket: str):  # type: ignore[no-untyped-def]
 
     os.environ["S3_ENDPOINT_URL"] = endpoint
     streaming = bench_peers._import_streaming()
-    ds = streaming.StreamingDataset(remote=f"s3://{bucket}/mds", local=tempfile.mkdtemp(prefix="mds-"), shuffle=True,
-                                    batch_size=BATCH)
+    ds = streaming.StreamingDataset(
+        remote=f"s3://{bucket}/mds", local=tempfile.mkdtemp(prefix="mds-"), shuffle=True, batch_size=BATCH
+    )
     return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
 
@@ -137,8 +148,9 @@ def _litdata(endpoint: str, bucket: str):  # type: ignore[no-untyped-def]
     downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
 
     opts = {"endpoint_url": endpoint, "aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
-    ds = litdata.StreamingDataset(f"s3://{bucket}/lit", cache_dir=tempfile.mkdtemp(prefix="lit-"), shuffle=True,
-                                  storage_options=opts)
+    ds = litdata.StreamingDataset(
+        f"s3://{bucket}/lit", cache_dir=tempfile.mkdtemp(prefix="lit-"), shuffle=True, storage_options=opts
+    )
     return litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=WORKERS, collate_fn=_lit_collate)
 
 
@@ -179,8 +191,13 @@ def _s3torch(endpoint: str, bucket: str):  # type: ignore[no-untyped-def]
     _, names = _shard_names(endpoint, bucket)
     uris = [f"s3://{bucket}/{n}" for n, _ in names]
     random.shuffle(uris)  # its shuffling: the order of the objects
-    objects = S3IterableDataset.from_objects(uris, region="us-east-1", endpoint=endpoint, enable_sharding=True,
-                                             s3client_config=S3ClientConfig(force_path_style=True))
+    objects = S3IterableDataset.from_objects(
+        uris,
+        region="us-east-1",
+        endpoint=endpoint,
+        enable_sharding=True,
+        s3client_config=S3ClientConfig(force_path_style=True),
+    )
 
     class TarSamples(IterableDataset):  # inherited by the forked workers, not pickled
         def __iter__(self) -> Iterator[dict]:
@@ -203,8 +220,11 @@ def _ceiling(endpoint: str, bucket: str) -> dict:
         while got < size and tries < 20:
             tries += 1
             ranged = ["-H", f"Range: bytes={got}-"] if got else []
-            out = subprocess.run(["curl", "-s", *ranged, "-o", "/dev/null", "-w", "%{http_code} %{size_download}", url],
-                                 capture_output=True, text=True).stdout.split()
+            out = subprocess.run(
+                ["curl", "-s", *ranged, "-o", "/dev/null", "-w", "%{http_code} %{size_download}", url],
+                capture_output=True,
+                text=True,
+            ).stdout.split()
             if len(out) == 2 and out[0] == ("206" if got else "200"):
                 got += int(out[1])
         return got, tries
@@ -213,8 +233,14 @@ def _ceiling(endpoint: str, bucket: str) -> dict:
     with ThreadPoolExecutor(len(urls)) as pool:  # the threads only wait: each transfer is a curl process
         done = list(pool.map(fetch, urls, [size for _, size in names]))
     took = time.perf_counter() - start
-    return {"first_s": None, "seconds": took, "complete": all(got == size for (got, _), (_, size) in zip(done, names)),
-            "shards": len(names), "shard_bytes": sum(got for got, _ in done), "curl_tries": sum(t for _, t in done)}
+    return {
+        "first_s": None,
+        "seconds": took,
+        "complete": all(got == size for (got, _), (_, size) in zip(done, names)),
+        "shards": len(names),
+        "shard_bytes": sum(got for got, _ in done),
+        "curl_tries": sum(t for _, t in done),
+    }
 
 
 LOADERS = {  # key: (its label in the tables, what builds its loader)
@@ -235,9 +261,16 @@ INSTALLED_AS = {"mosaic": "mosaicml-streaming", "litdata": "litdata", "s3torch":
 
 
 IMPORTS = {  # what each one imports before its clock starts (as a training script has it imported)
-    "shardkit": ("shardkit",), "shardkit-off": ("shardkit",), "shardkit-presigned": ("shardkit",),
-    "shardkit-obstore": ("shardkit",), "shardkit-s3fs": ("shardkit",), "webdataset": ("webdataset", "boto3"), "mosaic": (),
-    "litdata": ("litdata", "litdata.streaming.downloader"), "s3torch": ("s3torchconnector", "boto3"), CEILING: ("boto3",),
+    "shardkit": ("shardkit",),
+    "shardkit-off": ("shardkit",),
+    "shardkit-presigned": ("shardkit",),
+    "shardkit-obstore": ("shardkit",),
+    "shardkit-s3fs": ("shardkit",),
+    "webdataset": ("webdataset", "boto3"),
+    "mosaic": (),
+    "litdata": ("litdata", "litdata.streaming.downloader"),
+    "s3torch": ("s3torchconnector", "boto3"),
+    CEILING: ("boto3",),
 }
 
 
@@ -292,8 +325,14 @@ def run(key: str, endpoint: str, bucket: str) -> dict:
             first = time.perf_counter() - start
         keys += _keys(batch)
     took = time.perf_counter() - start
-    res = {"first_s": first, "seconds": took, "samples": len(keys), "distinct": len(set(keys)), "setup_cpu_s": setup_cpu,
-           "cpu_s": _tree_cpu() - setup_cpu}
+    res = {
+        "first_s": first,
+        "seconds": took,
+        "samples": len(keys),
+        "distinct": len(set(keys)),
+        "setup_cpu_s": setup_cpu,
+        "cpu_s": _tree_cpu() - setup_cpu,
+    }
     if key.startswith("shardkit"):  # the workers' counts, summed in the main process's dataset
         res["stats"] = {k: v for k, v in loader.dataset.stats().items() if isinstance(v, (int, float, str))}
     return res

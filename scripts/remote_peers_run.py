@@ -46,7 +46,10 @@ CONDITIONS: dict[str, tuple[str, dict[str, float]]] = {  # key: (label, scripts/
     "100ms": ("+100 ms", {"latency_ms": 100}),
     "bw": ("50 ms, 20 MB/s a connection", {"latency_ms": 50, "conn_mbps": 20}),
     "tail": ("20 ms, 5% of requests at 1 s", {"latency_ms": 20, "tail_prob": 0.05, "tail_ms": 1000}),
-    "reset": ("50 ms, 2% of responses reset", {"latency_ms": 50, "reset_prob": 0.02, "reset_max_bytes": RESET_MAX_BYTES}),
+    "reset": (
+        "50 ms, 2% of responses reset",
+        {"latency_ms": 50, "reset_prob": 0.02, "reset_max_bytes": RESET_MAX_BYTES},
+    ),
 }
 PEERS = ("webdataset", "mosaic", "litdata", "s3torch")  # the other libraries, for "shardkit / best peer"
 
@@ -113,8 +116,11 @@ def prepare(photos: Path, root: Path, names: list[str]) -> tuple[Path, dict[str,
     missing = {k: v for k, v in install_failures().items() if k in names}
     own = [n for n in ("mosaic", "litdata") if n in names and n not in missing]
     if own and not (out / "lit" / "index.json").exists():
-        done = subprocess.run([str(PEERS_PYTHON), str(bench.HERE / "remote_peers.py"), "prepare", str(photos), str(out)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [str(PEERS_PYTHON), str(bench.HERE / "remote_peers.py"), "prepare", str(photos), str(out)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode:
             why = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
             missing.update(dict.fromkeys(own, f"preparing its copy failed: {why}"))
@@ -128,8 +134,14 @@ def measure(key: str, endpoint: str, control: int, server_pid: int, timeout: flo
     env = {**os.environ, **CREDENTIALS, "PYTHONPATH": str(REPO), "PYTHONPYCACHEPREFIX": str(PYCACHE)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # imports from cached bytecode, as on a user's machine
     t0 = time.perf_counter()
-    proc = subprocess.Popen([python, str(bench.HERE / "remote_peers.py"), "run", key, endpoint, bench.BUCKET],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [python, str(bench.HERE / "remote_peers.py"), "run", key, endpoint, bench.BUCKET],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     failed = None
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -146,7 +158,10 @@ def measure(key: str, endpoint: str, control: int, server_pid: int, timeout: flo
     res: dict = {k: after[k] - before[k] for k in ("requests", "bytes", "resets", "tailed", "throttled")}
     res.update(server_cpu_s=cpu_seconds(server_pid) - server0, wall_s=wall, tree_cpu_s=tree)
     if failed or proc.returncode:
-        return {**res, "failed": failed or (err.strip().splitlines() or [f"exit {proc.returncode}, no output"])[-1][:200]}
+        return {
+            **res,
+            "failed": failed or (err.strip().splitlines() or [f"exit {proc.returncode}, no output"])[-1][:200],
+        }
     res.update(json.loads(out.strip().splitlines()[-1]))
     res["client_cpu_s"] = res["cpu_s"]  # the tree's while the clock ran (tree_cpu_s: its whole life, exit included)
     if key == CEILING:  # no samples of its own: every byte of every shard, or none
@@ -162,8 +177,17 @@ def exact(run: dict, images: int) -> bool:
     return run["samples"] == run["distinct"] == images
 
 
-def render(results: dict, failures: list[dict], skipped: dict[str, str], names: list[str], conds: list[str],
-           images: int, rounds: int, shards: tuple[int, int], server: str = "moto") -> str:
+def render(
+    results: dict,
+    failures: list[dict],
+    skipped: dict[str, str],
+    names: list[str],
+    conds: list[str],
+    images: int,
+    rounds: int,
+    shards: tuple[int, int],
+    server: str = "moto",
+) -> str:
     """The markdown report: samples/s, then one table for each other metric."""
     notes: list[str] = []  # footnotes: why a run failed, one a distinct reason
 
@@ -175,15 +199,22 @@ def render(results: dict, failures: list[dict], skipped: dict[str, str], names: 
     def row_cells(key: str, fmt) -> list[str]:  # type: ignore[no-untyped-def]
         cells = []
         for c in conds:
-            runs, fails = results.get((key, c), []), [f for f in failures if (f["contestant"], f["condition"]) == (key, c)]
-            refs = ",".join(map(str, sorted({note(f"{CONTESTANTS[key]}, {CONDITIONS[c][0]}: {f['failed']}")
-                                             for f in fails})))
+            runs, fails = (
+                results.get((key, c), []),
+                [f for f in failures if (f["contestant"], f["condition"]) == (key, c)],
+            )
+            refs = ",".join(
+                map(str, sorted({note(f"{CONTESTANTS[key]}, {CONDITIONS[c][0]}: {f['failed']}") for f in fails}))
+            )
             if key in skipped:
                 cells.append("-")
             elif not runs:
                 cells.append(f"failed [{refs}]" if fails else "-")
             else:
-                cells.append(fmt(runs, key, c) + (f" ({len(fails)} of {len(runs) + len(fails)} failed [{refs}])" if fails else ""))
+                cells.append(
+                    fmt(runs, key, c)
+                    + (f" ({len(fails)} of {len(runs) + len(fails)} failed [{refs}])" if fails else "")
+                )
         return cells
 
     def table(title: str, fmt, keys: list[str] | None = None, label=None) -> list[str]:  # type: ignore[no-untyped-def]
@@ -208,29 +239,47 @@ def render(results: dict, failures: list[dict], skipped: dict[str, str], names: 
         return f"| *{title}* | " + " | ".join(cells) + " |" if set(cells) != {"-"} else None
 
     size, count = shards
-    lines = [f"{images:,} images ({size / 1e6:.0f} MB in {count} tar shards), {rounds} interleaved round(s), each epoch "
-             f"a fresh process, DataLoader(num_workers=2, batch_size=64), raw bytes, shuffled, fresh caches; {server} on "
-             "loopback behind scripts/latency_proxy.py; median (min-max) over rounds.", "",
-             "Conditions (proxy settings): " + "; ".join(f"{CONDITIONS[c][0]} (`{c}`: {flags(CONDITIONS[c][1])})"
-                                                        for c in conds) + ".", ""]
+    lines = [
+        f"{images:,} images ({size / 1e6:.0f} MB in {count} tar shards), {rounds} interleaved round(s), each epoch "
+        f"a fresh process, DataLoader(num_workers=2, batch_size=64), raw bytes, shuffled, fresh caches; {server} on "
+        "loopback behind scripts/latency_proxy.py; median (min-max) over rounds.",
+        "",
+        "Conditions (proxy settings): "
+        + "; ".join(f"{CONDITIONS[c][0]} (`{c}`: {flags(CONDITIONS[c][1])})" for c in conds)
+        + ".",
+        "",
+    ]
     lines += table("samples/s", lambda runs, k, c: spread(rates(runs)))
-    extra = [r for r in (ratio_row("shardkit, % of the ceiling", (CEILING,), True),
-                         ratio_row("shardkit / best peer", PEERS, False)) if r]
+    extra = [
+        r
+        for r in (
+            ratio_row("shardkit, % of the ceiling", (CEILING,), True),
+            ratio_row("shardkit / best peer", PEERS, False),
+        )
+        if r
+    ]
     if extra:
         lines = lines[:-1] + extra + [""]
     lines += table("first batch s", lambda runs, k, c: "-" if k == CEILING else spread([r["first_s"] for r in runs], 2))
 
     def traffic(runs: list[dict], k: str, c: str) -> str:
         text = f"{med(runs, 'requests'):,.0f} / {med(runs, 'bytes') / 1e6:,.0f}"
-        faults = [f"{what}: {med(runs, f):,.0f}" for f, what in (("resets", "resets"), ("tailed", "in the tail"))
-                  if med(runs, f)]
+        faults = [
+            f"{what}: {med(runs, f):,.0f}"
+            for f, what in (("resets", "resets"), ("tailed", "in the tail"))
+            if med(runs, f)
+        ]
         return text + (f" ({', '.join(faults)})" if faults else "")
 
     lines += table("requests / MB through the proxy, an epoch", traffic)
-    lines += table(f"client CPU s (process tree) / {server} CPU s, an epoch",
-                   lambda runs, k, c: f"{med(runs, 'client_cpu_s'):.1f} / {med(runs, 'server_cpu_s'):.1f}")
-    lines += table("client CPU s per GB through the proxy", lambda runs, k, c: spread(
-        [r["client_cpu_s"] / (r["bytes"] / 1e9) for r in runs if r["bytes"]], 1))
+    lines += table(
+        f"client CPU s (process tree) / {server} CPU s, an epoch",
+        lambda runs, k, c: f"{med(runs, 'client_cpu_s'):.1f} / {med(runs, 'server_cpu_s'):.1f}",
+    )
+    lines += table(
+        "client CPU s per GB through the proxy",
+        lambda runs, k, c: spread([r["client_cpu_s"] / (r["bytes"] / 1e9) for r in runs if r["bytes"]], 1),
+    )
 
     def hedges(runs: list[dict], k: str, c: str) -> str:
         stats = [r.get("stats", {}) for r in runs]
@@ -246,9 +295,14 @@ def render(results: dict, failures: list[dict], skipped: dict[str, str], names: 
     shardkits = [k for k in names if k.startswith("shardkit")]
     if shardkits:
         lines += table("hedges / hedge wins, an epoch (stats())", hedges, shardkits, store)
-    lines += table("every sample exactly once",
-                   lambda runs, k, c: "yes" if all(exact(r, images) for r in runs)
-                   else f"NO ({sum(not exact(r, images) for r in runs)} of {len(runs)})")
+    lines += table(
+        "every sample exactly once",
+        lambda runs, k, c: (
+            "yes"
+            if all(exact(r, images) for r in runs)
+            else f"NO ({sum(not exact(r, images) for r in runs)} of {len(runs)})"
+        ),
+    )
     lines = lines[:-1]
     if skipped:
         lines += [""] + [f"- {CONTESTANTS[k]}: {why}" for k, why in skipped.items()]
@@ -285,8 +339,11 @@ def chart(path: Path, results: dict, names: list[str], conds: list[str], images:
         ax.bar(xs, meds, width, yerr=[lo, hi], capsize=2, label=CONTESTANTS[n], **style)
     ax.set_xticks(range(len(conds)), [textwrap.fill(CONDITIONS[c][0], 16) for c in conds], fontsize=8)
     ax.set_ylabel("samples/s (median, min-max)")
-    ax.set_title(f"One epoch from S3 ({server} on loopback behind a proxy), {images:,} images,\n"
-                 "DataLoader(num_workers=2, batch_size=64), raw bytes", fontsize=9)
+    ax.set_title(
+        f"One epoch from S3 ({server} on loopback behind a proxy), {images:,} images,\n"
+        "DataLoader(num_workers=2, batch_size=64), raw bytes",
+        fontsize=9,
+    )
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -310,10 +367,12 @@ def fault_run(url: str, endpoint: str, control: int, images: int) -> str:
     after = json.loads(bench.proxy_command(control, "stats"))
     stats = ds.stats()
     once = len(keys) == len(set(keys)) == images
-    return (f"fault run (shardkit defaults, +0 ms, 5% of responses reset, a 10 s storm of 503 SlowDown on 20% of "
-            f"GETs): {after['resets'] - before['resets']} resets, {after['throttled'] - before['throttled']} "
-            f"throttled answers, stats()['throttled'] = {stats['throttled']}, {len(keys)} samples, every one exactly "
-            f"once: {once}, {len(keys) / took:,.0f} samples/s")
+    return (
+        f"fault run (shardkit defaults, +0 ms, 5% of responses reset, a 10 s storm of 503 SlowDown on 20% of "
+        f"GETs): {after['resets'] - before['resets']} resets, {after['throttled'] - before['throttled']} "
+        f"throttled answers, stats()['throttled'] = {stats['throttled']}, {len(keys)} samples, every one exactly "
+        f"once: {once}, {len(keys) / took:,.0f} samples/s"
+    )
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -359,7 +418,7 @@ def main(args: argparse.Namespace, photos: Path, shards: Path) -> None:
             if "failed" in res:
                 print(f"warm-up {name}: FAILED {res['failed']}", file=sys.stderr)
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[: r % len(names)] if names else []
+            order = names[r % len(names) :] + names[: r % len(names)] if names else []
             for c in conds:
                 for name in order:
                     res = measure(name, *proxies[c], server.pid, args.timeout, args.images)
@@ -370,11 +429,23 @@ def main(args: argparse.Namespace, photos: Path, shards: Path) -> None:
                         continue
                     results.setdefault((name, c), []).append(res)
                     first = "-" if res["first_s"] is None else f"{res['first_s']:.2f} s"
-                    print(f"round {r + 1} {c} {name}: {res['samples'] / res['seconds']:,.0f} samples/s, first {first}, "
-                          f"{res['requests']} requests, {res['client_cpu_s']:.1f} CPU s", file=sys.stderr)
+                    print(
+                        f"round {r + 1} {c} {name}: {res['samples'] / res['seconds']:,.0f} samples/s, first {first}, "
+                        f"{res['requests']} requests, {res['client_cpu_s']:.1f} CPU s",
+                        file=sys.stderr,
+                    )
         tars = list(shards.glob("*.tar"))
-        table = render(results, failures, skipped, names + list(skipped), conds, args.images, args.rounds,
-                       (sum(p.stat().st_size for p in tars), len(tars)), args.server)
+        table = render(
+            results,
+            failures,
+            skipped,
+            names + list(skipped),
+            conds,
+            args.images,
+            args.rounds,
+            (sum(p.stat().st_size for p in tars), len(tars)),
+            args.server,
+        )
         fault = fault_run(url, *proxies["plain"], args.images) if "shardkit" in names else ""
         OUT.mkdir(exist_ok=True)
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -382,11 +453,20 @@ def main(args: argparse.Namespace, photos: Path, shards: Path) -> None:
         text = f"{stamp}, `{command_line(args)}` ({took / 60:.1f} min)\n\n{table}\n" + (f"\n{fault}\n" if fault else "")
         name = "remote-peers" + ("" if args.server == "moto" else f"-{args.server}")
         (OUT / f"{name}.md").write_text(text)
-        doc = {"date": stamp, "command": command_line(args), "server": args.server, "images": args.images,
-               "rounds": args.rounds,
-               "shards": len(tars), "conditions": {c: {"label": CONDITIONS[c][0], "proxy": CONDITIONS[c][1]} for c in conds},
-               "contestants": {n: CONTESTANTS[n] for n in names}, "skipped": skipped, "runs": runs, "fault_run": fault,
-               "seconds": took}
+        doc = {
+            "date": stamp,
+            "command": command_line(args),
+            "server": args.server,
+            "images": args.images,
+            "rounds": args.rounds,
+            "shards": len(tars),
+            "conditions": {c: {"label": CONDITIONS[c][0], "proxy": CONDITIONS[c][1]} for c in conds},
+            "contestants": {n: CONTESTANTS[n] for n in names},
+            "skipped": skipped,
+            "runs": runs,
+            "fault_run": fault,
+            "seconds": took,
+        }
         (OUT / f"{name}.json").write_text(json.dumps(doc, indent=1))
         chart(OUT / f"{name}.png", results, names, conds, args.images, args.server)
         print(text)

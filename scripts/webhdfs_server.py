@@ -77,10 +77,21 @@ class Handler(BaseHTTPRequestHandler):
         except HDFSError as e:
             self.skip_body()
             status, java = JAVA[e.exception]
-            self.reply(status, {"RemoteException": {"exception": e.exception, "javaClassName": java, "message": str(e)}})
+            self.reply(
+                status, {"RemoteException": {"exception": e.exception, "javaClassName": java, "message": str(e)}}
+            )
         except OSError as e:  # ENOTDIR, EISDIR, ...: what HDFS reports as a plain IOException
             self.skip_body()
-            self.reply(403, {"RemoteException": {"exception": "IOException", "javaClassName": "java.io.IOException", "message": f"{self.hpath}: {e.strerror}"}})
+            self.reply(
+                403,
+                {
+                    "RemoteException": {
+                        "exception": "IOException",
+                        "javaClassName": "java.io.IOException",
+                        "message": f"{self.hpath}: {e.strerror}",
+                    }
+                },
+            )
 
     # -- helpers --------------------------------------------------------------------------------
     def reply(self, status: int, body: dict | None = None, headers: dict | None = None) -> None:
@@ -128,12 +139,19 @@ class Handler(BaseHTTPRequestHandler):
         st = os.stat(local)
         isdir = stat.S_ISDIR(st.st_mode)
         return {
-            "accessTime": int(st.st_atime * 1000), "blockSize": 0 if isdir else 128 << 20,
-            "childrenNum": len(os.listdir(local)) if isdir else 0, "fileId": st.st_ino,
-            "group": "supergroup", "length": 0 if isdir else st.st_size,
-            "modificationTime": int(st.st_mtime * 1000), "owner": self.query.get("user.name", "hdfs"),
-            "pathSuffix": suffix, "permission": f"{st.st_mode & 0o777:o}", "replication": 0 if isdir else 1,
-            "storagePolicy": 0, "type": "DIRECTORY" if isdir else "FILE",
+            "accessTime": int(st.st_atime * 1000),
+            "blockSize": 0 if isdir else 128 << 20,
+            "childrenNum": len(os.listdir(local)) if isdir else 0,
+            "fileId": st.st_ino,
+            "group": "supergroup",
+            "length": 0 if isdir else st.st_size,
+            "modificationTime": int(st.st_mtime * 1000),
+            "owner": self.query.get("user.name", "hdfs"),
+            "pathSuffix": suffix,
+            "permission": f"{st.st_mode & 0o777:o}",
+            "replication": 0 if isdir else 1,
+            "storagePolicy": 0,
+            "type": "DIRECTORY" if isdir else "FILE",
         }
 
     def redirect(self) -> None:
@@ -161,8 +179,14 @@ class Handler(BaseHTTPRequestHandler):
             dirs += len(dnames)
             files += len(fnames)
             length += sum(os.path.getsize(os.path.join(top, f)) for f in fnames)
-        summary = {"directoryCount": dirs, "fileCount": files, "length": length, "quota": -1,
-                   "spaceConsumed": length, "spaceQuota": -1}
+        summary = {
+            "directoryCount": dirs,
+            "fileCount": files,
+            "length": length,
+            "quota": -1,
+            "spaceConsumed": length,
+            "spaceQuota": -1,
+        }
         self.reply(200, {"ContentSummary": summary})
 
     def namenode_GET_GETHOMEDIRECTORY(self) -> None:
@@ -180,9 +204,17 @@ class Handler(BaseHTTPRequestHandler):
         dst = posixpath.normpath("/" + self.query.get("destination", "").lstrip("/"))
         dlocal = os.path.join(self.server.root, dst.lstrip("/"))
         if os.path.isdir(dlocal) and dst != self.hpath:
-            dst, dlocal = posixpath.join(dst, posixpath.basename(self.hpath)), os.path.join(dlocal, os.path.basename(self.local))
-        ok = (os.path.exists(self.local) and self.hpath != "/" and os.path.isdir(os.path.dirname(dlocal))
-              and not os.path.exists(dlocal) and not (dst + "/").startswith(self.hpath + "/"))
+            dst, dlocal = (
+                posixpath.join(dst, posixpath.basename(self.hpath)),
+                os.path.join(dlocal, os.path.basename(self.local)),
+            )
+        ok = (
+            os.path.exists(self.local)
+            and self.hpath != "/"
+            and os.path.isdir(os.path.dirname(dlocal))
+            and not os.path.exists(dlocal)
+            and not (dst + "/").startswith(self.hpath + "/")
+        )
         if ok:
             os.rename(self.local, dlocal)
         self.reply(200, {"boolean": ok or dst == self.hpath})
@@ -192,7 +224,9 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(200, {"boolean": False})
         if os.path.isdir(self.local):
             if os.listdir(self.local) and self.query.get("recursive", "false") != "true":
-                raise HDFSError("PathIsNotEmptyDirectoryException", f"`{self.hpath} is non empty': Directory is not empty")
+                raise HDFSError(
+                    "PathIsNotEmptyDirectoryException", f"`{self.hpath} is non empty': Directory is not empty"
+                )
             shutil.rmtree(self.local)
         else:
             os.remove(self.local)
@@ -205,7 +239,9 @@ class Handler(BaseHTTPRequestHandler):
             raise HDFSError("FileAlreadyExistsException", f"{self.hpath} for client already exists")
         parent = os.path.dirname(self.local)
         if os.path.exists(parent) and not os.path.isdir(parent):
-            raise HDFSError("ParentNotDirectoryException", f"Parent path is not a directory: {posixpath.dirname(self.hpath)}")
+            raise HDFSError(
+                "ParentNotDirectoryException", f"Parent path is not a directory: {posixpath.dirname(self.hpath)}"
+            )
         self.redirect()
 
     def namenode_POST_APPEND(self) -> None:

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import (CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, SourceError, UnfinishedPackError)
+from .errors import (
+    CorruptShardError,
+    DatasetNotFoundError,
+    IndexVersionError,
+    ShardkitError,
+    SourceError,
+    UnfinishedPackError,
+)
 from .index import Index, ShardInfo
 from .packing.pack import pack
 from .sources import build_index
@@ -41,8 +48,13 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"LMDBDataset": "reading.lmdb_dataset", "MapDataset": "reading.map_dataset", "StreamingDataset": "reading.dataset", "TarDataset": "reading.tar_dataset",
-         "collate": "reading.batching"}
+_LAZY = {
+    "LMDBDataset": "reading.lmdb_dataset",
+    "MapDataset": "reading.map_dataset",
+    "StreamingDataset": "reading.dataset",
+    "TarDataset": "reading.tar_dataset",
+    "collate": "reading.batching",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -54,7 +66,10 @@ def __getattr__(name: str) -> Any:
         except ModuleNotFoundError as e:
             if (e.name or "").split(".")[0] != "torch":
                 raise
-            raise ModuleNotFoundError(f"shardkit.{name} reads through PyTorch, which is not installed: pip install "
-                                      "torch (the build you train with)", name="torch") from None
+            raise ModuleNotFoundError(
+                f"shardkit.{name} reads through PyTorch, which is not installed: pip install "
+                "torch (the build you train with)",
+                name="torch",
+            ) from None
         return getattr(module, name)
     raise AttributeError(f"module 'shardkit' has no attribute {name!r}")

@@ -157,8 +157,9 @@ class BlockOrder:
         return first
 
 
-def _block_table(counts: np.ndarray, first: np.ndarray, block: np.ndarray,
-                 keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _block_table(
+    counts: np.ndarray, first: np.ndarray, block: np.ndarray, keys: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Blocks of `block[s]` samples of each shard s, permuted by `keys`: the position after
     each block in the epoch, and its first sample."""
     nblocks = -(-counts // np.maximum(block, 1))

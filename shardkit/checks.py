@@ -64,7 +64,9 @@ def path(name: str, value: Any) -> str:
 
 def flag(name: str, value: Any) -> bool:
     """True or False (a numpy bool too): a str such as "false" would read as true."""
-    if not isinstance(value, bool) and not (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+    if not isinstance(value, bool) and not (
+        type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    ):
         raise TypeError(f"{name} must be True or False, not {value!r}")
     return bool(value)
 

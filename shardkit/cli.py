@@ -40,8 +40,9 @@ def _errors_to_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
         except ModuleNotFoundError as e:
             if (e.name or "").split(".")[0] != "torch":
                 raise
-            raise click.ClickException("this command reads through PyTorch, which is not installed: "
-                                       "pip install torch") from None
+            raise click.ClickException(
+                "this command reads through PyTorch, which is not installed: pip install torch"
+            ) from None
         except KeyboardInterrupt:  # Ctrl-C: the shell's code for SIGINT, not bad input's 1
             click.echo("interrupted", err=True)
             sys.exit(130)
@@ -124,9 +125,13 @@ class _OnError(click.Choice):  # type: ignore[type-arg]  # generic from click 8.
 
 
 storage_option = click.option(
-    "-o", "--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
+    "-o",
+    "--storage-option",
+    "storage_options",
+    multiple=True,
+    metavar="KEY=VALUE",
     help="fsspec storage option, repeatable (e.g. -o endpoint_url=http://127.0.0.1:9000); shardkit's own: "
-         "-o timeout=SECONDS (silence before a request is retried, default 20), -o attempts=N.",
+    "-o timeout=SECONDS (silence before a request is retried, default 20), -o attempts=N.",
 )
 
 
@@ -136,52 +141,134 @@ def main() -> None:
     """Pack image folders into WebDataset-compatible shards and inspect them."""
 
 
-@main.command(epilog=_examples("shardkit pack ./photos ./photos-shards --max-size 256MB --workers 4",
-                               "shardkit pack ./captioned ./caption-shards --layout flat   # no class folders",
-                               "shardkit pack ./photos s3://bucket/photos -o endpoint_url=http://127.0.0.1:9000"))
+@main.command(
+    epilog=_examples(
+        "shardkit pack ./photos ./photos-shards --max-size 256MB --workers 4",
+        "shardkit pack ./captioned ./caption-shards --layout flat   # no class folders",
+        "shardkit pack ./photos s3://bucket/photos -o endpoint_url=http://127.0.0.1:9000",
+    )
+)
 @click.argument("src")
 @click.argument("dest")
-@click.option("--format", "fmt", type=click.Choice(formats.FORMATS), default=formats.DEFAULT, show_default=True,
-              help="Output format: WebDataset tar shards, or one LMDB (local random access).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(formats.FORMATS),
+    default=formats.DEFAULT,
+    show_default=True,
+    help="Output format: WebDataset tar shards, or one LMDB (local random access).",
+)
 @click.option("--max-count", type=click.IntRange(min=1), help="At most this many samples per shard.")
-@click.option("--max-size", default="256MB", show_default=True, callback=_size,
-              help="At most this many bytes per shard (256MB, 1GiB, ...; tar: at least 10KiB).")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Processes writing shards in parallel (cores no shard keeps busy, with fewer shards "
-                   "than that or at a pack's end, take on the --resize or --decode-check work of the "
-                   "shards still going).  [default: CPU count]")
-@click.option("--shuffle/--no-shuffle", default=True, show_default=True,
-              help="Shuffle samples across shards (recommended for training).")
+@click.option(
+    "--max-size",
+    default="256MB",
+    show_default=True,
+    callback=_size,
+    help="At most this many bytes per shard (256MB, 1GiB, ...; tar: at least 10KiB).",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes writing shards in parallel (cores no shard keeps busy, with fewer shards "
+    "than that or at a pack's end, take on the --resize or --decode-check work of the "
+    "shards still going).  [default: CPU count]",
+)
+@click.option(
+    "--shuffle/--no-shuffle",
+    default=True,
+    show_default=True,
+    help="Shuffle samples across shards (recommended for training).",
+)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the pack-time shuffle.")
-@click.option("--on-error", type=_OnError(), default="skip", show_default=True,
-              help="Skip unusable files (listed in the index) or stop at the first one.")
-@click.option("--resize", type=click.IntRange(min=1), metavar="PX",
-              help="Shrink each image so its shorter side is at most PX, re-encoded as JPEG.")
-@click.option("--quality", type=click.IntRange(1, 100), metavar="Q",
-              help="Re-encode images as JPEG at this quality (default 90 with --resize).")
-@click.option("--decode-check", is_flag=True,
-              help="Decode every image in full (a slower pack), so that a corrupt one is skipped now, not met in "
-                   "training.")
-@click.option("--max-file-size", default="1GiB", show_default=True, callback=_size,
-              help="Skip (or, with --on-error raise, stop at) a source image larger than this, unread.")
-@click.option("--layout", type=click.Choice(["classes", "flat"]), default="classes", show_default=True,
-              help="Images in class folders (SRC/<class>/<image>), or anywhere under SRC without classes.")
-@click.option("--fields", default="", metavar="EXT,...",
-              help="More sidecar extensions to pack with each image (photo.depth.png: depth.png), besides txt, json, "
-                   "cls and seg.png.")
-@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              help="Run the per-shard jobs on a local process pool or as Ray tasks on a cluster.")
+@click.option(
+    "--on-error",
+    type=_OnError(),
+    default="skip",
+    show_default=True,
+    help="Skip unusable files (listed in the index) or stop at the first one.",
+)
+@click.option(
+    "--resize",
+    type=click.IntRange(min=1),
+    metavar="PX",
+    help="Shrink each image so its shorter side is at most PX, re-encoded as JPEG.",
+)
+@click.option(
+    "--quality",
+    type=click.IntRange(1, 100),
+    metavar="Q",
+    help="Re-encode images as JPEG at this quality (default 90 with --resize).",
+)
+@click.option(
+    "--decode-check",
+    is_flag=True,
+    help="Decode every image in full (a slower pack), so that a corrupt one is skipped now, not met in training.",
+)
+@click.option(
+    "--max-file-size",
+    default="1GiB",
+    show_default=True,
+    callback=_size,
+    help="Skip (or, with --on-error raise, stop at) a source image larger than this, unread.",
+)
+@click.option(
+    "--layout",
+    type=click.Choice(["classes", "flat"]),
+    default="classes",
+    show_default=True,
+    help="Images in class folders (SRC/<class>/<image>), or anywhere under SRC without classes.",
+)
+@click.option(
+    "--fields",
+    default="",
+    metavar="EXT,...",
+    help="More sidecar extensions to pack with each image (photo.depth.png: depth.png), besides txt, json, "
+    "cls and seg.png.",
+)
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Run the per-shard jobs on a local process pool or as Ray tasks on a cluster.",
+)
 @click.option("--ray-address", metavar="ADDRESS", help="Ray cluster to join (e.g. auto); default: a local one.")
-@click.option("--overwrite", is_flag=True,
-              help="Replace a finished dataset in DEST made from another source or with other options.")
-@click.option("-q", "--quiet", is_flag=True,
-              help="No progress bar and no summary; unusable files skipped still get one line on stderr.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace a finished dataset in DEST made from another source or with other options.",
+)
+@click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    help="No progress bar and no summary; unusable files skipped still get one line on stderr.",
+)
 @storage_option
 @_errors_to_exit
-def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | None, workers: int | None,
-         shuffle: bool, seed: int, on_error: str, resize: int | None, quality: int | None, decode_check: bool,
-         max_file_size: int | None, layout: str, fields: str, executor: str,
-         ray_address: str | None, overwrite: bool, quiet: bool, storage_options: tuple[str, ...]) -> None:
+def pack(
+    src: str,
+    dest: str,
+    fmt: str,
+    max_count: int | None,
+    max_size: int | None,
+    workers: int | None,
+    shuffle: bool,
+    seed: int,
+    on_error: str,
+    resize: int | None,
+    quality: int | None,
+    decode_check: bool,
+    max_file_size: int | None,
+    layout: str,
+    fields: str,
+    executor: str,
+    ray_address: str | None,
+    overwrite: bool,
+    quiet: bool,
+    storage_options: tuple[str, ...],
+) -> None:
     """Pack the image folder SRC (SRC/<class>/<image>) into shards under DEST.
 
     Files beside an image that share its name (photo.txt, photo.json, photo.cls,
@@ -208,15 +295,35 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
     start = time.perf_counter()
     stats: dict[str, int] = {}
     try:
-        idx = run_pack(src, dest, format=fmt, max_count=max_count, max_size=max_size, workers=workers,
-                       shuffle=shuffle, seed=seed, on_error=on_error, resize=resize, quality=quality,
-                       decode_check=decode_check, max_file_size=max_file_size, layout=layout, fields=[f for f in fields.split(",") if f.strip()],
-                       progress=None if not quiet else False, executor=executor, ray_address=ray_address,
-                       storage_options=_storage_options(storage_options), overwrite=overwrite, stats=stats)
+        idx = run_pack(
+            src,
+            dest,
+            format=fmt,
+            max_count=max_count,
+            max_size=max_size,
+            workers=workers,
+            shuffle=shuffle,
+            seed=seed,
+            on_error=on_error,
+            resize=resize,
+            quality=quality,
+            decode_check=decode_check,
+            max_file_size=max_file_size,
+            layout=layout,
+            fields=[f for f in fields.split(",") if f.strip()],
+            progress=None if not quiet else False,
+            executor=executor,
+            ray_address=ray_address,
+            storage_options=_storage_options(storage_options),
+            overwrite=overwrite,
+            stats=stats,
+        )
     except SourceError as e:
         if on_error == "raise" and str(e).startswith(join(src, "")):  # a file of SRC it could not use
-            raise SourceError(f"{e} (--on-error raise; remove the file, or pack with --on-error skip to leave it out "
-                              "and list it in the index)") from None
+            raise SourceError(
+                f"{e} (--on-error raise; remove the file, or pack with --on-error skip to leave it out "
+                "and list it in the index)"
+            ) from None
         raise
     if not quiet:
         click.echo(report.pack_summary(idx, dest, stats, time.perf_counter() - start))
@@ -224,13 +331,22 @@ def pack(src: str, dest: str, fmt: str, max_count: int | None, max_size: int | N
         click.echo(line, err=True)
 
 
-@main.command(epilog=_examples("shardkit info ./photos-shards", "shardkit info s3://bucket/photos --json",
-                               "shardkit info s3://bucket/photos -v -o endpoint_url=http://127.0.0.1:8333"))
+@main.command(
+    epilog=_examples(
+        "shardkit info ./photos-shards",
+        "shardkit info s3://bucket/photos --json",
+        "shardkit info s3://bucket/photos -v -o endpoint_url=http://127.0.0.1:8333",
+    )
+)
 @click.argument("url")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole index as JSON.")
-@click.option("-v", "--verbose", is_flag=True,
-              help="Also say what reads the shards and how: for S3, the endpoint, addressing style, region, "
-                   "checksums and client shardkit chose, and why.")
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Also say what reads the shards and how: for S3, the endpoint, addressing style, region, "
+    "checksums and client shardkit chose, and why.",
+)
 @storage_option
 @_errors_to_exit
 def info(url: str, as_json: bool, verbose: bool, storage_options: tuple[str, ...]) -> None:
@@ -259,14 +375,19 @@ def _describe_store(url: str, idx: Any, storage_options: dict[str, Any] | None) 
         click.echo(line)
 
 
-@main.command(epilog=_examples("shardkit verify ./photos-shards", "shardkit verify ./photos-shards --decode --workers 4"))
+@main.command(
+    epilog=_examples("shardkit verify ./photos-shards", "shardkit verify ./photos-shards --decode --workers 4")
+)
 @click.argument("url")
 @click.option("-q", "--quiet", is_flag=True, help="Print problems only.")
-@click.option("--decode", is_flag=True,
-              help="Then decode every image in full (DataLoader workers; needs PyTorch) and name each one that "
-                   "does not decode.")
-@click.option("--workers", type=click.IntRange(min=0), metavar="N",
-              help="DataLoader workers for --decode.  [default: CPU count]")
+@click.option(
+    "--decode",
+    is_flag=True,
+    help="Then decode every image in full (DataLoader workers; needs PyTorch) and name each one that does not decode.",
+)
+@click.option(
+    "--workers", type=click.IntRange(min=0), metavar="N", help="DataLoader workers for --decode.  [default: CPU count]"
+)
 @storage_option
 @_errors_to_exit
 def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_options: tuple[str, ...]) -> None:
@@ -292,7 +413,9 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
 
     def on_shard(info: Any, problem: str | None) -> None:
         checked.append(info.name)
-        unchecked = problem is None and info.sha256 is None and info.offsets is not None  # a tar shard (an LMDB has neither)
+        unchecked = (
+            problem is None and info.sha256 is None and info.offsets is not None
+        )  # a tar shard (an LMDB has neither)
         if unchecked:
             unhashed.append(info.name)
         if not quiet and problem is None:
@@ -303,8 +426,9 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
     for p in problems:
         click.echo(f"BAD  {p}", err=True)
     if problems:
-        raise click.ClickException(report.verify_failure(len(problems), LMDB_DATA_FILE if lmdb else None,
-                                                         display(url), decode))
+        raise click.ClickException(
+            report.verify_failure(len(problems), LMDB_DATA_FILE if lmdb else None, display(url), decode)
+        )
     if unhashed:
         click.echo(report.unhashed_note(len(unhashed)), err=True)
     if not quiet:
@@ -319,16 +443,26 @@ def verify(url: str, quiet: bool, decode: bool, workers: int | None, storage_opt
             click.echo("every image decodes")
 
 
-@main.command("index", epilog=_examples("shardkit index ./webdataset-shards", "shardkit index s3://bucket/photos --versions"))
+@main.command(
+    "index", epilog=_examples("shardkit index ./webdataset-shards", "shardkit index s3://bucket/photos --versions")
+)
 @click.argument("url")
-@click.option("--force", is_flag=True,
-              help="Rebuild an existing index.json from the shards (keeping its class names and list of skipped files).")
-@click.option("--upgrade", is_flag=True,
-              help="Rewrite an index.json of version 1 as version 2 (sample offsets in a file beside it), reading "
-                   "no shard.")
-@click.option("--versions", is_flag=True,
-              help="Only record each remote shard's current version (ETag, generation) in an existing index.json, "
-                   "for a dataset copied elsewhere: one listing, no shard read.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Rebuild an existing index.json from the shards (keeping its class names and list of skipped files).",
+)
+@click.option(
+    "--upgrade",
+    is_flag=True,
+    help="Rewrite an index.json of version 1 as version 2 (sample offsets in a file beside it), reading no shard.",
+)
+@click.option(
+    "--versions",
+    is_flag=True,
+    help="Only record each remote shard's current version (ETag, generation) in an existing index.json, "
+    "for a dataset copied elsewhere: one listing, no shard read.",
+)
 @storage_option
 @_errors_to_exit
 def index_cmd(url: str, force: bool, upgrade: bool, versions: bool, storage_options: tuple[str, ...]) -> None:
@@ -342,8 +476,10 @@ def index_cmd(url: str, force: bool, upgrade: bool, versions: bool, storage_opti
 
     opts = _storage_options(storage_options)
     if upgrade + force + versions > 1:
-        raise click.UsageError("--upgrade rewrites index.json as it is, --versions records the shards' versions in "
-                               "it, --force rebuilds it from the shards: give one")
+        raise click.UsageError(
+            "--upgrade rewrites index.json as it is, --versions records the shards' versions in "
+            "it, --force rebuilds it from the shards: give one"
+        )
     if upgrade:
         _upgrade(url, opts)
         return
@@ -361,7 +497,9 @@ def index_cmd(url: str, force: bool, upgrade: bool, versions: bool, storage_opti
     else:
         index.check_finished(url, opts)  # a shardkit pack's own shards: finished by rerunning it, not indexed
     idx = index.pinned(build_index(shard_urls(url, opts), opts), url, opts)
-    if old is not None and formats.get(old.kind).sharded:  # what the shards cannot tell; not the plan, which vouches for bytes
+    if (
+        old is not None and formats.get(old.kind).sharded
+    ):  # what the shards cannot tell; not the plan, which vouches for bytes
         idx = replace(idx, classes=old.classes, skipped=old.skipped)
     index.save(idx, url, opts)
     click.echo(report.indexed(idx))
@@ -406,46 +544,100 @@ def _transform(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 read_error_option = click.option(
-    "--on-error", type=_OnError(), default="raise", show_default=True,
+    "--on-error",
+    type=_OnError(),
+    default="raise",
+    show_default=True,
     help="On a bad sample (undecodable image, truncated shard): stop with an error naming it, "
-         "or leave it out and count it.",
+    "or leave it out and count it.",
 )
 
 transform_option = click.option(
-    "--transform", metavar="MODULE:FUNCTION", callback=_transform,
-    help="Function applied to each decoded sample dict, from an importable module or a file "
-         "(path/to/file.py:fn).",
+    "--transform",
+    metavar="MODULE:FUNCTION",
+    callback=_transform,
+    help="Function applied to each decoded sample dict, from an importable module or a file (path/to/file.py:fn).",
 )
 
 
-@main.command(epilog=_examples("shardkit bench ./photos-shards                           # ~90 s on 2 cores",
-                        "shardkit bench ./photos-shards --batches 10 --passes 1   # a quick look",
-                        "shardkit bench ./photos-shards --workers 4 --prefetch 2,8,32 --plot prefetch.png"))
+@main.command(
+    epilog=_examples(
+        "shardkit bench ./photos-shards                           # ~90 s on 2 cores",
+        "shardkit bench ./photos-shards --batches 10 --passes 1   # a quick look",
+        "shardkit bench ./photos-shards --workers 4 --prefetch 2,8,32 --plot prefetch.png",
+    )
+)
 @click.argument("url")
-@click.option("--workers", callback=_int_list, metavar="N[,N...]",
-              help="DataLoader num_workers to try.  [default: 0,1,2; 2 when --prefetch is a list]")
-@click.option("--prefetch", callback=_int_list, metavar="N[,N...]",
-              help="StreamingDataset prefetch depth(s) to try.  [default: 8]")
+@click.option(
+    "--workers",
+    callback=_int_list,
+    metavar="N[,N...]",
+    help="DataLoader num_workers to try.  [default: 0,1,2; 2 when --prefetch is a list]",
+)
+@click.option(
+    "--prefetch",
+    callback=_int_list,
+    metavar="N[,N...]",
+    help="StreamingDataset prefetch depth(s) to try.  [default: 8]",
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True, help="Samples per batch.")
-@click.option("--decode", type=click.Choice(["raw", "pil", "rgb8", "tensor"]), default="tensor", show_default=True,
-              help="How images are decoded (raw: read speed only, the default transform skips decoding).")
+@click.option(
+    "--decode",
+    type=click.Choice(["raw", "pil", "rgb8", "tensor"]),
+    default="tensor",
+    show_default=True,
+    help="How images are decoded (raw: read speed only, the default transform skips decoding).",
+)
 @click.option("--batches", type=click.IntRange(min=1), default=50, show_default=True, help="Batches per timed pass.")
-@click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Timed passes per setting (mean ± std over them).")
-@click.option("--warmup", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Batches before timing; the first one gives the time to first batch.")
+@click.option(
+    "--passes",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Timed passes per setting (mean ± std over them).",
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Batches before timing; the first one gives the time to first batch.",
+)
 @transform_option
-@click.option("--step-ms", type=click.FloatRange(min=0, min_open=True), metavar="T", callback=_finite,
-              help="Say, per setting, whether a training step of T ms per batch would wait for data.")
-@click.option("--plot", type=click.Path(dir_okay=False, writable=True), metavar="OUT.png", callback=_plot_output,
-              help="Write images/s (error bars: std over passes) against the varied setting (needs matplotlib).")
+@click.option(
+    "--step-ms",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="T",
+    callback=_finite,
+    help="Say, per setting, whether a training step of T ms per batch would wait for data.",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, writable=True),
+    metavar="OUT.png",
+    callback=_plot_output,
+    help="Write images/s (error bars: std over passes) against the varied setting (needs matplotlib).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
 @read_error_option
 @storage_option
 @_errors_to_exit
-def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch_size: int, decode: str,
-          batches: int, passes: int, warmup: int, transform: Any, step_ms: float | None, plot: str | None,
-          as_json: bool, on_error: str, storage_options: tuple[str, ...]) -> None:
+def bench(
+    url: str,
+    workers: list[int] | None,
+    prefetch: list[int] | None,
+    batch_size: int,
+    decode: str,
+    batches: int,
+    passes: int,
+    warmup: int,
+    transform: Any,
+    step_ms: float | None,
+    plot: str | None,
+    as_json: bool,
+    on_error: str,
+    storage_options: tuple[str, ...],
+) -> None:
     """Measure how fast URL streams through a DataLoader, for several num_workers (or prefetch depths).
 
     Per setting: a warm-up, then timed passes; images/s and MB/s (mean ± std over passes),
@@ -466,10 +658,21 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
         click.echo(report.bench_progress(setting), err=True)
 
     try:
-        doc = run_bench(url, workers=workers, prefetch=prefetch or [8], batch_size=batch_size, decode=decode,
-                        transform=transform, batches=batches, passes=passes, warmup=warmup, step_ms=step_ms,
-                        storage_options=_storage_options(storage_options), on_error=on_error,
-                        progress=progress)
+        doc = run_bench(
+            url,
+            workers=workers,
+            prefetch=prefetch or [8],
+            batch_size=batch_size,
+            decode=decode,
+            transform=transform,
+            batches=batches,
+            passes=passes,
+            warmup=warmup,
+            step_ms=step_ms,
+            storage_options=_storage_options(storage_options),
+            on_error=on_error,
+            progress=progress,
+        )
     except (ValueError, TypeError) as e:  # results that do not batch (images of several sizes), a bad sample
         raise click.ClickException(report.in_cli_words(report.message(e))) from None
     click.echo(json.dumps(doc, indent=2) if as_json else format_report(doc))  # before the plot: a failed
@@ -480,19 +683,40 @@ def bench(url: str, workers: list[int] | None, prefetch: list[int] | None, batch
 @main.command(epilog=_examples("shardkit preview ./photos-shards --n 16 --out batch.png"))
 @click.argument("url")
 @click.option("--n", "n", type=click.IntRange(min=1), default=16, show_default=True, help="Samples to show.")
-@click.option("--out", type=click.Path(dir_okay=False, writable=True), default="batch.png", show_default=True,
-              callback=_output, help="Image file to write (PNG, or the format its extension names: .jpg, .webp).")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, writable=True),
+    default="batch.png",
+    show_default=True,
+    callback=_output,
+    help="Image file to write (PNG, or the format its extension names: .jpg, .webp).",
+)
 @transform_option
-@click.option("--decode", type=click.Choice(["raw", "pil", "rgb8", "tensor"]), default="tensor", show_default=True,
-              help="How images are decoded before the transform (bench's default too, so one --transform serves both).")
+@click.option(
+    "--decode",
+    type=click.Choice(["raw", "pil", "rgb8", "tensor"]),
+    default="tensor",
+    show_default=True,
+    help="How images are decoded before the transform (bench's default too, so one --transform serves both).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Shuffle seed: which samples are shown.")
-@click.option("--tile", type=click.IntRange(min=16), default=128, show_default=True, metavar="PX",
-              help="Pixels per image square.")
+@click.option(
+    "--tile", type=click.IntRange(min=16), default=128, show_default=True, metavar="PX", help="Pixels per image square."
+)
 @read_error_option
 @storage_option
 @_errors_to_exit
-def preview(url: str, n: int, out: str, transform: Any, decode: str, seed: int, tile: int, on_error: str,
-            storage_options: tuple[str, ...]) -> None:
+def preview(
+    url: str,
+    n: int,
+    out: str,
+    transform: Any,
+    decode: str,
+    seed: int,
+    tile: int,
+    on_error: str,
+    storage_options: tuple[str, ...],
+) -> None:
     """Draw N shuffled samples of URL (after --transform) as a labelled PNG grid.
 
     Each tile shows the image (a CHW tensor, an HWC array or a PIL image, or the first
@@ -501,8 +725,17 @@ def preview(url: str, n: int, out: str, transform: Any, decode: str, seed: int, 
     from .tools.preview import render_preview
 
     try:
-        result = render_preview(url, n=n, out=out, transform=transform, decode=decode, seed=seed, tile=tile,
-                                storage_options=_storage_options(storage_options), on_error=on_error)
+        result = render_preview(
+            url,
+            n=n,
+            out=out,
+            transform=transform,
+            decode=decode,
+            seed=seed,
+            tile=tile,
+            storage_options=_storage_options(storage_options),
+            on_error=on_error,
+        )
     except CorruptShardError as e:
         raise click.ClickException(report.in_cli_words(report.message(e))) from None
     click.echo(report.preview_written(out, result))

@@ -142,8 +142,9 @@ def open_image(data: bytes | bytearray | memoryview) -> Image.Image:
     try:
         return Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
-        raise UnidentifiedImageError(f"cannot identify an image format in {len(data)} bytes starting "
-                                     f"{bytes(data[:8])!r}") from None
+        raise UnidentifiedImageError(
+            f"cannot identify an image format in {len(data)} bytes starting {bytes(data[:8])!r}"
+        ) from None
 
 
 def _pil(data: bytes) -> Image.Image:
@@ -208,7 +209,10 @@ def decoder(mode: str, backend: str = "auto") -> Callable[[dict[str, Any]], dict
     _check_backend(backend)
     warm_up()
     handlers: dict[str, Callable[[bytes], Any]] = {
-        **dict.fromkeys(_INT_FIELDS, int), **dict.fromkeys(_JSON_FIELDS, _json), **dict.fromkeys(_TEXT_FIELDS, _text)}
+        **dict.fromkeys(_INT_FIELDS, int),
+        **dict.fromkeys(_JSON_FIELDS, _json),
+        **dict.fromkeys(_TEXT_FIELDS, _text),
+    }
     image = (_FAST.get(mode) if backend == "auto" else None) or _IMAGE.get(mode)
     if image is not None:
         handlers.update(dict.fromkeys(IMAGE_FIELDS, image))
@@ -271,8 +275,9 @@ def _check(size: Size, crop: Size | None, reducing_gap: float | None, backend: s
         raise ValueError(f"crop {crop!r} is larger than the resized image ({size!r})")
 
 
-def geometry(source: tuple[int, int], size: Size, crop: Size | None = None
-             ) -> tuple[tuple[int, int], tuple[int, int], tuple[float, float, float, float]]:
+def geometry(
+    source: tuple[int, int], size: Size, crop: Size | None = None
+) -> tuple[tuple[int, int], tuple[int, int], tuple[float, float, float, float]]:
     """For a `source` (width, height): the resized size, the output size, and the box in
     source pixels that ends up in the output.
 
@@ -299,8 +304,14 @@ def center_offset(full: tuple[int, int], out: tuple[int, int]) -> tuple[int, int
     return int(round((full[0] - out[0]) / 2.0)), int(round((full[1] - out[1]) / 2.0))
 
 
-def _fast_resized(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop: Size | None, resample: int,
-                  reducing_gap: float | None, backend: str) -> np.ndarray | None:
+def _fast_resized(
+    data: bytes | bytearray | memoryview | Image.Image,
+    size: Size,
+    crop: Size | None,
+    resample: int,
+    reducing_gap: float | None,
+    backend: str,
+) -> np.ndarray | None:
     """`resized` by the fast path, as HWC uint8 pixels (maybe a view), or None where it is PIL's
     to do: decoded in the DCT domain to at least `reducing_gap` times the resized size, then
     resized and cropped (torchvision's Resize and CenterCrop) with PIL's antialiased filter on
@@ -320,7 +331,7 @@ def _fast_resized(data: bytes | bytearray | memoryview | Image.Image, size: Size
         if image is None:
             return None
         left, top = center_offset(full, out)
-        return image[top:top + out[1], left:left + out[0]].numpy()
+        return image[top : top + out[1], left : left + out[0]].numpy()
     decoded = jpeg.decode_spanning(data, at_least)
     if decoded is None:
         return None
@@ -330,8 +341,15 @@ def _fast_resized(data: bytes | bytearray | memoryview | Image.Image, size: Size
     return np.asarray(Image.fromarray(hwc).resize(out, resample, box=box, reducing_gap=reducing_gap))
 
 
-def resized(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop: Size | None = None, *,
-            resample: int = BILINEAR, reducing_gap: float | None = 2.0, backend: str = "auto") -> Image.Image:
+def resized(
+    data: bytes | bytearray | memoryview | Image.Image,
+    size: Size,
+    crop: Size | None = None,
+    *,
+    resample: int = BILINEAR,
+    reducing_gap: float | None = 2.0,
+    backend: str = "auto",
+) -> Image.Image:
     """Decode an image and return it resized so its shorter side is `size` (or to exactly
     `size` = (width, height)), center-cropped to `crop` (an int for a square), as RGB.
 
@@ -363,8 +381,15 @@ def resized(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop
     return to_rgb(img).resize(out, resample, box=box, reducing_gap=reducing_gap)
 
 
-def resized_tensor(data: bytes | bytearray | memoryview | Image.Image, size: Size, crop: Size | None = None, *,
-                   resample: int = BILINEAR, reducing_gap: float | None = 2.0, backend: str = "auto") -> Any:
+def resized_tensor(
+    data: bytes | bytearray | memoryview | Image.Image,
+    size: Size,
+    crop: Size | None = None,
+    *,
+    resample: int = BILINEAR,
+    reducing_gap: float | None = 2.0,
+    backend: str = "auto",
+) -> Any:
     """`resized` as a CHW uint8 torch tensor."""
     _check(size, crop, reducing_gap, backend)
     fast = _fast_resized(data, size, crop, resample, reducing_gap, backend)
@@ -392,8 +417,17 @@ class ImageTransform:
     plain object, so it pickles for spawned workers. Also accepts samples decoded to PIL.
     """
 
-    def __init__(self, size: Size = 256, crop: Size | None = 224, *, field: str | None = None, label: str = "cls",
-                 resample: int = BILINEAR, reducing_gap: float | None = 2.0, backend: str = "auto"):
+    def __init__(
+        self,
+        size: Size = 256,
+        crop: Size | None = 224,
+        *,
+        field: str | None = None,
+        label: str = "cls",
+        resample: int = BILINEAR,
+        reducing_gap: float | None = 2.0,
+        backend: str = "auto",
+    ):
         _check(size, crop, reducing_gap, backend)
         self.size, self.crop = _size(size), None if crop is None else _size(crop)
         self.field, self.label = field, label
@@ -402,20 +436,32 @@ class ImageTransform:
     def __call__(self, sample: dict[str, Any]) -> tuple[Any, Any]:
         field = self.field or image_field(sample)
         if field is None or sample.get(field) is None:  # bad data, as an undecodable image is
-            raise FieldError(f"no image field{f' {field!r}' if field else ''} in sample {sample.get('__key__')!r} "
-                             f"(fields: {', '.join(sample)})")
+            raise FieldError(
+                f"no image field{f' {field!r}' if field else ''} in sample {sample.get('__key__')!r} "
+                f"(fields: {', '.join(sample)})"
+            )
         image = sample[field]
         if not isinstance(image, (bytes, bytearray, memoryview, Image.Image)):
-            raise TypeError(f"image_transform decodes the image itself: it takes samples read with decode='raw' "
-                            f"(or 'pil'), not a {type(image).__module__}.{type(image).__name__}")
+            raise TypeError(
+                f"image_transform decodes the image itself: it takes samples read with decode='raw' "
+                f"(or 'pil'), not a {type(image).__module__}.{type(image).__name__}"
+            )
         try:
-            tensor = resized_tensor(image, self.size, self.crop, resample=self.resample, reducing_gap=self.reducing_gap,
-                                    backend=self.backend)
+            tensor = resized_tensor(
+                image,
+                self.size,
+                self.crop,
+                resample=self.resample,
+                reducing_gap=self.reducing_gap,
+                backend=self.backend,
+            )
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # PIL's words for bad data
             raise FieldError(f"field {field!r}: {describe(e)}") from e  # bad data: named and skippable by the reader
         if self.label not in sample:
-            raise FieldError(f"sample {sample.get('__key__')!r} has no field {self.label!r} for the label "
-                             f"(fields: {', '.join(sample)})")
+            raise FieldError(
+                f"sample {sample.get('__key__')!r} has no field {self.label!r} for the label "
+                f"(fields: {', '.join(sample)})"
+            )
         return tensor, sample[self.label]
 
     def __repr__(self) -> str:

@@ -2,7 +2,6 @@
 message naming the file, shard or URL; subclasses also derive from the builtin a caller would
 expect, so `except ValueError` and `except FileNotFoundError` keep working."""
 
-
 import errno
 import re
 import threading
@@ -39,8 +38,10 @@ def redact(text: str) -> str:
 
 _SECRET_NAME = re.compile(r"key|secret|token|passw|credential|signature|sas|auth|connection_str", re.IGNORECASE)
 # the parts of an Azure connection string or SAS that are secrets: its key, its SAS, the SAS's signature
-_SECRET_PARTS = (re.compile(r"(?:AccountKey|SharedAccessSignature)=([^;]+)", re.IGNORECASE),
-                 re.compile(r"\bsig=([^;&\s]+)"))
+_SECRET_PARTS = (
+    re.compile(r"(?:AccountKey|SharedAccessSignature)=([^;]+)", re.IGNORECASE),
+    re.compile(r"\bsig=([^;&\s]+)"),
+)
 _NOT_SECRET = frozenset({"google_default", "anon", "browser", "cache", "cloud"})  # gcsfs's token modes
 _SHORTEST_SECRET = 8  # "testing", "anon", "true": not worth hiding, and would hide parts of words
 
@@ -84,8 +85,11 @@ def _secret_values(value: Any, named: bool, depth: int = 0) -> list[str]:
     if depth > 8:
         return []
     if isinstance(value, Mapping):
-        return [v for k, item in value.items()
-                for v in _secret_values(item, named or bool(_SECRET_NAME.search(str(k))), depth + 1)]
+        return [
+            v
+            for k, item in value.items()
+            for v in _secret_values(item, named or bool(_SECRET_NAME.search(str(k))), depth + 1)
+        ]
     if isinstance(value, (list, tuple)):
         return [v for item in value for v in _secret_values(item, named, depth + 1)]
     return []
@@ -139,9 +143,11 @@ def about_the_file(e: OSError) -> bool:
     (too many open files, out of memory, an I/O error, a stale network mount) is about the
     machine and would hit every file after it: the pack stops instead of turning an outage
     into a smaller dataset, and a rerun resumes it."""
-    return (isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
-            or e.errno is None  # not the system's: PIL's "Truncated File Read", a store's 404
-            or e.errno in _ABOUT_THE_FILE)
+    return (
+        isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
+        or e.errno is None  # not the system's: PIL's "Truncated File Read", a store's 404
+        or e.errno in _ABOUT_THE_FILE
+    )
 
 
 def name_file(e: OSError, path: str) -> None:

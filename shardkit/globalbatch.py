@@ -40,8 +40,10 @@ def local_size(batch: int, world: int) -> int:
     if world < 1 or batch % world:
         works = [w for w in range(1, min(batch, 4096) + 1) if batch % w == 0]
         shown = ", ".join(map(str, works[:12])) + (", ..." if len(works) > 12 else "")
-        raise ValueError(f"global_batch_size={batch} does not split evenly over world size {world}: use a world size "
-                         f"that divides it ({shown}) or a global batch size that is a multiple of {world}")
+        raise ValueError(
+            f"global_batch_size={batch} does not split evenly over world size {world}: use a world size "
+            f"that divides it ({shown}) or a global batch size that is a multiple of {world}"
+        )
     return batch // world
 
 
@@ -94,9 +96,15 @@ class GlobalBatches:
 
     def _pieces(self, w: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """(first position, length) of window w's pieces, in the order the window takes them."""
-        cuts = np.unique(np.concatenate([self._cuts(lo, min(hi, self.total)),
-                                         self.total + self._cuts(max(lo, self.total) - self.total, hi - self.total),
-                                         [lo]]))
+        cuts = np.unique(
+            np.concatenate(
+                [
+                    self._cuts(lo, min(hi, self.total)),
+                    self.total + self._cuts(max(lo, self.total) - self.total, hi - self.total),
+                    [lo],
+                ]
+            )
+        )
         lengths = np.diff(np.append(cuts, hi))
         k = blockplan.mix64(np.array([w], dtype=np.uint64) + self.key)[0]  # type: ignore[operator]
         # whole pieces first, in a random order, the short ones (a shard's last block, the window's
@@ -118,8 +126,18 @@ class GlobalBatches:
         return out
 
 
-def plan(total: int, size: int, *, remainder: str, shuffle: bool, window: int, piece: int, seed: int,
-         epoch: int, bounds: Bounds | None = None) -> GlobalBatches:
+def plan(
+    total: int,
+    size: int,
+    *,
+    remainder: str,
+    shuffle: bool,
+    window: int,
+    piece: int,
+    seed: int,
+    epoch: int,
+    bounds: Bounds | None = None,
+) -> GlobalBatches:
     """The global batches of an epoch: a pure function of these values, W and N aside."""
     key = blockplan.key(seed, epoch, 0x6B47, n=1)[0] if shuffle else None
     return GlobalBatches(total, size, remainder, max(1, window // size) * size, max(1, piece), key, bounds)
@@ -130,8 +148,16 @@ def worker_batches(batches: int, num_workers: int, worker_id: int) -> int:
     return max(0, -(-(batches - worker_id) // num_workers))
 
 
-def worker_chunks(gb: GlobalBatches, start: int, world: int, rank: int, num_workers: int, worker_id: int,
-                  skip: int = 0, chunk: int = CHUNK) -> Iterator[np.ndarray]:
+def worker_chunks(
+    gb: GlobalBatches,
+    start: int,
+    world: int,
+    rank: int,
+    num_workers: int,
+    worker_id: int,
+    skip: int = 0,
+    chunk: int = CHUNK,
+) -> Iterator[np.ndarray]:
     """The positions worker `worker_id` of rank `rank` yields in a pass that begins at global
     batch `start`, from its `skip`-th on, a piece at a time: its rank's slice of global
     batches start + w, start + w + N, ..."""
@@ -139,8 +165,16 @@ def worker_chunks(gb: GlobalBatches, start: int, world: int, rank: int, num_work
         yield gb.positions(slots)
 
 
-def worker_slots(gb: GlobalBatches, start: int, world: int, rank: int, num_workers: int, worker_id: int,
-                 skip: int = 0, chunk: int = CHUNK) -> Iterator[np.ndarray]:
+def worker_slots(
+    gb: GlobalBatches,
+    start: int,
+    world: int,
+    rank: int,
+    num_workers: int,
+    worker_id: int,
+    skip: int = 0,
+    chunk: int = CHUNK,
+) -> Iterator[np.ndarray]:
     """The slots behind `worker_chunks`' positions."""
     b = local_size(gb.size, world)
     mine = worker_batches(gb.batches - start, num_workers, worker_id)
@@ -151,8 +185,9 @@ def worker_slots(gb: GlobalBatches, start: int, world: int, rank: int, num_worke
         yield (spans[:, None] + np.arange(b)[None, :]).ravel()[cut if i == first else 0 :]
 
 
-def slot_spans(size: int, start: int, b: int, rank: int, num_workers: int, worker_id: int, lo: int,
-               hi: int) -> np.ndarray:
+def slot_spans(
+    size: int, start: int, b: int, rank: int, num_workers: int, worker_id: int, lo: int, hi: int
+) -> np.ndarray:
     """The first slot of the worker's local batches lo..hi-1 (each b slots long)."""
     j = np.arange(lo, hi, dtype=np.int64) * num_workers + worker_id
     out: np.ndarray = (start + j) * size + rank * b
@@ -165,8 +200,10 @@ def batches_done(num_workers: int, yielded: Sequence[int], b: int) -> int:
     done = sum(yielded) // b
     expected = [b * worker_batches(done, num_workers, w) for w in range(num_workers)]
     if list(yielded) != expected:
-        raise ValueError(f"worker counts {list(yielded)} are not those of a loader that handed out {done} batches of "
-                         f"{b} samples in turn from {num_workers} workers ({expected}): this state would resume other "
-                         "batches than those left (saved with a DataLoader batch_size other than global_batch_size "
-                         "/ world size, or edited)")
+        raise ValueError(
+            f"worker counts {list(yielded)} are not those of a loader that handed out {done} batches of "
+            f"{b} samples in turn from {num_workers} workers ({expected}): this state would resume other "
+            "batches than those left (saved with a DataLoader batch_size other than global_batch_size "
+            "/ world size, or edited)"
+        )
     return done

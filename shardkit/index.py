@@ -63,23 +63,24 @@ class ShardInfo:
         if self.samples < 0 or self.bytes < 0:
             raise CorruptShardError(f"{self.name}: index lists {self.samples} samples of {self.bytes} bytes")
         if self.compression not in (None, "gzip"):
-            raise CorruptShardError(f"{self.name}: index lists compression {self.compression!r}, this shardkit reads "
-                                    "gzip only")
+            raise CorruptShardError(
+                f"{self.name}: index lists compression {self.compression!r}, this shardkit reads gzip only"
+            )
         if self.offsets is None:
             return
         if not (isinstance(self.offsets, array) and self.offsets.typecode == "q"):
             object.__setattr__(self, "offsets", array("q", self.offsets))
         if len(self.offsets) != self.samples + 1:
-            raise CorruptShardError(
-                f"{self.name}: index lists {len(self.offsets)} offsets for {self.samples} samples"
-            )
+            raise CorruptShardError(f"{self.name}: index lists {len(self.offsets)} offsets for {self.samples} samples")
         size = None if self.compression else self.bytes  # the inflated tar's size is not recorded
         _check_offsets(self.name, np.asarray(self.offsets, dtype=np.int64), size)
 
     def __repr__(self) -> str:  # the offsets by their count: a shard's repr printed every one
         offsets = None if self.offsets is None else f"<{len(self.offsets)} offsets>"
-        return (f"ShardInfo(name={self.name!r}, samples={self.samples}, bytes={self.bytes}, sha256={self.sha256!r}, "
-                f"offsets={offsets!s})")
+        return (
+            f"ShardInfo(name={self.name!r}, samples={self.samples}, bytes={self.bytes}, sha256={self.sha256!r}, "
+            f"offsets={offsets!s})"
+        )
 
     def to_json(self, offsets: bool = False) -> dict[str, Any]:
         """The entry of index.json; with `offsets`, as version 1 wrote it (offsets inside)."""
@@ -109,9 +110,10 @@ class ShardInfo:
 
 
 def _version(found: Any, name: str) -> dict[str, Any] | None:
-    if found is not None and not (isinstance(found, dict) and len(found) == 1
-                                  and isinstance(next(iter(found.values())), (str, int))):
-        raise CorruptShardError(f"{name}: index lists version {found!r}, not one mark such as {{\"etag\": ...}}")
+    if found is not None and not (
+        isinstance(found, dict) and len(found) == 1 and isinstance(next(iter(found.values())), (str, int))
+    ):
+        raise CorruptShardError(f'{name}: index lists version {found!r}, not one mark such as {{"etag": ...}}')
     return found
 
 
@@ -129,13 +131,13 @@ def _check_offsets(name: str, table: np.ndarray, size: int | None) -> None:
     when the index is read, rather than as a confusing read error in a worker halfway
     through an epoch."""
     if table[0] < 0 or (size is not None and table[-1] > size):
-        raise CorruptShardError(f"{name}: index offsets run from {table[0]} to {table[-1]}, outside the shard's "
-                                f"{size} bytes")
+        raise CorruptShardError(
+            f"{name}: index offsets run from {table[0]} to {table[-1]}, outside the shard's {size} bytes"
+        )
     bad = np.flatnonzero(table[1:] <= table[:-1])
     if len(bad):
         i = int(bad[0])
-        raise CorruptShardError(f"{name}: index offsets do not increase at sample {i} "
-                                f"({table[i]} then {table[i + 1]})")
+        raise CorruptShardError(f"{name}: index offsets do not increase at sample {i} ({table[i]} then {table[i + 1]})")
 
 
 @dataclass(frozen=True)
@@ -218,8 +220,19 @@ class Index:
                 "upgrade shardkit"
             )
         kind = formats.get(doc.get("kind", formats.DEFAULT), where).name
-        known = {"format", "version", "kind", "samples", "bytes", "fields", "classes", "plan", "skipped", "shards",
-                 "offsets"}
+        known = {
+            "format",
+            "version",
+            "kind",
+            "samples",
+            "bytes",
+            "fields",
+            "classes",
+            "plan",
+            "skipped",
+            "shards",
+            "offsets",
+        }
         try:
             tables = [array("q", s.pop("offsets")) if s.get("offsets") is not None else None for s in doc["shards"]]
             if any(t is not None for t in tables):
@@ -262,7 +275,7 @@ def _sidecar(doc: dict[str, Any], where: str) -> Sidecar | None:
         raise CorruptShardError(f"{where}: lists sample offsets both in its shards and in {entry.get('file')!r}")
     name, sha = entry["file"], entry["sha256"]
     if not (isinstance(name, str) and sidecar.PATTERN.match(name) and isinstance(sha, str)):
-        raise CorruptShardError(f"{where}: \"offsets\" names {name!r}, not a shardkit offsets file of the folder")
+        raise CorruptShardError(f'{where}: "offsets" names {name!r}, not a shardkit offsets file of the folder')
     return Sidecar(name, sha)
 
 
@@ -289,11 +302,15 @@ def _check_keyed(index: Index, where: str) -> None:
     if len(index.shards) != 1:
         raise CorruptShardError(f"{where}: an LMDB index lists {len(index.shards)} shards, not the one data.mdb")
     if not isinstance(keys, list) or len(keys) != index.samples:
-        raise CorruptShardError(f"{where}: an LMDB index needs a key for each of its {index.samples} samples, "
-                                f"it lists {len(keys) if isinstance(keys, list) else 'no list of'} keys")
+        raise CorruptShardError(
+            f"{where}: an LMDB index needs a key for each of its {index.samples} samples, "
+            f"it lists {len(keys) if isinstance(keys, list) else 'no list of'} keys"
+        )
     if sizes is not None and (not isinstance(sizes, list) or len(sizes) != len(keys)):
-        raise CorruptShardError(f"{where}: an LMDB index lists {len(sizes) if isinstance(sizes, list) else 'no list of'} "
-                                f"sizes for {len(keys)} keys")
+        raise CorruptShardError(
+            f"{where}: an LMDB index lists {len(sizes) if isinstance(sizes, list) else 'no list of'} "
+            f"sizes for {len(keys)} keys"
+        )
     bad = next((i for i, k in enumerate(keys) if not isinstance(k, str) or not k or "\0" in k), None)
     if bad is not None:  # a NUL: numpy's bytes table would cut the key there and read another record
         raise CorruptShardError(f"{where}: LMDB key {bad} is {keys[bad]!r}, not a sample key (a non-empty string)")
@@ -330,8 +347,10 @@ def check_finished(url: str, storage_options: StorageOptions | None = None) -> N
     """Raise UnfinishedPackError where a pack into `url` has started and not finished: its
     shards must not be read (or indexed) as if they were a dataset."""
     if storage.exists(storage.join(url, PROGRESS_DIR), storage_options):
-        raise UnfinishedPackError(f"{storage.join(url, INDEX_NAME)}: not written yet: a pack into "
-                                  f"{storage.display(url)} has not finished (rerun the same `shardkit pack` to finish it)")
+        raise UnfinishedPackError(
+            f"{storage.join(url, INDEX_NAME)}: not written yet: a pack into "
+            f"{storage.display(url)} has not finished (rerun the same `shardkit pack` to finish it)"
+        )
 
 
 def _guess(url: str, storage_options: StorageOptions | None) -> str:
@@ -373,8 +392,9 @@ def with_sidecar(index: Index, url: str, tables: Iterable[Any], storage_options:
     return replace(index, shards=tuple(replace(s, offsets=None) for s in index.shards), sidecar=Sidecar(name, sha, url))
 
 
-def sample_offsets(index: Index, storage_options: StorageOptions | None = None,
-                   cache_dir: str | None = None) -> np.ndarray | sidecar.Offsets:
+def sample_offsets(
+    index: Index, storage_options: StorageOptions | None = None, cache_dir: str | None = None
+) -> np.ndarray | sidecar.Offsets:
     """Every shard's offset table back to back (see sidecar.py): the sidecar mapped into
     memory (version 2), or the tables of the index's own shards (version 1, shards scanned)."""
     if index.sidecar is not None:
@@ -396,7 +416,9 @@ def with_offsets(index: Index, storage_options: StorageOptions | None = None) ->
     return replace(index, shards=tuple(replace(s, offsets=t) for s, t in zip(index.shards, each)), sidecar=None)
 
 
-def _open_sidecar(index: Index, side: Sidecar, storage_options: StorageOptions | None,
-                  cache_dir: str | None) -> sidecar.Offsets:
-    return sidecar.open_table(side.folder, side.file, side.sha256, index.samples + len(index.shards),
-                              storage_options, cache_dir)
+def _open_sidecar(
+    index: Index, side: Sidecar, storage_options: StorageOptions | None, cache_dir: str | None
+) -> sidecar.Offsets:
+    return sidecar.open_table(
+        side.folder, side.file, side.sha256, index.samples + len(index.shards), storage_options, cache_dir
+    )

@@ -22,8 +22,10 @@ def exit_on_second_ctrl_c() -> None:
     a kill would (pool workers die with the process on Linux; a pack resumes on a rerun).
     Processes forked from this one keep Python's behaviour. Not where Ctrl-C is ignored (a
     background job) or handled by someone else."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         return
     owner, pressed = os.getpid(), False
 

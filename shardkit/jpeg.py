@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 _SOI = b"\xff\xd8\xff"  # start of image, then the first marker
 _COLORSPACES = frozenset({"YCbCr", "RGB", "Gray"})  # not CMYK, YCCK: PIL converts those its own way
 MODES: dict[int, str] = {Image.Resampling.BILINEAR: "bilinear", Image.Resampling.BICUBIC: "bicubic"}  # PIL's -> torch's
-_SIMD = frozenset({"AVX2", "AVX512"})  # torch's CPU capabilities with the uint8 antialiased kernel (AVX-512 runs AVX2's)
+_SIMD = frozenset(
+    {"AVX2", "AVX512"}
+)  # torch's CPU capabilities with the uint8 antialiased kernel (AVX-512 runs AVX2's)
 
 
 @functools.cache
@@ -75,8 +77,9 @@ def decode(data: bytes | bytearray | memoryview, at_least: tuple[int, int] | Non
     return None if decoded is None else decoded[0]
 
 
-def decode_spanning(data: bytes | bytearray | memoryview, at_least: tuple[int, int] | None = None
-                    ) -> tuple[np.ndarray, float, float] | None:
+def decode_spanning(
+    data: bytes | bytearray | memoryview, at_least: tuple[int, int] | None = None
+) -> tuple[np.ndarray, float, float] | None:
     """`decode`'s pixels, and the source's width and height in them (a scaled decode rounds up:
     ceil(width / 4) pixels hold width / 4 of the source), as PIL's `draft` box gives them."""
     source = header(data)
@@ -89,8 +92,9 @@ def decode_spanning(data: bytes | bytearray | memoryview, at_least: tuple[int, i
     # that k gives (rounded up, as libjpeg does), which no other factor reaches
     scale = next((k for k in (8, 4, 2) if all(s // k >= n for s, n in zip(source, at_least or source))), 1)
     try:  # strict: what libjpeg-turbo only warns about (a truncated scan) is PIL's to judge
-        hwc = simplejpeg.decode_jpeg(data, "RGB", min_width=-(-source[0] // scale),
-                                     min_height=-(-source[1] // scale), strict=True)
+        hwc = simplejpeg.decode_jpeg(
+            data, "RGB", min_width=-(-source[0] // scale), min_height=-(-source[1] // scale), strict=True
+        )
     except ValueError:
         return None
     return hwc, source[0] / scale, source[1] / scale
@@ -106,15 +110,17 @@ def warning(data: bytes | bytearray | memoryview, scale: int = 1) -> str | None:
     import simplejpeg
 
     try:
-        simplejpeg.decode_jpeg(data, "RGB", min_width=-(-source[0] // scale), min_height=-(-source[1] // scale),
-                               strict=True)
+        simplejpeg.decode_jpeg(
+            data, "RGB", min_width=-(-source[0] // scale), min_height=-(-source[1] // scale), strict=True
+        )
     except ValueError as e:
         return str(e) or "a warning"
     return ""
 
 
-def resized(data: bytes | bytearray | memoryview, size: tuple[int, int], at_least: tuple[int, int] | None, resample: int
-            ) -> torch.Tensor | None:
+def resized(
+    data: bytes | bytearray | memoryview, size: tuple[int, int], at_least: tuple[int, int] | None, resample: int
+) -> torch.Tensor | None:
     """A JPEG decoded as `decode(data, at_least)` does, then resized to `size` (width, height)
     with PIL's antialiased `resample` filter (bilinear or bicubic): an HWC uint8 tensor (a view,
     maybe not contiguous), or None where PIL must decode it."""
@@ -122,8 +128,9 @@ def resized(data: bytes | bytearray | memoryview, size: tuple[int, int], at_leas
     return None if decoded is None else resize(decoded[0], size, resample, decoded[1:])
 
 
-def resize(hwc: np.ndarray, size: tuple[int, int], resample: int, span: tuple[float, float] | None = None
-           ) -> torch.Tensor:
+def resize(
+    hwc: np.ndarray, size: tuple[int, int], resample: int, span: tuple[float, float] | None = None
+) -> torch.Tensor:
     """HWC uint8 pixels resized to `size` (width, height) with PIL's antialiased `resample`
     filter (bilinear or bicubic): an HWC uint8 tensor (a view, maybe not contiguous). `span`:
     the source's width and height in these pixels (a scaled decode's may end inside its last
@@ -138,4 +145,4 @@ def resize(hwc: np.ndarray, size: tuple[int, int], resample: int, span: tuple[fl
     # rounded down by torch, from falling short by float error (a pixel too many is cut off below).
     factors = (size[1] / height * (1 + 1e-9), size[0] / width * (1 + 1e-9))
     out = torch.nn.functional.interpolate(chw[None], scale_factor=factors, mode=MODES[resample], antialias=True)
-    return out[0, :, :size[1], :size[0]].permute(1, 2, 0)
+    return out[0, :, : size[1], : size[0]].permute(1, 2, 0)

@@ -80,8 +80,9 @@ def worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-def epoch_order(counts: Sequence[int] | np.ndarray, *, seed: int, epoch: int, shuffle: bool,
-                block: int | np.ndarray) -> blockplan.BlockOrder:
+def epoch_order(
+    counts: Sequence[int] | np.ndarray, *, seed: int, epoch: int, shuffle: bool, block: int | np.ndarray
+) -> blockplan.BlockOrder:
     """The global sequence of an epoch over shards of `counts` samples (sample ids 0..T-1,
     shard by shard), as a lookup by position. `block` is one size for every shard, or each
     shard's (a compressed shard's block is all of it)."""
@@ -130,8 +131,9 @@ def worker_positions(total: int, layout: Layout, rank: int, worker_id: int) -> n
     return np.concatenate([np.empty(0, dtype=np.int64), *worker_chunks(total, layout, rank, worker_id)])
 
 
-def worker_chunks(total: int, layout: Layout, rank: int, worker_id: int, skip: int = 0,
-                  chunk: int = CHUNK) -> Iterator[np.ndarray]:
+def worker_chunks(
+    total: int, layout: Layout, rank: int, worker_id: int, skip: int = 0, chunk: int = CHUNK
+) -> Iterator[np.ndarray]:
     """`worker_positions` from its `skip`-th on, made a piece of about `chunk` positions at a
     time, as they are needed: a pass's memory and start follow the piece, not the epoch.
     Pieces end on shuffle windows, each window being permuted on its own."""
@@ -156,8 +158,9 @@ def _windowed(layout: Layout) -> bool:
 
 
 def _window_key(layout: Layout, rank: int, worker_id: int) -> np.uint64:
-    k: np.uint64 = blockplan.key(layout.seed, layout.epoch, layout.segment, rank, worker_id, layout.world_size,
-                                 layout.num_workers)[0]
+    k: np.uint64 = blockplan.key(
+        layout.seed, layout.epoch, layout.segment, rank, worker_id, layout.world_size, layout.num_workers
+    )[0]
     return k
 
 
@@ -172,19 +175,27 @@ class Progress:
     batch: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "num_workers": self.num_workers, "yielded": list(self.yielded),
-                "batch": self.batch}
+        return {
+            "world_size": self.world_size,
+            "num_workers": self.num_workers,
+            "yielded": list(self.yielded),
+            "batch": self.batch,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Progress:
         if not isinstance(d, dict):
             raise TypeError(f"a pass's progress is a dict, not {d!r}")
-        p = cls(int(d["world_size"]), int(d["num_workers"]), tuple(int(k) for k in d["yielded"]), int(d.get("batch", 1)))
+        p = cls(
+            int(d["world_size"]), int(d["num_workers"]), tuple(int(k) for k in d["yielded"]), int(d.get("batch", 1))
+        )
         if len(p.yielded) != p.num_workers:
             raise ValueError(f"progress lists {len(p.yielded)} worker counts for {p.num_workers} workers")
         if min(p.world_size, p.num_workers, p.batch) < 1 or min(p.yielded) < 0:
-            raise ValueError(f"progress with world_size {p.world_size}, num_workers {p.num_workers}, batch {p.batch} "
-                             f"and counts {list(p.yielded)} comes from no pass")
+            raise ValueError(
+                f"progress with world_size {p.world_size}, num_workers {p.num_workers}, batch {p.batch} "
+                f"and counts {list(p.yielded)} comes from no pass"
+            )
         return p
 
 
@@ -197,8 +208,9 @@ def remaining(total: int, layout: Layout, progress: Progress) -> np.ndarray:
     return _complement(*delivered(total, layout, progress), total)
 
 
-def delivered(total: int, layout: Layout, progress: Progress, rank: int | None = None,
-              worker_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def delivered(
+    total: int, layout: Layout, progress: Progress, rank: int | None = None, worker_id: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """The positions of a sequence of `total` that `progress` under `layout` delivered (of
     one rank, or one worker, if given), as spans [starts, stops) that may run past `total`
     (padding: they wrap round to the sequence's start)."""
@@ -230,8 +242,10 @@ def wrapped(starts: np.ndarray, stops: np.ndarray, total: int) -> tuple[np.ndarr
     starts = starts[lengths > 0] % total
     ends = starts + lengths[lengths > 0]
     over = ends[ends > total] - total
-    return (np.concatenate([starts, np.zeros(len(over), dtype=np.int64)]),
-            np.concatenate([np.minimum(ends, total), over]))
+    return (
+        np.concatenate([starts, np.zeros(len(over), dtype=np.int64)]),
+        np.concatenate([np.minimum(ends, total), over]),
+    )
 
 
 def _complement(starts: np.ndarray, stops: np.ndarray, total: int) -> np.ndarray:

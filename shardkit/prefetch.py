@@ -94,10 +94,20 @@ class Prefetcher(Generic[R, D]):
     range's bytes: not its own time, so not part of the rate Little's law asks for.
     """
 
-    def __init__(self, requests: Iterable[R], fetch: Callable[..., D], size: Callable[[R], int], *,
-                 depth: int, budget: int, threads: bool = True, streaming: bool = False,
-                 pressure: Callable[[], int] | None = None, start: int = 1,
-                 stalled: Callable[[], float] | None = None):
+    def __init__(
+        self,
+        requests: Iterable[R],
+        fetch: Callable[..., D],
+        size: Callable[[R], int],
+        *,
+        depth: int,
+        budget: int,
+        threads: bool = True,
+        streaming: bool = False,
+        pressure: Callable[[], int] | None = None,
+        start: int = 1,
+        stalled: Callable[[], float] | None = None,
+    ):
         if depth < 0 or budget < 1:
             raise ValueError("depth must be >= 0 and budget >= 1")
         self._requests = iter(requests)

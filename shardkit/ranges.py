@@ -67,8 +67,9 @@ def _runs(shard: np.ndarray, start: np.ndarray, stop: np.ndarray, max_bytes: int
     return np.flatnonzero(new_range), np.cumsum(new_range) - 1
 
 
-def coalesce(shard_of: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-             max_bytes: int) -> tuple[Iterator[Range], np.ndarray]:
+def coalesce(
+    shard_of: np.ndarray, starts: np.ndarray, ends: np.ndarray, max_bytes: int
+) -> tuple[Iterator[Range], np.ndarray]:
     """(ranges in read order, the range index of each sample of the stream)."""
     n = len(shard_of)
     if n == 0:
@@ -88,8 +89,14 @@ def bounds(ids: np.ndarray, first: np.ndarray, offsets: np.ndarray) -> tuple[np.
     return shard_of, offsets[at], offsets[at + 1]
 
 
-def blocks(ids: np.ndarray, first: np.ndarray, offsets: np.ndarray, block: int,
-           max_gap: int | None = None, max_bytes: int | None = None) -> tuple[Iterator[Range], np.ndarray]:
+def blocks(
+    ids: np.ndarray,
+    first: np.ndarray,
+    offsets: np.ndarray,
+    block: int,
+    max_gap: int | None = None,
+    max_bytes: int | None = None,
+) -> tuple[Iterator[Range], np.ndarray]:
     """Whole-block ranges for the stream `ids` (global sample ids); `first` and `offsets`
     as in `bounds`. A block needed again more than `max_gap` samples after its previous
     sample (a mix drawing a part more than once an epoch) is read again, not held between.

@@ -86,33 +86,44 @@ def _map(path: str, entries: int, where: str) -> np.ndarray:
     in the pages about each one too (the whole file, in every process's memory count)."""
     try:
         with open(path, "rb") as f:
-            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
-                           (2, 0): np.lib.format.read_array_header_2_0}.get(np.lib.format.read_magic(f))
+            read_header = {
+                (1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0,
+            }.get(np.lib.format.read_magic(f))
             if read_header is None:
                 raise ValueError("a .npy format version this shardkit does not read")
             shape, fortran, dtype = read_header(f)
             start = f.tell()
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if entries else None
     except FileNotFoundError:
-        raise CorruptShardError(f"{where}: no such file, and index.json names it for its sample offsets (the "
-                                "dataset copied without it?)") from None
+        raise CorruptShardError(
+            f"{where}: no such file, and index.json names it for its sample offsets (the dataset copied without it?)"
+        ) from None
     except ValueError as e:
         raise CorruptShardError(f"{where}: not a table of sample offsets ({e})") from None
     if dtype != DTYPE or shape != (entries,) or fortran:
-        raise CorruptShardError(f"{where}: holds {shape} {dtype} values; index.json expects {entries} "
-                                "int64 sample offsets")
+        raise CorruptShardError(
+            f"{where}: holds {shape} {dtype} values; index.json expects {entries} int64 sample offsets"
+        )
     if mapped is None:
         return np.empty(0, dtype=DTYPE)
     if len(mapped) < start + entries * DTYPE.itemsize:
-        raise CorruptShardError(f"{where}: cut short ({len(mapped)} bytes, {entries} offsets need "
-                                f"{start + entries * DTYPE.itemsize})")
+        raise CorruptShardError(
+            f"{where}: cut short ({len(mapped)} bytes, {entries} offsets need {start + entries * DTYPE.itemsize})"
+        )
     if hasattr(mmap, "MADV_RANDOM"):
         mapped.madvise(mmap.MADV_RANDOM)
     return np.frombuffer(mapped, dtype=DTYPE, count=entries, offset=start)
 
 
-def open_table(folder: str, name: str, sha256: str, entries: int, storage_options: StorageOptions | None = None,
-               cache_dir: str | None = None) -> Offsets:
+def open_table(
+    folder: str,
+    name: str,
+    sha256: str,
+    entries: int,
+    storage_options: StorageOptions | None = None,
+    cache_dir: str | None = None,
+) -> Offsets:
     """The sidecar `name` of the dataset at `folder`, checked for its length (local) or
     copied to `cache_dir` and checked for its sha256 (remote)."""
     url = storage.join(folder, name)
@@ -146,7 +157,9 @@ def _fetch(url: str, sha256: str, storage_options: StorageOptions | None, cache_
                     sha.update(chunk)
                     dst.write(chunk)
             if sha.hexdigest() != sha256:
-                raise CorruptShardError(f"{storage.display(url)}: sha256 mismatch with index.json (replaced or corrupt)")
+                raise CorruptShardError(
+                    f"{storage.display(url)}: sha256 mismatch with index.json (replaced or corrupt)"
+                )
             os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):

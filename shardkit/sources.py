@@ -12,7 +12,15 @@ from dataclasses import dataclass, replace
 from typing import BinaryIO
 
 from . import checks, formats, index, storage
-from .errors import (AccessDeniedError, BadRequestError, CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, UnfinishedPackError)
+from .errors import (
+    AccessDeniedError,
+    BadRequestError,
+    CorruptShardError,
+    DatasetNotFoundError,
+    IndexVersionError,
+    ShardkitError,
+    UnfinishedPackError,
+)
 from .formats import gzip, tar
 from .formats import lmdb as lmdb_format
 from .index import Index, ShardInfo
@@ -47,8 +55,9 @@ class ShardScan:
     fields: frozenset[str]
 
 
-def scan_shard(url: str, storage_options: StorageOptions | None = None,
-               copy_to: Callable[[bytes], object] | None = None) -> ShardScan:
+def scan_shard(
+    url: str, storage_options: StorageOptions | None = None, copy_to: Callable[[bytes], object] | None = None
+) -> ShardScan:
     """Read a whole shard: sample count, offsets, fields, size and sha256 (its bytes
     handed to `copy_to` too, if given). A gzip-compressed one (told by its first bytes) is
     inflated as it is read, to its end: its CRC checked."""
@@ -61,13 +70,20 @@ def scan_shard(url: str, storage_options: StorageOptions | None = None,
         h.drain()
     if not h.count:  # what a failed copy leaves; tar and Python's tarfile refuse it too
         raise CorruptShardError(f"{storage.display(url)}: an empty file (0 bytes), not a tar archive")
-    info = ShardInfo(url.rsplit("/", 1)[-1], len(found.keys), h.count, h.sha.hexdigest(), tuple(found.offsets),
-                     "gzip" if compressed else None)
+    info = ShardInfo(
+        url.rsplit("/", 1)[-1],
+        len(found.keys),
+        h.count,
+        h.sha.hexdigest(),
+        tuple(found.offsets),
+        "gzip" if compressed else None,
+    )
     return ShardScan(info, frozenset(found.fields))
 
 
-def shard_digest(url: str, storage_options: StorageOptions | None = None,
-                 copy_to: Callable[[bytes], object] | None = None) -> tuple[int, str]:
+def shard_digest(
+    url: str, storage_options: StorageOptions | None = None, copy_to: Callable[[bytes], object] | None = None
+) -> tuple[int, str]:
     """A whole shard's size and sha256, without parsing it (its bytes handed to `copy_to`
     too, if given)."""
     with storage.open_read(url, storage_options) as f:
@@ -99,7 +115,9 @@ def shard_urls(url: str, storage_options: StorageOptions | None = None) -> list[
     if not names:
         if storage.is_local(url) and not os.path.isdir(storage.local_path(url)):
             raise DatasetNotFoundError(f"{url}: no such folder")
-        raise DatasetNotFoundError(f"{url}: no index.json and no .tar shards (an image folder? `shardkit pack` it first)")
+        raise DatasetNotFoundError(
+            f"{url}: no index.json and no .tar shards (an image folder? `shardkit pack` it first)"
+        )
     return [storage.join(url, n) for n in names]
 
 
@@ -116,10 +134,15 @@ def resolve(source: str | Iterable[str], storage_options: StorageOptions | None 
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     data = sys.modules.get("torch.utils.data")  # a dataset is iterable too: never read through as a list of URLs
-    if (not isinstance(source, (str, Iterable)) or isinstance(source, (bytes, bytearray))
-            or (data is not None and isinstance(source, data.Dataset))):
-        raise TypeError(f"source must be a dataset folder or URL, a brace pattern or a list of shard paths or URLs, "
-                        f"not a {type(source).__name__}")
+    if (
+        not isinstance(source, (str, Iterable))
+        or isinstance(source, (bytes, bytearray))
+        or (data is not None and isinstance(source, data.Dataset))
+    ):
+        raise TypeError(
+            f"source must be a dataset folder or URL, a brace pattern or a list of shard paths or URLs, "
+            f"not a {type(source).__name__}"
+        )
     if isinstance(source, str) and not source.endswith(index.SHARD_SUFFIXES) and "{" not in source:
         try:
             idx = index.find(source, storage_options)  # one read, no existence check first
@@ -198,8 +221,9 @@ def lmdb_index(path: str, readahead: bool = False) -> Index:
     return Index.from_json(lmdb_format.read_index(env, path), f"{path} ({lmdb_format.INDEX_KEY.decode()})")
 
 
-def local_lmdb(url: str, storage_options: StorageOptions | None, cache_dir: str | None,
-               cache_limit: int | None = None) -> str:
+def local_lmdb(
+    url: str, storage_options: StorageOptions | None, cache_dir: str | None, cache_limit: int | None = None
+) -> str:
     """A local path for the LMDB dataset at `url`: itself when local, else a copy of its
     data.mdb downloaded (with a progress bar) into `cache_dir` (default: a temp folder),
     renamed into place when complete and reused while the remote one is unchanged. Copies
@@ -212,14 +236,18 @@ def local_lmdb(url: str, storage_options: StorageOptions | None, cache_dir: str 
 
     remote = storage.join(url, "data.mdb")
     size, version = storage.version(remote, storage_options)
-    folder = os.path.join(cache_dir or os.path.join(tempfile.gettempdir(), "shardkit-cache"),
-                          "lmdb-" + _digest(url, storage.endpoint(storage_options)))
+    folder = os.path.join(
+        cache_dir or os.path.join(tempfile.gettempdir(), "shardkit-cache"),
+        "lmdb-" + _digest(url, storage.endpoint(storage_options)),
+    )
     root = os.path.join(folder, _digest(str(size), version))
     if os.path.isfile(os.path.join(root, "data.mdb")):
         return root
     if cache_limit is not None and size > cache_limit:
-        raise ShardkitError(f"{storage.display(remote)}: {size} bytes do not fit in cache_limit ({cache_limit} bytes), "
-                            "and an LMDB is read from a whole local copy: raise cache_limit")
+        raise ShardkitError(
+            f"{storage.display(remote)}: {size} bytes do not fit in cache_limit ({cache_limit} bytes), "
+            "and an LMDB is read from a whole local copy: raise cache_limit"
+        )
     _download(remote, storage_options, root, size, version)
     _remove_others(folder, keep=os.path.basename(root))
     return root
@@ -239,8 +267,11 @@ def _download(remote: str, storage_options: StorageOptions | None, root: str, si
     tmp = f"{root}{storage.TMP_MARK}{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     try:
-        with storage.open_read(remote, storage_options) as src, open(os.path.join(tmp, "data.mdb"), "wb") as dst, \
-                tqdm(total=size, unit="B", unit_scale=True, desc=f"copying {storage.display(remote)}") as bar:
+        with (
+            storage.open_read(remote, storage_options) as src,
+            open(os.path.join(tmp, "data.mdb"), "wb") as dst,
+            tqdm(total=size, unit="B", unit_scale=True, desc=f"copying {storage.display(remote)}") as bar,
+        ):
             got = 0  # counted here: bar.n stays 0 where tqdm is turned off (TQDM_DISABLE)
             while chunk := src.read(8 << 20):
                 dst.write(chunk)
@@ -249,8 +280,10 @@ def _download(remote: str, storage_options: StorageOptions | None, root: str, si
             dst.flush()
             os.fsync(dst.fileno())  # a copy kept for later runs: whole on disk before it takes its name
         if got != size or storage.version(remote, storage_options) != (size, version):
-            raise ShardkitError(f"{storage.display(remote)}: replaced while it was copied ({got} of {size} bytes "
-                                "came): run again to copy the new one")
+            raise ShardkitError(
+                f"{storage.display(remote)}: replaced while it was copied ({got} of {size} bytes "
+                "came): run again to copy the new one"
+            )
         os.rename(tmp, root)
     except BaseException:  # failed, or (OSError) another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
@@ -268,8 +301,13 @@ def _remove_others(folder: str, keep: str) -> None:
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
-def shard_problem(url: str, info: ShardInfo, storage_options: StorageOptions | None = None,
-                  parse: bool = True, copy_to: Callable[[bytes], object] | None = None) -> str | None:
+def shard_problem(
+    url: str,
+    info: ShardInfo,
+    storage_options: StorageOptions | None = None,
+    parse: bool = True,
+    copy_to: Callable[[bytes], object] | None = None,
+) -> str | None:
     """How the shard at `url` differs from `info`, its entry in the index (None: it does
     not): size, sha256, sample count, sample offsets. Reads it whole (handing its bytes to
     `copy_to`, if given); a shard that cannot be read or parsed raises (FileNotFoundError,

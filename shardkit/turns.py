@@ -14,14 +14,18 @@ def pass_length(counts: Sequence[int], batch_size: int, drop_last: bool = False)
     return sum(c - c % batch_size if drop_last else c for c in counts)
 
 
-def yielded_after(counts: Sequence[int], batch_size: int, samples_seen: int, drop_last: bool = False) -> tuple[int, ...]:
+def yielded_after(
+    counts: Sequence[int], batch_size: int, samples_seen: int, drop_last: bool = False
+) -> tuple[int, ...]:
     """Per-worker samples a torch DataLoader has taken after it handed out `samples_seen`
     samples: batches come from workers in turn, an exhausted worker drops out of the turn.
     Raises ValueError for a count no such loader hands out: negative, past the pass, or
     not a whole number of its batches."""
     whole = pass_length(counts, batch_size, drop_last)
     if not 0 <= samples_seen <= whole:
-        raise ValueError(f"samples_seen={samples_seen}: a pass of this loader hands out 0 to {whole} samples (per rank)")
+        raise ValueError(
+            f"samples_seen={samples_seen}: a pass of this loader hands out 0 to {whole} samples (per rank)"
+        )
     left = [c // batch_size if drop_last else -(-c // batch_size) for c in counts]
     taken = [0] * len(counts)
     seen = 0
@@ -33,8 +37,10 @@ def yielded_after(counts: Sequence[int], batch_size: int, samples_seen: int, dro
                 seen += n
                 left[w] -= 1
     if seen != samples_seen:
-        raise ValueError(f"samples_seen={samples_seen} is not a whole number of batches of this loader: "
-                         f"it hands out {seen - n} and then {seen}")
+        raise ValueError(
+            f"samples_seen={samples_seen} is not a whole number of batches of this loader: "
+            f"it hands out {seen - n} and then {seen}"
+        )
     return tuple(taken)
 
 

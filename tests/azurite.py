@@ -30,8 +30,7 @@ _CONTAINERS = itertools.count()
 
 def connection_string(endpoint: str, key: str = ACCOUNT_KEY) -> str:
     """A connection string for the development account at `endpoint` (http://HOST:PORT)."""
-    return (f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={key};"
-            f"BlobEndpoint={endpoint}/{ACCOUNT};")
+    return f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={key};BlobEndpoint={endpoint}/{ACCOUNT};"
 
 
 def azurite_blob() -> str | None:
@@ -60,8 +59,17 @@ def azure_server(_server_logs: Path, tmp_path_factory: pytest.TempPathFactory) -
     pytest.importorskip("adlfs", reason="adlfs is not installed (pip install 'shardkit[azure]')")
     port = free_port()
     where = tmp_path_factory.mktemp("azurite")
-    cmd = [exe, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(where),
-           "--skipApiVersionCheck", "--silent"]
+    cmd = [
+        exe,
+        "--blobHost",
+        "127.0.0.1",
+        "--blobPort",
+        str(port),
+        "--location",
+        str(where),
+        "--skipApiVersionCheck",
+        "--silent",
+    ]
     server = Server("azurite-blob", cmd, _server_logs / "azurite.log")
     try:
         endpoint = f"http://127.0.0.1:{port}"

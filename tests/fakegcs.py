@@ -45,8 +45,23 @@ def fakegcs_server(_server_logs: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     # -public-host without a port: the XML API's path-style requests (obstore's) are told by
     # that host, and through a proxy on another port the Host would otherwise be taken for a bucket
-    cmd = [str(_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend", "memory",
-           "-public-host", "127.0.0.1", "-external-url", url, "-log-level", "error"]
+    cmd = [
+        str(_binary()),
+        "-scheme",
+        "http",
+        "-host",
+        "127.0.0.1",
+        "-port",
+        str(port),
+        "-backend",
+        "memory",
+        "-public-host",
+        "127.0.0.1",
+        "-external-url",
+        url,
+        "-log-level",
+        "error",
+    ]
     server = Server("fake-gcs-server", cmd, _server_logs / "fake-gcs-server.log")
     try:
         server.wait_http(url + "/storage/v1/b")
@@ -68,8 +83,12 @@ def fakegcs(fakegcs_server: str) -> dict:
     fs = _client(fakegcs_server)
     if fs.exists(BUCKET):
         fs.rm(BUCKET, recursive=True)  # its objects, then the bucket
-    http("POST", fakegcs_server + "/storage/v1/b?project=test", f'{{"name": "{BUCKET}"}}'.encode(),
-         {"Content-Type": "application/json"})
+    http(
+        "POST",
+        fakegcs_server + "/storage/v1/b?project=test",
+        f'{{"name": "{BUCKET}"}}'.encode(),
+        {"Content-Type": "application/json"},
+    )
     options = {"token": "anon", "project": "test", "endpoint_url": fakegcs_server, "skip_instance_cache": True}
     return {"url": f"gs://{BUCKET}", "storage_options": options}
 

@@ -32,8 +32,14 @@ def keys_of(loader: Any) -> list[str]:
     return [k for item in loader for k in sample_keys(item)]
 
 
-def loader_of(dataset: Path, options: dict[str, Any] | None = None, *, epoch: int | None = None,
-              stateful: bool = False, **loader: Any) -> Callable[[], Any]:
+def loader_of(
+    dataset: Path,
+    options: dict[str, Any] | None = None,
+    *,
+    epoch: int | None = None,
+    stateful: bool = False,
+    **loader: Any,
+) -> Callable[[], Any]:
     """A function that makes a fresh (Stateful)DataLoader over a fresh shuffled dataset (seed 5
     unless `options` say otherwise), set to `epoch` if one is given: a build for check_save_load."""
 
@@ -46,6 +52,7 @@ def loader_of(dataset: Path, options: dict[str, Any] | None = None, *, epoch: in
 
             return StatefulDataLoader(ds, **loader)
         return DataLoader(ds, **loader)
+
     return build
 
 
@@ -115,4 +122,3 @@ def check_ranks(per_rank: list[list[str]], everything: list[str], remainder: str
     else:
         assert len(everything) - len(union) < world
         assert sum(map(len, per_rank)) == len(union)
-

@@ -41,8 +41,15 @@ def resume_state(epoch: int, **layout: Any) -> Save:
     out so far, chained onto the state this pass resumed from."""
 
     def save(loader: Any, it: Iterator[Any], seen: int, resumed_from: Any) -> Any:
-        return loader.dataset.resume_state(epoch=epoch, samples_seen=seen, batch_size=loader.batch_size,
-                                           num_workers=loader.num_workers, resumed_from=resumed_from, **layout)
+        return loader.dataset.resume_state(
+            epoch=epoch,
+            samples_seen=seen,
+            batch_size=loader.batch_size,
+            num_workers=loader.num_workers,
+            resumed_from=resumed_from,
+            **layout,
+        )
+
     return save
 
 
@@ -63,6 +70,7 @@ def into_dataset_at(epoch: int) -> Load:
         loader.dataset.load_state_dict(state)
         loader.dataset.set_epoch(epoch)
         return loader
+
     return load
 
 
@@ -78,9 +86,16 @@ class Resumed(NamedTuple):
     reader: Any  # the last build, read to its end (its next pass is the next epoch)
 
 
-def check_save_load(build: Build | Sequence[Build], stops: int | Sequence[int], *, save: Save = loader_state,
-                    load: Load = into_loader, expected: Iterable[Hashable] | None = None,
-                    keys: Callable[[Any], list[Hashable]] = sample_keys, same_order: bool = False) -> Resumed:
+def check_save_load(
+    build: Build | Sequence[Build],
+    stops: int | Sequence[int],
+    *,
+    save: Save = loader_state,
+    load: Load = into_loader,
+    expected: Iterable[Hashable] | None = None,
+    keys: Callable[[Any], list[Hashable]] = sample_keys,
+    same_order: bool = False,
+) -> Resumed:
     """Read `stops[0]` items of `build()`, save, load into a fresh build, read `stops[1]`
     items, ... then to the end; assert the pieces hold `expected` (default: one whole pass
     of a fresh first build) exactly once each, in its order too if `same_order`. `build` is
@@ -105,6 +120,8 @@ def check_save_load(build: Build | Sequence[Build], stops: int | Sequence[int], 
     if same_order:
         assert got == want, f"resumed in another order (pieces of {[len(p) for p in pieces]})"
     missing, repeated = Counter(want) - Counter(got), Counter(got) - Counter(want)
-    assert not missing and not repeated, (f"after resuming at {stops}: missing {sorted(missing.items())[:5]}, "
-                                          f"repeated or foreign {sorted(repeated.items())[:5]}")
+    assert not missing and not repeated, (
+        f"after resuming at {stops}: missing {sorted(missing.items())[:5]}, "
+        f"repeated or foreign {sorted(repeated.items())[:5]}"
+    )
     return Resumed(pieces, states, reader)

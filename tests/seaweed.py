@@ -20,8 +20,17 @@ import pytest
 from servers import BIN, BUCKET, Server, free_port
 
 KEY, SECRET = "seaweed-key", "seaweed-secret"
-_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-          "s3.port.grpc", "admin.port", "admin.port.grpc")  # every one it would bind (some to fixed defaults)
+_PORTS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+)  # every one it would bind (some to fixed defaults)
 
 
 @pytest.fixture(scope="session")
@@ -29,17 +38,38 @@ def seaweedfs_server(_server_logs: Path, tmp_path_factory: pytest.TempPathFactor
     """The endpoint URL of a SeaweedFS S3 gateway (one per session; ~10 s to start)."""
     root = tmp_path_factory.mktemp("seaweedfs")
     config = root / "s3.json"
-    config.write_text(json.dumps({"identities": [{"name": "shardkit", "credentials": [
-        {"accessKey": KEY, "secretKey": SECRET}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    config.write_text(
+        json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": "shardkit",
+                        "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
+                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                    }
+                ]
+            }
+        )
+    )
     (root / "data").mkdir()
     port = free_port()
-    cmd = [str(BIN / "weed"), "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-           f"-s3.config={config}", f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-           "-s3.allowDeleteBucketNotEmpty", "-admin.ui=false", "-webdav=false",
-           *(f"-{name}={free_port()}" for name in _PORTS)]
+    cmd = [
+        str(BIN / "weed"),
+        "mini",
+        f"-dir={root / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-s3.config={config}",
+        f"-s3.port={port}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-s3.allowDeleteBucketNotEmpty",
+        "-admin.ui=false",
+        "-webdav=false",
+        *(f"-{name}={free_port()}" for name in _PORTS),
+    ]
     if not Path(cmd[0]).exists():
-        pytest.fail(f"SeaweedFS: {cmd[0]} not found; install the test servers: pip install -e '.[test]'",
-                    pytrace=False)
+        pytest.fail(f"SeaweedFS: {cmd[0]} not found; install the test servers: pip install -e '.[test]'", pytrace=False)
     server = Server("seaweedfs", cmd, _server_logs / "seaweedfs.log")
     try:
         url = f"http://127.0.0.1:{port}"
@@ -60,8 +90,9 @@ def _signed(method: str, url: str) -> None:
 
     request = AWSRequest(method=method, url=url, data=b"")
     S3SigV4Auth(Credentials(KEY, SECRET), "s3", "us-east-1").add_auth(request)
-    with urllib.request.urlopen(urllib.request.Request(url, method=method, headers=dict(request.headers.items())),
-                                timeout=10) as answer:
+    with urllib.request.urlopen(
+        urllib.request.Request(url, method=method, headers=dict(request.headers.items())), timeout=10
+    ) as answer:
         answer.read()
 
 
@@ -89,8 +120,12 @@ def seaweedfs(seaweedfs_server: str) -> dict:
     _signed("PUT", f"{seaweedfs_server}/{BUCKET}")
     return {
         "url": f"s3://{BUCKET}",
-        "storage_options": {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": seaweedfs_server},
-                            "skip_instance_cache": True},
+        "storage_options": {
+            "key": KEY,
+            "secret": SECRET,
+            "client_kwargs": {"endpoint_url": seaweedfs_server},
+            "skip_instance_cache": True,
+        },
     }
 
 

@@ -40,8 +40,17 @@ BIN = Path(sys.executable).parent
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 BUCKET = "shardkit-test"
 READY_S = 30.0
-PROXY_OPTIONS = ("conn_mbps", "tail_prob", "tail_ms", "reset_prob", "reset_max_bytes", "stall_prob", "throttle_prob",
-                 "throttle_status", "seed")
+PROXY_OPTIONS = (
+    "conn_mbps",
+    "tail_prob",
+    "tail_ms",
+    "reset_prob",
+    "reset_max_bytes",
+    "stall_prob",
+    "throttle_prob",
+    "throttle_status",
+    "seed",
+)
 
 # Run a command so that the kernel SIGTERMs it when the test process dies (Linux): even a pytest
 # killed with SIGKILL leaves no server behind.
@@ -252,8 +261,11 @@ class _Preconditions(BaseHTTPRequestHandler):
         wanted = query.get("ifGenerationMatch", [None])[0]
         with self.one_at_a_time if wanted is not None else contextlib.nullcontext():
             if wanted is not None and self._generation(parts.path, query) != wanted:
-                return self._answer(412, json.dumps({"error": {"code": 412, "message": "conditionNotMet"}}).encode(),
-                                    {"Content-Type": "application/json"})
+                return self._answer(
+                    412,
+                    json.dumps({"error": {"code": 412, "message": "conditionNotMet"}}).encode(),
+                    {"Content-Type": "application/json"},
+                )
             status, headers, data = self._ask(self.command, self.path, body)
         self._answer(status, data, headers)
 
@@ -396,8 +408,14 @@ def latency_proxy(_server_logs: Path) -> Iterator[Callable[..., tuple[str, Proxy
         if unknown := set(opts) - set(PROXY_OPTIONS):
             raise TypeError(f"unknown proxy options {sorted(unknown)}; known: {PROXY_OPTIONS}")
         u = urlsplit(upstream_url)
-        cmd = [sys.executable, str(SCRIPTS / "latency_proxy.py"), "--upstream", f"{u.hostname}:{u.port}",
-               "--latency-ms", str(latency_ms)]
+        cmd = [
+            sys.executable,
+            str(SCRIPTS / "latency_proxy.py"),
+            "--upstream",
+            f"{u.hostname}:{u.port}",
+            "--latency-ms",
+            str(latency_ms),
+        ]
         for k, v in opts.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
         server = Server("latency_proxy", cmd, _server_logs / f"latency_proxy{len(started)}.log", read_stdout=True)
@@ -448,15 +466,22 @@ def self_signed(folder: Path) -> tuple[str, str]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
     (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (folder / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                       serialization.NoEncryption()))
+    (folder / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(folder / "cert.pem"), str(folder / "key.pem")
 
 
@@ -474,7 +499,10 @@ def forbidding() -> Iterator[tuple[str, list[str]]]:
             if self.path.startswith(("/storage/", "/download/", "/upload/")):  # the GCS JSON API
                 body, kind = json.dumps({"error": {"code": 403, "message": "denied"}}).encode(), "application/json"
             else:
-                body, kind = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>", "application/xml"
+                body, kind = (
+                    b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>",
+                    "application/xml",
+                )
             self.send_response(403)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))

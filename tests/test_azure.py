@@ -35,12 +35,17 @@ def test_pack_and_read_back_under_each_scheme(azure: dict, packed: Path) -> None
     and ADLS Gen2's CONTAINER@ACCOUNT.dfs.core.windows.net form), every sample once under
     DataLoader workers, each shard pinned by its ETag."""
     url, opts = azure["url"] + "/ds", azure["storage_options"]
-    idx = shardkit.pack(str(packed.parent / "photos"), url, max_count=30, workers=1, progress=False,
-                        storage_options=opts)
+    idx = shardkit.pack(
+        str(packed.parent / "photos"), url, max_count=30, workers=1, progress=False, storage_options=opts
+    )
     assert all(list(s.version or {}) == ["etag"] for s in idx.shards) and len(idx.shards) == 4
     assert index.load(url, opts).shards == idx.shards and shardkit.verify(url, opts) == []
     container = azure["url"].removeprefix("az://")
-    for other in (f"abfs://{container}/", f"abfss://{container}/", f"abfss://{container}@{ACCOUNT}.dfs.core.windows.net/"):  # ADLS Gen2's form
+    for other in (
+        f"abfs://{container}/",
+        f"abfss://{container}/",
+        f"abfss://{container}@{ACCOUNT}.dfs.core.windows.net/",
+    ):  # ADLS Gen2's form
         ds = StreamingDataset(url.replace(f"az://{container}/", other), storage_options=opts, shuffle=True)
         got = keys(ds, workers=2)
         assert sorted(got) == [f"{i:06d}" for i in range(120)], other
@@ -70,8 +75,9 @@ def members(shard: bytes) -> set[str]:
 
 
 @pytest.mark.parametrize("status", [503, 429])
-def test_throttling_is_retried_and_slows_the_read_ahead(status: int, azure: dict, azure_server: str, packed: Path,
-                                                         latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_throttling_is_retried_and_slows_the_read_ahead(
+    status: int, azure: dict, azure_server: str, packed: Path, latency_proxy, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     """503 (Azure's ServerBusy) and 429, from a proxy in front of Azurite on a fifth of the
     GETs and HEADs of a whole epoch (the proxy's bodies are S3's and GCS's: the client goes by
     the status): every sample exactly once, and the throttling counted in stats(), where the
@@ -81,16 +87,16 @@ def test_throttling_is_retried_and_slows_the_read_ahead(status: int, azure: dict
     fs, root = fsspec.core.url_to_fs(url, **opts)
     fs.put(str(packed), root, recursive=True)
     proxied, control = latency_proxy(azure_server, latency_ms=2, throttle_status=status, seed=5)
-    ds = StreamingDataset(url, storage_options={"connection_string": connection_string(proxied)}, shuffle=True,
-                          block=4)
+    ds = StreamingDataset(url, storage_options={"connection_string": connection_string(proxied)}, shuffle=True, block=4)
     control.storm(600, 0.2)
     got = keys(ds, workers=2)
     assert sorted(got) == sorted(set(got)) and len(got) == 120
     assert control.stats()["throttled"] > 0 and ds.stats()["throttled"] > 0
 
 
-def test_a_store_that_keeps_throttling_fails_after_our_attempts_only(azure: dict, azure_server: str,
-                                                                     latency_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_a_store_that_keeps_throttling_fails_after_our_attempts_only(
+    azure: dict, azure_server: str, latency_proxy
+) -> None:  # type: ignore[no-untyped-def]
     """Every request throttled: a read fails after shardkit's 5 attempts, one request each
     (azure-storage-blob would make 4 of each, 15 s and more apart), naming the URL."""
     url = azure["url"] + "/x"
@@ -106,8 +112,9 @@ FAKE_SIG = "shardkitFakeSignatureDoNotShow"
 
 
 @pytest.mark.parametrize("how", ["account key", "sas", "environment"])
-def test_refused_credentials_name_the_url_and_never_the_secret(how: str, azure: dict, azure_server: str,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refused_credentials_name_the_url_and_never_the_secret(
+    how: str, azure: dict, azure_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A key or SAS that Azure refuses (403): AccessDeniedError naming the URL, at once, with
     neither the secret nor the connection string in the message or any error it came from."""
     url = azure["url"] + "/ds"
@@ -162,8 +169,9 @@ def test_a_blob_read_in_order_is_pinned_to_its_first_etag(azure: dict, monkeypat
 
 
 @pytest.mark.parametrize("option", ["read_timeout", "timeout"])
-def test_a_silent_store_fails_by_the_read_timeout_of_the_options(option: str, azure: dict, azure_server: str,
-                                                                  latency_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_a_silent_store_fails_by_the_read_timeout_of_the_options(
+    option: str, azure: dict, azure_server: str, latency_proxy
+) -> None:  # type: ignore[no-untyped-def]
     """adlfs's `read_timeout`, or shardkit's own `timeout`, holds for shardkit's requests: a
     store that takes the request and then says nothing fails each attempt by it, and after 3
     silent ones the read, named, instead of the SDK's 60 s a try."""
@@ -171,15 +179,18 @@ def test_a_silent_store_fails_by_the_read_timeout_of_the_options(option: str, az
     fsspec.filesystem("az", **azure["storage_options"]).pipe(url, b"data")
     proxied, control = latency_proxy(azure_server, stall_prob=1)
     opts = {"connection_string": connection_string(proxied), option: 1}
-    said = (r"ServiceResponseTimeoutError: Timeout on reading data from socket \(gave up after 3 attempts; the "
-            r"storage options timeout= and attempts= set how long to wait\)")
+    said = (
+        r"ServiceResponseTimeoutError: Timeout on reading data from socket \(gave up after 3 attempts; the "
+        r"storage options timeout= and attempts= set how long to wait\)"
+    )
     with pytest.raises(ShardkitError, match=rf"^{url}: {said}$"):
         shardkit.storage.read_range(url, 0, 4, opts)
     assert control.stats()["stalls"] == 3
 
 
-def test_no_credentials_at_all_fail_at_once_saying_so(monkeypatch: pytest.MonkeyPatch,
-                                                      capfd: pytest.CaptureFixture[str]) -> None:
+def test_no_credentials_at_all_fail_at_once_saying_so(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     """An account name alone: adlfs asks azure-identity's DefaultAzureCredential, which finds
     nothing here (no AZURE_* variables; the sign-in tools it would also ask are excluded by
     its own options, so a developer's `az login` does not change the outcome). One line naming
@@ -187,10 +198,15 @@ def test_no_credentials_at_all_fail_at_once_saying_so(monkeypatch: pytest.Monkey
     dozen lines of warnings on stderr."""
     for name in [k for k in os.environ if k.startswith("AZURE_")]:
         monkeypatch.delenv(name)
-    excluded = {f"exclude_{c}_credential": True for c in ("cli", "powershell", "developer_cli", "visual_studio_code",
-                                                         "shared_token_cache", "managed_identity")}
+    excluded = {
+        f"exclude_{c}_credential": True
+        for c in ("cli", "powershell", "developer_cli", "visual_studio_code", "shared_token_cache", "managed_identity")
+    }
     opts = {"account_name": ACCOUNT, "account_host": "127.0.0.1:9", **excluded}
-    with pytest.raises(AccessDeniedError, match=r"^az://data/ds/index.json: no credentials: DefaultAzureCredential "
-                                                r"failed to retrieve a token .*\(give storage_options a connection"):
+    with pytest.raises(
+        AccessDeniedError,
+        match=r"^az://data/ds/index.json: no credentials: DefaultAzureCredential "
+        r"failed to retrieve a token .*\(give storage_options a connection",
+    ):
         StreamingDataset("az://data/ds", storage_options=opts)
     assert capfd.readouterr().err == ""

@@ -33,8 +33,13 @@ def to_pair(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
 
 def with_key(sample: dict[str, Any]) -> dict[str, Any]:
     """A dict transform: the image, the label, the key and a float and numpy leaf."""
-    return {"image": sample["jpg"], "label": sample["cls"], "key": sample["__key__"],
-            "weight": 0.5, "mean": sample["jpg"].float().mean((1, 2)).numpy()}
+    return {
+        "image": sample["jpg"],
+        "label": sample["cls"],
+        "key": sample["__key__"],
+        "weight": 0.5,
+        "mean": sample["jpg"].float().mean((1, 2)).numpy(),
+    }
 
 
 def reference(packed: Path) -> dict[str, tuple[torch.Tensor, int]]:
@@ -70,8 +75,9 @@ def test_batches_hold_what_dataloader_batching_would(packed: Path, workers: int)
 def test_len_counts_batches_and_only_the_last_is_short(packed: Path, world: int, workers: int) -> None:
     seen = []
     for rank in range(world):
-        ds = StreamingDataset(str(packed), transform=to_pair, decode="tensor", batch_size=7, rank=rank,
-                              world_size=world, shuffle=True)
+        ds = StreamingDataset(
+            str(packed), transform=to_pair, decode="tensor", batch_size=7, rank=rank, world_size=world, shuffle=True
+        )
         sizes = [len(x) for x, _ in DataLoader(ds, batch_size=None, num_workers=workers)]
         assert len(sizes) == len(ds) == -(-120 // world // 7)
         assert sorted(sizes)[1:] == [7] * (len(sizes) - 1)
@@ -199,20 +205,36 @@ def test_invalid_batch_size(packed: Path) -> None:
 def test_plain_dataloader_resume_of_a_batched_dataset(packed: Path) -> None:
     options = {"decode": "tensor", "transform": with_key, "batch_size": 6, "seed": 3}
     first, then = (loader_of(packed, options, epoch=epoch, batch_size=None, num_workers=3) for epoch in (2, None))
-    resumed = check_save_load([first, then], 5, save=resume_state(epoch=2), load=into_dataset, expected=ALL_KEYS,
-                              keys=lambda batch: batch["key"])
+    resumed = check_save_load(
+        [first, then],
+        5,
+        save=resume_state(epoch=2),
+        load=into_dataset,
+        expected=ALL_KEYS,
+        keys=lambda batch: batch["key"],
+    )
     assert len(resumed.pieces[0]) == 30
 
 
 def test_stateful_dataloader_resume_of_a_batched_dataset(packed: Path) -> None:
     pytest.importorskip("torchdata.stateful_dataloader")
-    batched = loader_of(packed, {"decode": "tensor", "transform": with_key, "batch_size": 6, "seed": 3}, stateful=True,
-                        batch_size=None, num_workers=2)
+    batched = loader_of(
+        packed,
+        {"decode": "tensor", "transform": with_key, "batch_size": 6, "seed": 3},
+        stateful=True,
+        batch_size=None,
+        num_workers=2,
+    )
     check_save_load(batched, 3, expected=ALL_KEYS, keys=lambda batch: batch["key"])
     # elastic: the same checkpoint resumed without batching and another worker count
     plain = loader_of(packed, {"seed": 3}, batch_size=None, num_workers=3)
-    check_save_load([batched, plain], 3, load=into_dataset, expected=ALL_KEYS,
-                    keys=lambda item: item["key"] if "key" in item else [item["__key__"]])
+    check_save_load(
+        [batched, plain],
+        3,
+        load=into_dataset,
+        expected=ALL_KEYS,
+        keys=lambda item: item["key"] if "key" in item else [item["__key__"]],
+    )
 
 
 def test_numbers_and_other_leaves_collate_like_default_collate() -> None:
@@ -237,8 +259,9 @@ def test_collate_is_a_drop_in_for_map_style_datasets(packed: Path, tmp_path: Pat
     got = Counter()
     kept = []
     for batch in DataLoader(ds, batch_size=16, shuffle=True, num_workers=workers, collate_fn=shardkit.collate):
-        want = torch.utils.data.default_collate([with_key({"jpg": ref[k][0], "cls": ref[k][1], "__key__": k})
-                                                 for k in batch["key"]])
+        want = torch.utils.data.default_collate(
+            [with_key({"jpg": ref[k][0], "cls": ref[k][1], "__key__": k}) for k in batch["key"]]
+        )
         assert batch.keys() == want.keys()
         for name in ("image", "label", "weight", "mean"):
             assert torch.equal(batch[name], want[name]) and batch[name].dtype == want[name].dtype
@@ -250,9 +273,17 @@ def test_collate_is_a_drop_in_for_map_style_datasets(packed: Path, tmp_path: Pat
 
 
 def test_empty_bool_complex_strided_and_lazy_leaves_stack_like_default_collate() -> None:
-    samples = [(torch.zeros((0, 4)), np.array([i % 2 == 0, True]), np.full(3, 1j * i, np.complex64),
-                torch.arange(6).reshape(2, 3).T + i, torch.full((2,), 1 + 1j * i).conj() if i else torch.ones(2) + 0j,
-                torch._neg_view(torch.arange(3.0) + i) if i else torch.arange(3.0)) for i in range(4)]
+    samples = [
+        (
+            torch.zeros((0, 4)),
+            np.array([i % 2 == 0, True]),
+            np.full(3, 1j * i, np.complex64),
+            torch.arange(6).reshape(2, 3).T + i,
+            torch.full((2,), 1 + 1j * i).conj() if i else torch.ones(2) + 0j,
+            torch._neg_view(torch.arange(3.0) + i) if i else torch.arange(3.0),
+        )
+        for i in range(4)
+    ]
     got, want = next(batching.Batches(iter(samples), 4)), torch.utils.data.default_collate(samples)
     for g, w in zip(got, want):
         assert torch.equal(g, w) and g.dtype == w.dtype and g.shape == w.shape
@@ -266,10 +297,16 @@ def test_mixed_numbers_and_key_order_collate_like_default_collate() -> None:
         assert torch.equal(got[key], want[key]) and got[key].dtype == want[key].dtype
 
 
-@pytest.mark.parametrize("values", [
-    [5, torch.tensor(7)], [0.5, np.float64(0.25)], [1, 2, torch.tensor(3)],  # numbers first: default_collate takes 0-d ones
-    [torch.tensor(7), 5], [torch.tensor(7), 5, 6],  # a 0-d tensor first: it refuses a number after it
-])
+@pytest.mark.parametrize(
+    "values",
+    [
+        [5, torch.tensor(7)],
+        [0.5, np.float64(0.25)],
+        [1, 2, torch.tensor(3)],  # numbers first: default_collate takes 0-d ones
+        [torch.tensor(7), 5],
+        [torch.tensor(7), 5, 6],  # a 0-d tensor first: it refuses a number after it
+    ],
+)
 def test_numbers_beside_0d_tensors_collate_like_default_collate(values: list) -> None:
     samples = [(v,) for v in values]
     try:
@@ -324,10 +361,15 @@ def test_strings_and_paths_collate_as_default_collate_does() -> None:
     assert got[2] == want[2] == ("k0", "k1", "k2") and got[3]["name"] == want[3]["name"] == ["n0", "n1", "n2"]
     assert next(batching.Batches(iter(["a", "b"]), 2)) == torch.utils.data.default_collate(["a", "b"]) == ["a", "b"]
     nested = [{"meta": {"id": i}, "image": torch.zeros(2 + (i == 1))} for i in range(2)]
-    with pytest.raises(ValueError, match=r"sample 1 of a batch: field \['image'\] is torch.float32 of shape \(3,\), in"):
+    with pytest.raises(
+        ValueError, match=r"sample 1 of a batch: field \['image'\] is torch.float32 of shape \(3,\), in"
+    ):
         next(batching.Batches(iter(nested), 2))
-    with pytest.raises(ValueError, match=r"sample 1 of a batch: the sample is torch.float32 of shape \(2,\) that "
-                                         r"requires grad, in the batch's first sample it is float32 of shape \(2,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"sample 1 of a batch: the sample is torch.float32 of shape \(2,\) that "
+        r"requires grad, in the batch's first sample it is float32 of shape \(2,\)",
+    ):
         next(batching.Batches(iter([torch.zeros(2), torch.zeros(2, requires_grad=True)]), 2))
     with pytest.raises(TypeError, match="collate takes a list of samples, not dict: give the DataLoader a batch_size"):
         shardkit.collate({"image": torch.zeros(2)})

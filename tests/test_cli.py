@@ -65,15 +65,22 @@ def test_the_summaries_say_what_they_count(run, photos: Path, tmp_path: Path) ->
     among the skipped files, a missing folder named as bench names it, -V."""
     (photos / "circle" / ".DS_Store").write_bytes(b"x")
     (photos / "circle" / "notes.txt").write_text("not an image")
-    for max_count, line in (("30", "shards:   1 (30 samples)\n"), ("10", "shards:   3 (10 samples each)\n"),
-                            ("8", "shards:   4 (7-8 samples each)\n")):
+    for max_count, line in (
+        ("30", "shards:   1 (30 samples)\n"),
+        ("10", "shards:   3 (10 samples each)\n"),
+        ("8", "shards:   4 (7-8 samples each)\n"),
+    ):
         out = tmp_path / f"by-{max_count}"
         result = run("pack", photos, out, "--max-count", max_count)
-        assert result.output.endswith("skipped 1 file:\n  circle/notes.txt: not an image file extension\n"
-                                      "ignored 1 hidden entry (circle/.DS_Store)\n"), result.output
+        assert result.output.endswith(
+            "skipped 1 file:\n  circle/notes.txt: not an image file extension\n"
+            "ignored 1 hidden entry (circle/.DS_Store)\n"
+        ), result.output
         said = run("info", out).output
-        assert line in said and said.endswith("skipped:  1 file\n  circle/notes.txt: not an image file extension\n"
-                                              "ignored:  1 hidden entry (circle/.DS_Store)\n"), said
+        assert line in said and said.endswith(
+            "skipped:  1 file\n  circle/notes.txt: not an image file extension\n"
+            "ignored:  1 hidden entry (circle/.DS_Store)\n"
+        ), said
     run("pack", photos, tmp_path / "db", "--format", "lmdb", "-q")
     assert "shards:" not in run("info", tmp_path / "db").output
     assert run("verify", tmp_path / "db").output == "ok   data.mdb (30 samples)\ndata.mdb matches the index\n"
@@ -82,8 +89,10 @@ def test_the_summaries_say_what_they_count(run, photos: Path, tmp_path: Path) ->
         assert (result.exit_code, result.output) == (1, f"Error: {tmp_path / 'nope'}: no such folder\n")
     assert run("-V").output == run("--version").output == f"main, version {shardkit.__version__}\n"
     info = shardkit.index.with_offsets(shardkit.index.load(str(tmp_path / "by-10"))).shards[0]
-    assert repr(info) == f"ShardInfo(name='shard-000000.tar', samples=10, bytes={info.bytes}, sha256={info.sha256!r}, " \
-                         "offsets=<11 offsets>)"
+    assert (
+        repr(info) == f"ShardInfo(name='shard-000000.tar', samples=10, bytes={info.bytes}, sha256={info.sha256!r}, "
+        "offsets=<11 offsets>)"
+    )
 
 
 def test_verify_fails_naming_the_shard(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -121,16 +130,25 @@ def test_on_error_raise_exits_nonzero(run, photos: Path, tmp_path: Path) -> None
     (photos / "circle" / "bad.jpg").write_bytes(b"nope")
     result = run("pack", photos, tmp_path / "out", "--on-error", "raise")
     assert result.exit_code == 1
-    assert result.output.strip().splitlines()[-1].endswith(
-        "circle/bad.jpg: not an image file (--on-error raise; remove the file, or pack with --on-error skip to leave "
-        "it out and list it in the index)")
+    assert (
+        result.output.strip()
+        .splitlines()[-1]
+        .endswith(
+            "circle/bad.jpg: not an image file (--on-error raise; remove the file, or pack with --on-error skip to leave "
+            "it out and list it in the index)"
+        )
+    )
 
 
 def test_on_error_raise_on_a_stray_file_says_how_to_go_on(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     (photos / "circle" / "notes.txt").write_text("not an image")
     result = run("pack", photos, tmp_path / "out", "--on-error", "raise")
-    assert result.exit_code == 1 and "circle/notes.txt: not an image file extension (--on-error raise; remove the " \
-        "file, or pack with --on-error skip" in result.output
+    assert (
+        result.exit_code == 1
+        and "circle/notes.txt: not an image file extension (--on-error raise; remove the "
+        "file, or pack with --on-error skip"
+        in result.output
+    )
     assert "no such folder" in run("pack", tmp_path / "missing", tmp_path / "x", "--on-error", "raise").output
     assert "--on-error skip" not in run("pack", tmp_path / "missing", tmp_path / "x", "--on-error", "raise").output
 
@@ -142,8 +160,10 @@ def test_a_flat_folder_packed_without_layout_flat_says_so(run, tmp_path: Path) -
     draw(tmp_path / "src" / "extra" / "0.jpg", 0, seed=99)
     result = run("pack", tmp_path / "src", tmp_path / "out")
     assert result.exit_code == 0 and "packed 1 sample into 1 shard" in result.output
-    assert result.output.endswith("hint: 11 files not inside a class folder, 1 sample packed: for images without "
-                                  "classes (SRC/<image>), pack with --layout flat\n"), result.output
+    assert result.output.endswith(
+        "hint: 11 files not inside a class folder, 1 sample packed: for images without "
+        "classes (SRC/<image>), pack with --layout flat\n"
+    ), result.output
     assert "hint:" in run("pack", tmp_path / "src", tmp_path / "out2", "-q").output
     assert "hint:" not in run("pack", tmp_path / "src", tmp_path / "flat", "--layout", "flat").output
     (tmp_path / "src" / "extra" / "0.jpg").unlink()
@@ -158,7 +178,9 @@ def test_info_on_shards_without_class_names_says_what_it_knows(run, tmp_path: Pa
             (tmp_path / name).write_bytes(b"1")
             tar.add(tmp_path / name, name)
     assert run("index", tmp_path / "wds").exit_code == 0
-    assert "classes:  unknown (the index names none; samples carry a cls field)\n" in run("info", tmp_path / "wds").output
+    assert (
+        "classes:  unknown (the index names none; samples carry a cls field)\n" in run("info", tmp_path / "wds").output
+    )
     for i in range(2):
         draw(tmp_path / "flat" / f"{i}.jpg", 0, seed=i)
     run("pack", tmp_path / "flat", tmp_path / "flat-out", "--layout", "flat", "-q")
@@ -173,12 +195,15 @@ def test_every_command_shows_an_example(run, command: str) -> None:  # type: ign
         assert "takes about 90 s" in " ".join(text.split())
 
 
-@pytest.mark.parametrize("args, code, text", [
-    (["pack", "/nonexistent/photos", "/tmp/x"], 1, "Error: /nonexistent/photos: no such folder"),
-    (["pack", ".", "/tmp/x", "--max-size", "lots"], 2, "not a size"),
-    (["info", "/nonexistent/shards"], 1, "Error: /nonexistent/shards: no such folder"),
-    (["pack", ".", "/tmp/x", "-o", "novalue"], 2, "expected key=value"),
-])
+@pytest.mark.parametrize(
+    "args, code, text",
+    [
+        (["pack", "/nonexistent/photos", "/tmp/x"], 1, "Error: /nonexistent/photos: no such folder"),
+        (["pack", ".", "/tmp/x", "--max-size", "lots"], 2, "not a size"),
+        (["info", "/nonexistent/shards"], 1, "Error: /nonexistent/shards: no such folder"),
+        (["pack", ".", "/tmp/x", "-o", "novalue"], 2, "expected key=value"),
+    ],
+)
 def test_errors_are_one_line(run, args, code: int, text: str) -> None:  # type: ignore[no-untyped-def]
     result = run(*args)
     assert result.exit_code == code
@@ -245,8 +270,13 @@ def test_verify_an_lmdb(run, photos: Path, tmp_path: Path) -> None:  # type: ign
 
 
 @pytest.mark.parametrize("fmt", ["tar", "lmdb"])
-def test_verify_decode_names_images_that_do_not_decode(run, photos: Path, tmp_path: Path, fmt: str,  # type: ignore[no-untyped-def]
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verify_decode_names_images_that_do_not_decode(
+    run,
+    photos: Path,
+    tmp_path: Path,
+    fmt: str,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A broken data stream between intact ends passes the byte checks (the shard is as
     packed); --decode names the sample, every image once whatever RANK and WORLD_SIZE say."""
     import io
@@ -269,11 +299,16 @@ def test_verify_decode_names_images_that_do_not_decode(run, photos: Path, tmp_pa
     result = run("verify", out, "--decode", "--workers", "2")
     assert result.exit_code == 1, result.output
     bad = [line for line in result.output.splitlines() if line.startswith("BAD  ")]
-    assert len(bad) == 1 and re.search(r"sample '\d+' \(packed from circle/damaged\.png\): field 'png': cannot decode "
-                                       "image", bad[0]), result.output
-    assert result.output.endswith(f"images that do not decode in {out}: 1 (readers leave them out with "
-                                  'on_error="skip", bench and preview with --on-error skip; `shardkit pack '
-                                  '--decode-check` keeps them out of a pack)\n')
+    assert len(bad) == 1 and re.search(
+        r"sample '\d+' \(packed from circle/damaged\.png\): field 'png': cannot decode "
+        "image",
+        bad[0],
+    ), result.output
+    assert result.output.endswith(
+        f"images that do not decode in {out}: 1 (readers leave them out with "
+        'on_error="skip", bench and preview with --on-error skip; `shardkit pack '
+        "--decode-check` keeps them out of a pack)\n"
+    )
 
 
 def test_index_command_for_foreign_shards(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -300,8 +335,12 @@ def test_index_force_on_a_pack_keeps_what_the_shards_cannot_tell(run, photos: Pa
     assert after.shards == before.shards and after.plan is None  # a pack's rerun no longer takes it for its own
 
 
-def test_index_upgrade_writes_version_2_from_version_1_reading_no_shard(run, packed_v1: Path, packed: Path,  # type: ignore[no-untyped-def]
-                                                                        tmp_path: Path) -> None:
+def test_index_upgrade_writes_version_2_from_version_1_reading_no_shard(
+    run,
+    packed_v1: Path,
+    packed: Path,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+) -> None:
     """The upgrade takes the offsets from index.json alone (no shard here), keeps a shard
     entry's fields it does not know, and writes what a pack writes."""
     out = tmp_path / "v1"
@@ -357,8 +396,13 @@ def _stderr_on_a_terminal(*args: str) -> str:
 
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty has 0 columns
-    subprocess.run([sys.executable, "-m", "shardkit.cli", *args], stderr=follower,
-                   stdout=subprocess.DEVNULL, check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", *args],
+        stderr=follower,
+        stdout=subprocess.DEVNULL,
+        check=True,
+        timeout=120,
+    )
     os.close(follower)
     out = b""
     while True:
@@ -377,8 +421,13 @@ def test_progress_bar_on_a_terminal_only(photos: Path, tmp_path: Path) -> None:
     bar = _stderr_on_a_terminal("pack", str(photos), str(tmp_path / "a"), "--workers", "1")
     assert "pack:" in bar and "30/30" in bar and "img" in bar
     assert _stderr_on_a_terminal("pack", str(photos), str(tmp_path / "b"), "--workers", "1", "-q") == ""
-    piped = subprocess.run([sys.executable, "-m", "shardkit.cli", "pack", str(photos), str(tmp_path / "c"),
-                            "--workers", "1"], capture_output=True, text=True, check=True, timeout=120)
+    piped = subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", "pack", str(photos), str(tmp_path / "c"), "--workers", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     assert "img" not in piped.stderr  # not a terminal: no bar
 
 
@@ -404,7 +453,10 @@ def test_quiet_still_names_unusable_files(run, photos: Path, tmp_path: Path) -> 
     assert run("pack", photos, tmp_path / "a", "-q").output == ""  # hidden entries are not unusable files
     (photos / "circle" / "bad.jpg").write_bytes(b"nope")
     result = run("pack", photos, tmp_path / "b", "-q")
-    assert result.exit_code == 0 and result.output == f"skipped 1 unusable file (shardkit info {tmp_path / 'b'} lists them)\n"
+    assert (
+        result.exit_code == 0
+        and result.output == f"skipped 1 unusable file (shardkit info {tmp_path / 'b'} lists them)\n"
+    )
 
 
 def test_a_file_name_with_a_newline_is_listed_on_one_line(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -415,15 +467,24 @@ def test_a_file_name_with_a_newline_is_listed_on_one_line(run, photos: Path, tmp
         assert "  circle/bad\\nname.jpg: not an image file\n" in result.output, result.output
 
 
-@pytest.mark.parametrize("setup, args, text", [
-    (lambda t: (t / "x.txt").write_text("x"), ["{photos}", "{t}/x.txt"], "x.txt: a file, not a folder"),
-    (lambda t: None, ["{photos}", "/dev/null"], "/dev/null: a file, not a folder"),
-    (lambda t: (t / "db").mkdir() or (t / "db" / "data.mdb").write_bytes(b"x"), ["{photos}", "{t}/db"],
-     "db: holds an LMDB dataset: pack tar shards into another folder"),
-    (lambda t: (t / "wds").mkdir() or (t / "wds" / "a-000.tar").write_bytes(b""), ["{t}/wds", "{t}/out"],
-     "wds: no class folders (expected SRC/<class>/<image>; images without classes: --layout flat); tar shards from "
-     "another tool are converted once `shardkit index"),
-])
+@pytest.mark.parametrize(
+    "setup, args, text",
+    [
+        (lambda t: (t / "x.txt").write_text("x"), ["{photos}", "{t}/x.txt"], "x.txt: a file, not a folder"),
+        (lambda t: None, ["{photos}", "/dev/null"], "/dev/null: a file, not a folder"),
+        (
+            lambda t: (t / "db").mkdir() or (t / "db" / "data.mdb").write_bytes(b"x"),
+            ["{photos}", "{t}/db"],
+            "db: holds an LMDB dataset: pack tar shards into another folder",
+        ),
+        (
+            lambda t: (t / "wds").mkdir() or (t / "wds" / "a-000.tar").write_bytes(b""),
+            ["{t}/wds", "{t}/out"],
+            "wds: no class folders (expected SRC/<class>/<image>; images without classes: --layout flat); tar shards from "
+            "another tool are converted once `shardkit index",
+        ),
+    ],
+)
 def test_pack_errors_say_what_to_do(run, photos: Path, tmp_path: Path, setup, args: list[str], text: str) -> None:  # type: ignore[no-untyped-def]
     setup(tmp_path)
     result = run("pack", *[a.format(photos=photos, t=tmp_path) for a in args])
@@ -452,8 +513,13 @@ def test_an_unfinished_pack_is_not_read_as_a_dataset(run, photos: Path, tmp_path
     (out / "index.json").unlink()
     (out / ".shardkit-progress").mkdir()
     said = "index.json: not written yet: a pack into"
-    for args in (("info", out), ("verify", out), ("index", out), ("pack", out, tmp_path / "copy"),
-                 ("preview", out, "--out", tmp_path / "p.png")):
+    for args in (
+        ("info", out),
+        ("verify", out),
+        ("index", out),
+        ("pack", out, tmp_path / "copy"),
+        ("preview", out, "--out", tmp_path / "p.png"),
+    ):
         result = run(*args)
         assert result.exit_code == 1 and said in result.output, (args, result.output)
         assert "rerun the same `shardkit pack` to finish it" in result.output and result.output.count("\n") == 1
@@ -466,7 +532,9 @@ def test_an_unfinished_pack_is_not_read_as_a_dataset(run, photos: Path, tmp_path
     run("pack", photos, lmdb, "--format", "lmdb", "-q")
     (lmdb / "index.json").unlink()
     result = run("info", lmdb)
-    assert result.exit_code == 1 and "an LMDB pack that has not finished, or whose index.json was removed" in result.output
+    assert (
+        result.exit_code == 1 and "an LMDB pack that has not finished, or whose index.json was removed" in result.output
+    )
     assert len(LMDBDataset(str(lmdb))) == 30  # the copy of the index inside the LMDB serves the readers
 
 
@@ -487,9 +555,14 @@ def test_folders_that_are_not_datasets_say_what_they_may_be(run, photos: Path, t
 def test_a_closed_pipe_ends_quietly(photos: Path, tmp_path: Path) -> None:
     """`shardkit info URL | head -1`: no 'Broken pipe' error when the reader stops early."""
     shardkit.pack(str(photos), str(tmp_path / "out"), max_count=1, workers=1, progress=False)
-    proc = subprocess.run(f"'{sys.executable}' -m shardkit.cli info --json '{tmp_path / 'out'}' | head -c 10",
-                          shell=True, capture_output=True, text=True, timeout=120,
-                          executable="/bin/bash")
+    proc = subprocess.run(
+        f"'{sys.executable}' -m shardkit.cli info --json '{tmp_path / 'out'}' | head -c 10",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        executable="/bin/bash",
+    )
     assert proc.stdout == '{"format":' and proc.stderr == ""
 
 
@@ -498,22 +571,29 @@ def test_commands_that_need_torch_say_so_without_it(photos: Path, tmp_path: Path
     shardkit.pack(str(photos), str(tmp_path / "out"), workers=1, progress=False)
     block = "import sys; sys.modules['torch'] = None; from shardkit.cli import main; main()"
     for args, code in ((["info"], 0), (["verify", "-q"], 0), (["bench"], 1), (["preview"], 1)):
-        proc = subprocess.run([sys.executable, "-c", block, *args, str(tmp_path / "out")], capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", block, *args, str(tmp_path / "out")], capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == code, proc.stderr
         if code:
-            assert proc.stderr == "Error: this command reads through PyTorch, which is not installed: pip install torch\n"
+            assert (
+                proc.stderr == "Error: this command reads through PyTorch, which is not installed: pip install torch\n"
+            )
 
 
 def test_the_readers_say_to_install_torch_without_it() -> None:
     """`from shardkit import StreamingDataset` (or LMDBDataset, collate) without PyTorch: one
     line saying what to install, still a ModuleNotFoundError for `except ImportError`."""
     for name in ("StreamingDataset", "LMDBDataset", "collate"):
-        code = f"import sys; sys.modules['torch'] = None\ntry:\n    from shardkit import {name}\n" \
-               "except ModuleNotFoundError as e:\n    print(e.name, e)"
+        code = (
+            f"import sys; sys.modules['torch'] = None\ntry:\n    from shardkit import {name}\n"
+            "except ModuleNotFoundError as e:\n    print(e.name, e)"
+        )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-        assert out == f"torch shardkit.{name} reads through PyTorch, which is not installed: pip install torch " \
-                      "(the build you train with)\n"
+        assert (
+            out == f"torch shardkit.{name} reads through PyTorch, which is not installed: pip install torch "
+            "(the build you train with)\n"
+        )
 
 
 def test_verify_says_which_shards_it_could_not_hash(run, photos: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -525,7 +605,10 @@ def test_verify_says_which_shards_it_could_not_hash(run, photos: Path, tmp_path:
     result = run("verify", out)
     assert result.exit_code == 0
     assert "ok   shard-000001.tar (8 samples) (no sha256 in the index)" in result.output
-    assert "1 shard without a sha256 in the index: sizes, counts and offsets match, their bytes were not checked" in result.output
+    assert (
+        "1 shard without a sha256 in the index: sizes, counts and offsets match, their bytes were not checked"
+        in result.output
+    )
 
 
 def test_shards_whose_files_were_all_skipped_are_counted_as_empty(run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -549,6 +632,7 @@ def test_max_size_below_a_tar_record_is_a_usage_error(run, photos: Path, tmp_pat
 
 def test_ctrl_c_exits_130(run, photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """Not 1, the code of bad data: a script can tell an interruption from a refusal."""
+
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
@@ -588,10 +672,15 @@ sys.exit(3)
 """
 
 
-@pytest.mark.parametrize(("mode", "code", "said"), [
-    ("twice", 130, "interrupted again: exiting now (a rerun of pack resumes)"),
-    ("in-process", 2, ""), ("forked", 2, ""), ("no-stderr", 130, ""),
-])
+@pytest.mark.parametrize(
+    ("mode", "code", "said"),
+    [
+        ("twice", 130, "interrupted again: exiting now (a rerun of pack resumes)"),
+        ("in-process", 2, ""),
+        ("forked", 2, ""),
+        ("no-stderr", 130, ""),
+    ],
+)
 def test_a_second_ctrl_c_exits_at_once_in_the_command_only(tmp_path: Path, mode: str, code: int, said: str) -> None:
     """The `shardkit` command exits at a second Ctrl-C (tests/test_pack.py runs a stalled
     pack); main() called in a user's process and processes forked from the command raise
@@ -600,8 +689,13 @@ def test_a_second_ctrl_c_exits_at_once_in_the_command_only(tmp_path: Path, mode:
     script.write_text(_CTRL_C)
     # Ctrl-C at Python's default, as in a terminal's foreground job, whatever this suite was started
     # with (a background job `./scripts/test.sh &` ignores SIGINT, and its children inherit that)
-    result = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    result = subprocess.run(
+        [sys.executable, str(script), mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert (result.returncode, result.stderr.strip()) == (code, said)
 
 
@@ -623,8 +717,10 @@ def test_errors_about_the_machine_name_the_file(photos: Path, tmp_path: Path) ->
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr == f"Error: {src}/circle/eio.jpg: Input/output error\n"
 
-    limit = "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); " \
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); from shardkit.cli import main; main()"
+    limit = (
+        "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); from shardkit.cli import main; main()"
+    )
     cmd = [sys.executable, "-c", limit, "pack", str(photos), str(tmp_path / "b"), "--workers", "1", "-q"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr == f"Error: {tmp_path}/b/shard-000000.tar: File too large\n"

@@ -101,37 +101,50 @@ def test_an_epoch_in_forked_workers_starts_no_runtime_before_the_fork(client: st
     two workers: every sample once, read by the chosen client (stats() names it), and the
     client's module not even imported in the main process (its runtime starts in the workers)."""
     url, opts = upload(s3, packed)
-    code = ("import json, sys\n"
-            "from torch.utils.data import DataLoader\n"
-            "import shardkit\n"
-            "ds = shardkit.StreamingDataset(sys.argv[1], storage_options=json.loads(sys.argv[2]), shuffle=True)\n"
-            "n = len(ds)\n"
-            "got = [k for b in DataLoader(ds, batch_size=16, num_workers=2) for k in b['__key__']]\n"
-            "print(json.dumps([n, len(got), len(set(got)), ds.stats()['store'], sys.argv[3] in sys.modules]))")
-    done = subprocess.run([sys.executable, "-c", code, url, json.dumps({**opts, "client": client}), RUNTIMES[client]],
-                          capture_output=True, text=True, timeout=300, env=os.environ)
+    code = (
+        "import json, sys\n"
+        "from torch.utils.data import DataLoader\n"
+        "import shardkit\n"
+        "ds = shardkit.StreamingDataset(sys.argv[1], storage_options=json.loads(sys.argv[2]), shuffle=True)\n"
+        "n = len(ds)\n"
+        "got = [k for b in DataLoader(ds, batch_size=16, num_workers=2) for k in b['__key__']]\n"
+        "print(json.dumps([n, len(got), len(set(got)), ds.stats()['store'], sys.argv[3] in sys.modules]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, url, json.dumps({**opts, "client": client}), RUNTIMES[client]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [120, 120, 120, NAMES[client], False]
 
 
 @pytest.mark.parametrize("client", NATIVE)
-def test_a_client_used_before_a_fork_fails_in_the_child_rather_than_hang(client: str, s3: dict,
-                                                                          packed: Path) -> None:
+def test_a_client_used_before_a_fork_fails_in_the_child_rather_than_hang(client: str, s3: dict, packed: Path) -> None:
     """obstore's runtime does not survive a fork (its child hangs: forks.py):
     a pass in the main process, then DataLoader workers forked from it, fail at their first
     read with a line that says so. In a fresh process: this one may have used either."""
     url, opts = upload(s3, packed)
-    code = ("import json, sys\n"
-            "from torch.utils.data import DataLoader\n"
-            "import shardkit\n"
-            "ds = shardkit.StreamingDataset(sys.argv[1], storage_options=json.loads(sys.argv[2]))\n"
-            "assert len(list(ds)) == 120\n"
-            "try:\n"
-            "    list(DataLoader(ds, batch_size=16, num_workers=2))\n"
-            "except shardkit.ShardkitError as e:\n"
-            "    print(e)\n")
-    done = subprocess.run([sys.executable, "-c", code, url, json.dumps({**opts, "client": client})],
-                          capture_output=True, text=True, timeout=300, env=os.environ)
+    code = (
+        "import json, sys\n"
+        "from torch.utils.data import DataLoader\n"
+        "import shardkit\n"
+        "ds = shardkit.StreamingDataset(sys.argv[1], storage_options=json.loads(sys.argv[2]))\n"
+        "assert len(list(ds)) == 120\n"
+        "try:\n"
+        "    list(DataLoader(ds, batch_size=16, num_workers=2))\n"
+        "except shardkit.ShardkitError as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, url, json.dumps({**opts, "client": client})],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ,
+    )
     assert done.returncode == 0, done.stderr
     assert f"client={client!r}: this process was forked from one that had already read through {client}" in done.stdout
 
@@ -146,9 +159,16 @@ class _Recording(BaseHTTPRequestHandler):
     def _forward(self) -> None:
         auth = self.headers.get("Authorization", "")
         credential = auth.split("Credential=", 1)[1].split(",", 1)[0].split("/") if "Credential=" in auth else []
-        self.seen.append({"method": self.command, "path": self.path, "host": self.headers.get("Host"),
-                          "key": credential[0] if credential else None,
-                          "region": credential[2] if credential else None, "if_match": self.headers.get("If-Match")})
+        self.seen.append(
+            {
+                "method": self.command,
+                "path": self.path,
+                "host": self.headers.get("Host"),
+                "key": credential[0] if credential else None,
+                "region": credential[2] if credential else None,
+                "if_match": self.headers.get("If-Match"),
+            }
+        )
         u = urlsplit(self.upstream)
         conn = http.client.HTTPConnection(u.netloc, timeout=30)
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -180,9 +200,15 @@ def recording(upstream: str) -> Iterator[tuple[str, list[dict]]]:
 
 @pytest.mark.parametrize("client", NATIVE)
 @pytest.mark.parametrize("credentials", ["options", "environment", "profile"])
-def test_credentials_endpoint_region_and_addressing(client: str, credentials: str, s3: dict, s3_server: str,
-                                                    packed: Path, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_credentials_endpoint_region_and_addressing(
+    client: str,
+    credentials: str,
+    s3: dict,
+    s3_server: str,
+    packed: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Each client signs the shards' GETs with the key the options, AWS_* variables or a
     profile give, for the options' region, path-style on the options' endpoint (as botocore
     and the presigned path address an S3-compatible store)."""
@@ -196,8 +222,9 @@ def test_credentials_endpoint_region_and_addressing(client: str, credentials: st
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     else:
-        (tmp_path / "no-credentials").write_text("[train]\naws_access_key_id = testing\n"
-                                                 "aws_secret_access_key = testing\n")
+        (tmp_path / "no-credentials").write_text(
+            "[train]\naws_access_key_id = testing\naws_secret_access_key = testing\n"
+        )
         opts["profile"] = "train"
     with recording(s3_server) as (base, seen):
         chosen = {**opts, "client": client, "client_kwargs": {"endpoint_url": base, "region_name": "eu-west-3"}}
@@ -220,8 +247,9 @@ def test_refused_credentials_fail_at_once_naming_the_shard(client: str, forbiddi
 
     base, log = forbidding
     url = "s3://bkt/ds/shard-000000.tar"
-    reader = RangeReader([url], {"key": "testing", "secret": "testing", "client": client,
-                                 "client_kwargs": {"endpoint_url": base}})
+    reader = RangeReader(
+        [url], {"key": "testing", "secret": "testing", "client": client, "client_kwargs": {"endpoint_url": base}}
+    )
     try:
         with pytest.raises(AccessDeniedError, match=rf"{url} \(bytes 0-10\)"):
             reader.read(0, 0, 10)
@@ -245,8 +273,14 @@ def test_two_datasets_sign_with_their_own_credentials(s3: dict, s3_server: str) 
 
 
 @pytest.mark.parametrize("client", NATIVE)
-def test_resets_and_throttling_cost_no_sample(client: str, s3: dict, s3_server: str, packed: Path,  # type: ignore[no-untyped-def]
-                                              latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resets_and_throttling_cost_no_sample(
+    client: str,
+    s3: dict,
+    s3_server: str,
+    packed: Path,  # type: ignore[no-untyped-def]
+    latency_proxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A fifth of the responses reset part-way and a fifth of the GETs answered 503 SlowDown:
     every sample comes once. obstore's GET fails raw and the reader asks for the rest (after
     a backoff, counted as throttling, for a 503)."""
@@ -279,8 +313,9 @@ def test_choices_refused_in_a_line(s3: dict) -> None:
     opts = s3["storage_options"]
     with pytest.raises(BadRequestError, match="unknown storage option client='curl'; choose from presigned"):
         store_for(f"{s3['url']}/x", {**opts, "client": "curl"})
-    with pytest.raises(BadRequestError, match="az://b/x: storage option client='obstore' applies to s3:// and gs:// "
-                                              "URLs only"):
+    with pytest.raises(
+        BadRequestError, match="az://b/x: storage option client='obstore' applies to s3:// and gs:// URLs only"
+    ):
         store_for("az://b/x", {"client": "obstore"})
     with pytest.raises(BadRequestError, match=r"client='obstore' cannot apply the storage option\(s\) requester_pays"):
         store_for(f"{s3['url']}/x", {**opts, "client": "obstore", "requester_pays": True})
@@ -289,8 +324,13 @@ def test_choices_refused_in_a_line(s3: dict) -> None:
     assert store_for(f"{s3['url']}/x", opts).name == "s3 (presigned)"  # the default
 
 
-def test_a_stalled_store_through_obstore_is_three_stalls(s3: dict, s3_server: str, packed: Path,  # type: ignore[no-untyped-def]
-                                                          latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stalled_store_through_obstore_is_three_stalls(
+    s3: dict,
+    s3_server: str,
+    packed: Path,  # type: ignore[no-untyped-def]
+    latency_proxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """obstore's timeout is a stall as the presigned path's is (patience.py): three silent
     tries, then one line naming the shard, not a dataset's ten attempts."""
     from shardkit.errors import ShardkitError
@@ -301,8 +341,11 @@ def test_a_stalled_store_through_obstore_is_three_stalls(s3: dict, s3_server: st
     chosen = {**opts, "client": "obstore", "timeout": 1, "client_kwargs": {"endpoint_url": proxied}}
     ds = StreamingDataset(url, storage_options=chosen, shuffle=False, prefetch=0)
     control.set("stall_prob", 1.0)
-    with pytest.raises(ShardkitError, match=r"shard-000000\.tar \(bytes \d+-\d+\): TimeoutError: .*gave up after 3 "
-                                            r"attempts; the storage options timeout= and attempts= set"):
+    with pytest.raises(
+        ShardkitError,
+        match=r"shard-000000\.tar \(bytes \d+-\d+\): TimeoutError: .*gave up after 3 "
+        r"attempts; the storage options timeout= and attempts= set",
+    ):
         keys(ds, 0)  # in this process: a worker forked from it could not use obstore (forks.py)
     control.set("stall_prob", 0.0)
     assert control.stats()["stalls"] == 3

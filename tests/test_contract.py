@@ -117,8 +117,9 @@ def test_resume(stored: Stored) -> None:
         return StatefulDataLoader(stored.stream(shuffle=True), num_workers=2, batch_size=2)
 
     def plain(workers: int, batch_size: int | None, batching: int | None = None) -> Any:
-        return lambda: DataLoader(stored.stream(shuffle=True, batch_size=batching), num_workers=workers,
-                                  batch_size=batch_size)
+        return lambda: DataLoader(
+            stored.stream(shuffle=True, batch_size=batching), num_workers=workers, batch_size=batch_size
+        )
 
     check_save_load(stateful, 2, same_order=True)  # the loader's own resume: the rest of the very same pass
     elastic = {"save": resume_state(epoch=0), "load": into_dataset, "expected": KEYS}  # into other layouts

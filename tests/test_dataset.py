@@ -83,25 +83,32 @@ def test_invalid_arguments_raise_value_error(packed: Path) -> None:
         StreamingDataset(str(packed), remainder="pad")
 
 
-@pytest.mark.parametrize("options, error, message", [
-    ({"seed": 1.5}, TypeError, "seed must be an integer, not 1.5"),
-    ({"seed": None}, TypeError, "seed must be an integer, not None"),
-    ({"block": 0}, ValueError, "block must be at least 1, not 0"),
-    ({"shuffle_window": "3"}, TypeError, "shuffle_window must be an integer, not '3'"),
-    ({"batch_size": True}, TypeError, "batch_size must be an integer, not True"),
-    ({"prefetch": -1}, ValueError, "prefetch must be at least 0, not -1"),
-    ({"prefetch_bytes": 0}, ValueError, "prefetch_bytes must be at least 1 bytes, not 0"),
-    ({"prefetch_bytes": 1.5}, TypeError, "prefetch_bytes: not a size: 1.5"),
-    ({"cache_limit": "lots"}, ValueError, "cache_limit: not a size: 'lots'"),
-    ({"rank": 2, "world_size": 2}, ValueError, "rank 2 is outside world size 2"),
-    ({"rank": 1.5, "world_size": 2}, TypeError, "rank must be an integer, not 1.5"),
-    ({"rank": 0, "world_size": 0}, ValueError, "world_size must be at least 1, not 0"),
-    ({"shuffle": "false"}, TypeError, "shuffle must be True or False, not 'false'"),
-    ({"verify": 1}, TypeError, "verify must be True or False, not 1"),
-    ({"verify": np.True_, "prefetch_bytes": 0}, ValueError, "prefetch_bytes must be at least 1"),  # a numpy bool is a flag
-    ({"transform": "resize"}, TypeError, "transform must be a function (or None), not 'resize'"),
-    ({"storage_options": ["anon"]}, TypeError, "storage_options must be a dict (or None), not ['anon']"),
-])
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"seed": 1.5}, TypeError, "seed must be an integer, not 1.5"),
+        ({"seed": None}, TypeError, "seed must be an integer, not None"),
+        ({"block": 0}, ValueError, "block must be at least 1, not 0"),
+        ({"shuffle_window": "3"}, TypeError, "shuffle_window must be an integer, not '3'"),
+        ({"batch_size": True}, TypeError, "batch_size must be an integer, not True"),
+        ({"prefetch": -1}, ValueError, "prefetch must be at least 0, not -1"),
+        ({"prefetch_bytes": 0}, ValueError, "prefetch_bytes must be at least 1 bytes, not 0"),
+        ({"prefetch_bytes": 1.5}, TypeError, "prefetch_bytes: not a size: 1.5"),
+        ({"cache_limit": "lots"}, ValueError, "cache_limit: not a size: 'lots'"),
+        ({"rank": 2, "world_size": 2}, ValueError, "rank 2 is outside world size 2"),
+        ({"rank": 1.5, "world_size": 2}, TypeError, "rank must be an integer, not 1.5"),
+        ({"rank": 0, "world_size": 0}, ValueError, "world_size must be at least 1, not 0"),
+        ({"shuffle": "false"}, TypeError, "shuffle must be True or False, not 'false'"),
+        ({"verify": 1}, TypeError, "verify must be True or False, not 1"),
+        (
+            {"verify": np.True_, "prefetch_bytes": 0},
+            ValueError,
+            "prefetch_bytes must be at least 1",
+        ),  # a numpy bool is a flag
+        ({"transform": "resize"}, TypeError, "transform must be a function (or None), not 'resize'"),
+        ({"storage_options": ["anon"]}, TypeError, "storage_options must be a dict (or None), not ['anon']"),
+    ],
+)
 def test_wrong_values_fail_at_once_naming_the_argument(packed: Path, options: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=re.escape(message)):
         StreamingDataset(str(packed), **options)
@@ -124,8 +131,9 @@ def test_sources_and_epochs_of_the_wrong_kind(packed: Path) -> None:
             len(ds)
 
 
-def test_shards_named_one_by_one_take_what_their_folders_index_says(packed: Path, tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shards_named_one_by_one_take_what_their_folders_index_says(
+    packed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A brace pattern or a list of a pack's shards costs one read of index.json, not a read
     of every byte; a shard the index does not describe (replaced, or no index) is scanned."""
     from shardkit import sources
@@ -247,7 +255,9 @@ def frozen_objects(sample: dict[str, Any]) -> int:
 
 
 @pytest.mark.parametrize("batch_size", [None, 4])
-def test_workers_freeze_what_they_inherit_and_the_main_process_is_left_alone(packed: Path, batch_size: int | None) -> None:
+def test_workers_freeze_what_they_inherit_and_the_main_process_is_left_alone(
+    packed: Path, batch_size: int | None
+) -> None:
     """A worker's full garbage collection must not walk (and copy-on-write) the main
     process's objects: it delayed the first batch by ~140 ms. The user's own process keeps
     its garbage collector as it was."""

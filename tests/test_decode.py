@@ -109,8 +109,17 @@ def test_geometry_follows_torchvision() -> None:
     assert geometry((640, 480), (320, 200), (100, 50))[1] == (100, 50)
 
 
-@pytest.mark.parametrize(("size", "crop", "gap"), [(0, None, 2.0), (64, 65, 2.0), ((64, 32), (40, 40), 2.0),
-                                                   (64, 32, 0.5), (64, 32, float("nan")), (64, 32, float("inf"))])
+@pytest.mark.parametrize(
+    ("size", "crop", "gap"),
+    [
+        (0, None, 2.0),
+        (64, 65, 2.0),
+        ((64, 32), (40, 40), 2.0),
+        (64, 32, 0.5),
+        (64, 32, float("nan")),
+        (64, 32, float("inf")),
+    ],
+)
 def test_bad_arguments(size: object, crop: object, gap: float) -> None:
     with pytest.raises(ValueError):
         resized(b"", size, crop, reducing_gap=gap)  # type: ignore[arg-type]
@@ -168,7 +177,11 @@ def test_16_bit_grayscale_keeps_its_contrast(tmp_path: Path) -> None:
             assert img.mode == "I;16"
     Image.fromarray((ramp >> 8).astype(np.int32)).save(src / "labels.tiff", "TIFF")  # mode "I": as PIL converts it
     shardkit.pack(str(src.parent), str(tmp_path / "out"), workers=1, progress=False, shuffle=False)
-    for mode, as_array in (("rgb8", np.asarray), ("pil", np.asarray), ("tensor", lambda t: t.numpy().transpose(1, 2, 0))):
+    for mode, as_array in (
+        ("rgb8", np.asarray),
+        ("pil", np.asarray),
+        ("tensor", lambda t: t.numpy().transpose(1, 2, 0)),
+    ):
         samples = list(StreamingDataset(str(tmp_path / "out"), decode=mode))
         assert len(samples) == 3
         for sample in samples:
@@ -201,9 +214,17 @@ def test_module_import_stays_light() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("raw", [b'{"a": [1, 2.5, "x"], "b": null}', b'{"nan": NaN, "inf": -Infinity}',
-                                 b'{"big": 123456789012345678901234567890}', b'[-9223372036854775809, 1e400]',
-                                 b'["\\ud800", 1.5e300]', '{"é": "ü"}'.encode()])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"a": [1, 2.5, "x"], "b": null}',
+        b'{"nan": NaN, "inf": -Infinity}',
+        b'{"big": 123456789012345678901234567890}',
+        b"[-9223372036854775809, 1e400]",
+        b'["\\ud800", 1.5e300]',
+        '{"é": "ü"}'.encode(),
+    ],
+)
 def test_json_fields_decode_as_json_does(raw: bytes) -> None:
     import json
 
@@ -276,8 +297,11 @@ def test_upper_case_extensions_and_tiny_images_decode(tmp_path: Path) -> None:
 
 def test_two_members_that_are_one_field_in_lower_case_are_bad_data(tmp_path: Path) -> None:
     url = _tar_of(tmp_path / "x.tar", {"a.jpg": b"1", "a.JPG": b"2", "b.cls": b"3"})
-    with pytest.raises(CorruptShardError, match=r"x\.tar: a sample at byte 0: members \['JPG', 'jpg'\] name the same "
-                                                r"field once in lower case"):
+    with pytest.raises(
+        CorruptShardError,
+        match=r"x\.tar: a sample at byte 0: members \['JPG', 'jpg'\] name the same "
+        r"field once in lower case",
+    ):
         list(StreamingDataset([url]))
     ds = StreamingDataset([url], on_error="skip")
     assert [s["cls"] for s in ds] == [3, 3] and ds.stats()["skipped"] == 1  # replaced, counted
@@ -297,12 +321,30 @@ def _tar_of(path: Path, members: dict[str, bytes]) -> str:
 def test_fields_follow_webdatasets_handlers(tmp_path: Path) -> None:
     """ints, json and text as webdataset's default decoders give them; anything else, `label`,
     `idx` and `class` included, stays bytes (a text label once made every sample unreadable)."""
-    shard = _tar_of(tmp_path / "x.tar", {"s.cls": b"3", "s.inx": b"4\n", "s.id": b"7", "s.jsn": b'{"a": 1}',
-                                         "s.text": "é".encode(), "s.label": b"dog\n", "s.idx": b"abc",
-                                         "s.class": b"dog"})
+    shard = _tar_of(
+        tmp_path / "x.tar",
+        {
+            "s.cls": b"3",
+            "s.inx": b"4\n",
+            "s.id": b"7",
+            "s.jsn": b'{"a": 1}',
+            "s.text": "é".encode(),
+            "s.label": b"dog\n",
+            "s.idx": b"abc",
+            "s.class": b"dog",
+        },
+    )
     (got,) = StreamingDataset([shard])
     assert {k: v for k, v in got.items() if not k.startswith("__")} == {
-        "cls": 3, "inx": 4, "id": 7, "jsn": {"a": 1}, "text": "é", "label": b"dog\n", "idx": b"abc", "class": b"dog"}
+        "cls": 3,
+        "inx": 4,
+        "id": 7,
+        "jsn": {"a": 1},
+        "text": "é",
+        "label": b"dog\n",
+        "idx": b"abc",
+        "class": b"dog",
+    }
 
 
 def test_a_field_that_does_not_decode_is_named(tmp_path: Path) -> None:

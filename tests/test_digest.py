@@ -21,8 +21,10 @@ from resume import check_save_load, into_dataset, loader_state, resume_state
 
 pytestmark = WARNINGS
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
-MODES = {"default": {"shuffle_window": 16, "block": 4}, "global": {"global_batch_size": 6, "block": 4,
-                                                                   "shuffle_window": 24}}
+MODES = {
+    "default": {"shuffle_window": 16, "block": 4},
+    "global": {"global_batch_size": 6, "block": 4, "shuffle_window": 24},
+}
 
 
 def test_the_fingerprint_of_spans_is_that_of_their_positions() -> None:
@@ -53,8 +55,9 @@ def test_five_stateful_resumes_in_a_row_under_new_layouts(packed: Path, mode: st
     def build(workers: int) -> Any:
         return lambda: StatefulDataLoader(dataset(packed, mode), batch_size=b, num_workers=workers)
 
-    resumed = check_save_load([build(w) for w in layouts], stops(3), save=loader_state, load=into_dataset,
-                              same_order=mode == "global")  # global batches: the very order of one pass
+    resumed = check_save_load(
+        [build(w) for w in layouts], stops(3), save=loader_state, load=into_dataset, same_order=mode == "global"
+    )  # global batches: the very order of one pass
     for saved in resumed.states:
         found = [s for s in state.find_states(saved) if state.is_worker(s)]
         assert found and all(isinstance(s[state.DIGEST]["sums"], str) for s in found)
@@ -68,8 +71,13 @@ def test_five_plain_resumes_in_a_row_under_new_layouts(packed: Path, mode: str) 
     def build(workers: int) -> Any:
         return lambda: DataLoader(dataset(packed, mode), batch_size=b, num_workers=workers)
 
-    resumed = check_save_load([build(w) for w in layouts], stops(4), save=resume_state(epoch=0), load=into_dataset,
-                              same_order=mode == "global")
+    resumed = check_save_load(
+        [build(w) for w in layouts],
+        stops(4),
+        save=resume_state(epoch=0),
+        load=into_dataset,
+        same_order=mode == "global",
+    )
     last = resumed.states[-1]
     assert len(last[state.HISTORY]) == 4 and all(state.DIGEST in h for h in last[state.HISTORY])  # and its own
     assert all(state.DIGEST in w for w in last[state.WORKERS])
@@ -96,8 +104,11 @@ def worker_states(saved: dict[str, Any]) -> list[dict[str, Any]]:
 def test_an_edited_count_is_refused_naming_the_positions(packed: Path, mode: str) -> None:
     (saved,) = stateful_states(packed, mode, [3])
     worker_states(saved)[1][state.YIELDED] += 2
-    with pytest.raises(ValueError, match=r"epoch 0, positions \d+\.\.\d+: worker 1 of rank 0 says it delivered \d+ "
-                                         r"samples, not the ones its fingerprint records"):
+    with pytest.raises(
+        ValueError,
+        match=r"epoch 0, positions \d+\.\.\d+: worker 1 of rank 0 says it delivered \d+ "
+        r"samples, not the ones its fingerprint records",
+    ):
         dataset(packed, mode).load_state_dict(saved)
     plain = dataset(packed, mode).resume_state(epoch=0, samples_seen=12, num_workers=2, batch_size=6)
     plain[state.WORKERS][0][state.YIELDED] = 0
@@ -113,8 +124,11 @@ def test_an_edited_history_is_refused(packed: Path) -> None:
     assert digest.parse(second[state.HISTORY][0][state.DIGEST]) != digest.ZERO
     edited = json.loads(json.dumps(second))
     edited[state.HISTORY][0]["yielded"] = [4, 0]
-    with pytest.raises(ValueError, match=r"epoch 0, positions \d+\.\.\d+: this state's segment 0 \(1 ranks x 2 "
-                                         r"workers, counts \[4, 0\]\) is not the one its fingerprint was made from"):
+    with pytest.raises(
+        ValueError,
+        match=r"epoch 0, positions \d+\.\.\d+: this state's segment 0 \(1 ranks x 2 "
+        r"workers, counts \[4, 0\]\) is not the one its fingerprint was made from",
+    ):
         dataset(packed, "default").load_state_dict(edited)
 
 
@@ -123,8 +137,11 @@ def test_a_stale_worker_snapshot_is_refused(packed: Path, mode: str) -> None:
     older, newer = stateful_states(packed, mode, [2, 5])
     mixed = copy.deepcopy(newer)
     mixed["_snapshot"]["_worker_snapshots"]["worker_1"] = older["_snapshot"]["_worker_snapshots"]["worker_1"]
-    with pytest.raises(ValueError, match=r"this StatefulDataLoader state is at its batch 5, but its snapshot of "
-                                         r"worker 1 counts \d+ samples, not \d+ \(a stale or mixed-up state\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"this StatefulDataLoader state is at its batch 5, but its snapshot of "
+        r"worker 1 counts \d+ samples, not \d+ \(a stale or mixed-up state\)",
+    ):
         dataset(packed, mode).load_state_dict(mixed)
     dataset(packed, mode).load_state_dict(newer)  # the state as saved is fine
 
@@ -143,8 +160,11 @@ def test_the_end_of_a_pass_checks_what_it_delivered(packed: Path) -> None:
     next(it)
     piece = it.stream._pieces[0][1]  # what the pass records it delivered: one sample twice, one never
     piece[1] = piece[0]
-    with pytest.raises(RuntimeError, match=r"epoch 0, positions 0\.\.119: worker 0 of rank 0 delivered 120 samples "
-                                           r"that are not its share of the epoch \(120\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"epoch 0, positions 0\.\.119: worker 0 of rank 0 delivered 120 samples "
+        r"that are not its share of the epoch \(120\)",
+    ):
         for _ in it:
             pass
 
@@ -153,14 +173,27 @@ def test_the_end_of_a_pass_checks_what_it_delivered(packed: Path) -> None:
 def test_a_mixture_resumed_five_times(packed: Path, global_batch: int | None) -> None:
     def build(workers: int) -> Any:
         def make() -> DataLoader:
-            mix = StreamingDataset.mix([(str(packed), 1.0), (str(packed), 3.0)], shuffle=True, seed=3,
-                                       samples_per_epoch=90, block=4, global_batch_size=global_batch)
+            mix = StreamingDataset.mix(
+                [(str(packed), 1.0), (str(packed), 3.0)],
+                shuffle=True,
+                seed=3,
+                samples_per_epoch=90,
+                block=4,
+                global_batch_size=global_batch,
+            )
             return DataLoader(mix, batch_size=6, num_workers=workers)
+
         return make
 
     keys = lambda batch: [f"{k}@{u.rsplit('/', 1)[-1]}" for k, u in zip(batch["__key__"], batch["__url__"])]  # noqa: E731
-    resumed = check_save_load([build(w) for w in (2, 1, 3, 0, 2, 1)], stops(5), save=resume_state(epoch=0),
-                              load=into_dataset, keys=keys, same_order=global_batch is not None)
+    resumed = check_save_load(
+        [build(w) for w in (2, 1, 3, 0, 2, 1)],
+        stops(5),
+        save=resume_state(epoch=0),
+        load=into_dataset,
+        keys=keys,
+        same_order=global_batch is not None,
+    )
     assert all(state.DIGEST in h for h in resumed.states[-1][state.HISTORY])
 
 
@@ -177,6 +210,9 @@ def test_the_loaders_own_resume_five_times_and_an_edited_worker_state(packed: Pa
     worker_states(edited)[0][state.YIELDED] += b
     loader = build()
     loader.load_state_dict(edited)
-    with pytest.raises(ValueError, match=r"worker 0 of rank 0 says it delivered \d+ samples, not the ones its "
-                                         r"fingerprint records"):
+    with pytest.raises(
+        ValueError,
+        match=r"worker 0 of rank 0 says it delivered \d+ samples, not the ones its "
+        r"fingerprint records",
+    ):
         list(loader)

@@ -63,9 +63,14 @@ def test_readme_stays_the_front_door() -> None:
 
 
 def test_docs_site_builds_strict(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})  # a banner about MkDocs 2
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )  # a banner about MkDocs 2
     assert run.returncode == 0, run.stdout + run.stderr
     assert (tmp_path / "site" / "api" / "index.html").read_text().count("StreamingDataset") > 3
 
@@ -78,19 +83,30 @@ def test_readme_first_loader_collates_as_written(in_packed_folder: Path) -> None
 
 def _as_a_user() -> dict[str, str]:
     """A shell's environment with this checkout's `python` and `shardkit` first on PATH."""
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-            "PYTHONPATH": str(ROOT)}
+    return {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(ROOT),
+    }
 
 
 def _shell(script: str, cwd: Path, timeout: float = 120) -> str:
-    run = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, capture_output=True, text=True,
-                         timeout=timeout, env=_as_a_user())
+    run = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_as_a_user(),
+    )
     assert run.returncode == 0, f"{script}\nexited with {run.returncode}:\n{run.stdout}\n{run.stderr}"
     return run.stdout
 
 
 @pytest.mark.timeout(180)
-def test_readme_quickstart_runs_as_written_on_its_sample_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_readme_quickstart_runs_as_written_on_its_sample_images(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A newcomer with no image folder: the Quickstart's commands, then its two loaders, unchanged."""
     section = README.split("## Quickstart\n", 1)[1].split("\n## ", 1)[0]
     commands = re.search(r"^((?:    .*\n)+)", section, re.M)  # its first indented block
@@ -136,15 +152,20 @@ def test_try_s3_locally_runs_as_written(tmp_path: Path) -> None:
 
     guide = (ROOT / "docs" / "guides" / "try-s3.md").read_text()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = {re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0] for deps in project["optional-dependencies"].values()
-                for d in deps}
+    declared = {
+        re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0] for deps in project["optional-dependencies"].values() for d in deps
+    }
     for word in _guide_block(guide, "try-s3-install", "bash").split()[2:]:
         extra = re.fullmatch(r"'\.\[(\w+)\]'", word)
         assert (extra[1] in project["optional-dependencies"]) if extra else word.strip("'").split("[")[0] in declared
-    script = "\n".join(["trap 'kill ${MOTO_PID:-} 2>/dev/null || true' EXIT",  # the server goes, whatever fails
-                        _guide_block(guide, "try-s3-serve", "bash"),
-                        "python - <<'PYTHON'\n" + _guide_block(guide, "try-s3-read", "python") + "PYTHON",
-                        _guide_block(guide, "try-s3-stop", "bash")])
+    script = "\n".join(
+        [
+            "trap 'kill ${MOTO_PID:-} 2>/dev/null || true' EXIT",  # the server goes, whatever fails
+            _guide_block(guide, "try-s3-serve", "bash"),
+            "python - <<'PYTHON'\n" + _guide_block(guide, "try-s3-read", "python") + "PYTHON",
+            _guide_block(guide, "try-s3-stop", "bash"),
+        ]
+    )
     assert script.count("9000") >= 4
     out = _shell(script.replace("9000", str(free_port())), tmp_path)
     assert re.search(r"packed 120 samples into [2-9] shards", out), out
@@ -165,8 +186,9 @@ def test_readme_peers_table_and_chart_show_docs_peers_json() -> None:
     assert f"no loader: {peers_chart.spread(summary['decode_limit'])}" in README
     with Image.open(ROOT / "docs" / "peers.png") as png:
         drawn_from = png.text.get(peers_chart.DIGEST_KEY)
-    assert drawn_from == peers_chart.digest(ROOT / "docs" / "peers.json"), \
+    assert drawn_from == peers_chart.digest(ROOT / "docs" / "peers.json"), (
         "docs/peers.png is not drawn from docs/peers.json: python scripts/peers_chart.py docs/peers.json docs/peers.png"
+    )
 
 
 def test_the_peers_chart_has_a_bar_for_each_readme_row_and_no_other(tmp_path: Path) -> None:
@@ -221,9 +243,13 @@ def test_the_examples_extra_brings_what_the_examples_and_readme_import() -> None
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = {re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].lower()
-                for d in [*project["dependencies"], *project["optional-dependencies"]["examples"]]}
-    code = [p.read_text() for p in (ROOT / "examples").glob("*.py")] + [(ROOT / "scripts" / "make_images.py").read_text()]
+    declared = {
+        re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].lower()
+        for d in [*project["dependencies"], *project["optional-dependencies"]["examples"]]
+    }
+    code = [p.read_text() for p in (ROOT / "examples").glob("*.py")] + [
+        (ROOT / "scripts" / "make_images.py").read_text()
+    ]
     code += re.findall(r"```python\n(.*?)```", README, re.S)
     modules = set().union(*map(_imports, code))
     dists = importlib.metadata.packages_distributions()
@@ -245,8 +271,13 @@ def test_readme_wheel_line_builds_the_wheel_it_names(tmp_path: Path) -> None:
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src)
     args = line[1].split()[2:]  # --no-deps -w dist .
-    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", *args], cwd=src,
-                         capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", *args],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert [p.name for p in (src / "dist").iterdir()] == ["shardkit-0.1.0-py3-none-any.whl"]
     install = (ROOT / "docs" / "install.md").read_text()

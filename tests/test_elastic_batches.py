@@ -18,8 +18,10 @@ from torch.utils.data import DataLoader
 
 from conftest import make_folder
 
-pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
-              pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+    pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
+]
 B = 24
 OPTIONS: dict[str, Any] = {"shuffle": True, "seed": 9, "global_batch_size": B, "block": 4, "shuffle_window": 48}
 STAGES = [(4, 2), (2, 3), (8, 1), (3, 2), (2, 1)]  # (world size, num_workers); the last one reads to the end
@@ -37,13 +39,23 @@ def larger(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import shardkit
 
     root = tmp_path_factory.mktemp("elastic")
-    shardkit.pack(str(make_folder(root / "photos", per_class=100)), str(root / "shards"), max_count=16, workers=1,
-                  progress=False)
+    shardkit.pack(
+        str(make_folder(root / "photos", per_class=100)), str(root / "shards"), max_count=16, workers=1, progress=False
+    )
     return root / "shards"
 
 
-def _rank_main(rank: int, world: int, port: int, dataset: str, workers: int, stop: int | None, stateful: bool,
-               resumed_from: Any, out: str) -> None:
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    dataset: str,
+    workers: int,
+    stop: int | None,
+    stateful: bool,
+    resumed_from: Any,
+    out: str,
+) -> None:
     from shardkit import StreamingDataset
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -68,8 +80,9 @@ def _rank_main(rank: int, world: int, port: int, dataset: str, workers: int, sto
         if stateful:
             saved = loader.state_dict()
         else:
-            saved = ds.resume_state(epoch=0, samples_seen=len(keys) * b, num_workers=workers, batch_size=b,
-                                    resumed_from=resumed_from)
+            saved = ds.resume_state(
+                epoch=0, samples_seen=len(keys) * b, num_workers=workers, batch_size=b, resumed_from=resumed_from
+            )
         del it
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, {"keys": keys, "len": len(ds), "state": json.dumps(saved, sort_keys=True)})
@@ -96,12 +109,21 @@ def test_preempted_four_times_under_new_layouts_the_batches_of_one_rank(larger: 
     for i, ((world, workers), stop) in enumerate(zip(STAGES, stops)):
         out = tmp_path / f"stage{i}.json"
         stateful = i % 2 == 0
-        mp.spawn(_rank_main, args=(world, _free_port(), str(larger), workers, stop, stateful, resumed_from, str(out)),
-                 nprocs=world, join=True)
+        mp.spawn(
+            _rank_main,
+            args=(world, _free_port(), str(larger), workers, stop, stateful, resumed_from, str(out)),
+            nprocs=world,
+            join=True,
+        )
         ranks = json.loads(out.read_text())
         # the same but for the fingerprints, each its own rank's
-        ours = [sorted(str({k: v for k, v in s.items() if k not in (state.DIGEST, state.WORKERS)})
-                       for s in state.find_states(json.loads(r["state"]))) for r in ranks]
+        ours = [
+            sorted(
+                str({k: v for k, v in s.items() if k not in (state.DIGEST, state.WORKERS)})
+                for s in state.find_states(json.loads(r["state"]))
+            )
+            for r in ranks
+        ]
         assert all(o == ours[0] for o in ours)  # ranks step in lockstep: one state describes all
         assert {r["len"] for r in ranks} == {len(whole) * B // world}
         slices = [r["keys"] for r in ranks]

@@ -19,8 +19,9 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
 def run(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120) -> str:
-    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
     assert proc.returncode == 0, f"{args} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -50,8 +51,9 @@ def other_formats(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.timeout(120)
 def test_train_local_takes_any_image_format(other_formats: Path, tmp_path: Path) -> None:
     shardkit.pack(str(other_formats), str(tmp_path / "shards"), workers=1, progress=False)
-    out = run(example("train_local.py", tmp_path / "shards", "--epochs", 1, "--workers", 1, "--batch-size", 8),
-              tmp_path)
+    out = run(
+        example("train_local.py", tmp_path / "shards", "--epochs", 1, "--workers", 1, "--batch-size", 8), tmp_path
+    )
     assert re.search(r"epoch 0: 18 samples in [\d.]+ s = \d+ samples/s", out), out
 
 
@@ -66,8 +68,9 @@ def test_stream_demo_takes_another_tools_label_field(other_formats: Path, tmp_pa
             (tmp_path / f"{i}.cls2").write_text(str(CLASSES.index(path.parent.name)))
             tar.add(path, f"{i:04d}{path.suffix}")
             tar.add(tmp_path / f"{i}.cls2", f"{i:04d}.cls2")
-    out = run(example("stream_demo.py", tmp_path / "wds", "--batch-size", 8, "--workers", 1, "--label", "cls2"),
-              tmp_path)
+    out = run(
+        example("stream_demo.py", tmp_path / "wds", "--batch-size", 8, "--workers", 1, "--label", "cls2"), tmp_path
+    )
     assert "classes: {0: 6, 1: 6, 2: 6}" in out
 
 
@@ -80,8 +83,24 @@ def test_train_s3_second_epoch_from_the_cache(s3: dict, packed: Path, tmp_path: 
     fs.put(str(packed), root, recursive=True)
     endpoint = s3["storage_options"]["client_kwargs"]["endpoint_url"]
     credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-    out = run(example("train_s3.py", url, "--endpoint-url", endpoint, "--cache-dir", tmp_path / "cache",
-                      "--epochs", 2, "--workers", 2, "--batch-size", 16), tmp_path, env=credentials)
+    out = run(
+        example(
+            "train_s3.py",
+            url,
+            "--endpoint-url",
+            endpoint,
+            "--cache-dir",
+            tmp_path / "cache",
+            "--epochs",
+            2,
+            "--workers",
+            2,
+            "--batch-size",
+            16,
+        ),
+        tmp_path,
+        env=credentials,
+    )
     assert f"{url}: 120 samples per epoch, 3 classes" in out
     first = re.search(r"epoch 0: \d+ samples/s, downloaded ([\d.]+) MB, (\d+) cache hits", out)
     second = re.search(r"epoch 1: \d+ samples/s, downloaded ([\d.]+) MB, (\d+) cache hits", out)
@@ -90,8 +109,10 @@ def test_train_s3_second_epoch_from_the_cache(s3: dict, packed: Path, tmp_path: 
     assert float(second[1]) == 0 and int(second[2]) > 0  # epoch 2 read from the cache
 
 
-WITHOUT_SKIMAGE = ("import runpy, sys; sys.modules['skimage'] = None; sys.argv = sys.argv[1:]; "  # as if not installed
-                   "runpy.run_path(sys.argv[0], run_name='__main__')")
+WITHOUT_SKIMAGE = (
+    "import runpy, sys; sys.modules['skimage'] = None; sys.argv = sys.argv[1:]; "  # as if not installed
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 @pytest.mark.timeout(120)
@@ -99,12 +120,28 @@ WITHOUT_SKIMAGE = ("import runpy, sys; sys.modules['skimage'] = None; sys.argv =
 def test_pack_and_stream(tmp_path: Path, skimage: bool) -> None:
     """The tour does what the README says: pack, stream, resume; with scikit-image (the
     `examples` extra) or, drawing its photos with PIL, without."""
-    args = example("pack_and_stream.py", "--dir", tmp_path / "tour", "--images", 30, "--classes", 3, "--small",
-                   "--size", 64, "--crop", 56, "--batch-size", 8)
+    args = example(
+        "pack_and_stream.py",
+        "--dir",
+        tmp_path / "tour",
+        "--images",
+        30,
+        "--classes",
+        3,
+        "--small",
+        "--size",
+        64,
+        "--crop",
+        56,
+        "--batch-size",
+        8,
+    )
     out = run(args if skimage else [sys.executable, "-c", WITHOUT_SKIMAGE, *args[1:]], tmp_path)
     assert ("no scikit-image: drawing the photos with PIL" in out) is not skimage
-    assert "4. resumed epoch 0 after 8 samples (ds.resume_state): 22 samples, 22 distinct, just those the first " \
-           "run had not reached" in out, out
+    assert (
+        "4. resumed epoch 0 after 8 samples (ds.resume_state): 22 samples, 22 distinct, just those the first "
+        "run had not reached" in out
+    ), out
     assert "1. 30 photos in 3 classes" in out
     assert re.search(r"2\. packed into .*: 30 samples, \d+ shards?", out), out
     assert "images (8, 3, 56, 56) torch.uint8, labels (8,)" in out
@@ -126,8 +163,11 @@ def test_ddp_train_gives_every_rank_the_same_batches(launcher: str, packed: Path
     out = run(cmd, tmp_path)
     assert "2 ranks x 2 workers: 8 batches per rank per epoch, 3 classes" in out
     # each rank: 60 samples in whole batches of 8 split between 2 workers: 7 full batches and one of 4
-    assert re.search(r"epoch 0: batches per rank \[8, 8\], samples per rank \[60, 60\]; 120 samples in [\d.]+ s = "
-                     r"\d+ samples/s", out), out
+    assert re.search(
+        r"epoch 0: batches per rank \[8, 8\], samples per rank \[60, 60\]; 120 samples in [\d.]+ s = "
+        r"\d+ samples/s",
+        out,
+    ), out
 
 
 @pytest.mark.timeout(120)

@@ -128,16 +128,18 @@ def test_a_2000px_pattern_downscaled_to_224_stays_antialiased(fast_decodes: list
     agree(fast, resized(data, 224, backend="pil"))
     full = Image.open(io.BytesIO(data)).convert("RGB")
     agree(fast, full.resize((224, 224), Image.Resampling.BILINEAR), mean=3.0, db=35.0)  # the exact resize, from 2000 px
-    four_tap = torch.nn.functional.interpolate(torch.from_numpy(np.array(full)).permute(2, 0, 1)[None],
-                                               size=(224, 224), mode="bilinear", antialias=False)
+    four_tap = torch.nn.functional.interpolate(
+        torch.from_numpy(np.array(full)).permute(2, 0, 1)[None], size=(224, 224), mode="bilinear", antialias=False
+    )
     aliased = Image.fromarray(four_tap[0].permute(1, 2, 0).numpy())
     with pytest.raises(AssertionError):  # the test can tell aliasing from the real thing
         agree(aliased, resized(data, 224, backend="pil"), mean=20.0, db=20.0)
 
 
 @pytest.mark.parametrize("resample", [Image.Resampling.LANCZOS, Image.Resampling.BOX, Image.Resampling.NEAREST])
-def test_other_filters_decode_fast_and_resize_to_pils_very_pixels(pictures: dict, fast_decodes: list,
-                                                                  resample: int) -> None:
+def test_other_filters_decode_fast_and_resize_to_pils_very_pixels(
+    pictures: dict, fast_decodes: list, resample: int
+) -> None:
     """A filter torch lacks: libjpeg-turbo decodes (scaled as PIL's draft), PIL resizes it with PIL's box."""
     sources = pictures["large"] + pictures["odd"]
     for data in sources:
@@ -145,8 +147,9 @@ def test_other_filters_decode_fast_and_resize_to_pils_very_pixels(pictures: dict
             fast, pil = (resized(data, size, crop, resample=resample, backend=b) for b in ("auto", "pil"))  # type: ignore[arg-type]
             assert np.array_equal(np.asarray(fast), np.asarray(pil)), (size, crop)
         tensor = resized_tensor(data, 256, 224, resample=resample)
-        assert tensor.is_contiguous() and torch.equal(tensor, resized_tensor(data, 256, 224, resample=resample,
-                                                                             backend="pil"))
+        assert tensor.is_contiguous() and torch.equal(
+            tensor, resized_tensor(data, 256, 224, resample=resample, backend="pil")
+        )
     assert len(fast_decodes) == len(sources) * (len(CASES) + 1)
     assert (376, 501, 3) in fast_decodes  # 2001x1503 decoded at 1/4 for 96 px, as PIL's draft does
 
@@ -183,8 +186,11 @@ def test_the_fast_path_runs_on_the_calling_thread_alone(pictures: dict, tmp_path
     for i, data in enumerate(pictures["large"] + pictures["medium"] + pictures["odd"]):
         paths.append(tmp_path / f"{i}.jpg")
         paths[-1].write_bytes(data)
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability} if capability else {
-        k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env = (
+        {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+        if capability
+        else {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    )
     out = subprocess.run([sys.executable, "-c", _NO_THREADS, *map(str, paths)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     if capability == "default":
@@ -196,9 +202,13 @@ def test_the_fast_path_runs_on_the_calling_thread_alone(pictures: dict, tmp_path
 def test_dct_scaling_follows_pils_draft(fast_decodes: list) -> None:
     """1/2, 1/4 or 1/8 (never libjpeg-turbo's 3/8, 5/8...), as far as keeps each side at least
     `reducing_gap` times its resized size, by PIL's rule: source // k >= wanted."""
-    for source, size, want in [((1200, 900), 128, (600, 450)), ((1023, 767), 128, (512, 384)),
-                               ((4000, 3000), 64, (500, 375)), ((2001, 1503), 100, (501, 376)),
-                               ((511, 681), 128, (511, 681))]:  # 511 // 2 < 2 x 128 (ceil(511 / 2) is not)
+    for source, size, want in [
+        ((1200, 900), 128, (600, 450)),
+        ((1023, 767), 128, (512, 384)),
+        ((4000, 3000), 64, (500, 375)),
+        ((2001, 1503), 100, (501, 376)),
+        ((511, 681), 128, (511, 681)),
+    ]:  # 511 // 2 < 2 x 128 (ceil(511 / 2) is not)
         data = encode(Image.new("RGB", source, (90, 120, 30)))
         fast_decodes.clear()
         resized(data, size)
@@ -212,9 +222,16 @@ def test_what_the_fast_path_leaves_to_pil(pictures: dict, fast_decodes: list, mo
     img = Image.open(io.BytesIO(pictures["medium"][1])).convert("RGB")
     whole = encode(img)
     sof = whole.index(b"\xff\xc0")  # baseline frame -> extended, 12-bit: libjpeg-turbo's 8-bit decoder refuses it
-    twelve = whole[:sof] + b"\xff\xc1" + whole[sof + 2:sof + 4] + b"\x0c" + whole[sof + 5:]
-    others = {"png": encode(img, "PNG"), "webp": encode(img, "WEBP"), "cmyk": encode(img.convert("CMYK")),
-              "truncated": whole[: len(whole) // 2], "12-bit": twelve, "junk": b"\xff\xd8\xff" + bytes(200), "empty": b""}
+    twelve = whole[:sof] + b"\xff\xc1" + whole[sof + 2 : sof + 4] + b"\x0c" + whole[sof + 5 :]
+    others = {
+        "png": encode(img, "PNG"),
+        "webp": encode(img, "WEBP"),
+        "cmyk": encode(img.convert("CMYK")),
+        "truncated": whole[: len(whole) // 2],
+        "12-bit": twelve,
+        "junk": b"\xff\xd8\xff" + bytes(200),
+        "empty": b"",
+    }
     for name, data in others.items():
         outcomes = []
         for backend in ("auto", "pil"):
@@ -226,8 +243,9 @@ def test_what_the_fast_path_leaves_to_pil(pictures: dict, fast_decodes: list, mo
     assert isinstance(outcomes[0], str)
     assert jpeg.header(others["cmyk"]) is None and jpeg.header(whole) == img.size
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)  # a notebook's setting: PIL pads, so do we
-    assert np.array_equal(np.asarray(resized(others["truncated"], 64)), np.asarray(resized(others["truncated"], 64,
-                                                                                           backend="pil")))
+    assert np.array_equal(
+        np.asarray(resized(others["truncated"], 64)), np.asarray(resized(others["truncated"], 64, backend="pil"))
+    )
     pixels = img.width * img.height
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", pixels - 1)  # a decompression bomb: PIL's warning, PIL's error
     with pytest.warns(Image.DecompressionBombWarning):
@@ -240,8 +258,19 @@ def test_what_the_fast_path_leaves_to_pil(pictures: dict, fast_decodes: list, mo
 
 def test_bad_jpegs_are_named_and_skipped_as_with_pil(pictures: dict, tmp_path: Path) -> None:
     good = pictures["medium"][0]
-    url = _tar_of(tmp_path / "x.tar", {"a.jpg": good, "a.cls": b"1", "b.jpg": good[: len(good) // 2], "b.cls": b"2",
-                                    "c.jpg": b"\xff\xd8\xffjunk", "c.cls": b"3", "d.jpg": good, "d.cls": b"4"})
+    url = _tar_of(
+        tmp_path / "x.tar",
+        {
+            "a.jpg": good,
+            "a.cls": b"1",
+            "b.jpg": good[: len(good) // 2],
+            "b.cls": b"2",
+            "c.jpg": b"\xff\xd8\xffjunk",
+            "c.cls": b"3",
+            "d.jpg": good,
+            "d.cls": b"4",
+        },
+    )
     for options in ({"decode": "tensor"}, {"decode": "raw", "transform": image_transform(64, 48)}):
         errors, kept = [], []
         for backend in ("auto", "pil"):
@@ -255,8 +284,12 @@ def test_bad_jpegs_are_named_and_skipped_as_with_pil(pictures: dict, tmp_path: P
 
 
 def test_backend_is_checked_and_reaches_the_workers(packed: Path, tmp_path: Path) -> None:
-    for make in (lambda: StreamingDataset(str(packed), backend="cv2"), lambda: image_transform(backend="cv2"),
-                 lambda: resized(b"", 8, backend="cv2"), lambda: decoder("rgb8", "cv2")):
+    for make in (
+        lambda: StreamingDataset(str(packed), backend="cv2"),
+        lambda: image_transform(backend="cv2"),
+        lambda: resized(b"", 8, backend="cv2"),
+        lambda: decoder("rgb8", "cv2"),
+    ):
         with pytest.raises(ValueError, match="backend must be one of \\('auto', 'pil'\\), not 'cv2'"):
             make()
     loader = torch.utils.data.DataLoader(StreamingDataset(str(packed), decode="rgb8", backend="pil"), num_workers=1)

@@ -123,16 +123,19 @@ def test_a_throttling_store_halves_the_pieces_of_a_range() -> None:
     assert len(engine.bounds(0, 64 * MB, pressure=2)) - 1 == 5  # a range without: one more
 
 
-def _fill(engine: FetchEngine, store: Store, data: bytes, pin: dict[str, Any] | None = None,
-          read: bool = True) -> Arriving:
+def _fill(
+    engine: FetchEngine, store: Store, data: bytes, pin: dict[str, Any] | None = None, read: bool = True
+) -> Arriving:
     """`data` fetched into a buffer by `engine`, `read` by a reader waiting for its bytes
     meanwhile (as a worker does once it comes to the range), or not (read-ahead, ahead)."""
     into = Arriving(0, len(data))
 
     def run() -> None:
         try:
-            engine.run(into.split(engine.bounds(0, len(data))),
-                       lambda piece: engine.get(store, "held://x", piece, pin) and None)
+            engine.run(
+                into.split(engine.bounds(0, len(data))),
+                lambda piece: engine.get(store, "held://x", piece, pin) and None,
+            )
             into.finish(end=into.filled)
         except BaseException as e:  # noqa: BLE001 - the reader raises it
             into.finish(error=e)
@@ -288,9 +291,13 @@ def _upload(s3: dict, folder: Path, name: str) -> str:
     return url
 
 
-def test_a_connection_capped_store_is_read_over_parallel_pieces(s3: dict, s3_server: str, bulky: Path,
-                                                                latency_proxy, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
-                                                                ) -> None:
+def test_a_connection_capped_store_is_read_over_parallel_pieces(
+    s3: dict,
+    s3_server: str,
+    bulky: Path,
+    latency_proxy,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
     """1 MB/s a connection: a first range in one GET, which measures about the cap; then, for a
     consumer waiting for its bytes, a range is cut into pieces read over several connections at
     once; the bytes are the shard's, exactly."""
@@ -322,8 +329,15 @@ def test_a_connection_capped_store_is_read_over_parallel_pieces(s3: dict, s3_ser
         reader.close()
 
 
-def _behind_a_tail(s3: dict, s3_server: str, packed: Path, latency_proxy, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
-                   name: str, seed: int) -> tuple[str, dict, Any]:
+def _behind_a_tail(
+    s3: dict,
+    s3_server: str,
+    packed: Path,
+    latency_proxy,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+    name: str,
+    seed: int,
+) -> tuple[str, dict, Any]:
     """`packed` uploaded as `name`, read through a proxy holding a fifth of the first bytes
     1.5 s, hedging up to half of them: (url, storage options, control)."""
     monkeypatch.setattr(fetch, "HEDGE_SHARE", 0.5)
@@ -334,8 +348,13 @@ def _behind_a_tail(s3: dict, s3_server: str, packed: Path, latency_proxy, monkey
     return url, {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}, control
 
 
-def test_hedges_beat_the_latency_tail_and_lose_no_sample(s3: dict, s3_server: str, packed: Path, latency_proxy,  # type: ignore[no-untyped-def]
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hedges_beat_the_latency_tail_and_lose_no_sample(
+    s3: dict,
+    s3_server: str,
+    packed: Path,
+    latency_proxy,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A fifth of the first bytes held 1.5 s: hedged GETs answer first, counted in stats(),
     every sample exactly once."""
     url, opts, control = _behind_a_tail(s3, s3_server, packed, latency_proxy, monkeypatch, "tail", 5)
@@ -349,8 +368,13 @@ def test_hedges_beat_the_latency_tail_and_lose_no_sample(s3: dict, s3_server: st
     assert stats["store"] == "s3 (presigned)"
 
 
-def test_resets_throttling_and_hedges_together_cost_no_sample(s3: dict, s3_server: str, packed: Path,  # type: ignore[no-untyped-def]
-                                                              latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resets_throttling_and_hedges_together_cost_no_sample(
+    s3: dict,
+    s3_server: str,
+    packed: Path,  # type: ignore[no-untyped-def]
+    latency_proxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(shardkit.storage.patience, "OUTAGE_RETRIES", 10)
     url, opts, control = _behind_a_tail(s3, s3_server, packed, latency_proxy, monkeypatch, "storm", 11)
     ds = StreamingDataset(url, storage_options=opts, shuffle=True, block=3)
@@ -363,8 +387,13 @@ def test_resets_throttling_and_hedges_together_cost_no_sample(s3: dict, s3_serve
     assert stats["throttled"] > 0 and stats["resets"] > 0 and stats["tailed"] > 0
 
 
-def test_a_replaced_shard_is_caught_under_hedging(s3: dict, s3_server: str, photos: Path, latency_proxy,  # type: ignore[no-untyped-def]
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_replaced_shard_is_caught_under_hedging(
+    s3: dict,
+    s3_server: str,
+    photos: Path,
+    latency_proxy,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(fetch, "HEDGE_SHARE", 1.0)
     url = s3["url"] + "/replaced"
     shardkit.pack(str(photos), url, max_count=10, workers=1, progress=False, storage_options=s3["storage_options"])

@@ -36,8 +36,11 @@ def test_webdataset_shards(photos: Path, tmp_path: Path) -> None:
     samples = write_wds(tmp_path / "wds", photos)
     shards = sorted((tmp_path / "wds").glob("*.tar"))
     assert [p.name for p in shards] == [f"wds-{i:06d}.tar" for i in range(5)]
-    sources: list[Any] = [str(tmp_path / "wds" / "wds-{000000..000004}.tar"), [str(p) for p in shards],
-                          str(tmp_path / "wds")]
+    sources: list[Any] = [
+        str(tmp_path / "wds" / "wds-{000000..000004}.tar"),
+        [str(p) for p in shards],
+        str(tmp_path / "wds"),
+    ]
     for source in sources:
         ds = StreamingDataset(source)
         assert len(ds) == 23
@@ -45,8 +48,9 @@ def test_webdataset_shards(photos: Path, tmp_path: Path) -> None:
         assert [(s["__key__"], s["jpg"], s["cls"]) for s in got] == samples
         assert Path(got[-1]["__url__"]).name == "wds-000004.tar"
     # index offsets learned from the scan work under ranks and workers too
-    per_rank = [run(StreamingDataset(sources[0], shuffle=True, rank=r, world_size=2, decode="rgb8"), 2)
-                for r in range(2)]
+    per_rank = [
+        run(StreamingDataset(sources[0], shuffle=True, rank=r, world_size=2, decode="rgb8"), 2) for r in range(2)
+    ]
     check_ranks(per_rank, [k for k, _, _ in samples], "repeat", 12)
 
 
@@ -93,8 +97,9 @@ def test_pickle_like_members_stay_bytes(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     payloads = {"pyd": pickle.dumps(_Trap(str(trap))), "pickle": pickle.dumps({"a": [1, 2]})}
     with wds.ShardWriter(str(tmp_path / "out" / "x-%06d.tar"), maxcount=10, verbose=0) as sink:
-        sink.write({"__key__": "k0", "pyd": payloads["pyd"], "pickle": payloads["pickle"],
-                    "pth": torch.arange(4), "cls": 1})
+        sink.write(
+            {"__key__": "k0", "pyd": payloads["pyd"], "pickle": payloads["pickle"], "pth": torch.arange(4), "cls": 1}
+        )
     for mode in ("raw", "pil", "tensor"):
         (s,) = list(StreamingDataset(str(tmp_path / "out"), decode=mode))
         assert s["pyd"] == payloads["pyd"] and s["pickle"] == payloads["pickle"]

@@ -75,14 +75,18 @@ def test_a_replaced_shard_is_refused_naming_it(fakegcs: dict, packed: Path) -> N
     fs.pipe(f"{root}/{shard.name}", bytes(data))
     ds = StreamingDataset(url, storage_options={**opts, "client": "obstore"})
     generation = shard.version["generation"]  # type: ignore[index]
-    with pytest.raises(CorruptShardError, match=rf"{url}/{shard.name}: changed since its index was made "
-                                                rf"\(its generation is no longer {generation}\)"):
+    with pytest.raises(
+        CorruptShardError,
+        match=rf"{url}/{shard.name}: changed since its index was made "
+        rf"\(its generation is no longer {generation}\)",
+    ):
         keys(ds)
 
 
 def _run(code: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
-                          env=os.environ)
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=os.environ
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -92,13 +96,15 @@ def test_an_epoch_in_forked_workers_starts_no_runtime_before_the_fork(fakegcs: d
     workers: every sample once, read by obstore (stats() names it), obstore not even
     imported in the main process."""
     url, opts = upload(fakegcs, packed, "forked")
-    code = ("import json, sys\n"
-            "from torch.utils.data import DataLoader\n"
-            "import shardkit\n"
-            "ds = shardkit.StreamingDataset(sys.argv[1], storage_options=json.loads(sys.argv[2]), shuffle=True)\n"
-            "n = len(ds)\n"
-            "got = [k for b in DataLoader(ds, batch_size=16, num_workers=2) for k in b['__key__']]\n"
-            "print(json.dumps([n, len(got), len(set(got)), ds.stats()['store'], 'obstore' in sys.modules]))")
+    code = (
+        "import json, sys\n"
+        "from torch.utils.data import DataLoader\n"
+        "import shardkit\n"
+        "ds = shardkit.StreamingDataset(sys.argv[1], storage_options=json.loads(sys.argv[2]), shuffle=True)\n"
+        "n = len(ds)\n"
+        "got = [k for b in DataLoader(ds, batch_size=16, num_workers=2) for k in b['__key__']]\n"
+        "print(json.dumps([n, len(got), len(set(got)), ds.stats()['store'], 'obstore' in sys.modules]))"
+    )
     out = _run(code, url, json.dumps({**opts, "client": "obstore"}))
     assert json.loads(out) == [120, 120, 120, "gcs (obstore)", False]
 
@@ -107,15 +113,17 @@ def test_obstore_used_before_a_fork_fails_in_the_child_rather_than_hang(fakegcs:
     """A pass in the main process starts obstore's runtime; DataLoader workers forked after it
     fail at their first read with a line that says so (forks.py)."""
     url, opts = upload(fakegcs, packed, "before")
-    code = ("import json, sys\n"
-            "from torch.utils.data import DataLoader\n"
-            "import shardkit\n"
-            "ds = shardkit.StreamingDataset(sys.argv[1], storage_options=json.loads(sys.argv[2]))\n"
-            "assert len(list(ds)) == 120\n"
-            "try:\n"
-            "    list(DataLoader(ds, batch_size=16, num_workers=2))\n"
-            "except shardkit.ShardkitError as e:\n"
-            "    print(e)\n")
+    code = (
+        "import json, sys\n"
+        "from torch.utils.data import DataLoader\n"
+        "import shardkit\n"
+        "ds = shardkit.StreamingDataset(sys.argv[1], storage_options=json.loads(sys.argv[2]))\n"
+        "assert len(list(ds)) == 120\n"
+        "try:\n"
+        "    list(DataLoader(ds, batch_size=16, num_workers=2))\n"
+        "except shardkit.ShardkitError as e:\n"
+        "    print(e)\n"
+    )
     out = _run(code, url, json.dumps({**opts, "client": "obstore"}))
     assert "client='obstore': this process was forked from one that had already read through obstore" in out
 
@@ -159,21 +167,30 @@ def recording(upstream: str) -> Iterator[tuple[str, list[dict]]]:
         yield base, _Recording.seen
 
 
-def test_gcsfs_endpoint_and_credentials_reach_obstores_gets(fakegcs: dict, fakegcs_server: str,
-                                                            packed: Path) -> None:
+def test_gcsfs_endpoint_and_credentials_reach_obstores_gets(fakegcs: dict, fakegcs_server: str, packed: Path) -> None:
     """obstore's GETs go to the options' `endpoint_url`, signed with the token gcsfs holds (here
     an OAuth token given as google-auth credentials, as a user may give gcsfs one)."""
     from google.oauth2.credentials import Credentials
 
     url, _ = upload(fakegcs, packed, "signed")
     with recording(fakegcs_server) as (base, seen):
-        opts = {"project": "test", "endpoint_url": base, "token": Credentials(token="sk-test-token"),
-                "skip_instance_cache": True, "client": "obstore"}
+        opts = {
+            "project": "test",
+            "endpoint_url": base,
+            "token": Credentials(token="sk-test-token"),
+            "skip_instance_cache": True,
+            "client": "obstore",
+        }
         ds = StreamingDataset(url, storage_options=opts, shuffle=True)
         got = keys(ds)
     assert sorted(got) == sorted(set(got)) and len(got) == 120 and ds.stats()["store"] == "gcs (obstore)"
-    shards = [r for r in seen if r["method"] == "GET" and "generation=" in r["path"]  # obstore's: the XML API's
-              and r["path"].split("?")[0].endswith("%2Etar")]
+    shards = [
+        r
+        for r in seen
+        if r["method"] == "GET"
+        and "generation=" in r["path"]  # obstore's: the XML API's
+        and r["path"].split("?")[0].endswith("%2Etar")
+    ]
     assert shards and all(r["auth"] == "Bearer sk-test-token" for r in shards)
 
 
@@ -192,18 +209,27 @@ def test_two_datasets_sign_with_their_own_credentials(fakegcs: dict, fakegcs_ser
             store_for(url, opts).get(url, 0, 10, sink, None)
             assert sink.filled == 10
     assert [r["auth"] for r in seen if r["path"].startswith("/shardkit%2Dtest/")] == [
-        "Bearer first", "Bearer second", "Bearer first"]
+        "Bearer first",
+        "Bearer second",
+        "Bearer first",
+    ]
 
 
-def test_resets_cost_no_sample(fakegcs: dict, fakegcs_server: str, packed: Path,  # type: ignore[no-untyped-def]
-                               latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resets_cost_no_sample(
+    fakegcs: dict,
+    fakegcs_server: str,
+    packed: Path,  # type: ignore[no-untyped-def]
+    latency_proxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A fifth of the responses reset part-way: obstore's retries are off, shardkit's ask for
     the rest, and every sample comes once."""
     monkeypatch.setattr(shardkit.storage.patience, "OUTAGE_RETRIES", 10)
     url, opts = upload(fakegcs, packed, "resets")
     proxied, control = latency_proxy(fakegcs_server, latency_ms=2, seed=5)
-    ds = StreamingDataset(url, storage_options={**opts, "endpoint_url": proxied, "client": "obstore"}, shuffle=True,
-                          block=4)
+    ds = StreamingDataset(
+        url, storage_options={**opts, "endpoint_url": proxied, "client": "obstore"}, shuffle=True, block=4
+    )
     control.set("reset_prob", 0.2)
     control.set("reset_max_bytes", 2_000)
     got = keys(ds)
@@ -211,14 +237,22 @@ def test_resets_cost_no_sample(fakegcs: dict, fakegcs_server: str, packed: Path,
     assert control.stats()["resets"] > 0
 
 
-def test_a_stalled_get_times_out_by_the_options_patience(fakegcs: dict, fakegcs_server: str, packed: Path,  # type: ignore[no-untyped-def]
-                                                          latency_proxy) -> None:
+def test_a_stalled_get_times_out_by_the_options_patience(
+    fakegcs: dict,
+    fakegcs_server: str,
+    packed: Path,  # type: ignore[no-untyped-def]
+    latency_proxy,
+) -> None:
     """A store gone silent once the index is read: obstore's GETs give up after `timeout`
     seconds each, shardkit tries 3 times (its stalls), then one line names the shard."""
     url, opts = upload(fakegcs, packed, "stall")
     proxied, control = latency_proxy(fakegcs_server)
-    ds = StreamingDataset(url, storage_options={**opts, "endpoint_url": proxied, "client": "obstore", "timeout": 1},
-                          shuffle=False, prefetch=0)
+    ds = StreamingDataset(
+        url,
+        storage_options={**opts, "endpoint_url": proxied, "client": "obstore", "timeout": 1},
+        shuffle=False,
+        prefetch=0,
+    )
     control.set("stall_prob", 1.0)
     try:
         with pytest.raises(ShardkitError, match=r"shard-000000\.tar \(bytes \d+-\d+\): .*gave up after 3 attempts"):
@@ -232,13 +266,19 @@ def test_choices_refused_in_a_line(fakegcs: dict) -> None:
     """A client not GCS's, a GCS client for another scheme, options obstore's GETs cannot carry;
     gcsfs the default, by name or not."""
     opts, url = fakegcs["storage_options"], f"{fakegcs['url']}/x"
-    with pytest.raises(BadRequestError, match=rf"{url}: unknown storage option client='s3fs'; choose from gcsfs, "
-                                              "obstore"):
+    with pytest.raises(
+        BadRequestError,
+        match=rf"{url}: unknown storage option client='s3fs'; choose from gcsfs, "
+        "obstore",
+    ):
         store_for(url, {**opts, "client": "s3fs"})
     with pytest.raises(BadRequestError, match="az://c/x: storage option client='gcsfs' applies to s3:// and gs://"):
         store_for("az://c/x", {"client": "gcsfs"})
-    with pytest.raises(BadRequestError, match=rf"{url}: storage option client='obstore' cannot apply the storage "
-                                              r"option\(s\) requester_pays; client='gcsfs' can"):
+    with pytest.raises(
+        BadRequestError,
+        match=rf"{url}: storage option client='obstore' cannot apply the storage "
+        r"option\(s\) requester_pays; client='gcsfs' can",
+    ):
         store_for(url, {**opts, "client": "obstore", "requester_pays": True})
     assert store_for(url, {**opts, "client": "gcsfs"}).name == "gcs (gcsfs)"
     assert store_for(url, opts).name == "gcs (gcsfs)"  # the default

@@ -16,8 +16,9 @@ B = 12
 OPTIONS: dict[str, Any] = {"shuffle": True, "seed": 4, "global_batch_size": B, "block": 4, "shuffle_window": 24}
 
 
-def rank_batches(packed: Path, rank: int, world: int, workers: int, own_batches: bool = False,
-                 **options: Any) -> list[list[str]]:
+def rank_batches(
+    packed: Path, rank: int, world: int, workers: int, own_batches: bool = False, **options: Any
+) -> list[list[str]]:
     opts = {**OPTIONS, **options}
     if own_batches:
         ds = StreamingDataset(str(packed), rank=rank, world_size=world, batch_size=B // world, **opts)
@@ -49,8 +50,16 @@ def test_every_layout_gives_the_batches_of_one_rank_and_no_workers(packed: Path)
 
 def test_a_mixture_in_global_batches(packed: Path) -> None:
     def mixed(rank: int, world: int, workers: int) -> list[list[str]]:
-        mix = StreamingDataset.mix([(str(packed), 1.0), (str(packed), 2.0)], shuffle=True, seed=2, rank=rank,
-                                   world_size=world, global_batch_size=B, samples_per_epoch=96, block=4)
+        mix = StreamingDataset.mix(
+            [(str(packed), 1.0), (str(packed), 2.0)],
+            shuffle=True,
+            seed=2,
+            rank=rank,
+            world_size=world,
+            global_batch_size=B,
+            samples_per_epoch=96,
+            block=4,
+        )
         return [list(b["__key__"]) for b in DataLoader(mix, batch_size=mix.local_batch_size, num_workers=workers)]
 
     whole = mixed(0, 1, 0)
@@ -61,15 +70,24 @@ def test_a_mixture_in_global_batches(packed: Path) -> None:
 
 
 def test_a_world_size_that_does_not_divide_the_global_batch(packed: Path) -> None:
-    with pytest.raises(ValueError, match=r"global_batch_size=12 does not split evenly over world size 5: use a "
-                                         r"world size that divides it \(1, 2, 3, 4, 6, 12\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"global_batch_size=12 does not split evenly over world size 5: use a "
+        r"world size that divides it \(1, 2, 3, 4, 6, 12\)",
+    ):
         StreamingDataset(str(packed), rank=0, world_size=5, **OPTIONS)
-    with pytest.raises(ValueError, match=r"batch_size=4 with global_batch_size=12 over 2 ranks: each rank's "
-                                         r"batches hold 6 samples"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch_size=4 with global_batch_size=12 over 2 ranks: each rank's "
+        r"batches hold 6 samples",
+    ):
         StreamingDataset(str(packed), rank=0, world_size=2, batch_size=4, **OPTIONS)
     ds = StreamingDataset(str(packed), rank=0, world_size=2, **OPTIONS)
-    with pytest.raises(ValueError, match=r"batch_size=4: under global_batch_size=12 over 2 ranks the DataLoader's "
-                                         r"batch_size is 6"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch_size=4: under global_batch_size=12 over 2 ranks the DataLoader's "
+        r"batch_size is 6",
+    ):
         ds.resume_state(epoch=0, samples_seen=8, num_workers=1, batch_size=4)
 
 
@@ -91,8 +109,16 @@ def test_bad_samples_skipped_the_same_under_every_layout(tmp_path: Path) -> None
 
 def test_a_mixture_resumed_under_another_layout_continues_its_batches(packed: Path) -> None:
     def mix(rank: int, world: int) -> Any:
-        return StreamingDataset.mix([(str(packed), 1.0), (str(packed), 2.0)], shuffle=True, seed=2, rank=rank,
-                                    world_size=world, global_batch_size=B, samples_per_epoch=96, block=4)
+        return StreamingDataset.mix(
+            [(str(packed), 1.0), (str(packed), 2.0)],
+            shuffle=True,
+            seed=2,
+            rank=rank,
+            world_size=world,
+            global_batch_size=B,
+            samples_per_epoch=96,
+            block=4,
+        )
 
     whole = [list(b["__key__"]) for b in DataLoader(mix(0, 1), batch_size=B)]
     first = [mix(r, 2) for r in range(2)]

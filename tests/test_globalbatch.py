@@ -11,21 +11,39 @@ import pytest
 from shardkit import globalbatch
 
 
-def plan(total: int, size: int, *, shuffle: bool = True, remainder: str = "repeat", window: int = 64, piece: int = 4,
-         epoch: int = 0, seed: int = 5) -> globalbatch.GlobalBatches:
-    return globalbatch.plan(total, size, remainder=remainder, shuffle=shuffle, window=window, piece=piece, seed=seed,
-                            epoch=epoch)
+def plan(
+    total: int,
+    size: int,
+    *,
+    shuffle: bool = True,
+    remainder: str = "repeat",
+    window: int = 64,
+    piece: int = 4,
+    epoch: int = 0,
+    seed: int = 5,
+) -> globalbatch.GlobalBatches:
+    return globalbatch.plan(
+        total, size, remainder=remainder, shuffle=shuffle, window=window, piece=piece, seed=seed, epoch=epoch
+    )
 
 
-def loader_batches(gb: globalbatch.GlobalBatches, world: int, workers: int, start: int = 0,
-                   skip: dict[int, int] | None = None) -> list[np.ndarray]:
+def loader_batches(
+    gb: globalbatch.GlobalBatches, world: int, workers: int, start: int = 0, skip: dict[int, int] | None = None
+) -> list[np.ndarray]:
     """The global batches as W ranks' DataLoaders hand them over (batch j of a rank from
     worker j % N), each global batch the ranks' slices side by side."""
     b = gb.size // world
     per_rank = []
     for rank in range(world):
-        streams = [np.concatenate([np.empty(0, np.int64), *globalbatch.worker_chunks(
-            gb, start, world, rank, workers, w, (skip or {}).get(w, 0), chunk=3 * b)]) for w in range(workers)]
+        streams = [
+            np.concatenate(
+                [
+                    np.empty(0, np.int64),
+                    *globalbatch.worker_chunks(gb, start, world, rank, workers, w, (skip or {}).get(w, 0), chunk=3 * b),
+                ]
+            )
+            for w in range(workers)
+        ]
         local = [s.reshape(-1, b) for s in streams]
         taken = [0] * workers
         out = []
@@ -109,8 +127,11 @@ def test_batches_done_from_worker_counts() -> None:
 
 
 def test_a_world_size_that_does_not_divide_the_batch_is_named() -> None:
-    with pytest.raises(ValueError, match=r"global_batch_size=12 does not split evenly over world size 5: use a world "
-                                         r"size that divides it \(1, 2, 3, 4, 6, 12\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"global_batch_size=12 does not split evenly over world size 5: use a world "
+        r"size that divides it \(1, 2, 3, 4, 6, 12\)",
+    ):
         globalbatch.local_size(12, 5)
     assert globalbatch.local_size(12, 4) == 3
 
@@ -123,8 +144,9 @@ def test_pieces_are_the_halves_of_the_blocks(remainder: str) -> None:
 
     counts = [7, 13, 64, 5, 30, 1, 22]
     order = partition.epoch_order(counts, seed=2, epoch=0, shuffle=True, block=8)
-    gb = globalbatch.plan(order.total, 12, remainder=remainder, shuffle=True, window=48, piece=4, seed=1, epoch=0,
-                          bounds=order.bounds)
+    gb = globalbatch.plan(
+        order.total, 12, remainder=remainder, shuffle=True, window=48, piece=4, seed=1, epoch=0, bounds=order.bounds
+    )
     slots = np.arange(gb.slots)
     positions = gb.positions(slots)
     assert sorted(positions.tolist()) == sorted((np.arange(gb.slots) % order.total).tolist())

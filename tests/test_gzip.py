@@ -112,8 +112,16 @@ def test_ranges_in_order_are_one_pass() -> None:
 
 def test_ranges_out_of_order_within_keep_are_one_pass() -> None:
     ranges = Ranges(_fetch(gzip.compress(DATA)), "s.tgz", keep=200_000, chunk=10_000)
-    for a, b in [(100_000, 150_000), (10_000, 20_000), (0, 5), (90_000, 110_000), (300_000, 310_000),
-                 (150_000, 160_000), (600_000, 700_000), (500_000, 510_000)]:
+    for a, b in [
+        (100_000, 150_000),
+        (10_000, 20_000),
+        (0, 5),
+        (90_000, 110_000),
+        (300_000, 310_000),
+        (150_000, 160_000),
+        (600_000, 700_000),
+        (500_000, 510_000),
+    ]:
         assert ranges.read(a, b) == DATA[a:b]
     assert ranges.passes == 1
 
@@ -141,8 +149,15 @@ def write_gz(folder: Path, photos: Path, count: int = 23) -> list[str]:
     files = sorted(photos.glob("*/*.jpg"))[:count]
     with wds.ShardWriter(str(folder / "wds-%06d.tar.gz"), maxcount=5, verbose=0, compress=True) as sink:
         for i, f in enumerate(files):
-            sink.write({"__key__": f"s{i:04d}", "jpg": f.read_bytes(), "cls": i % 3, "txt": f"caption {i}",
-                        "json.gz": {"i": i, "name": f.name}})
+            sink.write(
+                {
+                    "__key__": f"s{i:04d}",
+                    "jpg": f.read_bytes(),
+                    "cls": i % 3,
+                    "txt": f"caption {i}",
+                    "json.gz": {"i": i, "name": f.name},
+                }
+            )
     return [str(p) for p in sorted(folder.glob("*.tar.gz"))]
 
 
@@ -200,18 +215,22 @@ def test_tar_czf_shards_whatever_their_name(photos: Path, tmp_path: Path) -> Non
         names += [f"{i:04d}.cls", f"{i:04d}.jpg", f"{i:04d}.json.gz"]
     (tmp_path / "shards").mkdir()
     subprocess.run(["tar", "czf", str(tmp_path / "shards" / "a.tgz"), "-C", str(src), *names[:9]], check=True)
-    subprocess.run(["tar", "czf", str(tmp_path / "shards" / "b.tar"), "-C", str(src), *names[9:]], check=True)  # gzip inside
+    subprocess.run(
+        ["tar", "czf", str(tmp_path / "shards" / "b.tar"), "-C", str(src), *names[9:]], check=True
+    )  # gzip inside
     urls = [str(tmp_path / "shards" / n) for n in ("a.tgz", "b.tar")]
     expected = webdataset_decoded(urls)
     assert [s["json.gz"] for s in expected] == [{"i": i} for i in range(6)]
     assert fields_of(StreamingDataset(urls)) == expected
-    result = subprocess.run([sys.executable, "-m", "shardkit", "index", str(tmp_path / "shards")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "shardkit", "index", str(tmp_path / "shards")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     assert "indexed 6 samples in 2 shards" in result.stdout
     assert fields_of(StreamingDataset(str(tmp_path / "shards"))) == expected
-    info = subprocess.run([sys.executable, "-m", "shardkit", "info", str(tmp_path / "shards")],
-                          capture_output=True, text=True, check=True).stdout
+    info = subprocess.run(
+        [sys.executable, "-m", "shardkit", "info", str(tmp_path / "shards")], capture_output=True, text=True, check=True
+    ).stdout
     assert "compressed: 2 of 2 shards (gzip: read as streams, no random access)" in info
 
 
@@ -223,8 +242,9 @@ def test_compressed_shards_in_a_bucket(s3: dict, photos: Path, tmp_path: Path) -
         shardkit.storage.write_bytes_atomic(s3["url"] + "/gz/" + Path(u).name, Path(u).read_bytes(), opts)
     ds = StreamingDataset(s3["url"] + "/gz", storage_options=opts, prefetch=4)
     assert fields_of(ds) == expected
-    loader = DataLoader(StreamingDataset(s3["url"] + "/gz", storage_options=opts, shuffle=True), batch_size=None,
-                        num_workers=2)
+    loader = DataLoader(
+        StreamingDataset(s3["url"] + "/gz", storage_options=opts, shuffle=True), batch_size=None, num_workers=2
+    )
     assert sorted(s["__key__"] for s in loader) == sorted(s["__key__"] for s in expected)
 
 
@@ -236,7 +256,9 @@ def test_decompression_bombs_are_refused(tmp_path: Path) -> None:
         info.size = 20 << 20
         tar.addfile(info, io.BytesIO(bytes(info.size)))  # 20 MB of zeros, ~20 KB compressed
     assert os.path.getsize(tmp_path / "bomb.tar.gz") < 100_000
-    message = r"bomb.tar.gz: sample 0 inflates to 20972032 bytes \(at byte 0 of its tar\), over max_member_size \(1048576 "
+    message = (
+        r"bomb.tar.gz: sample 0 inflates to 20972032 bytes \(at byte 0 of its tar\), over max_member_size \(1048576 "
+    )
     with pytest.raises(CorruptShardError, match=message):
         list(StreamingDataset(str(tmp_path / "bomb.tar.gz"), max_member_size="1MiB"))
     assert len(list(StreamingDataset(str(tmp_path / "bomb.tar.gz")))) == 1  # under the default cap
@@ -246,7 +268,9 @@ def test_decompression_bombs_are_refused(tmp_path: Path) -> None:
         info = tarfile.TarInfo("k.txt.gz")
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
-    with pytest.raises(CorruptShardError, match=r"a.tar: sample k: field 'txt.gz': inflates to more than 1048576 bytes"):
+    with pytest.raises(
+        CorruptShardError, match=r"a.tar: sample k: field 'txt.gz': inflates to more than 1048576 bytes"
+    ):
         list(StreamingDataset(str(tmp_path / "gzm" / "a.tar"), max_member_size=1 << 20))
 
 
@@ -262,8 +286,9 @@ def test_a_damaged_compressed_shard_is_named(photos: Path, tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("remote", [False, True])
-def test_converting_compressed_shards_gives_random_access(photos: Path, tmp_path: Path, s3: dict, remote: bool,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_converting_compressed_shards_gives_random_access(
+    photos: Path, tmp_path: Path, s3: dict, remote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """From local disk or a bucket (where each compressed shard is downloaded once, though
     several jobs read it)."""
     urls = write_gz(tmp_path / "gz", photos)
@@ -275,9 +300,12 @@ def test_converting_compressed_shards_gives_random_access(photos: Path, tmp_path
             shardkit.storage.write_bytes_atomic(f"{src}/{f.name}", f.read_bytes(), opts)
     opened: list[str] = []
     open_read = shardkit.storage.open_read
-    monkeypatch.setattr(shardkit.storage, "open_read", lambda url, *a, **k: (opened.append(url), open_read(url, *a, **k))[1])
-    idx = shardkit.pack(src, str(tmp_path / "plain"), max_count=4, workers=1 if remote else 2, progress=False,
-                        storage_options=opts)  # (one process: the one counting what it opens)
+    monkeypatch.setattr(
+        shardkit.storage, "open_read", lambda url, *a, **k: (opened.append(url), open_read(url, *a, **k))[1]
+    )
+    idx = shardkit.pack(
+        src, str(tmp_path / "plain"), max_count=4, workers=1 if remote else 2, progress=False, storage_options=opts
+    )  # (one process: the one counting what it opens)
     assert idx.samples == 23 and all(s.compression is None for s in idx.shards)
     ds = shardkit.TarDataset(str(tmp_path / "plain"))
     assert fields_of(ds[i] for i in range(len(ds))) == webdataset_decoded(urls)
@@ -286,8 +314,9 @@ def test_converting_compressed_shards_gives_random_access(photos: Path, tmp_path
 
 
 @pytest.mark.parametrize("remote", [False, True])
-def test_a_shuffled_pass_inflates_each_compressed_shard_once(photos: Path, tmp_path: Path, s3: dict, remote: bool,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_shuffled_pass_inflates_each_compressed_shard_once(
+    photos: Path, tmp_path: Path, s3: dict, remote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     urls = write_gz(tmp_path / "gz", photos, count=30)
     opts = s3["storage_options"] if remote else None
     if remote:

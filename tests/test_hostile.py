@@ -46,6 +46,7 @@ pytestmark = WARNINGS
 
 # -- hostile tars and indexes: strict header numbers, capped headers, names and inflation --------
 
+
 def _with_checksum(head: bytearray) -> bytearray:
     """A tar header with its checksum made to match (a hostile writer's, not a damaged one)."""
     head[148:156] = b"%06o\0 " % (sum(head[:148]) + sum(head[156:512]) + 8 * ord(" "))
@@ -106,8 +107,9 @@ def test_a_size_field_that_is_not_octal_digits_is_a_corrupt_shard(tmp_path: Path
     assert peak < 4 << 20  # the second sample's 16 MB are not read
     (folder / "index.json").unlink()
     result = CliRunner().invoke(main, ["index", str(folder)])
-    assert result.exit_code == 1 and re.fullmatch(rf"Error: \S*a\.tar, member at byte 0: {said} \(.*\)\n",
-                                                  result.output), result.output
+    assert result.exit_code == 1 and re.fullmatch(
+        rf"Error: \S*a\.tar, member at byte 0: {said} \(.*\)\n", result.output
+    ), result.output
 
 
 @pytest.mark.parametrize("kind", [b"x", b"L"])
@@ -133,8 +135,9 @@ def test_an_extended_header_over_its_limit_is_refused_before_it_is_read(tmp_path
     assert peak < 8 << 20
     err = failure(StreamingDataset(str(folder), max_member_size="64MiB"), 0)
     assert isinstance(err, CorruptShardError) and re.search(rf"bomb\.tar\.gz \(sample at byte 0\): {said}", str(err))
-    plain = _indexed(tmp_path / "plain", "a.tar", tar.header("././@PaxHeader", 3 << 30, kind) + bytes(8 << 20),
-                     [0, 8 << 20])
+    plain = _indexed(
+        tmp_path / "plain", "a.tar", tar.header("././@PaxHeader", 3 << 30, kind) + bytes(8 << 20), [0, 8 << 20]
+    )
     err, peak = _peak(lambda: shardkit.TarDataset(str(plain))[0])
     assert re.search(rf"a\.tar \(sample at byte 0\): {said}", str(err)) and peak < 4 << 20, (err, peak)
 
@@ -150,9 +153,11 @@ def test_names_and_pax_records_are_held_to_their_limits(tmp_path: Path) -> None:
         return tar.header("././@PaxHeader", len(data), kind) + data + bytes(-len(data) % 512)
 
     image = tar.header("k.jpg", 3) + b"jpg" + bytes(509)
-    cases = {"long.tar": (b"15 path=k.jpg\n", "a malformed pax header record at byte 0"),  # 14 bytes, said 15
-             "short.tar": (b"13 path=k.jpg\n", "a malformed pax header record at byte 0"),  # said 13: no newline there
-             "name.tar": (b"4108 path=" + b"n" * 4097 + b"\n", "a member name of 4097 bytes, over the limit of 4096")}
+    cases = {
+        "long.tar": (b"15 path=k.jpg\n", "a malformed pax header record at byte 0"),  # 14 bytes, said 15
+        "short.tar": (b"13 path=k.jpg\n", "a malformed pax header record at byte 0"),  # said 13: no newline there
+        "name.tar": (b"4108 path=" + b"n" * 4097 + b"\n", "a member name of 4097 bytes, over the limit of 4096"),
+    }
     for name, (record, said) in cases.items():
         data = member(b"x", record) + image + bytes(1024)
         folder = _indexed(tmp_path / name.removesuffix(".tar"), name, data, [0, len(data) - 1024])
@@ -178,6 +183,7 @@ def test_an_index_of_an_unknown_kind_is_refused_naming_it(packed: Path, tmp_path
     from click.testing import CliRunner
 
     from shardkit.cli import main
+
     copy = Path(shutil.copytree(packed, tmp_path / "copy"))
     doc = json.loads((copy / "index.json").read_text())
     (copy / "index.json").write_text(json.dumps({**doc, "kind": kind}))
@@ -202,9 +208,11 @@ def test_verify_refuses_an_index_the_readers_refuse(packed: Path, tmp_path: Path
     with pytest.raises(ShardkitError, match="the index lists no sample offsets"):
         StreamingDataset(str(copy))
     problems = shardkit.verify(str(copy))
-    assert problems == [f"{copy}/index.json: lists no sample offsets for {len(doc['shards']) - 1} of its "
-                        f"{len(doc['shards'])} shards (first: shard-000001.tar), and readers refuse it: rebuild it "
-                        f"with `shardkit index {copy}`"]
+    assert problems == [
+        f"{copy}/index.json: lists no sample offsets for {len(doc['shards']) - 1} of its "
+        f"{len(doc['shards'])} shards (first: shard-000001.tar), and readers refuse it: rebuild it "
+        f"with `shardkit index {copy}`"
+    ]
 
 
 def test_gunzip_refuses_a_bomb_holding_no_more_than_its_limit() -> None:
@@ -217,8 +225,10 @@ def test_gunzip_refuses_a_bomb_holding_no_more_than_its_limit() -> None:
     honest = gzip.compress(bytes(64 << 20), 9)  # 64 MB of zeros in ~64 KB
     forged = honest[:-4] + (100).to_bytes(4, "little")  # its trailer says 100 bytes
     limit = 16 << 20
-    for bomb, said, most in ((honest, r"max_member_size; its gzip trailer says 67108864\)", 1 << 20),
-                             (forged, r"max_member_size\)", limit * 13 // 10)):
+    for bomb, said, most in (
+        (honest, r"max_member_size; its gzip trailer says 67108864\)", 1 << 20),
+        (forged, r"max_member_size\)", limit * 13 // 10),
+    ):
         tracemalloc.start()
         try:
             with pytest.raises(CorruptShardError, match=rf"^f: inflates to more than {limit} bytes \({said}: a "):
@@ -231,6 +241,7 @@ def test_gunzip_refuses_a_bomb_holding_no_more_than_its_limit() -> None:
 
 
 # -- hostile images ------------------------------------------------------------------------------
+
 
 def _claiming(claim: tuple[int, int], seed: int = 0) -> bytes:
     """A JPEG of 16x16 noise whose frame header claims `claim` (width, height) pixels."""
@@ -260,20 +271,26 @@ def test_a_jpeg_whose_header_claims_more_pixels_than_its_scans_hold_is_refused(p
         idx = shardkit.pack(str(photos), str(tmp_path / f"out{list(options)}"), workers=1, progress=False, **options)
         reasons = {s.path: s.reason for s in idx.skipped}
         assert sorted(reasons) == refused and idx.samples == 32 - len(refused), options
-        bound = (r"truncated image: 2000x2000 pixels in \d+ bytes of scans, fewer than the 11719 that even a blank image "
-                 r"of that size takes \(its header claims more pixels than its data holds\)")
+        bound = (
+            r"truncated image: 2000x2000 pixels in \d+ bytes of scans, fewer than the 11719 that even a blank image "
+            r"of that size takes \(its header claims more pixels than its data holds\)"
+        )
         cut = r"truncated image: its data ends before its pixels do \(libjpeg-turbo: .*premature end of data segment\)"
         assert all(re.fullmatch(bound if not options and path == both[0] else cut, reasons[path]) for path in refused)
     with pytest.raises(SourceError, match=r"circle/liar\.jpg: truncated image: 2000x2000 pixels in \d+ bytes"):
         shardkit.pack(str(photos), str(tmp_path / "fail"), workers=1, progress=False, on_error="raise")
     (problem,) = undecodable(str(tmp_path / "out[]"), workers=0)  # packed by the cheap checks: found by verify
-    assert "(packed from circle/small_liar.jpg): field 'jpg': truncated image: its data ends before its pixels" in problem
+    assert (
+        "(packed from circle/small_liar.jpg): field 'jpg': truncated image: its data ends before its pixels" in problem
+    )
 
 
 # -- a full disk under an LMDB pack --------------------------------------------------------------
 
-_LIMITED = ("import os, resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (60000, 60000)); {disk}from shardkit.cli import main; main()")
+_LIMITED = (
+    "import os, resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (60000, 60000)); {disk}from shardkit.cli import main; main()"
+)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE")
@@ -287,33 +304,54 @@ def test_a_full_disk_during_an_lmdb_pack_is_one_line_and_a_rerun_completes(tmp_p
     src = make_folder(tmp_path / "src", per_class=20)
     out = tmp_path / "out"
     full = "os.statvfs = lambda path: os.statvfs_result((4096, 4096) + (0,) * 8); "  # a full disk, as statvfs says it
-    for disk, cause in (("", r"data\.mdb \(\d+ bytes\) reached this process's file size limit \(ulimit -f: 60000 bytes\)"),
-                        (full, r"no space left on device \(0 bytes free on its disk, the write needed \d+ and more\)")):
-        cmd = [sys.executable, "-c", _LIMITED.format(disk=disk), "pack", str(src), str(out), "--format", "lmdb",
-               "--max-count", "10", "--workers", "1", "-q"]
+    for disk, cause in (
+        ("", r"data\.mdb \(\d+ bytes\) reached this process's file size limit \(ulimit -f: 60000 bytes\)"),
+        (full, r"no space left on device \(0 bytes free on its disk, the write needed \d+ and more\)"),
+    ):
+        cmd = [
+            sys.executable,
+            "-c",
+            _LIMITED.format(disk=disk),
+            "pack",
+            str(src),
+            str(out),
+            "--format",
+            "lmdb",
+            "--max-count",
+            "10",
+            "--workers",
+            "1",
+            "-q",
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         assert result.returncode == 1 and re.fullmatch(
             rf"Error: {re.escape(str(out))}: writing the LMDB failed: {cause} \(LMDB said: mdb_txn_commit: [^()]+\); "
             r"make room and rerun the same `shardkit pack`, which resumes after the last job written\n",
-            result.stderr), result.stderr
+            result.stderr,
+        ), result.stderr
     assert 0 < len(records(out)) and not (out / "index.json").exists()  # jobs committed before it, no index
     lmdb_format.close_reader(str(out))
     stats: dict[str, int] = {}
-    assert shardkit.pack(str(src), str(out), format="lmdb", max_count=10, workers=1, progress=False,
-                         stats=stats).samples == 60
+    assert (
+        shardkit.pack(str(src), str(out), format="lmdb", max_count=10, workers=1, progress=False, stats=stats).samples
+        == 60
+    )
     assert stats["kept"] > 0 and shardkit.verify(str(out)) == []
 
 
 # -- concurrent packs into a local DEST: its flock -----------------------------------------------
 
-_HOLD = "import sys\nfrom shardkit.packing import lock\nwith lock.held(sys.argv[1]):\n    print('held', flush=True)\n" \
-        "    sys.stdin.read()\n"
+_HOLD = (
+    "import sys\nfrom shardkit.packing import lock\nwith lock.held(sys.argv[1]):\n    print('held', flush=True)\n"
+    "    sys.stdin.read()\n"
+)
 
 
 def _holding(dest: Path) -> subprocess.Popen[str]:
     """A process holding DEST's lock until its stdin closes (or it is killed)."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(dest)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(dest)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None and proc.stdout.readline() == "held\n"
     return proc
 
@@ -333,9 +371,11 @@ def test_a_second_pack_into_one_dest_is_refused_naming_the_first(photos: Path, t
     (out / ".shardkit-progress").mkdir(parents=True)  # a pack under way: its shard half written
     (out / "shard-000000.tar.tmp-0123456789ab").write_bytes(b"half a shard")
     with _holding(out) as holder:
-        said = (rf"{re.escape(str(out))}: another pack is writing into it \(pid {holder.pid} on "
-                rf"{re.escape(socket.gethostname())}, since [-+:T\d]+; it holds "
-                rf"{re.escape(str(out / '.shardkit-lock'))}\): wait for it to end, or pack into another folder")
+        said = (
+            rf"{re.escape(str(out))}: another pack is writing into it \(pid {holder.pid} on "
+            rf"{re.escape(socket.gethostname())}, since [-+:T\d]+; it holds "
+            rf"{re.escape(str(out / '.shardkit-lock'))}\): wait for it to end, or pack into another folder"
+        )
         for fmt in ("tar", "lmdb"):
             with pytest.raises(DestinationBusyError, match=rf"^{said}$"):
                 shardkit.pack(str(photos), str(out), format=fmt, workers=1, progress=False)
@@ -365,18 +405,38 @@ def test_two_packs_into_one_dest_at_once_never_both_succeed(tmp_path: Path) -> N
     first holds DEST, or has already filled it), and DEST holds the winner's dataset whole."""
     sources = [make_folder(tmp_path / "a", per_class=20), make_folder(tmp_path / "b", per_class=10)]
     out = tmp_path / "out"
-    procs = [subprocess.Popen([sys.executable, "-m", "shardkit.cli", "pack", str(src), str(out), "--max-count", "4",
-                               "--workers", "1", "-q"], stderr=subprocess.PIPE, text=True) for src in sources]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "shardkit.cli",
+                "pack",
+                str(src),
+                str(out),
+                "--max-count",
+                "4",
+                "--workers",
+                "1",
+                "-q",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for src in sources
+    ]
     said_by = [proc.communicate(timeout=120)[1] for proc in procs]
     results = [(proc.returncode, said) for proc, said in zip(procs, said_by)]
     assert sorted(code for code, _ in results) == [0, 1], results
     won, (_, said) = [code for code, _ in results].index(0), sorted(results)[1]
-    assert re.fullmatch(r"Error: \S+out: (another pack is writing into it .*|already holds a different dataset .*)\n",
-                        said), said
+    assert re.fullmatch(
+        r"Error: \S+out: (another pack is writing into it .*|already holds a different dataset .*)\n", said
+    ), said
     assert shardkit.verify(str(out)) == [] and shardkit.index.load(str(out)).samples == (60, 30)[won]
 
 
 # -- exclusive writers on object stores: conditional writes and DEST's lease ---------------------
+
 
 @pytest.fixture(params=["local", "s3", "gcs", "azure"])
 def conditional(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict | None]:
@@ -432,9 +492,14 @@ print("packed", flush=True)
 
 
 def _paused_pack(src: Path, dest: str, opts: dict, **env: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-c", _PAUSED, str(src), dest, json.dumps(opts)], text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, **env})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PAUSED, str(src), dest, json.dumps(opts)],
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **env},
+    )
     assert proc.stdout is not None and proc.stdout.readline() == "paused\n", proc.communicate(timeout=60)
     return proc
 
@@ -451,8 +516,9 @@ def _lock_note(dest: str, opts: dict) -> dict | None:
     return None if found is None else json.loads(found[0])
 
 
-def test_a_second_pack_into_a_bucket_is_refused_naming_the_first(bucket: tuple[str, dict], photos: Path,
-                                                                 tmp_path: Path) -> None:
+def test_a_second_pack_into_a_bucket_is_refused_naming_the_first(
+    bucket: tuple[str, dict], photos: Path, tmp_path: Path
+) -> None:
     """Issue 40: a remote DEST had no lock, so two packs into one prefix replaced each other's
     shards. The lock object is created conditionally (If-None-Match: * / ifGenerationMatch=0)
     and names its holder; a second pack fails at once, before it writes anything."""
@@ -462,10 +528,12 @@ def test_a_second_pack_into_a_bucket_is_refused_naming_the_first(bucket: tuple[s
     try:
         note = _lock_note(dest, opts)
         assert note is not None and note["pid"] == first.pid and note["lease_s"] == 120
-        said = (rf"{re.escape(dest)}: another pack is writing into it \(run {note['run'][:12]}, pid {first.pid} on "
-                rf"{re.escape(socket.gethostname())}, since [-+:T\d]+; it holds {re.escape(dest)}/\.shardkit-lock\): "
-                r"wait for it to end, or pack into another prefix; it was refreshed \d+ s ago: a pack that died is "
-                r"taken over once its lease has run out, in \d+ s")
+        said = (
+            rf"{re.escape(dest)}: another pack is writing into it \(run {note['run'][:12]}, pid {first.pid} on "
+            rf"{re.escape(socket.gethostname())}, since [-+:T\d]+; it holds {re.escape(dest)}/\.shardkit-lock\): "
+            r"wait for it to end, or pack into another prefix; it was refreshed \d+ s ago: a pack that died is "
+            r"taken over once its lease has run out, in \d+ s"
+        )
         with pytest.raises(DestinationBusyError, match=rf"^{said}$"):
             shardkit.pack(str(other), dest, workers=1, progress=False, storage_options=opts)
     finally:
@@ -476,8 +544,9 @@ def test_a_second_pack_into_a_bucket_is_refused_naming_the_first(bucket: tuple[s
     assert shardkit.index.load(dest, opts).samples == 30  # the first pack's, whole
 
 
-def test_a_lock_not_refreshed_for_its_lease_is_taken_over(bucket: tuple[str, dict], photos: Path,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_a_lock_not_refreshed_for_its_lease_is_taken_over(
+    bucket: tuple[str, dict], photos: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A holder that stops refreshing (stopped here with SIGSTOP, as a machine that froze or
     lost its network) loses its lock once its lease has run out: the next pack takes it over by
     a conditional replace; the old holder, woken, finds it gone and stops before its commit."""
@@ -487,21 +556,30 @@ def test_a_lock_not_refreshed_for_its_lease_is_taken_over(bucket: tuple[str, dic
     try:
         time.sleep(2.0)  # a lease and more since its last refresh (every 0.375 s)
         with caplog.at_level(logging.WARNING, logger="shardkit"):
-            assert shardkit.pack(str(photos), dest, max_count=4, workers=1, progress=False,
-                                 storage_options=opts).samples == 30
+            assert (
+                shardkit.pack(str(photos), dest, max_count=4, workers=1, progress=False, storage_options=opts).samples
+                == 30
+            )
     finally:
         os.kill(first.pid, signal.SIGCONT)
         _, err = _go_on(first)
     (took,) = [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
-    assert re.fullmatch(rf"{re.escape(dest)}: took over the lock of a pack gone \(run \w+, pid {first.pid} on .*; "
-                        r"not refreshed for \d+ s, over its lease of 2 s\)", took), took
-    assert first.returncode == 1 and re.search(rf"DestinationBusyError: {re.escape(dest)}: another pack took this "
-                                               r"pack's lock over \(.*\) after 2 s without a refresh", err), err
+    assert re.fullmatch(
+        rf"{re.escape(dest)}: took over the lock of a pack gone \(run \w+, pid {first.pid} on .*; "
+        r"not refreshed for \d+ s, over its lease of 2 s\)",
+        took,
+    ), took
+    assert first.returncode == 1 and re.search(
+        rf"DestinationBusyError: {re.escape(dest)}: another pack took this "
+        r"pack's lock over \(.*\) after 2 s without a refresh",
+        err,
+    ), err
     assert _lock_note(dest, opts) is None and shardkit.verify(dest, storage_options=opts) == []
 
 
-def test_a_killed_pack_into_a_bucket_is_rerun_at_once(bucket: tuple[str, dict], photos: Path,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_a_killed_pack_into_a_bucket_is_rerun_at_once(
+    bucket: tuple[str, dict], photos: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A pack killed with SIGKILL leaves its lock object behind; a rerun on the same machine
     sees that its holder's process has ended (boot id, pid namespace, pid and start time) and
     takes it over at once, keeping the killed pack's finished shards."""
@@ -513,8 +591,9 @@ def test_a_killed_pack_into_a_bucket_is_rerun_at_once(bucket: tuple[str, dict], 
     assert note is not None and note["pid"] == first.pid
     stats: dict[str, int] = {}
     with caplog.at_level(logging.WARNING, logger="shardkit"):
-        idx = shardkit.pack(str(photos), dest, max_count=4, workers=1, progress=False, storage_options=opts,
-                            stats=stats)
+        idx = shardkit.pack(
+            str(photos), dest, max_count=4, workers=1, progress=False, storage_options=opts, stats=stats
+        )
     assert idx.samples == 30 and stats["kept"] == 30 and stats["written"] == 0  # its shards were all in place
     assert any(f"its process {first.pid} on this machine has ended" in r.getMessage() for r in caplog.records)
     assert _lock_note(dest, opts) is None and shardkit.verify(dest, storage_options=opts) == []
@@ -533,8 +612,14 @@ def test_two_packs_taking_over_one_stale_lock_never_both_win(conditional: tuple[
     storage.makedirs(folder, opts)
     url = folder + "/.shardkit-lock"
     store = store_for(url, opts)
-    stale = {"run": "0" * 32, "pid": 1, "host": "elsewhere", "since": "2026-01-01T00:00:00+0000",
-             "lease_s": 60.0, "refreshed": time.time() - 600}
+    stale = {
+        "run": "0" * 32,
+        "pid": 1,
+        "host": "elsewhere",
+        "since": "2026-01-01T00:00:00+0000",
+        "lease_s": 60.0,
+        "refreshed": time.time() - 600,
+    }
     assert store.put_if_absent(url, json.dumps(stale).encode()) is not None
     both_read = threading.Barrier(2, timeout=30)
     read = store.read_versioned
@@ -573,8 +658,10 @@ def test_two_packs_taking_over_one_stale_lock_never_both_win(conditional: tuple[
 
 # -- shards behind presigned or plain HTTPS URLs: versions recorded and checked -----------------
 
-SIGNED = "?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIAFAKE%2F20260101%2Fus-east-1%2Fs3%2Faws4_request" \
-         "&X-Amz-Signature=" + "5e" * 32
+SIGNED = (
+    "?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIAFAKE%2F20260101%2Fus-east-1%2Fs3%2Faws4_request"
+    "&X-Amz-Signature=" + "5e" * 32
+)
 
 
 class _Tagged(_Ranges):
@@ -602,7 +689,8 @@ def _replace_in_place(shard: Path) -> None:
 @pytest.mark.parametrize("reader", ["stream", "map"])
 @pytest.mark.parametrize("handler", [_Ranges, _Tagged], ids=["last-modified", "etag"])
 def test_a_shard_replaced_behind_its_signed_url_is_named_at_its_first_read(
-        packed: Path, tmp_path: Path, handler: type[_Ranges], reader: str) -> None:
+    packed: Path, tmp_path: Path, handler: type[_Ranges], reader: str
+) -> None:
     """Issue 40, fail 6: a list of presigned HTTPS URLs recorded no version, so a shard
     replaced behind its URL was read silently. Its version (ETag, else Last-Modified) is taken
     as the dataset is made, and checked as a reader first opens the shard."""
@@ -615,8 +703,10 @@ def test_a_shard_replaced_behind_its_signed_url_is_named_at_its_first_read(
     with serving(functools.partial(handler, directory=str(tmp_path / "www"))) as base:
         urls = [f"{base}/ds/{n}{SIGNED}" for n in names]
         ds: Any = StreamingDataset(urls, shuffle=False) if reader == "stream" else TarDataset(urls)
-        assert all(s.version is not None and set(s.version) == {"etag" if handler is _Tagged else "last_modified"}
-                   for s in ds.index.shards)
+        assert all(
+            s.version is not None and set(s.version) == {"etag" if handler is _Tagged else "last_modified"}
+            for s in ds.index.shards
+        )
         _replace_in_place(www / names[1])
         first = ds.index.shards[0].samples
         got: list[str] = []
@@ -631,8 +721,10 @@ def test_a_shard_replaced_behind_its_signed_url_is_named_at_its_first_read(
 
 # Recognisable fake credentials, assembled so that no line of code a traceback quotes holds one
 _FAKE = {name: f"FAKE{name.upper()}" + "7" * 12 for name in ("cred", "sig", "session", "key", "secret", "token")}
-PRESIGNED = (f"?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={_FAKE['cred']}%2F20260101%2Fus-east-1%2Fs3"
-             f"%2Faws4_request&X-Amz-Security-Token={_FAKE['session']}&X-Amz-Signature={_FAKE['sig']}")
+PRESIGNED = (
+    f"?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={_FAKE['cred']}%2F20260101%2Fus-east-1%2Fs3"
+    f"%2Faws4_request&X-Amz-Security-Token={_FAKE['session']}&X-Amz-Signature={_FAKE['sig']}"
+)
 CREDENTIALS = {"key": _FAKE["key"], "secret": _FAKE["secret"], "token": _FAKE["token"]}
 FAULTS = ["refused", "403", "404", "500", "reset", "silent"]
 
@@ -756,16 +848,17 @@ def test_no_secret_of_s3_credentials_in_any_error(faulty: str, fault: str, photo
     """The storage options' key, secret and session token (which shardkit's presigned GETs
     put in their URLs) stay out of every error too: reading, listing, packing."""
     base = _dead_endpoint() if fault == "refused" else faulty
-    opts = {**CREDENTIALS, "client_kwargs": {"endpoint_url": base},
-            "timeout": 0.5, "skip_instance_cache": True}
+    opts = {**CREDENTIALS, "client_kwargs": {"endpoint_url": base}, "timeout": 0.5, "skip_instance_cache": True}
     _Faulty.fault = fault
     calls: list[tuple[Callable[[], Any], str]] = [
         (lambda: storage.read_bytes("s3://bucket/ds/index.json", opts), "s3://bucket/ds/index.json"),
         (lambda: StreamingDataset("s3://bucket/ds", storage_options=opts), "s3://bucket/ds"),
         (lambda: StreamingDataset(["s3://bucket/ds/shard-000000.tar"], storage_options=opts), "shard-000000.tar"),
         (lambda: shardkit.verify("s3://bucket/ds", storage_options=opts), "s3://bucket/ds"),
-        (lambda: shardkit.pack(str(photos), "s3://bucket/out", workers=1, progress=False, storage_options=opts),
-         "s3://bucket/out"),
+        (
+            lambda: shardkit.pack(str(photos), "s3://bucket/out", workers=1, progress=False, storage_options=opts),
+            "s3://bucket/out",
+        ),
     ]
     for call, names in calls:
         _no_secret_in(_raised(call), names)
@@ -788,14 +881,19 @@ def test_a_read_spec_shows_no_secret() -> None:
 
     from shardkit.reading.spec import ReadSpec, SampleOrder
 
-    spec = ReadSpec(("https://b.s3.amazonaws.com/x.tar?X-Amz-Signature=SIGNATURE1234",),
-                    {"key": "AKIAFAKEKEY", "secret": "FAKESECRET1234"}, (None,), (None,),
-                    SampleOrder(np.array([1]), 0, False, 64))
+    spec = ReadSpec(
+        ("https://b.s3.amazonaws.com/x.tar?X-Amz-Signature=SIGNATURE1234",),
+        {"key": "AKIAFAKEKEY", "secret": "FAKESECRET1234"},
+        (None,),
+        (None,),
+        SampleOrder(np.array([1]), 0, False, 64),
+    )
     shown = repr(spec)
     assert not any(s in shown for s in ("SIGNATURE1234", "AKIAFAKEKEY", "FAKESECRET1234"))
 
 
 # -- what `pip install '.[s3,gcs]'` resolves to -----------------------------------------------------
+
 
 def test_the_core_and_remote_dependencies_carry_lower_bounds_met_here() -> None:
     """Unbounded, `pip install '.[s3,gcs]'` settled on s3fs 0.4.2 (2019). Every core dependency and
@@ -844,8 +942,9 @@ def test_a_file_name_holding_a_newline_is_shown_escaped(photos: Path, tmp_path: 
 
     from shardkit.cli import main
 
-    result = CliRunner().invoke(main, ["pack", str(_forged_name(photos)), str(tmp_path / "out"),
-                                       "--on-error", on_error])
+    result = CliRunner().invoke(
+        main, ["pack", str(_forged_name(photos)), str(tmp_path / "out"), "--on-error", on_error]
+    )
     assert result.exit_code == (1 if on_error == "raise" else 0), result.output
     out = result.output
     assert "a\\nError: forged.jpg" in out, out
@@ -868,8 +967,10 @@ def test_a_file_over_the_size_limit_is_skipped_before_it_is_read(photos: Path, t
     huge = _sparse_jpg(photos)
     idx = shardkit.pack(photos, tmp_path / "out", workers=1)
     (skip,) = [s for s in idx.skipped if s.path.endswith("huge.jpg")]
-    assert skip.reason == "2.1 GB (2147483648 bytes), over the limit of 1.1 GB (1073741824 bytes; " \
-                          "--max-file-size, max_file_size=): not read", skip.reason
+    assert (
+        skip.reason == "2.1 GB (2147483648 bytes), over the limit of 1.1 GB (1073741824 bytes; "
+        "--max-file-size, max_file_size=): not read"
+    ), skip.reason
     assert idx.samples == 30
     huge.unlink()
 
@@ -880,8 +981,9 @@ def test_a_file_over_the_size_limit_stops_a_pack_under_raise_naming_it(photos: P
     from shardkit.cli import main
 
     huge = _sparse_jpg(photos, 3 << 20)
-    result = CliRunner().invoke(main, ["pack", str(photos), str(tmp_path / "out"), "--on-error", "raise",
-                                       "--max-file-size", "2MiB", "-q"])
+    result = CliRunner().invoke(
+        main, ["pack", str(photos), str(tmp_path / "out"), "--on-error", "raise", "--max-file-size", "2MiB", "-q"]
+    )
     assert result.exit_code == 1, result.output
     (line,) = result.output.splitlines()
     assert line.startswith(f"Error: {huge}: 3.1 MB (3145728 bytes), over the limit of 2.1 MB (2097152 bytes; "), line
@@ -893,8 +995,15 @@ def test_a_file_over_the_size_limit_is_not_opened(photos: Path, monkeypatch: pyt
     from shardkit.packing.plan import Options, make_plan
 
     _sparse_jpg(photos, 5000)
-    plan = make_plan(str(photos), str(photos.parent / "out"), max_count=None, max_size=None, shuffle=False,
-                     seed=0, options=Options(max_file_size=4096))
+    plan = make_plan(
+        str(photos),
+        str(photos.parent / "out"),
+        max_count=None,
+        max_size=None,
+        shuffle=False,
+        seed=0,
+        options=Options(max_file_size=4096),
+    )
     job = plan.job(0)
     (item,) = [it for it in job.items if it.path.endswith("huge.jpg")]
     monkeypatch.setattr(samples.storage, "read_bytes", lambda *a, **k: pytest.fail("read"))

@@ -20,8 +20,13 @@ LAYERS: list[dict[str, str]] = [
     {"sidecar": "sidecar"},
     {"index": "index"},
     {"jpeg": "jpeg"},
-    {"partition": "partition", "ranges": "ranges", "prefetch": "prefetch", "decode": "decode",
-     "globalbatch": "globalbatch"},
+    {
+        "partition": "partition",
+        "ranges": "ranges",
+        "prefetch": "prefetch",
+        "decode": "decode",
+        "globalbatch": "globalbatch",
+    },
     {"sources": "sources"},
     {"packing": "packing", "reading": "reading"},
     {"tools": "tools"},
@@ -50,7 +55,9 @@ def _imports(path: Path) -> list[tuple[str, int]]:
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardkit."):
             found.append((node.module.removeprefix("shardkit."), node.lineno))  # type: ignore[union-attr]
         elif isinstance(node, ast.Import):
-            found += [(a.name.removeprefix("shardkit."), node.lineno) for a in node.names if a.name.startswith("shardkit.")]
+            found += [
+                (a.name.removeprefix("shardkit."), node.lineno) for a in node.names if a.name.startswith("shardkit.")
+            ]
     return found
 
 
@@ -65,7 +72,9 @@ def test_imports_flow_down(path: Path) -> None:
         there = _unit(imported) if imported else "__init__"
         if there == here:
             continue
-        assert LEVEL[there] < LEVEL[here], f"{path.name}:{line} imports {imported} (layer {LEVEL[there]}) from layer {LEVEL[here]}"
+        assert LEVEL[there] < LEVEL[here], (
+            f"{path.name}:{line} imports {imported} (layer {LEVEL[there]}) from layer {LEVEL[here]}"
+        )
 
 
 def test_packing_and_reading_do_not_import_each_other() -> None:
@@ -75,9 +84,15 @@ def test_packing_and_reading_do_not_import_each_other() -> None:
 
 
 def test_only_storage_clients_imports_fsspec() -> None:
-    users = [p for p in MODULES if any((isinstance(n, ast.Import) and any(a.name.split(".")[0] == "fsspec" for a in n.names))
-                                       or (isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").split(".")[0] == "fsspec")
-                                       for n in ast.walk(ast.parse(p.read_text())))]
+    users = [
+        p
+        for p in MODULES
+        if any(
+            (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "fsspec" for a in n.names))
+            or (isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").split(".")[0] == "fsspec")
+            for n in ast.walk(ast.parse(p.read_text()))
+        )
+    ]
     assert [p.relative_to(PACKAGE).as_posix() for p in users] == ["storage/clients.py"]
 
 
@@ -146,8 +161,9 @@ def test_imports_flow_down_inside_packages(package: str) -> None:
             if parts[:depth] != package.split(".") or len(parts) <= depth or parts[depth] == name[path]:
                 continue
             there = parts[depth]
-            assert level[there] <= level[name[path]], \
+            assert level[there] <= level[name[path]], (
                 f"{path}:{line} imports {imported} (layer {level[there]}) from layer {level[name[path]]}"
+            )
 
 
 def test_no_modules_import_each_other_in_a_circle() -> None:
@@ -164,7 +180,7 @@ def test_no_modules_import_each_other_in_a_circle() -> None:
 
     def visit(node: str, path: list[str]) -> None:
         if node in path:
-            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(node):], node]))
+            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(node) :], node]))
         if node in done:
             return
         for nxt in sorted(graph.get(node, ())):

@@ -91,8 +91,9 @@ def test_conversions_keep_the_list_of_skipped_files(photos: Path, tmp_path: Path
     (photos / "circle" / "broken.jpg").write_bytes(b"not an image")
     first = shardkit.pack(str(photos), str(tmp_path / "tar1"), workers=1, progress=False)
     db = shardkit.pack(str(tmp_path / "tar1"), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
-    again = shardkit.pack(str(tmp_path / "db"), str(tmp_path / "tar2"), workers=1, progress=False,
-                          on_error="raise")  # what the first pack skipped is no failure of this one
+    again = shardkit.pack(
+        str(tmp_path / "db"), str(tmp_path / "tar2"), workers=1, progress=False, on_error="raise"
+    )  # what the first pack skipped is no failure of this one
     assert first.skipped == db.skipped == again.skipped and [s.path for s in first.skipped] == ["circle/broken.jpg"]
 
 
@@ -107,8 +108,21 @@ def test_kill_then_rerun_finishes_the_same_database(tmp_path: Path) -> None:
     ref = tmp_path / "ref"
     shardkit.pack(str(src), str(ref), format="lmdb", max_count=2, workers=1, progress=False)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "shardkit.cli", "pack", str(src), str(out), "--format", "lmdb",
-           "--max-count", "2", "--workers", "2", "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardkit.cli",
+        "pack",
+        str(src),
+        str(out),
+        "--format",
+        "lmdb",
+        "--max-count",
+        "2",
+        "--workers",
+        "2",
+        "-q",
+    ]
     proc = subprocess.Popen(cmd, start_new_session=True)
     while proc.poll() is None and not (out / "data.mdb").exists():
         time.sleep(0.001)
@@ -139,9 +153,11 @@ def test_lmdb_dataset_with_shuffle_workers_and_samplers(lmdb_pack: Path) -> None
     for bad in (1.0, True, "1", np.True_, torch.tensor(True), torch.tensor([3]), np.array([3])):
         with pytest.raises(TypeError, match="an LMDBDataset index must be an integer"):
             ds[bad]
-    for options, message in (({"transform": 5}, "transform must be a function (or None), not 5"),
-                             ({"readahead": "no"}, "readahead must be True or False, not 'no'"),
-                             ({"storage_options": 5}, "storage_options must be a dict (or None), not 5")):
+    for options, message in (
+        ({"transform": 5}, "transform must be a function (or None), not 5"),
+        ({"readahead": "no"}, "readahead must be True or False, not 'no'"),
+        ({"storage_options": 5}, "storage_options must be a dict (or None), not 5"),
+    ):
         with pytest.raises(TypeError, match=re.escape(message)):
             LMDBDataset(str(lmdb_pack), **options)
     loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, persistent_workers=True, collate_fn=keys_of)
@@ -151,8 +167,12 @@ def test_lmdb_dataset_with_shuffle_workers_and_samplers(lmdb_pack: Path) -> None
     halves = []
     for rank in range(2):
         sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True)
-        halves.append([k for b in DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, collate_fn=keys_of) for k in b])
-    assert len(halves[0]) == len(halves[1]) == 15 and set(halves[0]) | set(halves[1]) == set(ds[i]["__key__"] for i in range(30))
+        halves.append(
+            [k for b in DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, collate_fn=keys_of) for k in b]
+        )
+    assert len(halves[0]) == len(halves[1]) == 15 and set(halves[0]) | set(halves[1]) == set(
+        ds[i]["__key__"] for i in range(30)
+    )
 
 
 def note_touches(monkeypatch: pytest.MonkeyPatch, log: Path) -> None:
@@ -170,8 +190,9 @@ def note_touches(monkeypatch: pytest.MonkeyPatch, log: Path) -> None:
 
 
 @pytest.mark.parametrize("cold", [False, True])
-def test_a_batch_is_read_on_threads_and_comes_back_in_order(lmdb_pack: Path, cold: bool, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_batch_is_read_on_threads_and_comes_back_in_order(
+    lmdb_pack: Path, cold: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """DataLoader hands a batch's indices to __getitems__. In a worker, once a read waited
     for the disk (here: every read, when `cold`) threads fault the rest of the batch in at
     once, and this thread reads (copies) each as soon as it is in. Either way the samples
@@ -228,13 +249,18 @@ def test_subclasses_and_workers_after_a_read_in_the_main_process(lmdb_pack: Path
     """A subclass's own __getitem__ is used for batches too; a worker forked after the main
     process read a sample still freezes what it inherited (see shardkit/worker.py)."""
     sub = WithIndex(str(lmdb_pack))
-    assert [s["idx"] for b in DataLoader(sub, batch_size=4, sampler=[5, 1, 9, 2], collate_fn=lambda b: b) for s in b] == [5, 1, 9, 2]
+    assert [
+        s["idx"] for b in DataLoader(sub, batch_size=4, sampler=[5, 1, 9, 2], collate_fn=lambda b: b) for s in b
+    ] == [5, 1, 9, 2]
     ds = LMDBDataset(str(lmdb_pack), transform=frozen_objects)
     before = ds[0]
     counts = [int(c) for b in DataLoader(ds, batch_size=4, num_workers=1) for c in b]
     assert min(counts) > 10_000 and ds[1] == before
-    owned = [bool(o) for b in DataLoader(LMDBDataset(str(lmdb_pack), transform=own_environment), batch_size=4,
-                                         num_workers=2) for o in b]
+    owned = [
+        bool(o)
+        for b in DataLoader(LMDBDataset(str(lmdb_pack), transform=own_environment), batch_size=4, num_workers=2)
+        for o in b
+    ]
     assert len(owned) == 30 and all(owned)  # never the environment inherited through fork
 
 
@@ -242,10 +268,12 @@ def own_environment(sample: dict) -> bool:
     return bool(lmdb_format._ENVS) and all(e.pid == os.getpid() for e in lmdb_format._ENVS)
 
 
-def test_streaming_over_lmdb_from_a_cold_cache_reads_on_threads(lmdb_pack: Path, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_streaming_over_lmdb_from_a_cold_cache_reads_on_threads(
+    lmdb_pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every read counted as slow (as from a cold page cache): the rest of each window is
     read on threads, and the stream is the same, sample for sample, as one read at a time."""
+
     def stream(**kw):  # type: ignore[no-untyped-def]
         ds = StreamingDataset(str(lmdb_pack), shuffle=True, seed=4, **kw)
         return [(s["__key__"], s["jpg"]) for w in (0, 2) for s in DataLoader(ds, batch_size=None, num_workers=w)]
@@ -270,15 +298,20 @@ def test_streaming_over_lmdb_keeps_the_guarantees(lmdb_pack: Path) -> None:
         counts.append(len(keys))
         all_keys |= set(keys)
     assert len(all_keys) == 30 and counts == [8, 8, 8, 8]
-    first, then = (loader_of(lmdb_pack, {"seed": 0}, epoch=epoch, batch_size=5, num_workers=workers, collate_fn=keys_of)
-                   for epoch, workers in ((3, 2), (None, 1)))
+    first, then = (
+        loader_of(lmdb_pack, {"seed": 0}, epoch=epoch, batch_size=5, num_workers=workers, collate_fn=keys_of)
+        for epoch, workers in ((3, 2), (None, 1))
+    )
     check_save_load([first, then], 2, save=resume_state(epoch=3), load=into_dataset, keys=list)
 
 
-@pytest.mark.parametrize("damage, error, message", [
-    (lambda p: (p / "data.mdb").write_bytes(b"this is not an lmdb file" * 1000), ShardkitError, "photos.lmdb"),
-    (lambda p: os.truncate(p / "data.mdb", 8192), ShardkitError, "photos.lmdb"),
-])
+@pytest.mark.parametrize(
+    "damage, error, message",
+    [
+        (lambda p: (p / "data.mdb").write_bytes(b"this is not an lmdb file" * 1000), ShardkitError, "photos.lmdb"),
+        (lambda p: os.truncate(p / "data.mdb", 8192), ShardkitError, "photos.lmdb"),
+    ],
+)
 def test_bad_lmdb_files_give_clear_errors(lmdb_pack: Path, damage, error, message: str) -> None:  # type: ignore[no-untyped-def]
     (lmdb_pack / "index.json").unlink()
     damage(lmdb_pack)
@@ -336,8 +369,13 @@ def test_remote_lmdb_is_copied_to_the_cache_first(s3: dict, lmdb_pack: Path, tmp
     size = (lmdb_pack / "data.mdb").stat().st_size
     for make, more in ((LMDBDataset, {}), (StreamingDataset, {"prefetch_bytes": 1})):  # too large: refused
         with pytest.raises(ShardkitError, match=rf"photos\.lmdb/data\.mdb: {size} bytes do not fit in cache_limit"):
-            make(url, storage_options=s3["storage_options"], cache_dir=str(tmp_path / "small"), cache_limit=size - 1,
-                 **more)
+            make(
+                url,
+                storage_options=s3["storage_options"],
+                cache_dir=str(tmp_path / "small"),
+                cache_limit=size - 1,
+                **more,
+            )
     assert not (tmp_path / "small").exists() or not any((tmp_path / "small").rglob("data.mdb"))
 
 
@@ -360,8 +398,9 @@ def test_one_lmdb_under_several_spellings_and_many_copies(lmdb_pack: Path, tmp_p
     assert LMDBDataset(str(lmdb_pack))[1]["__key__"] == reading[1]["__key__"] == kept[1]["__key__"]  # reads on
 
 
-def test_an_inode_number_of_a_deleted_copy_coming_back(lmdb_pack: Path, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_inode_number_of_a_deleted_copy_coming_back(
+    lmdb_pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """LMDB refuses a file whose inode number an open environment holds: that of a copy
     deleted since is closed then, and the open tried again."""
     import shutil
@@ -403,14 +442,17 @@ def test_keys_beyond_ascii(photos: Path, tmp_path: Path) -> None:
     assert sorted(s["__key__"] for s in StreamingDataset(str(tmp_path / "db"))) == ["café", "naïve/日本"]
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(keys=d["keys"][:10]), "needs a key for each of its 30 samples, it lists 10 keys"),
-    (lambda d: d.update(sizes=d["sizes"][:10]), "lists 10 sizes for 30 keys"),
-    (lambda d: d.update(shards=[], samples=0), "lists 0 shards, not the one data.mdb"),
-    (lambda d: d["keys"].__setitem__(3, 0), "LMDB key 3 is 0, not a sample key"),
-    (lambda d: d["keys"].__setitem__(4, d["keys"][4] + "\0"), "LMDB key 4 is '000004\\x00', not a sample key"),
-    (lambda d: d["sizes"].__setitem__(5, None), "LMDB size 5 is None, not a size in bytes"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(keys=d["keys"][:10]), "needs a key for each of its 30 samples, it lists 10 keys"),
+        (lambda d: d.update(sizes=d["sizes"][:10]), "lists 10 sizes for 30 keys"),
+        (lambda d: d.update(shards=[], samples=0), "lists 0 shards, not the one data.mdb"),
+        (lambda d: d["keys"].__setitem__(3, 0), "LMDB key 3 is 0, not a sample key"),
+        (lambda d: d["keys"].__setitem__(4, d["keys"][4] + "\0"), "LMDB key 4 is '000004\\x00', not a sample key"),
+        (lambda d: d["sizes"].__setitem__(5, None), "LMDB size 5 is None, not a size in bytes"),
+    ],
+)
 def test_an_lmdb_index_that_contradicts_itself_is_refused(lmdb_pack: Path, edit, message: str) -> None:  # type: ignore[no-untyped-def]
     doc = json.loads((lmdb_pack / "index.json").read_text())
     edit(doc)
@@ -452,8 +494,10 @@ def test_an_lmdb_grown_past_the_readers_map_is_named(lmdb_pack: Path) -> None:
     env.close()
     ds, stream = LMDBDataset(str(lmdb_pack)), StreamingDataset(str(lmdb_pack))
     assert ds[0]["__key__"] == next(iter(stream))["__key__"]
-    grow = (f"import lmdb; env = lmdb.open({str(lmdb_pack)!r}, map_size={size + (64 << 20)})\n"
-            "with env.begin(write=True) as txn: txn.put(b'zz', bytes(16 << 20))")  # past py-lmdb's 10 MB least map
+    grow = (
+        f"import lmdb; env = lmdb.open({str(lmdb_pack)!r}, map_size={size + (64 << 20)})\n"
+        "with env.begin(write=True) as txn: txn.put(b'zz', bytes(16 << 20))"
+    )  # past py-lmdb's 10 MB least map
     subprocess.run([sys.executable, "-c", grow], check=True)
     message = "photos.lmdb: data.mdb grew past its map since this process opened it"
     for read in (lambda: ds[1], lambda: next(iter(stream)), lambda: LMDBDataset(str(lmdb_pack))):
@@ -461,19 +505,28 @@ def test_an_lmdb_grown_past_the_readers_map_is_named(lmdb_pack: Path) -> None:
             read()
 
 
-def test_readahead_and_an_unfinished_pack(lmdb_pack: Path, tmp_path: Path, photos: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_readahead_and_an_unfinished_pack(
+    lmdb_pack: Path, tmp_path: Path, photos: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ds = LMDBDataset(str(lmdb_pack), readahead=True)
     assert lmdb_format.open_reader(ds.path).flags()["readahead"]  # the main process's own reads too
     with monkeypatch.context() as m:  # killed before the last commit
-        m.setattr(lmdb_format.Writer, "write", lambda self, samples, meta, delete=(): None
-                  if lmdb_format.INDEX_KEY in meta else _original_write(self, samples, meta, delete))
+        m.setattr(
+            lmdb_format.Writer,
+            "write",
+            lambda self, samples, meta, delete=(): (
+                None if lmdb_format.INDEX_KEY in meta else _original_write(self, samples, meta, delete)
+            ),
+        )
         shardkit.pack(str(photos), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
     (tmp_path / "db" / "index.json").unlink()
     with pytest.raises(shardkit.UnfinishedPackError, match="a pack into this LMDB has not finished"):
         LMDBDataset(str(tmp_path / "db"))
     lmdb_format.Writer(str(tmp_path / "empty")).close()  # what a pack killed before its first commit leaves
-    for read in (lambda: LMDBDataset(str(tmp_path / "empty")), lambda: shardkit.StreamingDataset(str(tmp_path / "empty"))):
+    for read in (
+        lambda: LMDBDataset(str(tmp_path / "empty")),
+        lambda: shardkit.StreamingDataset(str(tmp_path / "empty")),
+    ):
         with pytest.raises(shardkit.UnfinishedPackError, match="a pack into this LMDB has not finished"):
             read()
 
@@ -496,13 +549,19 @@ def test_a_dataset_built_after_another_process_repacked_reads_the_new_data(photo
 
     grown = tmp_path / "grown"  # opened unfinished, then finished by another process in the same file
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(lmdb_format.Writer, "write", lambda self, samples, meta, delete=(): None
-                  if lmdb_format.INDEX_KEY in meta else _original_write(self, samples, meta, delete))
+        m.setattr(
+            lmdb_format.Writer,
+            "write",
+            lambda self, samples, meta, delete=(): (
+                None if lmdb_format.INDEX_KEY in meta else _original_write(self, samples, meta, delete)
+            ),
+        )
         shardkit.pack(str(more), str(grown), format="lmdb", workers=1, progress=False)
     with pytest.raises(shardkit.UnfinishedPackError):
         LMDBDataset(str(grown))
-    subprocess.run([sys.executable, "-m", "shardkit.cli", "pack", str(more), str(grown), "--format", "lmdb", "-q"],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", "pack", str(more), str(grown), "--format", "lmdb", "-q"], check=True
+    )
     assert len(LMDBDataset(str(grown))) == 36 and len(list(StreamingDataset(str(grown)))) == 36
 
 
@@ -518,18 +577,21 @@ def test_a_key_too_long_for_lmdb_is_skipped_by_the_conversion(tmp_path: Path) ->
                 info = tarfile.TarInfo(f"{key}.{ext}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
-    subprocess.run([sys.executable, "-m", "shardkit.cli", "index", str(tmp_path / "wds")], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", "index", str(tmp_path / "wds")], check=True, capture_output=True
+    )
     idx = shardkit.pack(str(tmp_path / "wds"), str(tmp_path / "out"), format="lmdb", workers=1, progress=False)
     assert idx.samples == 2 and len(idx.skipped) == 1
     assert "605 bytes as an LMDB key, over LMDB's 511" in idx.skipped[0].reason
     with pytest.raises(shardkit.SourceError, match="over LMDB's 511"):
-        shardkit.pack(str(tmp_path / "wds"), str(tmp_path / "fail"), format="lmdb", on_error="raise", workers=1,
-                      progress=False)
+        shardkit.pack(
+            str(tmp_path / "wds"), str(tmp_path / "fail"), format="lmdb", on_error="raise", workers=1, progress=False
+        )
 
 
-def test_lmdb_jobs_stay_moderate_without_a_size_limit(photos: Path, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lmdb_jobs_stay_moderate_without_a_size_limit(
+    photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One transaction per job, held in memory: max_size=None must not make it one job."""
     import importlib
 
@@ -570,8 +632,11 @@ def test_what_is_wrong_with_a_damaged_lmdb_is_said(lmdb_pack: Path) -> None:
     with env.begin(write=True) as txn:
         txn.delete(f"{keys[5]}.jpg".encode())
     env.close()
-    with pytest.raises(CorruptShardError, match=rf"sample {keys[5]}: \d+ bytes in cls, json, the index says \d+ "
-                                                r"\(a member missing or shrunk\)"):
+    with pytest.raises(
+        CorruptShardError,
+        match=rf"sample {keys[5]}: \d+ bytes in cls, json, the index says \d+ "
+        r"\(a member missing or shrunk\)",
+    ):
         LMDBDataset(str(lmdb_pack))[5]
     lmdb_format.close_reader(str(lmdb_pack))
     os.truncate(lmdb_pack / "data.mdb", 0)
@@ -608,8 +673,11 @@ def test_verify_and_remote_copies_under_a_users_environment(s3: dict, lmdb_pack:
     endpoint = opts["client_kwargs"]["endpoint_url"]
     env = {**os.environ, "TQDM_DISABLE": "1", "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
     shardkit_cli = [sys.executable, "-c", "import sys; sys.path.remove(''); from shardkit.cli import main; main()"]
-    for args in (["verify", str(lmdb_pack)], ["verify", url, "-o", f"endpoint_url={endpoint}"],
-                 ["pack", url, str(tmp_path / "tar"), "-q", "-o", f"endpoint_url={endpoint}"]):
+    for args in (
+        ["verify", str(lmdb_pack)],
+        ["verify", url, "-o", f"endpoint_url={endpoint}"],
+        ["pack", url, str(tmp_path / "tar"), "-q", "-o", f"endpoint_url={endpoint}"],
+    ):
         done = subprocess.run(shardkit_cli + args, cwd=work, env=env, capture_output=True, text=True)
         assert done.returncode == 0, (args, done.stdout, done.stderr)
     assert len(list(StreamingDataset(str(tmp_path / "tar")))) == 30
@@ -618,9 +686,11 @@ def test_verify_and_remote_copies_under_a_users_environment(s3: dict, lmdb_pack:
 def test_a_file_cut_short_in_place_is_caught_at_the_next_build(lmdb_pack: Path) -> None:
     """Truncated after this process opened it: named, not a SIGBUS (in a child: a SIGBUS
     would take the test run with it)."""
-    code = ("import os, sys; from shardkit import LMDBDataset; p = sys.argv[1]; LMDBDataset(p)[0]\n"
-            "os.truncate(os.path.join(p, 'data.mdb'), 3 * 4096)\n"
-            "try:\n    LMDBDataset(p)\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    code = (
+        "import os, sys; from shardkit import LMDBDataset; p = sys.argv[1]; LMDBDataset(p)[0]\n"
+        "os.truncate(os.path.join(p, 'data.mdb'), 3 * 4096)\n"
+        "try:\n    LMDBDataset(p)\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    )
     done = subprocess.run([sys.executable, "-c", code, str(lmdb_pack)], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith("CorruptShardError"), done
     assert "data.mdb is truncated (12288 bytes, its pages need" in done.stdout
@@ -654,8 +724,9 @@ def test_a_key_that_comes_twice_is_refused_not_overwritten(tmp_path: Path) -> No
     """Two writers each starting at key 000000: tar keeps both samples, an LMDB cannot, and
     says so instead of keeping the last one."""
     for s in range(2):
-        _foreign_tar(tmp_path / "wds", [("000000.cls", str(s).encode()), ("000000.txt", b"shard %d" % s)],
-                     f"part-{s}.tar")
+        _foreign_tar(
+            tmp_path / "wds", [("000000.cls", str(s).encode()), ("000000.txt", b"shard %d" % s)], f"part-{s}.tar"
+        )
     _index(tmp_path / "wds")
     with pytest.raises(ShardkitError, match=r"db: sample key '000000' comes twice in the source.*pack to tar"):
         shardkit.pack(str(tmp_path / "wds"), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
@@ -665,8 +736,16 @@ def test_a_key_that_comes_twice_is_refused_not_overwritten(tmp_path: Path) -> No
 
 def test_a_key_that_prefixes_a_folder_reads_only_its_own_records(tmp_path: Path) -> None:
     """`v1` and `v1.2/0001`: the records `v1.cls` and `v1.2/0001.cls` share the prefix `v1.`."""
-    _foreign_tar(tmp_path / "wds", [("v1.cls", b"1"), ("v1.txt", b"one"), ("v1.2/0001.cls", b"2"),
-                                    ("v1.2/0001.txt", b"two"), ("v1.d/0001.cls", b"3")])
+    _foreign_tar(
+        tmp_path / "wds",
+        [
+            ("v1.cls", b"1"),
+            ("v1.txt", b"one"),
+            ("v1.2/0001.cls", b"2"),
+            ("v1.2/0001.txt", b"two"),
+            ("v1.d/0001.cls", b"3"),
+        ],
+    )
     _index(tmp_path / "wds")
     shardkit.pack(str(tmp_path / "wds"), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
     want = [("v1", {"cls": 1, "txt": "one"}), ("v1.2/0001", {"cls": 2, "txt": "two"}), ("v1.d/0001", {"cls": 3})]
@@ -692,19 +771,26 @@ def test_a_member_without_extension_keeps_its_name(tmp_path: Path) -> None:
     assert (tmp_path / "t" / "shard-000000.tar").read_bytes() == (tmp_path / "back" / "shard-000000.tar").read_bytes()
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"not an lmdb", "data.mdb is truncated (11 bytes"),
-    (b"", "data.mdb is truncated (0 bytes"),
-    ("cut", "data.mdb is truncated (8192 bytes, its pages need"),
-])
-def test_a_bad_data_mdb_in_dest_is_refused_in_one_line(photos: Path, lmdb_pack: Path, tmp_path: Path,
-                                                       content, message: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"not an lmdb", "data.mdb is truncated (11 bytes"),
+        (b"", "data.mdb is truncated (0 bytes"),
+        ("cut", "data.mdb is truncated (8192 bytes, its pages need"),
+    ],
+)
+def test_a_bad_data_mdb_in_dest_is_refused_in_one_line(
+    photos: Path, lmdb_pack: Path, tmp_path: Path, content, message: str
+) -> None:  # type: ignore[no-untyped-def]
     dest = tmp_path / "dest"
     dest.mkdir()
     data = (lmdb_pack / "data.mdb").read_bytes()[:8192] if content == "cut" else content
     (dest / "data.mdb").write_bytes(data)
-    result = subprocess.run([sys.executable, "-m", "shardkit", "pack", str(photos), str(dest), "--format", "lmdb", "-q"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "shardkit", "pack", str(photos), str(dest), "--format", "lmdb", "-q"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1 and message in result.stderr and "pack into another folder" in result.stderr
     assert (dest / "data.mdb").read_bytes() == data  # left as it was

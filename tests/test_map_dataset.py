@@ -52,8 +52,15 @@ def test_the_named_forms_take_the_same_parameters(both: tuple[Path, Path]) -> No
     shards, db = both
     assert inspect.signature(TarDataset) == inspect.signature(LMDBDataset) == inspect.signature(MapDataset)
     for make, source in ((TarDataset, shards), (LMDBDataset, db)):
-        ds = make(str(source), decode="rgb8", backend="pil", read_threads=2, max_member_size="1MB", readahead=True,
-                  cache_limit="1GB")
+        ds = make(
+            str(source),
+            decode="rgb8",
+            backend="pil",
+            read_threads=2,
+            max_member_size="1MB",
+            readahead=True,
+            cache_limit="1GB",
+        )
         assert ds[3]["jpg"].shape[2] == 3 and ds.readahead  # readahead: LMDB's, ignored by tar
         with pytest.raises(ValueError, match="backend"):
             make(str(source), backend="cv2")

@@ -19,8 +19,12 @@ def write_index(folder: Path, shards: int, per: int, sample_bytes: int) -> None:
     """An index.json of `shards` shards of `per` samples each (no shard files: building a
     dataset reads the index only)."""
     offsets = range(0, (per + 1) * sample_bytes, sample_bytes)
-    save(Index(shards=tuple(ShardInfo(f"s-{i:04d}.tar", per, offsets[-1] + 1024, "0" * 64, offsets)
-                            for i in range(shards))), str(folder))
+    save(
+        Index(
+            shards=tuple(ShardInfo(f"s-{i:04d}.tar", per, offsets[-1] + 1024, "0" * 64, offsets) for i in range(shards))
+        ),
+        str(folder),
+    )
 
 
 def rss_of_worker(sample: dict) -> tuple[int, int]:

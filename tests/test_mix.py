@@ -19,8 +19,12 @@ from conftest import make_folder
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("mix")
-    a = shardkit.pack(str(make_folder(root / "a", per_class=10)), str(root / "A"), max_count=7, workers=1, progress=False)
-    b = shardkit.pack(str(make_folder(root / "b", per_class=4)), str(root / "B"), format="lmdb", workers=1, progress=False)
+    a = shardkit.pack(
+        str(make_folder(root / "a", per_class=10)), str(root / "A"), max_count=7, workers=1, progress=False
+    )
+    b = shardkit.pack(
+        str(make_folder(root / "b", per_class=4)), str(root / "B"), format="lmdb", workers=1, progress=False
+    )
     assert (a.samples, b.samples) == (30, 12)
     return str(root / "A"), str(root / "B")
 
@@ -85,6 +89,7 @@ def test_deterministic_and_resumable(two: tuple[str, str]) -> None:
             if epoch is not None:
                 mix.set_epoch(epoch)
             return DataLoader(mix, batch_size=5, num_workers=workers, collate_fn=list)
+
         return build
 
     def tags(batch: list[dict]) -> list[tuple[str, str]]:
@@ -93,17 +98,26 @@ def test_deterministic_and_resumable(two: tuple[str, str]) -> None:
     full = [x for batch in loader(2, epoch=2)() for x in tags(batch)]
     assert full == [x for batch in loader(2, epoch=2)() for x in tags(batch)]
     # resumed under another num_workers: elastic
-    check_save_load([loader(2, epoch=2), loader(1)], 2, save=resume_state(epoch=2), load=into_dataset, expected=full,
-                    keys=tags)
+    check_save_load(
+        [loader(2, epoch=2), loader(1)], 2, save=resume_state(epoch=2), load=into_dataset, expected=full, keys=tags
+    )
 
 
 def test_a_state_of_a_mix_whose_parts_have_another_order_is_refused(two: tuple[str, str]) -> None:
     a, b = two
     state = StreamingDataset.mix([(a, 0.5), (b, 0.5)], shuffle=True, block=2).resume_state(
-        epoch=0, samples_seen=10, batch_size=5, num_workers=1)
-    for other in (StreamingDataset.mix([(a, 0.5), (b, 0.5)], shuffle=True, block=64),
-                  StreamingDataset.mix([(StreamingDataset(a, shuffle=True, seed=9, block=2), 0.5),
-                                        (StreamingDataset(b, shuffle=True, block=2), 0.5)], shuffle=True)):
+        epoch=0, samples_seen=10, batch_size=5, num_workers=1
+    )
+    for other in (
+        StreamingDataset.mix([(a, 0.5), (b, 0.5)], shuffle=True, block=64),
+        StreamingDataset.mix(
+            [
+                (StreamingDataset(a, shuffle=True, seed=9, block=2), 0.5),
+                (StreamingDataset(b, shuffle=True, block=2), 0.5),
+            ],
+            shuffle=True,
+        ),
+    ):
         with pytest.raises(ValueError, match="whose epochs have another order .*parts"):
             other.load_state_dict(state)
     for part in state["order"]["parts"]:  # as shardkit saved it before it recorded the shards' counts
@@ -141,8 +155,13 @@ def test_mix_arguments_fail_at_once_naming_them(two: tuple[str, str]) -> None:
         ([a], {}, TypeError, "each part of a mix is a \\(dataset, weight\\) pair"),
         ([(a, 1)], {"shuffle_window": 0}, ValueError, "shuffle_window must be at least 1, not 0"),
         ([(a, 1)], {"remainder": "bogus"}, ValueError, "remainder must be one of"),
-        ([(StreamingDataset(a), 1)], {"decode": "tensor"}, ValueError, r"options for the parts \(decode\) apply to parts "
-                                                                        "given as URLs"),
+        (
+            [(StreamingDataset(a), 1)],
+            {"decode": "tensor"},
+            ValueError,
+            r"options for the parts \(decode\) apply to parts "
+            "given as URLs",
+        ),
     ]:
         with pytest.raises(error, match=message):
             StreamingDataset.mix(parts, **options)

@@ -26,10 +26,23 @@ def free_port() -> int:
 def launch(nodes: int, per_node: int, *args: str) -> None:
     port = free_port()
     procs = [
-        subprocess.Popen([str(TORCHRUN), f"--nnodes={nodes}", f"--nproc-per-node={per_node}", f"--node-rank={n}",
-                          "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=shardkit-test",
-                          "--max-restarts=0", str(HERE / "multinode_worker.py"), *args],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [
+                str(TORCHRUN),
+                f"--nnodes={nodes}",
+                f"--nproc-per-node={per_node}",
+                f"--node-rank={n}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=shardkit-test",
+                "--max-restarts=0",
+                str(HERE / "multinode_worker.py"),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for n in range(nodes)
     ]
     for p in procs:

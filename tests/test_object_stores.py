@@ -33,8 +33,13 @@ def keys(ds: StreamingDataset, workers: int = 0) -> list[str]:
     return [s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=workers)]
 
 
-def test_throttling_and_resets_cost_no_sample(s3: dict, s3_server: str, packed: Path, latency_proxy,  # type: ignore[no-untyped-def]
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_throttling_and_resets_cost_no_sample(
+    s3: dict,
+    s3_server: str,
+    packed: Path,
+    latency_proxy,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A fifth of responses reset part-way (mostly mid-body, where a retry asks for the
     rest) and 20% of GETs answered 503 SlowDown: every sample exactly once, nothing given up,
     and the throttling shows in stats(). (An epoch is a few dozen requests: at 10% of them,
@@ -57,8 +62,9 @@ def test_throttling_and_resets_cost_no_sample(s3: dict, s3_server: str, packed: 
 
 
 @pytest.mark.parametrize("store", ["s3", "s3 client", "seaweedfs", "gcs", "fakegcs", "azure"])
-def test_a_shard_replaced_under_its_name_is_caught_at_its_first_read(store: str, request: pytest.FixtureRequest,
-                                                                     photos: Path) -> None:
+def test_a_shard_replaced_under_its_name_is_caught_at_its_first_read(
+    store: str, request: pytest.FixtureRequest, photos: Path
+) -> None:
     """The index pins each shard's version (S3's and Azure's ETag, GCS's generation): a shard
     replaced since is named at its first read (S3: the GET is If-Match, on plain HTTP or, where
     the options set TLS up, through s3fs's client; Azure: If-Match too; GCS: checked on open)
@@ -74,7 +80,8 @@ def test_a_shard_replaced_under_its_name_is_caught_at_its_first_read(store: str,
     if store == "s3":  # a proxy that botocore would go through: so does every read
         proxy = {"config_kwargs": {"proxies": {"http": "http://127.0.0.1:9"}}}
         assert shardkit.storage.s3_http.usable(opts) != client and not shardkit.storage.s3_http.usable(
-            {**opts, **proxy})
+            {**opts, **proxy}
+        )
     idx = shardkit.pack(str(photos), url, max_count=10, workers=1, progress=False, storage_options=opts)
     api = {"seaweedfs": "s3", "fakegcs": "gcs"}.get(store, store)
     kind = "generation" if api == "gcs" else "etag"
@@ -92,10 +99,18 @@ def test_a_shard_replaced_under_its_name_is_caught_at_its_first_read(store: str,
     got = keys(skipping)
     assert len(got) == 30 and not replaced & set(got) and len(replaced) == 10
     assert skipping.stats()["skipped"] == 10
-    endpoint = {"s3": ["-o", f'client_kwargs={{"endpoint_url": "{s3_endpoint(opts)}"}}', "-o", f"key={opts.get('key')}",
-                       "-o", f"secret={opts.get('secret')}"],
-                "gcs": ["-o", f"endpoint_url={opts.get('endpoint_url')}", "-o", "token=anon"],
-                "azure": ["-o", f"connection_string={opts.get('connection_string')}"]}[api]
+    endpoint = {
+        "s3": [
+            "-o",
+            f'client_kwargs={{"endpoint_url": "{s3_endpoint(opts)}"}}',
+            "-o",
+            f"key={opts.get('key')}",
+            "-o",
+            f"secret={opts.get('secret')}",
+        ],
+        "gcs": ["-o", f"endpoint_url={opts.get('endpoint_url')}", "-o", "token=anon"],
+        "azure": ["-o", f"connection_string={opts.get('connection_string')}"],
+    }[api]
     with pytest.raises(SystemExit) as done:
         main(["index", "--versions", url, *endpoint])
     assert done.value.code == 0
@@ -115,8 +130,11 @@ def test_s3_reads_are_presigned_without_s3fs(credentials: str, s3: dict, packed:
     fs.put(str(packed), root, recursive=True)
     opts = {k: v for k, v in s3["storage_options"].items() if k not in ("key", "secret")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=str(tmp_path / "none"),
-               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "credentials"))
+    env.update(
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "credentials"),
+    )
     if credentials == "options":
         opts.update(key="testing", secret="testing")
     elif credentials == "environment":
@@ -124,13 +142,16 @@ def test_s3_reads_are_presigned_without_s3fs(credentials: str, s3: dict, packed:
     else:
         (tmp_path / "credentials").write_text("[train]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
         opts["profile"] = "train"
-    code = ("import json, sys, shardkit\n"  # a fresh cache: the index's offsets file is fetched too
-            f"ds = shardkit.StreamingDataset({s3['url'] + '/ds'!r}, storage_options=json.loads(sys.argv[1]), "
-            f"cache_dir={str(tmp_path / 'cache')!r})\n"
-            "keys = [s['__key__'] for s in ds]\n"
-            "print(len(keys), len(set(keys)), [m for m in ('s3fs', 'aiobotocore', 'aiohttp') if m in sys.modules])")
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(opts)], capture_output=True, text=True, env=env,
-                          timeout=120)
+    code = (
+        "import json, sys, shardkit\n"  # a fresh cache: the index's offsets file is fetched too
+        f"ds = shardkit.StreamingDataset({s3['url'] + '/ds'!r}, storage_options=json.loads(sys.argv[1]), "
+        f"cache_dir={str(tmp_path / 'cache')!r})\n"
+        "keys = [s['__key__'] for s in ds]\n"
+        "print(len(keys), len(set(keys)), [m for m in ('s3fs', 'aiobotocore', 'aiohttp') if m in sys.modules])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(opts)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split(maxsplit=2) == ["120", "120", "[]\n"]
 
@@ -148,13 +169,15 @@ class _OtherRegion(http.server.SimpleHTTPRequestHandler):
             spec = self.headers.get("Range", "bytes=0-").removeprefix("bytes=")
             data = Path(self.translate_path(self.path)).read_bytes()
             first, _, last = spec.partition("-")
-            body = data[int(first): int(last) + 1 if last else None]
+            body = data[int(first) : int(last) + 1 if last else None]
             self.send_response(206 if "Range" in self.headers else 200)
             if "Range" in self.headers:
                 self.send_header("Content-Range", f"bytes {first}-{int(first) + len(body) - 1}/{len(data)}")
         else:
-            body = (b"<Error><Code>AuthorizationHeaderMalformed</Code><Message>the region is wrong; expecting "
-                    b"'eu-north-1'</Message></Error>")
+            body = (
+                b"<Error><Code>AuthorizationHeaderMalformed</Code><Message>the region is wrong; expecting "
+                b"'eu-north-1'</Message></Error>"
+            )
             self.send_response(400)
             self.send_header("x-amz-bucket-region", "eu-north-1")
         self.send_header("Content-Length", str(len(body)))
@@ -165,8 +188,9 @@ class _OtherRegion(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def test_a_bucket_in_another_region_is_asked_again_there(packed: Path, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bucket_in_another_region_is_asked_again_there(
+    packed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No region in the options or the environment: a GET goes out signed for us-east-1, and
     the bucket's region that S3's error names is used from then on (one request more)."""
     for name in ("AWS_REGION", "AWS_DEFAULT_REGION"):
@@ -201,18 +225,26 @@ def test_presigned_urls_address_buckets_as_botocore_does(monkeypatch: pytest.Mon
     assert url({}, "bkt/a b/c~d+e=f.tar").startswith("https://bkt.s3.eu-west-3.amazonaws.com/a%20b/c~d%2Be%3Df.tar?X-")
     assert url({}, "my.bkt/x.tar").startswith("https://s3.eu-west-3.amazonaws.com/my.bkt/x.tar?")
     assert url({"config_kwargs": {"s3": {"addressing_style": "path"}}}, "bkt/x").startswith(
-        "https://s3.eu-west-3.amazonaws.com/bkt/x?")
+        "https://s3.eu-west-3.amazonaws.com/bkt/x?"
+    )
     assert url({"endpoint_url": "http://minio:9000"}, "bkt/x").startswith("http://minio:9000/bkt/x?")
-    assert url({"endpoint_url": "http://minio:9000", "config_kwargs": {"s3": {"addressing_style": "virtual"}}},
-               "bkt/x").startswith("http://bkt.minio:9000/x?")
+    assert url(
+        {"endpoint_url": "http://minio:9000", "config_kwargs": {"s3": {"addressing_style": "virtual"}}}, "bkt/x"
+    ).startswith("http://bkt.minio:9000/x?")
     assert "/eu-west-3/s3/aws4_request" in unquote(url({}, "bkt/x"))
     assert "/eu-north-1/s3/aws4_request" in unquote(url({"config_kwargs": {"region_name": "eu-north-1"}}, "bkt/x"))
     anon = shardkit.storage.s3_http.direct({"anon": True})
     assert anon is not None and anon._url("bkt/x")[0] == "https://bkt.s3.eu-west-3.amazonaws.com/x"
-    for unusual in ({"requester_pays": True}, {"client_kwargs": {"verify": False}}, {"key": "k"},
-                    {"config_kwargs": {"s3": {"use_accelerate_endpoint": True}}}, {"version_aware": True},
-                    {"config_kwargs": {"use_fips_endpoint": True}}, {"endpoint_url": "minio:9000"},
-                    {"client_kwargs": {"region_name": "cn-north-1"}}):
+    for unusual in (
+        {"requester_pays": True},
+        {"client_kwargs": {"verify": False}},
+        {"key": "k"},
+        {"config_kwargs": {"s3": {"use_accelerate_endpoint": True}}},
+        {"version_aware": True},
+        {"config_kwargs": {"use_fips_endpoint": True}},
+        {"endpoint_url": "minio:9000"},
+        {"client_kwargs": {"region_name": "cn-north-1"}},
+    ):
         assert not shardkit.storage.s3_http.usable(unusual), unusual  # read through s3fs's client
     for url_ in ("s3://bkt", "s3://bkt/", "s3://bkt--usw2-az1--x-s3/k", "s3://arn:aws:s3:us-east-1:1:accesspoint/a/k"):
         assert not shardkit.storage.s3_http.presignable(url_), url_

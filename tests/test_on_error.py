@@ -29,7 +29,10 @@ def _broken(photos: Path, tmp_path: Path) -> tuple[Path, str]:
 
 def test_pack_takes_fail_as_raise_with_a_deprecation_warning(photos: Path, tmp_path: Path) -> None:
     (photos / "square" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0garbage")
-    with pytest.warns(DeprecationWarning, match=OLD) as caught, pytest.raises(SourceError, match=r"square/broken\.jpg: "):
+    with (
+        pytest.warns(DeprecationWarning, match=OLD) as caught,
+        pytest.raises(SourceError, match=r"square/broken\.jpg: "),
+    ):
         shardkit.pack(str(photos), str(tmp_path / "out"), on_error="fail", workers=1, progress=False)
     assert [w.filename for w in caught] == [__file__]  # the warning points at the caller's line
     assert not (tmp_path / "out" / "index.json").exists()
@@ -68,9 +71,23 @@ def test_the_cli_takes_fail_as_raise_with_a_warning(photos: Path, tmp_path: Path
 
 def test_bench_and_preview_take_fail_as_raise_with_a_warning(photos: Path, tmp_path: Path) -> None:
     dataset, shard = _broken(photos, tmp_path)
-    for command in (["preview", str(dataset), "--n", "30", "--out", str(tmp_path / "all.png")],
-                    ["bench", str(dataset), "--workers", "0", "--batch-size", "10", "--batches", "3", "--passes", "1",
-                     "--warmup", "1"]):
+    for command in (
+        ["preview", str(dataset), "--n", "30", "--out", str(tmp_path / "all.png")],
+        [
+            "bench",
+            str(dataset),
+            "--workers",
+            "0",
+            "--batch-size",
+            "10",
+            "--batches",
+            "3",
+            "--passes",
+            "1",
+            "--warmup",
+            "1",
+        ],
+    ):
         result = CliRunner().invoke(main, [*command, "--on-error", "fail"])
         lines = result.output.splitlines()
         assert result.exit_code == 1 and lines[0] == CLI_OLD and lines[-1].startswith("Error: "), result.output

@@ -82,8 +82,9 @@ def test_index_records_counts_offsets_and_checksums(photos: Path, tmp_path: Path
         assert offsets == shard_offsets(tmp_path / "out")[s["name"]]
         for a, b in zip(offsets, offsets[1:]):
             assert len(list(iter_samples(io.BytesIO(data[a:b]), s["name"]))) == 1
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([*(s["name"] for s in doc["shards"]),
-                                                                          "index.json", side.name])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        [*(s["name"] for s in doc["shards"]), "index.json", side.name]
+    )
 
 
 def test_webdataset_and_tar_read_the_output(photos: Path, tmp_path: Path) -> None:
@@ -121,13 +122,17 @@ def test_planned_sizes_are_exact(tmp_path: Path, escaped: bool) -> None:
     from shardkit.packing.plan import _needs, make_plan
 
     src = tmp_path / "src"
-    names = ["a.jpg", "ünïcödé 画像.jpeg", "deep/er/x.png"] + (['quo"te.jpg', "back\\slash.jpg", "tab\there.jpg"] if escaped else [])
+    names = ["a.jpg", "ünïcödé 画像.jpeg", "deep/er/x.png"] + (
+        ['quo"te.jpg', "back\\slash.jpg", "tab\there.jpg"] if escaped else []
+    )
     for i, name in enumerate(names):
         draw(src / ("class ü" if i % 2 else "b") / name, 0, seed=i, fmt="PNG" if name.endswith("png") else "JPEG")
     plan = make_plan(str(src), str(tmp_path / "out"), max_size=None, shuffle=False)
     idx = shardkit.pack(str(src), str(tmp_path / "out"), max_size=None, shuffle=False, workers=1, progress=False)
     offsets = shard_offsets(tmp_path / "out")[idx.shards[0].name]
-    assert list(_needs(plan.listing, "folder", plan.classes)[plan.order]) == [b - a for a, b in zip(offsets, offsets[1:])]
+    assert list(_needs(plan.listing, "folder", plan.classes)[plan.order]) == [
+        b - a for a, b in zip(offsets, offsets[1:])
+    ]
 
 
 def test_deterministic_whatever_the_workers(photos: Path, tmp_path: Path) -> None:
@@ -204,8 +209,9 @@ def test_on_error_raise_names_the_file(photos: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["tar", "lmdb"])
-def test_on_error_is_no_part_of_what_a_pack_is(photos: Path, tmp_path: Path, fmt: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_error_is_no_part_of_what_a_pack_is(
+    photos: Path, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A rerun under the other --on-error keeps the work (it would write the same bytes),
     unless that work left a file out and the rerun says fail: then it fails, naming it."""
     out = tmp_path / "out"
@@ -238,15 +244,20 @@ def test_on_error_raise_passes_over_hidden_entries(photos: Path, tmp_path: Path)
     """.DS_Store and friends are not input: listed as ignored, never a failure."""
     (photos / "square" / ".DS_Store").write_bytes(b"\x00\x01")
     idx = shardkit.pack(str(photos), str(tmp_path / "out"), on_error="raise", workers=1, progress=False)
-    assert idx.samples == 30 and [(s.path, s.reason) for s in idx.skipped] == [("square/.DS_Store", "hidden entry ignored")]
+    assert idx.samples == 30 and [(s.path, s.reason) for s in idx.skipped] == [
+        ("square/.DS_Store", "hidden entry ignored")
+    ]
 
 
-@pytest.mark.parametrize("setup, message", [
-    (lambda p: None, "no such folder"),
-    (lambda p: p.write_text("x"), "not a folder"),
-    (lambda p: p.mkdir(), "no class folders"),
-    (lambda p: (p / "a").mkdir(parents=True), "no image files"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda p: None, "no such folder"),
+        (lambda p: p.write_text("x"), "not a folder"),
+        (lambda p: p.mkdir(), "no class folders"),
+        (lambda p: (p / "a").mkdir(parents=True), "no image files"),
+    ],
+)
 def test_unusable_source(tmp_path: Path, setup, message: str) -> None:  # type: ignore[no-untyped-def]
     src = tmp_path / "src"
     setup(src)
@@ -272,7 +283,9 @@ def test_decode_check_finds_what_the_cheap_checks_miss(photos: Path, tmp_path: P
         idx = shardkit.pack(str(src), str(tmp_path / dest), workers=2, progress=False, decode_check=True)
         assert idx.samples == 30 and [s.reason.split(" (")[0] for s in idx.skipped] == ["cannot decode image"]
     with pytest.raises(SourceError, match=r"damaged\.png: cannot decode image"):
-        shardkit.pack(str(photos), str(tmp_path / "fail"), workers=1, progress=False, decode_check=True, on_error="raise")
+        shardkit.pack(
+            str(photos), str(tmp_path / "fail"), workers=1, progress=False, decode_check=True, on_error="raise"
+        )
 
 
 def test_symlink_loops_do_not_hang(photos: Path, tmp_path: Path) -> None:
@@ -291,8 +304,14 @@ def test_a_folder_reached_twice_is_no_loop(tmp_path: Path) -> None:
     (src / "a" / "more").symlink_to(src / "b", target_is_directory=True)
     idx = shardkit.pack(str(src), str(tmp_path / "out"), workers=1, progress=False)
     paths = sorted(json.loads(f["json"])["path"] for f in read_shards(tmp_path / "out").values())
-    assert paths == ["a/img_0000.jpg", "a/img_0001.jpg", "a/more/img_0000.jpg", "a/more/img_0001.jpg",
-                     "b/img_0000.jpg", "b/img_0001.jpg"]
+    assert paths == [
+        "a/img_0000.jpg",
+        "a/img_0001.jpg",
+        "a/more/img_0000.jpg",
+        "a/more/img_0001.jpg",
+        "b/img_0000.jpg",
+        "b/img_0001.jpg",
+    ]
     assert idx.skipped == ()
 
 
@@ -327,20 +346,24 @@ except OSError as e:
     assert out[1] == "EMFILE img_0000.jpg"
 
 
-@pytest.mark.parametrize("options, error, message", [
-    ({"resize": -10}, ValueError, "resize must be at least 1, not -10"),  # made every image 1x1
-    ({"resize": 0}, ValueError, "resize must be at least 1, not 0"),  # was ignored
-    ({"quality": 101}, ValueError, "quality must be from 1 to 100, not 101"),
-    ({"quality": 50.5}, TypeError, "quality must be an integer, not 50.5"),
-    ({"workers": 0}, ValueError, "workers must be at least 1, not 0"),
-    ({"max_count": 2.5}, TypeError, "max_count must be an integer, not 2.5"),
-    ({"max_size": "abc"}, ValueError, "max_size: not a size: 'abc'"),
-    ({"seed": 1.5}, TypeError, "seed must be an integer, not 1.5"),
-    ({"format": "LMDB"}, ValueError, "format must be 'tar' or 'lmdb', not 'LMDB'"),
-    ({"stats": []}, TypeError, "stats must be a dict to fill"),
-])
-def test_pack_arguments_fail_at_once_naming_them(photos: Path, tmp_path: Path, options: dict, error: type,
-                                                 message: str) -> None:
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"resize": -10}, ValueError, "resize must be at least 1, not -10"),  # made every image 1x1
+        ({"resize": 0}, ValueError, "resize must be at least 1, not 0"),  # was ignored
+        ({"quality": 101}, ValueError, "quality must be from 1 to 100, not 101"),
+        ({"quality": 50.5}, TypeError, "quality must be an integer, not 50.5"),
+        ({"workers": 0}, ValueError, "workers must be at least 1, not 0"),
+        ({"max_count": 2.5}, TypeError, "max_count must be an integer, not 2.5"),
+        ({"max_size": "abc"}, ValueError, "max_size: not a size: 'abc'"),
+        ({"seed": 1.5}, TypeError, "seed must be an integer, not 1.5"),
+        ({"format": "LMDB"}, ValueError, "format must be 'tar' or 'lmdb', not 'LMDB'"),
+        ({"stats": []}, TypeError, "stats must be a dict to fill"),
+    ],
+)
+def test_pack_arguments_fail_at_once_naming_them(
+    photos: Path, tmp_path: Path, options: dict, error: type, message: str
+) -> None:
     """The CLI's ranges, checked by the Python API as well, before anything is written."""
     with pytest.raises(error, match=re.escape(message)):
         shardkit.pack(str(photos), str(tmp_path / "out"), progress=False, **options)
@@ -409,8 +432,10 @@ def test_threads_refuse_truncated_images_together(monkeypatch: pytest.MonkeyPatc
 
     for _ in range(30):
         start, verdicts = threading.Barrier(2), {}
-        threads = [threading.Thread(target=check, args=(start, verdicts, "good", good, 0)),
-                   threading.Thread(target=check, args=(start, verdicts, "bad", bad, 0.001))]
+        threads = [
+            threading.Thread(target=check, args=(start, verdicts, "good", good, 0)),
+            threading.Thread(target=check, args=(start, verdicts, "bad", bad, 0.001)),
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -420,8 +445,9 @@ def test_threads_refuse_truncated_images_together(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("options", [{"resize": 32}, {"decode_check": True}])
-def test_one_shard_of_heavy_work_keeps_every_worker_busy(photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         options: dict) -> None:
+def test_one_shard_of_heavy_work_keeps_every_worker_busy(
+    photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict
+) -> None:
     """Re-encoding or decode-checking a pack of one shard spreads its images over `workers`
     threads: the same bytes and the same skips as one worker, in order."""
     from shardkit.packing import images
@@ -438,6 +464,7 @@ def test_one_shard_of_heavy_work_keeps_every_worker_busy(photos: Path, tmp_path:
             while len(seen) < wanted[0] and time.monotonic() < deadline[0]:  # the pool's other threads
                 time.sleep(0.005)  # take images meanwhile, however late they start
             return fn(*args, **kwargs)
+
         return call
 
     monkeypatch.setattr(images, "reencode", watched(images.reencode))
@@ -454,13 +481,16 @@ def test_one_shard_of_heavy_work_keeps_every_worker_busy(photos: Path, tmp_path:
     failures = []
     for workers in (1, 3):  # the first bad file in the pack's order, whatever the threads
         with pytest.raises(SourceError, match=r"(circle/img_0003|square/text)\.jpg: ") as failed:
-            shardkit.pack(str(photos), str(tmp_path / "fail"), workers=workers, on_error="raise", progress=False, **options)
+            shardkit.pack(
+                str(photos), str(tmp_path / "fail"), workers=workers, on_error="raise", progress=False, **options
+            )
         failures.append(str(failed.value))
     assert failures[0] == failures[1]
 
 
-def test_the_last_job_of_a_pack_gets_the_cores_the_others_leave(photos: Path, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_last_job_of_a_pack_gets_the_cores_the_others_leave(
+    photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A job still running once the others are done is lent their cores: 3 shards of heavy
     work on 2 workers, the last one re-encodes 2 images at a time when it runs alone, where
     it had one core all along (the same bytes)."""
@@ -519,8 +549,11 @@ def test_hidden_and_undecodable_names_are_skipped(photos: Path, tmp_path: Path) 
 def test_refuses_a_destination_inside_the_source(photos: Path, tmp_path: Path, fmt: str) -> None:
     shardkit.pack(str(photos), str(tmp_path / "ds"), format=fmt, workers=1, progress=False)
     before = tree_bytes(tmp_path / "ds")
-    for src, dest in [(photos, photos / "_shards"), (tmp_path / "ds", tmp_path / "ds"),
-                      (tmp_path / "ds", tmp_path / "ds" / "sub")]:
+    for src, dest in [
+        (photos, photos / "_shards"),
+        (tmp_path / "ds", tmp_path / "ds"),
+        (tmp_path / "ds", tmp_path / "ds" / "sub"),
+    ]:
         with pytest.raises(SourceError, match="destination (is the source|is inside the source)"):
             shardkit.pack(str(src), str(dest), format=fmt, workers=1, progress=False)
     assert not (photos / "_shards").exists()
@@ -583,15 +616,24 @@ def test_changed_options_replace_a_dataset_only_with_overwrite(photos: Path, tmp
         shardkit.pack(str(photos), str(out), format=fmt, max_count=20, seed=1, workers=1, progress=False)
     assert tree_bytes(out) == before  # refused before anything was touched
     stats: dict[str, int] = {}
-    idx = shardkit.pack(str(photos), str(out), format=fmt, max_count=20, seed=1, workers=1, progress=False,
-                        overwrite=True, stats=stats)
+    idx = shardkit.pack(
+        str(photos), str(out), format=fmt, max_count=20, seed=1, workers=1, progress=False, overwrite=True, stats=stats
+    )
     assert idx.samples == 30 and stats == {"kept": 0, "written": 30, "unchanged": 0}
     if fmt == "tar":
-        assert sorted(p.name for p in out.iterdir()) == ["index.json", idx.sidecar.file, "shard-000000.tar",
-                                                          "shard-000001.tar"]  # the old sidecar gone too
+        assert sorted(p.name for p in out.iterdir()) == [
+            "index.json",
+            idx.sidecar.file,
+            "shard-000000.tar",
+            "shard-000001.tar",
+        ]  # the old sidecar gone too
     assert [s["__key__"] for s in shardkit.StreamingDataset(str(out))] != []
     shardkit.pack(str(photos), str(out), format=fmt, max_count=20, seed=1, workers=1, progress=False, stats=stats)
-    assert stats == {"kept": 30, "written": 0, "unchanged": 1}  # the same pack again: nothing to do, no overwrite needed
+    assert stats == {
+        "kept": 30,
+        "written": 0,
+        "unchanged": 1,
+    }  # the same pack again: nothing to do, no overwrite needed
 
 
 def test_kill_at_any_moment_then_rerun(tmp_path: Path) -> None:
@@ -617,8 +659,19 @@ def test_killing_the_pack_process_stops_its_workers(tmp_path: Path) -> None:
     """SIGKILL on `shardkit pack` alone (not its process group) runs no cleanup: the pool
     workers must still go (the kernel signals them when their parent dies)."""
     src = make_folder(tmp_path / "src", per_class=150)
-    cmd = [sys.executable, "-m", "shardkit.cli", "pack", str(src), str(tmp_path / "out"), "--max-count", "1",
-           "--workers", "2", "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardkit.cli",
+        "pack",
+        str(src),
+        str(tmp_path / "out"),
+        "--max-count",
+        "1",
+        "--workers",
+        "2",
+        "-q",
+    ]
     proc = subprocess.Popen(cmd, start_new_session=True)
     children: list[int] = []
     deadline = time.monotonic() + 60
@@ -632,7 +685,9 @@ def test_killing_the_pack_process_stops_its_workers(tmp_path: Path) -> None:
     assert len(children) >= 2
 
     def alive() -> list[int]:
-        return [c for c in children if Path(f"/proc/{c}").exists() and Path(f"/proc/{c}/stat").read_text().split()[2] != "Z"]
+        return [
+            c for c in children if Path(f"/proc/{c}").exists() and Path(f"/proc/{c}/stat").read_text().split()[2] != "Z"
+        ]
 
     while alive() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -678,8 +733,13 @@ executors.local(2)(job, list(range(8)), print, lambda n: None)
 def _foreground(*args: str) -> subprocess.Popen[str]:
     """A Python script in a session of its own, Ctrl-C at Python's default, as a terminal's
     foreground job: `os.killpg(proc.pid, signal.SIGINT)` is the terminal's Ctrl-C."""
-    return subprocess.Popen([sys.executable, *args], start_new_session=True, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, *args],
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _until(done: Callable[[], bool], seconds: float) -> None:
@@ -856,8 +916,9 @@ def test_verify_catches_a_flipped_byte(photos: Path, tmp_path: Path) -> None:
     assert any("shard-000002.tar: missing" in p for p in shardkit.verify(str(out)))
 
 
-def test_a_conversion_does_not_copy_damage_into_fresh_checksums(photos: Path, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_conversion_does_not_copy_damage_into_fresh_checksums(
+    photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A shard being converted that does not match its index has its samples skipped, each
     listed (or stops the pack under "raise"), rather than copied into shards that `verify`
     would then pass; once repaired, a rerun packs it; a shard gone stops the pack, as it
@@ -943,30 +1004,44 @@ def test_foreign_keys_survive_conversion_both_ways(photos: Path, tmp_path: Path)
 _SHARD = {"name": "a.tar", "samples": 2, "bytes": 4096}
 
 
-@pytest.mark.parametrize("doc, message", [
-    ("{not json", "not valid JSON"),
-    ({"format": "other"}, "not a shardkit index"),
-    ({"shards": "a.tar"}, "malformed index"),
-    ({"shards": [["a.tar", 2]]}, "malformed index"),
-    ({"shards": [{**_SHARD, "offsets": ["0", "1024", "2048"]}]}, "malformed index"),
-    ({"shards": [{**_SHARD, "offsets": [0, 1024, 2 ** 63]}]}, "malformed index"),
-    ({"shards": [{**_SHARD, "offsets": [0, 1024]}]}, "a.tar: index lists 2 offsets for 2 samples"),
-    ({"shards": [{**_SHARD, "offsets": [0, 1024, 2048]}], "samples": 3}, "total 3 samples"),
-    ({"shards": [{**_SHARD, "samples": -1}]}, "a.tar: index lists -1 samples"),
-    ({"shards": [{**_SHARD, "offsets": [-512, 1024, 2048]}]}, "a.tar: index offsets run from -512 to 2048"),
-    ({"shards": [{**_SHARD, "offsets": [0, 1024, 8192]}]}, "outside the shard's 4096 bytes"),
-    ({"shards": [{**_SHARD, "offsets": [0, 2048, 1024]}]}, "a.tar: index offsets do not increase at sample 1"),
-    ({"shards": [{**_SHARD, "offsets": [0, 0, 1024]}]}, "do not increase at sample 0 (0 then 0)"),
-    ({"shards": [{**_SHARD, "name": "../a.tar"}]}, "shard name '../a.tar' is not the name of a file in the dataset's"),
-    ({"shards": [{**_SHARD, "name": ".."}]}, "shard name '..' is not the name of a file"),
-    ({"shards": [_SHARD, _SHARD]}, "shard 'a.tar' is listed twice"),
-    ({"version": 2, "shards": [_SHARD]}, "a version 2 index of tar shards names no file of sample offsets"),
-    ({"version": 2, "offsets": {"file": "../offsets-0123456789abcdef.npy", "sha256": "0"}, "shards": [_SHARD]},
-     "\"offsets\" names '../offsets-0123456789abcdef.npy', not a shardkit offsets file of the folder"),
-    ({"version": 2, "offsets": {"file": "offsets-0123456789abcdef.npy"}, "shards": [_SHARD]}, "malformed index"),
-    ({"version": 2, "offsets": {"file": "offsets-0123456789abcdef.npy", "sha256": "0"},
-      "shards": [{**_SHARD, "offsets": [0, 1024, 2048]}]}, "lists sample offsets both in its shards and in"),
-])
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ("{not json", "not valid JSON"),
+        ({"format": "other"}, "not a shardkit index"),
+        ({"shards": "a.tar"}, "malformed index"),
+        ({"shards": [["a.tar", 2]]}, "malformed index"),
+        ({"shards": [{**_SHARD, "offsets": ["0", "1024", "2048"]}]}, "malformed index"),
+        ({"shards": [{**_SHARD, "offsets": [0, 1024, 2**63]}]}, "malformed index"),
+        ({"shards": [{**_SHARD, "offsets": [0, 1024]}]}, "a.tar: index lists 2 offsets for 2 samples"),
+        ({"shards": [{**_SHARD, "offsets": [0, 1024, 2048]}], "samples": 3}, "total 3 samples"),
+        ({"shards": [{**_SHARD, "samples": -1}]}, "a.tar: index lists -1 samples"),
+        ({"shards": [{**_SHARD, "offsets": [-512, 1024, 2048]}]}, "a.tar: index offsets run from -512 to 2048"),
+        ({"shards": [{**_SHARD, "offsets": [0, 1024, 8192]}]}, "outside the shard's 4096 bytes"),
+        ({"shards": [{**_SHARD, "offsets": [0, 2048, 1024]}]}, "a.tar: index offsets do not increase at sample 1"),
+        ({"shards": [{**_SHARD, "offsets": [0, 0, 1024]}]}, "do not increase at sample 0 (0 then 0)"),
+        (
+            {"shards": [{**_SHARD, "name": "../a.tar"}]},
+            "shard name '../a.tar' is not the name of a file in the dataset's",
+        ),
+        ({"shards": [{**_SHARD, "name": ".."}]}, "shard name '..' is not the name of a file"),
+        ({"shards": [_SHARD, _SHARD]}, "shard 'a.tar' is listed twice"),
+        ({"version": 2, "shards": [_SHARD]}, "a version 2 index of tar shards names no file of sample offsets"),
+        (
+            {"version": 2, "offsets": {"file": "../offsets-0123456789abcdef.npy", "sha256": "0"}, "shards": [_SHARD]},
+            "\"offsets\" names '../offsets-0123456789abcdef.npy', not a shardkit offsets file of the folder",
+        ),
+        ({"version": 2, "offsets": {"file": "offsets-0123456789abcdef.npy"}, "shards": [_SHARD]}, "malformed index"),
+        (
+            {
+                "version": 2,
+                "offsets": {"file": "offsets-0123456789abcdef.npy", "sha256": "0"},
+                "shards": [{**_SHARD, "offsets": [0, 1024, 2048]}],
+            },
+            "lists sample offsets both in its shards and in",
+        ),
+    ],
+)
 def test_a_malformed_index_is_one_line_naming_it(tmp_path: Path, doc: object, message: str) -> None:
     if isinstance(doc, dict):
         doc = json.dumps({"format": "shardkit", "version": 1, **doc})
@@ -995,8 +1070,11 @@ def test_index_json_keeps_its_version_through_a_round_trip(packed: Path, packed_
 
 def test_a_newer_index_version_is_refused_by_name(tmp_path: Path) -> None:
     (tmp_path / "index.json").write_text(json.dumps({"format": "shardkit", "version": 3, "shards": []}))
-    with pytest.raises(shardkit.IndexVersionError, match=r"index version 3, this shardkit reads versions 1 to 2; "
-                                                         "upgrade shardkit"):
+    with pytest.raises(
+        shardkit.IndexVersionError,
+        match=r"index version 3, this shardkit reads versions 1 to 2; "
+        "upgrade shardkit",
+    ):
         shardkit.StreamingDataset(str(tmp_path))
 
 
@@ -1023,14 +1101,17 @@ def test_an_unreadable_index_in_dest_is_replaced_only_with_overwrite(photos: Pat
     out = tmp_path / "out"
     shardkit.pack(str(photos), str(out), workers=1, progress=False)
     (out / "index.json").write_text("{garbage")
-    with pytest.raises(SourceError, match=r"out: already holds an index.json that cannot be read; rerun with --overwrite"):
+    with pytest.raises(
+        SourceError, match=r"out: already holds an index.json that cannot be read; rerun with --overwrite"
+    ):
         shardkit.pack(str(photos), str(out), workers=1, progress=False)
     assert (out / "index.json").read_text() == "{garbage"
     assert shardkit.pack(str(photos), str(out), workers=1, progress=False, overwrite=True).samples == 30
 
 
-def test_a_rerun_after_a_crash_before_the_index_commits_it(photos: Path, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rerun_after_a_crash_before_the_index_commits_it(
+    photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "out"
     with monkeypatch.context() as m:
         m.setattr(shardkit.index, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("killed")))
@@ -1073,8 +1154,9 @@ def _crash(*args: object, **kwargs: object) -> None:
     raise RuntimeError("killed")
 
 
-def test_a_crash_between_a_shard_and_its_record_leaves_no_stale_record(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_crash_between_a_shard_and_its_record_leaves_no_stale_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from shardkit import storage
 
     src, out = _same_size_folder(tmp_path / "src"), tmp_path / "out"
@@ -1107,8 +1189,11 @@ def test_shard_names_of_another_tool_are_not_taken_for_its_own(photos: Path, tmp
         tar.add(next(photos.rglob("*.jpg")), "0.jpg")
     (out / "results.tmp-2024.csv").write_text("precious")
     before = tree_bytes(out)
-    with pytest.raises(SourceError, match=r"wds: destination is not empty and holds files `shardkit pack` did not "
-                                          r"write \(found 'results.tmp-2024.csv'\)"):
+    with pytest.raises(
+        SourceError,
+        match=r"wds: destination is not empty and holds files `shardkit pack` did not "
+        r"write \(found 'results.tmp-2024.csv'\)",
+    ):
         shardkit.pack(str(photos), str(out), workers=1, progress=False)
     (out / "results.tmp-2024.csv").unlink()
     with pytest.raises(SourceError, match="found 'shard-000000.tar'"):  # no dataset here: not ours to replace
@@ -1149,7 +1234,9 @@ def test_an_lmdb_of_another_tool_is_not_written_into(photos: Path, tmp_path: Pat
     assert (tmp_path / "db" / "data.mdb").read_bytes() == before
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "labels.csv").write_text("a,b")
-    with pytest.raises(SourceError, match=r"other: destination is not empty and not an LMDB dataset \(found 'labels.csv'\)"):
+    with pytest.raises(
+        SourceError, match=r"other: destination is not empty and not an LMDB dataset \(found 'labels.csv'\)"
+    ):
         shardkit.pack(str(photos), str(tmp_path / "other"), format="lmdb", workers=1, progress=False)
     (tmp_path / "folder" / "data.mdb").mkdir(parents=True)  # LMDB's own error, on one line
     with pytest.raises(SourceError, match=r"folder: cannot write an LMDB there \(.*folder: Is a directory\)"):
@@ -1166,8 +1253,9 @@ def test_an_lmdb_overwrite_killed_halfway_is_finished_by_a_rerun(photos: Path, t
     assert shardkit.pack(str(photos), str(out), format="lmdb", seed=1, workers=1, progress=False).samples == 30
 
 
-def test_a_rerun_after_a_crash_in_the_cleanup_finishes_it(photos: Path, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rerun_after_a_crash_in_the_cleanup_finishes_it(
+    photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "out"
     shardkit.pack(str(photos), str(out), max_count=4, workers=1, progress=False)
     with monkeypatch.context() as m:
@@ -1177,8 +1265,12 @@ def test_a_rerun_after_a_crash_in_the_cleanup_finishes_it(photos: Path, tmp_path
     assert (out / ".shardkit-progress").exists() and len(list(out.glob("*.tar"))) == 8
     assert len(shardkit.StreamingDataset(str(out))) == 30  # committed: readers take it already
     idx = shardkit.pack(str(photos), str(out), max_count=20, workers=1, progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["index.json", idx.sidecar.file, "shard-000000.tar",
-                                                     "shard-000001.tar"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "index.json",
+        idx.sidecar.file,
+        "shard-000000.tar",
+        "shard-000001.tar",
+    ]
 
 
 def test_files_the_scan_leaves_out_are_part_of_what_makes_a_pack_the_same(photos: Path, tmp_path: Path) -> None:
@@ -1215,8 +1307,9 @@ def test_a_symlink_to_something_not_a_file_is_named_so(photos: Path, tmp_path: P
     assert reasons == {"circle/pipe.jpg": "not a regular file", "circle/gone.jpg": "broken symlink"}
 
 
-def test_images_every_reader_would_refuse_are_skipped_at_pack_time(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_images_every_reader_would_refuse_are_skipped_at_pack_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from PIL import Image, ImageFile
 
     src = tmp_path / "src" / "a"
@@ -1227,13 +1320,18 @@ def test_images_every_reader_would_refuse_are_skipped_at_pack_time(tmp_path: Pat
     Image.effect_noise((30, 30), 40).convert("RGB").save(whole, "JPEG")
     thumbnail = b"Exif\x00\x00\xff\xd8" + bytes(64) + b"\xff\xd9"  # an EXIF thumbnail's end marker, early on
     app1 = b"\xff\xe1" + (len(thumbnail) + 2).to_bytes(2, "big") + thumbnail
-    (src / "cut.jpg").write_bytes(whole.getvalue()[:2] + app1 + whole.getvalue()[2:len(whole.getvalue()) // 2])
+    (src / "cut.jpg").write_bytes(whole.getvalue()[:2] + app1 + whole.getvalue()[2 : len(whole.getvalue()) // 2])
     (src / "bad.ppm").write_bytes(b"P6\n3Z 32\n255\n" + bytes(100))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 64x64 is past twice that: a decompression bomb
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)  # a notebook's setting must not let cut files in
     for options in ({}, {"quality": 90}, {"resize": 4}):
-        idx = shardkit.pack(str(tmp_path / "src"), str(tmp_path / f"out{len(options)}{list(options)}"), workers=1,
-                            progress=False, **options)
+        idx = shardkit.pack(
+            str(tmp_path / "src"),
+            str(tmp_path / f"out{len(options)}{list(options)}"),
+            workers=1,
+            progress=False,
+            **options,
+        )
         reasons = {s.path: s.reason for s in idx.skipped}
         assert idx.samples == 2 and sorted(reasons) == ["a/bad.ppm", "a/cut.jpg", "a/huge.jpg", "a/huge.png"], options
         assert "decompression bomb" in reasons["a/huge.png"].lower() and reasons["a/cut.jpg"] == "truncated image"

@@ -19,8 +19,9 @@ def run(args: list[str | Path]) -> subprocess.CompletedProcess[str]:
     """A command away from this checkout's code: no PYTHONPATH leading back to it, and not
     started in it (`python -c` imports from its working directory first)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([str(a) for a in args], capture_output=True, text=True, env=env, timeout=240,
-                          cwd=Path(args[0]).anchor)
+    return subprocess.run(
+        [str(a) for a in args], capture_output=True, text=True, env=env, timeout=240, cwd=Path(args[0]).anchor
+    )
 
 
 def ok(proc: subprocess.CompletedProcess[str]) -> str:
@@ -54,8 +55,17 @@ def test_the_wheel_installs_and_runs_without_extras(photos: Path, tmp_path: Path
     ok(run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-compile", wheel]))
 
     where = ok(run([python, "-c", "import sys, shardkit; print(shardkit.__file__, 'torch' in sys.modules)"]))
-    assert where.split() == [str(venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" /
-                                 "site-packages" / "shardkit" / "__init__.py"), "False"]
+    assert where.split() == [
+        str(
+            venv
+            / "lib"
+            / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+            / "site-packages"
+            / "shardkit"
+            / "__init__.py"
+        ),
+        "False",
+    ]
     assert ok(run([shardkit, "--version"])).split()[-1] == "0.1.0"
     out = tmp_path / "shards"
     assert "packed 30 samples into 1 shard" in ok(run([shardkit, "pack", photos, out]))
@@ -81,8 +91,11 @@ def _hints(path: Path) -> list[str]:
     import ast
     import re
 
-    texts = [n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)
-             and isinstance(n.value, str)]
+    texts = [
+        n.value
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    ]
     return [m[1] for text in texts for m in re.finditer(r"pip install (?:-e )?(\S+)", text)]
 
 
@@ -106,14 +119,18 @@ def test_install_hints_name_what_installs_from_a_checkout(path: str) -> None:
     assert {"shardkit/cli.py", "shardkit/packing/executors.py", "shardkit/storage/clients.py"} <= set(HINTED)
 
 
-@pytest.mark.parametrize(("url", "hint"), [("s3://bucket/ds", "pip install s3fs"), ("gs://bucket/ds", "pip install gcsfs")])
+@pytest.mark.parametrize(
+    ("url", "hint"), [("s3://bucket/ds", "pip install s3fs"), ("gs://bucket/ds", "pip install gcsfs")]
+)
 def test_a_missing_backend_names_the_package_to_install(url: str, hint: str) -> None:
     """As a user without the extra sees it: the backend's import fails, the message names a
     package the registry has (not 'shardkit[s3]', which is not on it)."""
     backend = hint.split()[-1]
-    code = (f"import sys; sys.modules[{backend!r}] = None\n"  # as if not installed
-            "from shardkit.storage.clients import filesystem\n"
-            f"filesystem({url!r})")
+    code = (
+        f"import sys; sys.modules[{backend!r}] = None\n"  # as if not installed
+        "from shardkit.storage.clients import filesystem\n"
+        f"filesystem({url!r})"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1].endswith(f"{url}: {url[:2]}:// support is not installed ({hint})"), proc.stderr

@@ -31,8 +31,17 @@ COUNTS = {
 LAYOUTS = list(itertools.product(range(1, 6), range(1, 6)))  # (world size, workers per rank)
 
 
-def layout(world: int, workers: int, *, shuffle: bool = True, remainder: str = "repeat", seed: int = 3,
-           epoch: int = 0, window: int = 16, segment: int = 0) -> Layout:
+def layout(
+    world: int,
+    workers: int,
+    *,
+    shuffle: bool = True,
+    remainder: str = "repeat",
+    seed: int = 3,
+    epoch: int = 0,
+    window: int = 16,
+    segment: int = 0,
+) -> Layout:
     return Layout(world, workers, seed, epoch, shuffle, window, remainder, segment)
 
 
@@ -368,12 +377,16 @@ def test_yielded_after_round_robin_by_hand() -> None:
     assert turns.yielded_after([10, 10], 3, 18, drop_last=True) == (9, 9)
 
 
-@pytest.mark.parametrize("seen, drop_last, message", [
-    (21, False, "hands out 0 to 20 samples"), (-1, False, "hands out 0 to 20 samples"),
-    (20, True, "hands out 0 to 18 samples"),
-    (4, False, "not a whole number of batches of this loader: it hands out 3 and then 6"),
-    (17, False, "it hands out 15 and then 18"),
-])
+@pytest.mark.parametrize(
+    "seen, drop_last, message",
+    [
+        (21, False, "hands out 0 to 20 samples"),
+        (-1, False, "hands out 0 to 20 samples"),
+        (20, True, "hands out 0 to 18 samples"),
+        (4, False, "not a whole number of batches of this loader: it hands out 3 and then 6"),
+        (17, False, "it hands out 15 and then 18"),
+    ],
+)
 def test_yielded_after_refuses_what_no_loader_hands_out(seen: int, drop_last: bool, message: str) -> None:
     with pytest.raises(ValueError, match=f"samples_seen={seen}.*{message}"):
         turns.yielded_after([10, 10], 3, seen, drop_last)

@@ -23,17 +23,22 @@ from shardkit.storage.stores import store_for
 def test_a_stall_is_tried_three_times_an_outage_all_its_attempts() -> None:
     """A silent store fails a read after 3 timeouts; one that refuses or resets (a restart, an
     outage that may end) gets every attempt."""
+
     def failing(error: type[Exception]) -> Any:
         calls: list[int] = []
 
         def call() -> None:
             calls.append(1)
             raise error("no")
+
         return call, calls
 
     stall, stalls = failing(TimeoutError)
-    with pytest.raises(ShardkitError, match=r"^s3://b/x\.tar: TimeoutError: no \(gave up after 3 attempts; the "
-                                            r"storage options timeout= and attempts= set how long to wait\)$"):
+    with pytest.raises(
+        ShardkitError,
+        match=r"^s3://b/x\.tar: TimeoutError: no \(gave up after 3 attempts; the "
+        r"storage options timeout= and attempts= set how long to wait\)$",
+    ):
         storage.retrying("s3://b/x.tar", stall, attempts=10, base_s=0.001, stalls=3)
     reset, resets = failing(ConnectionResetError)
     with pytest.raises(ShardkitError, match=r"gave up after 10 attempts\)$"):
@@ -57,23 +62,30 @@ def test_the_defaults_and_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fs.client_kwargs["timeout"].sock_read == 2.5 and "attempts" not in fs.storage_options
 
 
-@pytest.mark.parametrize(("opts", "said"), [
-    ({"timeout": 0}, "storage option timeout=0: expected seconds, a number above 0"),
-    ({"timeout": "soon"}, "storage option timeout='soon': expected seconds, a number above 0"),
-    ({"attempts": 0}, "storage option attempts=0: expected a whole number, 1 or more"),
-    ({"attempts": 2.5}, "storage option attempts=2.5: expected a whole number, 1 or more"),
-])
+@pytest.mark.parametrize(
+    ("opts", "said"),
+    [
+        ({"timeout": 0}, "storage option timeout=0: expected seconds, a number above 0"),
+        ({"timeout": "soon"}, "storage option timeout='soon': expected seconds, a number above 0"),
+        ({"attempts": 0}, "storage option attempts=0: expected a whole number, 1 or more"),
+        ({"attempts": 2.5}, "storage option attempts=2.5: expected a whole number, 1 or more"),
+    ],
+)
 def test_a_bad_value_is_one_line_naming_the_option(packed: Path, opts: dict, said: str) -> None:
     with pytest.raises(BadRequestError, match=f"^{said}$"):
         StreamingDataset(str(packed), storage_options=opts)
-    out = subprocess.run([sys.executable, "-m", "shardkit", "info", str(packed),
-                          *(f"-o{k}={v}" for k, v in opts.items())], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "shardkit", "info", str(packed), *(f"-o{k}={v}" for k, v in opts.items())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert (out.returncode, out.stderr) == (1, f"Error: {said}\n")
 
 
-def test_a_stalled_s3_store_fails_a_read_after_three_timeouts_not_ten(s3: dict, s3_server: str, packed: Path,
-                                                                      latency_proxy: Any,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stalled_s3_store_fails_a_read_after_three_timeouts_not_ten(
+    s3: dict, s3_server: str, packed: Path, latency_proxy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 40: a store that stalls mid-read was given up on after 10 x 60 s. A dataset's
     reads still get 10 attempts (an outage), but three silent ones end the read."""
     from shardkit.storage import patience
@@ -85,8 +97,11 @@ def test_a_stalled_s3_store_fails_a_read_after_three_timeouts_not_ten(s3: dict, 
     opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}, "timeout": 1}
     ds = StreamingDataset(s3["url"] + "/stall", storage_options=opts, shuffle=False, prefetch=0)
     control.set("stall_prob", 1.0)
-    with pytest.raises(ShardkitError, match=r"shard-000000\.tar \((bytes \d+-\d+|fingerprint)\): .*gave up after 3 attempts; the "
-                                            r"storage options timeout= and attempts= set"):
+    with pytest.raises(
+        ShardkitError,
+        match=r"shard-000000\.tar \((bytes \d+-\d+|fingerprint)\): .*gave up after 3 attempts; the "
+        r"storage options timeout= and attempts= set",
+    ):
         next(iter(ds))
     assert control.stats()["stalls"] == 3
     control.set("stall_prob", 0.0)
@@ -99,9 +114,22 @@ def test_the_cli_sets_timeout_and_attempts(s3: dict, s3_server: str, packed: Pat
     proxied, control = latency_proxy(s3_server)
     creds = [f"-o{k}={v}" for k, v in s3["storage_options"].items() if k in ("key", "secret")]
     control.set("stall_prob", 1.0)
-    out = subprocess.run([sys.executable, "-m", "shardkit", "info", s3["url"] + "/stall-cli", *creds,
-                          f"-oendpoint_url={proxied}", "-otimeout=1", "-oattempts=2"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardkit",
+            "info",
+            s3["url"] + "/stall-cli",
+            *creds,
+            f"-oendpoint_url={proxied}",
+            "-otimeout=1",
+            "-oattempts=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     control.set("stall_prob", 0.0)
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
     assert "index.json" in out.stderr and "gave up after 2 attempts" in out.stderr

@@ -21,8 +21,14 @@ from readers import WARNINGS
 
 pytestmark = WARNINGS
 
-MARKS = {"local": "fingerprint", "s3": "etag", "seaweedfs": "etag", "gcs": "generation", "fakegcs": "generation",
-         "webhdfs": "mtime_ns"}
+MARKS = {
+    "local": "fingerprint",
+    "s3": "etag",
+    "seaweedfs": "etag",
+    "gcs": "generation",
+    "fakegcs": "generation",
+    "webhdfs": "mtime_ns",
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +46,9 @@ def keys(ds: StreamingDataset, workers: int = 0) -> list[str]:
 
 
 @pytest.mark.parametrize("store", list(MARKS))
-def test_a_shard_replaced_by_a_twin_is_named_at_its_first_read(store: str, twins: Path, tmp_path: Path,
-                                                                 request: pytest.FixtureRequest) -> None:
+def test_a_shard_replaced_by_a_twin_is_named_at_its_first_read(
+    store: str, twins: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     if store == "local":
         url, opts = str(tmp_path / "ds"), None
     else:
@@ -49,8 +56,9 @@ def test_a_shard_replaced_by_a_twin_is_named_at_its_first_read(store: str, twins
         url, opts = remote["url"] + "/ds", remote["storage_options"]
     idx = shardkit.pack(str(twins), url, max_count=20, workers=1, progress=False, storage_options=opts)
     first, second = idx.shards
-    assert first.bytes == second.bytes and all(s.version is not None and list(s.version) == [MARKS[store]]
-                                               for s in idx.shards)
+    assert first.bytes == second.bytes and all(
+        s.version is not None and list(s.version) == [MARKS[store]] for s in idx.shards
+    )
     fs, root = fsspec.core.url_to_fs(url, **(opts or {}))
     fs.pipe_file(f"{root}/{second.name}", fs.cat_file(f"{root}/{first.name}"))  # the other shard's bytes
     with pytest.raises(CorruptShardError, match=rf"^{url}/{second.name}: changed since its index was made"):
@@ -84,8 +92,11 @@ def test_a_local_dataset_copied_up_keeps_its_fingerprints(twins: Path, tmp_path:
     assert len(keys(StreamingDataset(url, storage_options=opts))) == 40
     first, second = idx.shards
     fs.pipe_file(f"{root}/{second.name}", (local / first.name).read_bytes())
-    with pytest.raises(CorruptShardError, match=rf"^{url}/{second.name}: changed since its index was made \(its "
-                                                 r"first 512 bytes are not the index's\)"):
+    with pytest.raises(
+        CorruptShardError,
+        match=rf"^{url}/{second.name}: changed since its index was made \(its "
+        r"first 512 bytes are not the index's\)",
+    ):
         keys(StreamingDataset(url, storage_options=opts))
     index.save(index.pinned(index.load(url, opts), url, opts), url, opts)
     assert [list(s.version or ()) for s in index.load(url, opts).shards] == [["etag"], ["etag"]]
@@ -106,29 +117,38 @@ def test_a_fingerprint_tells_shards_apart_not_bad_bytes_inside_them(tmp_path: Pa
     assert mismatch(data) is None and mismatch(data[:-1] + b"x") is None
     assert mismatch(data[:300_000]) is None and mismatch(data[:100]) is None  # cut short
     assert mismatch(b"x" + data[1:]) == "its first 512 bytes are not the index's"
-    assert mismatch(b"x" + data[1:300_000]) == "300000 bytes, the index has 524288, and its first 512 bytes are not " \
-                                               "the index's"
+    assert (
+        mismatch(b"x" + data[1:300_000]) == "300000 bytes, the index has 524288, and its first 512 bytes are not "
+        "the index's"
+    )
     assert mismatch(data + b"\0") == "524289 bytes, the index has 524288"
     assert "not one this shardkit writes" in str(fingerprint.mismatch("abc", 3, lambda a, b: b"abc"))
     assert fingerprint.fingerprint(0, lambda a, b: b"") != fingerprint.fingerprint(1, lambda a, b: b"\0")
 
 
-def test_an_s3_compatible_endpoint_works_from_endpoint_url_alone(seaweedfs: dict, twins: Path,
-                                                                 seaweedfs_server: str) -> None:
+def test_an_s3_compatible_endpoint_works_from_endpoint_url_alone(
+    seaweedfs: dict, twins: Path, seaweedfs_server: str
+) -> None:
     """A store on another endpoint than AWS's, named by a host name: packs and reads with the
     endpoint alone; shardkit's decision for such endpoints is path-style addressing and
     checksums only where S3's API requires them (as MinIO, Ceph and R2 want). (botocore
     addresses `localhost` path-style itself: the pack here does not tell the decision apart.)"""
     from shardkit.storage.clients import s3_compatible
 
-    opts = {**seaweedfs["storage_options"], "client_kwargs": {"endpoint_url": seaweedfs_server.replace(
-        "127.0.0.1", "localhost")}}
+    opts = {
+        **seaweedfs["storage_options"],
+        "client_kwargs": {"endpoint_url": seaweedfs_server.replace("127.0.0.1", "localhost")},
+    }
     url = seaweedfs["url"] + "/named"
     shardkit.pack(str(twins), url, max_count=20, workers=1, progress=False, storage_options=opts)
     assert len(set(keys(StreamingDataset(url, storage_options=opts)))) == 40
     decided = s3_compatible(opts)
-    assert decided == {"s3": {"addressing_style": "path"}, "request_checksum_calculation": "when_required",
-                       "response_checksum_validation": "when_required"}
+    assert decided == {
+        "s3": {"addressing_style": "path"},
+        "request_checksum_calculation": "when_required",
+        "response_checksum_validation": "when_required",
+    }
     assert s3_compatible({"endpoint_url": "http://h", "config_kwargs": {"s3": {"addressing_style": "virtual"}}})[
-        "s3"] == {"addressing_style": "virtual"}
+        "s3"
+    ] == {"addressing_style": "virtual"}
     assert s3_compatible({}) == {} and s3_compatible({"endpoint_url": "https://s3.eu-west-1.amazonaws.com"}) == {}

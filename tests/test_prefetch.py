@@ -191,8 +191,7 @@ def test_time_spent_waiting_for_bytes_is_not_the_consumers_own() -> None:
         return p.target
 
     plain = consume(Prefetcher(range(40), slow, lambda i: 1, depth=16, budget=10**9), False)
-    aware = consume(Prefetcher(range(40), slow, lambda i: 1, depth=16, budget=10**9,
-                               stalled=lambda: waited[0]), True)
+    aware = consume(Prefetcher(range(40), slow, lambda i: 1, depth=16, budget=10**9, stalled=lambda: waited[0]), True)
     assert plain <= 6 and aware >= 12  # (about 2, and the depth)
 
 
@@ -264,7 +263,12 @@ def test_coalesce_merges_back_to_back_samples_only() -> None:
     ends = np.array([10, 20, 30, 10, 20, 50])
     plan, range_of = ranges.coalesce(shard, starts, ends, max_bytes=25)
     plan = list(plan)
-    assert [(r.shard, r.start, r.stop, r.samples) for r in plan] == [(0, 0, 20, 2), (0, 20, 30, 1), (1, 0, 20, 2), (0, 40, 50, 1)]
+    assert [(r.shard, r.start, r.stop, r.samples) for r in plan] == [
+        (0, 0, 20, 2),
+        (0, 20, 30, 1),
+        (1, 0, 20, 2),
+        (0, 40, 50, 1),
+    ]
     assert range_of.tolist() == [0, 0, 1, 2, 2, 3]
 
 
@@ -275,7 +279,10 @@ def test_blocks_back_to_back_in_the_stream_and_the_shard_are_read_as_one_range()
     offsets = np.concatenate([np.arange(21) * 10, np.arange(11) * 10])  # samples of 10 bytes
     plan, range_of = ranges.blocks(np.arange(30), first, offsets, block=4, max_bytes=100)
     assert [(r.shard, r.start, r.stop, r.samples) for r in plan] == [
-        (0, 0, 80, 8), (0, 80, 200, 12), (1, 0, 100, 10)]  # cut where a block ends past each 100 bytes of the run
+        (0, 0, 80, 8),
+        (0, 80, 200, 12),
+        (1, 0, 100, 10),
+    ]  # cut where a block ends past each 100 bytes of the run
     assert range_of.tolist() == [0] * 8 + [1] * 12 + [2] * 10
     ids = np.array([4, 5, 6, 7, 0, 1, 2, 3, 8])  # block 1, then 0, then 2: none merges with the one before
     plan, range_of = ranges.blocks(ids, first, offsets, block=4, max_bytes=1000)
@@ -295,14 +302,22 @@ def test_blocks_read_each_block_once_in_order_of_need() -> None:
     plan = list(plan)
     assert [(r.shard, r.samples) for r in plan] == [(1, 2), (0, 2), (1, 1), (0, 1)]
     assert [(r.start, r.stop) for r in plan] == [
-        (all_starts[10], all_ends[13]), (all_starts[0], all_ends[3]), (all_starts[14], all_ends[16]), (all_starts[4], all_ends[7])]
+        (all_starts[10], all_ends[13]),
+        (all_starts[0], all_ends[3]),
+        (all_starts[14], all_ends[16]),
+        (all_starts[4], all_ends[7]),
+    ]
     assert range_of.tolist() == [0, 1, 1, 2, 3, 0]
     assert sum(counts) == 17
     # the same with block (1,0) needed again 5 samples after its first use: with max_gap 4 it is read again
     plan, range_of = ranges.blocks(ids, first, offsets, block=4, max_gap=4)
     assert [(r.shard, r.start, r.samples) for r in plan] == [
-        (1, all_starts[10], 1), (0, all_starts[0], 2), (1, all_starts[14], 1), (0, all_starts[4], 1),
-        (1, all_starts[10], 1)]
+        (1, all_starts[10], 1),
+        (0, all_starts[0], 2),
+        (1, all_starts[14], 1),
+        (0, all_starts[4], 1),
+        (1, all_starts[10], 1),
+    ]
     assert range_of.tolist() == [0, 1, 1, 2, 3, 4]
     plan, range_of = ranges.blocks(ids, first, offsets, block=4, max_gap=5)  # within the gap: held, read once
     assert range_of.tolist() == [0, 1, 1, 2, 3, 0]
@@ -439,8 +454,11 @@ def test_retrying_gives_up_with_the_url_named() -> None:
         return b"ok"
 
     assert storage.retrying("s3://b/x.tar", flaky, base_s=0.001) == b"ok" and len(calls) == 3
-    with pytest.raises(ShardkitError, match=r"^s3://b/y\.tar: TimeoutError: slow \(gave up after 3 attempts; the storage "
-                                            r"options timeout= and attempts= set how long to wait\)$"):
+    with pytest.raises(
+        ShardkitError,
+        match=r"^s3://b/y\.tar: TimeoutError: slow \(gave up after 3 attempts; the storage "
+        r"options timeout= and attempts= set how long to wait\)$",
+    ):
         storage.retrying("s3://b/y.tar", lambda: (_ for _ in ()).throw(TimeoutError("slow")), attempts=3, base_s=0.001)
     with pytest.raises(FileNotFoundError):  # not transient: no retries
         storage.retrying("s3://b/z.tar", lambda: (_ for _ in ()).throw(FileNotFoundError("z")), base_s=10)
@@ -451,14 +469,20 @@ def test_retrying_gives_up_with_the_url_named() -> None:
     with pytest.raises(PermissionError, match=r"^gs://b/q\.tar: Forbidden: q detail$"):
         storage.retrying("gs://b/q.tar", lambda: (_ for _ in ()).throw(OSError("Forbidden: q\ndetail")), base_s=10)
     with pytest.raises(ShardkitError, match=r"^gs://b/r\.tar: OSError: gone \(gave up after gcsfs's own retries\)$"):
-        storage.retrying("gs://b/r.tar", lambda: (_ for _ in ()).throw(OSError("gone")), storage.patience_for("gs://b/r.tar", None).attempts())
+        storage.retrying(
+            "gs://b/r.tar",
+            lambda: (_ for _ in ()).throw(OSError("gone")),
+            storage.patience_for("gs://b/r.tar", None).attempts(),
+        )
     # a timeout that says nothing (fsspec's FSTimeoutError) says what it was; a 404 that says only its URL, too
     import fsspec.exceptions
 
     with pytest.raises(ShardkitError, match=r"^s3://b/t\.tar: FSTimeoutError: no answer within the timeout \(gave up"):
         storage.retrying("s3://b/t.tar", lambda: (_ for _ in ()).throw(fsspec.exceptions.FSTimeoutError()), 1)
     with pytest.raises(FileNotFoundError, match=r"^gs://b/n\.tar: not found \(no such object, or no such bucket\)$"):
-        storage.retrying("gs://b/n.tar", lambda: (_ for _ in ()).throw(FileNotFoundError("https://x/b/o/n.tar?alt=media")))
+        storage.retrying(
+            "gs://b/n.tar", lambda: (_ for _ in ()).throw(FileNotFoundError("https://x/b/o/n.tar?alt=media"))
+        )
     with pytest.raises(FileNotFoundError, match=r"^s3://b/m\.tar \(bytes 0-9\): not found \(no such object, or no"):
         storage.retrying("s3://b/m.tar (bytes 0-9)", lambda: (_ for _ in ()).throw(FileNotFoundError("b/m.tar")))
 

@@ -85,8 +85,11 @@ def test_offsets_that_do_not_fit_their_shard_fail_naming_it(packed: Path, tmp_pa
     table[3 * 8 + 2] = 10**9  # shard 3's sample 2 ends far past its shard (each shard: 7 samples, 8 offsets)
     np.save(side, table)
     ds = StreamingDataset(str(clone))
-    with pytest.raises(CorruptShardError, match=r"shard-000003.tar: the index's offsets put a sample at bytes "
-                                                 r"\d+-1000000000 of the shard's \d+$"):
+    with pytest.raises(
+        CorruptShardError,
+        match=r"shard-000003.tar: the index's offsets put a sample at bytes "
+        r"\d+-1000000000 of the shard's \d+$",
+    ):
         list(ds)
 
 
@@ -107,8 +110,11 @@ def test_member_names_that_are_not_utf8_are_named_errors(tmp_path: Path) -> None
     data[148:156] = b"%06o\0 " % (sum(data[:148]) + sum(data[156:512]) + 8 * ord(" "))
     (folder / "a.tar").write_bytes(bytes(data))
     err = failure(StreamingDataset(str(folder)), 0)
-    assert isinstance(err, CorruptShardError) and re.search(r"a\.tar \(sample at byte 0\): the member at byte 0 of the "
-                                                            r"sample has a name that is not UTF-8", str(err)), err
+    assert isinstance(err, CorruptShardError) and re.search(
+        r"a\.tar \(sample at byte 0\): the member at byte 0 of the "
+        r"sample has a name that is not UTF-8",
+        str(err),
+    ), err
     with pytest.raises(CorruptShardError, match=r"a\.tar, member at byte 0: its name b'ok\\xe9\.jpg' is not UTF-8"):
         shardkit.build_index(str(folder / "a.tar"))
     (folder / "b.tar").write_bytes(b"")
@@ -130,8 +136,11 @@ def test_members_of_a_sample_apart_are_refused_by_the_scan(photos: Path, tmp_pat
     with tarfile.open(shard, "w") as tar:
         for name in ("a.jpg", "b.jpg", "a.cls", "b.cls"):
             tar.add(photos / "circle" / "img_0000.jpg", name)
-    with pytest.raises(CorruptShardError, match=r"plain\.tar: the members of sample 'a' are not adjacent \(more of them "
-                                                r"at byte \d+\).*`tar --sort=name`"):
+    with pytest.raises(
+        CorruptShardError,
+        match=r"plain\.tar: the members of sample 'a' are not adjacent \(more of them "
+        r"at byte \d+\).*`tar --sort=name`",
+    ):
         StreamingDataset(str(shard))
     with tarfile.open(shard, "w") as tar:  # a sample repeated whole (tars concatenated): read as webdataset does
         for name in ("a.jpg", "a.bin", "b.jpg", "b.bin", "a.jpg", "a.bin"):
@@ -152,10 +161,11 @@ def test_truncated_shard_skipped_sample_by_sample(packed: Path, tmp_path: Path, 
     _, image, size, _ = sample_span(clone, 3, 2, "jpg")
     with tarfile.open(clone / shard["name"]) as tar:
         member = [n for n in tar.getnames() if n.endswith(".jpg")][2]
-    cut, said = {"first member": (start + 700, "cut off, the shard ends at byte {cut}"),
-                 "image": (image + 100, "cut off in member '{member}', the shard ends at byte {cut}"),
-                 "after the image": (image + size + (-size % 512), "cut off, the shard ends at or before byte {cut}"),
-                 }[where]
+    cut, said = {
+        "first member": (start + 700, "cut off, the shard ends at byte {cut}"),
+        "image": (image + 100, "cut off in member '{member}', the shard ends at byte {cut}"),
+        "after the image": (image + size + (-size % 512), "cut off, the shard ends at or before byte {cut}"),
+    }[where]
     os.truncate(clone / shard["name"], cut)
     ds = StreamingDataset(str(clone), on_error="skip")
     keys = run(ds, workers)
@@ -221,14 +231,18 @@ def test_undecodable_image_raises_naming_the_shard_sample_source_and_fix(broken:
         err = failure(StreamingDataset(str(dataset), decode="pil"), workers)
         said = str(err).splitlines()[-1]  # a worker's error comes back with its traceback
         assert isinstance(err, CorruptShardError), err
-        assert re.search(rf"{re.escape(shard)}: sample {key} at byte \d+ \(packed from \w+/img_\d+\.jpg\): field 'jpg': "
-                         r"UnidentifiedImageError: .*; on_error=\"skip\" leaves bad samples out; `shardkit verify "
-                         r"--decode` lists every bad sample, `shardkit pack --decode-check` keeps them out of a pack$", said), said
+        assert re.search(
+            rf"{re.escape(shard)}: sample {key} at byte \d+ \(packed from \w+/img_\d+\.jpg\): field 'jpg': "
+            r"UnidentifiedImageError: .*; on_error=\"skip\" leaves bad samples out; `shardkit verify "
+            r"--decode` lists every bad sample, `shardkit pack --decode-check` keeps them out of a pack$",
+            said,
+        ), said
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_undecodable_image_skipped_keeps_the_count(broken: tuple[Path, str, str], workers: int,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_undecodable_image_skipped_keeps_the_count(
+    broken: tuple[Path, str, str], workers: int, caplog: pytest.LogCaptureFixture
+) -> None:
     dataset, shard, key = broken
     ds = StreamingDataset(str(dataset), decode="pil", on_error="skip")
     samples = list(DataLoader(ds, num_workers=workers, batch_size=None))
@@ -242,8 +256,11 @@ def test_undecodable_image_skipped_keeps_the_count(broken: tuple[Path, str, str]
         with caplog.at_level("WARNING", logger="shardkit"):
             list(ds)
         (said,) = [r.getMessage() for r in caplog.records if r.name == "shardkit"]
-        assert re.match(rf"skipped \S+{re.escape(shard)}: sample {key} at byte \d+ \(packed from \w+/img_\d+\.jpg\): "
-                        "field 'jpg': ", said), said
+        assert re.match(
+            rf"skipped \S+{re.escape(shard)}: sample {key} at byte \d+ \(packed from \w+/img_\d+\.jpg\): "
+            "field 'jpg': ",
+            said,
+        ), said
     # under two ranks as well: both ranks still yield len(ds)
     per_rank, skipped = [], 0
     for rank in range(2):
@@ -275,8 +292,11 @@ def test_image_transform_finds_bad_data_as_decode_does(broken: tuple[Path, str, 
     # does not match its index)
     shardkit.index.save(shardkit.build_index(sorted(str(p) for p in dataset.glob("*.tar"))), str(dataset))
     shardkit.pack(str(dataset), str(tmp_path / "db"), format="lmdb", progress=False)
-    with pytest.raises(CorruptShardError, match=rf"db: sample {key} \(packed from \w+/img_\d+\.jpg\): field 'jpg': "
-                       r"UnidentifiedImageError: .*; `shardkit verify --decode` lists every bad sample"):
+    with pytest.raises(
+        CorruptShardError,
+        match=rf"db: sample {key} \(packed from \w+/img_\d+\.jpg\): field 'jpg': "
+        r"UnidentifiedImageError: .*; `shardkit verify --decode` lists every bad sample",
+    ):
         [x for x in LMDBDataset(str(tmp_path / "db"), transform=augment)]
 
     def buggy(sample: dict) -> None:
@@ -305,8 +325,9 @@ def test_skip_then_resume_yields_what_one_pass_yields(tmp_path: Path) -> None:
     def dataset_of_keys() -> StreamingDataset:
         return StreamingDataset(str(dataset), decode="pil", on_error="skip", transform=lambda s: s["__key__"])
 
-    resumed = check_save_load(dataset_of_keys, 7, save=iterator_state, load=into_iterator, keys=lambda key: [key],
-                              same_order=True)
+    resumed = check_save_load(
+        dataset_of_keys, 7, save=iterator_state, load=into_iterator, keys=lambda key: [key], same_order=True
+    )
     assert sum(map(len, resumed.pieces)) == 9
 
 
@@ -355,7 +376,8 @@ def test_the_stand_in_for_bad_samples_leaves_transform_errors_alone(tmp_path: Pa
     def boom(sample: dict[str, Any]) -> Any:
         raise KeyError("a bug in the transform")
 
-    ds = StreamingDataset(str(dataset), decode="pil", on_error="skip", transform=boom, rank=1, world_size=3,
-                          remainder="drop")  # rank 1's only sample is the broken one
+    ds = StreamingDataset(
+        str(dataset), decode="pil", on_error="skip", transform=boom, rank=1, world_size=3, remainder="drop"
+    )  # rank 1's only sample is the broken one
     with pytest.raises(KeyError, match="a bug in the transform"):
         run(ds)

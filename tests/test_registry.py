@@ -14,9 +14,16 @@ NAMES = {"tar", "lmdb", "tar.gz"}  # the formats' names (and the compressed tar'
 
 # where a format's name may be compared or keyed: the formats, the sinks and the sources
 ALLOWED = {
-    "formats/__init__.py", "formats/tar.py", "formats/gzip.py", "formats/lmdb.py",
-    "packing/sinks.py", "packing/tar_sink.py", "packing/lmdb_sink.py",
-    "reading/samples.py", "reading/compressed.py", "sources.py",
+    "formats/__init__.py",
+    "formats/tar.py",
+    "formats/gzip.py",
+    "formats/lmdb.py",
+    "packing/sinks.py",
+    "packing/tar_sink.py",
+    "packing/lmdb_sink.py",
+    "reading/samples.py",
+    "reading/compressed.py",
+    "sources.py",
 }
 
 
@@ -32,8 +39,9 @@ def branches(source: str) -> list[int]:
     or key a dict literal with it."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
-                                                 for op in node.ops):
+        if isinstance(node, ast.Compare) and any(
+            isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops
+        ):
             if any(map(_named, [node.left, *node.comparators])):
                 found.append(node.lineno)
         elif isinstance(node, ast.MatchValue) and _named(node.value):
@@ -44,9 +52,11 @@ def branches(source: str) -> list[int]:
 
 
 def test_the_check_finds_each_kind_of_branch() -> None:
-    code = ('a == "tar"\n"lmdb" != b\nc in ("x", "tar.gz")\n{"tar": 1}\n'
-            'match d:\n    case "lmdb":\n        pass\n'
-            'e == "folder"\nf = "tar"\ng("lmdb")\n')
+    code = (
+        'a == "tar"\n"lmdb" != b\nc in ("x", "tar.gz")\n{"tar": 1}\n'
+        'match d:\n    case "lmdb":\n        pass\n'
+        'e == "folder"\nf = "tar"\ng("lmdb")\n'
+    )
     assert branches(code) == [1, 2, 3, 4, 6]
 
 
@@ -59,15 +69,19 @@ def test_no_branch_on_a_format_name_outside_the_registries(path: Path) -> None:
     if name in ALLOWED:
         return
     lines = branches(path.read_text())
-    assert not lines, (f"{name}:{lines[0]} branches on a format's name: ask shardkit.formats.get(name) (a Format's "
-                       "traits), packing/sinks.py or reading/samples.py's SOURCES instead")
+    assert not lines, (
+        f"{name}:{lines[0]} branches on a format's name: ask shardkit.formats.get(name) (a Format's "
+        "traits), packing/sinks.py or reading/samples.py's SOURCES instead"
+    )
 
 
 def test_every_allowed_module_exists() -> None:
     assert {n for n in ALLOWED if not (PACKAGE / n).is_file()} == set()
 
 
-def test_a_format_registered_in_both_registries_packs_and_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_format_registered_in_both_registries_packs_and_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A new format (here tar shards under another name) needs a Format, a sink and a source:
     with those registered, pack writes it, the index names it and StreamingDataset reads it."""
     from conftest import make_folder

@@ -37,8 +37,9 @@ def test_pack_to_remote_then_stream_it(remote: dict, photos: Path, tmp_path: Pat
     assert all(s.version and "fingerprint" not in s.version for s in idx.shards)
     assert all(s.version and list(s.version) == ["fingerprint"] for s in local.shards)
     assert shardkit.verify(url, opts) == []
-    assert sorted(shardkit.storage.listdir(url, opts)) == sorted(["index.json", idx.sidecar.file,
-                                                                 *(s.name for s in idx.shards)])
+    assert sorted(shardkit.storage.listdir(url, opts)) == sorted(
+        ["index.json", idx.sidecar.file, *(s.name for s in idx.shards)]
+    )
     expected = read_shards(tmp_path / "local")
     ds = StreamingDataset(url, storage_options=opts, prefetch=4)
     got = {s["__key__"]: s for s in ds}
@@ -74,8 +75,10 @@ def test_cli_on_s3(s3: dict, photos: Path) -> None:
     endpoint = s3["storage_options"]["client_kwargs"]["endpoint_url"]
     opts = ["-o", "key=testing", "-o", "secret=testing", "-o", f"endpoint_url={endpoint}"]
     url = s3["url"] + "/cli"
-    run = lambda *a: subprocess.run([sys.executable, "-m", "shardkit.cli", *a, *opts],  # noqa: E731
-                                    capture_output=True, text=True)
+
+    def run(*a: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "shardkit.cli", *a, *opts], capture_output=True, text=True)
+
     assert run("pack", str(photos), url, "--max-count", "10", "-q").returncode == 0
     info = run("info", url, "--json")
     assert json.loads(info.stdout)["samples"] == 30
@@ -103,8 +106,9 @@ def test_rerun_after_an_interrupted_upload(s3: dict, photos: Path, monkeypatch: 
     assert {p.rpartition("/")[2]: fs.cat_file(p) for p in fs.find(root)} == clean
 
 
-def test_an_overwrite_in_a_bucket_is_never_read_half_done(s3: dict, photos: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_overwrite_in_a_bucket_is_never_read_half_done(
+    s3: dict, photos: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     url, opts = s3["url"] + "/overwrite", s3["storage_options"]
     shardkit.pack(str(photos), url, max_count=4, workers=1, progress=False, storage_options=opts)
     write = shardkit.storage.atomic_writer
@@ -117,8 +121,9 @@ def test_an_overwrite_in_a_bucket_is_never_read_half_done(s3: dict, photos: Path
     with monkeypatch.context() as m:
         m.setattr(shardkit.storage, "atomic_writer", die_after_the_first_shard)
         with pytest.raises(RuntimeError):
-            shardkit.pack(str(photos), url, max_count=4, seed=1, workers=1, progress=False, storage_options=opts,
-                          overwrite=True)
+            shardkit.pack(
+                str(photos), url, max_count=4, seed=1, workers=1, progress=False, storage_options=opts, overwrite=True
+            )
     with pytest.raises(shardkit.UnfinishedPackError):  # seed 1's first shard beside seed 0's others: not a dataset
         StreamingDataset(url, storage_options=opts)
 
@@ -129,7 +134,14 @@ def test_a_local_tree_and_its_copy_in_a_bucket_scan_alike(s3: dict, tmp_path: Pa
     from shardkit.packing.scan import scan_folder
 
     tree = tmp_path / "tree"
-    for rel in ("a/x.jpg", "a/x-2.jpg", "a/x/1.jpg", "a-b/z.jpg", "b/readme.txt", "c/y.jpg"):  # "a-b/" lists before "a/"
+    for rel in (
+        "a/x.jpg",
+        "a/x-2.jpg",
+        "a/x/1.jpg",
+        "a-b/z.jpg",
+        "b/readme.txt",
+        "c/y.jpg",
+    ):  # "a-b/" lists before "a/"
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         (tree / rel).write_bytes(b"data")
     url, opts = s3["url"] + "/tree", s3["storage_options"]
@@ -141,8 +153,11 @@ def test_a_local_tree_and_its_copy_in_a_bucket_scan_alike(s3: dict, tmp_path: Pa
     def items(listing):  # type: ignore[no-untyped-def]
         return [(listing.item(i).path, listing.item(i).label) for i in range(len(listing))]
 
-    assert items(local[1]) == items(remote[1]) == [
-        ("a/x-2.jpg", 0), ("a/x.jpg", 0), ("a/x/1.jpg", 0), ("a-b/z.jpg", 1), ("c/y.jpg", 3)]
+    assert (
+        items(local[1])
+        == items(remote[1])
+        == [("a/x-2.jpg", 0), ("a/x.jpg", 0), ("a/x/1.jpg", 0), ("a-b/z.jpg", 1), ("c/y.jpg", 3)]
+    )
 
 
 def test_workers_cache_and_second_epoch_from_disk(s3: dict, packed: Path, tmp_path: Path) -> None:
@@ -151,8 +166,15 @@ def test_workers_cache_and_second_epoch_from_disk(s3: dict, packed: Path, tmp_pa
     url, opts = s3["url"] + "/ds", s3["storage_options"]
     fs, root = fsspec.core.url_to_fs(url, **opts)
     fs.put(str(packed), root, recursive=True)
-    ds = StreamingDataset(url, storage_options=opts, shuffle=True, cache_dir=str(tmp_path / "cache"),
-                          cache_limit="1GB", prefetch_bytes="64MB", block=8)
+    ds = StreamingDataset(
+        url,
+        storage_options=opts,
+        shuffle=True,
+        cache_dir=str(tmp_path / "cache"),
+        cache_limit="1GB",
+        prefetch_bytes="64MB",
+        block=8,
+    )
     first = keys(ds, workers=2)
     after_first = ds.stats()
     second = keys(ds, workers=2)
@@ -208,8 +230,13 @@ def test_cache_too_small_for_the_read_ahead(s3: dict, packed: Path, tmp_path: Pa
         StreamingDataset(str(packed), cache_dir=str(tmp_path / "file"))
 
 
-def test_a_store_down_for_seconds_mid_epoch_loses_nothing(s3: dict, s3_server: str, packed: Path, latency_proxy,  # type: ignore[no-untyped-def]
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_store_down_for_seconds_mid_epoch_loses_nothing(
+    s3: dict,
+    s3_server: str,
+    packed: Path,
+    latency_proxy,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A dataset's reads get retries spanning ~21 s on average (a restart, a blip); reading
     its index, a first contact, gives up after 5 (a wrong endpoint fails fast)."""
     import threading
@@ -248,15 +275,18 @@ def test_unreachable_store_fails_with_the_url(s3: dict, packed: Path, latency_pr
     ds = StreamingDataset(s3["url"] + "/ds", storage_options=opts)
     verifying = StreamingDataset(s3["url"] + "/ds", storage_options=opts, verify=True)
     control.set("reset_prob", 1.0)
-    with pytest.raises(ShardkitError, match=r"s3://shardkit-test/ds/shard-\d+\.tar \((bytes \d+-\d+|fingerprint)\): .*gave up after"):
+    with pytest.raises(
+        ShardkitError, match=r"s3://shardkit-test/ds/shard-\d+\.tar \((bytes \d+-\d+|fingerprint)\): .*gave up after"
+    ):
         next(iter(ds))
     with pytest.raises(ShardkitError, match=r"s3://shardkit-test/ds/shard-\d+\.tar \(sha256 check\): .*gave up after"):
         next(iter(verifying))
 
 
 @pytest.mark.parametrize("store", ["gcs", "webhdfs"])
-def test_a_stalled_connection_fails_in_bounded_time(store: str, request: pytest.FixtureRequest, packed: Path,
-                                                    latency_proxy, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_stalled_connection_fails_in_bounded_time(
+    store: str, request: pytest.FixtureRequest, packed: Path, latency_proxy, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     """gcsfs and WebHDFS (requests) have no deadline of their own: a black-holed connection
     would block a read forever. shardkit gives every socket read one (1 s here, 20 s by default,
     5 s on GCS)."""
@@ -264,8 +294,14 @@ def test_a_stalled_connection_fails_in_bounded_time(store: str, request: pytest.
     from urllib.parse import urlsplit
 
     remote = request.getfixturevalue(store)
-    shardkit.pack(str(packed.parent / "photos"), remote["url"] + "/ds", max_count=7, workers=1, progress=False,
-                  storage_options=remote["storage_options"])
+    shardkit.pack(
+        str(packed.parent / "photos"),
+        remote["url"] + "/ds",
+        max_count=7,
+        workers=1,
+        progress=False,
+        storage_options=remote["storage_options"],
+    )
     if store == "gcs":
         proxied, control = latency_proxy(remote["storage_options"]["endpoint_url"])
         url, opts = remote["url"] + "/ds", {**remote["storage_options"], "endpoint_url": proxied}
@@ -356,15 +392,17 @@ def test_pack_from_a_bucket_into_a_bucket(s3: dict, photos: Path, tmp_path: Path
     fs.put(str(photos), f"{root}/raw", recursive=True)
     fs.pipe(f"{root}/raw/circle/notes.txt", b"hello")
     local = shardkit.pack(str(photos), str(tmp_path / "local"), max_count=8, workers=1, progress=False)
-    remote = shardkit.pack(s3["url"] + "/raw", s3["url"] + "/shards", max_count=8, workers=2, progress=False,
-                           storage_options=opts)
+    remote = shardkit.pack(
+        s3["url"] + "/raw", s3["url"] + "/shards", max_count=8, workers=2, progress=False, storage_options=opts
+    )
     assert remote.classes == local.classes
     assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]  # the same bytes
     assert [(s.path, s.reason) for s in remote.skipped] == [("circle/notes.txt", "not an image file extension")]
 
 
-def test_a_pack_from_a_bucket_reads_its_files_at_once(s3: dict, photos: Path, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_pack_from_a_bucket_reads_its_files_at_once(
+    s3: dict, photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A job reads a bucket's files many at a time (their first-byte latency hidden), up to a
     bound on their bytes, and hands them on in order: the same shards as a pack of the local
     folder, the same skips."""
@@ -393,20 +431,32 @@ def test_a_pack_from_a_bucket_reads_its_files_at_once(s3: dict, photos: Path, tm
             finally:
                 with lock:
                     now[what] -= 1
+
         return call
 
     smallest = min(p.stat().st_size for p in photos.rglob("*.jpg"))
-    for options, ahead_bytes, reads in (({}, AHEAD_BYTES, REMOTE_READS), ({"resize": 32}, AHEAD_BYTES, REMOTE_READS),
-                                        ({}, 3 * smallest, 3)):  # 3 files' bytes at least: 3 files ahead
-        local = shardkit.pack(str(photos), str(tmp_path / "local"), workers=1, progress=False, overwrite=True,
-                              **options)
+    for options, ahead_bytes, reads in (
+        ({}, AHEAD_BYTES, REMOTE_READS),
+        ({"resize": 32}, AHEAD_BYTES, REMOTE_READS),
+        ({}, 3 * smallest, 3),
+    ):  # 3 files' bytes at least: 3 files ahead
+        local = shardkit.pack(
+            str(photos), str(tmp_path / "local"), workers=1, progress=False, overwrite=True, **options
+        )
         most.update(read=0, reencode=0)
         with monkeypatch.context() as patched:
             patched.setattr(storage, "read_bytes", counted("read", storage.read_bytes))
             patched.setattr(images, "reencode", counted("reencode", images.reencode))
             patched.setattr(samples, "AHEAD_BYTES", ahead_bytes)
-            remote = shardkit.pack(s3["url"] + "/raw", str(tmp_path / "remote"), workers=1, progress=False,
-                                   overwrite=True, storage_options=opts, **options)
+            remote = shardkit.pack(
+                s3["url"] + "/raw",
+                str(tmp_path / "remote"),
+                workers=1,
+                progress=False,
+                overwrite=True,
+                storage_options=opts,
+                **options,
+            )
         assert 1 < most["read"] <= reads
         assert most["reencode"] == (1 if options else 0)  # decoding: one core's worth (workers=1)
         assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]
@@ -414,8 +464,9 @@ def test_a_pack_from_a_bucket_reads_its_files_at_once(s3: dict, photos: Path, tm
         assert [s.path for s in remote.skipped] == ["square/broken.jpg"]
 
 
-def test_a_conversion_from_a_bucket_downloads_each_shard_once(s3: dict, photos: Path, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_conversion_from_a_bucket_downloads_each_shard_once(
+    s3: dict, photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Converting a dataset in a bucket downloads each shard once, checking it as it comes,
     and copies its samples from that copy (not a download to check it, then a request a
     sample or a block), though it spans several jobs: the same shards as converting it from
@@ -437,19 +488,22 @@ def test_a_conversion_from_a_bucket_downloads_each_shard_once(s3: dict, photos: 
     open_read, read_range = storage.open_read, storage.read_range
     monkeypatch.setattr(storage, "open_read", lambda url, *a, **k: (opened.append(url), open_read(url, *a, **k))[1])
     monkeypatch.setattr(storage, "read_range", lambda url, *a, **k: (ranges.append(url), read_range(url, *a, **k))[1])
-    remote = shardkit.pack(s3["url"] + "/ds", str(tmp_path / "remote"), max_count=3, workers=1, progress=False,
-                           storage_options=opts)
+    remote = shardkit.pack(
+        s3["url"] + "/ds", str(tmp_path / "remote"), max_count=3, workers=1, progress=False, storage_options=opts
+    )
     assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]
     assert [(s.path, s.reason) for s in remote.skipped] == [(s.path, s.reason) for s in local.skipped]
-    assert remote.skipped and all(s.path.startswith("shard-000001.tar@") and "sha256 mismatch" in s.reason
-                                  for s in remote.skipped)
+    assert remote.skipped and all(
+        s.path.startswith("shard-000001.tar@") and "sha256 mismatch" in s.reason for s in remote.skipped
+    )
     shards = sorted(f"{s3['url']}/ds/{p.name}" for p in src.glob("*.tar"))
     assert sorted(u for u in opened if u.endswith(".tar")) == shards and ranges == []  # 5 shards, 3 jobs or more each
     assert samples._copy is None  # let go after the last shard's last sample
 
 
-def test_a_conversion_from_a_bucket_needs_room_for_its_copies(s3: dict, photos: Path, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_conversion_from_a_bucket_needs_room_for_its_copies(
+    s3: dict, photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A temporary folder that cannot hold a source shard's copy (here: files may not grow
     past 10 KB) stops the pack with one line naming it, not a skip of the shard's samples nor
     the bucket blamed; a resumed pack whose last job leaves the next one's shard half read
@@ -470,10 +524,14 @@ def test_a_conversion_from_a_bucket_needs_room_for_its_copies(s3: dict, photos: 
     limit, quiet = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (10 << 10, limit[1]))
     try:
-        with pytest.raises(ShardkitError, match=r"^/\S+: cannot hold a copy of s3://\S+/ds/shard-000000\.tar "
-                                                r"\(File too large\); set TMPDIR"):
-            shardkit.pack(s3["url"] + "/ds", str(tmp_path / "out"), max_count=3, workers=1, progress=False,
-                          storage_options=opts)
+        with pytest.raises(
+            ShardkitError,
+            match=r"^/\S+: cannot hold a copy of s3://\S+/ds/shard-000000\.tar "
+            r"\(File too large\); set TMPDIR",
+        ):
+            shardkit.pack(
+                s3["url"] + "/ds", str(tmp_path / "out"), max_count=3, workers=1, progress=False, storage_options=opts
+            )
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         signal.signal(signal.SIGXFSZ, quiet)
@@ -490,8 +548,12 @@ def test_forbidden_fails_at_once_naming_the_url(forbidding: tuple[str, list[str]
     PermissionError that names the URL, from the dataset and from the CLI (exit code 1)."""
     endpoint, log = forbidding
     if protocol == "s3":
-        opts: dict[str, Any] = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint},
-                                "skip_instance_cache": True}
+        opts: dict[str, Any] = {
+            "key": "k",
+            "secret": "s",
+            "client_kwargs": {"endpoint_url": endpoint},
+            "skip_instance_cache": True,
+        }
     else:
         opts = {"token": "anon", "project": "test", "endpoint_url": endpoint, "skip_instance_cache": True}
     url = f"{protocol}://bucket/ds"
@@ -499,8 +561,9 @@ def test_forbidden_fails_at_once_naming_the_url(forbidding: tuple[str, list[str]
         StreamingDataset(url, storage_options=opts)
     assert len(log) == 1, log
     args = [f"-o{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in opts.items()]
-    done = subprocess.run([sys.executable, "-m", "shardkit", "verify", url, *args],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "shardkit", "verify", url, *args], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 1 and f"{url}/index.json" in done.stderr and len(done.stderr.splitlines()) == 1, done
 
 
@@ -515,6 +578,10 @@ def test_a_list_mixing_local_and_remote_shards(s3: dict, photos: Path, tmp_path:
     shards = [f"{where[i % 2]}/{name}" for i, name in enumerate(names)]
     expected = read_shards(tmp_path / "local")
     for workers in (0, 2):
-        got = [s["__key__"] for s in DataLoader(StreamingDataset(shards, storage_options=opts, shuffle=True),
-                                                batch_size=None, num_workers=workers)]
+        got = [
+            s["__key__"]
+            for s in DataLoader(
+                StreamingDataset(shards, storage_options=opts, shuffle=True), batch_size=None, num_workers=workers
+            )
+        ]
         assert sorted(got) == sorted(expected)

@@ -65,8 +65,10 @@ def test_stateful_dataloader_resume_and_elastic_resume(any_index: Path, k: int) 
     # (a) same layout through StatefulDataLoader, then (d) the next pass is all of epoch 4
     for rank in range(2):
         options = {"rank": rank, "world_size": 2}
-        first, then = (loader_of(any_index, options, epoch=epoch, stateful=True, num_workers=2, batch_size=5)
-                       for epoch in (3, None))  # no set_epoch after the checkpoint: the state carries the epoch
+        first, then = (
+            loader_of(any_index, options, epoch=epoch, stateful=True, num_workers=2, batch_size=5)
+            for epoch in (3, None)
+        )  # no set_epoch after the checkpoint: the state carries the epoch
         resumed = check_save_load([first, then], k, expected=full_epoch(any_index, 3, rank, 2))
         assert Counter(keys_of(resumed.reader)) == Counter(full_epoch(any_index, 4, rank, 2))
         before.append(resumed.pieces[0])
@@ -118,9 +120,11 @@ def test_stateful_dataloader_resumes_twice_in_one_epoch(packed: Path) -> None:
 
 @needs_torchdata
 def test_chained_elastic_resumes(any_index: Path) -> None:
-    layouts = [loader_of(any_index, {"seed": 0}, stateful=True, num_workers=2, batch_size=5),
-               loader_of(any_index, {"seed": 0}, stateful=True, num_workers=3, batch_size=4),
-               loader_of(any_index, {"seed": 0}, num_workers=1, batch_size=None)]
+    layouts = [
+        loader_of(any_index, {"seed": 0}, stateful=True, num_workers=2, batch_size=5),
+        loader_of(any_index, {"seed": 0}, stateful=True, num_workers=3, batch_size=4),
+        loader_of(any_index, {"seed": 0}, num_workers=1, batch_size=None),
+    ]
     resumed = check_save_load(layouts, [5, 6], load=into_dataset, expected=ALL_KEYS)
     assert [len(piece) for piece in resumed.pieces[:2]] == [25, 24]
 
@@ -129,8 +133,9 @@ def test_chained_elastic_resumes(any_index: Path) -> None:
     "workers, batch_size, k, new_workers, persistent",
     [(2, 5, 7, 2, False), (3, 7, 16, 3, True), (0, 5, 3, 0, False), (3, 7, 5, 1, False), (1, 8, 2, 3, True)],
 )
-def test_plain_dataloader_resume_state(any_index: Path, workers: int, batch_size: int, k: int, new_workers: int,
-                                       persistent: bool) -> None:
+def test_plain_dataloader_resume_state(
+    any_index: Path, workers: int, batch_size: int, k: int, new_workers: int, persistent: bool
+) -> None:
     first = loader_of(any_index, epoch=2, num_workers=workers, batch_size=batch_size)
     then = loader_of(any_index, num_workers=new_workers, batch_size=batch_size, persistent_workers=persistent)
     resumed = check_save_load([first, then], k, save=resume_state(epoch=2), load=into_dataset, expected=ALL_KEYS)
@@ -179,8 +184,9 @@ def test_resume_state_across_batching_on_a_dataset_built_as_at_the_checkpoint(pa
 def test_resume_then_a_training_loop_calling_set_epoch(packed: Path) -> None:
     first = loader_of(packed, epoch=2, num_workers=2, batch_size=5)
     then = loader_of(packed, num_workers=2, batch_size=5, persistent_workers=True)
-    loader = check_save_load([first, then], 4, save=resume_state(epoch=2), load=into_dataset_at(2),
-                             expected=ALL_KEYS).reader
+    loader = check_save_load(
+        [first, then], 4, save=resume_state(epoch=2), load=into_dataset_at(2), expected=ALL_KEYS
+    ).reader
     loader.dataset.set_epoch(3)
     ref = StreamingDataset(str(packed), shuffle=True, seed=5)
     ref.set_epoch(3)
@@ -202,12 +208,16 @@ def test_resume_state_under_ddp_ranks(any_index: Path) -> None:
     assert set(before) | set(later[0]) | set(later[1]) == set(ALL_KEYS)
 
 
-@pytest.mark.parametrize("layouts", [((2, 5, 4), (3, 5, 3), (1, 5, None)), ((0, 8, 2), (2, 4, 5), (2, 8, 1), (3, 4, None))])
+@pytest.mark.parametrize(
+    "layouts", [((2, 5, 4), (3, 5, 3), (1, 5, None)), ((0, 8, 2), (2, 4, 5), (2, 8, 1), (3, 4, None))]
+)
 def test_plain_dataloader_resumes_chain(packed: Path, layouts: tuple[tuple[int, int, int | None], ...]) -> None:
     """A plain DataLoader's resumed pass interrupted again (and again): each state names the
     one its pass resumed from, and the epoch still delivers every sample exactly once."""
-    builds = [loader_of(packed, epoch=None if i else 2, num_workers=workers, batch_size=batch_size)
-              for i, (workers, batch_size, _) in enumerate(layouts)]
+    builds = [
+        loader_of(packed, epoch=None if i else 2, num_workers=workers, batch_size=batch_size)
+        for i, (workers, batch_size, _) in enumerate(layouts)
+    ]
     stops = [batches for _, _, batches in layouts[:-1]]
     resumed = check_save_load(builds, stops, save=resume_state(epoch=2), load=into_dataset_at(2), expected=ALL_KEYS)
     json.dumps(resumed.states[-1])  # a checkpoint can hold it

@@ -16,24 +16,40 @@ from resume import check_save_load, resume_state
 pytestmark = WARNINGS
 
 
-@pytest.mark.parametrize("state, message", [
-    ({"shardkit": 1}, r"not a valid shardkit state \(KeyError: 'epoch'\)"),
-    ({"shardkit": 1, "epoch": 1.7}, "epoch must be an integer, not 1.7"),
-    ({"shardkit": 1, "epoch": 0, "world_size": 1, "num_workers": 1, "workers": "x"}, "'workers' must be a list"),
-    ({"shardkit": 1, "epoch": 0, "world_size": 1, "num_workers": 1, "workers": [{"worker": 1, "yielded": 0}]},
-     "worker must be from 0 to 0, not 1"),
-    ({"shardkit": 1, "epoch": 0, "world_size": 1, "num_workers": 1, "workers": [{"worker": 0, "yielded": -5}]},
-     "yielded must be at least 0, not -5"),
-    ({"shardkit": 1, "epoch": 2**64 + 5}, "epoch must be from 0 to"),
-    ({"shardkit": 1, "epoch": 0, "order": "x"}, "order must be a dict"),
-    ({"shardkit": 1, "epoch": 0, "history": ["x"]}, "a pass's progress is a dict, not 'x'"),
-    ({"shardkit": 1, "epoch": 0, "history": [{"foo": 1}]}, r"KeyError: 'world_size'"),
-    ({"shardkit": 1, "epoch": 0, "history": [{"world_size": 0, "num_workers": 1, "yielded": [3]}]},
-     "world_size 0, num_workers 1, batch 1 and counts \\[3\\] comes from no pass"),
-    ({"shardkit": 1, "epoch": 0, "world_size": 1, "num_workers": 2, "workers": [{"worker": 0, "yielded": 3},
-                                                                               {"worker": 0, "yielded": 4}]},
-     "holds 2 worker states for 2 workers"),
-])
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ({"shardkit": 1}, r"not a valid shardkit state \(KeyError: 'epoch'\)"),
+        ({"shardkit": 1, "epoch": 1.7}, "epoch must be an integer, not 1.7"),
+        ({"shardkit": 1, "epoch": 0, "world_size": 1, "num_workers": 1, "workers": "x"}, "'workers' must be a list"),
+        (
+            {"shardkit": 1, "epoch": 0, "world_size": 1, "num_workers": 1, "workers": [{"worker": 1, "yielded": 0}]},
+            "worker must be from 0 to 0, not 1",
+        ),
+        (
+            {"shardkit": 1, "epoch": 0, "world_size": 1, "num_workers": 1, "workers": [{"worker": 0, "yielded": -5}]},
+            "yielded must be at least 0, not -5",
+        ),
+        ({"shardkit": 1, "epoch": 2**64 + 5}, "epoch must be from 0 to"),
+        ({"shardkit": 1, "epoch": 0, "order": "x"}, "order must be a dict"),
+        ({"shardkit": 1, "epoch": 0, "history": ["x"]}, "a pass's progress is a dict, not 'x'"),
+        ({"shardkit": 1, "epoch": 0, "history": [{"foo": 1}]}, r"KeyError: 'world_size'"),
+        (
+            {"shardkit": 1, "epoch": 0, "history": [{"world_size": 0, "num_workers": 1, "yielded": [3]}]},
+            "world_size 0, num_workers 1, batch 1 and counts \\[3\\] comes from no pass",
+        ),
+        (
+            {
+                "shardkit": 1,
+                "epoch": 0,
+                "world_size": 1,
+                "num_workers": 2,
+                "workers": [{"worker": 0, "yielded": 3}, {"worker": 0, "yielded": 4}],
+            },
+            "holds 2 worker states for 2 workers",
+        ),
+    ],
+)
 def test_malformed_states_are_refused(packed: Path, state: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         StreamingDataset(str(packed)).load_state_dict(state)
@@ -41,13 +57,19 @@ def test_malformed_states_are_refused(packed: Path, state: dict, message: str) -
 
 def test_a_state_of_another_order_is_refused(packed: Path) -> None:
     """Progress counted in one order resumed in another would repeat some samples and lose others."""
-    state = StreamingDataset(str(packed), shuffle=True).resume_state(epoch=0, samples_seen=10, batch_size=5,
-                                                                     num_workers=1)
-    for other, differ in (({"seed": 5}, "seed 0 there, 5 here"), ({"shuffle": False}, "shuffle True there, False here"),
-                          ({"block": 8}, "block 64 there, 8 here")):
+    state = StreamingDataset(str(packed), shuffle=True).resume_state(
+        epoch=0, samples_seen=10, batch_size=5, num_workers=1
+    )
+    for other, differ in (
+        ({"seed": 5}, "seed 0 there, 5 here"),
+        ({"shuffle": False}, "shuffle True there, False here"),
+        ({"block": 8}, "block 64 there, 8 here"),
+    ):
         with pytest.raises(ValueError, match=f"another order \\({differ}"):
             StreamingDataset(str(packed), **{"shuffle": True, **other}).load_state_dict(state)
-    unshuffled = StreamingDataset(str(packed), seed=1).resume_state(epoch=0, samples_seen=10, batch_size=5, num_workers=1)
+    unshuffled = StreamingDataset(str(packed), seed=1).resume_state(
+        epoch=0, samples_seen=10, batch_size=5, num_workers=1
+    )
     StreamingDataset(str(packed), seed=2, block=16).load_state_dict(unshuffled)  # the same order: no shuffle
     first_generation = {**state, "order": {k: v for k, v in state["order"].items() if k != "shuffle_version"}}
     with pytest.raises(ValueError, match=r"shuffled order differs from this one's \(shuffle version 1, here 2\)"):
@@ -55,12 +77,14 @@ def test_a_state_of_another_order_is_refused(packed: Path) -> None:
     old_unshuffled = {**unshuffled, "order": {k: v for k, v in unshuffled["order"].items() if k != "shuffle_version"}}
     StreamingDataset(str(packed)).load_state_dict(old_unshuffled)  # its own order then as now
     with pytest.raises(ValueError, match=r"samples 120 there, \d+ here"):
-        StreamingDataset(str(packed / "shard-000000.tar").replace("000000", "{000000..000003}"),
-                         shuffle=True).load_state_dict(state)
+        StreamingDataset(
+            str(packed / "shard-000000.tar").replace("000000", "{000000..000003}"), shuffle=True
+        ).load_state_dict(state)
     for bad in ({"batch_size": -2}, {"batch_size": 0}, {"world_size": 0}, {"num_workers": -3}, {"epoch": 1.5}):
         with pytest.raises((TypeError, ValueError), match=next(iter(bad))):
-            StreamingDataset(str(packed)).resume_state(**{"epoch": 0, "samples_seen": 10, "num_workers": 1,
-                                                          "batch_size": 5, **bad})
+            StreamingDataset(str(packed)).resume_state(
+                **{"epoch": 0, "samples_seen": 10, "num_workers": 1, "batch_size": 5, **bad}
+            )
 
 
 def test_states_of_two_loaders_in_one_checkpoint_are_refused(packed: Path) -> None:
@@ -111,8 +135,9 @@ def test_a_resume_point_applies_once_even_if_its_epoch_is_set_again(packed: Path
 
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("set_epoch", [False, True])
-def test_a_peek_after_loading_a_resume_point_leaves_it_to_the_loader(packed: Path, workers: int,
-                                                                      set_epoch: bool) -> None:
+def test_a_peek_after_loading_a_resume_point_leaves_it_to_the_loader(
+    packed: Path, workers: int, set_epoch: bool
+) -> None:
     """The main process's passes are a layout of their own, even beside one worker."""
 
     def load_and_peek(loader: DataLoader, state: dict) -> DataLoader:
@@ -124,7 +149,9 @@ def test_a_peek_after_loading_a_resume_point_leaves_it_to_the_loader(packed: Pat
             ds.set_epoch(2)  # the training loop's
         return loader
 
-    first, then = (loader_of(packed, {"seed": 0}, epoch=epoch, num_workers=workers, batch_size=5) for epoch in (2, None))
+    first, then = (
+        loader_of(packed, {"seed": 0}, epoch=epoch, num_workers=workers, batch_size=5) for epoch in (2, None)
+    )
     resumed = check_save_load([first, then], 2, save=resume_state(epoch=2), load=load_and_peek, expected=ALL_KEYS)
     assert len(resumed.pieces[1]) == 110 and resumed.reader.dataset.state_dict()["epoch"] == 3
 
@@ -162,7 +189,8 @@ def test_a_state_is_refused_by_the_same_samples_cut_into_other_shards(tmp_path: 
     with pytest.raises(ValueError, match=r"another order \(shard_sizes '4 shards, sha256 \w+' there, '3 shards"):
         StreamingDataset(str(b), shuffle=True).load_state_dict(state)
     StreamingDataset(str(b)).load_state_dict(  # in the dataset's own order the cut does not matter
-        StreamingDataset(str(a)).resume_state(epoch=0, samples_seen=4, batch_size=2, num_workers=0))
+        StreamingDataset(str(a)).resume_state(epoch=0, samples_seen=4, batch_size=2, num_workers=0)
+    )
 
 
 def test_resume_state_of_a_batching_dataset_takes_no_drop_last(packed: Path) -> None:

@@ -51,8 +51,9 @@ def test_thousands_of_local_shards_under_64_descriptors(many: Path, workers: int
     """A pass used to keep every shard it touched open until its end: `Too many open files`
     past the limit. The open files are capped at a quarter of the limit, least recently
     used closed first, and a closed one is opened again when next read."""
-    run = subprocess.run([sys.executable, "-c", UNDER_64, str(many), str(workers)], capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", UNDER_64, str(many), str(workers)], capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == [str(3 * SHARDS), str(3 * SHARDS), "16"]
 
@@ -93,9 +94,14 @@ def synthetic(folder: Path, shards: int, per_shard: int) -> Path:
     with open(folder / name, "wb") as f:
         np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": (entries,)})
         f.truncate(f.tell() + 8 * entries)
-    doc = {"format": "shardkit", "version": 2, "kind": "tar", "fields": ["cls", "jpg"],
-           "offsets": {"file": name, "sha256": "0" * 64},
-           "shards": [{"name": f"shard-{i:06d}.tar", "samples": per_shard, "bytes": 10**9} for i in range(shards)]}
+    doc = {
+        "format": "shardkit",
+        "version": 2,
+        "kind": "tar",
+        "fields": ["cls", "jpg"],
+        "offsets": {"file": name, "sha256": "0" * 64},
+        "shards": [{"name": f"shard-{i:06d}.tar", "samples": per_shard, "bytes": 10**9} for i in range(shards)],
+    }
     (folder / "index.json").write_text(json.dumps(doc))
     return folder
 

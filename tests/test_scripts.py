@@ -19,10 +19,15 @@ def test_the_demo_runs_both_modes(tmp_path: Path) -> None:
     streamed epoch) followed by the same photos packed into a bucket of its own moto server
     and trained on from there: one run checks every command of both modes. The demo runs in
     this interpreter's environment (SHARDKIT_VENV), which has what the scripts need."""
-    env = {**os.environ, "SHARDKIT_VENV": str(Path(sys.executable).parent.parent), "DEMO_DIR": str(tmp_path),
-           "DEMO_IMAGES": "24"}
-    proc = subprocess.run([str(ROOT / "scripts" / "demo.sh"), "--s3"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=280)
+    env = {
+        **os.environ,
+        "SHARDKIT_VENV": str(Path(sys.executable).parent.parent),
+        "DEMO_DIR": str(tmp_path),
+        "DEMO_IMAGES": "24",
+    }
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "demo.sh"), "--s3"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280
+    )
     out = proc.stdout
     assert proc.returncode == 0, f"{out}\n{proc.stderr}"
     assert "24 images in 6 classes" in out
@@ -31,5 +36,7 @@ def test_the_demo_runs_both_modes(tmp_path: Path) -> None:
     assert re.search(r"^24 samples in \d+ batches", out, re.M), out
     assert "s3://demo/photos: 24 samples per epoch, 6 classes" in out
     assert re.search(r"^epoch 1: \d+ samples/s, downloaded 0\.0 MB, [1-9]\d* cache hits", out, re.M), out
-    polling = [line for line in proc.stderr.splitlines() if "moto-api" in line or line.startswith(("+ sleep", "+ kill -0"))]
+    polling = [
+        line for line in proc.stderr.splitlines() if "moto-api" in line or line.startswith(("+ sleep", "+ kill -0"))
+    ]
     assert not polling and "+ waiting for moto_server" in proc.stderr, proc.stderr  # set -x off while it polls

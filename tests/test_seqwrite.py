@@ -10,7 +10,9 @@ import pytest
 from shardkit.storage.seqwrite import ALIGN, CHUNK, SequentialWriter
 
 
-@pytest.mark.parametrize("sizes", [[], [1], [ALIGN - 1, 1], [ALIGN], [512] * 9000, [CHUNK + 1], [3 * CHUNK + 77, 5, CHUNK]])
+@pytest.mark.parametrize(
+    "sizes", [[], [1], [ALIGN - 1, 1], [ALIGN], [512] * 9000, [CHUNK + 1], [3 * CHUNK + 77, 5, CHUNK]]
+)
 def test_writes_exactly_the_bytes(tmp_path: Path, sizes: list[int]) -> None:
     pieces = [os.urandom(n) for n in sizes]
     with SequentialWriter(str(tmp_path / "f")) as f:

@@ -19,8 +19,12 @@ def _body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """Lines from the first statement after the docstring to the function's last line."""
     body = node.body
     first = body[0]
-    if len(body) > 1 and isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-            and isinstance(first.value.value, str):
+    if (
+        len(body) > 1
+        and isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
         first = body[1]
     elif len(body) == 1 and isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
         return 0  # a docstring alone (a protocol's method)
@@ -39,8 +43,11 @@ def too_long(source: str, name: str, limit: int = MAX_BODY) -> list[str]:
 
 
 def test_no_function_over_the_limit() -> None:
-    found = [hit for path in sorted(PACKAGE.rglob("*.py"))
-             for hit in too_long(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE.parent)))]
+    found = [
+        hit
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for hit in too_long(path.read_text(encoding="utf-8"), str(path.relative_to(PACKAGE.parent)))
+    ]
     assert not found, f"functions over {MAX_BODY} lines (docstring excluded): split them\n" + "\n".join(found)
 
 

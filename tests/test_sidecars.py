@@ -29,8 +29,12 @@ def captioned(root: Path, per_class: int = 4) -> Path:
     for label, name in enumerate(("cat", "dog")):
         for i in range(per_class):
             stem = root / name / f"p{i:03d}"
-            draw(stem.with_suffix(".png" if i == 1 else ".jpg"), label, seed=10 * label + i,
-                 fmt="PNG" if i == 1 else "JPEG")
+            draw(
+                stem.with_suffix(".png" if i == 1 else ".jpg"),
+                label,
+                seed=10 * label + i,
+                fmt="PNG" if i == 1 else "JPEG",
+            )
             stem.with_suffix(".txt").write_text(f"a {name} number {i}, ünïcödé")
             if i % 2 == 0:
                 stem.with_suffix(".json").write_text(json.dumps({"boxes": [[i, i, 10, 10]], "label": name}))
@@ -54,10 +58,11 @@ def manifest(root: Path, kind: str, n: int = 8) -> Path:
     for i in range(n):
         rel = f"images/{i:03d}.jpg"
         draw(root / rel, i % 2, seed=i)
-        rows.append({"path": rel, "label": ("cat", "dog")[i % 2], "caption": f"photo {i}, \"quoted\"", "source": "web"})
+        rows.append({"path": rel, "label": ("cat", "dog")[i % 2], "caption": f'photo {i}, "quoted"', "source": "web"})
     if kind == "csv":
         lines = ["path,label,caption,source"] + [
-            f'{r["path"]},{r["label"]},"{r["caption"].replace(chr(34), 2 * chr(34))}",{r["source"]}' for r in rows]
+            f'{r["path"]},{r["label"]},"{r["caption"].replace(chr(34), 2 * chr(34))}",{r["source"]}' for r in rows
+        ]
         (root / "train.csv").write_text("\n".join(lines) + "\n")
         return root / "train.csv"
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -93,13 +98,18 @@ def test_sidecars_become_fields_of_their_images_sample(tmp_path: Path) -> None:
         assert fields["txt"] == stem.with_suffix(".txt").read_bytes()
         assert fields.get("json") == (stem.with_suffix(".json").read_bytes() if int(path[-5]) % 2 == 0 else None)
         assert ("seg.png" in fields) == path.endswith("p000.jpg")
-    assert {s.path: s.reason for s in idx.skipped} == {
-        "dog/orphan.txt": "not an image file extension",  # as before sidecars: the pack of a folder with notes is unchanged
-        "dog/p001.cls": "a class file beside an image in a class folder: the folder gives its class"}
+    assert (
+        {s.path: s.reason for s in idx.skipped}
+        == {
+            "dog/orphan.txt": "not an image file extension",  # as before sidecars: the pack of a folder with notes is unchanged
+            "dog/p001.cls": "a class file beside an image in a class folder: the folder gives its class",
+        }
+    )
     # what webdataset reads from the shards is what they hold
     urls = [str(tmp_path / "out" / s.name) for s in idx.shards]
-    assert {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for s in webdataset_samples(urls)} \
-        == read_shards(tmp_path / "out")
+    assert {
+        s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for s in webdataset_samples(urls)
+    } == read_shards(tmp_path / "out")
     # and the reader decodes the caption to str, the json to its value, the mask as an image
     got = {s["shardkit.json"]["path"]: s for s in StreamingDataset(str(tmp_path / "out"), decode="rgb8")}
     first = got["cat/p000.jpg"]
@@ -126,8 +136,10 @@ def test_an_image_folder_without_sidecars_packs_as_before(photos: Path, tmp_path
     idx = shardkit.pack(str(photos), str(tmp_path / "out"), max_count=7, workers=1, progress=False)
     assert idx.fields == ("cls", "jpg", "json")
     shards = hashlib.sha256("".join(s.sha256 or "" for s in idx.shards).encode()).hexdigest()
-    assert (idx.plan, shards) == ("83d3a25caafcd3ef539c3438fb863a8f05ae18bd6cb16f6a2da9da393321d6ae",
-                                  "ca2a083fc618023e3d2bc92ce68ed4a3cb314019910f774f7dbe7936482094f5")
+    assert (idx.plan, shards) == (
+        "83d3a25caafcd3ef539c3438fb863a8f05ae18bd6cb16f6a2da9da393321d6ae",
+        "ca2a083fc618023e3d2bc92ce68ed4a3cb314019910f774f7dbe7936482094f5",
+    )
 
 
 def test_flat_layout_has_no_classes(tmp_path: Path) -> None:
@@ -168,7 +180,9 @@ def test_a_bad_sidecar_skips_its_sample_naming_the_file(tmp_path: Path) -> None:
     idx = shardkit.pack(str(src), str(tmp_path / "out"), workers=1, progress=False)
     assert idx.samples == 6
     assert {s.path: s.reason.split(" (")[0] for s in idx.skipped} == {
-        "cat/p000.jpg": "cat/p000.json: not valid JSON", "dog/p003.jpg": "dog/p003.txt: not UTF-8 text"}
+        "cat/p000.jpg": "cat/p000.json: not valid JSON",
+        "dog/p003.jpg": "dog/p003.txt: not UTF-8 text",
+    }
     with pytest.raises(SourceError, match=r"cat/p000.jpg: cat/p000.json: not valid JSON"):
         shardkit.pack(str(src), str(tmp_path / "fail"), workers=1, progress=False, on_error="raise")
 
@@ -191,14 +205,18 @@ def test_jsonl_values_and_integer_labels(tmp_path: Path) -> None:
     src = tmp_path / "src"
     draw(src / "a.jpg", 0, seed=1)
     draw(src / "b.jpg", 0, seed=2)
-    rows = [{"file_name": "a.jpg", "label": 7, "text": "first", "json": {"boxes": [[1, 2, 3, 4]]}, "score": 0.5},
-            {"file_name": "b.jpg", "label": 12, "text": "second", "json": {"boxes": []}, "score": None}]
+    rows = [
+        {"file_name": "a.jpg", "label": 7, "text": "first", "json": {"boxes": [[1, 2, 3, 4]]}, "score": 0.5},
+        {"file_name": "b.jpg", "label": 12, "text": "second", "json": {"boxes": []}, "score": None},
+    ]
     (src / "meta.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     idx = shardkit.pack(str(src / "meta.jsonl"), str(tmp_path / "out"), shuffle=False, workers=1, progress=False)
     assert idx.classes == () and idx.fields == ("cls", "jpg", "json", "score", "shardkit.json", "txt")
     got = list(StreamingDataset(str(tmp_path / "out")))
     assert [(s["cls"], s["txt"], s["json"], s.get("score")) for s in got] == [
-        (7, "first", {"boxes": [[1, 2, 3, 4]]}, b"0.5"), (12, "second", {"boxes": []}, None)]  # null: no field
+        (7, "first", {"boxes": [[1, 2, 3, 4]]}, b"0.5"),
+        (12, "second", {"boxes": []}, None),
+    ]  # null: no field
     assert got[0]["shardkit.json"] == {"path": "a.jpg"}
 
 
@@ -206,10 +224,23 @@ def test_jsonl_values_and_integer_labels(tmp_path: Path) -> None:
 def test_bad_rows_and_missing_files_are_named(tmp_path: Path, kind: str) -> None:
     path = manifest(tmp_path / "src", kind)
     os.remove(tmp_path / "src" / "images" / "002.jpg")
-    bad = {"csv": ["../outside.jpg,cat,x,web", ",cat,no path,web", "images/001.jpg,cat", "images/003.jpg,,no label,web",
-                   "images/004.jpg,cat,a\0b,web"],
-           "jsonl": ['{"path": "../outside.jpg", "label": "cat"}', '{"label": "cat"}', "[1, 2]", "{broken",
-                     '{"path": "images/003.jpg", "label": null}', '{"path": "images/004.jpg", "json": "{broken"}']}[kind]
+    bad = {
+        "csv": [
+            "../outside.jpg,cat,x,web",
+            ",cat,no path,web",
+            "images/001.jpg,cat",
+            "images/003.jpg,,no label,web",
+            "images/004.jpg,cat,a\0b,web",
+        ],
+        "jsonl": [
+            '{"path": "../outside.jpg", "label": "cat"}',
+            '{"label": "cat"}',
+            "[1, 2]",
+            "{broken",
+            '{"path": "images/003.jpg", "label": null}',
+            '{"path": "images/004.jpg", "json": "{broken"}',
+        ],
+    }[kind]
     with open(path, "a") as f:
         f.write("\n".join(bad) + "\n")
     idx = shardkit.pack(str(path), str(tmp_path / "out"), workers=1, progress=False)
@@ -218,19 +249,29 @@ def test_bad_rows_and_missing_files_are_named(tmp_path: Path, kind: str) -> None
     reasons = {s.path: s.reason for s in idx.skipped}
     assert reasons.pop("images/002.jpg") == f"no such file (train.{kind} line {first + 2})"
     why = ["path '../outside.jpg' is not inside the manifest's folder", "no path"]
-    why += (["2 values for 4 columns", "no label", "a NUL character in 'caption'"] if kind == "csv"
-            else ["not a JSON object", "not valid JSON", "no label", "column 'json': not valid JSON"])
+    why += (
+        ["2 values for 4 columns", "no label", "a NUL character in 'caption'"]
+        if kind == "csv"
+        else ["not a JSON object", "not valid JSON", "no label", "column 'json': not valid JSON"]
+    )
     assert {k: v.split(" (")[0] for k, v in reasons.items()} == {
-        f"train.{kind}:{first + 8 + n}": reason for n, reason in enumerate(why)}
+        f"train.{kind}:{first + 8 + n}": reason for n, reason in enumerate(why)
+    }
     with pytest.raises(SourceError, match=rf"images/002.jpg: no such file \(train.{kind} line {first + 2}\)"):
         shardkit.pack(str(path), str(tmp_path / "fail"), workers=1, progress=False, on_error="raise")
 
 
-@pytest.mark.parametrize("text, message", [
-    ("label,caption\ncat,x\n", r"train.csv: no column for the image path \(path or file_name\); its columns: label, caption"),
-    ("path,caption,txt\na.jpg,x,y\n", r"train.csv: columns 'caption' and 'txt' both give field 'txt'"),
-    ("", r"train.csv: empty"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "label,caption\ncat,x\n",
+            r"train.csv: no column for the image path \(path or file_name\); its columns: label, caption",
+        ),
+        ("path,caption,txt\na.jpg,x,y\n", r"train.csv: columns 'caption' and 'txt' both give field 'txt'"),
+        ("", r"train.csv: empty"),
+    ],
+)
 def test_a_manifest_that_cannot_be_read_says_why(tmp_path: Path, text: str, message: str) -> None:
     (tmp_path / "train.csv").write_text(text)
     with pytest.raises(SourceError, match=message):
@@ -292,8 +333,20 @@ def test_kill_at_any_moment_then_rerun(tmp_path: Path, source: str) -> None:
     reference = tmp_path / "ref"
     shardkit.pack(str(src), str(reference), max_count=2, workers=1, progress=False, **opts)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "shardkit.cli", "pack", str(src), str(out), "--max-count", "2", "--workers", "2",
-           "-q", *(["--layout", "flat"] if opts else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardkit.cli",
+        "pack",
+        str(src),
+        str(out),
+        "--max-count",
+        "2",
+        "--workers",
+        "2",
+        "-q",
+        *(["--layout", "flat"] if opts else []),
+    ]
     for target in (1, 12):
         proc = subprocess.Popen(cmd, start_new_session=True)
         while proc.poll() is None and len(list(out.glob("shard-*.tar"))) < target:
@@ -313,12 +366,26 @@ def test_cli_packs_a_manifest_and_info_shows_the_fields(tmp_path: Path) -> None:
     info = subprocess.run([*cli, "info", str(out)], check=True, capture_output=True, text=True).stdout
     assert "fields cls, jpg, json, source, txt" in info
     flat(tmp_path / "flat")
-    result = subprocess.run([*cli, "pack", str(tmp_path / "flat"), str(tmp_path / "f"), "--layout", "flat",
-                             "--fields", "txt,depth.png", "-q"], capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            *cli,
+            "pack",
+            str(tmp_path / "flat"),
+            str(tmp_path / "f"),
+            "--layout",
+            "flat",
+            "--fields",
+            "txt,depth.png",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "f" / "index.json").read_text())["fields"] == ["jpg", "json", "txt"]
-    result = subprocess.run([*cli, "pack", str(tmp_path / "flat"), str(tmp_path / "g"), "--fields", "a/b"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [*cli, "pack", str(tmp_path / "flat"), str(tmp_path / "g"), "--fields", "a/b"], capture_output=True, text=True
+    )
     assert result.returncode == 1 and "fields: 'a/b' is not a field name" in result.stderr
 
 
@@ -350,8 +417,9 @@ def test_from_a_bucket_as_from_the_disk(s3: dict, tmp_path: Path, source: str) -
     fs, root = fsspec.core.url_to_fs(s3["url"], **s3["storage_options"])
     fs.put(str(tmp_path / "src"), f"{root}/src", recursive=True)
     url = s3["url"] + "/src" + ("/train.csv" if source == "csv" else "")
-    remote = shardkit.pack(url, s3["url"] + "/out", max_count=3, workers=2, progress=False,
-                           storage_options=s3["storage_options"], **opts)
+    remote = shardkit.pack(
+        url, s3["url"] + "/out", max_count=3, workers=2, progress=False, storage_options=s3["storage_options"], **opts
+    )
     assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]  # the same bytes
     assert (remote.fields, remote.classes, remote.skipped) == (local.fields, local.classes, local.skipped)
 
@@ -364,8 +432,13 @@ def test_the_clip_snippet_of_the_layouts_page_runs(tmp_path: Path, monkeypatch: 
     page = (ROOT / "docs" / "guides" / "layouts.md").read_text()
     code = re.search(r"<!-- layouts-clip -->\n```python\n(.*?)```", page, re.S)
     assert code, "docs/guides/layouts.md has no block tagged layouts-clip"
-    shardkit.pack(str(flat(tmp_path / "photos", n=16)), str(tmp_path / "captions-shards"), layout="flat", workers=1,
-                  progress=False)
+    shardkit.pack(
+        str(flat(tmp_path / "photos", n=16)),
+        str(tmp_path / "captions-shards"),
+        layout="flat",
+        workers=1,
+        progress=False,
+    )
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
     exec(code.group(1), scope)

@@ -30,7 +30,9 @@ def odd(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("remainder", ["repeat", "drop"])
 @pytest.mark.parametrize("num_workers", [0, 1, 3])
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_every_rank_yields_len_samples(any_index: Path, odd: Path, world: int, num_workers: int, remainder: str) -> None:
+def test_every_rank_yields_len_samples(
+    any_index: Path, odd: Path, world: int, num_workers: int, remainder: str
+) -> None:
     for dataset, total in ((any_index, 120), (odd, 29)):
         everything = keys_of(StreamingDataset(str(dataset)))
         assert len(everything) == total

@@ -131,8 +131,16 @@ def test_a_failed_pack_commits_no_partial_shard(remote: dict, photos: Path) -> N
     (photos / "circle" / "img_0002.jpg").write_bytes(b"not an image")
     url, opts = remote["url"] + "/ds", remote["storage_options"]
     with pytest.raises(ShardkitError, match="img_0002.jpg: not an image file"):
-        shardkit.pack(str(photos), url, max_count=100, workers=1, shuffle=False, on_error="raise", progress=False,
-                      storage_options=opts)
+        shardkit.pack(
+            str(photos),
+            url,
+            max_count=100,
+            workers=1,
+            shuffle=False,
+            on_error="raise",
+            progress=False,
+            storage_options=opts,
+        )
     gc.collect()
     fs, root = fsspec.core.url_to_fs(url, **opts)
     fs.invalidate_cache()
@@ -142,8 +150,11 @@ def test_a_failed_pack_commits_no_partial_shard(remote: dict, photos: Path) -> N
 def test_credentials_stay_out_of_messages_and_output(web: tuple[str, Path]) -> None:
     base, _ = web
     signed = f"{base}/ds/shard-999999.tar?X-Amz-Signature=SECRETSIG"
-    for call in (lambda: storage.read_bytes(signed), lambda: storage.read_range(signed, 0, 10),
-                 lambda: StreamingDataset([signed])):
+    for call in (
+        lambda: storage.read_bytes(signed),
+        lambda: storage.read_range(signed, 0, 10),
+        lambda: StreamingDataset([signed]),
+    ):
         with pytest.raises(FileNotFoundError) as info:
             call()
         assert "SECRETSIG" not in str(info.value) and "shard-999999.tar" in str(info.value)
@@ -190,6 +201,7 @@ class _Datanode(http.server.BaseHTTPRequestHandler):
     """In front of a WebHDFS datanode: passes reads on, counting the bytes sent, and answers
     the first request for every `fail_every`-th range with `fail_status` and HDFS's
     RemoteException JSON, as a failing datanode does (its retry goes through)."""
+
     upstream = ""
     fail_every = 0
     fail_status = 500
@@ -208,9 +220,18 @@ class _Datanode(http.server.BaseHTTPRequestHandler):
         first = self.path not in cls.seen
         cls.seen.add(self.path)
         if cls.fail_every and first and len(cls.seen) % cls.fail_every == 0:
-            status, body = cls.fail_status, json.dumps({"RemoteException": {
-                "exception": "IOException", "javaClassName": "java.io.IOException",
-                "message": "DataNode is overloaded, try again"}}).encode()
+            status, body = (
+                cls.fail_status,
+                json.dumps(
+                    {
+                        "RemoteException": {
+                            "exception": "IOException",
+                            "javaClassName": "java.io.IOException",
+                            "message": "DataNode is overloaded, try again",
+                        }
+                    }
+                ).encode(),
+            )
         else:
             with urllib.request.urlopen(cls.upstream + self.path) as answer:
                 status, body = answer.status, answer.read()
@@ -222,8 +243,13 @@ class _Datanode(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.mark.parametrize("fail_every, fail_status", [(0, 500), (2, 500), (2, 403)])
-def test_webhdfs_reads_take_their_range_and_no_error_page(webhdfs: dict, webhdfs_server, packed: Path,  # type: ignore[no-untyped-def]
-                                                           fail_every: int, fail_status: int) -> None:
+def test_webhdfs_reads_take_their_range_and_no_error_page(
+    webhdfs: dict,
+    webhdfs_server,
+    packed: Path,  # type: ignore[no-untyped-def]
+    fail_every: int,
+    fail_status: int,
+) -> None:
     """A block is one OPEN of its bytes (fsspec's buffered file read 4 MiB past each: 8x the
     data here), and a datanode's error page is a failed read, tried again, never the file's
     bytes (it was: an index.json that "is not a shardkit index", a sha256 "changed"). HDFS's
@@ -231,8 +257,16 @@ def test_webhdfs_reads_take_their_range_and_no_error_page(webhdfs: dict, webhdfs
     url, opts = webhdfs["url"] + "/ds", webhdfs["storage_options"]
     fs, root = fsspec.core.url_to_fs(url, **opts)
     fs.put(str(packed), root, recursive=True)
-    datanode = type("Datanode", (_Datanode,), {"upstream": webhdfs_server.datanode, "fail_every": fail_every,
-                                               "fail_status": fail_status, "seen": {"(index.json: the 2nd)"}})
+    datanode = type(
+        "Datanode",
+        (_Datanode,),
+        {
+            "upstream": webhdfs_server.datanode,
+            "fail_every": fail_every,
+            "fail_status": fail_status,
+            "seen": {"(index.json: the 2nd)"},
+        },
+    )
     with serving(datanode) as proxy:
         opts = {**opts, "data_proxy": {webhdfs_server.datanode.removeprefix("http://"): proxy.removeprefix("http://")}}
         index = (packed / "index.json").read_bytes()
@@ -261,9 +295,13 @@ def test_filesystems_are_set_up_once_and_take_fsspecs_defaults(webhdfs: dict) ->
 def test_a_gcs_client_that_fails_as_it_is_made_is_one_line_naming_the_url() -> None:
     """gcsfs checks credentials as it is made: a key that does not parse (or a token check
     that cannot reach Google) was a bare KeyError (or a ConnectionError holding the token)."""
-    account = {"type": "service_account", "client_email": "a@b.iam.gserviceaccount.com", "private_key_id": "k1",
-               "private_key": "-----BEGIN PRIVATE KEY-----\nnot-a-key\n-----END PRIVATE KEY-----\n",
-               "token_uri": dead_endpoint() + "/token"}
+    account = {
+        "type": "service_account",
+        "client_email": "a@b.iam.gserviceaccount.com",
+        "private_key_id": "k1",
+        "private_key": "-----BEGIN PRIVATE KEY-----\nnot-a-key\n-----END PRIVATE KEY-----\n",
+        "token_uri": dead_endpoint() + "/token",
+    }
     with pytest.raises(ShardkitError, match=r"^gs://bkt/ds/index\.json: cannot set up gs://: \w+"):
         StreamingDataset("gs://bkt/ds", storage_options={"token": account, "endpoint_url": dead_endpoint()})
 
@@ -273,8 +311,11 @@ def test_a_gcs_endpoint_that_does_not_resolve_fails_at_once() -> None:
     resolve (no network, a typo) took ~45 s to be named: the first contact looks it up."""
     opts = {"token": "anon", "endpoint_url": "http://nohost.invalid:4443"}  # .invalid never resolves
     start = time.monotonic()
-    with pytest.raises(ShardkitError, match=r"^gs://bkt/ds/index\.json: cannot resolve nohost\.invalid \(.+\): no "
-                                            r"network, or a wrong endpoint$"):
+    with pytest.raises(
+        ShardkitError,
+        match=r"^gs://bkt/ds/index\.json: cannot resolve nohost\.invalid \(.+\): no "
+        r"network, or a wrong endpoint$",
+    ):
         StreamingDataset("gs://bkt/ds", storage_options=opts)
     assert time.monotonic() - start < 20  # gcsfs's backoff alone sleeps 31 s
     done = cli("verify", "gs://bkt/ds", *(f"-o{k}={v}" for k, v in opts.items()))
@@ -285,6 +326,7 @@ def test_a_gcs_endpoint_that_does_not_resolve_fails_at_once() -> None:
 def test_gcsfs_prints_no_traceback_of_its_own() -> None:
     """gcsfs logs a request it gives up on with its traceback (Python's last-resort handler
     prints it where logging is not set up): only shardkit's one line reaches stderr."""
+
     class Refuse(http.server.BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
             pass
@@ -300,7 +342,8 @@ def test_gcsfs_prints_no_traceback_of_its_own() -> None:
     with serving(Refuse) as base:
         done = cli("info", "gs://bkt/ds", "-o", f"endpoint_url={base}", "-o", "token=anon")
     assert done.returncode == 1 and done.stderr.splitlines() == [
-        "Error: gs://bkt/ds/index.json: no such thing here, 400"], done.stderr
+        "Error: gs://bkt/ds/index.json: no such thing here, 400"
+    ], done.stderr
 
 
 def test_a_client_option_with_a_typo_fails_at_once(s3: dict, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,8 +352,11 @@ def test_a_client_option_with_a_typo_fails_at_once(s3: dict, monkeypatch: pytest
     monkeypatch.setattr(storage.retry, "_before_wait", lambda: waits.append(None))  # called before each backoff
     opts = s3["storage_options"]
     typo = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint": "x"}}
-    with pytest.raises(ShardkitError, match=r"^s3://shardkit-test/ds/index\.json: .*unexpected keyword argument "
-                                            r"'endpoint'$"):
+    with pytest.raises(
+        ShardkitError,
+        match=r"^s3://shardkit-test/ds/index\.json: .*unexpected keyword argument "
+        r"'endpoint'$",
+    ):
         StreamingDataset(s3["url"] + "/ds", storage_options=typo)
     assert waits == []  # not 5 attempts with backoff (4 waits)
 
@@ -390,8 +436,9 @@ def test_a_shard_being_hashed_holds_up_no_other_shard_nor_close(tmp_path: Path, 
     shards = shardkit.index.load(str(packed)).shards[:2]
     opened = threading.Timer(15, gate.set)  # only if the reads below wait for the held hash: they must not
     with serving(functools.partial(Held, directory=str(tmp_path / "www"))) as base:
-        reader = storage.RangeReader([f"{base}/ds/{s.name}" for s in shards], versions=[s.sha256 for s in shards],
-                                     verify=True)
+        reader = storage.RangeReader(
+            [f"{base}/ds/{s.name}" for s in shards], versions=[s.sha256 for s in shards], verify=True
+        )
         errors: list[BaseException] = []
         first = threading.Thread(target=lambda: errors.append(pytest.raises(ShardkitError, reader.read, 0, 0, 10)))
         first.start()
@@ -423,8 +470,9 @@ def test_a_truncated_shard_is_bad_data_on_every_store(remote: dict, packed: Path
 
 
 @pytest.mark.parametrize("cut", ["at a sample's start", "to nothing"])
-def test_a_shard_cut_at_a_sample_boundary_or_emptied_is_bad_data_on_every_store(remote: dict, packed: Path,
-                                                                              cut: str) -> None:
+def test_a_shard_cut_at_a_sample_boundary_or_emptied_is_bad_data_on_every_store(
+    remote: dict, packed: Path, cut: str
+) -> None:
     """A range that starts exactly at the new end: HDFS refuses that offset (the namenode
     with 403, or for an empty file the datanode), where the other stores answer no bytes."""
     url, opts = remote["url"] + "/ds", remote["storage_options"]
@@ -464,8 +512,11 @@ def test_a_truncated_shard_over_http_is_bad_data(web: tuple[str, Path], packed: 
     assert len(list(ds)) == 120 and 0 < ds.stats()["skipped"] < 7
 
 
-def test_a_stalled_http_connection_fails_in_bounded_time(web: tuple[str, Path], latency_proxy,  # type: ignore[no-untyped-def]
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stalled_http_connection_fails_in_bounded_time(
+    web: tuple[str, Path],
+    latency_proxy,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """aiohttp's own deadline is 300 s a request (5 attempts: 25 minutes for a black hole,
     and a slow download cut off at 5 minutes): shardkit gives each socket read one instead."""
     base, _ = web
@@ -473,7 +524,9 @@ def test_a_stalled_http_connection_fails_in_bounded_time(web: tuple[str, Path], 
     ds = StreamingDataset(f"{proxied}/ds", storage_options={"timeout": 1})
     control.set("stall_prob", 1.0)
     start = time.monotonic()
-    with pytest.raises(ShardkitError, match=r"shard-\d+\.tar \((bytes \d+-\d+|fingerprint)\): .*gave up after 3 attempts"):
+    with pytest.raises(
+        ShardkitError, match=r"shard-\d+\.tar \((bytes \d+-\d+|fingerprint)\): .*gave up after 3 attempts"
+    ):
         next(iter(ds))
     assert time.monotonic() - start < 60
     control.set("stall_prob", 0.0)
@@ -484,8 +537,11 @@ def test_a_server_that_ignores_ranges_is_named_not_blamed_on_the_shard(packed: P
     os.symlink(packed, tmp_path / "www" / "ds")
     with serving(functools.partial(_Quiet, directory=str(tmp_path / "www"))) as base:
         for ds in (StreamingDataset(base + "/ds"), StreamingDataset(base + "/ds", on_error="skip")):
-            with pytest.raises(ValueError, match=rf"^{base}/ds/shard-0000\d\d\.tar: the server sent \d+ bytes for a "
-                                                 r"range of \d+: it ignores range requests"):
+            with pytest.raises(
+                ValueError,
+                match=rf"^{base}/ds/shard-0000\d\d\.tar: the server sent \d+ bytes for a "
+                r"range of \d+: it ignores range requests",
+            ):
                 next(iter(ds))
         with pytest.raises(ValueError, match="ignores range requests"):
             storage.read_range(base + "/ds/shard-000000.tar", 512, 1024)
@@ -518,8 +574,9 @@ def test_no_credentials_and_an_invalid_bucket_fail_at_once(s3_server: str, monke
 
 
 @pytest.mark.parametrize("store", ["s3", "gcs", "azure"])
-def test_a_pack_into_a_bucket_that_is_not_there_creates_none(store: str, request: pytest.FixtureRequest,
-                                                            photos: Path) -> None:
+def test_a_pack_into_a_bucket_that_is_not_there_creates_none(
+    store: str, request: pytest.FixtureRequest, photos: Path
+) -> None:
     """fsspec's makedirs creates buckets: a typo in the bucket's name made a new one."""
     import fsspec
 
@@ -538,9 +595,11 @@ def test_every_storage_call_fails_in_one_line_naming_the_url(forbidding: tuple[s
     opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint}, "skip_instance_cache": True}
     url = "s3://bucket/ds/x.tar"
     calls = {
-        "exists": lambda: storage.exists(url, opts), "size": lambda: storage.size(url, opts),
+        "exists": lambda: storage.exists(url, opts),
+        "size": lambda: storage.size(url, opts),
         "listdir": lambda: storage.listdir(url, opts),
-        "remove": lambda: storage.remove(url, opts), "open_read": lambda: storage.open_read(url, opts),
+        "remove": lambda: storage.remove(url, opts),
+        "open_read": lambda: storage.open_read(url, opts),
         "upload": lambda: storage.write_bytes_atomic(url, b"data", opts),
     }
     for name, call in calls.items():
@@ -559,7 +618,10 @@ def test_a_dead_endpoint_fails_in_seconds_naming_the_url(photos: Path) -> None:
     info = cli("info", "s3://bucket/ds", *flags)  # botocore's own retries were 5 x ours: 39 s
     assert time.monotonic() - start < 20
     pack = cli("pack", str(photos), "s3://bucket/out", "-q", *flags)
-    for done, url in ((info, "s3://bucket/ds/index.json"), (pack, "s3://bucket/out/.shardkit-lock")):  # its first request
+    for done, url in (
+        (info, "s3://bucket/ds/index.json"),
+        (pack, "s3://bucket/out/.shardkit-lock"),
+    ):  # its first request
         assert done.returncode == 1 and done.stderr.startswith(f"Error: {url}: "), done
         assert len(done.stderr.splitlines()) == 1, done.stderr
 
@@ -623,8 +685,9 @@ def test_a_replaced_remote_lmdb_is_fetched_again(s3: dict, tmp_path: Path, monke
     assert shardkit.verify(url, opts) == [f"{url}: index.json differs from the index stored in data.mdb"]
 
 
-def test_a_remote_lmdb_replaced_while_it_is_copied_is_not_kept(s3: dict, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_remote_lmdb_replaced_while_it_is_copied_is_not_kept(
+    s3: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A copy that mixes two versions of data.mdb must not be kept under the first one's name."""
     photos = make_folder(tmp_path / "photos", per_class=3)
     old, new = _lmdb(photos, tmp_path / "v1", 1), _lmdb(photos, tmp_path / "v2", 1000)
@@ -740,6 +803,9 @@ def test_an_s3_object_read_in_order_never_mixes_bytes(server: type, tmp_path: Pa
             if server is _Versioned:
                 obj.write_bytes(os.urandom(200_000))  # another version, under the same name
                 os.utime(obj, ns=(1, 1))
-            with pytest.raises(ShardkitError, match=r"^s3://bkt/obj: HTTP (412: replaced while it was read|400: the server ignored the range)"):
+            with pytest.raises(
+                ShardkitError,
+                match=r"^s3://bkt/obj: HTTP (412: replaced while it was read|400: the server ignored the range)",
+            ):
                 while f.read(1000):
                     pass

@@ -70,8 +70,11 @@ def test_options_botocore_must_apply_read_through_s3fs_and_say_why(packed_s3: tu
 def test_a_region_and_an_addressing_style_given_are_the_ones_used(packed_s3: tuple[str, dict]) -> None:
     """R2 wants the region 'auto'; a store may want another name: signed for it, read, and shown."""
     url, opts = packed_s3
-    opts = {**opts, "client_kwargs": {**opts["client_kwargs"], "region_name": "auto"},
-            "config_kwargs": {"s3": {"addressing_style": "path"}, "request_checksum_calculation": "when_required"}}
+    opts = {
+        **opts,
+        "client_kwargs": {**opts["client_kwargs"], "region_name": "auto"},
+        "config_kwargs": {"s3": {"addressing_style": "path"}, "request_checksum_calculation": "when_required"},
+    }
     keys, stats = _keys(url, opts)
     assert len(set(keys)) == 30 and stats["store"] == "s3 (presigned)"  # (the checksum setting concerns no GET)
     [config] = stats["store_config"]
@@ -79,8 +82,9 @@ def test_a_region_and_an_addressing_style_given_are_the_ones_used(packed_s3: tup
     assert config["checksums"] == "when_required (the options')"
 
 
-def test_an_endpoint_named_by_aws_variables_is_one_of_its_own(s3_any: dict, photos: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_endpoint_named_by_aws_variables_is_one_of_its_own(
+    s3_any: dict, photos: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """AWS_ENDPOINT_URL alone, as botocore reads it: path-style and the checksum setting too."""
     opts = {k: v for k, v in s3_any["storage_options"].items() if k != "client_kwargs"}
     endpoint = s3_any["storage_options"]["client_kwargs"]["endpoint_url"]

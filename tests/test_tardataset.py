@@ -98,8 +98,11 @@ def test_shards_of_other_tools(tmp_path: Path) -> None:
 def test_compressed_shards_are_refused_by_name(tmp_path: Path) -> None:
     src = make_folder(tmp_path / "photos", per_class=2)
     subprocess.run(["tar", "czf", str(tmp_path / "a.tar.gz"), "-C", str(src), "."], check=True)
-    with pytest.raises(ShardkitError, match=r"a.tar.gz: gzip-compressed: a stream, no sample can be read "
-                                            r"without inflating all before it.*shardkit pack"):
+    with pytest.raises(
+        ShardkitError,
+        match=r"a.tar.gz: gzip-compressed: a stream, no sample can be read "
+        r"without inflating all before it.*shardkit pack",
+    ):
         TarDataset(str(tmp_path / "a.tar.gz"))
 
 
@@ -144,8 +147,9 @@ def test_in_a_bucket_with_the_cache(s3: dict, packed: Path, tmp_path: Path) -> N
     order = [5, 119, 0, 64, 5]
     assert fields(ds[i] for i in order) == fields(local[i] for i in order)
     assert len(os.listdir(tmp_path / "cache")) > 0
-    batches = DataLoader(TarDataset(url, storage_options=opts, transform=_key), batch_size=8, shuffle=True,
-                         num_workers=2)  # each worker fetches a batch's samples on threads
+    batches = DataLoader(
+        TarDataset(url, storage_options=opts, transform=_key), batch_size=8, shuffle=True, num_workers=2
+    )  # each worker fetches a batch's samples on threads
     assert sorted(k for batch in batches for k in batch) == sorted(keys(local[i] for i in range(len(local))))
 
 

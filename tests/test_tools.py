@@ -19,7 +19,7 @@ from shardkit.tools.preview import LABEL_H, TILE, TILE_BACKGROUND, grid_size, re
 
 FAST = ("--batch-size", "8", "--batches", "3", "--passes", "2", "--warmup", "1")
 
-USER_TRANSFORMS = '''
+USER_TRANSFORMS = """
 import time
 
 import torch
@@ -53,7 +53,7 @@ def uneven(sample):  # sizes that differ from sample to sample do not stack into
 
 def half(sample):  # bfloat16: numpy has no such type
     return (sample["jpg"].float() / 255).to(torch.bfloat16)
-'''
+"""
 
 
 @pytest.fixture
@@ -95,8 +95,9 @@ def test_bench_table_verdicts_and_recommendation(run, packed: Path) -> None:  # 
 def test_bench_json_and_plot(run, packed: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("matplotlib")
     png = tmp_path / "bench.png"
-    result = run("bench", packed, "--workers", "0", "--prefetch", "1,4", *FAST, "--step-ms", "1e6",
-                 "--json", "--plot", png)
+    result = run(
+        "bench", packed, "--workers", "0", "--prefetch", "1,4", *FAST, "--step-ms", "1e6", "--json", "--plot", png
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["varied"] == "prefetch" and doc["batch_size"] == 8 and doc["passes"] == 2
@@ -113,8 +114,23 @@ def test_bench_json_and_plot(run, packed: Path, tmp_path: Path) -> None:  # type
 
 
 def test_slow_transform_makes_workers_pay_off(run, packed: Path, user_module: Path) -> None:  # type: ignore[no-untyped-def]
-    result = run("bench", packed, "--workers", "0,2", "--batch-size", "4", "--batches", "8", "--passes", "3",
-                 "--warmup", "2", "--transform", f"{user_module}:slow", "--json")
+    result = run(
+        "bench",
+        packed,
+        "--workers",
+        "0,2",
+        "--batch-size",
+        "4",
+        "--batches",
+        "8",
+        "--passes",
+        "3",
+        "--warmup",
+        "2",
+        "--transform",
+        f"{user_module}:slow",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     # each setting's fastest pass: a busy machine only ever slows a pass down
@@ -127,8 +143,12 @@ def test_slow_transform_makes_workers_pay_off(run, packed: Path, user_module: Pa
         assert with_workers["peak_rss_bytes"] > with_workers["peak_main_rss_bytes"]
 
 
-def test_plot_without_matplotlib_is_refused_before_any_work(run, packed: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plot_without_matplotlib_is_refused_before_any_work(
+    run,
+    packed: Path,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     result = run("bench", packed, "--workers", "0", *FAST, "--plot", tmp_path / "p.png")
     assert result.exit_code == 2 and "--plot" in result.output and "pip install matplotlib" in result.output
@@ -142,8 +162,20 @@ def test_bench_varies_prefetch_on_a_bucket(run, s3: dict, packed: Path) -> None:
     fs, root = fsspec.core.url_to_fs(url, **opts)
     fs.put(str(packed), root, recursive=True)
     endpoint = opts["client_kwargs"]["endpoint_url"]
-    result = run("bench", url, "--prefetch", "1,4", *FAST, "--json", "-o", f"endpoint_url={endpoint}",
-                 "-o", "key=testing", "-o", "secret=testing")
+    result = run(
+        "bench",
+        url,
+        "--prefetch",
+        "1,4",
+        *FAST,
+        "--json",
+        "-o",
+        f"endpoint_url={endpoint}",
+        "-o",
+        "key=testing",
+        "-o",
+        "secret=testing",
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["varied"] == "prefetch" and [s["prefetch"] for s in doc["settings"]] == [1, 4]
@@ -151,8 +183,13 @@ def test_bench_varies_prefetch_on_a_bucket(run, s3: dict, packed: Path) -> None:
 
 
 @pytest.mark.parametrize("command", ["bench", "preview"])
-def test_a_failing_transform_is_one_line_naming_it(run, packed: Path, tmp_path: Path, user_module: Path,  # type: ignore[no-untyped-def]
-                                                   command: str) -> None:
+def test_a_failing_transform_is_one_line_naming_it(
+    run,
+    packed: Path,
+    tmp_path: Path,
+    user_module: Path,  # type: ignore[no-untyped-def]
+    command: str,
+) -> None:
     more = ("--workers", "2", *FAST) if command == "bench" else ("--out", tmp_path / "p.png")
     result = run(command, packed, "--transform", f"{user_module}:crashes", *more)
     assert result.exit_code == 1 and len(result.output.splitlines()) == 1, result.output
@@ -163,11 +200,23 @@ def test_a_failing_transform_is_one_line_naming_it(run, packed: Path, tmp_path: 
 def test_bench_and_preview_odd_results_and_options(run, packed: Path, tmp_path: Path, user_module: Path) -> None:  # type: ignore[no-untyped-def]
     result = run("bench", packed, "--workers", "1", *FAST, "--transform", f"{user_module}:uneven")
     assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
-    assert re.search(r"^Error: batch_size=8: cannot stack sample \d of a batch: the sample is torch.uint8 of shape", result.output)
+    assert re.search(
+        r"^Error: batch_size=8: cannot stack sample \d of a batch: the sample is torch.uint8 of shape", result.output
+    )
     result = run("bench", packed, "--step-ms", "nan")
     assert result.exit_code == 2 and "a number of milliseconds, not nan" in result.output
-    result = run("preview", packed, "--n", "2", "--out", tmp_path / "h.png", "--decode", "tensor",
-                 "--transform", f"{user_module}:half")
+    result = run(
+        "preview",
+        packed,
+        "--n",
+        "2",
+        "--out",
+        tmp_path / "h.png",
+        "--decode",
+        "tensor",
+        "--transform",
+        f"{user_module}:half",
+    )
     assert result.exit_code == 0, result.output
     if importlib.util.find_spec("matplotlib") is not None:
         assert run("bench", packed, "--workers", "0", *FAST, "--plot", tmp_path / "b.jpg").exit_code == 0
@@ -192,8 +241,17 @@ def test_bench_in_process_runs_on_one_torch_thread_as_a_worker_would(packed: Pat
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        bench_setting(str(packed), num_workers=0, prefetch=2, batch_size=4, decode="tensor", transform=transform,
-                      batches=2, passes=1, warmup=1)
+        bench_setting(
+            str(packed),
+            num_workers=0,
+            prefetch=2,
+            batch_size=4,
+            decode="tensor",
+            transform=transform,
+            batches=2,
+            passes=1,
+            warmup=1,
+        )
         assert seen and set(seen) == {1} and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -247,7 +305,7 @@ def test_peak_memory_counts_rss_per_process_and_pages_in_use_once() -> None:
     assert proc.returncode == 0
     mb = 1 << 20
     assert peak.peak_total is not None and peak.peak_in_use is not None
-    assert peak.peak_total >= 2 * 64 * mb + 64 * mb    # shared twice, the heap at least once
+    assert peak.peak_total >= 2 * 64 * mb + 64 * mb  # shared twice, the heap at least once
     assert 120 * mb <= peak.peak_in_use < peak.peak_total
 
 
@@ -276,8 +334,20 @@ def test_bench_on_samples_without_an_image_says_so_in_one_line(run, tmp_path: Pa
     with tarfile.open(tmp_path / "wds" / "part-0.tar", "w") as tar:
         for key in ("a", "b"):
             tar.add(tmp_path / "a.txt", f"{key}.txt")
-    result = run("bench", tmp_path / "wds", "--workers", "0", "--batches", "1", "--passes", "1", "--warmup", "1",
-                 "--batch-size", "2")
+    result = run(
+        "bench",
+        tmp_path / "wds",
+        "--workers",
+        "0",
+        "--batches",
+        "1",
+        "--passes",
+        "1",
+        "--warmup",
+        "1",
+        "--batch-size",
+        "2",
+    )
     assert result.exit_code == 1 and "has no image field (give --transform)" in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
 
@@ -323,12 +393,34 @@ def test_preview_and_bench_outputs(run, packed: Path, tmp_path: Path) -> None:  
 
 def test_preview_after_a_transform(run, packed: Path, tmp_path: Path, user_module: Path) -> None:  # type: ignore[no-untyped-def]
     png = tmp_path / "normalised.png"
-    result = run("preview", packed, "--n", "5", "--out", png, "--decode", "tensor", "--tile", "64",
-                 "--transform", f"{user_module}:normalised")
+    result = run(
+        "preview",
+        packed,
+        "--n",
+        "5",
+        "--out",
+        png,
+        "--decode",
+        "tensor",
+        "--tile",
+        "64",
+        "--transform",
+        f"{user_module}:normalised",
+    )
     assert result.exit_code == 0, result.output
     _check_tiles(png, 5, tile=64)
-    result = run("preview", packed, "--n", "2", "--out", tmp_path / "x.png", "--decode", "tensor",
-                 "--transform", f"{user_module}:not_an_image")
+    result = run(
+        "preview",
+        packed,
+        "--n",
+        "2",
+        "--out",
+        tmp_path / "x.png",
+        "--decode",
+        "tensor",
+        "--transform",
+        f"{user_module}:not_an_image",
+    )
     assert result.exit_code == 1 and "not an image" in result.output
     result = run("preview", packed, "--transform", "no_such_module_xyz:fn")
     assert result.exit_code == 2 and "no_such_module_xyz" in result.output
@@ -348,21 +440,37 @@ def test_preview_and_bench_skip_bad_samples_when_asked(run, photos: Path, tmp_pa
     for how in ((), ("--decode", "raw"), ("--decode", "raw", "--transform", f"{user}:sized")):
         result = run("preview", dataset, "--n", "30", "--out", png, *how)
         assert result.exit_code == 1 and result.output.count("\n") == 1, result.output  # one line, no "skipped" line
-        assert re.fullmatch(rf"Error: \S+/{shard}: sample {key}( at byte \d+)? \(packed from \w+/img_\d+\.jpg\): "
-                            r".*UnidentifiedImageError: .*; --on-error skip leaves bad samples out; `shardkit verify "
-                            r"--decode` lists every bad sample, `shardkit pack --decode-check` keeps them out of a pack\n",
-                            result.output), result.output
+        assert re.fullmatch(
+            rf"Error: \S+/{shard}: sample {key}( at byte \d+)? \(packed from \w+/img_\d+\.jpg\): "
+            r".*UnidentifiedImageError: .*; --on-error skip leaves bad samples out; `shardkit verify "
+            r"--decode` lists every bad sample, `shardkit pack --decode-check` keeps them out of a pack\n",
+            result.output,
+        ), result.output
         result = run("preview", dataset, "--n", "30", "--out", png, "--on-error", "skip", *how)
         assert result.exit_code == 0, result.output
         assert result.output.endswith("29 samples, 6x5 grid, 782x802 px, 1 bad sample skipped\n"), result.output
     whole_epoch = ("--workers", "0", "--batch-size", "10", "--batches", "3", "--passes", "1", "--warmup", "1")
     result = run("bench", dataset, *whole_epoch)
-    assert result.exit_code == 1 and shard in result.output and "; --on-error skip leaves bad samples out;" in result.output
+    assert (
+        result.exit_code == 1
+        and shard in result.output
+        and "; --on-error skip leaves bad samples out;" in result.output
+    )
     result = run("bench", dataset, *whole_epoch[2:], "--workers", "2")  # raised in a worker: one line all the same
     assert result.exit_code == 1 and shard in result.output and len(result.output.splitlines()) == 1, result.output
     assert "(packed from " in result.output and "--on-error skip leaves bad samples out" in result.output
-    result = run("bench", dataset, *whole_epoch, "--decode", "raw", "--transform", f"{user}:sized", "--on-error", "skip",
-                 "--json")  # image_transform's bad image is bad data, skipped, not the transform failing
+    result = run(
+        "bench",
+        dataset,
+        *whole_epoch,
+        "--decode",
+        "raw",
+        "--transform",
+        f"{user}:sized",
+        "--on-error",
+        "skip",
+        "--json",
+    )  # image_transform's bad image is bad data, skipped, not the transform failing
     assert result.exit_code == 0 and json.loads(result.stdout)["settings"][0]["stats"]["skipped"] >= 1, result.output
     result = run("bench", dataset, *whole_epoch, "--on-error", "skip", "--json")
     assert result.exit_code == 0, result.output

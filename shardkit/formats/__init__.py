@@ -41,10 +41,13 @@ class Format:
     noun: str
 
 
-REGISTRY: dict[str, Format] = {f.name: f for f in (
-    Format("tar", sharded=True, local_only=False, noun="a folder of tar shards"),
-    Format("lmdb", sharded=False, local_only=True, noun="an LMDB"),
-)}
+REGISTRY: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("tar", sharded=True, local_only=False, noun="a folder of tar shards"),
+        Format("lmdb", sharded=False, local_only=True, noun="an LMDB"),
+    )
+}
 FORMATS = tuple(REGISTRY)  # the names, the first the default
 DEFAULT = FORMATS[0]
 
@@ -56,5 +59,7 @@ def get(name: Any, where: str | None = None) -> Format:
     found = REGISTRY.get(name) if type(name) is str else None
     if found is None:
         said = f"{where}: kind" if where is not None else "format"
-        raise CorruptShardError(f"{said} {name!r}, not a format this shardkit reads ({' or '.join(map(repr, FORMATS))})")
+        raise CorruptShardError(
+            f"{said} {name!r}, not a format this shardkit reads ({' or '.join(map(repr, FORMATS))})"
+        )
     return found

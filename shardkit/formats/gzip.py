@@ -86,12 +86,15 @@ class Inflater:
             if not self._input:
                 self._input = self._more()
                 if not self._input:
-                    raise CorruptShardError(f"{self._where}: cut off inside its gzip stream, which ends at byte "
-                                            f"{self.consumed} (truncated)")
+                    raise CorruptShardError(
+                        f"{self._where}: cut off inside its gzip stream, which ends at byte {self.consumed} (truncated)"
+                    )
             try:
                 out = self._inflate.decompress(self._input, most)
             except zlib.error as e:
-                raise CorruptShardError(f"{self._where}: damaged gzip data (before byte {self.consumed}: {e})") from None
+                raise CorruptShardError(
+                    f"{self._where}: damaged gzip data (before byte {self.consumed}: {e})"
+                ) from None
             if self._inflate.eof:
                 self._input, self._inflate = self._inflate.unused_data, None
             else:
@@ -173,8 +176,10 @@ def gunzip(data: bytes, limit: int, where: str) -> bytes:
 
 
 def _too_large(where: str, limit: int, said: str = "") -> CorruptShardError:
-    return CorruptShardError(f"{where}: inflates to more than {limit} bytes (max_member_size{said}): a decompression "
-                             "bomb, or raise the limit")
+    return CorruptShardError(
+        f"{where}: inflates to more than {limit} bytes (max_member_size{said}): a decompression "
+        "bomb, or raise the limit"
+    )
 
 
 def is_gzip_field(field: str) -> bool:

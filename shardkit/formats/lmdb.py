@@ -54,8 +54,10 @@ def sample_tables(extra: Mapping[str, Any]) -> tuple[Any, Any]:
     import numpy as np
 
     sizes = extra.get("sizes")
-    return (np.array([k.encode() for k in extra["keys"]], dtype="S"),
-            None if sizes is None else np.array(sizes, dtype=np.int64))
+    return (
+        np.array([k.encode() for k in extra["keys"]], dtype="S"),
+        None if sizes is None else np.array(sizes, dtype=np.int64),
+    )
 
 
 def is_lmdb(path: str) -> bool:
@@ -99,8 +101,12 @@ class Writer:
     def entries(self) -> int:
         return int(self.env.stat()["entries"])
 
-    def write(self, samples: Sequence[tuple[str, Mapping[str, bytes]]], meta: Mapping[bytes, bytes],
-              delete: Sequence[bytes] = ()) -> None:
+    def write(
+        self,
+        samples: Sequence[tuple[str, Mapping[str, bytes]]],
+        meta: Mapping[bytes, bytes],
+        delete: Sequence[bytes] = (),
+    ) -> None:
         """Put samples and `meta` records and delete `delete` in one transaction (all or nothing)."""
         while True:
             try:
@@ -108,8 +114,10 @@ class Writer:
                     for key, fields in samples:
                         for ext in sorted(fields):
                             if not txn.put(f"{key}.{ext}".encode(), fields[ext], overwrite=False):
-                                raise SourceError(f"{self.path}: sample key {key!r} comes twice in the source; an "
-                                                  "LMDB holds one record per KEY.EXT (pack to tar, which keeps both)")
+                                raise SourceError(
+                                    f"{self.path}: sample key {key!r} comes twice in the source; an "
+                                    "LMDB holds one record per KEY.EXT (pack to tar, which keeps both)"
+                                )
                     for k, v in meta.items():
                         txn.put(k, v)
                     for k in delete:
@@ -140,10 +148,14 @@ class Writer:
         if cause is None and "No space left" in said:
             cause = "no space left on device"
         if cause is None:
-            return ShardkitError(f"{self.path}: writing the LMDB failed ({said}); a rerun of the same `shardkit pack` "
-                                 "resumes after the last job written")
-        return ShardkitError(f"{self.path}: writing the LMDB failed: {cause} (LMDB said: {said}); make room and rerun "
-                             "the same `shardkit pack`, which resumes after the last job written")
+            return ShardkitError(
+                f"{self.path}: writing the LMDB failed ({said}); a rerun of the same `shardkit pack` "
+                "resumes after the last job written"
+            )
+        return ShardkitError(
+            f"{self.path}: writing the LMDB failed: {cause} (LMDB said: {said}); make room and rerun "
+            "the same `shardkit pack`, which resumes after the last job written"
+        )
 
 
 def _no_room(path: str, size: int) -> str | None:
@@ -231,7 +243,9 @@ def open_reader(path: str, readahead: bool = False, fresh: bool = False) -> Any:
         if found is None:
             found = _Env(pid, path, file, _open(path, readahead))
             _ENVS.append(found)
-        elif file is not None and found.file != file:  # written in place since: the same environment, never closed under a reader
+        elif (
+            file is not None and found.file != file
+        ):  # written in place since: the same environment, never closed under a reader
             _check_pages(found.env, path, file.size)
             found.file = file
         _READERS[path] = found
@@ -268,8 +282,15 @@ def _open(path: str, readahead: bool) -> Any:
         raise CorruptShardError(f"{path}: data.mdb is truncated ({size} bytes; an LMDB starts with 2 pages of {_PAGE})")
     while True:
         try:  # opened by its data file: lmdb would also know it by lock.mdb, which readers never use
-            env = lmdb.open(os.path.join(path, DATA_FILE), subdir=False, readonly=True, lock=False,
-                            readahead=readahead, meminit=False, max_readers=1024)
+            env = lmdb.open(
+                os.path.join(path, DATA_FILE),
+                subdir=False,
+                readonly=True,
+                lock=False,
+                readahead=readahead,
+                meminit=False,
+                max_readers=1024,
+            )
             break
         except lmdb.Error as e:
             gone = [found for found in _ENVS if _inode(_identity(found.path)) != _inode(found.file)]
@@ -325,10 +346,13 @@ def read_index(env: Any, path: str) -> bytes:
         raise CorruptShardError(f"{path}: unreadable LMDB ({e})") from None
     if raw is None:
         with env.begin() as txn:
-            unfinished = txn.get(PROGRESS_KEY) is not None or not env.stat()["entries"]  # none: killed before its first commit
+            unfinished = (
+                txn.get(PROGRESS_KEY) is not None or not env.stat()["entries"]
+            )  # none: killed before its first commit
         if unfinished:
-            raise UnfinishedPackError(f"{path}: a pack into this LMDB has not finished (rerun the same `shardkit pack` "
-                                      "to finish it)")
+            raise UnfinishedPackError(
+                f"{path}: a pack into this LMDB has not finished (rerun the same `shardkit pack` to finish it)"
+            )
         raise CorruptShardError(f"{path}: no {INDEX_KEY.decode()} record: an LMDB that `shardkit pack` did not write")
     return bytes(raw)
 
@@ -363,21 +387,24 @@ def read_sample(txn: Any, key: str, path: str, size: int | None = None) -> dict[
                 total += len(v)
                 if size is not None and total > size:
                     break
-                fields[k[len(prefix):].decode()] = bytes(v)
+                fields[k[len(prefix) :].decode()] = bytes(v)
     except _lmdb().Error as e:
         raise CorruptShardError(f"{path}: sample {key}: unreadable LMDB ({e})") from None
     if not fields:
         raise CorruptShardError(f"{path}: sample {key} is missing")
     if size is not None and total != size:
         found = f"more than {total} bytes" if total > size else f"{total} bytes in {', '.join(sorted(fields))}"
-        raise CorruptShardError(f"{path}: sample {key}: {found}, the index says {size} (a member "
-                                f"{'grown or added' if total > size else 'missing or shrunk'})")
+        raise CorruptShardError(
+            f"{path}: sample {key}: {found}, the index says {size} (a member "
+            f"{'grown or added' if total > size else 'missing or shrunk'})"
+        )
     return fields
 
 
 COLD_READ_S = 0.001  # a read from the disk takes longer (cached: ~50 us here)
 
 if hasattr(resource, "RUSAGE_THREAD"):  # Linux
+
     def major_faults() -> int:
         """This thread's major page faults: waits for the storage under the page cache."""
         return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
@@ -385,8 +412,9 @@ else:
     major_faults = itertools.count().__next__  # a number that changes at every call: the clock alone decides
 
 
-def read_when_cold(read: Callable[[T], R], touch: Callable[[T], None], items: Sequence[T],
-                   pool: Callable[[], Executor] | None) -> Iterator[R]:
+def read_when_cold(
+    read: Callable[[T], R], touch: Callable[[T], None], items: Sequence[T], pool: Callable[[], Executor] | None
+) -> Iterator[R]:
     """`read(item)` for each item, in order, on this thread. Once a read waited for the disk,
     `pool()`'s threads `touch` all the rest at once (fault their pages in; see `touch_one`)
     and each is read as soon as its touch is done. Why: py-lmdb faults in every 4 KB page of
@@ -435,5 +463,7 @@ def read_one(env: Any, key: str, path: str, size: int | None = None) -> dict[str
 def _grown(path: str) -> ShardkitError:
     """A data.mdb written past this process's map (a pack finished in place meanwhile):
     adopting the new map would pull it from under this process's other readers."""
-    return ShardkitError(f"{path}: data.mdb grew past its map since this process opened it (a pack finished "
-                         "meanwhile): read it from a new process")
+    return ShardkitError(
+        f"{path}: data.mdb grew past its map since this process opened it (a pack finished "
+        "meanwhile): read it from a new process"
+    )

@@ -90,8 +90,9 @@ def check_key(key: str) -> None:
     but not absolute paths or `..`, which would escape a folder when a shard is extracted."""
     base = key.rpartition("/")[2]
     if not base or "." in base or key.startswith("/") or ".." in key.split("/"):
-        raise ValueError(f"sample key must have a non-empty base name with no '.', and no '/' at the start "
-                         f"or '..' part: {key!r}")
+        raise ValueError(
+            f"sample key must have a non-empty base name with no '.', and no '/' at the start or '..' part: {key!r}"
+        )
 
 
 def _padding(size: int) -> int:
@@ -175,23 +176,28 @@ def _octal(field: bytes) -> int | None:
 def _parse_octal(field: bytes, where: str, what: str = "size") -> int:
     number = _octal(field)
     if number is None:
-        raise CorruptShardError(f"{where}: its {what} field {bytes(field).rstrip(bytes(1))!r} is not a number in octal "
-                                "digits (a damaged or hostile tar header)")
+        raise CorruptShardError(
+            f"{where}: its {what} field {bytes(field).rstrip(bytes(1))!r} is not a number in octal "
+            "digits (a damaged or hostile tar header)"
+        )
     return number
 
 
 def _check_extended(kind: bytes, size: int, where: object) -> None:
     """Refuse an extended header (pax, GNU long name) larger than MAX_HEADER before reading it."""
     if kind in _EXTENDED and size > MAX_HEADER:
-        raise CorruptShardError(f"{where}: a {_EXTENDED[kind]} of {size} bytes, over the limit of {MAX_HEADER} "
-                                "(formats.tar.MAX_HEADER): a damaged shard or a decompression bomb")
+        raise CorruptShardError(
+            f"{where}: a {_EXTENDED[kind]} of {size} bytes, over the limit of {MAX_HEADER} "
+            "(formats.tar.MAX_HEADER): a damaged shard or a decompression bomb"
+        )
 
 
 def _check_name(name: str | bytes, where: str) -> None:
     size = len(name.encode("utf-8") if isinstance(name, str) else name)
     if size > MAX_NAME:
-        raise CorruptShardError(f"{where}: a member name of {size} bytes, over the limit of {MAX_NAME} "
-                                "(formats.tar.MAX_NAME)")
+        raise CorruptShardError(
+            f"{where}: a member name of {size} bytes, over the limit of {MAX_NAME} (formats.tar.MAX_NAME)"
+        )
 
 
 def _check_header(head: bytes, where: str) -> None:
@@ -220,8 +226,9 @@ def _pax_path(data: bytes, where: str) -> str | None:
     return None
 
 
-def iter_members(f: Readable, where: str, limit: int | None = None, base: int = 0, keep: bool = True
-                 ) -> Iterator[tuple[int, int, str, bytes]]:
+def iter_members(
+    f: Readable, where: str, limit: int | None = None, base: int = 0, keep: bool = True
+) -> Iterator[tuple[int, int, str, bytes]]:
     """Yield (start, end, name, data) for every regular file from the current position of `f`.
 
     [start, end) is the member's byte span, pax or long-name headers included, relative to
@@ -252,8 +259,10 @@ def iter_members(f: Readable, where: str, limit: int | None = None, base: int = 
         if got < size or padded < pad:
             cut = long_name or head[:100].split(b"\x00", 1)[0].decode("utf-8", "replace")
             short = f"{got} of {size} bytes" if got < size else f"its padding: {padded} of {pad} bytes"
-            raise CorruptShardError(f"{where}: member {cut!r} cut off at byte {base + consumed + BLOCK + got + padded} "
-                                    f"({short}): the shard is truncated")
+            raise CorruptShardError(
+                f"{where}: member {cut!r} cut off at byte {base + consumed + BLOCK + got + padded} "
+                f"({short}): the shard is truncated"
+            )
         consumed += BLOCK + size + pad
         if kind == b"L":  # GNU long name for the next member
             _check_name(data.rstrip(b"\x00"), member)
@@ -346,7 +355,8 @@ def scan(f: Readable, where: str) -> Scan:
         if first.setdefault(key, group) != group:
             raise CorruptShardError(
                 f"{where}: the members of sample {key!r} are not adjacent (more of them at byte {at}): a sample's "
-                "files must follow each other in the tar (`tar --sort=name` does that)")
+                "files must follow each other in the tar (`tar --sort=name` does that)"
+            )
 
     for start, stop, name, _ in iter_members(f, where, keep=False):
         key, ext = split_name(name)
@@ -411,8 +421,9 @@ def read_sample(read_at: ReadAt, start: int, stop: int, where: object) -> tuple[
         begin = pos + BLOCK
         pos = begin + size
         if pos > stop:
-            raise CorruptShardError(f"{where}: the member at byte {begin - BLOCK - start} of the sample runs past "
-                                    "the sample's end")
+            raise CorruptShardError(
+                f"{where}: the member at byte {begin - BLOCK - start} of the sample runs past the sample's end"
+            )
         text = _member_name(name, prefix if magic == _POSIX else b"", where, begin - BLOCK - start)
         dot = text.find(".", text.rfind("/") + 1)  # split_name, inlined
         k, ext = (text, "") if dot < 0 else (text[:dot], text[dot + 1 :])
@@ -448,8 +459,10 @@ def _member_name(name: bytes, prefix: bytes, where: object, offset: int) -> str:
         if prefix[:1] not in (b"", b"\x00"):
             text = prefix.split(b"\x00", 1)[0].decode("utf-8") + "/" + text
     except UnicodeDecodeError:
-        raise CorruptShardError(f"{where}: the member at byte {offset} of the sample has a name "
-                                f"that is not UTF-8 ({name.rstrip(bytes(1))!r})") from None
+        raise CorruptShardError(
+            f"{where}: the member at byte {offset} of the sample has a name "
+            f"that is not UTF-8 ({name.rstrip(bytes(1))!r})"
+        ) from None
     return text
 
 

@@ -28,8 +28,10 @@ from .scan import HIDDEN
 
 
 SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
-TMP_RE = re.compile(rf"^({SHARD_RE.pattern[1:-1]}|{sidecar.PATTERN.pattern[1:-1]}|{re.escape(index.INDEX_NAME)})"
-                    rf"{re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$")
+TMP_RE = re.compile(
+    rf"^({SHARD_RE.pattern[1:-1]}|{sidecar.PATTERN.pattern[1:-1]}|{re.escape(index.INDEX_NAME)})"
+    rf"{re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$"
+)
 """What an interrupted pack leaves: a shard's, the sidecar's or the index's temporary file
 (storage.atomic_writer's names)."""
 
@@ -100,16 +102,29 @@ class Sink(ABC):
         """Release what the sink holds open."""
 
 
-def run(plan: Plan, sink: Sink, runner: executors.Runner[Job, JobResult], progress: bool | None, overwrite: bool,
-        stats: dict[str, int]) -> Index:
+def run(
+    plan: Plan,
+    sink: Sink,
+    runner: executors.Runner[Job, JobResult],
+    progress: bool | None,
+    overwrite: bool,
+    stats: dict[str, int],
+) -> Index:
     """Pack `plan` through `sink`, keeping an earlier run's finished work, holding DEST's
     lock throughout (a second pack into it is refused, see lock.py)."""
     with lock.held(sink.dest, sink.storage_options) as holding:
         return _run(plan, sink, runner, progress, overwrite, stats, holding)
 
 
-def _run(plan: Plan, sink: Sink, runner: executors.Runner[Job, JobResult], progress: bool | None, overwrite: bool,
-         stats: dict[str, int], holding: lock.Holding) -> Index:
+def _run(
+    plan: Plan,
+    sink: Sink,
+    runner: executors.Runner[Job, JobResult],
+    progress: bool | None,
+    overwrite: bool,
+    stats: dict[str, int],
+    holding: lock.Holding,
+) -> Index:
     try:
         committed = sink.prepare(overwrite)
         if committed is not None:
@@ -131,16 +146,22 @@ def _run(plan: Plan, sink: Sink, runner: executors.Runner[Job, JobResult], progr
         with _bar(plan, initial, progress) as bar:
             runner(sink.work, JobList(plan, todo), done, lambda n: bar.update(initial + n - bar.n))
         ordered = [results[i] for i in range(len(plan.names))]
-        skipped = tuple(sorted([*plan.inherited, *plan.skipped, *(s for r in ordered for s in r.skipped)],
-                               key=lambda s: s.path))
+        skipped = tuple(
+            sorted([*plan.inherited, *plan.skipped, *(s for r in ordered for s in r.skipped)], key=lambda s: s.path)
+        )
         samples = sum(r.info.samples for r in ordered)
         if samples == 0:  # a pack that kept nothing fails (exit 1) rather than commit an empty dataset
             holding.check()  # (what is in DEST is another pack's, once it has taken it over)
             sink.abandon()  # and leaves no unfinished pack whose rerun could only fail again
             first = f" (first: {shown_name(skipped[0].path)}: {skipped[0].reason})" if skipped else ""
             raise SourceError(f"{plan.src}: no usable samples, {len(skipped)} skipped{first}")
-        base = {"kind": sink.name, "fields": tuple(sorted({f for r in ordered for f in r.fields})),
-                "classes": plan.classes, "skipped": skipped, "plan": plan.fingerprint}
+        base = {
+            "kind": sink.name,
+            "fields": tuple(sorted({f for r in ordered for f in r.fields})),
+            "classes": plan.classes,
+            "skipped": skipped,
+            "plan": plan.fingerprint,
+        }
         idx = index.pinned(sink.make_index(ordered, base), plan.dest, plan.storage_options)  # shards are in place
         holding.confirm()  # still this pack's DEST, for a lease to come
         sink.commit(idx, fresh=True)
@@ -166,16 +187,22 @@ def refuse_earlier_skips(plan: Plan, skipped: Sequence[Skipped]) -> None:
     inherited = set(plan.inherited)
     first = next((s for s in skipped if s.reason != HIDDEN and s not in inherited), None)
     if first is not None:
-        raise SourceError(f"{shown_name(storage.join(plan.src, first.path))}: {first.reason} (left out by an earlier run "
-                          "of this pack under --on-error skip)")
+        raise SourceError(
+            f"{shown_name(storage.join(plan.src, first.path))}: {first.reason} (left out by an earlier run "
+            "of this pack under --on-error skip)"
+        )
 
 
 def refuse_to_replace(dest: str, existing: Index | None) -> None:
-    what = (f"a different dataset ({existing.samples} samples, from another source, other options or another "
-            "shardkit version)"
-            if existing is not None else "an index.json that cannot be read")
-    raise SourceError(f"{storage.display(dest)}: already holds {what}; rerun with --overwrite (overwrite=True) "
-                      "to replace it")
+    what = (
+        f"a different dataset ({existing.samples} samples, from another source, other options or another "
+        "shardkit version)"
+        if existing is not None
+        else "an index.json that cannot be read"
+    )
+    raise SourceError(
+        f"{storage.display(dest)}: already holds {what}; rerun with --overwrite (overwrite=True) to replace it"
+    )
 
 
 def _bar(plan: Plan, done: int, progress: bool | None) -> Any:

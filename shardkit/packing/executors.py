@@ -161,8 +161,15 @@ def local(workers: int, uploading: bool = False) -> Runner[Any, Any]:
     return functools.partial(_run_local, workers=workers, processes=processes)
 
 
-def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R], None],
-               on_progress: Callable[[int], None], *, workers: int, processes: int | None = None) -> None:
+def _run_local(
+    fn: Callable[[Any], R],
+    jobs: Sequence[Any],
+    on_done: Callable[[R], None],
+    on_progress: Callable[[int], None],
+    *,
+    workers: int,
+    processes: int | None = None,
+) -> None:
     """Run `fn` over jobs on a pool of `processes` (default: `workers`; inline for one),
     handing results to `on_done` in job order as they complete, with at most 2 x processes
     jobs in flight (their results can be large); report images done so far. Cores that no
@@ -180,8 +187,9 @@ def _run_local(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R
             init_worker(None)
         return
     stop, load = multiprocessing.RawValue("b", 0), multiprocessing.Array("i", [0, len(jobs)])
-    with ProcessPoolExecutor(max_workers=processes, initializer=_init_pool_worker,
-                             initargs=(counter, stop, workers, processes, load)) as pool:
+    with ProcessPoolExecutor(
+        max_workers=processes, initializer=_init_pool_worker, initargs=(counter, stop, workers, processes, load)
+    ) as pool:
         queued = iter(jobs)
         running: deque[Future[R]] = deque()
         try:
@@ -209,8 +217,9 @@ def ray(address: str | None = None, sizes: Callable[[Any], int] = lambda job: 1)
     """Ray tasks on the cluster at `address` (None: start or join a local one). Results come
     back in job order; progress counts the images of finished jobs (`sizes(job)`)."""
 
-    def run(fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R], None],
-            on_progress: Callable[[int], None]) -> None:
+    def run(
+        fn: Callable[[Any], R], jobs: Sequence[Any], on_done: Callable[[R], None], on_progress: Callable[[int], None]
+    ) -> None:
         try:
             import ray as ray_module
         except ImportError:

@@ -23,12 +23,26 @@ from ..decode import is_image, to_rgb
 
 # ImageFolder's extensions (torchvision IMG_EXTENSIONS) -> WebDataset field name.
 EXTENSIONS = {
-    ".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp", ".bmp": "bmp",
-    ".ppm": "ppm", ".pgm": "pgm", ".tif": "tiff", ".tiff": "tiff", ".gif": "gif",
+    ".jpg": "jpg",
+    ".jpeg": "jpg",
+    ".png": "png",
+    ".webp": "webp",
+    ".bmp": "bmp",
+    ".ppm": "ppm",
+    ".pgm": "pgm",
+    ".tif": "tiff",
+    ".tiff": "tiff",
+    ".gif": "gif",
 }
 _PIL_FORMATS = {
-    "JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "PPM": "ppm",
-    "TIFF": "tiff", "GIF": "gif",
+    "JPEG": "jpg",
+    "MPO": "jpg",
+    "PNG": "png",
+    "WEBP": "webp",
+    "BMP": "bmp",
+    "PPM": "ppm",
+    "TIFF": "tiff",
+    "GIF": "gif",
 }
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _PNG_END = b"IEND\xaeB`\x82"
@@ -56,13 +70,18 @@ def _looks_complete(data: bytes, field: str) -> bool:
         if scan is None or not _fits(*scan[:2]) or end < 0:
             return False
         if (end - scan[2]) * 8 < scan[3]:
-            raise BadImage(f"truncated image: {scan[0]}x{scan[1]} pixels in {end - scan[2]} bytes of scans, fewer "
-                           f"than the {_ceil(scan[3], 8)} that even a blank image of that size takes (its header "
-                           "claims more pixels than its data holds)")
+            raise BadImage(
+                f"truncated image: {scan[0]}x{scan[1]} pixels in {end - scan[2]} bytes of scans, fewer "
+                f"than the {_ceil(scan[3], 8)} that even a blank image of that size takes (its header "
+                "claims more pixels than its data holds)"
+            )
         return True
     if field == "png":
-        return (data.startswith(_PNG_MAGIC) and data.rstrip(b"\x00").endswith(_PNG_END)
-                and _fits(int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")))
+        return (
+            data.startswith(_PNG_MAGIC)
+            and data.rstrip(b"\x00").endswith(_PNG_END)
+            and _fits(int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big"))
+        )
     if field == "webp":
         if not (data[:4] == b"RIFF" and data[8:12] == b"WEBP" and int.from_bytes(data[4:8], "little") + 8 <= len(data)):
             return False

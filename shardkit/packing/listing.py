@@ -58,8 +58,16 @@ class ListingBuilder:
         self.extra_ends, self.extra_sizes = array("q"), array("q")
         self.fields: set[str] = set()
 
-    def add(self, path: str, label: int, size: int, mtime: int, extras: str = "", extra_size: int = 0,
-            fields: tuple[str, ...] = ()) -> None:
+    def add(
+        self,
+        path: str,
+        label: int,
+        size: int,
+        mtime: int,
+        extras: str = "",
+        extra_size: int = 0,
+        fields: tuple[str, ...] = (),
+    ) -> None:
         """One item; `extras` take `extra_size` bytes in a tar shard and give `fields`."""
         self.paths += path.encode("utf-8")
         self.ends.append(len(self.paths))
@@ -75,12 +83,22 @@ class ListingBuilder:
         def column(a: array[int]) -> np.ndarray:
             return np.frombuffer(a, np.int64)
 
-        listing = Listing(bytes(self.paths), column(self.ends), column(self.labels), column(self.sizes),
-                          column(self.mtimes))
+        listing = Listing(
+            bytes(self.paths), column(self.ends), column(self.labels), column(self.sizes), column(self.mtimes)
+        )
         if not self.extras:
             return listing
-        return Listing(listing.paths, listing.ends, listing.labels, listing.sizes, listing.mtimes, bytes(self.extras),
-                       column(self.extra_ends), column(self.extra_sizes), tuple(sorted(self.fields)))
+        return Listing(
+            listing.paths,
+            listing.ends,
+            listing.labels,
+            listing.sizes,
+            listing.mtimes,
+            bytes(self.extras),
+            column(self.extra_ends),
+            column(self.extra_sizes),
+            tuple(sorted(self.fields)),
+        )
 
 
 def change_marker(info: dict[str, Any]) -> int:

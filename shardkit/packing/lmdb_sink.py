@@ -37,8 +37,14 @@ def read_chunk(job: Job) -> JobResult:
             got.append(sample)
     sizes = tuple(sum(len(v) for v in f.values()) for _, f in got)
     fields = tuple(sorted({e for _, f in got for e in f}))
-    return JobResult(ShardInfo(job.name, len(got), sum(sizes)), fields, tuple(skipped),
-                     keys=tuple(k for k, _ in got), sizes=sizes, samples=tuple(got))
+    return JobResult(
+        ShardInfo(job.name, len(got), sum(sizes)),
+        fields,
+        tuple(skipped),
+        keys=tuple(k for k, _ in got),
+        sizes=sizes,
+        samples=tuple(got),
+    )
 
 
 class LmdbSink(Sink):
@@ -98,9 +104,16 @@ class LmdbSink(Sink):
         count = int((self.writer.progress() or {}).get("chunks", 0))
         with self.writer.env.begin() as txn:
             records = [json.loads(txn.get(_chunk_key(i))) for i in range(count)]
-        self.done = [JobResult(ShardInfo(self.plan.names[i], len(r["keys"]), sum(r["sizes"])), tuple(r["fields"]),
-                               tuple(Skipped(**s) for s in r["skipped"]), tuple(r["keys"]), tuple(r["sizes"]))
-                     for i, r in enumerate(records)]
+        self.done = [
+            JobResult(
+                ShardInfo(self.plan.names[i], len(r["keys"]), sum(r["sizes"])),
+                tuple(r["fields"]),
+                tuple(Skipped(**s) for s in r["skipped"]),
+                tuple(r["keys"]),
+                tuple(r["sizes"]),
+            )
+            for i, r in enumerate(records)
+        ]
         if left_out_damage(self.plan, [s for r in self.done for s in r.skipped]):
             self._restart()
         return dict(enumerate(self.done))
@@ -108,10 +121,16 @@ class LmdbSink(Sink):
     def record(self, result: JobResult) -> JobResult:
         assert self.writer is not None
         i = len(self.done)
-        record = {"keys": list(result.keys), "sizes": list(result.sizes), "fields": list(result.fields),
-                  "skipped": [asdict(s) for s in result.skipped]}
-        meta = {_chunk_key(i): json.dumps(record).encode(),
-                lmdb_format.PROGRESS_KEY: json.dumps({"plan": self.plan.fingerprint, "chunks": i + 1}).encode()}
+        record = {
+            "keys": list(result.keys),
+            "sizes": list(result.sizes),
+            "fields": list(result.fields),
+            "skipped": [asdict(s) for s in result.skipped],
+        }
+        meta = {
+            _chunk_key(i): json.dumps(record).encode(),
+            lmdb_format.PROGRESS_KEY: json.dumps({"plan": self.plan.fingerprint, "chunks": i + 1}).encode(),
+        }
         self.writer.write(result.samples, meta)
         kept = JobResult(result.info, result.fields, result.skipped, result.keys, result.sizes)  # samples dropped
         self.done.append(kept)
@@ -120,8 +139,11 @@ class LmdbSink(Sink):
     def make_index(self, results: Sequence[JobResult], base: dict[str, Any]) -> Index:
         keys = [k for r in results for k in r.keys]
         sizes = [n for r in results for n in r.sizes]
-        return Index(shards=(ShardInfo(lmdb_format.DATA_FILE, len(keys), sum(sizes)),),
-                     extra={"keys": keys, "sizes": sizes}, **base)
+        return Index(
+            shards=(ShardInfo(lmdb_format.DATA_FILE, len(keys), sum(sizes)),),
+            extra={"keys": keys, "sizes": sizes},
+            **base,
+        )
 
     def commit(self, idx: Index, fresh: bool) -> None:
         if fresh:

@@ -112,6 +112,7 @@ def lease_s() -> float:
 
 # -- a local DEST: flock ----------------------------------------------------------------------
 
+
 def _take(path: str, dest: str) -> int | None:
     """The lock file's descriptor, locked and holding this pack's note (None: the file
     system has no locks, and the pack goes on unlocked)."""
@@ -124,10 +125,16 @@ def _take(path: str, dest: str) -> int | None:
             holder = _note(fd)
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise DestinationBusyError(f"{storage.display(dest)}: another pack is writing into it ({holder}; it "
-                                           f"holds {path}): wait for it to end, or pack into another folder") from None
-            log.warning("%s: cannot lock %s (%s): another pack into it at the same time would not be refused",
-                        storage.display(dest), path, os.strerror(e.errno or 0))
+                raise DestinationBusyError(
+                    f"{storage.display(dest)}: another pack is writing into it ({holder}; it "
+                    f"holds {path}): wait for it to end, or pack into another folder"
+                ) from None
+            log.warning(
+                "%s: cannot lock %s (%s): another pack into it at the same time would not be refused",
+                storage.display(dest),
+                path,
+                os.strerror(e.errno or 0),
+            )
             return None
         if _same_file(fd, path):
             break
@@ -166,14 +173,21 @@ def _let_go(fd: int, path: str) -> None:
 
 # -- an object store: a lock object held by a lease ---------------------------------------------
 
+
 class Lease(Holding):
     """The lock object `url` of an object store's DEST, taken (`take`), refreshed from a daemon
     thread every quarter of `lease_s`, checked, and released."""
 
     def __init__(self, store: Store, url: str, dest: str, lease_s: float):
         self.store, self.url, self.dest, self.lease_s = store, url, dest, lease_s
-        self.note = {"run": uuid.uuid4().hex, "pid": os.getpid(), "host": socket.gethostname(),
-                     "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "lease_s": lease_s, **_process()}
+        self.note = {
+            "run": uuid.uuid4().hex,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "lease_s": lease_s,
+            **_process(),
+        }
         self.version: str | None = None
         self.lost: str | None = None  # who took it over, once someone has
         self._refreshed = 0.0  # time.monotonic() of the last write that held
@@ -195,8 +209,10 @@ class Lease(Holding):
                 self._thread = threading.Thread(target=self._refreshing, name="shardkit-lock", daemon=True)
                 self._thread.start()
                 return
-        raise DestinationBusyError(f"{self._where()}: its lock {storage.display(self.url)} changed hands "
-                                   f"{_TAKE_TRIES} times while this pack looked: other packs are starting there")
+        raise DestinationBusyError(
+            f"{self._where()}: its lock {storage.display(self.url)} changed hands "
+            f"{_TAKE_TRIES} times while this pack looked: other packs are starting there"
+        )
 
     def _over(self) -> str | None:
         """The version this pack holds after finding a lock there: its own (a write whose
@@ -207,15 +223,19 @@ class Lease(Holding):
         raw, seen = found
         holder = _parsed(raw)
         if holder is None:
-            raise DestinationBusyError(f"{self._where()}: {storage.display(self.url)} is there but is no pack's lock "
-                                       "note: remove it if no pack is writing into it")
+            raise DestinationBusyError(
+                f"{self._where()}: {storage.display(self.url)} is there but is no pack's lock "
+                "note: remove it if no pack is writing into it"
+            )
         if holder.get("run") == self.note["run"]:
             return seen
         stale = _stale(holder)
         if stale is None:
-            raise DestinationBusyError(f"{self._where()}: another pack is writing into it ({_who(holder)}; it holds "
-                                       f"{storage.display(self.url)}): wait for it to end, or pack into another "
-                                       f"prefix; {_until(holder)}")
+            raise DestinationBusyError(
+                f"{self._where()}: another pack is writing into it ({_who(holder)}; it holds "
+                f"{storage.display(self.url)}): wait for it to end, or pack into another "
+                f"prefix; {_until(holder)}"
+            )
         version = self.store.replace_if(self.url, self._encoded(), seen)
         if version is not None:
             log.warning("%s: took over the lock of a pack gone (%s; %s)", self._where(), _who(holder), stale)
@@ -242,30 +262,41 @@ class Lease(Holding):
                         version = found[1]
                     else:
                         self.lost = _who(holder) if holder is not None else "and let it go since"
-                        log.error("%s: another pack took over this pack's lock (%s): this pack stops",
-                                  self._where(), self.lost)
+                        log.error(
+                            "%s: another pack took over this pack's lock (%s): this pack stops",
+                            self._where(),
+                            self.lost,
+                        )
                         return
             except (ShardkitError, OSError) as e:
                 left = self.lease_s - (time.monotonic() - self._refreshed)
-                log.warning("%s: could not refresh this pack's lock (%s); another pack may take it over in %.0f s",
-                            self._where(), e, max(0.0, left))
+                log.warning(
+                    "%s: could not refresh this pack's lock (%s); another pack may take it over in %.0f s",
+                    self._where(),
+                    e,
+                    max(0.0, left),
+                )
                 return
             self.version, self._refreshed = version, time.monotonic()
 
     def check(self) -> None:
         if self.lost is not None:
-            raise DestinationBusyError(f"{self._where()}: another pack took this pack's lock over ({self.lost}) after "
-                                       f"{self.lease_s:.0f} s without a refresh: this pack stopped; rerun it once "
-                                       "that one has ended")
+            raise DestinationBusyError(
+                f"{self._where()}: another pack took this pack's lock over ({self.lost}) after "
+                f"{self.lease_s:.0f} s without a refresh: this pack stopped; rerun it once "
+                "that one has ended"
+            )
 
     def confirm(self) -> None:
         """Refresh the lock now, and raise unless it still holds it for a while to come."""
         self._refresh()
         self.check()
         if time.monotonic() - self._refreshed > self.lease_s / 2:
-            raise DestinationBusyError(f"{self._where()}: could not refresh this pack's lock "
-                                       f"{storage.display(self.url)} for {time.monotonic() - self._refreshed:.0f} s "
-                                       f"(of its lease of {self.lease_s:.0f} s): not committing; rerun the pack")
+            raise DestinationBusyError(
+                f"{self._where()}: could not refresh this pack's lock "
+                f"{storage.display(self.url)} for {time.monotonic() - self._refreshed:.0f} s "
+                f"(of its lease of {self.lease_s:.0f} s): not committing; rerun the pack"
+            )
 
     def release(self) -> None:
         """Stop refreshing, and remove the lock if it is still this pack's."""
@@ -279,8 +310,13 @@ class Lease(Holding):
             try:
                 self.store.remove_if(self.url, version)
             except (ShardkitError, OSError) as e:
-                log.warning("%s: could not remove this pack's lock (%s): the next pack takes it over once its "
-                            "lease of %.0f s has run out", self._where(), e, self.lease_s)
+                log.warning(
+                    "%s: could not remove this pack's lock (%s): the next pack takes it over once its "
+                    "lease of %.0f s has run out",
+                    self._where(),
+                    e,
+                    self.lease_s,
+                )
 
 
 def _parsed(raw: bytes) -> dict[str, Any] | None:
@@ -290,8 +326,12 @@ def _parsed(raw: bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     fields = {"run": str, "pid": int, "host": str, "since": str}
-    if not (isinstance(note, dict) and all(isinstance(note.get(k), t) for k, t in fields.items())
-            and isinstance(note.get("refreshed"), (int, float)) and isinstance(note.get("lease_s"), (int, float))):
+    if not (
+        isinstance(note, dict)
+        and all(isinstance(note.get(k), t) for k, t in fields.items())
+        and isinstance(note.get("refreshed"), (int, float))
+        and isinstance(note.get("lease_s"), (int, float))
+    ):
         return None
     return note
 
@@ -315,13 +355,16 @@ def _stale(note: dict[str, Any]) -> str | None:
 
 def _until(note: dict[str, Any]) -> str:
     left = float(note["lease_s"]) - _age(note)
-    return (f"it was refreshed {max(0.0, _age(note)):.0f} s ago: a pack that died is taken over once its lease "
-            f"has run out, in {max(0.0, left):.0f} s")
+    return (
+        f"it was refreshed {max(0.0, _age(note)):.0f} s ago: a pack that died is taken over once its lease "
+        f"has run out, in {max(0.0, left):.0f} s"
+    )
 
 
 # A process's identity on this machine: the kernel's boot id and pid namespace (a machine's,
 # not a container's hostname: two containers can share one) and its start time (a pid can be
 # reused), where /proc tells them (Linux); elsewhere a lock is stale only when its lease runs out.
+
 
 def _process() -> dict[str, str]:
     machine, started = _machine(), _started(os.getpid())

@@ -50,8 +50,9 @@ def root(src: str) -> str:
     return folder or "."
 
 
-def scan_manifest(src: str, storage_options: StorageOptions | None = None
-                  ) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
+def scan_manifest(
+    src: str, storage_options: StorageOptions | None = None
+) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
     """Classes (sorted label names; none where the labels are numbers), the images the
     manifest lists with their values, and what was left out."""
     where = storage.display(src)
@@ -124,7 +125,9 @@ def _field(key: str) -> str:
 def _check_header(src: str, header: list[str]) -> None:
     where = storage.display(src)
     if not any(k in header for k in IMAGE_KEYS):
-        raise SourceError(f"{where}: no column for the image path (path or file_name); its columns: {', '.join(header)}")
+        raise SourceError(
+            f"{where}: no column for the image path (path or file_name); its columns: {', '.join(header)}"
+        )
     seen: dict[str, str] = {}
     for key in header:
         if key in IMAGE_KEYS:
@@ -133,7 +136,9 @@ def _check_header(src: str, header: list[str]) -> None:
         if field in seen:
             raise SourceError(f"{where}: columns {seen[field]!r} and {key!r} both give field {field!r}")
         if not sidecars.valid_name(field):
-            raise SourceError(f"{where}: column {key!r} cannot name a field (letters, digits, '_' and '-', dot-separated)")
+            raise SourceError(
+                f"{where}: column {key!r} cannot name a field (letters, digits, '_' and '-', dot-separated)"
+            )
         seen[field] = key
 
 
@@ -190,8 +195,10 @@ class _Files:
         self._folder, self._listed = folder, None
         if not storage.is_local(folder):  # one listing of the folder rather than a request a row
             prefix = storage.filesystem(folder, storage_options)[1].rstrip("/") + "/"
-            self._listed = {path[len(prefix):]: (int(info.get("size") or 0), change_marker(info))
-                            for path, info in storage.find(folder, storage_options).items()}
+            self._listed = {
+                path[len(prefix) :]: (int(info.get("size") or 0), change_marker(info))
+                for path, info in storage.find(folder, storage_options).items()
+            }
 
     def stat(self, path: str) -> tuple[int, int] | str:
         if self._listed is not None:
@@ -201,5 +208,9 @@ class _Files:
         except OSError as e:
             if not about_the_file(e):
                 raise
-            return "no such file" if isinstance(e, (FileNotFoundError, NotADirectoryError)) else f"cannot stat ({e.strerror})"
+            return (
+                "no such file"
+                if isinstance(e, (FileNotFoundError, NotADirectoryError))
+                else f"cannot stat ({e.strerror})"
+            )
         return (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else "not a file"

@@ -109,7 +109,11 @@ def pack(
     if executor not in ("local", "ray"):
         raise ValueError(f"executor must be 'local' or 'ray', not {executor!r}")
     sink_type = sinks.sink_for(format)
-    seed, shuffle, overwrite = checks.integer("seed", seed), checks.flag("shuffle", shuffle), checks.flag("overwrite", overwrite)
+    seed, shuffle, overwrite = (
+        checks.integer("seed", seed),
+        checks.flag("shuffle", shuffle),
+        checks.flag("overwrite", overwrite),
+    )
     storage_options = checks.mapping("storage_options", storage_options)
     on_error = checks.on_error(on_error)
     max_count, workers = checks.optional("max_count", max_count, 1), checks.optional("workers", workers, 1)
@@ -121,10 +125,26 @@ def pack(
         raise TypeError(f"stats must be a dict to fill (or None), not {stats!r}")
     _check_dest(src, dest, sink_type.local_only, format)
     max_file_size = checks.size("max_file_size", max_file_size, 1) if max_file_size is not None else None
-    options = Options(resize=resize, quality=quality, on_error=on_error, decode_check=checks.flag("decode_check", decode_check),
-                      max_file_size=max_file_size)
-    plan = _planned(src, dest, sink_type, options, storage_options, max_count=max_count, max_size=max_size,
-                    shuffle=shuffle, seed=seed, layout=layout, fields=fields)
+    options = Options(
+        resize=resize,
+        quality=quality,
+        on_error=on_error,
+        decode_check=checks.flag("decode_check", decode_check),
+        max_file_size=max_file_size,
+    )
+    plan = _planned(
+        src,
+        dest,
+        sink_type,
+        options,
+        storage_options,
+        max_count=max_count,
+        max_size=max_size,
+        shuffle=shuffle,
+        seed=seed,
+        layout=layout,
+        fields=fields,
+    )
     runner = _runner(executor, ray_address, workers, dest)
     sink = sink_type(plan, dest, storage_options)
     tally = stats if stats is not None else {}
@@ -141,15 +161,42 @@ def _check_dest(src: str, dest: str, local_only: bool, fmt: str) -> None:
         raise SourceError(f"{dest}: a file, not a folder (DEST is the folder the dataset goes in)")  # or a device
 
 
-def _planned(src: str, dest: str, sink_type: type[Sink], options: Options, storage_options: StorageOptions,
-             *, max_count: int | None, max_size: int | None, shuffle: bool, seed: int, layout: str,
-             fields: Sequence[str]) -> Plan:
+def _planned(
+    src: str,
+    dest: str,
+    sink_type: type[Sink],
+    options: Options,
+    storage_options: StorageOptions,
+    *,
+    max_count: int | None,
+    max_size: int | None,
+    shuffle: bool,
+    seed: int,
+    layout: str,
+    fields: Sequence[str],
+) -> Plan:
     """The pack's plan; under on_error="raise", the first unusable input stops it here, before any write."""
-    if not storage.is_local(src) and (kind := source_kind(src, storage_options)) in FORMATS and format_of(kind).local_only:
+    if (
+        not storage.is_local(src)
+        and (kind := source_kind(src, storage_options)) in FORMATS
+        and format_of(kind).local_only
+    ):
         src = local_lmdb(src, storage_options, None)  # an LMDB is read from a whole local copy
-    plan = make_plan(src, dest, max_count=max_count, max_size=max_size, shuffle=shuffle, seed=seed,
-                     options=options, fmt=sink_type.name, job_name=sink_type.job_name, payload=sink_type.payload,
-                     storage_options=storage_options, layout=layout, fields=fields)
+    plan = make_plan(
+        src,
+        dest,
+        max_count=max_count,
+        max_size=max_size,
+        shuffle=shuffle,
+        seed=seed,
+        options=options,
+        fmt=sink_type.name,
+        job_name=sink_type.job_name,
+        payload=sink_type.payload,
+        storage_options=storage_options,
+        layout=layout,
+        fields=fields,
+    )
     unusable = [s for s in plan.skipped if s.reason != HIDDEN]
     if options.on_error == "raise" and unusable:
         raise SourceError(f"{shown_name(storage.join(plan.src, unusable[0].path))}: {unusable[0].reason}")

@@ -107,12 +107,27 @@ class Plan:
         goes_on = False
         if (fmt := converted(self.source)) and fmt.sharded:
             names = dict.fromkeys(_shard_of(it) for it in items)
-            shards = tuple(replace(s, offsets=None) if s.sha256 else s  # a hash checks them
-                           for s in map(self._shard.__getitem__, names))
+            shards = tuple(
+                replace(s, offsets=None) if s.sha256 else s  # a hash checks them
+                for s in map(self._shard.__getitem__, names)
+            )
             if items and then == i + 1 and self.size(then):
                 goes_on = _shard_of(self.listing.item(int(self.order[self.bounds[then][0]]))) == _shard_of(items[-1])
-        return Job(self.names[i], self.src, self.dest, items, self.classes, self.options, fp,
-                   self.storage_options, self.source, shards, self.run, self.meta, goes_on)
+        return Job(
+            self.names[i],
+            self.src,
+            self.dest,
+            items,
+            self.classes,
+            self.options,
+            fp,
+            self.storage_options,
+            self.source,
+            shards,
+            self.run,
+            self.meta,
+            goes_on,
+        )
 
     @functools.cached_property
     def _shard(self) -> dict[str, ShardInfo]:
@@ -230,8 +245,10 @@ def make_plan(
         source_id = None
     else:
         if options.resize or options.quality:
-            raise SourceError(f"{storage.display(src)}: a {source} dataset, converted byte for byte; resize and "
-                              "quality re-encode the images of an image folder (pack the folder itself)")
+            raise SourceError(
+                f"{storage.display(src)}: a {source} dataset, converted byte for byte; resize and "
+                "quality re-encode the images of an image folder (pack the folder itself)"
+            )
         idx, listing = scan_dataset(src, source, storage_options)
         classes, source_id, order = idx.classes, _fingerprint(idx.to_json()), np.arange(len(listing))
         inherited, shards = idx.skipped, idx.shards if formats.get(source).sharded else ()
@@ -242,16 +259,34 @@ def make_plan(
     bounds = _even_cuts(needs, max_count, limit)
     names = tuple(job_name.format(i) for i in range(len(bounds)))
     meta = META_ASIDE if META in listing.extra_fields else META
-    plan = Plan(src, dest, source, classes, tuple(skipped), listing, order, tuple(bounds), names, options,
-                storage_options, meta=meta)
+    plan = Plan(
+        src,
+        dest,
+        source,
+        classes,
+        tuple(skipped),
+        listing,
+        order,
+        tuple(bounds),
+        names,
+        options,
+        storage_options,
+        meta=meta,
+    )
     fingerprints = tuple(_job_fingerprint(plan, i, source_id) for i in range(len(bounds)))
     # what the scan left out is part of the index, so of what makes this pack the same as
     # another; hidden entries (.DS_Store) are not, and with nothing else left out the
     # fingerprint is what it was before it counted them, so older packs still match
     left_out = [asdict(s) for s in skipped if s.reason != HIDDEN]
     fingerprint = _fingerprint(fmt, classes, fingerprints, *([left_out] if left_out else []))
-    return replace(plan, fingerprints=fingerprints, fingerprint=fingerprint, inherited=inherited, shards=shards,
-                   run=os.urandom(8).hex())
+    return replace(
+        plan,
+        fingerprints=fingerprints,
+        fingerprint=fingerprint,
+        inherited=inherited,
+        shards=shards,
+        run=os.urandom(8).hex(),
+    )
 
 
 def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarray:
@@ -293,14 +328,18 @@ def _job_fingerprint(plan: Plan, i: int, source_id: str | None) -> str:
         del options["decode_check"]
     if options["max_file_size"] == DEFAULT_MAX_FILE_SIZE:  # absent at its default, as for decode_check
         del options["max_file_size"]
-    h = hashlib.sha256(json.dumps([plan.names[i], plan.source, plan.classes, options, source_id,
-                                   lo, hi, len(plan.order)]).encode())
+    h = hashlib.sha256(
+        json.dumps([plan.names[i], plan.source, plan.classes, options, source_id, lo, hi, len(plan.order)]).encode()
+    )
     for column in (ids, listing.labels[ids], listing.sizes[ids], listing.mtimes[ids]):
         h.update(np.ascontiguousarray(column, "<i8").tobytes())
     h.update(b"\0".join(listing.paths[a:b] for a, b in zip(starts, listing.ends[ids].tolist())))
     ends, sizes = listing.extra_ends, listing.extra_sizes
     if ends is not None and sizes is not None:  # sidecars and values: absent before them, so older packs still match
         h.update(json.dumps([plan.meta, sizes[ids].tolist()]).encode())
-        h.update(b"\0".join(listing.extras[a:b] for a, b in zip(np.where(ids > 0, ends[ids - 1], 0).tolist(),
-                                                                  ends[ids].tolist())))
+        h.update(
+            b"\0".join(
+                listing.extras[a:b] for a, b in zip(np.where(ids > 0, ends[ids - 1], 0).tolist(), ends[ids].tolist())
+            )
+        )
     return h.hexdigest()

@@ -63,8 +63,10 @@ def _check_size(item: Item, limit: int | None) -> None:
     """BadImage for a source file larger than `limit` by the listing's size, before any of it
     is read (a 2 GB sparse `.jpg` was read whole, then refused)."""
     if limit is not None and item.size > limit:
-        raise images.BadImage(f"{format_size(item.size)} ({item.size} bytes), over the limit of "
-                              f"{format_size(limit)} ({limit} bytes; --max-file-size, max_file_size=): not read")
+        raise images.BadImage(
+            f"{format_size(item.size)} ({item.size} bytes), over the limit of "
+            f"{format_size(limit)} ({limit} bytes; --max-file-size, max_file_size=): not read"
+        )
 
 
 def _sidecar(job: Job, field: str, path: str) -> bytes:
@@ -119,17 +121,23 @@ def _source_range(job: Job, shard: str, start: int, stop: int) -> bytes:
         def fetch(offset: int, n: int) -> bytes:
             return os.pread(fd, n, offset)
     else:
+
         def fetch(offset: int, n: int) -> bytes:
             end = min(offset + n, info.bytes)
             return storage.read_range(url, offset, end, job.storage_options) if offset < end else b""
+
     if info.compression is None:
         data = fetch(start, stop - start)
         if len(data) != stop - start:
-            raise CorruptShardError(f"{storage.display(url)}: {len(data)} bytes at offset {start}, expected {stop - start}")
+            raise CorruptShardError(
+                f"{storage.display(url)}: {len(data)} bytes at offset {start}, expected {stop - start}"
+            )
         return data
     if stop - start > gzip.MAX_MEMBER:
-        raise CorruptShardError(f"{storage.display(url)} (sample at byte {start}): inflates to {stop - start} bytes, "
-                                f"over {gzip.MAX_MEMBER} (a decompression bomb?)")
+        raise CorruptShardError(
+            f"{storage.display(url)} (sample at byte {start}): inflates to {stop - start} bytes, "
+            f"over {gzip.MAX_MEMBER} (a decompression bomb?)"
+        )
     if _inflating is None or _inflating[0] != url:
         _inflating = (url, gzip.Ranges(fetch, storage.display(url), keep=0))
     return _inflating[1].read(start, stop)
@@ -200,8 +208,10 @@ def _copied(copy: BinaryIO, url: str, data: bytes) -> None:
 
 def _no_room(url: str, e: OSError) -> ShardkitError:
     """Not the source's fault: a local disk that cannot hold its copy stops the pack."""
-    return ShardkitError(f"{tempfile.gettempdir()}: cannot hold a copy of {storage.display(url)} "
-                         f"({e.strerror or e}); set TMPDIR to a folder with room for a source shard")
+    return ShardkitError(
+        f"{tempfile.gettempdir()}: cannot hold a copy of {storage.display(url)} "
+        f"({e.strerror or e}); set TMPDIR to a folder with room for a source shard"
+    )
 
 
 def _source_problem(job: Job, shard: str, copy_to: Callable[[bytes], None] | None) -> str | None:
@@ -238,7 +248,11 @@ def job_samples(job: Job, check: Callable[[str, dict[str, bytes]], None] | None 
                 if isinstance(e, OSError) and not about_the_file(e):  # about the machine: stop, naming the file
                     name_file(e, storage.join(job.src, item.path))
                     raise
-                reason = str(e) if isinstance(e, (images.BadImage, CorruptShardError)) else f"cannot read ({e.strerror or e})"
+                reason = (
+                    str(e)
+                    if isinstance(e, (images.BadImage, CorruptShardError))
+                    else f"cannot read ({e.strerror or e})"
+                )
                 if job.options.on_error == "raise":
                     raise SourceError(f"{shown_name(storage.join(job.src, item.path))}: {reason}") from None
                 yield Skipped(item.path, reason)

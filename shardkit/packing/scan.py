@@ -23,8 +23,9 @@ HIDDEN = "hidden entry ignored"  # listed in the index, but not a failure under 
 OUTSIDE_CLASSES = "not inside a class folder"  # a file beside the class folders (the CLI hints at --layout flat)
 
 
-def _walk(top: str, rel: str, above: frozenset[tuple[int, int]], skipped: list[Skipped]
-          ) -> Iterator[tuple[str, os.stat_result]]:
+def _walk(
+    top: str, rel: str, above: frozenset[tuple[int, int]], skipped: list[Skipped]
+) -> Iterator[tuple[str, os.stat_result]]:
     """Yield (relpath, stat) of the files under `top`, following symlinks but never a loop
     (a folder that is one of its own ancestors). A folder reached twice by two routes is
     read twice, as torchvision's ImageFolder does. Hidden entries and names that are not
@@ -73,8 +74,12 @@ def _usable_name(name: str, rel: str, skipped: list[Skipped]) -> bool:
     return True
 
 
-def scan_folder(src: str, storage_options: StorageOptions | None = None, layout: str = "classes",
-                fields: Sequence[str] = sidecars.DEFAULT_FIELDS) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
+def scan_folder(
+    src: str,
+    storage_options: StorageOptions | None = None,
+    layout: str = "classes",
+    fields: Sequence[str] = sidecars.DEFAULT_FIELDS,
+) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
     """Classes (sorted folder names; none with layout="flat", where images may be anywhere),
     the image files with their sidecars (`fields` as sidecars.check_fields gives them), and
     what was left out."""
@@ -100,9 +105,14 @@ def scan_folder(src: str, storage_options: StorageOptions | None = None, layout:
             skipped.append(Skipped(entry.name, OUTSIDE_CLASSES))
     if not classes:
         shards = any(s.path.endswith(index.SHARD_SUFFIXES) for s in skipped)
-        hint = f"; tar shards from another tool are converted once `shardkit index {src}` has indexed them" if shards else ""
-        raise SourceError(f"{src}: no class folders (expected SRC/<class>/<image>; images without classes: "
-                          f"--layout flat){hint}")
+        hint = (
+            f"; tar shards from another tool are converted once `shardkit index {src}` has indexed them"
+            if shards
+            else ""
+        )
+        raise SourceError(
+            f"{src}: no class folders (expected SRC/<class>/<image>; images without classes: --layout flat){hint}"
+        )
     top = os.stat(path)
     above = frozenset({(top.st_dev, top.st_ino)})  # a class folder linked to SRC itself is a loop too
     for label, name in enumerate(classes):
@@ -120,8 +130,14 @@ def _files(walk: Iterator[tuple[str, os.stat_result]]) -> list[sidecars.File]:
     return [sidecars.File(rel, st.st_size, st.st_mtime_ns) for rel, st in sorted(walk, key=lambda f: f[0])]
 
 
-def _add(found: ListingBuilder, files: Sequence[sidecars.File], label: int, fields: Sequence[str], classes: bool,
-         skipped: list[Skipped]) -> None:
+def _add(
+    found: ListingBuilder,
+    files: Sequence[sidecars.File],
+    label: int,
+    fields: Sequence[str],
+    classes: bool,
+    skipped: list[Skipped],
+) -> None:
     """The images among `files`, each with its sidecars, as items of class `label`."""
     samples, left_out = sidecars.group(files, fields, classes)
     skipped += left_out
@@ -136,8 +152,9 @@ def _built(found: ListingBuilder, src: str, where: str) -> Listing:
     return listing
 
 
-def _scan_remote(src: str, storage_options: StorageOptions | None, layout: str, fields: Sequence[str]
-                 ) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
+def _scan_remote(
+    src: str, storage_options: StorageOptions | None, layout: str, fields: Sequence[str]
+) -> tuple[tuple[str, ...], Listing, list[Skipped]]:
     """The same for a bucket prefix, in one recursive listing. As locally, every folder at the
     top is a class, whether it holds images or not (object stores have no empty folders)."""
     root = storage.filesystem(src, storage_options)[1].rstrip("/")
@@ -148,7 +165,7 @@ def _scan_remote(src: str, storage_options: StorageOptions | None, layout: str, 
     skipped: list[Skipped] = []
     files: dict[str, list[sidecars.File]] = {}  # class (flat: "") -> its files, by path
     for path in sorted(entries):
-        rel = path[len(root):].lstrip("/")
+        rel = path[len(root) :].lstrip("/")
         top, sep, _ = rel.partition("/")
         if sep and not top.startswith(".") and not flat:
             files.setdefault(top, [])
@@ -158,12 +175,15 @@ def _scan_remote(src: str, storage_options: StorageOptions | None, layout: str, 
             skipped.append(Skipped(rel, OUTSIDE_CLASSES))
         else:
             info = entries[path]
-            files.setdefault("" if flat else top, []).append(sidecars.File(rel, int(info.get("size") or 0),
-                                                                              change_marker(info)))
+            files.setdefault("" if flat else top, []).append(
+                sidecars.File(rel, int(info.get("size") or 0), change_marker(info))
+            )
     classes = () if flat else tuple(sorted(files))
     if not classes and not flat:
-        raise SourceError(f"{storage.display(src)}: no class folders (expected SRC/<class>/<image>; images without "
-                          "classes: --layout flat)")
+        raise SourceError(
+            f"{storage.display(src)}: no class folders (expected SRC/<class>/<image>; images without "
+            "classes: --layout flat)"
+        )
     found = ListingBuilder()
     for label, name in enumerate(classes or ("",)):  # class by class, as locally ("a-b/x" lists before "a/x")
         _add(found, files.get(name, []), label if classes else -1, fields, not flat, skipped)
@@ -172,7 +192,7 @@ def _scan_remote(src: str, storage_options: StorageOptions | None, layout: str, 
 
 
 def source_kind(src: str, storage_options: StorageOptions | None = None) -> str:
-    """"tar" or "lmdb" for a shardkit dataset, "manifest" for a .csv or .jsonl file, "folder"
+    """ "tar" or "lmdb" for a shardkit dataset, "manifest" for a .csv or .jsonl file, "folder"
     for anything else."""
     if manifest.is_manifest(src):
         return "manifest"
@@ -197,7 +217,9 @@ def scan_dataset(src: str, kind: str, storage_options: StorageOptions | None = N
     if not formats.get(kind).sharded:
         from ..sources import lmdb_index
 
-        idx = index.load(src, storage_options) if storage.exists(storage.join(src, index.INDEX_NAME)) else lmdb_index(src)
+        idx = (
+            index.load(src, storage_options) if storage.exists(storage.join(src, index.INDEX_NAME)) else lmdb_index(src)
+        )
         keys = idx.extra.get("keys", [])
         for key, size in zip(keys, idx.extra.get("sizes") or [0] * len(keys)):
             found.add(key, -1, size, 0)

@@ -59,8 +59,10 @@ def check_fields(fields: Iterable[str]) -> tuple[str, ...]:
     out = set(DEFAULT_FIELDS)
     for field in fields:
         if not isinstance(field, str) or not valid_name(field):
-            raise ValueError(f"fields: {field!r} is not a field name (letters, digits, '_' and '-', dot-separated, "
-                             "as in 'txt' or 'depth.png')")
+            raise ValueError(
+                f"fields: {field!r} is not a field name (letters, digits, '_' and '-', dot-separated, "
+                "as in 'txt' or 'depth.png')"
+            )
         if "." + field.lower() in images.EXTENSIONS:
             raise ValueError(f"fields: {field!r} is an image extension: such a file is an image of its own")
         out.add(field.lower())
@@ -91,11 +93,16 @@ def group(files: Sequence[File], fields: Sequence[str], classes: bool) -> tuple[
         if not any(i.path not in owner for i in stems.get(stem, ())):  # no image: a file like any other
             skipped.append(Skipped(f.path, "not an image file extension"))
         elif field == "cls" and classes:
-            skipped.append(Skipped(f.path, "a class file beside an image in a class folder: the folder gives its class"))
+            skipped.append(
+                Skipped(f.path, "a class file beside an image in a class folder: the folder gives its class")
+            )
         else:
             extras.setdefault(stem, []).append((field, f))
-    samples = [Sample(f, tuple(sorted(extras.get(_stem(f.path), ()))))
-               for f in files if images.field_for(f.path) is not None and f.path not in owner]
+    samples = [
+        Sample(f, tuple(sorted(extras.get(_stem(f.path), ()))))
+        for f in files
+        if images.field_for(f.path) is not None and f.path not in owner
+    ]
     return samples, skipped
 
 
@@ -125,8 +132,11 @@ def decode(text: str) -> list[tuple[str, str, str]]:
 
 def of_files(sample: Sample) -> tuple[str, int, tuple[str, ...]]:
     """(extras, their bytes in a tar shard, their fields) of a sample's sidecars."""
-    return (encode((field, FILE, f.path) for field, f in sample.extras), sum(member_size(f.size) for _, f in sample.extras),
-            tuple(field for field, _ in sample.extras))
+    return (
+        encode((field, FILE, f.path) for field, f in sample.extras),
+        sum(member_size(f.size) for _, f in sample.extras),
+        tuple(field for field, _ in sample.extras),
+    )
 
 
 def marker(sample: Sample) -> int:
@@ -137,8 +147,14 @@ def marker(sample: Sample) -> int:
     return int.from_bytes(hashlib.sha256(json.dumps(parts).encode()).digest()[:7], "big")
 
 
-_KINDS = {"cls": "an integer class", "json": "valid JSON", "jsn": "valid JSON", "txt": "UTF-8 text",
-          "text": "UTF-8 text", "transcript": "UTF-8 text"}
+_KINDS = {
+    "cls": "an integer class",
+    "json": "valid JSON",
+    "jsn": "valid JSON",
+    "txt": "UTF-8 text",
+    "text": "UTF-8 text",
+    "transcript": "UTF-8 text",
+}
 
 
 def check(field: str, data: bytes, where: str) -> None:

@@ -44,8 +44,12 @@ def write_shard(job: Job) -> JobResult:
         sha = writer.close()
     info = ShardInfo(job.name, len(writer.offsets) - 1, writer.size, sha)
     result = JobResult(info, tuple(sorted(fields)), tuple(skipped))
-    record = {"fingerprint": job.fingerprint, "shard": info.to_json(), "fields": result.fields,
-              "skipped": [asdict(s) for s in skipped]}
+    record = {
+        "fingerprint": job.fingerprint,
+        "shard": info.to_json(),
+        "fields": result.fields,
+        "skipped": [asdict(s) for s in skipped],
+    }
     table = np.asarray(writer.offsets, dtype=sidecar.DTYPE).tobytes()  # the shard's offsets, for the commit
     storage.write_bytes_atomic(_table_url(job.dest, job.name), table, job.storage_options)
     storage.write_bytes_atomic(_progress_url(job.dest, job.name), json.dumps(record).encode(), job.storage_options)
@@ -63,6 +67,7 @@ def _table_url(dest: str, name: str) -> str:
 def _tables(dest: str, names: Sequence[str], storage_options: StorageOptions | None) -> Iterator[np.ndarray]:
     """The offset tables the jobs wrote, in the order of `names`: read on threads a few
     dozen ahead (an object store answers each read in tens of ms), one batch held at a time."""
+
     def read(name: str) -> np.ndarray:
         return np.frombuffer(storage.read_bytes(_table_url(dest, name), storage_options), dtype=sidecar.DTYPE)
 
@@ -88,8 +93,10 @@ class TarSink(Sink):
     @staticmethod
     def job_limit(max_size: int | None) -> int | None:
         if max_size is not None and max_size < RECORD:
-            raise ValueError(f"max_size must be at least {RECORD} bytes (10KiB) for tar shards, the size of the "
-                             f"smallest tar file, not {max_size}")
+            raise ValueError(
+                f"max_size must be at least {RECORD} bytes (10KiB) for tar shards, the size of the "
+                f"smallest tar file, not {max_size}"
+            )
         return max_size
 
     def prepare(self, overwrite: bool) -> Index | None:
@@ -109,17 +116,26 @@ class TarSink(Sink):
                 pass
         packed = index.PROGRESS_DIR in names or index.INDEX_NAME in names
         own = (index.INDEX_NAME, index.PROGRESS_DIR)
-        foreign = [n for n in names if n not in own and not n.startswith(".")  # .DS_Store: hidden, as in SRC
-                   and not (packed and (SHARD_RE.match(n) or sidecar.PATTERN.match(n) or TMP_RE.match(n)))]
+        foreign = [
+            n
+            for n in names
+            if n not in own
+            and not n.startswith(".")  # .DS_Store: hidden, as in SRC
+            and not (packed and (SHARD_RE.match(n) or sidecar.PATTERN.match(n) or TMP_RE.match(n)))
+        ]
         if lmdb_format.DATA_FILE in foreign:
             raise SourceError(f"{dest}: holds an LMDB dataset: pack tar shards into another folder")
         if foreign:
-            raise SourceError(f"{dest}: destination is not empty and holds files `shardkit pack` did not write "
-                              f"(found {foreign[0]!r})")
+            raise SourceError(
+                f"{dest}: destination is not empty and holds files `shardkit pack` did not write (found {foreign[0]!r})"
+            )
         if existing is not None and existing.plan == plan.fingerprint:
             whole = existing.sidecar is None or existing.sidecar.file in names
-            if whole and not left_out_damage(plan, existing.skipped) and all(
-                    storage.size(storage.join(dest, s.name), opts) == s.bytes for s in existing.shards):
+            if (
+                whole
+                and not left_out_damage(plan, existing.skipped)
+                and all(storage.size(storage.join(dest, s.name), opts) == s.bytes for s in existing.shards)
+            ):
                 return existing
         elif index.INDEX_NAME in names and not overwrite:
             refuse_to_replace(dest, existing)
@@ -167,8 +183,9 @@ class TarSink(Sink):
     def make_index(self, results: Sequence[JobResult], base: dict[str, Any]) -> Index:
         """The index, its shards' offsets streamed from the jobs' tables into its sidecar."""
         idx = Index(shards=tuple(r.info for r in results), **base)
-        return index.with_sidecar(idx, self.dest, _tables(self.dest, self.plan.names, self.storage_options),
-                                  self.storage_options)
+        return index.with_sidecar(
+            idx, self.dest, _tables(self.dest, self.plan.names, self.storage_options), self.storage_options
+        )
 
     def commit(self, idx: Index, fresh: bool) -> None:
         if fresh:

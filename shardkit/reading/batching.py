@@ -252,8 +252,10 @@ def collate(samples: list[Any]) -> Any:
         samples: the samples of one batch, of equal shapes and dtypes where they are stacked.
     """
     if not isinstance(samples, (list, tuple)):  # a DataLoader with batch_size=None hands it one sample
-        raise TypeError(f"collate takes a list of samples, not {type(samples).__name__}: give the DataLoader a "
-                        "batch_size (with batch_size=None it passes collate_fn one sample at a time)")
+        raise TypeError(
+            f"collate takes a list of samples, not {type(samples).__name__}: give the DataLoader a "
+            "batch_size (with batch_size=None it passes collate_fn one sample at a time)"
+        )
     samples = list(samples)
     if not samples:
         raise ValueError("collate needs at least one sample")
@@ -298,8 +300,10 @@ class Batches:
                 if n:
                     leaves = []
                     if _flatten(item, leaves, layout.spec) != layout.spec:
-                        raise ValueError(f"batch_size={self.batch_size}: sample {n} of a batch has another "
-                                         "structure than the first (all samples of a batch must match)")
+                        raise ValueError(
+                            f"batch_size={self.batch_size}: sample {n} of a batch has another "
+                            "structure than the first (all samples of a batch must match)"
+                        )
                 item = None  # free the sample as soon as it is copied: the next one reuses its memory
                 self._put(seg, layout, others, leaves, n)
                 leaves = []
@@ -393,8 +397,10 @@ class SharedBatch:
 
 
 def _collated_again(batch: list[SharedBatch], *, collate_fn_map: Any = None) -> Any:
-    raise TypeError("the dataset batches already (batch_size= on the dataset): give the DataLoader batch_size=None, "
-                    "or drop batch_size from the dataset and give the DataLoader collate_fn=shardkit.collate")
+    raise TypeError(
+        "the dataset batches already (batch_size= on the dataset): give the DataLoader batch_size=None, "
+        "or drop batch_size from the dataset and give the DataLoader collate_fn=shardkit.collate"
+    )
 
 
 # default_collate's table of types (torch's documented way to extend it): a DataLoader that

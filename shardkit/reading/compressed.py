@@ -25,8 +25,9 @@ from ..index import ShardInfo
 CHUNK = 8 << 20  # compressed bytes a fetch asks for: a few requests a shard, each a cacheable block
 
 
-def check_samples(urls: Sequence[str], shards: Sequence[ShardInfo], first: np.ndarray, offsets: np.ndarray,
-                  limit: int) -> int:
+def check_samples(
+    urls: Sequence[str], shards: Sequence[ShardInfo], first: np.ndarray, offsets: np.ndarray, limit: int
+) -> int:
     """The largest mean sample size of a compressed shard (0: none is compressed), from every
     shard's offset table back to back (`offsets`; shard i's samples start at sample
     `first[i]`). Refuses one whose index has a sample larger than `limit` (a decompression
@@ -40,8 +41,10 @@ def check_samples(urls: Sequence[str], shards: Sequence[ShardInfo], first: np.nd
         sizes = np.diff(table)
         j = int(np.argmax(sizes))
         if sizes[j] > limit:
-            raise CorruptShardError(f"{storage.display(url)}: sample {j} inflates to {sizes[j]} bytes (at byte "
-                                    f"{table[j]} of its tar), over max_member_size ({limit} bytes)")
+            raise CorruptShardError(
+                f"{storage.display(url)}: sample {j} inflates to {sizes[j]} bytes (at byte "
+                f"{table[j]} of its tar), over max_member_size ({limit} bytes)"
+            )
         largest = max(largest, -(-int(table[-1] - table[0]) // info.samples))
     return largest
 
@@ -61,8 +64,14 @@ class CompressedShards:
     each stream keeps that many samples' bytes, and as many streams stay open as `spread`
     samples can span shards. Thread-safe: read-ahead threads take turns on a shard."""
 
-    def __init__(self, reader: storage.RangeReader, urls: Sequence[str], shards: Sequence[ShardInfo], spread: int,
-                 sample_bytes: int):
+    def __init__(
+        self,
+        reader: storage.RangeReader,
+        urls: Sequence[str],
+        shards: Sequence[ShardInfo],
+        spread: int,
+        sample_bytes: int,
+    ):
         self._reader, self._urls, self._keep = reader, urls, spread * sample_bytes
         self._sizes = {i: s.bytes for i, s in enumerate(shards) if s.compression}
         smallest = min((max(shards[i].samples, 1) for i in self._sizes), default=1)
@@ -81,8 +90,9 @@ class CompressedShards:
         with self._lock:
             stream = self._streams.get(shard)
             if stream is None:
-                stream = self._streams[shard] = Ranges(self._fetcher(shard), storage.display(self._urls[shard]),
-                                                       self._keep, CHUNK)
+                stream = self._streams[shard] = Ranges(
+                    self._fetcher(shard), storage.display(self._urls[shard]), self._keep, CHUNK
+                )
                 while len(self._streams) > self._open:
                     self._streams.popitem(last=False)
             self._streams.move_to_end(shard)

@@ -25,11 +25,26 @@ if TYPE_CHECKING:
     from ..storage import RangeReader
 
 MAX_WORKERS = 128  # DataLoader workers per rank that the shared counters have room for
-STATS = ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped", "fetched_bytes", "cache_hits",
-         "throttled", "requests", "hedges", "hedge_wins", "prefetch_depth", "fetch_latency_s")
+STATS = (
+    "samples",
+    "bytes",
+    "read_s",
+    "decode_s",
+    "transform_s",
+    "skipped",
+    "fetched_bytes",
+    "cache_hits",
+    "throttled",
+    "requests",
+    "hedges",
+    "hedge_wins",
+    "prefetch_depth",
+    "fetch_latency_s",
+)
 GAUGES = frozenset({"prefetch_depth", "fetch_latency_s"})  # last value per worker, not a running sum
-COUNTS = frozenset({"samples", "bytes", "skipped", "fetched_bytes", "cache_hits", "throttled", "requests", "hedges",
-                    "hedge_wins"})  # whole numbers
+COUNTS = frozenset(
+    {"samples", "bytes", "skipped", "fetched_bytes", "cache_hits", "throttled", "requests", "hedges", "hedge_wins"}
+)  # whole numbers
 # pass counters: one per (layout, worker id), the layout being a DataLoader's num_workers or
 # 0 for the main process (num_workers=0, a peek at one sample), so a pass of one layout never
 # shifts another's epochs
@@ -118,8 +133,9 @@ class Shared:
         """Counters summed over workers (the counts as ints); gauges averaged over the
         workers that set one."""
         arr = np.frombuffer(self.stats, dtype=np.float64).reshape(MAX_WORKERS, len(STATS))
-        total: dict[str, float] = {name: int(v) if name in COUNTS else v
-                                   for name, v in zip(STATS, arr.sum(axis=0).tolist())}
+        total: dict[str, float] = {
+            name: int(v) if name in COUNTS else v for name, v in zip(STATS, arr.sum(axis=0).tolist())
+        }
         active = arr[:, STATS.index("prefetch_depth")] > 0
         for name in GAUGES:
             column = arr[active, STATS.index(name)]

@@ -125,8 +125,16 @@ class StreamingDataset(EpochDataset):
         max_member_size: int | str = MAX_MEMBER,
         global_batch_size: int | None = None,
     ):
-        super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
-                         remainder=remainder, batch_size=batch_size, global_batch_size=global_batch_size)
+        super().__init__(
+            rank,
+            world_size,
+            shuffle=shuffle,
+            seed=seed,
+            shuffle_window=shuffle_window,
+            remainder=remainder,
+            batch_size=batch_size,
+            global_batch_size=global_batch_size,
+        )
         on_error = checks.on_error(on_error)
         self.block, self.prefetch = checks.integer("block", block, 1), checks.integer("prefetch", prefetch)
         decoder(decode, backend)  # validate early, in the main process
@@ -145,14 +153,18 @@ class StreamingDataset(EpochDataset):
             )
         self._counts = np.array([s.samples for s in self.index.shards], dtype=np.int64)
         self.max_member_size = checks.size("max_member_size", max_member_size, 1)
-        self._samples = source_for(self.index, self.urls, storage_options, cache_dir, self.cache_limit,
-                                   self.max_member_size)
+        self._samples = source_for(
+            self.index, self.urls, storage_options, cache_dir, self.cache_limit, self.max_member_size
+        )
         self._blocks = compressed.blocks(self.index.shards, self.block)
         self.index = self.index.slim()  # the per-sample tables live on in the source's arrays only
         # made once: a worker building them again from the shards touches every shard's objects,
         # and with them copies the pages they sit on (~30 MB a worker at 100k shards)
-        self._shard_values = (tuple(self.urls), tuple(s.sha256 for s in self.index.shards),
-                              tuple(s.version for s in self.index.shards))
+        self._shard_values = (
+            tuple(self.urls),
+            tuple(s.sha256 for s in self.index.shards),
+            tuple(s.version for s in self.index.shards),
+        )
         self._store: str | None = None  # store_name(), once asked
         self._config: list[dict[str, str]] | None = None  # store_config(), once asked
 
@@ -161,8 +173,15 @@ class StreamingDataset(EpochDataset):
         return self.index.classes
 
     @staticmethod
-    def mix(parts: Sequence[tuple[str | Sequence[str] | StreamingDataset, float]], *, shuffle: bool = True,
-            seed: int = 0, rank: int | None = None, world_size: int | None = None, **options: Any) -> MixedDataset:
+    def mix(
+        parts: Sequence[tuple[str | Sequence[str] | StreamingDataset, float]],
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        **options: Any,
+    ) -> MixedDataset:
         """Several datasets drawn by weight: `StreamingDataset.mix([("s3://a", 0.7), ("s3://b", 0.3)],
         shuffle=True)`. Options: samples_per_epoch (default: all samples together), shuffle,
         seed, shuffle_window, remainder, rank, world_size, batch_size (batches of the mixture,
@@ -174,11 +193,19 @@ class StreamingDataset(EpochDataset):
         if any(isinstance(p, StreamingDataset) and p.batch_size for p, _ in parts):
             raise ValueError("the datasets of a mix yield samples: give batch_size to the mix, not to its parts")
         if options and any(isinstance(p, StreamingDataset) for p, _ in parts):
-            raise ValueError(f"options for the parts ({', '.join(sorted(options))}) apply to parts given as URLs: "
-                             "give them to the StreamingDataset parts themselves")
-        built = [(p if isinstance(p, StreamingDataset)
-                  else StreamingDataset(p, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, **options), w)
-                 for p, w in parts]
+            raise ValueError(
+                f"options for the parts ({', '.join(sorted(options))}) apply to parts given as URLs: "
+                "give them to the StreamingDataset parts themselves"
+            )
+        built = [
+            (
+                p
+                if isinstance(p, StreamingDataset)
+                else StreamingDataset(p, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, **options),
+                w,
+            )
+            for p, w in parts
+        ]
         return MixedDataset(built, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, **own)
 
     def total_samples(self) -> int:
@@ -196,7 +223,11 @@ class StreamingDataset(EpochDataset):
             return super().order_key()
         # the shuffled order goes shard by shard: the same samples cut into other shards are another order
         digest = hashlib.sha256(np.asarray(self._counts, dtype="<i8").tobytes()).hexdigest()[:12]
-        order = {**super().order_key(), "block": self.block, "shard_sizes": f"{len(self._counts)} shards, sha256 {digest}"}
+        order = {
+            **super().order_key(),
+            "block": self.block,
+            "shard_sizes": f"{len(self._counts)} shards, sha256 {digest}",
+        }
         if isinstance(self._blocks, np.ndarray):  # compressed shards are blocks of their own
             order["blocks"] = hashlib.sha256(np.asarray(self._blocks, dtype="<i8").tobytes()).hexdigest()[:12]
         return order
@@ -204,9 +235,24 @@ class StreamingDataset(EpochDataset):
     def read_spec(self) -> ReadSpec:
         """What a pass over this dataset needs, as it is set now (frozen, picklable)."""
         urls, versions, pins = self._shard_values
-        return ReadSpec(urls, self.storage_options, versions, pins, self._sample_order(), self.decode, self.backend,
-                        self.transform, self.on_error, self.verify, self.block, self.prefetch, self.prefetch_bytes,
-                        self.cache_dir, self.cache_limit, bool(self.global_batch_size))
+        return ReadSpec(
+            urls,
+            self.storage_options,
+            versions,
+            pins,
+            self._sample_order(),
+            self.decode,
+            self.backend,
+            self.transform,
+            self.on_error,
+            self.verify,
+            self.block,
+            self.prefetch,
+            self.prefetch_bytes,
+            self.cache_dir,
+            self.cache_limit,
+            bool(self.global_batch_size),
+        )
 
     @property
     def source(self) -> SampleSource:

@@ -29,8 +29,17 @@ class EpochStream:
     many samples this worker has yielded; `load_state_dict()` before the first sample
     skips exactly those."""
 
-    def __init__(self, ordering: Ordering, shared: Shared, resume: dict[str, Any] | None, rank: int, world: int,
-                 worker_id: int, num_workers: int, run: Run):
+    def __init__(
+        self,
+        ordering: Ordering,
+        shared: Shared,
+        resume: dict[str, Any] | None,
+        rank: int,
+        world: int,
+        worker_id: int,
+        num_workers: int,
+        run: Run,
+    ):
         self.ordering, self.shared, self.run = ordering, shared, run
         self.rank, self.world, self.worker_id, self.num_workers = rank, world, worker_id, num_workers
         # raised at the first sample, not here: torch reports an error from a persistent
@@ -52,7 +61,8 @@ class EpochStream:
             self._refusal = RuntimeError(  # and the refused pass is not counted
                 "the dataset's load_state_dict was called after this DataLoader's persistent workers "
                 "started, and they keep the dataset they started with: load the state before the "
-                "loader's first iteration, or build a new DataLoader")
+                "loader's first iteration, or build a new DataLoader"
+            )
             return
         self.epoch, passes = shared.start_pass(worker_id, self._layout)
         # a loaded resume point applies to the first pass of its epoch of each layout: a
@@ -90,8 +100,16 @@ class EpochStream:
             self._gen.close()
 
     def state_dict(self) -> dict[str, Any]:
-        saved = state.worker_state(self.epoch, self.world, self.num_workers, self.ordering.batch, self.worker_id,
-                                   self.skip + self.yielded, self.ordering.key, self.history)
+        saved = state.worker_state(
+            self.epoch,
+            self.world,
+            self.num_workers,
+            self.ordering.batch,
+            self.worker_id,
+            self.skip + self.yielded,
+            self.ordering.key,
+            self.history,
+        )
         saved[state.DIGEST] = {"rank": self.rank, "sums": digest.text(self._delivered())}
         return saved
 
@@ -108,20 +126,26 @@ class EpochStream:
         o = self.ordering
         sizes = o.worker_sizes(self.epoch, self.history, self.world, self.num_workers)
         full = Progress(self.world, self.num_workers, tuple(sizes), o.batch)
-        if self.skip + self.yielded != sizes[self.worker_id] or \
-                self._delivered() != o.fingerprint(self.epoch, self.history, full, self.rank, self.worker_id):
+        if self.skip + self.yielded != sizes[self.worker_id] or self._delivered() != o.fingerprint(
+            self.epoch, self.history, full, self.rank, self.worker_id
+        ):
             a, z = o.delivered(self.epoch, self.history, full, self.rank, self.worker_id)
-            raise RuntimeError(f"{where(a, z, self.epoch)}: worker {self.worker_id} of rank {self.rank} delivered "
-                               f"{self.skip + self.yielded} samples that are not its share of the epoch "
-                               f"({sizes[self.worker_id]}): samples there were repeated or skipped")
+            raise RuntimeError(
+                f"{where(a, z, self.epoch)}: worker {self.worker_id} of rank {self.rank} delivered "
+                f"{self.skip + self.yielded} samples that are not its share of the epoch "
+                f"({sizes[self.worker_id]}): samples there were repeated or skipped"
+            )
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if self._gen is not None:
             raise RuntimeError("load_state_dict must come before the first sample")
         (found,) = state.find_states(saved)
         state.check_order([found], self.ordering.key)
-        same = (found[state.WORLD_SIZE] == self.world and found[state.NUM_WORKERS] == self.num_workers
-                and found.get(state.BATCH, 1) == self.ordering.batch)
+        same = (
+            found[state.WORLD_SIZE] == self.world
+            and found[state.NUM_WORKERS] == self.num_workers
+            and found.get(state.BATCH, 1) == self.ordering.batch
+        )
         if not same or found[state.WORKER] != self.worker_id:
             raise ValueError(
                 "this worker state is for another layout; load the whole loader state with "
@@ -134,9 +158,18 @@ class EpochStream:
         if state.DIGEST in found:
             self._done = digest.parse(found[state.DIGEST]["sums"])
         elif self.skip:  # an earlier version's state: what it delivered is taken as its count says
-            self._done = self.ordering.fingerprint(self.epoch, self.history, Progress(
-                self.world, self.num_workers, tuple(self.skip * (i == self.worker_id) for i in range(self.num_workers)),
-                self.ordering.batch), self.rank, self.worker_id)
+            self._done = self.ordering.fingerprint(
+                self.epoch,
+                self.history,
+                Progress(
+                    self.world,
+                    self.num_workers,
+                    tuple(self.skip * (i == self.worker_id) for i in range(self.num_workers)),
+                    self.ordering.batch,
+                ),
+                self.rank,
+                self.worker_id,
+            )
         self.shared.resumed(self.worker_id, self._layout, self.epoch)
 
     def _chunks(self) -> Iterator[np.ndarray]:
@@ -154,8 +187,9 @@ class EpochStream:
         o = self.ordering
         if o.global_batch:
             gb = o.global_batches(self.epoch)
-            for slots in globalbatch.worker_slots(gb, o.batches_before(self.history), self.world, self.rank,
-                                                  self.num_workers, self.worker_id, self.skip):
+            for slots in globalbatch.worker_slots(
+                gb, o.batches_before(self.history), self.world, self.rank, self.num_workers, self.worker_id, self.skip
+            ):
                 yield slots, gb.positions(slots)
             return
         here = o.segment(self.epoch, self.world, self.num_workers, len(self.history), o.batch)

@@ -27,8 +27,18 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
     """Base of the datasets: subclasses define `total_samples()` (samples in an epoch before
     splitting) and `__iter__`. `batch_size` set: the dataset yields batches (see batching.py)."""
 
-    def __init__(self, rank: int | None, world_size: int | None, *, shuffle: bool, seed: int, shuffle_window: int,
-                 remainder: str, batch_size: int | None, global_batch_size: int | None = None) -> None:
+    def __init__(
+        self,
+        rank: int | None,
+        world_size: int | None,
+        *,
+        shuffle: bool,
+        seed: int,
+        shuffle_window: int,
+        remainder: str,
+        batch_size: int | None,
+        global_batch_size: int | None = None,
+    ) -> None:
         """Checks and keeps what every epoch dataset's order and layout depend on."""
         super().__init__()
         # explicit ones are checked (and fixed) now; else asked when needed: DDP may start later
@@ -50,8 +60,10 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         batches itself must batch by B / W."""
         b = globalbatch.local_size(self.global_batch_size or 1, world)
         if self.batch_size not in (None, b):
-            raise ValueError(f"batch_size={self.batch_size} with global_batch_size={self.global_batch_size} over "
-                             f"{world} ranks: each rank's batches hold {b} samples (leave batch_size out, or pass {b})")
+            raise ValueError(
+                f"batch_size={self.batch_size} with global_batch_size={self.global_batch_size} over "
+                f"{world} ranks: each rank's batches hold {b} samples (leave batch_size out, or pass {b})"
+            )
         return b
 
     @property
@@ -72,8 +84,18 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
 
     def _ordering(self) -> Ordering:
         """The values a pass's plan and state follow, fixed as it starts."""
-        return Ordering(self.total_samples(), self.seed, self.shuffle, self.shuffle_window, self.remainder,
-                        self._batch, self.order_key(), self.global_batch_size or 0, self._piece(), self._bounds())
+        return Ordering(
+            self.total_samples(),
+            self.seed,
+            self.shuffle,
+            self.shuffle_window,
+            self.remainder,
+            self._batch,
+            self.order_key(),
+            self.global_batch_size or 0,
+            self._piece(),
+            self._bounds(),
+        )
 
     def _epoch_stream(self, rank: int, world: int, worker_id: int, num_workers: int, run: Run) -> EpochStream:
         """A pass of this worker whose positions become samples by `run`."""
@@ -207,21 +229,36 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
                 "(snapshot_every_n_steps > 1): resume it under the same layout with the loader's own "
                 "load_state_dict, or checkpoint with snapshot_every_n_steps=1 to resume under a new layout "
                 "(a loader with in_order=False gives such states too, and no resume of it is exact: "
-                "checkpoint with in_order=True, the default)")
+                "checkpoint with in_order=True, the default)"
+            )
         ordering = self._ordering()
         earlier = list(workers[0].get(state.HISTORY, []))
         ordering.check_history(epoch, earlier)
         for s in workers:
             ordering.check_worker(epoch, earlier, s)
-        _check_snapshot(loader, workers, ordering.worker_sizes(epoch, earlier, int(workers[0][state.WORLD_SIZE]),
-                                                               int(workers[0][state.NUM_WORKERS])), self.batch_size)
+        _check_snapshot(
+            loader,
+            workers,
+            ordering.worker_sizes(
+                epoch, earlier, int(workers[0][state.WORLD_SIZE]), int(workers[0][state.NUM_WORKERS])
+            ),
+            self.batch_size,
+        )
         history = ordering.record(epoch, state.history_of(workers))
         self._resume = {"epoch": epoch, "history": history, "token": self._shared.new_resume()}
         self._shared.set_epoch(epoch)
 
-    def resume_state(self, *, epoch: int, samples_seen: int, num_workers: int, batch_size: int | None = None,
-                     world_size: int | None = None, drop_last: bool = False,
-                     resumed_from: dict[str, Any] | None = None) -> dict[str, Any]:
+    def resume_state(
+        self,
+        *,
+        epoch: int,
+        samples_seen: int,
+        num_workers: int,
+        batch_size: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        resumed_from: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """A state for `load_state_dict` after a plain torch DataLoader handed out
         `samples_seen` samples (per rank) of `epoch` with these settings. `batch_size` is the
         DataLoader's, or left out when the dataset batches itself. If that pass was itself a
@@ -230,7 +267,10 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         earlier progress too; such states chain any number of times."""
         epoch = checks.integer("epoch", epoch, 0, state.MAX_EPOCH)
         samples_seen = checks.integer("samples_seen", samples_seen, None)
-        num_workers, batch_size = checks.integer("num_workers", num_workers), checks.optional("batch_size", batch_size, 1)
+        num_workers, batch_size = (
+            checks.integer("num_workers", num_workers),
+            checks.optional("batch_size", batch_size, 1),
+        )
         world_size = checks.optional("world_size", world_size, 1)
         if self.batch_size:
             if batch_size not in (None, self.batch_size):
@@ -242,8 +282,10 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
             raise ValueError("batch_size: the DataLoader's batch size is needed")
         world = world_size if world_size is not None else self._rank_world()[1]
         if self.global_batch_size and batch_size != self._local_batch(world):
-            raise ValueError(f"batch_size={batch_size}: under global_batch_size={self.global_batch_size} over {world} "
-                             f"ranks the DataLoader's batch_size is {self._local_batch(world)}")
+            raise ValueError(
+                f"batch_size={batch_size}: under global_batch_size={self.global_batch_size} over {world} "
+                f"ranks the DataLoader's batch_size is {self._local_batch(world)}"
+            )
         ordering = self._ordering()
         history: list[dict[str, Any]] = []
         if resumed_from is not None:
@@ -256,11 +298,16 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
             for s in earlier:
                 ordering.check_worker(epoch, before, s)
             history = ordering.record(epoch, state.history_of(earlier))
-            if self._resume is not None and self._resume["epoch"] == epoch and _plain(self._resume["history"]) != \
-                    _plain(history):
-                raise ValueError(f"resumed_from is not the state this dataset resumed epoch {epoch} from (a stale "
-                                 "checkpoint?): the new state would count from other progress and repeat or skip "
-                                 "samples; pass the state given to load_state_dict")
+            if (
+                self._resume is not None
+                and self._resume["epoch"] == epoch
+                and _plain(self._resume["history"]) != _plain(history)
+            ):
+                raise ValueError(
+                    f"resumed_from is not the state this dataset resumed epoch {epoch} from (a stale "
+                    "checkpoint?): the new state would count from other progress and repeat or skip "
+                    "samples; pass the state given to load_state_dict"
+                )
         elif self._resume is not None and self._resume["epoch"] == epoch:
             raise ValueError("this epoch was itself resumed from a partial state: pass that state as resumed_from")
         workers = max(num_workers, 1)
@@ -272,7 +319,10 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         rank = min(self._rank_world()[0], world - 1)
         for w, entry in enumerate(saved[state.WORKERS]):  # what a worker's own state would say it delivered
             one = partition.Progress(world, workers, tuple(k * (i == w) for i, k in enumerate(yielded)), self._batch)
-            entry[state.DIGEST] = {"rank": rank, "sums": digest.text(ordering.fingerprint(epoch, history, one, rank, w))}
+            entry[state.DIGEST] = {
+                "rank": rank,
+                "sums": digest.text(ordering.fingerprint(epoch, history, one, rank, w)),
+            }
         return saved
 
 
@@ -281,8 +331,9 @@ def _plain(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in h.items() if k != state.DIGEST} for h in history]
 
 
-def _check_snapshot(loader: dict[str, Any], workers: list[dict[str, Any]], sizes: list[int],
-                    batch_size: int | None) -> None:
+def _check_snapshot(
+    loader: dict[str, Any], workers: list[dict[str, Any]], sizes: list[int], batch_size: int | None
+) -> None:
     """Refuse a StatefulDataLoader state whose worker snapshots are not those of the batch
     its own count says it is at (a worker's snapshot from another checkpoint: its samples
     since would come again, or never)."""
@@ -300,9 +351,11 @@ def _check_snapshot(loader: dict[str, Any], workers: list[dict[str, Any]], sizes
     off = [w for w, (a, b) in enumerate(zip(counts, want)) if a != b and not (a == sizes[w] and b > a - size)]
     if off:
         w = off[0]
-        raise ValueError(f"this StatefulDataLoader state is at its batch {batches}, but its snapshot of worker {w} "
-                         f"counts {counts[w]} samples, not {want[w]} (a stale or mixed-up state): resuming from it "
-                         "would repeat or skip that worker's samples")
+        raise ValueError(
+            f"this StatefulDataLoader state is at its batch {batches}, but its snapshot of worker {w} "
+            f"counts {counts[w]} samples, not {want[w]} (a stale or mixed-up state): resuming from it "
+            "would repeat or skip that worker's samples"
+        )
 
 
 def stats_summary(total: dict[str, float]) -> dict[str, float]:

@@ -59,10 +59,20 @@ class MapDataset(torch.utils.data.Dataset[Any]):
     _opener: ClassVar[Opener | None] = None  # a named constructor's format; None: the index's
     _name: ClassVar[str] = "a MapDataset"  # how an index error names the dataset
 
-    def __init__(self, source: str | Iterable[str], *, decode: str = "raw", backend: str = "auto",
-                 transform: Callable[[dict[str, Any]], Any] | None = None, storage_options: StorageOptions | None = None,
-                 cache_dir: str | None = None, cache_limit: int | str = "20GB", read_threads: int = 16,
-                 max_member_size: int | str = MAX_MEMBER, readahead: bool = False):
+    def __init__(
+        self,
+        source: str | Iterable[str],
+        *,
+        decode: str = "raw",
+        backend: str = "auto",
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        storage_options: StorageOptions | None = None,
+        cache_dir: str | None = None,
+        cache_limit: int | str = "20GB",
+        read_threads: int = 16,
+        max_member_size: int | str = MAX_MEMBER,
+        readahead: bool = False,
+    ):
         decoder(decode, backend)  # validate now; each process builds its own (closures do not pickle)
         self.decode, self.backend, self.transform = decode, backend, checks.function("transform", transform)
         self.storage_options = checks.mapping("storage_options", storage_options)

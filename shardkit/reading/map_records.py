@@ -68,9 +68,11 @@ class TarRecords:
     def __init__(self, urls: list[str], idx: Index, s: MapSettings):
         for url, shard in zip(urls, idx.shards):
             if shard.compression:
-                raise ShardkitError(f"{storage.display(url)}: {shard.compression}-compressed: a stream, no sample can "
-                                    "be read without inflating all before it; `shardkit pack` it into plain tar "
-                                    "shards for random access, or read it with StreamingDataset")
+                raise ShardkitError(
+                    f"{storage.display(url)}: {shard.compression}-compressed: a stream, no sample can "
+                    "be read without inflating all before it; `shardkit pack` it into plain tar "
+                    "shards for random access, or read it with StreamingDataset"
+                )
         self.urls, self._settings, self._len = urls, s, idx.samples
         self._samples = TarSamples(idx, urls, s.storage_options, s.cache_dir, s.max_member_size)
         self._versions, self._pins = [sh.sha256 for sh in idx.shards], [sh.version for sh in idx.shards]
@@ -102,8 +104,9 @@ class TarRecords:
             s = self._settings
             cache = RangeCache(s.cache_dir, s.cache_limit) if s.cache_dir is not None else None
             # the index was read (or the shards scanned) there: the store was reachable
-            reader = storage.RangeReader(self.urls, s.storage_options, self._versions, cache, patient=True,
-                                         pins=self._pins)
+            reader = storage.RangeReader(
+                self.urls, s.storage_options, self._versions, cache, patient=True, pins=self._pins
+            )
             self._open = (os.getpid(), reader)
         return self._open[1]
 

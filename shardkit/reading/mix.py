@@ -81,36 +81,71 @@ class MixedDataset(EpochDataset):
     """Build it with `StreamingDataset.mix([(source, weight), ...], ...)`, which makes the
     parts given as URLs."""
 
-    OPTIONS = ("samples_per_epoch", "shuffle_window", "remainder", "batch_size", "global_batch_size")  # the mixture's own, besides its order
+    OPTIONS = (
+        "samples_per_epoch",
+        "shuffle_window",
+        "remainder",
+        "batch_size",
+        "global_batch_size",
+    )  # the mixture's own, besides its order
 
-    def __init__(self, parts: Sequence[tuple[Part, Any]], *, samples_per_epoch: int | None = None,
-                 shuffle: bool = True, seed: int = 0, shuffle_window: int = 1024, remainder: str = "repeat",
-                 rank: int | None = None, world_size: int | None = None, batch_size: int | None = None,
-                 global_batch_size: int | None = None):
-        super().__init__(rank, world_size, shuffle=shuffle, seed=seed, shuffle_window=shuffle_window,
-                         remainder=remainder, batch_size=batch_size, global_batch_size=global_batch_size)
+    def __init__(
+        self,
+        parts: Sequence[tuple[Part, Any]],
+        *,
+        samples_per_epoch: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        shuffle_window: int = 1024,
+        remainder: str = "repeat",
+        rank: int | None = None,
+        world_size: int | None = None,
+        batch_size: int | None = None,
+        global_batch_size: int | None = None,
+    ):
+        super().__init__(
+            rank,
+            world_size,
+            shuffle=shuffle,
+            seed=seed,
+            shuffle_window=shuffle_window,
+            remainder=remainder,
+            batch_size=batch_size,
+            global_batch_size=global_batch_size,
+        )
         check_parts(parts)
         self.parts = [p for p, _ in parts]
         self.weights = tuple(_weight(w) for _, w in parts)
         self.sizes = tuple(p.total_samples() for p in self.parts)
         if 0 in self.sizes:
             raise ValueError("every dataset of a mix needs at least one sample")
-        self.samples_per_epoch = (checks.integer("samples_per_epoch", samples_per_epoch, 1)
-                                  if samples_per_epoch is not None else sum(self.sizes))
+        self.samples_per_epoch = (
+            checks.integer("samples_per_epoch", samples_per_epoch, 1)
+            if samples_per_epoch is not None
+            else sum(self.sizes)
+        )
         self.counts = partition.mix_counts(self.weights, self.samples_per_epoch)
         if not self.counts.all():
             d = int(np.argmin(self.counts))
-            raise ValueError(f"part {d} (weight {self.weights[d]:g}) gets no sample in an epoch of {self.samples_per_epoch}: "
-                             "raise its weight or samples_per_epoch, or leave it out")
+            raise ValueError(
+                f"part {d} (weight {self.weights[d]:g}) gets no sample in an epoch of {self.samples_per_epoch}: "
+                "raise its weight or samples_per_epoch, or leave it out"
+            )
 
     def total_samples(self) -> int:
         return self.samples_per_epoch
 
     def order_key(self) -> dict[str, Any]:
-        parts = [{k: v for k, v in p.order_key().items() if k in ("shuffle", "seed", "block", "shard_sizes")}
-                 for p in self.parts]
-        order = {**super().order_key(), "counts": [int(c) for c in self.counts], "sizes": list(self.sizes),
-                 "parts": parts}  # what orders each part's own epochs
+        parts = [
+            {k: v for k, v in p.order_key().items() if k in ("shuffle", "seed", "block", "shard_sizes")}
+            for p in self.parts
+        ]
+        order = {
+            **super().order_key(),
+            "counts": [int(c) for c in self.counts],
+            "sizes": list(self.sizes),
+            "parts": parts,
+        }  # what orders each part's own epochs
         if any(p.shuffle for p in self.parts):
             order[state.SHUFFLE_VERSION_KEY] = state.SHUFFLE_VERSION
         return order
@@ -119,8 +154,14 @@ class MixedDataset(EpochDataset):
         return self._stream(self._pass(*self._layout()))
 
     def _pass(self, rank: int, world: int, worker_id: int, num_workers: int) -> EpochStream:
-        inputs = [(dataclasses.replace(p.read_spec(), global_batches=bool(self.global_batch_size)), p.source,
-                   p.slot(worker_id)) for p in self.parts]
+        inputs = [
+            (
+                dataclasses.replace(p.read_spec(), global_batches=bool(self.global_batch_size)),
+                p.source,
+                p.slot(worker_id),
+            )
+            for p in self.parts
+        ]
         connections = per_worker(num_workers) // len(self.parts) or 1  # the parts' passes share the worker's
         window = max(self.shuffle_window, *(p.shuffle_window for p in self.parts))
         counts, sizes, seed, shuffle = self.counts, self.sizes, self.seed, self.shuffle
@@ -128,8 +169,10 @@ class MixedDataset(EpochDataset):
         def run(epoch: int, positions: Iterator[np.ndarray]) -> Generator[Any, None, None]:
             specs = [spec for spec, _, _ in inputs]
             pieces = _Pieces(lambda p: _part_ids(counts, sizes, specs, seed, shuffle, epoch, p), positions)
-            passes = [Pass(spec, source, pieces.of(d), slot, window, connections).samples()
-                      for d, (spec, source, slot) in enumerate(inputs)]
+            passes = [
+                Pass(spec, source, pieces.of(d), slot, window, connections).samples()
+                for d, (spec, source, slot) in enumerate(inputs)
+            ]
             try:
                 for part_of in pieces.of(-1):
                     for (d,) in ranges.rows(part_of):
@@ -161,8 +204,9 @@ class _Pieces:
 
     KEEP = 4
 
-    def __init__(self, plan: Callable[[np.ndarray], tuple[np.ndarray, list[np.ndarray]]],
-                 positions: Iterator[np.ndarray]):
+    def __init__(
+        self, plan: Callable[[np.ndarray], tuple[np.ndarray, list[np.ndarray]]], positions: Iterator[np.ndarray]
+    ):
         self.plan, self.positions = plan, positions
         self.made: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
         self.count = 0  # pieces made so far
@@ -187,8 +231,15 @@ class _Pieces:
             yield np.empty(0, dtype=np.int64) if got is None else got[0] if d < 0 else got[1][d]
 
 
-def _part_ids(counts: np.ndarray, sizes: Sequence[int], specs: Sequence[ReadSpec], seed: int, shuffle: bool,
-              epoch: int, positions: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+def _part_ids(
+    counts: np.ndarray,
+    sizes: Sequence[int],
+    specs: Sequence[ReadSpec],
+    seed: int,
+    shuffle: bool,
+    epoch: int,
+    positions: np.ndarray,
+) -> tuple[np.ndarray, list[np.ndarray]]:
     """(part of each position, each part's sample ids in the order of `positions`): the
     j-th draw of part d in mixture epoch e is its (e * counts[d] + j)-th sample overall."""
     order = partition.mix_order(counts, seed=seed, epoch=epoch, shuffle=shuffle)

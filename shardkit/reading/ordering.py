@@ -37,17 +37,26 @@ class Ordering:
 
     def global_batches(self, epoch: int) -> globalbatch.GlobalBatches:
         bounds = self.bounds(epoch) if self.bounds is not None and self.shuffle else None
-        return globalbatch.plan(self.total, self.global_batch, remainder=self.remainder, shuffle=self.shuffle,
-                                window=self.shuffle_window, piece=self.piece, seed=self.seed, epoch=epoch,
-                                bounds=bounds)
+        return globalbatch.plan(
+            self.total,
+            self.global_batch,
+            remainder=self.remainder,
+            shuffle=self.shuffle,
+            window=self.shuffle_window,
+            piece=self.piece,
+            seed=self.seed,
+            epoch=epoch,
+            bounds=bounds,
+        )
 
     def batches_before(self, history: Sequence[dict[str, Any]]) -> int:
         """Global batches that the interrupted segments in `history` delivered."""
         done = 0
         for entry in history:
             p = Progress.from_json(entry)
-            done += globalbatch.batches_done(p.num_workers, p.yielded, globalbatch.local_size(self.global_batch,
-                                                                                              p.world_size))
+            done += globalbatch.batches_done(
+                p.num_workers, p.yielded, globalbatch.local_size(self.global_batch, p.world_size)
+            )
         return done
 
     def per_rank(self, epoch: int, history: Sequence[dict[str, Any]], world: int) -> int:
@@ -57,15 +66,27 @@ class Ordering:
             return (gb.batches - self.batches_before(history)) * globalbatch.local_size(self.global_batch, world)
         return partition.per_rank(self.left(epoch, history).left, world, self.remainder)
 
-    def fingerprint(self, epoch: int, history: Sequence[dict[str, Any]], progress: Progress,
-                    rank: int | None = None, worker_id: int | None = None) -> digest.Digest:
+    def fingerprint(
+        self,
+        epoch: int,
+        history: Sequence[dict[str, Any]],
+        progress: Progress,
+        rank: int | None = None,
+        worker_id: int | None = None,
+    ) -> digest.Digest:
         """The fingerprint of what `progress` delivered after `history` (of one rank, or one
         worker, if given): epoch positions, or slots of the global batches."""
         a, z = self.delivered(epoch, history, progress, rank, worker_id)
         return digest.of_spans(a, z)
 
-    def delivered(self, epoch: int, history: Sequence[dict[str, Any]], progress: Progress, rank: int | None = None,
-                  worker_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def delivered(
+        self,
+        epoch: int,
+        history: Sequence[dict[str, Any]],
+        progress: Progress,
+        rank: int | None = None,
+        worker_id: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The spans behind `fingerprint`."""
         if self.global_batch:
             start, size = self.batches_before(history), self.global_batch
@@ -107,10 +128,12 @@ class Ordering:
             p = Progress.from_json(entry)
             if digest.parse(saved) != self.fingerprint(epoch, history[:i], p):
                 a, z = self.delivered(epoch, history[:i], p)
-                raise ValueError(f"{where(a, z, epoch)}: this state's segment {i} ({p.world_size} ranks x "
-                                 f"{p.num_workers} workers, counts {list(p.yielded)}) is not the one its fingerprint "
-                                 "was made from (an edited or mixed-up state): resuming from it would repeat or skip "
-                                 "samples there")
+                raise ValueError(
+                    f"{where(a, z, epoch)}: this state's segment {i} ({p.world_size} ranks x "
+                    f"{p.num_workers} workers, counts {list(p.yielded)}) is not the one its fingerprint "
+                    "was made from (an edited or mixed-up state): resuming from it would repeat or skip "
+                    "samples there"
+                )
 
     def check_worker(self, epoch: int, history: Sequence[dict[str, Any]], found: dict[str, Any]) -> None:
         """Refuse a worker state whose count is not that of the samples it delivered."""
@@ -121,15 +144,20 @@ class Ordering:
             raise ValueError(f"not a valid shardkit state ({state.DIGEST} must hold a rank and sums)")
         world, workers, w = int(found[state.WORLD_SIZE]), int(found[state.NUM_WORKERS]), int(found[state.WORKER])
         k = int(found[state.YIELDED])
-        progress = Progress(world, workers, tuple(k if i == w else 0 for i in range(workers)),
-                            int(found.get(state.BATCH, 1)))
+        progress = Progress(
+            world, workers, tuple(k if i == w else 0 for i in range(workers)), int(found.get(state.BATCH, 1))
+        )
         rank = saved["rank"]
         if not 0 <= rank < world or digest.parse(saved["sums"]) != self.fingerprint(epoch, history, progress, rank, w):
             full = self.worker_sizes(epoch, history, world, workers)
-            a, z = self.delivered(epoch, history, Progress(world, workers, tuple(full), progress.batch), rank % world, w)
-            raise ValueError(f"{where(a, z, epoch)}: worker {w} of rank {rank} says it delivered {k} samples, not "
-                             "the ones its fingerprint records (an edited or stale state): resuming from it would "
-                             "repeat or skip samples there")
+            a, z = self.delivered(
+                epoch, history, Progress(world, workers, tuple(full), progress.batch), rank % world, w
+            )
+            raise ValueError(
+                f"{where(a, z, epoch)}: worker {w} of rank {rank} says it delivered {k} samples, not "
+                "the ones its fingerprint records (an edited or stale state): resuming from it would "
+                "repeat or skip samples there"
+            )
 
     def worker_sizes(self, epoch: int, history: Sequence[dict[str, Any]], world: int, workers: int) -> list[int]:
         """Samples each worker of a rank yields in a pass that follows `history`."""
@@ -142,7 +170,9 @@ class Ordering:
         return [b - a for a, b in bounds]
 
     def segment(self, epoch: int, world: int, workers: int, segment: int, batch: int) -> Layout:
-        return Layout(world, workers, self.seed, epoch, self.shuffle, self.shuffle_window, self.remainder, segment, batch)
+        return Layout(
+            world, workers, self.seed, epoch, self.shuffle, self.shuffle_window, self.remainder, segment, batch
+        )
 
     def left(self, epoch: int, history: Sequence[dict[str, Any]]) -> partition.Segments:
         """The epoch's sequence minus what the interrupted segments in `history` delivered."""

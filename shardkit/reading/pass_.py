@@ -54,8 +54,15 @@ class Pass:
     transformed as `spec` says. Iterate it once; `window` is the shuffle window that spreads
     the ids (how far apart a block's samples may come, for the read-ahead)."""
 
-    def __init__(self, spec: ReadSpec, source: SampleSource, ids: Iterable[np.ndarray], slot: Slot, window: int,
-                 connections: int = CONNECTIONS):
+    def __init__(
+        self,
+        spec: ReadSpec,
+        source: SampleSource,
+        ids: Iterable[np.ndarray],
+        slot: Slot,
+        window: int,
+        connections: int = CONNECTIONS,
+    ):
         self.spec, self.source, self.ids, self.slot, self.window = spec, source, ids, slot, window
         self.connections = connections  # this worker's share of its rank's connections (fetch.per_worker)
         self.prefetcher: Prefetcher[ranges.Range, Any] | None = None  # set once reading starts
@@ -112,8 +119,11 @@ class Pass:
     def _skip(self, e: Exception, shard: int, start: int, meter: Meter) -> None:
         """Raise `e` as the policy says, or count and log the sample it spoiled."""
         key = self._sample.get("__key__")
-        where = (f"sample {key}" if key is not None else "a sample") + self.source.position(start) + \
-            packed_from(self._sample)
+        where = (
+            (f"sample {key}" if key is not None else "a sample")
+            + self.source.position(start)
+            + packed_from(self._sample)
+        )
         said = bad_sample(e, self.spec.on_error, self.spec.urls[shard], where, self._in_transform)
         meter.skipped()
         if meter.skips <= SKIPS_LOGGED:

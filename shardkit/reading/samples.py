@@ -47,8 +47,13 @@ class Settings(Protocol):
 
 
 class SampleSource(Protocol):
-    def reads(self, ids: np.ndarray, reader: storage.RangeReader, opts: Settings, window: int,
-              ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
+    def reads(
+        self,
+        ids: np.ndarray,
+        reader: storage.RangeReader,
+        opts: Settings,
+        window: int,
+    ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
         """Each sample of `ids` in order, read ahead; the prefetcher, for the statistics."""
 
     def parse(self, data: Any, url: str, start: int) -> tuple[dict[str, Any], int]:
@@ -68,21 +73,35 @@ class TarSamples:
     format = "tar"
 
     @classmethod
-    def of(cls, idx: Index, urls: list[str], storage_options: StorageOptions | None, cache_dir: str | None,
-           cache_limit: int, max_member: int = MAX_MEMBER) -> TarSamples:
+    def of(
+        cls,
+        idx: Index,
+        urls: list[str],
+        storage_options: StorageOptions | None,
+        cache_dir: str | None,
+        cache_limit: int,
+        max_member: int = MAX_MEMBER,
+    ) -> TarSamples:
         """The registry's constructor, the same for every source (shards are read in place:
         no cache limit)."""
         return cls(idx, urls, storage_options, cache_dir, max_member)
 
-    def __init__(self, idx: Index, urls: list[str], storage_options: StorageOptions | None, cache_dir: str | None,
-                 max_member: int = MAX_MEMBER):
+    def __init__(
+        self,
+        idx: Index,
+        urls: list[str],
+        storage_options: StorageOptions | None,
+        cache_dir: str | None,
+        max_member: int = MAX_MEMBER,
+    ):
         counts = np.array([s.samples for s in idx.shards], dtype=np.int64)
         self.urls, self.bytes, self.max_member = urls, idx.bytes, max_member
         self.gz = gz_fields(idx)
         self.shards = idx.slim().shards  # which are compressed, and their files' sizes
         # a compressed shard's offsets are in the tar inside, whose size the index does not record
-        self.shard_bytes = np.array([np.iinfo(np.int64).max if s.compression else s.bytes for s in idx.shards],
-                                    dtype=np.int64)
+        self.shard_bytes = np.array(
+            [np.iinfo(np.int64).max if s.compression else s.bytes for s in idx.shards], dtype=np.int64
+        )
         self.first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._table = index.sample_offsets(idx, storage_options, cache_dir)
         self.sample_bytes = compressed.check_samples(urls, self.shards, self.first, self.offsets, max_member)
@@ -105,8 +124,13 @@ class TarSamples:
         table = self._table
         return table.array if isinstance(table, sidecar.Offsets) else table
 
-    def reads(self, ids: np.ndarray, reader: storage.RangeReader, opts: Settings, window: int,
-              ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
+    def reads(
+        self,
+        ids: np.ndarray,
+        reader: storage.RangeReader,
+        opts: Settings,
+        window: int,
+    ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
         shard_of, starts, ends = ranges.bounds(ids, self.first, self.offsets)
         self._check(shard_of, starts, ends)
         local = all(map(storage.is_local, self.urls))  # one remote shard: its ranges go through the budget
@@ -127,6 +151,7 @@ class TarSamples:
                 return e
 
         if local:
+
             def advise(r: ranges.Range) -> ReadAt | CorruptShardError:
                 if r.shard in streams:
                     return inflated(r)
@@ -137,7 +162,8 @@ class TarSamples:
                     return e
 
             prefetcher: Prefetcher[ranges.Range, Any] = Prefetcher(
-                plan, advise, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes, threads=False)
+                plan, advise, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes, threads=False
+            )
         else:
             stalls = Stalls()
 
@@ -152,9 +178,17 @@ class TarSamples:
             # a shuffled stream's first window takes its samples from every range it spans, in turn
             first = len(np.unique(range_of[: blockplan.ramp(window)[1] if window > 1 else 1]))
             depth = opts.prefetch * (2 if opts.global_batches else 1)  # a global batch's ranges are half blocks
-            prefetcher = Prefetcher(plan, stream, lambda r: r.size, depth=depth, budget=opts.prefetch_bytes,
-                                    streaming=True, pressure=lambda: reader.throttled, start=first,
-                                    stalled=lambda: stalls.seconds)
+            prefetcher = Prefetcher(
+                plan,
+                stream,
+                lambda r: r.size,
+                depth=depth,
+                budget=opts.prefetch_bytes,
+                streaming=True,
+                pressure=lambda: reader.throttled,
+                start=first,
+                stalled=lambda: stalls.seconds,
+            )
             reader.engine.wanted = lambda: (prefetcher.rate, prefetcher.waiting)  # what a range's pieces must carry
         return _in_order(prefetcher, range_of, shard_of, starts, ends), prefetcher
 
@@ -165,8 +199,10 @@ class TarSamples:
         bad = np.flatnonzero((starts < 0) | (ends <= starts) | (ends > sizes))
         if len(bad):
             i = int(bad[0])
-            raise CorruptShardError(f"{storage.display(self.urls[int(shard_of[i])])}: the index's offsets put a "
-                                    f"sample at bytes {starts[i]}-{ends[i]} of the shard's {sizes[i]}")
+            raise CorruptShardError(
+                f"{storage.display(self.urls[int(shard_of[i])])}: the index's offsets put a "
+                f"sample at bytes {starts[i]}-{ends[i]} of the shard's {sizes[i]}"
+            )
 
     def parse(self, data: tuple[int, ReadAt], url: str, start: int) -> tuple[dict[str, Any], int]:
         stop, read_at = data
@@ -192,8 +228,13 @@ class TarSamples:
         return self.parse((end, read_at), self.urls[shard], start)[0]
 
 
-def _in_order(prefetcher: Prefetcher[ranges.Range, Any], range_of: np.ndarray, shard_of: np.ndarray,
-              starts: np.ndarray, ends: np.ndarray) -> Generator[Read, None, None]:
+def _in_order(
+    prefetcher: Prefetcher[ranges.Range, Any],
+    range_of: np.ndarray,
+    shard_of: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+) -> Generator[Read, None, None]:
     """(shard, start, (stop, read_at)) for each planned sample, its range's read_at held
     until its last sample is out; the range's error in place of (stop, read_at)."""
     fetched = iter(prefetcher)
@@ -216,19 +257,38 @@ class LmdbSamples:
     format = "lmdb"
 
     @classmethod
-    def of(cls, idx: Index, urls: list[str], storage_options: StorageOptions | None, cache_dir: str | None,
-           cache_limit: int, max_member: int = MAX_MEMBER) -> LmdbSamples:
+    def of(
+        cls,
+        idx: Index,
+        urls: list[str],
+        storage_options: StorageOptions | None,
+        cache_dir: str | None,
+        cache_limit: int,
+        max_member: int = MAX_MEMBER,
+    ) -> LmdbSamples:
         """The registry's constructor, the same for every source."""
         return cls(idx, urls, storage_options, cache_dir, cache_limit, max_member)
 
-    def __init__(self, index: Index, urls: list[str], storage_options: StorageOptions | None,
-                 cache_dir: str | None, cache_limit: int, max_member: int = MAX_MEMBER):
+    def __init__(
+        self,
+        index: Index,
+        urls: list[str],
+        storage_options: StorageOptions | None,
+        cache_dir: str | None,
+        cache_limit: int,
+        max_member: int = MAX_MEMBER,
+    ):
         self.url, self.path = urls[0], local_lmdb(urls[0], storage_options, cache_dir, cache_limit)
         self.keys, self.sizes = lmdb_format.sample_tables(index.extra)
         self.max_member, self.gz = max_member, gz_fields(index)
 
-    def reads(self, ids: np.ndarray, reader: storage.RangeReader, opts: Settings, window: int,
-              ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
+    def reads(
+        self,
+        ids: np.ndarray,
+        reader: storage.RangeReader,
+        opts: Settings,
+        window: int,
+    ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
         return self._reads(ids, opts.prefetch), None
 
     def _reads(self, ids: np.ndarray, threads: int) -> Generator[Read, None, None]:
@@ -299,8 +359,14 @@ def gz_fields(idx: Index) -> bool:
     return not idx.fields or any(map(is_gzip_field, idx.fields))
 
 
-def source_for(idx: Index, urls: list[str], storage_options: StorageOptions | None, cache_dir: str | None,
-               cache_limit: int, max_member: int = MAX_MEMBER) -> SampleSource:
+def source_for(
+    idx: Index,
+    urls: list[str],
+    storage_options: StorageOptions | None,
+    cache_dir: str | None,
+    cache_limit: int,
+    max_member: int = MAX_MEMBER,
+) -> SampleSource:
     """The sample source of a dataset, by its format; `max_member` caps what a `.gz` field
     (or a compressed shard's sample) inflates to."""
     return SOURCES[formats.get(idx.kind).name].of(idx, urls, storage_options, cache_dir, cache_limit, max_member)

@@ -83,5 +83,13 @@ class ReadSpec:
         """This pass's reader of the shards (made where it is used: it holds files and threads),
         keeping at most `connections` GETs open."""
         # the dataset read its index (or scanned its shards) there: the store was reachable
-        return RangeReader(list(self.urls), self.storage_options, list(self.versions), cache, verify=self.verify,
-                           patient=True, pins=list(self.pins), connections=connections)
+        return RangeReader(
+            list(self.urls),
+            self.storage_options,
+            list(self.versions),
+            cache,
+            verify=self.verify,
+            patient=True,
+            pins=list(self.pins),
+            connections=connections,
+        )

@@ -39,16 +39,48 @@ def epoch_state(epoch: int) -> dict[str, Any]:
     return {MARK: 1, EPOCH: epoch}
 
 
-def worker_state(epoch: int, world: int, num_workers: int, batch: int, worker: int, yielded: int,
-                 order: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
-    return {MARK: 1, EPOCH: epoch, WORLD_SIZE: world, NUM_WORKERS: num_workers, BATCH: batch, WORKER: worker,
-            YIELDED: yielded, ORDER: order, HISTORY: history}
+def worker_state(
+    epoch: int,
+    world: int,
+    num_workers: int,
+    batch: int,
+    worker: int,
+    yielded: int,
+    order: dict[str, Any],
+    history: list[dict[str, Any]],
+) -> dict[str, Any]:
+    return {
+        MARK: 1,
+        EPOCH: epoch,
+        WORLD_SIZE: world,
+        NUM_WORKERS: num_workers,
+        BATCH: batch,
+        WORKER: worker,
+        YIELDED: yielded,
+        ORDER: order,
+        HISTORY: history,
+    }
 
 
-def loader_state(epoch: int, world: int, num_workers: int, batch: int, order: dict[str, Any],
-                 history: list[dict[str, Any]], yielded: tuple[int, ...]) -> dict[str, Any]:
-    return {MARK: 1, EPOCH: epoch, WORLD_SIZE: world, NUM_WORKERS: num_workers, BATCH: batch, ORDER: order,
-            HISTORY: history, WORKERS: [{WORKER: w, YIELDED: k} for w, k in enumerate(yielded)]}
+def loader_state(
+    epoch: int,
+    world: int,
+    num_workers: int,
+    batch: int,
+    order: dict[str, Any],
+    history: list[dict[str, Any]],
+    yielded: tuple[int, ...],
+) -> dict[str, Any]:
+    return {
+        MARK: 1,
+        EPOCH: epoch,
+        WORLD_SIZE: world,
+        NUM_WORKERS: num_workers,
+        BATCH: batch,
+        ORDER: order,
+        HISTORY: history,
+        WORKERS: [{WORKER: w, YIELDED: k} for w, k in enumerate(yielded)],
+    }
 
 
 def is_worker(s: dict[str, Any]) -> bool:
@@ -62,8 +94,10 @@ def check_layout(workers: list[dict[str, Any]]) -> None:
         raise ValueError("state dict mixes workers of different epochs or layouts")
     ids = [int(s[WORKER]) for s in workers]
     if len(set(ids)) != len(ids):
-        raise ValueError(f"state dict holds {len(ids)} worker states for {first[NUM_WORKERS]} workers (the states "
-                         "of several loaders?): pass the state of this dataset's loader only")
+        raise ValueError(
+            f"state dict holds {len(ids)} worker states for {first[NUM_WORKERS]} workers (the states "
+            "of several loaders?): pass the state of this dataset's loader only"
+        )
 
 
 def history_of(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -94,8 +128,9 @@ def find_loader(state: Any) -> dict[str, Any]:
     it), or {}."""
     loaders = [d for d in _dicts(state) if "_iterator_finished" in d or "_steps_since_snapshot" in d]
     if len(loaders) > 1:
-        raise ValueError(f"this state holds the states of {len(loaders)} DataLoaders: pass the state of this "
-                         "dataset's loader only")
+        raise ValueError(
+            f"this state holds the states of {len(loaders)} DataLoaders: pass the state of this dataset's loader only"
+        )
     return loaders[0] if loaders else {}
 
 
@@ -105,8 +140,9 @@ def find_states(state: Any) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     for d in _dicts(state):
         if d.get(MARK) == 1:
-            if WORKERS in d and not (isinstance(d[WORKERS], (list, tuple))
-                                     and all(isinstance(w, dict) for w in d[WORKERS])):
+            if WORKERS in d and not (
+                isinstance(d[WORKERS], (list, tuple)) and all(isinstance(w, dict) for w in d[WORKERS])
+            ):
                 raise ValueError(f"not a valid shardkit state: '{WORKERS}' must be a list of dicts")
             found += [{**d, **w} for w in d[WORKERS]] if WORKERS in d else [d]
     for s in found:
@@ -152,7 +188,8 @@ def check_order(found: list[dict[str, Any]], order: dict[str, Any]) -> None:
             f"this state was saved by a shardkit whose shuffled order differs from this one's (shuffle version "
             f"{saved.get(SHUFFLE_VERSION_KEY, 1)}, here {order.get(SHUFFLE_VERSION_KEY)}): its counts would resume "
             "other samples; finish that epoch with the shardkit that saved it, or start the epoch over "
-            f"(load_state_dict({{'{MARK}': 1, '{EPOCH}': N}}))")
+            f"(load_state_dict({{'{MARK}': 1, '{EPOCH}': N}}))"
+        )
 
 
 def _same(saved: Any, here: Any) -> bool:

@@ -15,8 +15,21 @@ clients.py only) with the caller's storage options passed through unchanged.
 
 from .atomic import TMP_MARK, atomic_writer, write_bytes_atomic
 from .clients import endpoint, filesystem
-from .files import (exists, find, listdir, makedirs, open_read, pin_now, pins, read_bytes, read_range, remove,
-                    remove_dir, size, version)
+from .files import (
+    exists,
+    find,
+    listdir,
+    makedirs,
+    open_read,
+    pin_now,
+    pins,
+    read_bytes,
+    read_range,
+    remove,
+    remove_dir,
+    size,
+    version,
+)
 from .range_reader import RangeReader
 from .patience import RETRIES, TIMEOUT_S, patience_for
 from .retry import retrying, stop_when

@@ -17,12 +17,21 @@ from .urls import AZURE, GCS, HTTP, S3, WEBHDFS, StorageOptions, display, netloc
 
 
 _INSTALL_HINTS = {  # a package from the registry: shardkit is not on it (a checkout's extras: '.[s3]', '.[gcs]')
-    "s3": "pip install s3fs", "s3a": "pip install s3fs", "gs": "pip install gcsfs", "gcs": "pip install gcsfs",
-    "az": "pip install adlfs", "abfs": "pip install adlfs", "abfss": "pip install adlfs",
+    "s3": "pip install s3fs",
+    "s3a": "pip install s3fs",
+    "gs": "pip install gcsfs",
+    "gcs": "pip install gcsfs",
+    "az": "pip install adlfs",
+    "abfs": "pip install adlfs",
+    "abfss": "pip install adlfs",
 }
 # where adlfs finds credentials that are not in the options: hidden from messages as the options' are
-_AZURE_ENV = {"connection_string": "AZURE_STORAGE_CONNECTION_STRING", "account_key": "AZURE_STORAGE_ACCOUNT_KEY",
-              "sas_token": "AZURE_STORAGE_SAS_TOKEN", "client_secret": "AZURE_STORAGE_CLIENT_SECRET"}
+_AZURE_ENV = {
+    "connection_string": "AZURE_STORAGE_CONNECTION_STRING",
+    "account_key": "AZURE_STORAGE_ACCOUNT_KEY",
+    "sas_token": "AZURE_STORAGE_SAS_TOKEN",
+    "client_secret": "AZURE_STORAGE_CLIENT_SECRET",
+}
 
 
 _FILESYSTEMS: dict[tuple[Any, ...], Any] = {}  # this process's filesystem instances
@@ -37,10 +46,18 @@ def _timeout_adapter(timeout_s: float) -> Any:
     import requests.adapters
 
     class TimeoutAdapter(requests.adapters.HTTPAdapter):
-        def send(self, request: Any, stream: bool = False, timeout: Any = None, verify: Any = True, cert: Any = None,
-                 proxies: Any = None) -> Any:
-            return super().send(request, stream=stream, timeout=timeout or timeout_s, verify=verify,
-                                cert=cert, proxies=proxies)
+        def send(
+            self,
+            request: Any,
+            stream: bool = False,
+            timeout: Any = None,
+            verify: Any = True,
+            cert: Any = None,
+            proxies: Any = None,
+        ) -> Any:
+            return super().send(
+                request, stream=stream, timeout=timeout or timeout_s, verify=verify, cert=cert, proxies=proxies
+            )
 
     return TimeoutAdapter()
 
@@ -97,8 +114,9 @@ def _datanode_errors(namenode: tuple[str | None, int | None], response: Any, *ar
         return
     if response.status_code == 404:
         response.raise_for_status()
-    raise ConnectionError(f"the datanode answered {response.status_code} {response.reason}: "
-                          f"{one_line(response.text[:300])}")
+    raise ConnectionError(
+        f"the datanode answered {response.status_code} {response.reason}: {one_line(response.text[:300])}"
+    )
 
 
 _RESOLVED: set[tuple[str | None, int | None]] = set()  # GCS hosts this process found (forked workers inherit it)
@@ -115,8 +133,9 @@ def _resolve_once(url: str, fs: Any) -> None:
     try:
         socket.getaddrinfo(host, port or 443, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise ShardkitError(f"{display(url)}: cannot resolve {host} ({e.strerror}): no network, or a wrong "
-                            "endpoint") from redacted(e)
+        raise ShardkitError(
+            f"{display(url)}: cannot resolve {host} ({e.strerror}): no network, or a wrong endpoint"
+        ) from redacted(e)
     _RESOLVED.add((host, port))
 
 
@@ -131,8 +150,12 @@ def _aio_session() -> Any:
     return aiobotocore.session.AioSession()
 
 
-def filesystem(url: str, storage_options: StorageOptions | None = None,
-               instances: dict[tuple[Any, ...], Any] | None = None, client_retries: bool = True) -> tuple[Any, str]:
+def filesystem(
+    url: str,
+    storage_options: StorageOptions | None = None,
+    instances: dict[tuple[Any, ...], Any] | None = None,
+    client_retries: bool = True,
+) -> tuple[Any, str]:
     """(fsspec filesystem, path within it), one instance per process, protocol, host and
     options, kept in `instances` (this module's by default). Missing backends get an
     install hint. Without `client_retries` the caller retries (`retrying`) and S3's own
@@ -166,8 +189,9 @@ def filesystem(url: str, storage_options: StorageOptions | None = None,
     return fs, cls._strip_protocol(url)
 
 
-def _client_kwargs(cls: Any, url: str, protocol: str, storage_options: StorageOptions | None, timeout_s: float,
-                   ours: bool) -> dict[str, Any]:
+def _client_kwargs(
+    cls: Any, url: str, protocol: str, storage_options: StorageOptions | None, timeout_s: float, ours: bool
+) -> dict[str, Any]:
     """The backend's options: the URL's and the caller's, with shardkit's timeouts where the
     caller set none, and (`ours`: shardkit retries) the S3 client's own retries off."""
     # "client" is shardkit's choice of S3 client (stores/choice.py), for no fsspec backend
@@ -189,7 +213,9 @@ def _client_kwargs(cls: Any, url: str, protocol: str, storage_options: StorageOp
     if protocol in S3:  # botocore's default: 60 s silent before a read fails
         config = kwargs.get("config_kwargs") or {}
         kwargs["config_kwargs"] = {"connect_timeout": timeout_s, "read_timeout": timeout_s, **config}
-    if ours:  # an instance of its own (its retries are turned off below), never fsspec's shared one, made once a process
+    if (
+        ours
+    ):  # an instance of its own (its retries are turned off below), never fsspec's shared one, made once a process
         if protocol in S3:
             kwargs["config_kwargs"] = {**_ONE_ATTEMPT, **(kwargs.get("config_kwargs") or {})}
         kwargs["skip_instance_cache"] = True
@@ -229,15 +255,17 @@ def _made(cls: Any, kwargs: dict[str, Any], url: str, protocol: str) -> Any:
         return cls(**kwargs)
     except ImportError as e:  # hdfs://: pyarrow is imported when the client is made
         hint = "; it needs `pip install pyarrow` and Hadoop's libhdfs" if protocol == "hdfs" else ""
-        failure: ShardkitError = ShardkitError(f"{display(url)}: {protocol}:// support is not installed "
-                                               f"({one_line(e)}{hint})")
+        failure: ShardkitError = ShardkitError(
+            f"{display(url)}: {protocol}:// support is not installed ({one_line(e)}{hint})"
+        )
         cause = redacted(e)
     except (TypeError, ValueError) as e:
         failure = BadRequestError(f"{display(url)}: storage options refused by {protocol}://: {redact(one_line(e))}")
         cause = redacted(e)
     except Exception as e:  # noqa: BLE001 - a client that checks its credentials as it is made (gcsfs)
-        failure = ShardkitError(f"{display(url)}: cannot set up {protocol}://: {type(e).__name__}: "
-                                f"{redact(one_line(e))}")
+        failure = ShardkitError(
+            f"{display(url)}: cannot set up {protocol}://: {type(e).__name__}: {redact(one_line(e))}"
+        )
         cause = redacted(e)
     raise failure from cause  # out of the except blocks: the client's own error is no __context__ either
 

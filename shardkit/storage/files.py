@@ -60,8 +60,18 @@ def size(url: str, storage_options: StorageOptions | None = None) -> int | None:
         return None
 
 
-_VERSION_MARKS = ("ETag", "etag", "generation", "VersionId", "md5Hash", "LastModified", "Last-Modified",
-                  "modificationTime", "mtime", "updated")  # S3, GCS, HTTP, WebHDFS
+_VERSION_MARKS = (
+    "ETag",
+    "etag",
+    "generation",
+    "VersionId",
+    "md5Hash",
+    "LastModified",
+    "Last-Modified",
+    "modificationTime",
+    "mtime",
+    "updated",
+)  # S3, GCS, HTTP, WebHDFS
 
 
 def version(url: str, storage_options: StorageOptions | None = None) -> tuple[int, str]:
@@ -118,8 +128,12 @@ def pins(url: str, names: list[str], storage_options: StorageOptions | None = No
     except FileNotFoundError:
         found = []
     listing = {info["name"].rstrip("/").rsplit("/", 1)[-1]: info for info in found}
-    return [None if n not in listing else pin_of(url, listing[n]) or
-            _fingerprinted(join(url, n), int(listing[n]["size"]), storage_options) for n in names]
+    return [
+        None
+        if n not in listing
+        else pin_of(url, listing[n]) or _fingerprinted(join(url, n), int(listing[n]["size"]), storage_options)
+        for n in names
+    ]
 
 
 def _fingerprinted(url: str, size: int, storage_options: StorageOptions | None) -> dict[str, Any]:

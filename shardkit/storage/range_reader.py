@@ -45,10 +45,17 @@ class RangeReader:
     raises CorruptShardError naming it. `throttled` counts the store's 503/429s.
     """
 
-    def __init__(self, urls: list[str], storage_options: StorageOptions | None = None,
-                 versions: list[str | None] | None = None, cache: RangeCache | None = None, verify: bool = False,
-                 patient: bool = False, pins: list[dict[str, Any] | None] | None = None,
-                 connections: int = CONNECTIONS):
+    def __init__(
+        self,
+        urls: list[str],
+        storage_options: StorageOptions | None = None,
+        versions: list[str | None] | None = None,
+        cache: RangeCache | None = None,
+        verify: bool = False,
+        patient: bool = False,
+        pins: list[dict[str, Any] | None] | None = None,
+        connections: int = CONNECTIONS,
+    ):
         self._urls = urls
         self._pins = pins or [None] * len(urls)
         self._patient = patient  # the caller has reached the store: reads ride out an outage
@@ -149,8 +156,10 @@ class RangeReader:
             try:
                 return fingerprint.mismatch(expected, os.fstat(handle).st_size, fingerprint.read_descriptor(handle))
             except OSError as e:
-                raise ShardkitError(f"{display(self._urls[shard])}: reading bytes 0-{fingerprint.HEAD}: "
-                                    f"{type(e).__name__}: {one_line(e)}") from e
+                raise ShardkitError(
+                    f"{display(self._urls[shard])}: reading bytes 0-{fingerprint.HEAD}: "
+                    f"{type(e).__name__}: {one_line(e)}"
+                ) from e
         store, url = handle, self._urls[shard]
 
         def read(start: int, stop: int) -> tuple[bytes, int | None]:
@@ -173,9 +182,11 @@ class RangeReader:
         return found
 
     def _replaced(self, shard: int, how: str) -> CorruptShardError:
-        return CorruptShardError(f"{display(self._urls[shard])}: changed since its index was made ({how}): a replaced "
-                                 "shard needs its index rebuilt (`shardkit index --force`), a copied dataset its "
-                                 "versions recorded anew (`shardkit index --versions`)")
+        return CorruptShardError(
+            f"{display(self._urls[shard])}: changed since its index was made ({how}): a replaced "
+            "shard needs its index rebuilt (`shardkit index --force`), a copied dataset its "
+            "versions recorded anew (`shardkit index --versions`)"
+        )
 
     def _fetched(self, n: int) -> None:
         with self._lock:
@@ -210,8 +221,10 @@ class RangeReader:
                         self.fetched_bytes += done
 
         wait = patience_for(url, self._opts)
-        if retrying(f"{display(url)} (sha256 check)", digest, wait.attempts(self._patient),
-                    stalls=wait.stalls) != expected:
+        if (
+            retrying(f"{display(url)} (sha256 check)", digest, wait.attempts(self._patient), stalls=wait.stalls)
+            != expected
+        ):
             raise CorruptShardError(f"{display(url)}: sha256 mismatch with the index (shard changed or corrupt)")
 
     def _check_open(self) -> None:
@@ -243,8 +256,9 @@ class RangeReader:
                 while 0 < len(data) < size and (more := os.pread(fd, size - len(data), offset + len(data))):
                     data += more
             except OSError as e:
-                raise ShardkitError(f"{display(url)}: reading bytes {offset}-{offset + size}: "
-                                    f"{type(e).__name__}: {one_line(e)}") from e
+                raise ShardkitError(
+                    f"{display(url)}: reading bytes {offset}-{offset + size}: {type(e).__name__}: {one_line(e)}"
+                ) from e
             finally:
                 FILES.release(fd)
             return data

@@ -39,8 +39,15 @@ def stop_when(check: Callable[[], None]) -> None:
     _before_wait = check
 
 
-def retrying(what: str, fn: Callable[[], T], attempts: int = RETRIES, base_s: float = 0.2, cap_s: float = 10.0,
-             throttled: Callable[[], None] | None = None, stalls: int | None = None) -> T:
+def retrying(
+    what: str,
+    fn: Callable[[], T],
+    attempts: int = RETRIES,
+    base_s: float = 0.2,
+    cap_s: float = 10.0,
+    throttled: Callable[[], None] | None = None,
+    stalls: int | None = None,
+) -> T:
     """Call `fn`, retrying transient failures (resets, timeouts, 5xx, throttling) with
     exponential backoff and full jitter. Fail with one line naming `what` (a URL: never the
     storage options): at once for an error no retry can fix (see `_permanent`), else after
@@ -116,8 +123,16 @@ def root_cause(e: BaseException) -> BaseException:
 
 # A connection dropped, or a body cut short: worth another attempt, wherever in the chain of
 # causes (aiohttp's parse errors carry a `code` of 400 that is no HTTP status).
-_CUT_SHORT = {"ClientPayloadError", "ServerDisconnectedError", "ClientConnectionError", "HttpProcessingError",
-              "IncompleteRead", "ChunkedEncodingError", "ResponseStreamingError", "IncompleteReadError"}
+_CUT_SHORT = {
+    "ClientPayloadError",
+    "ServerDisconnectedError",
+    "ClientConnectionError",
+    "HttpProcessingError",
+    "IncompleteRead",
+    "ChunkedEncodingError",
+    "ResponseStreamingError",
+    "IncompleteReadError",
+}
 
 
 def _cut_short(e: BaseException) -> bool:
@@ -154,10 +169,14 @@ def _permanent(e: BaseException) -> type[ShardkitError] | None:
         return _BY_STATUS.get(status, BadRequestError) if 400 <= status < 500 and status not in _TRANSIENT_4XX else None
     if isinstance(e, FileNotFoundError):
         return NotFoundError
-    if (isinstance(e, PermissionError) or _from_botocore(e, "NoCredentialsError", "PartialCredentialsError")
-            or (type(e) is OSError and str(e).startswith("Forbidden"))):  # gcsfs's HTTP 403
+    if (
+        isinstance(e, PermissionError)
+        or _from_botocore(e, "NoCredentialsError", "PartialCredentialsError")
+        or (type(e) is OSError and str(e).startswith("Forbidden"))
+    ):  # gcsfs's HTTP 403
         return AccessDeniedError
-    if isinstance(e, (ValueError, TypeError, IsADirectoryError, NotADirectoryError, FileExistsError)) or \
-            _from_botocore(e, "ParamValidationError"):  # an invalid bucket name, request or option (a typo)
+    if isinstance(e, (ValueError, TypeError, IsADirectoryError, NotADirectoryError, FileExistsError)) or _from_botocore(
+        e, "ParamValidationError"
+    ):  # an invalid bucket name, request or option (a typo)
         return BadRequestError
     return None

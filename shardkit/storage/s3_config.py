@@ -53,8 +53,9 @@ def decisions(url: str, storage_options: StorageOptions | None) -> dict[str, str
     return {"endpoint": where, "addressing": addressing, "region": region, "checksums": checksums, "client": reader}
 
 
-def _region(opts: dict[str, Any], client: dict[str, Any], config: dict[str, Any], decided: s3_http.Direct | str,
-            aws: bool) -> str:
+def _region(
+    opts: dict[str, Any], client: dict[str, Any], config: dict[str, Any], decided: s3_http.Direct | str, aws: bool
+) -> str:
     named = client.get("region_name") or config.get("region_name")
     if named:
         return f"{named} (the options')"

@@ -39,20 +39,68 @@ _SIGNED_KEPT = 4096  # presigned URLs kept a process (~1 KB each): past this, th
 _PIECE = 256 << 10  # bytes asked of the socket at once: a sample is handed over within ~this many
 _ERROR_BODY = 2000  # bytes of an error answer kept for its message
 # What a presigned GET of ours carries, or what concerns no read; anything else reads through s3fs
-_OPTIONS = {"key", "secret", "token", "profile", "anon", "endpoint_url", "client_kwargs", "config_kwargs",
-            "skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "default_block_size",
-            "default_fill_cache", "default_cache_type", "max_concurrency", *OPTIONS}
+_OPTIONS = {
+    "key",
+    "secret",
+    "token",
+    "profile",
+    "anon",
+    "endpoint_url",
+    "client_kwargs",
+    "config_kwargs",
+    "skip_instance_cache",
+    "use_listings_cache",
+    "listings_expiry_time",
+    "max_paths",
+    "default_block_size",
+    "default_fill_cache",
+    "default_cache_type",
+    "max_concurrency",
+    *OPTIONS,
+}
 _CLIENT_OPTIONS = {"endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
-_CONFIG_OPTIONS = {"s3", "signature_version", "region_name", "retries", "connect_timeout", "read_timeout",
-                   "max_pool_connections", "request_checksum_calculation", "response_checksum_validation"}
+_CONFIG_OPTIONS = {
+    "s3",
+    "signature_version",
+    "region_name",
+    "retries",
+    "connect_timeout",
+    "read_timeout",
+    "max_pool_connections",
+    "request_checksum_calculation",
+    "response_checksum_validation",
+}
 # keys of an AWS config profile that choose credentials or concern no request: any other
 # (endpoint_url, services, use_fips_endpoint, s3, ca_bundle...) is botocore's to apply, through s3fs
-_PROFILE_KEYS = {"region", "output", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
-                 "aws_security_token", "role_arn", "source_profile", "credential_source", "role_session_name",
-                 "external_id", "mfa_serial", "duration_seconds", "web_identity_token_file", "credential_process",
-                 "sso_session", "sso_account_id", "sso_role_name", "sso_region", "sso_start_url",
-                 "sso_registration_scopes", "retry_mode", "max_attempts", "metadata_service_timeout",
-                 "metadata_service_num_attempts", "parameter_validation", "tcp_keepalive"}
+_PROFILE_KEYS = {
+    "region",
+    "output",
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "aws_session_token",
+    "aws_security_token",
+    "role_arn",
+    "source_profile",
+    "credential_source",
+    "role_session_name",
+    "external_id",
+    "mfa_serial",
+    "duration_seconds",
+    "web_identity_token_file",
+    "credential_process",
+    "sso_session",
+    "sso_account_id",
+    "sso_role_name",
+    "sso_region",
+    "sso_start_url",
+    "sso_registration_scopes",
+    "retry_mode",
+    "max_attempts",
+    "metadata_service_timeout",
+    "metadata_service_num_attempts",
+    "parameter_validation",
+    "tcp_keepalive",
+}
 _OTHER_PARTITIONS = ("cn-", "us-iso", "eu-iso", "eusc-")  # AWS regions outside *.amazonaws.com
 _RELEVANT_ENV = re.compile(r"(AWS_|FSSPEC_|(HTTPS?|NO|ALL)_PROXY$)", re.I)  # what decides how a read goes
 _BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")  # botocore's check of a bucket's name
@@ -81,8 +129,13 @@ def presignable(url: str) -> bool:
     """Whether `url` is an object of an S3 bucket named plainly: an access point's ARN, a
     directory bucket (S3 Express), a name botocore refuses, or a bucket alone is left to s3fs."""
     bucket, _, key = url.partition("://")[2].partition("/")
-    return (scheme(url) in S3 and "::" not in url and bool(key) and bool(_BUCKET.fullmatch(bucket))
-            and not bucket.endswith("--x-s3"))
+    return (
+        scheme(url) in S3
+        and "::" not in url
+        and bool(key)
+        and bool(_BUCKET.fullmatch(bucket))
+        and not bucket.endswith("--x-s3")
+    )
 
 
 def direct_for(url: str, storage_options: dict[str, Any] | None) -> Direct | None:
@@ -140,9 +193,14 @@ def _resolve(opts: dict[str, Any]) -> Direct | str:
     client, config = opts.get("client_kwargs") or {}, opts.get("config_kwargs") or {}
     if not _botocore():
         return "botocore is not installed"
-    unknown = sorted({*(opts.keys() - _OPTIONS), *(f"client_kwargs.{k}" for k in client.keys() - _CLIENT_OPTIONS),
-                      *(f"config_kwargs.{k}" for k in config.keys() - _CONFIG_OPTIONS),
-                      *(f"config_kwargs.s3.{k}" for k in set(config.get("s3") or {}) - {"addressing_style"})})
+    unknown = sorted(
+        {
+            *(opts.keys() - _OPTIONS),
+            *(f"client_kwargs.{k}" for k in client.keys() - _CLIENT_OPTIONS),
+            *(f"config_kwargs.{k}" for k in config.keys() - _CONFIG_OPTIONS),
+            *(f"config_kwargs.s3.{k}" for k in set(config.get("s3") or {}) - {"addressing_style"}),
+        }
+    )
     if config.get("signature_version") not in (None, "s3v4"):
         unknown.append("config_kwargs.signature_version")
     if unknown:
@@ -159,8 +217,11 @@ def _resolve(opts: dict[str, Any]) -> Direct | str:
     url = endpoint(opts) or env_endpoint()
     region = client.get("region_name") or config.get("region_name") or env.get("AWS_DEFAULT_REGION")
     session = None
-    if opts.get("profile") or env.get("AWS_PROFILE") or os.path.exists(
-            os.path.expanduser(env.get("AWS_CONFIG_FILE", "~/.aws/config"))):
+    if (
+        opts.get("profile")
+        or env.get("AWS_PROFILE")
+        or os.path.exists(os.path.expanduser(env.get("AWS_CONFIG_FILE", "~/.aws/config")))
+    ):
         import botocore.exceptions
         import botocore.session
 
@@ -186,20 +247,26 @@ def _resolve(opts: dict[str, Any]) -> Direct | str:
 def unapplied(opts: dict[str, Any]) -> str:
     """What of these options, or of this environment, keeps presigned GETs out (for a message)."""
     client, config = opts.get("client_kwargs") or {}, opts.get("config_kwargs") or {}
-    keys = sorted(opts.keys() - _OPTIONS) + sorted(f"client_kwargs.{k}" for k in client.keys() - _CLIENT_OPTIONS) + \
-        sorted(f"config_kwargs.{k}" for k in config.keys() - _CONFIG_OPTIONS)
+    keys = (
+        sorted(opts.keys() - _OPTIONS)
+        + sorted(f"client_kwargs.{k}" for k in client.keys() - _CLIENT_OPTIONS)
+        + sorted(f"config_kwargs.{k}" for k in config.keys() - _CONFIG_OPTIONS)
+    )
     if keys:
         return f"the storage option(s) {', '.join(keys)}"
-    return ("these storage options or this environment (a setting only botocore's client applies: a profile's "
-            "endpoint or S3 settings, FIPS or dual-stack endpoints, fsspec's S3 configuration, a proxy)")
+    return (
+        "these storage options or this environment (a setting only botocore's client applies: a profile's "
+        "endpoint or S3 settings, FIPS or dual-stack endpoints, fsspec's S3 configuration, a proxy)"
+    )
 
 
 def _fsspec_configures_s3() -> bool:
     """Whether fsspec's configuration (FSSPEC_S3* variables, files in its config folder) may
     give s3fs options of its own, which reads through s3fs would apply."""
     folder = os.environ.get("FSSPEC_CONFIG_DIR") or os.path.expanduser("~/.config/fsspec")
-    return any(k.upper().startswith("FSSPEC_S3") for k in os.environ) or (os.path.isdir(folder) and any(
-        name.endswith((".json", ".ini")) for name in os.listdir(folder)))
+    return any(k.upper().startswith("FSSPEC_S3") for k in os.environ) or (
+        os.path.isdir(folder) and any(name.endswith((".json", ".ini")) for name in os.listdir(folder))
+    )
 
 
 @functools.cache
@@ -210,8 +277,11 @@ def _botocore() -> bool:
 
 def _given(opts: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
     client = opts.get("client_kwargs") or {}
-    return (opts.get("key") or client.get("aws_access_key_id"), opts.get("secret") or client.get("aws_secret_access_key"),
-            opts.get("token") or client.get("aws_session_token"))
+    return (
+        opts.get("key") or client.get("aws_access_key_id"),
+        opts.get("secret") or client.get("aws_secret_access_key"),
+        opts.get("token") or client.get("aws_session_token"),
+    )
 
 
 class Direct:
@@ -241,8 +311,11 @@ class Direct:
             return Credentials(key, secret, token)
         env = os.environ
         if not self._profile and env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-            return Credentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
-                               env.get("AWS_SESSION_TOKEN") or env.get("AWS_SECURITY_TOKEN"))
+            return Credentials(
+                env["AWS_ACCESS_KEY_ID"],
+                env["AWS_SECRET_ACCESS_KEY"],
+                env.get("AWS_SESSION_TOKEN") or env.get("AWS_SECURITY_TOKEN"),
+            )
         if self._session is None:
             import botocore.session
 
@@ -310,8 +383,9 @@ class Direct:
             conn = pool[(scheme, netloc)] = _connect(scheme, netloc, self._timeout_s)
         return conn
 
-    def _answer(self, path: str, headers: dict[str, str], own: bool = False) -> tuple[http.client.HTTPConnection,
-                                                                                      http.client.HTTPResponse]:
+    def _answer(
+        self, path: str, headers: dict[str, str], own: bool = False
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """Send a GET of `path` and read its status; an answer that names another region for
         the bucket (S3's 301 or 400) is asked again there, signed for it; the whole object
         (200) for a range that starts past its first byte is refused. `own`: on a new
@@ -321,8 +395,11 @@ class Direct:
             u = urlsplit(url)
             target = f"{u.path}?{u.query}" if u.query else u.path
             for fresh in (False, True):  # a kept connection the server has closed meanwhile: once more, anew
-                conn = (_connect(u.scheme, u.netloc, self._timeout_s) if own
-                        else self._connection(u.scheme, u.netloc, fresh))
+                conn = (
+                    _connect(u.scheme, u.netloc, self._timeout_s)
+                    if own
+                    else self._connection(u.scheme, u.netloc, fresh)
+                )
                 try:
                     conn.request("GET", target, headers=headers)
                     resp = conn.getresponse()
@@ -346,8 +423,14 @@ class Direct:
             raise HTTPStatusError(resp.status, said)
         raise HTTPStatusError(resp.status, said)
 
-    def get(self, path: str, start: int, stop: int, receive: Callable[[Callable[[memoryview], int]], None],
-            if_match: str | None = None) -> int | None:
+    def get(
+        self,
+        path: str,
+        start: int,
+        stop: int,
+        receive: Callable[[Callable[[memoryview], int]], None],
+        if_match: str | None = None,
+    ) -> int | None:
         """GET bytes [start, stop) of `path`, handing `receive` a `readinto` that fills the
         caller's buffer as bytes arrive; return the object's size where the answer tells it.
         Raises HTTPStatusError for any answer but 206/200 (416: the object ends before `start`)."""
@@ -362,8 +445,11 @@ class Direct:
             raise
         if resp.will_close or not resp.isclosed():  # closed by the server, or bytes past the range left unread
             _close(conn, resp)
-        total = (resp.getheader("Content-Range") or "").rpartition("/")[2] if resp.status == 206 else \
-            resp.getheader("Content-Length") or ""
+        total = (
+            (resp.getheader("Content-Range") or "").rpartition("/")[2]
+            if resp.status == 206
+            else resp.getheader("Content-Length") or ""
+        )
         return int(total) if total.isdigit() else None
 
     def cat(self, path: str) -> bytes:

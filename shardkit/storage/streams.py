@@ -140,7 +140,7 @@ class Arriving:
                 if self.filled < hi:
                     assert self._error is not None
                     raise self._error
-        return bytes(self._view[lo:max(lo, hi)])
+        return bytes(self._view[lo : max(lo, hi)])
 
     def data(self) -> bytes:
         """The bytes in, once finished without an error (for the cache)."""

@@ -16,7 +16,7 @@ def is_local(url: str) -> bool:
 
 
 def local_path(url: str) -> str:
-    return url[len("file://"):] if url.startswith("file://") else url
+    return url[len("file://") :] if url.startswith("file://") else url
 
 
 @functools.lru_cache(maxsize=4096)  # readers name their shard in every sample's error context

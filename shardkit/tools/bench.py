@@ -157,8 +157,9 @@ class ResizeTransform:
             return len(image), label
         chw = to_chw(image)
         if tuple(chw.shape[-2:]) != (self.size, self.size):
-            resized = F.interpolate(chw[None].float(), size=(self.size, self.size), mode="bilinear",
-                                    align_corners=False)
+            resized = F.interpolate(
+                chw[None].float(), size=(self.size, self.size), mode="bilinear", align_corners=False
+            )
             chw = resized[0].round_().clamp_(0, 255).to(torch.uint8)
         return chw, label
 
@@ -264,8 +265,11 @@ def _batch_len(batch: Any) -> int:
     while True:
         if isinstance(batch, dict) and batch:
             batch = next(iter(batch.values()))
-        elif isinstance(batch, (list, tuple)) and batch and (
-                hasattr(batch[0], "shape") or isinstance(batch[0], (list, tuple, dict))):
+        elif (
+            isinstance(batch, (list, tuple))
+            and batch
+            and (hasattr(batch[0], "shape") or isinstance(batch[0], (list, tuple, dict)))
+        ):
             batch = batch[0]  # the fields of a collated tuple
         else:
             break
@@ -291,17 +295,36 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def bench_setting(url: str | Sequence[str], *, num_workers: int, prefetch: int, batch_size: int, decode: str,
-                  transform: Callable[[dict[str, Any]], Any], batches: int, passes: int, warmup: int,
-                  storage_options: StorageOptions | None = None, on_error: str = "raise") -> dict[str, Any]:
+def bench_setting(
+    url: str | Sequence[str],
+    *,
+    num_workers: int,
+    prefetch: int,
+    batch_size: int,
+    decode: str,
+    transform: Callable[[dict[str, Any]], Any],
+    batches: int,
+    passes: int,
+    warmup: int,
+    storage_options: StorageOptions | None = None,
+    on_error: str = "raise",
+) -> dict[str, Any]:
     """Measure one setting: warm-up (the first batch timed from a cold start), then `passes`
     passes of `batches` batches, each from a fresh iterator of the same loader."""
     import torch
 
     gc.collect()  # else the process's first full collection after importing torch (~0.15 s) lands in a first batch
     start = time.perf_counter()  # the first batch counts building the dataset too (a remote index.json)
-    ds, loader = _loader(url, num_workers=num_workers, prefetch=prefetch, batch_size=batch_size, decode=decode,
-                         transform=transform, storage_options=storage_options, on_error=on_error)
+    ds, loader = _loader(
+        url,
+        num_workers=num_workers,
+        prefetch=prefetch,
+        batch_size=batch_size,
+        decode=decode,
+        transform=transform,
+        storage_options=storage_options,
+        on_error=on_error,
+    )
     memory = PeakRss()
     threads = torch.get_num_threads()
     if not num_workers:  # one torch thread, as DataLoader gives each worker: settings differ in processes only
@@ -313,25 +336,49 @@ def bench_setting(url: str | Sequence[str], *, num_workers: int, prefetch: int, 
     finally:
         memory.stop()
         torch.set_num_threads(threads)
-    return _summary(ds, rates, memory, num_workers=num_workers, prefetch=prefetch, batch_size=batch_size,
-                    first_batch_s=first_batch_s)
+    return _summary(
+        ds,
+        rates,
+        memory,
+        num_workers=num_workers,
+        prefetch=prefetch,
+        batch_size=batch_size,
+        first_batch_s=first_batch_s,
+    )
 
 
-def _loader(url: str | Sequence[str], *, num_workers: int, prefetch: int, batch_size: int, decode: str,
-            transform: Callable[[dict[str, Any]], Any], storage_options: StorageOptions | None,
-            on_error: str) -> tuple[StreamingDataset, Any]:
+def _loader(
+    url: str | Sequence[str],
+    *,
+    num_workers: int,
+    prefetch: int,
+    batch_size: int,
+    decode: str,
+    transform: Callable[[dict[str, Any]], Any],
+    storage_options: StorageOptions | None,
+    on_error: str,
+) -> tuple[StreamingDataset, Any]:
     """(dataset, DataLoader) as the README recommends training: batches made in the workers."""
     from torch.utils.data import DataLoader
 
     from ..reading.dataset import StreamingDataset
 
-    ds = StreamingDataset(url, shuffle=True, decode=decode, transform=transform, prefetch=prefetch,
-                          storage_options=storage_options, batch_size=batch_size, on_error=on_error)
+    ds = StreamingDataset(
+        url,
+        shuffle=True,
+        decode=decode,
+        transform=transform,
+        prefetch=prefetch,
+        storage_options=storage_options,
+        batch_size=batch_size,
+        on_error=on_error,
+    )
     return ds, DataLoader(ds, batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0)
 
 
-def _passes(loader: Any, memory: PeakRss, start: float, *, warmup: int, passes: int,
-            batches: int) -> tuple[float, list[float]]:
+def _passes(
+    loader: Any, memory: PeakRss, start: float, *, warmup: int, passes: int, batches: int
+) -> tuple[float, list[float]]:
     """(seconds from `start` to the first batch, images/s of each pass): `warmup` batches, then
     `passes` passes of `batches` batches, each from a fresh iterator of `loader`."""
     it = iter(loader)  # starts the workers
@@ -353,8 +400,16 @@ def _passes(loader: Any, memory: PeakRss, start: float, *, warmup: int, passes: 
     return first_batch_s, rates
 
 
-def _summary(ds: StreamingDataset, rates: list[float], memory: PeakRss, *, num_workers: int, prefetch: int, batch_size: int,
-             first_batch_s: float) -> dict[str, Any]:
+def _summary(
+    ds: StreamingDataset,
+    rates: list[float],
+    memory: PeakRss,
+    *,
+    num_workers: int,
+    prefetch: int,
+    batch_size: int,
+    first_batch_s: float,
+) -> dict[str, Any]:
     """One setting's figures: images/s and MB/s per pass with mean and spread, memory, counters."""
     stats = ds.stats()
     if stats["samples"]:
@@ -367,14 +422,23 @@ def _summary(ds: StreamingDataset, rates: list[float], memory: PeakRss, *, num_w
     mean, std = _mean_std(rates)
     mb_mean, mb_std = _mean_std(mb)
     return {
-        "num_workers": num_workers, "prefetch": prefetch,
-        "images_per_s": rates, "mean_images_per_s": mean, "std_images_per_s": std,
-        "mb_per_s": mb, "mean_mb_per_s": mb_mean, "std_mb_per_s": mb_std,
-        "first_batch_s": first_batch_s, "batch_ms": 1000 * batch_size / mean if mean else float("inf"),
-        "peak_rss_bytes": memory.peak_total, "peak_main_rss_bytes": memory.peak_main,
+        "num_workers": num_workers,
+        "prefetch": prefetch,
+        "images_per_s": rates,
+        "mean_images_per_s": mean,
+        "std_images_per_s": std,
+        "mb_per_s": mb,
+        "mean_mb_per_s": mb_mean,
+        "std_mb_per_s": mb_std,
+        "first_batch_s": first_batch_s,
+        "batch_ms": 1000 * batch_size / mean if mean else float("inf"),
+        "peak_rss_bytes": memory.peak_total,
+        "peak_main_rss_bytes": memory.peak_main,
         "bytes_per_sample": per_sample,
-        "stats": {k: stats[k] for k in ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped",
-                                        "fetched_bytes", "cache_hits")},
+        "stats": {
+            k: stats[k]
+            for k in ("samples", "bytes", "read_s", "decode_s", "transform_s", "skipped", "fetched_bytes", "cache_hits")
+        },
     }
 
 
@@ -395,11 +459,22 @@ def recommend(settings: Sequence[dict[str, Any]], varied: str) -> dict[str, Any]
     return {varied: pick[varied], "mean_images_per_s": pick["mean_images_per_s"], "text": text}
 
 
-def run_bench(url: str | Sequence[str], *, workers: Sequence[int] = (0, 1, 2), prefetch: Sequence[int] = (8,),
-              batch_size: int = 64, decode: str = "tensor",
-              transform: str | Callable[[dict[str, Any]], Any] | None = None, batches: int = 50, passes: int = 3,
-              warmup: int = 5, step_ms: float | None = None, storage_options: StorageOptions | None = None,
-              on_error: str = "raise", progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run_bench(
+    url: str | Sequence[str],
+    *,
+    workers: Sequence[int] = (0, 1, 2),
+    prefetch: Sequence[int] = (8,),
+    batch_size: int = 64,
+    decode: str = "tensor",
+    transform: str | Callable[[dict[str, Any]], Any] | None = None,
+    batches: int = 50,
+    passes: int = 3,
+    warmup: int = 5,
+    step_ms: float | None = None,
+    storage_options: StorageOptions | None = None,
+    on_error: str = "raise",
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Benchmark StreamingDataset under a DataLoader for each value of `workers` or of
     `prefetch` (at most one of them may hold several values). `transform` is a callable,
     a ``module:function`` name, or None for `ResizeTransform`. `on_error` is the dataset's
@@ -417,19 +492,38 @@ def run_bench(url: str | Sequence[str], *, workers: Sequence[int] = (0, 1, 2), p
     settings = []
     for w in workers:
         for p in prefetch:
-            result = bench_setting(url, num_workers=w, prefetch=p, batch_size=batch_size, decode=decode,
-                                   transform=fn, batches=batches, passes=passes, warmup=warmup,
-                                   storage_options=storage_options, on_error=on_error)
+            result = bench_setting(
+                url,
+                num_workers=w,
+                prefetch=p,
+                batch_size=batch_size,
+                decode=decode,
+                transform=fn,
+                batches=batches,
+                passes=passes,
+                warmup=warmup,
+                storage_options=storage_options,
+                on_error=on_error,
+            )
             if step_ms is not None:
                 result["data_bound"] = result["batch_ms"] > step_ms
             if progress is not None:
                 progress(result)
             settings.append(result)
     return {
-        "url": url if isinstance(url, str) else list(url), "varied": varied, "batch_size": batch_size,
-        "decode": decode, "transform": repr(fn) if isinstance(fn, (Transform, ResizeTransform)) else
-        getattr(fn, "__qualname__", repr(fn)), "batches": batches, "passes": passes, "warmup": warmup,
-        "step_ms": step_ms, "cpus": os.cpu_count(), "settings": settings,
+        "url": url if isinstance(url, str) else list(url),
+        "varied": varied,
+        "batch_size": batch_size,
+        "decode": decode,
+        "transform": repr(fn)
+        if isinstance(fn, (Transform, ResizeTransform))
+        else getattr(fn, "__qualname__", repr(fn)),
+        "batches": batches,
+        "passes": passes,
+        "warmup": warmup,
+        "step_ms": step_ms,
+        "cpus": os.cpu_count(),
+        "settings": settings,
         "recommendation": recommend(settings, varied),
     }
 
@@ -446,14 +540,22 @@ def format_report(doc: dict[str, Any]) -> str:
     head = ("num_workers", "prefetch", "images/s", "MB/s", "first batch", "peak RSS (workers)")
     rows = [head]
     for s in doc["settings"]:
-        rows.append((str(s["num_workers"]), str(s["prefetch"]),
-                     f"{s['mean_images_per_s']:.0f} ± {s['std_images_per_s']:.0f}",
-                     f"{s['mean_mb_per_s']:.1f} ± {s['std_mb_per_s']:.1f}", f"{s['first_batch_s']:.2f} s",
-                     f"{_mib(s['peak_rss_bytes'])} ({_mib(_minus(s['peak_rss_bytes'], s['peak_main_rss_bytes']))})"))
+        rows.append(
+            (
+                str(s["num_workers"]),
+                str(s["prefetch"]),
+                f"{s['mean_images_per_s']:.0f} ± {s['std_images_per_s']:.0f}",
+                f"{s['mean_mb_per_s']:.1f} ± {s['std_mb_per_s']:.1f}",
+                f"{s['first_batch_s']:.2f} s",
+                f"{_mib(s['peak_rss_bytes'])} ({_mib(_minus(s['peak_rss_bytes'], s['peak_main_rss_bytes']))})",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = [f"{doc['url']}: batch size {doc['batch_size']}, decode {doc['decode']}, transform {doc['transform']}; "
-             f"{doc['passes']} pass{'es' * (doc['passes'] != 1)} of {doc['batches']} batch{'es' * (doc['batches'] != 1)} "
-             f"after {doc['warmup']} warm-up batch{'es' * (doc['warmup'] != 1)}"]
+    lines = [
+        f"{doc['url']}: batch size {doc['batch_size']}, decode {doc['decode']}, transform {doc['transform']}; "
+        f"{doc['passes']} pass{'es' * (doc['passes'] != 1)} of {doc['batches']} batch{'es' * (doc['batches'] != 1)} "
+        f"after {doc['warmup']} warm-up batch{'es' * (doc['warmup'] != 1)}"
+    ]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     step = doc.get("step_ms")
     if step is not None:
@@ -491,8 +593,13 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
     FigureCanvasAgg(fig)  # Agg, without pyplot's global state
     ax = fig.add_subplot()
     xs = list(range(len(settings)))
-    ax.errorbar(xs, [s["mean_images_per_s"] for s in settings], yerr=[s["std_images_per_s"] for s in settings],
-                fmt="o-", capsize=4)
+    ax.errorbar(
+        xs,
+        [s["mean_images_per_s"] for s in settings],
+        yerr=[s["std_images_per_s"] for s in settings],
+        fmt="o-",
+        capsize=4,
+    )
     ax.set_xticks(xs, [str(s[varied]) for s in settings])
     ax.set_xlabel(varied)
     ax.set_ylabel("images/s (mean ± std over passes)")

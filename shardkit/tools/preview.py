@@ -105,8 +105,9 @@ def _fit(text: str, font: Any, width: int) -> str:
     return text + "..."
 
 
-def draw_grid(tiles: Sequence[tuple[Image.Image, str, str]], tile: int = TILE,
-              captions: Sequence[str] | None = None) -> Image.Image:
+def draw_grid(
+    tiles: Sequence[tuple[Image.Image, str, str]], tile: int = TILE, captions: Sequence[str] | None = None
+) -> Image.Image:
     """The grid of (image, class name, key) tiles, each image fitted into its square, with
     `captions` (one a tile) on a line of their own below."""
     canvas = Image.new("RGB", grid_size(len(tiles), tile, captions is not None), BACKGROUND)
@@ -123,10 +124,18 @@ def draw_grid(tiles: Sequence[tuple[Image.Image, str, str]], tile: int = TILE,
     return canvas
 
 
-def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.png",
-                   transform: str | Callable[[dict[str, Any]], Any] | None = None, decode: str = "tensor",
-                   seed: int = 0, tile: int = TILE, storage_options: StorageOptions | None = None,
-                   on_error: str = "raise") -> dict[str, Any]:
+def render_preview(
+    url: str | Sequence[str],
+    *,
+    n: int = 16,
+    out: str = "batch.png",
+    transform: str | Callable[[dict[str, Any]], Any] | None = None,
+    decode: str = "tensor",
+    seed: int = 0,
+    tile: int = TILE,
+    storage_options: StorageOptions | None = None,
+    on_error: str = "raise",
+) -> dict[str, Any]:
     """Decode the first `n` samples of the seed's shuffled order (epoch 0), apply `transform`
     (a callable or ``module:function``), and write them as a labelled PNG grid to `out`
     (captioned, where the samples have a `txt` field).
@@ -139,8 +148,9 @@ def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.p
     if n < 1 or tile < 16:
         raise ValueError("n must be at least 1 and tile at least 16")
     fn = Transform(transform) if isinstance(transform, str) else transform
-    ds = StreamingDataset(url, shuffle=True, seed=seed, decode=decode, storage_options=storage_options,
-                          on_error=on_error)
+    ds = StreamingDataset(
+        url, shuffle=True, seed=seed, decode=decode, storage_options=storage_options, on_error=on_error
+    )
     classes = ds.classes
     tiles: list[tuple[Image.Image, str, str]] = []
     captions: list[str] = []
@@ -160,8 +170,11 @@ def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.p
                 logging.getLogger("shardkit").warning("skipped %s", said)
                 skipped += 1
                 continue
-            name = classes[label] if isinstance(label, int) and 0 <= label < len(classes) else \
-                ("" if label is None else str(label))
+            name = (
+                classes[label]
+                if isinstance(label, int) and 0 <= label < len(classes)
+                else ("" if label is None else str(label))
+            )
             tiles.append((image, name, key))
             captions.append(" ".join(str(sample.get("txt", "")).split()))  # a caption on one line
             if len(tiles) == n:
@@ -174,9 +187,16 @@ def render_preview(url: str | Sequence[str], *, n: int = 16, out: str = "batch.p
     grid = draw_grid(tiles, tile, captions if captioned else None)
     grid.save(out, format=Image.registered_extensions().get(os.path.splitext(out)[1].lower(), "PNG"))
     cols, rows = grid_shape(len(tiles))
-    return {"path": out, "samples": len(tiles), "grid": [cols, rows], "size": list(grid.size), "tile": tile,
-            "labels": [[name, key] for _, name, key in tiles], **({"captions": captions} if captioned else {}),
-            "skipped": int(ds.stats()["skipped"]) + skipped}
+    return {
+        "path": out,
+        "samples": len(tiles),
+        "grid": [cols, rows],
+        "size": list(grid.size),
+        "tile": tile,
+        "labels": [[name, key] for _, name, key in tiles],
+        **({"captions": captions} if captioned else {}),
+        "skipped": int(ds.stats()["skipped"]) + skipped,
+    }
 
 
 def _image(sample: dict[str, Any], fn: Callable[[dict[str, Any]], Any] | None) -> Image.Image:
@@ -184,6 +204,8 @@ def _image(sample: dict[str, Any], fn: Callable[[dict[str, Any]], Any] | None) -
     result = fn(sample) if fn is not None else sample
     image = pick_image(result)
     if image is None:
-        raise ShardkitError(f"sample {sample['__key__']}: no image in {type(result).__name__} "
-                            "(a transform should return an image or a tuple starting with one)")
+        raise ShardkitError(
+            f"sample {sample['__key__']}: no image in {type(result).__name__} "
+            "(a transform should return an image or a tuple starting with one)"
+        )
     return to_pil(image)

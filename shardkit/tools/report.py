@@ -68,8 +68,10 @@ def layout_hint(unusable: Sequence[Any], samples: int) -> str:
     outside = sum(s.reason == OUTSIDE_CLASSES for s in unusable)
     if outside <= samples:
         return ""
-    return (f"hint: {plural(outside, 'file')} not inside a class folder, {plural(samples, 'sample')} packed: "
-            "for images without classes (SRC/<image>), pack with --layout flat")
+    return (
+        f"hint: {plural(outside, 'file')} not inside a class folder, {plural(samples, 'sample')} packed: "
+        "for images without classes (SRC/<image>), pack with --layout flat"
+    )
 
 
 def pack_summary(idx: Any, dest: str, stats: Mapping[str, int], took: float) -> str:
@@ -122,7 +124,11 @@ def shard_counts(counts: list[int]) -> str:
 
 def info_lines(idx: Any, shown_url: str) -> list[str]:
     """`shardkit info`'s summary of an index, `shown_url` being the dataset's URL as it may be shown."""
-    lines = [f"dataset:  {shown_url}", f"format:   {idx.kind}, fields {', '.join(idx.fields)}", f"samples:  {idx.samples}"]
+    lines = [
+        f"dataset:  {shown_url}",
+        f"format:   {idx.kind}, fields {', '.join(idx.fields)}",
+        f"samples:  {idx.samples}",
+    ]
     if formats.get(idx.kind).sharded:  # an LMDB is one file, not shards
         lines.append(f"shards:   {shard_counts([s.samples for s in idx.shards])}")
     lines.append(f"bytes:    {format_size(idx.bytes)}")
@@ -156,13 +162,17 @@ def verify_failure(problems: int, one_file: str | None, shown_url: str, decode: 
 
 
 def unhashed_note(unhashed: int) -> str:
-    return (f"{plural(unhashed, 'shard')} without a sha256 in the index: sizes, counts and offsets match, "
-            "their bytes were not checked")
+    return (
+        f"{plural(unhashed, 'shard')} without a sha256 in the index: sizes, counts and offsets match, "
+        "their bytes were not checked"
+    )
 
 
 def undecodable_failure(bad: int, shown_url: str) -> str:
-    return (f"images that do not decode in {shown_url}: {bad} (readers leave them out with on_error=\"skip\", "
-            "bench and preview with --on-error skip; `shardkit pack --decode-check` keeps them out of a pack)")
+    return (
+        f'images that do not decode in {shown_url}: {bad} (readers leave them out with on_error="skip", '
+        "bench and preview with --on-error skip; `shardkit pack --decode-check` keeps them out of a pack)"
+    )
 
 
 def indexed(idx: Any) -> str:
@@ -183,14 +193,18 @@ def nothing_to_upgrade(idx: Any, index_name: str) -> str | None:
 
 
 def upgraded(idx: Any, saved: Any, index_name: str, version: int) -> str:
-    return (f"upgraded {index_name} to version {version}: the offsets of {plural(idx.samples, 'sample')} "
-            f"are in {saved.sidecar.file}")
+    return (
+        f"upgraded {index_name} to version {version}: the offsets of {plural(idx.samples, 'sample')} "
+        f"are in {saved.sidecar.file}"
+    )
 
 
 def bench_progress(setting: Mapping[str, Any]) -> str:
     """One finished bench setting, for stderr while the others run."""
-    return (f"  num_workers={setting['num_workers']} prefetch={setting['prefetch']}: "
-            f"{setting['mean_images_per_s']:.0f} ± {setting['std_images_per_s']:.0f} images/s")
+    return (
+        f"  num_workers={setting['num_workers']} prefetch={setting['prefetch']}: "
+        f"{setting['mean_images_per_s']:.0f} ± {setting['std_images_per_s']:.0f} images/s"
+    )
 
 
 def preview_written(out: str, result: Mapping[str, Any]) -> str:

@@ -23,8 +23,11 @@ _SAVE = {"jpg": ("JPEG", {"quality": 90}), "png": ("PNG", {}), "webp": ("WEBP", 
 
 def paths(root: Path, per_class: int) -> list[tuple[Path, int, int]]:
     """(path, class number, image number) of every image, class after class."""
-    return [(root / name / f"{name}_{i:04d}.{FORMATS[i % len(FORMATS)]}", label, i)
-            for label, name in enumerate(CLASSES) for i in range(per_class)]
+    return [
+        (root / name / f"{name}_{i:04d}.{FORMATS[i % len(FORMATS)]}", label, i)
+        for label, name in enumerate(CLASSES)
+        for i in range(per_class)
+    ]
 
 
 def render(label: int, index: int, size: tuple[int, int]) -> Image.Image:
@@ -78,8 +81,9 @@ def _size(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m shardkit.tools.sample_images",
-                                 description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap = argparse.ArgumentParser(
+        prog="python -m shardkit.tools.sample_images", description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )
     ap.add_argument("root", help="the folder to write: ROOT/<class>/<image>")
     ap.add_argument("--per-class", type=int, default=40, help="images per class (default 40)")
     ap.add_argument("--size", type=_size, default=(320, 240), help="WIDTHxHEIGHT of every image (default 320x240)")

@@ -20,8 +20,11 @@ from ..sources import local_lmdb, shard_digest, shard_problem
 from ..storage import StorageOptions
 
 
-def verify(url: str, storage_options: StorageOptions | None = None,
-           on_shard: Callable[[ShardInfo, str | None], None] | None = None) -> list[str]:
+def verify(
+    url: str,
+    storage_options: StorageOptions | None = None,
+    on_shard: Callable[[ShardInfo, str | None], None] | None = None,
+) -> list[str]:
     """Re-read every shard of the dataset at `url`; return one line per problem (empty: all good).
 
     Checks each shard's size, sha256, sample count and sample offsets against index.json,
@@ -86,9 +89,11 @@ def _offsets_lacking(url: str, idx: Index) -> list[str]:
     lacking = [s.name for s in idx.shards if s.offsets is None]
     if not lacking:
         return []
-    return [f"{storage.display(storage.join(url, index.INDEX_NAME))}: lists no sample offsets for {len(lacking)} of "
-            f"its {len(idx.shards)} shards (first: {lacking[0]}), and readers refuse it: rebuild it with "
-            f"`shardkit index {storage.display(url)}`"]
+    return [
+        f"{storage.display(storage.join(url, index.INDEX_NAME))}: lists no sample offsets for {len(lacking)} of "
+        f"its {len(idx.shards)} shards (first: {lacking[0]}), and readers refuse it: rebuild it with "
+        f"`shardkit index {storage.display(url)}`"
+    ]
 
 
 def undecodable(url: str, storage_options: StorageOptions | None = None, workers: int | None = None) -> list[str]:
@@ -101,8 +106,9 @@ def undecodable(url: str, storage_options: StorageOptions | None = None, workers
 
     workers = checks.optional("workers", workers, 0)
     # rank 0 of 1 whatever RANK and WORLD_SIZE say: every image once, no share of them
-    ds = StreamingDataset(checks.path("url", url), storage_options=storage_options, transform=_image_problems,
-                          rank=0, world_size=1)
+    ds = StreamingDataset(
+        checks.path("url", url), storage_options=storage_options, transform=_image_problems, rank=0, world_size=1
+    )
     loader = DataLoader(ds, batch_size=None, num_workers=(os.cpu_count() or 1) if workers is None else workers)
     return sorted(problem for problems in loader for problem in problems)
 
@@ -121,8 +127,11 @@ def _unlisted(url: str, idx: Index, storage_options: StorageOptions | None) -> l
     except (OSError, ShardkitError):
         return []
     listed = {info.name for info in idx.shards}
-    return [f"{storage.display(storage.join(url, name))}: a shard the index does not list (readers skip it)"
-            for name in names if name.endswith(index.SHARD_SUFFIXES) and name not in listed]
+    return [
+        f"{storage.display(storage.join(url, name))}: a shard the index does not list (readers skip it)"
+        for name in names
+        if name.endswith(index.SHARD_SUFFIXES) and name not in listed
+    ]
 
 
 def _verify_lmdb(url: str, idx: Index, storage_options: StorageOptions | None) -> str | None:
@@ -139,10 +148,16 @@ def _verify_lmdb(url: str, idx: Index, storage_options: StorageOptions | None) -
     # this process's imports (this shardkit first), never the working folder's modules
     paths = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     paths += [p for p in sys.path if isinstance(p, str) and os.path.isabs(p)]
-    code = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from shardkit.tools.verify import _walk_lmdb_child; " \
-           "_walk_lmdb_child()"
-    child = subprocess.run([sys.executable, "-I", "-c", code, json.dumps(paths)], capture_output=True, text=True,
-                           input=json.dumps({"path": path, "index": idx.to_json()}))
+    code = (
+        "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from shardkit.tools.verify import _walk_lmdb_child; "
+        "_walk_lmdb_child()"
+    )
+    child = subprocess.run(
+        [sys.executable, "-I", "-c", code, json.dumps(paths)],
+        capture_output=True,
+        text=True,
+        input=json.dumps({"path": path, "index": idx.to_json()}),
+    )
     said = (child.stderr.strip().splitlines() or [""])[-1]  # LMDB's assertion, a Python error
     if child.returncode < 0:
         name = signal.Signals(-child.returncode).name

@@ -32,8 +32,13 @@ _BY_SCHEME: dict[str, Callable[[str, StorageOptions | None, bool, Instances | No
 }
 
 
-def store_for(url: str, storage_options: StorageOptions | None = None, *, patient: bool = False,
-              instances: Instances | None = None) -> Store:
+def store_for(
+    url: str,
+    storage_options: StorageOptions | None = None,
+    *,
+    patient: bool = False,
+    instances: Instances | None = None,
+) -> Store:
     """The store that reads `url`. `patient`: reads ride out an outage of the store (the
     caller reached it already); `instances`: a reader's own clients, else this process's."""
     patience_for(url, storage_options)  # a bad timeout= or attempts= is one line, on every store

@@ -174,8 +174,9 @@ class InOrder:
         except AzureRequestError as e:
             if self._etag is None or getattr(e.__cause__, "status_code", None) != 412:
                 raise
-            raise AzureRequestError(f"412 ConditionNotMet: replaced while it was read (its ETag is no longer "
-                                    f"{self._etag})") from e.__cause__
+            raise AzureRequestError(
+                f"412 ConditionNotMet: replaced while it was read (its ETag is no longer {self._etag})"
+            ) from e.__cause__
         self._etag = self._etag or etag
         self._at += len(data)
         self._buffer += data
@@ -211,9 +212,11 @@ def _plainly(url: str, fn: Callable[[], T]) -> T:
         if type(e).__name__ not in _NO_CREDENTIALS:
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        failure = AccessDeniedError(f"{display(url)}: no credentials: {redact(first)} (give storage_options a "
-                                    "connection_string, account_key or sas_token, or sign in: az login, a managed "
-                                    "identity, AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET)")
+        failure = AccessDeniedError(
+            f"{display(url)}: no credentials: {redact(first)} (give storage_options a "
+            "connection_string, account_key or sas_token, or sign in: az login, a managed "
+            "identity, AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET)"
+        )
         cause = redacted(e)
     raise failure from cause  # out of the except block: the SDK's own error is no __context__ either
 

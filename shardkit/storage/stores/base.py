@@ -64,11 +64,13 @@ class Store(ABC):
         """`fn()` under the retry policy and the options' patience (patience.py), failing with
         one line naming `url` (and `what`)."""
         wait = patience_for(url, self.options)
-        return retrying(f"{display(url)}{what}", fn, wait.attempts(self.patient), throttled=throttled,
-                        stalls=wait.stalls)
+        return retrying(
+            f"{display(url)}{what}", fn, wait.attempts(self.patient), throttled=throttled, stalls=wait.stalls
+        )
 
-    def retried_get(self, url: str, what: str, fn: Callable[[], Any],
-                    throttled: Callable[[], None] | None = None) -> Any:
+    def retried_get(
+        self, url: str, what: str, fn: Callable[[], Any], throttled: Callable[[], None] | None = None
+    ) -> Any:
         """`fn()`, which calls `get`, retried as this store's GETs are: as `retried`, but for
         a store whose GETs go through another client than the rest (obstore_gcs.py)."""
         return self.retried(url, what, fn, throttled)

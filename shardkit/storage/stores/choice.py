@@ -42,11 +42,11 @@ def client_of(url: str, storage_options: StorageOptions | None) -> str | None:
         return None
     known = CLIENTS if scheme(url) in S3 else GCS_CLIENTS if scheme(url) in GCS else _ANY
     if chosen not in known:
-        raise BadRequestError(f"{display(url)}: unknown storage option client={chosen!r}; choose from "
-                              f"{', '.join(known)}")
+        raise BadRequestError(
+            f"{display(url)}: unknown storage option client={chosen!r}; choose from {', '.join(known)}"
+        )
     if (scheme(url) not in S3 and scheme(url) not in GCS) or "::" in url:
-        raise BadRequestError(f"{display(url)}: storage option client={chosen!r} applies to s3:// and gs:// URLs "
-                              "only")
+        raise BadRequestError(f"{display(url)}: storage option client={chosen!r} applies to s3:// and gs:// URLs only")
     return str(chosen)
 
 
@@ -57,8 +57,9 @@ def without_client(storage_options: StorageOptions | None) -> StorageOptions | N
     return {k: v for k, v in storage_options.items() if k != CLIENT}
 
 
-def s3_store(url: str, storage_options: StorageOptions | None, patient: bool,
-             instances: dict[tuple[Any, ...], Any] | None) -> S3fsStore:
+def s3_store(
+    url: str, storage_options: StorageOptions | None, patient: bool, instances: dict[tuple[Any, ...], Any] | None
+) -> S3fsStore:
     """The S3 store that reads `url` with these options (and this environment): the client
     they choose (choice.py), else presigned GETs where they can go, else s3fs."""
     client = client_of(url, storage_options)
@@ -71,15 +72,22 @@ def s3_store(url: str, storage_options: StorageOptions | None, patient: bool,
     if client is None or not s3_http.path_of(url).partition("/")[2]:  # a bucket alone: listings, s3fs's
         return S3fsStore(opts, patient, instances)
     if direct is None:  # the options or the URL need botocore's own client: only s3fs has it
-        cannot = s3_http.unapplied(opts or {}) if s3_http.presignable(url) else "this bucket (an access point or a directory bucket)"
-        raise BadRequestError(f"{display(url)}: storage option client={client!r} cannot apply {cannot}; client='s3fs' can")
+        cannot = (
+            s3_http.unapplied(opts or {})
+            if s3_http.presignable(url)
+            else "this bucket (an access point or a directory bucket)"
+        )
+        raise BadRequestError(
+            f"{display(url)}: storage option client={client!r} cannot apply {cannot}; client='s3fs' can"
+        )
     if importlib.util.find_spec(_MODULES[client]) is None:
         raise ShardkitError(f"{display(url)}: storage option client={client!r}: {_HINTS[client]}")
     return ObstoreS3Store(direct, opts, patient, instances)
 
 
-def gcs_store(url: str, storage_options: StorageOptions | None, patient: bool,
-              instances: dict[tuple[Any, ...], Any] | None) -> GcsStore:
+def gcs_store(
+    url: str, storage_options: StorageOptions | None, patient: bool, instances: dict[tuple[Any, ...], Any] | None
+) -> GcsStore:
     """The GCS store that reads `url`: gcsfs, or obstore's GETs where the options choose it."""
     client = client_of(url, storage_options)
     opts = without_client(storage_options)

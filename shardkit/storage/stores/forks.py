@@ -21,6 +21,8 @@ def starting(client: str, url: str) -> None:
     runtime was started by the process this one was forked from."""
     pid = os.getpid()
     if _started.setdefault(client, pid) != pid:
-        raise ShardkitError(f"{display(url)}: storage option client={client!r}: this process was forked from one that "
-                            f"had already read through {client}, whose runtime does not survive a fork; read in "
-                            "DataLoader workers only, or use multiprocessing_context='spawn' or 'forkserver'")
+        raise ShardkitError(
+            f"{display(url)}: storage option client={client!r}: this process was forked from one that "
+            f"had already read through {client}, whose runtime does not survive a fork; read in "
+            "DataLoader workers only, or use multiprocessing_context='spawn' or 'forkserver'"
+        )

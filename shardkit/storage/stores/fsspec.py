@@ -26,8 +26,12 @@ from .base import Sink, Store
 class FsspecStore(Store):
     name = "fsspec"
 
-    def __init__(self, storage_options: StorageOptions | None = None, patient: bool = False,
-                 instances: dict[tuple[Any, ...], Any] | None = None):
+    def __init__(
+        self,
+        storage_options: StorageOptions | None = None,
+        patient: bool = False,
+        instances: dict[tuple[Any, ...], Any] | None = None,
+    ):
         super().__init__(storage_options, patient)
         self._instances = instances  # a reader's own clients (None: this process's)
 
@@ -62,9 +66,11 @@ class FsspecStore(Store):
                 return b""
             raise
         if len(data) > stop - start:  # the whole file, as `python -m http.server` sends: the shard is fine
-            raise BadRequestError(f"{display(url)}: the server sent {len(data)} bytes for a range of {stop - start}: "
-                                  "it ignores range requests, which streaming needs; serve the shards from one that "
-                                  "supports them (nginx, S3, GCS) or copy them to local disk")
+            raise BadRequestError(
+                f"{display(url)}: the server sent {len(data)} bytes for a range of {stop - start}: "
+                "it ignores range requests, which streaming needs; serve the shards from one that "
+                "supports them (nginx, S3, GCS) or copy them to local disk"
+            )
         return data
 
     def size_now(self, url: str) -> int:
@@ -83,8 +89,9 @@ class FsspecStore(Store):
         return cast(dict[str, Any], self.ask(url, lambda fs, path: fs.info(path), what))
 
     def ls(self, url: str, detail: bool) -> list[Any]:
-        return cast(list[Any], self.ask(url, lambda fs, path: fs.ls(path.rstrip("/") if detail else path,
-                                                                     detail=detail)))
+        return cast(
+            list[Any], self.ask(url, lambda fs, path: fs.ls(path.rstrip("/") if detail else path, detail=detail))
+        )
 
     def find(self, url: str) -> dict[str, dict[str, Any]]:
         return cast(dict[str, dict[str, Any]], self.ask(url, lambda fs, path: fs.find(path.rstrip("/"), detail=True)))
@@ -143,9 +150,15 @@ class GcsStore(FsspecStore):
             fs.invalidate_cache(path)
             try:
                 if method == "POST":  # an upload, its data as the request's body
-                    return fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket, safe='')}/o",
-                                   uploadType="media", name=key, json_out=True,
-                                   headers={"Content-Type": "application/octet-stream"}, **params)
+                    return fs.call(
+                        "POST",
+                        f"{fs._location}/upload/storage/v1/b/{quote(bucket, safe='')}/o",
+                        uploadType="media",
+                        name=key,
+                        json_out=True,
+                        headers={"Content-Type": "application/octet-stream"},
+                        **params,
+                    )
                 out = fs.call(method, "b/{}/o/{}", bucket, key, json_out=not media and method == "GET", **params)
                 return out[1] if media else out
             except FileExistsError:  # gcsfs's 412: the generation is another

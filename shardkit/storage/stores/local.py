@@ -142,7 +142,7 @@ def _written_aside(path: str, data: bytes) -> str:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     except BaseException:
         os.remove(tmp)

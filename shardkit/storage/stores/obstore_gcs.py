@@ -62,8 +62,10 @@ def unapplied(url: str, storage_options: StorageOptions | None) -> None:
     """Refuse, in a line naming `url`, options that obstore's GETs could not apply."""
     found = sorted(k for k in UNAPPLIED if (storage_options or {}).get(k))
     if found:
-        raise BadRequestError(f"{display(url)}: storage option client='obstore' cannot apply the storage option(s) "
-                              f"{', '.join(found)}; client='gcsfs' can")
+        raise BadRequestError(
+            f"{display(url)}: storage option client='obstore' cannot apply the storage option(s) "
+            f"{', '.join(found)}; client='gcsfs' can"
+        )
 
 
 class ObstoreGcsStore(GcsStore):
@@ -97,12 +99,14 @@ class ObstoreGcsStore(GcsStore):
                 raise HTTPStatusError(412, f"generation {generation} is no longer the object's") from None
             raise HTTPStatusError(status, _said(e)) from None
 
-    def retried_get(self, url: str, what: str, fn: Callable[[], Any],
-                    throttled: Callable[[], None] | None = None) -> Any:
+    def retried_get(
+        self, url: str, what: str, fn: Callable[[], Any], throttled: Callable[[], None] | None = None
+    ) -> Any:
         """GETs through obstore, retried by shardkit (gcsfs's own retries do not reach them)."""
         wait = patience_for(url, self.options, gcsfs=False)
-        return retrying(f"{display(url)}{what}", fn, wait.attempts(self.patient), throttled=throttled,
-                        stalls=wait.stalls)
+        return retrying(
+            f"{display(url)}{what}", fn, wait.attempts(self.patient), throttled=throttled, stalls=wait.stalls
+        )
 
     def _there(self, url: str) -> bool:
         try:
@@ -122,8 +126,12 @@ class ObstoreGcsStore(GcsStore):
 
         silence = f"{patience_for(url, self.options, gcsfs=False).timeout_s:g}s"
         base = _endpoint(self.options)
-        client: ClientConfig = {"allow_http": base.startswith("http://"), "timeout": "24h",
-                                "connect_timeout": silence, "read_timeout": silence}
+        client: ClientConfig = {
+            "allow_http": base.startswith("http://"),
+            "timeout": "24h",
+            "connect_timeout": silence,
+            "read_timeout": silence,
+        }
         anon = fs.credentials.credentials is None  # token="anon", or gcsfs found no credentials and reads anonymously
         auth: dict[str, Any] = {"skip_signature": True} if anon else {"credential_provider": lambda: _token(fs)}
         store = GCSStore(bucket, base_url=base, client_options=client, retry_config={"max_retries": 0}, **auth)
@@ -150,6 +158,9 @@ def _token(fs: Any) -> dict[str, Any]:
     fs.credentials.maybe_refresh()
     found = fs.credentials.credentials
     expiry = getattr(found, "expiry", None)  # google-auth's: naive, in UTC
-    expires = (expiry.replace(tzinfo=datetime.timezone.utc) if expiry is not None
-               else datetime.datetime.now(datetime.timezone.utc) + TOKEN_TTL)
+    expires = (
+        expiry.replace(tzinfo=datetime.timezone.utc)
+        if expiry is not None
+        else datetime.datetime.now(datetime.timezone.utc) + TOKEN_TTL
+    )
     return {"token": str(found.token), "expires_at": expires}

@@ -30,8 +30,13 @@ _TIMEOUT = "kind: Timeout"  # how object_store's error says its client's timeout
 CHUNK = 256 << 10  # obstore hands the body over in chunks of at least this (its default, 10 MB, holds a sample back)
 CREDENTIALS_TTL = datetime.timedelta(minutes=5)  # asked of the presigned path's chain again after this
 _STATUS = re.compile(r"status code: (\d{3})")
-_BY_KIND = {"PreconditionError": 412, "NotFoundError": 404, "PermissionDeniedError": 403,
-            "UnauthenticatedError": 401, "NotModifiedError": 304}
+_BY_KIND = {
+    "PreconditionError": 412,
+    "NotFoundError": 404,
+    "PermissionDeniedError": 403,
+    "UnauthenticatedError": 401,
+    "NotModifiedError": 304,
+}
 
 # (pid, the options' Direct, bucket) -> obstore's S3Store: a Direct is one a process and set of
 # options (s3_http.direct keeps it), so two datasets' credentials never share a store
@@ -85,15 +90,27 @@ class ObstoreS3Store(PresignedS3Store):
         from obstore.store import S3Store
 
         silence = f"{direct._timeout_s:g}s"  # the options' patience (patience.py), as the presigned path's
-        client: ClientConfig = {"allow_http": endpoint.startswith("http://"), "timeout": "24h",
-                                "connect_timeout": silence, "read_timeout": silence}
+        client: ClientConfig = {
+            "allow_http": endpoint.startswith("http://"),
+            "timeout": "24h",
+            "connect_timeout": silence,
+            "read_timeout": silence,
+        }
         if bundle := os.environ.get("AWS_CA_BUNDLE"):  # botocore's setting, read as the presigned path reads it
             with open(bundle) as f:
                 client["root_certificate"] = f.read()
-        auth: dict[str, Any] = {"skip_signature": True} if direct._anon else {
-            "credential_provider": lambda: _credentials(direct)}
-        store = S3Store(bucket, endpoint=endpoint, region=direct._region(bucket), virtual_hosted_style_request=virtual,
-                        client_options=client, retry_config={"max_retries": 0}, **auth)  # the caller retries
+        auth: dict[str, Any] = (
+            {"skip_signature": True} if direct._anon else {"credential_provider": lambda: _credentials(direct)}
+        )
+        store = S3Store(
+            bucket,
+            endpoint=endpoint,
+            region=direct._region(bucket),
+            virtual_hosted_style_request=virtual,
+            client_options=client,
+            retry_config={"max_retries": 0},
+            **auth,
+        )  # the caller retries
         starting("obstore", url)
         with _lock:
             return _stores.setdefault(key, store)
@@ -103,8 +120,12 @@ def _credentials(direct: s3_http.Direct) -> dict[str, Any]:
     """The presigned path's credentials (the options', AWS_* variables, botocore's chain), in
     obstore's shape, asked again after CREDENTIALS_TTL (botocore refreshes its own)."""
     found = direct._credentials()
-    return {"access_key_id": found.access_key, "secret_access_key": found.secret_key, "token": found.token,
-            "expires_at": datetime.datetime.now(datetime.timezone.utc) + CREDENTIALS_TTL}
+    return {
+        "access_key_id": found.access_key,
+        "secret_access_key": found.secret_key,
+        "token": found.token,
+        "expires_at": datetime.datetime.now(datetime.timezone.utc) + CREDENTIALS_TTL,
+    }
 
 
 def _status(e: BaseException) -> int | None:

@@ -135,8 +135,13 @@ _REFUSED = object()  # a conditional request's condition failed
 class PresignedS3Store(S3fsStore):
     name = "s3 (presigned)"
 
-    def __init__(self, direct: s3_http.Direct, storage_options: StorageOptions | None = None, patient: bool = False,
-                 instances: dict[tuple[Any, ...], Any] | None = None):
+    def __init__(
+        self,
+        direct: s3_http.Direct,
+        storage_options: StorageOptions | None = None,
+        patient: bool = False,
+        instances: dict[tuple[Any, ...], Any] | None = None,
+    ):
         super().__init__(storage_options, patient, instances)
         self.direct = direct
 
@@ -192,13 +197,23 @@ class MultipartUpload:
 
     def _send(self, part: bytes) -> None:
         if self._upload_id is None:
-            self._upload_id = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket,
-                                               Key=self._key)["UploadId"]
+            self._upload_id = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)[
+                "UploadId"
+            ]
         while sum(not f.done() for f in self._parts) >= self._uploads:  # bounded: wait for the oldest in flight
             next(f for f in self._parts if not f.done()).result()
         number = len(self._parts) + 1
-        self._parts.append(self._pool.submit(self._fs.call_s3, "upload_part", Bucket=self._bucket, Key=self._key,
-                                             UploadId=self._upload_id, PartNumber=number, Body=part))
+        self._parts.append(
+            self._pool.submit(
+                self._fs.call_s3,
+                "upload_part",
+                Bucket=self._bucket,
+                Key=self._key,
+                UploadId=self._upload_id,
+                PartNumber=number,
+                Body=part,
+            )
+        )
 
     def close(self) -> None:
         """Send what is left and complete the upload: the object appears, whole."""
@@ -210,8 +225,13 @@ class MultipartUpload:
                 self._send(bytes(self._buffer))
                 self._buffer.clear()
             parts = [{"PartNumber": n, "ETag": f.result()["ETag"]} for n, f in enumerate(self._parts, 1)]
-            self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
-                             UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+            self._fs.call_s3(
+                "complete_multipart_upload",
+                Bucket=self._bucket,
+                Key=self._key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts},
+            )
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._fs.invalidate_cache(f"{self._bucket}/{self._key}")
@@ -223,5 +243,4 @@ class MultipartUpload:
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._upload_id is not None:
             with contextlib.suppress(Exception):  # the error that stopped the upload is the one to report
-                self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key,
-                                 UploadId=self._upload_id)
+                self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id)
