@@ -453,6 +453,50 @@ def serving(handler: Callable[..., Any], tls: tuple[str, str] | None = None) -> 
         server.server_close()
 
 
+@contextlib.contextmanager
+def recording(
+    upstream: str, note: Callable[[BaseHTTPRequestHandler], dict], upstream_host: bool = False
+) -> Iterator[tuple[str, list[dict]]]:
+    """(the URL of a server that forwards every request to `upstream`, the list of `note(request)`
+    of each request it forwarded, in order). `upstream_host`: the requests reach `upstream` under
+    its own Host (a GCS emulator takes another host for a bucket's name), else under theirs (an
+    S3 signature covers it)."""
+    import http.client
+
+    seen: list[dict] = []
+    netloc = urlsplit(upstream).netloc
+
+    class Recording(BaseHTTPRequestHandler):
+        def _forward(self) -> None:
+            seen.append(note(self))
+            conn = http.client.HTTPConnection(netloc, timeout=30)
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            headers = {k: v for k, v in self.headers.items() if not (upstream_host and k.lower() == "host")}
+            if upstream_host:
+                headers["Host"] = netloc
+            conn.request(self.command, self.path, body=body or None, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a client that had what it wanted
+                    self.wfile.write(data)
+            conn.close()
+
+        do_GET = do_HEAD = do_PUT = do_POST = _forward
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with serving(Recording) as base:
+        yield base, seen
+
+
 def self_signed(folder: Path) -> tuple[str, str]:
     """(certificate file, key file) of a self-signed certificate for 127.0.0.1."""
     import datetime

@@ -6,12 +6,10 @@ Rust runtime started in the main process before DataLoader forks its workers."""
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -28,7 +26,7 @@ from shardkit.storage import s3_http
 from shardkit.storage.stores import store_for
 from shardkit.storage.streams import Arriving
 
-from servers import serving
+import servers
 
 NATIVE = ["obstore"]
 RUNTIMES = {"obstore": "obstore"}
@@ -149,53 +147,22 @@ def test_a_client_used_before_a_fork_fails_in_the_child_rather_than_hang(client:
     assert f"client={client!r}: this process was forked from one that had already read through {client}" in done.stdout
 
 
-class _Recording(BaseHTTPRequestHandler):
-    """Forwards every request to moto and notes what it carried: method, path, Host, the
-    signature's key and region, If-Match."""
-
-    upstream = ""
-    seen: list[dict] = []
-
-    def _forward(self) -> None:
-        auth = self.headers.get("Authorization", "")
-        credential = auth.split("Credential=", 1)[1].split(",", 1)[0].split("/") if "Credential=" in auth else []
-        self.seen.append(
-            {
-                "method": self.command,
-                "path": self.path,
-                "host": self.headers.get("Host"),
-                "key": credential[0] if credential else None,
-                "region": credential[2] if credential else None,
-                "if_match": self.headers.get("If-Match"),
-            }
-        )
-        u = urlsplit(self.upstream)
-        conn = http.client.HTTPConnection(u.netloc, timeout=30)
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        conn.request(self.command, self.path, body=body or None, headers=dict(self.headers))
-        resp = conn.getresponse()
-        data = resp.read()
-        self.send_response(resp.status)
-        for k, v in resp.getheaders():
-            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-        conn.close()
-
-    do_GET = do_HEAD = do_PUT = do_POST = _forward
-
-    def log_message(self, *args: object) -> None:
-        pass
+def _signed(request: BaseHTTPRequestHandler) -> dict:
+    """What a request to moto carried: method, path, Host, the signature's key and region, If-Match."""
+    auth = request.headers.get("Authorization", "")
+    credential = auth.split("Credential=", 1)[1].split(",", 1)[0].split("/") if "Credential=" in auth else []
+    return {
+        "method": request.command,
+        "path": request.path,
+        "host": request.headers.get("Host"),
+        "key": credential[0] if credential else None,
+        "region": credential[2] if credential else None,
+        "if_match": request.headers.get("If-Match"),
+    }
 
 
-@contextlib.contextmanager
-def recording(upstream: str) -> Iterator[tuple[str, list[dict]]]:
-    _Recording.upstream, _Recording.seen = upstream, []
-    with serving(_Recording) as base:
-        yield base, _Recording.seen
+def recording(upstream: str) -> contextlib.AbstractContextManager[tuple[str, list[dict]]]:
+    return servers.recording(upstream, _signed)
 
 
 @pytest.mark.parametrize("client", NATIVE)

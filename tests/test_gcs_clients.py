@@ -6,15 +6,12 @@ a sample lost, and no Rust runtime started in the main process before DataLoader
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import fsspec
 import pytest
@@ -27,7 +24,7 @@ from shardkit.storage import s3_http
 from shardkit.storage.stores import store_for
 from shardkit.storage.streams import Arriving
 
-from servers import serving
+import servers
 
 
 def upload(fakegcs: dict, packed: Path, name: str) -> tuple[str, dict]:
@@ -128,43 +125,13 @@ def test_obstore_used_before_a_fork_fails_in_the_child_rather_than_hang(fakegcs:
     assert "client='obstore': this process was forked from one that had already read through obstore" in out
 
 
-class _Recording(BaseHTTPRequestHandler):
-    """Forwards every request to fake-gcs-server and notes its method, path and Authorization."""
-
-    upstream = ""
-    seen: list[dict] = []
-
-    def _forward(self) -> None:
-        self.seen.append({"method": self.command, "path": self.path, "auth": self.headers.get("Authorization")})
-        conn = http.client.HTTPConnection(urlsplit(self.upstream).netloc, timeout=30)
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}  # the server's own host:
-        headers["Host"] = urlsplit(self.upstream).netloc  # another would be taken for a bucket's
-        conn.request(self.command, self.path, body=body or None, headers=headers)
-        resp = conn.getresponse()
-        data = resp.read()
-        self.send_response(resp.status)
-        for k, v in resp.getheaders():
-            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a client that had what it wanted
-                self.wfile.write(data)
-        conn.close()
-
-    do_GET = do_HEAD = do_PUT = do_POST = _forward
-
-    def log_message(self, *args: object) -> None:
-        pass
+def _authorized(request: BaseHTTPRequestHandler) -> dict:
+    return {"method": request.command, "path": request.path, "auth": request.headers.get("Authorization")}
 
 
-@contextlib.contextmanager
-def recording(upstream: str) -> Iterator[tuple[str, list[dict]]]:
-    _Recording.upstream, _Recording.seen = upstream, []
-    with serving(_Recording) as base:
-        yield base, _Recording.seen
+def recording(upstream: str) -> contextlib.AbstractContextManager[tuple[str, list[dict]]]:
+    """A proxy in front of fake-gcs-server noting each request's method, path and Authorization."""
+    return servers.recording(upstream, _authorized, upstream_host=True)
 
 
 def test_gcsfs_endpoint_and_credentials_reach_obstores_gets(fakegcs: dict, fakegcs_server: str, packed: Path) -> None:

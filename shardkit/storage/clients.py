@@ -194,8 +194,7 @@ def _client_kwargs(
 ) -> dict[str, Any]:
     """The backend's options: the URL's and the caller's, with shardkit's timeouts where the
     caller set none, and (`ours`: shardkit retries) the S3 client's own retries off."""
-    # "client" is shardkit's choice of S3 client (stores/choice.py), for no fsspec backend
-    kwargs = {**cls._get_kwargs_from_urls(url), **{k: v for k, v in (storage_options or {}).items() if k != "client"}}
+    kwargs = {**cls._get_kwargs_from_urls(url), **(storage_options or {})}
     if protocol in GCS:
         _quiet_gcsfs()
         if "requests_timeout" not in kwargs:  # gcsfs waits forever on a stalled connection

@@ -26,6 +26,7 @@ from .urls import GCS, StorageOptions, scheme
 
 
 OPTIONS = frozenset({"timeout", "attempts"})
+CLIENT = "client"  # the other key of shardkit's own: which client reads a dataset's shards (stores/choice.py)
 TIMEOUT_S = 20.0  # a connection silent this long fails its request (and it is tried again)
 GCS_TIMEOUT_S = 5.0  # gcsfs tries each request 6 times: 6 x 5 s and its ~31 s of backoff
 RETRIES = 5  # attempts at a request: a wrong endpoint or dead store fails in seconds
@@ -73,7 +74,8 @@ def patience_for(url: str, storage_options: StorageOptions | None, *, gcsfs: boo
 
 
 def client_options(storage_options: StorageOptions | None) -> dict[str, Any] | None:
-    """The options without shardkit's own: what the store's client is given."""
-    if not storage_options or not OPTIONS & storage_options.keys():
+    """The options without shardkit's own (these two and `CLIENT`): what a client is given."""
+    own = OPTIONS | {CLIENT}
+    if not storage_options or not own & storage_options.keys():
         return storage_options
-    return {k: v for k, v in storage_options.items() if k not in OPTIONS}
+    return {k: v for k, v in storage_options.items() if k not in own}

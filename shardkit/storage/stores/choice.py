@@ -22,13 +22,13 @@ from typing import Any
 
 from ...errors import BadRequestError, ShardkitError
 from .. import s3_http
+from ..patience import CLIENT
 from ..urls import GCS, S3, StorageOptions, display, scheme
 from .fsspec import GcsStore
 from .obstore_gcs import ObstoreGcsStore, unapplied
 from .obstore_s3 import ObstoreS3Store
 from .s3 import PresignedS3Store, S3fsStore
 
-CLIENT = "client"
 CLIENTS = ("presigned", "obstore", "s3fs")  # S3's
 GCS_CLIENTS = ("gcsfs", "obstore")
 _ANY = tuple(dict.fromkeys((*CLIENTS, *GCS_CLIENTS)))
