@@ -65,7 +65,7 @@ def steps(blobs: list[bytes]) -> Steps:
     """The pair, and the fast path's parts."""
     import simplejpeg
 
-    from shardkit import jpeg
+    from shardkit.decode import jpeg
     from shardkit.decode import image_transform
 
     pil = image_transform(256, crop=224, backend="pil")
@@ -90,7 +90,7 @@ def steps(blobs: list[bytes]) -> Steps:
 def resize_crop(hwc: np.ndarray, size: int = 256, crop: int = 224) -> torch.Tensor:
     """What the fast path does after decoding (jpeg.resize, then torchvision's center crop),
     as a CHW contiguous tensor."""
-    from shardkit import jpeg
+    from shardkit.decode import jpeg
     from shardkit.decode import BILINEAR, center_offset, geometry
 
     full, out, _ = geometry((hwc.shape[1], hwc.shape[0]), size, crop)

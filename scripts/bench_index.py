@@ -29,7 +29,8 @@ import numpy as np
 MEASURE = r"""
 import gc, json, multiprocessing, os, pickle, resource, sys, time, tracemalloc
 import torch  # imported before the baseline, as in a training script
-from shardkit import StreamingDataset, ranges
+from shardkit import StreamingDataset
+from shardkit.order import ranges
 from shardkit.tools.bench import rss
 
 WORKERS = 8
@@ -138,7 +139,7 @@ def shard_counts(samples: int, shards: int) -> np.ndarray:
 def write_dataset(folder: Path, samples: int, shards: int, version: int) -> None:
     """index.json and its sidecar: samples of ~110 KB (ImageNet-like), real offsets."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from shardkit import sidecar
+    from shardkit.index import offsets
 
     counts = shard_counts(samples, shards)
     folder.mkdir(parents=True, exist_ok=True)
@@ -163,8 +164,8 @@ def write_dataset(folder: Path, samples: int, shards: int, version: int) -> None
         "skipped": [],
     }
     if version == 2:
-        name = sidecar.name_for((e["name"], e["samples"], e["bytes"], e["sha256"]) for e in entries)
-        sha = sidecar.write(str(folder / name), tables(), samples + shards)
+        name = offsets.name_for((e["name"], e["samples"], e["bytes"], e["sha256"]) for e in entries)
+        sha = offsets.write(str(folder / name), tables(), samples + shards)
         doc["offsets"] = {"file": name, "sha256": sha}
     else:
         entries = [{**e, "offsets": t.tolist()} for e, t in zip(entries, tables())]

@@ -42,8 +42,8 @@ with wds.ShardWriter(os.path.join(dest, "shard-%06d.tar"), maxsize=256e6, verbos
                 n += 1
 """
 PIL_RESIZE = """
-import sys, shardkit, shardkit.jpeg
-shardkit.jpeg.decode = lambda data, at_least=None: None  # every image to PIL (workers fork with it)
+import sys, shardkit, shardkit.decode.jpeg
+shardkit.decode.jpeg.decode = lambda data, at_least=None: None  # every image to PIL (workers fork with it)
 shardkit.pack(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]), max_size="256MB", resize=int(sys.argv[4]),
               quality=90, progress=False, max_count=int(sys.argv[5]) if len(sys.argv) > 5 else None)
 """

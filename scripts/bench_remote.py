@@ -231,25 +231,25 @@ def read_pass(url: str, opts: dict | None, prefetch: int) -> dict:
 
 def pack_pass(src: str, dest: Path, opts: dict | None, settings: dict[str, int]) -> float:
     """Seconds to pack `src` into a fresh `dest` with 2 workers, with `settings` of
-    shardkit.packing.samples (REMOTE_READS) for the time."""
+    shardkit.packing.jobs (REMOTE_READS) for the time."""
     import shardkit
-    from shardkit.packing import samples
+    from shardkit.packing import jobs
 
     shutil.rmtree(dest, ignore_errors=True)
-    before = {name: getattr(samples, name) for name in settings}
+    before = {name: getattr(jobs, name) for name in settings}
     for name, value in settings.items():  # a pack of one shard (here) runs in this process
-        setattr(samples, name, value)
+        setattr(jobs, name, value)
     try:
         t0 = time.perf_counter()
         shardkit.pack(src, str(dest), workers=2, progress=False, storage_options=opts)
         return time.perf_counter() - t0
     finally:
         for name, value in before.items():
-            setattr(samples, name, value)
+            setattr(jobs, name, value)
 
 
 def pack_run(args: argparse.Namespace, photos: Path, shards: Path) -> None:
-    from shardkit.packing.samples import REMOTE_READS
+    from shardkit.packing.jobs import REMOTE_READS
 
     server, endpoint = start_server(args.server, Path(args.dir))
     proxy, purl, control = start_proxy(endpoint, 50)

@@ -18,7 +18,7 @@ from .errors import (
 )
 from .index import Index, ShardInfo
 from .packing.pack import pack
-from .sources import build_index
+from .index.resolve import build_index
 from .tools.verify import verify
 
 if TYPE_CHECKING:

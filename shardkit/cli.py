@@ -472,7 +472,7 @@ def index_cmd(url: str, force: bool, upgrade: bool, versions: bool, storage_opti
     from dataclasses import replace
 
     from . import index, storage
-    from .sources import build_index, shard_urls
+    from .index.resolve import build_index, shard_urls
 
     opts = _storage_options(storage_options)
     if upgrade + force + versions > 1:

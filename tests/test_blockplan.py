@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from shardkit import blockplan
+from shardkit.order import blockplan
 
 ROUND_KEYS = blockplan.key(7, n=blockplan.ROUNDS)
 

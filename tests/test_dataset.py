@@ -136,17 +136,17 @@ def test_shards_named_one_by_one_take_what_their_folders_index_says(
 ) -> None:
     """A brace pattern or a list of a pack's shards costs one read of index.json, not a read
     of every byte; a shard the index does not describe (replaced, or no index) is scanned."""
-    from shardkit import sources
+    from shardkit.index import resolve
 
     scanned: list[str] = []
-    scan_shard = sources.scan_shard
-    monkeypatch.setattr(sources, "scan_shard", lambda url, opts=None: scanned.append(url) or scan_shard(url, opts))
+    scan_shard = resolve.scan_shard
+    monkeypatch.setattr(resolve, "scan_shard", lambda url, opts=None: scanned.append(url) or scan_shard(url, opts))
     pattern = str(packed / "shard-{000002..000005}.tar")
     ds = StreamingDataset(pattern)
     listed = shardkit.index.load(str(packed)).shards
     assert not scanned and ds.index.classes == tuple(CLASSES)
     assert [(sh.name, sh.sha256) for sh in ds.index.shards] == [(sh.name, sh.sha256) for sh in listed[2:6]]
-    assert [s["__key__"] for s in ds] == [s["__key__"] for s in StreamingDataset(sources.expand(pattern))]
+    assert [s["__key__"] for s in ds] == [s["__key__"] for s in StreamingDataset(resolve.expand(pattern))]
 
     copy = tmp_path / "copy"
     shutil.copytree(packed, copy)

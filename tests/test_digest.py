@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from shardkit import StreamingDataset, digest
+from shardkit import StreamingDataset
+from shardkit.order import digest
 from shardkit.reading import state
 
 from readers import WARNINGS

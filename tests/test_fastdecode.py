@@ -1,4 +1,4 @@
-"""The fast JPEG path (shardkit/jpeg.py) against PIL: the same pixels where it decodes, the
+"""The fast JPEG path (shardkit/decode/jpeg.py) against PIL: the same pixels where it decodes, the
 same pixels within a level where it resizes, PIL's own answer (pixels or error) elsewhere."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from make_images import make_image_folder
 from PIL import Image, ImageFile, ImageOps
 from test_decode import _tar_of
 
-from shardkit import CorruptShardError, LMDBDataset, StreamingDataset, jpeg
+from shardkit import CorruptShardError, LMDBDataset, StreamingDataset
+from shardkit.decode import jpeg
 from shardkit.errors import FieldError
 from shardkit.decode import decoder, geometry, image_transform, resized, resized_tensor
 from shardkit.packing import images
@@ -157,7 +158,7 @@ def test_other_filters_decode_fast_and_resize_to_pils_very_pixels(
 _NO_THREADS = """if True:
     import os, sys
     import numpy as np, torch
-    from shardkit import jpeg
+    from shardkit.decode import jpeg
     from shardkit.decode import decoder, image_transform, resized, resized_tensor
     torch.set_num_threads(4)  # as a notebook or script has it (torch's default: one per core)
     threads = lambda: len(os.listdir("/proc/self/task"))

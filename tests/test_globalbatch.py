@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from shardkit import globalbatch
+from shardkit.order import globalbatch
 
 
 def plan(
@@ -140,7 +140,7 @@ def test_a_world_size_that_does_not_divide_the_batch_is_named() -> None:
 def test_pieces_are_the_halves_of_the_blocks(remainder: str) -> None:
     """With the sequence's blocks known, a window's pieces are half blocks: a rank reads
     each of its pieces as one run of a shard, whatever short blocks shifted the blocks."""
-    from shardkit import partition
+    from shardkit.order import partition
 
     counts = [7, 13, 64, 5, 30, 1, 22]
     order = partition.epoch_order(counts, seed=2, epoch=0, shuffle=True, block=8)

@@ -991,7 +991,7 @@ def test_a_file_over_the_size_limit_stops_a_pack_under_raise_naming_it(photos: P
 
 def test_a_file_over_the_size_limit_is_not_opened(photos: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In the job itself, no read at all: the size the listing gave is enough."""
-    from shardkit.packing import images, samples
+    from shardkit.packing import images, jobs
     from shardkit.packing.plan import Options, make_plan
 
     _sparse_jpg(photos, 5000)
@@ -1006,6 +1006,6 @@ def test_a_file_over_the_size_limit_is_not_opened(photos: Path, monkeypatch: pyt
     )
     job = plan.job(0)
     (item,) = [it for it in job.items if it.path.endswith("huge.jpg")]
-    monkeypatch.setattr(samples.storage, "read_bytes", lambda *a, **k: pytest.fail("read"))
+    monkeypatch.setattr(jobs.storage, "read_bytes", lambda *a, **k: pytest.fail("read"))
     with pytest.raises(images.BadImage, match=r"over the limit of .* \(4096 bytes; --max-file-size"):
-        samples._sample(job, item)
+        jobs._sample(job, item)

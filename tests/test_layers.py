@@ -15,19 +15,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "shardkit"
 # lowest first; a module may import from its own layer's unit (same file, or same package) and below
 LAYERS: list[dict[str, str]] = [
     {"errors": "errors", "units": "units", "interrupts": "interrupts"},
-    {"checks": "checks", "blockplan": "blockplan", "digest": "digest", "turns": "turns", "formats": "formats"},
+    {"checks": "checks"},
+    {"formats": "formats", "order": "order", "decode": "decode"},
     {"storage": "storage"},
-    {"sidecar": "sidecar"},
     {"index": "index"},
-    {"jpeg": "jpeg"},
-    {
-        "partition": "partition",
-        "ranges": "ranges",
-        "prefetch": "prefetch",
-        "decode": "decode",
-        "globalbatch": "globalbatch",
-    },
-    {"sources": "sources"},
     {"packing": "packing", "reading": "reading"},
     {"tools": "tools"},
     {"cli": "cli", "__init__": "__init__"},
@@ -99,7 +90,7 @@ def test_only_storage_clients_imports_fsspec() -> None:
 def test_every_format_has_a_sink_named_as_it() -> None:
     from shardkit.formats import FORMATS
     from shardkit.packing.sinks import SINKS
-    from shardkit.reading.samples import SOURCES
+    from shardkit.reading.sources import SOURCES
 
     assert tuple(SINKS) == FORMATS and all(SINKS[name].name == name for name in FORMATS)
     assert tuple(SOURCES) == FORMATS and all(SOURCES[name].format == name for name in FORMATS)
@@ -108,8 +99,8 @@ def test_every_format_has_a_sink_named_as_it() -> None:
 # Inside a package, lowest first: a module imports only its own layer's modules and those below
 INNER: dict[str, list[set[str]]] = {
     "reading": [
-        {"worker", "counters", "state", "compressed", "ordering"},
-        {"spec", "batching", "epoch_stream", "samples"},
+        {"worker", "prefetch", "counters", "state", "ordering"},
+        {"spec", "batching", "epoch_stream", "sources"},
         {"pass_", "epochs", "map_records"},
         {"mix", "map_dataset"},
         {"tar_dataset", "lmdb_dataset"},
@@ -125,6 +116,11 @@ INNER: dict[str, list[set[str]]] = {
         {"files", "atomic", "fetch"},
         {"range_reader"},
     ],
+    "index": [{"offsets"}, {"model"}, {"io"}, {"resolve"}],
+    "order": [{"blockplan", "digest", "turns"}, {"partition", "globalbatch", "ranges"}],
+    "decode": [{"jpeg"}],
+    "reading.sources": [{"compressed"}],
+    "packing.sinks": [{"tar", "lmdb"}],
     "storage.stores": [
         {"base", "forks"},
         {"local", "fsspec"},

@@ -434,7 +434,7 @@ def test_keys_beyond_ascii(photos: Path, tmp_path: Path) -> None:
     with tarfile.open(tmp_path / "foreign" / "part-0.tar", "w") as tar:
         for key in ("café", "naïve/日本"):
             tar.add(jpg, f"{key}.jpg")
-    from shardkit.sources import shard_urls
+    from shardkit.index.resolve import shard_urls
 
     shardkit.index.save(shardkit.build_index(shard_urls(str(tmp_path / "foreign"))), str(tmp_path / "foreign"))
     shardkit.pack(str(tmp_path / "foreign"), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
@@ -595,7 +595,7 @@ def test_lmdb_jobs_stay_moderate_without_a_size_limit(
     """One transaction per job, held in memory: max_size=None must not make it one job."""
     import importlib
 
-    pack_module = importlib.import_module("shardkit.packing.lmdb_sink")
+    pack_module = importlib.import_module("shardkit.packing.sinks.lmdb")
     commits: list[int] = []
 
     def counting(self, samples, meta, delete=()):  # type: ignore[no-untyped-def]
@@ -715,7 +715,7 @@ def _foreign_tar(folder: Path, members: list[tuple[str, bytes]], name: str = "pa
 
 
 def _index(folder: Path) -> None:
-    from shardkit.sources import shard_urls
+    from shardkit.index.resolve import shard_urls
 
     shardkit.index.save(shardkit.build_index(shard_urls(str(folder))), str(folder))
 

@@ -102,7 +102,7 @@ def test_a_workers_plan_stays_in_numpy_arrays(tmp_path: Path, monkeypatch: pytes
     import gc
     import tracemalloc
 
-    from shardkit.reading import samples
+    from shardkit.reading import sources
 
     shards, per = 20, 10_000
     write_index(tmp_path, shards, per, 1000)
@@ -119,7 +119,7 @@ def test_a_workers_plan_stays_in_numpy_arrays(tmp_path: Path, monkeypatch: pytes
         held.append(tracemalloc.get_traced_memory()[0])
         raise Stop
 
-    monkeypatch.setattr(samples.TarSamples, "parse", first_sample)
+    monkeypatch.setattr(sources.TarSamples, "parse", first_sample)
     ds = StreamingDataset(str(tmp_path), shuffle=True)
     tracemalloc.start()
     try:

@@ -9,7 +9,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 import shardkit
-from shardkit import StreamingDataset, partition
+from shardkit import StreamingDataset
+from shardkit.order import partition
 
 from resume import check_save_load, into_dataset, resume_state
 

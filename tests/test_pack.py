@@ -321,7 +321,7 @@ def test_a_file_gone_since_the_scan_is_skipped_but_the_machine_failing_stops_the
     every read after it: the pack raises, naming the file, instead of packing nothing."""
     script = f"""
 import errno, os, sys
-from shardkit.packing.samples import job_samples
+from shardkit.packing.jobs import job_samples
 from shardkit.packing.plan import make_plan
 from shardkit.index import Skipped
 plan = make_plan({str(photos)!r}, "unused", max_count=4, shuffle=False)
@@ -870,7 +870,7 @@ def stalled(job, check=None):  # a remote read that never answers: no next image
     time.sleep(600)
     yield
 
-sys.modules["shardkit.packing.samples"].job_samples = stalled
+sys.modules["shardkit.packing.jobs"].job_samples = stalled
 cli.run(["pack", sys.argv[1], sys.argv[2], "--workers", "2", "--max-count", "5", "-q"])
 """
 
@@ -960,7 +960,7 @@ def test_build_index_for_foreign_shards(tmp_path: Path) -> None:
     with wds.ShardWriter(str(tmp_path / "wds" / "part-%06d.tar"), maxcount=4, verbose=0) as sink:
         for i in range(10):
             sink.write({"__key__": f"sample{i:03d}", "jpg": b"x" * (i + 1), "cls": str(i % 3)})
-    from shardkit.sources import build_index, shard_urls
+    from shardkit.index.resolve import build_index, shard_urls
 
     idx = build_index(shard_urls(str(tmp_path / "wds")))
     assert [s.samples for s in idx.shards] == [4, 4, 2]
@@ -983,7 +983,7 @@ def test_foreign_keys_survive_conversion_both_ways(photos: Path, tmp_path: Path)
     for fmt, name, top in ((tarfile.USTAR_FORMAT, "a.tar", "."), (tarfile.PAX_FORMAT, "b.tar", "pax")):
         with tarfile.open(tmp_path / "plain" / name, "w", format=fmt) as t:
             t.add(src, arcname=top)
-    from shardkit.sources import build_index, shard_urls
+    from shardkit.index.resolve import build_index, shard_urls
 
     shardkit.index.save(build_index(shard_urls(str(tmp_path / "plain"))), str(tmp_path / "plain"))
     want = {(s["__key__"], s["jpg"]) for s in shardkit.StreamingDataset(str(tmp_path / "plain"))}
@@ -1145,7 +1145,7 @@ def _same_size_folder(root: Path) -> Path:
 
 def _index_folder(folder: Path) -> None:
     """What `shardkit index FOLDER` does."""
-    from shardkit.sources import shard_urls
+    from shardkit.index.resolve import shard_urls
 
     shardkit.index.save(shardkit.build_index(shard_urls(str(folder))), str(folder))
 
@@ -1259,7 +1259,7 @@ def test_a_rerun_after_a_crash_in_the_cleanup_finishes_it(
     out = tmp_path / "out"
     shardkit.pack(str(photos), str(out), max_count=4, workers=1, progress=False)
     with monkeypatch.context() as m:
-        m.setattr(sys.modules["shardkit.packing.tar_sink"], "cleanup", _crash)
+        m.setattr(sys.modules["shardkit.packing.sinks.tar"], "cleanup", _crash)
         with pytest.raises(RuntimeError):
             shardkit.pack(str(photos), str(out), max_count=20, workers=1, progress=False, overwrite=True)
     assert (out / ".shardkit-progress").exists() and len(list(out.glob("*.tar"))) == 8

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from shardkit import partition, turns
-from shardkit.partition import Layout, Progress
+from shardkit.order import partition, turns
+from shardkit.order.partition import Layout, Progress
 
 # 3 workers on a 2-core runner is deliberate: torch warns, and warnings are errors here
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardkit import ranges, storage
+from shardkit.order import ranges
+from shardkit import storage
 from shardkit.storage.cache import RangeCache
 from shardkit.errors import ShardkitError
-from shardkit.prefetch import Prefetcher
+from shardkit.reading.prefetch import Prefetcher
 
 
 def test_results_in_order_with_reads_overlapping() -> None:
@@ -89,7 +90,7 @@ def test_interpreter_exit_does_not_wait_for_a_stalled_fetch() -> None:
     """A fetch stalled for minutes holds up neither close() nor the interpreter's exit."""
     script = """if True:
         import threading, time
-        from shardkit.prefetch import Prefetcher
+        from shardkit.reading.prefetch import Prefetcher
         stalled = threading.Event()
         pf = Prefetcher(range(4), lambda i: (stalled.set(), time.sleep(120)), lambda i: 1, depth=2, budget=10)
         it = iter(pf)

@@ -1,5 +1,5 @@
 """Formats are chosen only through their registries: formats/ (a Format per name), the
-packer's sinks (packing/sinks.py) and the reader's sample sources (reading/samples.py).
+packer's sinks (packing/sinks/) and the reader's sample sources (reading/sources/).
 Nothing else branches on a format's name, so adding a format touches those only."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ ALLOWED = {
     "formats/tar.py",
     "formats/gzip.py",
     "formats/lmdb.py",
-    "packing/sinks.py",
-    "packing/tar_sink.py",
-    "packing/lmdb_sink.py",
-    "reading/samples.py",
-    "reading/compressed.py",
-    "sources.py",
+    "packing/sinks/__init__.py",
+    "packing/sinks/tar.py",
+    "packing/sinks/lmdb.py",
+    "reading/sources/__init__.py",
+    "reading/sources/compressed.py",
+    "index/resolve.py",
 }
 
 
@@ -71,7 +71,7 @@ def test_no_branch_on_a_format_name_outside_the_registries(path: Path) -> None:
     lines = branches(path.read_text())
     assert not lines, (
         f"{name}:{lines[0]} branches on a format's name: ask shardkit.formats.get(name) (a Format's "
-        "traits), packing/sinks.py or reading/samples.py's SOURCES instead"
+        "traits), packing/sinks/ or reading/sources/'s SOURCES instead"
     )
 
 
@@ -89,18 +89,18 @@ def test_a_format_registered_in_both_registries_packs_and_reads(
     import shardkit
     from shardkit import formats
     from shardkit.packing import sinks
-    from shardkit.packing.tar_sink import TarSink
-    from shardkit.reading import samples
+    from shardkit.packing.sinks.tar import TarSink
+    from shardkit.reading import sources
 
     class TwinSink(TarSink):
         name = "twin"
 
-    class TwinSamples(samples.TarSamples):
+    class TwinSamples(sources.TarSamples):
         format = "twin"
 
     monkeypatch.setitem(formats.REGISTRY, "twin", formats.Format("twin", sharded=True, local_only=False, noun="twins"))
     monkeypatch.setitem(sinks.SINKS, "twin", TwinSink)
-    monkeypatch.setitem(samples.SOURCES, "twin", TwinSamples)
+    monkeypatch.setitem(sources.SOURCES, "twin", TwinSamples)
     src = make_folder(tmp_path / "src", per_class=3)
     idx = shardkit.pack(str(src), str(tmp_path / "out"), format="twin", workers=1, progress=False)
     assert idx.kind == "twin" and idx.samples == 9

@@ -409,8 +409,8 @@ def test_a_pack_from_a_bucket_reads_its_files_at_once(
     import fsspec.core
 
     from shardkit import storage
-    from shardkit.packing import images, samples
-    from shardkit.packing.samples import AHEAD_BYTES, REMOTE_READS
+    from shardkit.packing import images, jobs
+    from shardkit.packing.jobs import AHEAD_BYTES, REMOTE_READS
 
     opts = s3["storage_options"]
     fs, root = fsspec.core.url_to_fs(s3["url"], **opts)
@@ -447,7 +447,7 @@ def test_a_pack_from_a_bucket_reads_its_files_at_once(
         with monkeypatch.context() as patched:
             patched.setattr(storage, "read_bytes", counted("read", storage.read_bytes))
             patched.setattr(images, "reencode", counted("reencode", images.reencode))
-            patched.setattr(samples, "AHEAD_BYTES", ahead_bytes)
+            patched.setattr(jobs, "AHEAD_BYTES", ahead_bytes)
             remote = shardkit.pack(
                 s3["url"] + "/raw",
                 str(tmp_path / "remote"),
@@ -472,7 +472,7 @@ def test_a_conversion_from_a_bucket_downloads_each_shard_once(
     sample or a block), though it spans several jobs: the same shards as converting it from
     local disk, a damaged shard's samples skipped alike; no copy is left behind."""
     from shardkit import storage
-    from shardkit.packing import samples
+    from shardkit.packing import jobs
 
     opts = s3["storage_options"]
     src = tmp_path / "src"
@@ -498,7 +498,7 @@ def test_a_conversion_from_a_bucket_downloads_each_shard_once(
     )
     shards = sorted(f"{s3['url']}/ds/{p.name}" for p in src.glob("*.tar"))
     assert sorted(u for u in opened if u.endswith(".tar")) == shards and ranges == []  # 5 shards, 3 jobs or more each
-    assert samples._copy is None  # let go after the last shard's last sample
+    assert jobs._copy is None  # let go after the last shard's last sample
 
 
 def test_a_conversion_from_a_bucket_needs_room_for_its_copies(
@@ -513,7 +513,7 @@ def test_a_conversion_from_a_bucket_needs_room_for_its_copies(
 
     from shardkit import storage
     from shardkit.errors import ShardkitError
-    from shardkit.packing import samples
+    from shardkit.packing import jobs
     from shardkit.packing.plan import JobList, make_plan
 
     opts = s3["storage_options"]
@@ -538,8 +538,8 @@ def test_a_conversion_from_a_bucket_needs_room_for_its_copies(
     assert not (tmp_path / "out" / "index.json").exists()
     plan = make_plan(s3["url"] + "/ds", "unused", max_count=3, storage_options=opts)  # jobs 0-1 in shard 0
     assert plan.job(0, then=1).source_goes_on and not JobList(plan, [0])[0].source_goes_on
-    list(samples.job_samples(JobList(plan, [0])[0]))  # the last job of a resumed run
-    assert samples._copy is None
+    list(jobs.job_samples(JobList(plan, [0])[0]))  # the last job of a resumed run
+    assert jobs._copy is None
 
 
 @pytest.mark.parametrize("protocol", ["s3", "gs"])

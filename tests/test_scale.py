@@ -90,7 +90,7 @@ def synthetic(folder: Path, shards: int, per_shard: int) -> Path:
     right size and header, no bytes written: building and planning never read it)."""
     folder.mkdir(parents=True, exist_ok=True)
     entries = shards * (per_shard + 1)
-    name = shardkit.sidecar.name_for((f"shard-{i:06d}.tar", per_shard, 10**9, None) for i in range(shards))
+    name = shardkit.index.offsets.name_for((f"shard-{i:06d}.tar", per_shard, 10**9, None) for i in range(shards))
     with open(folder / name, "wb") as f:
         np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": (entries,)})
         f.truncate(f.tell() + 8 * entries)

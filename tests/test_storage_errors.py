@@ -25,7 +25,7 @@ import pytest
 import shardkit
 from shardkit import StreamingDataset, storage
 from shardkit.errors import CorruptShardError, ShardkitError
-from shardkit.sources import local_lmdb
+from shardkit.index.resolve import local_lmdb
 
 from conftest import draw, make_folder, shard_offsets
 from servers import self_signed, serving

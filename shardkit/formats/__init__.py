@@ -11,7 +11,7 @@ Each format module works on files or environments it is handed and never imports
   sample by key.
 
 Around them, each side plugs a format in once, in its registry by these names: the packer a
-sink (packing/sinks.py) and the reader a sample source (reading/samples.py). Adding a format
+sink (packing/sinks/) and the reader a sample source (reading/sources/). Adding a format
 is a module here, an entry in `REGISTRY`, a sink and a source (tests/test_registry.py holds
 the line). This package imports nothing of shardkit's but errors, so the index may ask it.
 """

@@ -2,7 +2,7 @@
 
     prepare DEST -> keep an earlier run's finished jobs -> run the rest -> commit the index
 
-A format plugs in as a `Sink` (tar_sink.py, lmdb_sink.py): where a job's work is recorded
+A format plugs in as a `Sink` (sinks/tar.py, sinks/lmdb.py): where a job's work is recorded
 as done (a progress file beside a shard, a progress key inside the LMDB), how it is
 checked on a rerun, and how the dataset is committed. A rerun after a crash keeps every
 job whose record matches its fingerprint, so it ends with what an uninterrupted run makes.
@@ -17,19 +17,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import index, sidecar, storage
+from .. import index, storage
+from ..index import offsets
 from ..errors import SourceError, shown_name
 from ..index import Index, ShardInfo, Skipped
 from ..storage import StorageOptions
 from . import executors, lock
 from .plan import Job, JobList, Plan
-from .samples import DAMAGED
+from .jobs import DAMAGED
 from .scan import HIDDEN
 
 
 SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
 TMP_RE = re.compile(
-    rf"^({SHARD_RE.pattern[1:-1]}|{sidecar.PATTERN.pattern[1:-1]}|{re.escape(index.INDEX_NAME)})"
+    rf"^({SHARD_RE.pattern[1:-1]}|{offsets.PATTERN.pattern[1:-1]}|{re.escape(index.INDEX_NAME)})"
     rf"{re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$"
 )
 """What an interrupted pack leaves: a shard's, the sidecar's or the index's temporary file

@@ -18,7 +18,7 @@ from typing import Any
 
 from PIL import ExifTags, Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from .. import jpeg
+from ..decode import jpeg
 from ..decode import is_image, to_rgb
 
 # ImageFolder's extensions (torchvision IMG_EXTENSIONS) -> WebDataset field name.

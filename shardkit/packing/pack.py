@@ -3,8 +3,8 @@ plan -> jobs -> write -> commit.
 
 - plan (plan.py): scan SRC once, sort, optionally shuffle with a seed, cut into shards by
   count and size. Every shard is an independent job with a fingerprint of its inputs.
-- read (samples.py): each job's samples, read, checked and optionally re-encoded.
-- write and commit (commit.py, with tar_sink.py or lmdb_sink.py): the one resume/commit
+- read (jobs.py): each job's samples, read, checked and optionally re-encoded.
+- write and commit (commit.py, with sinks/tar.py or sinks/lmdb.py): the one resume/commit
   mechanism; index.json is written last, and a rerun after a crash keeps every job whose
   record matches its fingerprint, so it ends with exactly what an uninterrupted run makes.
 """
@@ -21,7 +21,7 @@ from ..errors import SourceError, shown_name
 from ..formats import DEFAULT, FORMATS
 from ..formats import get as format_of
 from ..index import Index
-from ..sources import local_lmdb
+from ..index.resolve import local_lmdb
 from ..storage import StorageOptions
 from . import commit, executors, sinks
 from .commit import Sink

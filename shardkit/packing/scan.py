@@ -215,7 +215,7 @@ def scan_dataset(src: str, kind: str, storage_options: StorageOptions | None = N
     LMDB the path is the sample key, for tar "SHARD@START:END"."""
     found = ListingBuilder()
     if not formats.get(kind).sharded:
-        from ..sources import lmdb_index
+        from ..index.resolve import lmdb_index
 
         idx = (
             index.load(src, storage_options) if storage.exists(storage.join(src, index.INDEX_NAME)) else lmdb_index(src)

@@ -21,7 +21,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from ..storage.cache import RangeCache
-    from ..prefetch import Prefetcher
+    from .prefetch import Prefetcher
     from ..storage import RangeReader
 
 MAX_WORKERS = 128  # DataLoader workers per rank that the shared counters have room for

@@ -17,17 +17,17 @@ import numpy as np
 from .. import checks
 from ..decode import decoder
 from ..formats.gzip import MAX_MEMBER
-from ..sources import resolve
+from ..index.resolve import resolve
 from ..storage import StorageOptions
 from ..storage.fetch import per_worker
 from ..storage.stores import store_for
-from . import compressed
+from .sources import compressed
 from .counters import Slot
 from .epoch_stream import EpochStream
 from .epochs import EpochDataset, distinct
 from .mix import MixedDataset, check_parts
 from .pass_ import Pass
-from .samples import SampleSource, source_for
+from .sources import SampleSource, source_for
 from .spec import ReadSpec, SampleOrder
 
 

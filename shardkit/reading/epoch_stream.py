@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from .. import digest, globalbatch, partition
-from ..partition import Progress
+from ..order import digest, globalbatch, partition
+from ..order.partition import Progress
 from . import state, worker
 from .counters import Shared
 from .ordering import Ordering, where

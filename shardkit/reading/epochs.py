@@ -15,7 +15,8 @@ from typing import Any
 
 import torch.utils.data
 
-from .. import checks, digest, globalbatch, partition, turns
+from .. import checks
+from ..order import digest, globalbatch, partition, turns
 from . import state
 from .batching import Batches
 from .counters import MAX_WORKERS, Shared

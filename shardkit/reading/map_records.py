@@ -21,10 +21,10 @@ from ..errors import FIND_BAD, FieldError, ShardkitError, describe
 from ..formats import lmdb as lmdb_format
 from ..formats.gzip import inflate_fields
 from ..index import Index
-from ..sources import lmdb_index, local_lmdb, resolve
+from ..index.resolve import lmdb_index, local_lmdb, resolve
 from ..storage import StorageOptions
 from ..storage.cache import RangeCache
-from .samples import TarSamples, gz_fields
+from .sources import TarSamples, gz_fields
 
 Pool = Callable[[], Executor]  # this process's reading threads, made on first use
 

@@ -21,14 +21,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import checks, partition, ranges
+from .. import checks
+from ..order import partition, ranges
 from . import state
 from .counters import Slot
 from .epoch_stream import EpochStream
 from .epochs import EpochDataset, distinct, stats_summary
 from .pass_ import Pass
 from ..storage.fetch import per_worker
-from .samples import SampleSource
+from .sources import SampleSource
 from .spec import ReadSpec
 
 

@@ -1,6 +1,6 @@
 """An epoch's order, as a pass sees it: what the sequence and its split over ranks and
-workers depend on (`Ordering`), in either order (the default, partition.py; global
-batches, globalbatch.py), and the fingerprints of what was delivered (digest.py): worked
+workers depend on (`Ordering`), in either order (the default, order/partition.py; global
+batches, order/globalbatch.py), and the fingerprints of what was delivered (order/digest.py): worked
 out from a state's counts, and checked against those a state carries, so that a resume
 that would repeat or skip samples fails naming them.
 """
@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import digest, globalbatch, partition
-from ..partition import Layout, Progress
+from ..order import digest, globalbatch, partition
+from ..order.partition import Layout, Progress
 from . import state
 
 

@@ -3,7 +3,7 @@
     reads (ahead, by the sample source) -> parse -> decode -> transform
 
 A `Pass` is built from a ReadSpec (how to read), a sample source (the format's reads and
-parsing, samples.py), the sample ids to yield in order, and the worker's slot of the shared
+parsing, sources/), the sample ids to yield in order, and the worker's slot of the shared
 statistics: it never sees the dataset. `bad_sample` is the one policy that decides whether a
 failure is skipped or raised; a skipped sample's place is taken by the next good one (or,
 at the end of the plan, by a stand-in), so the worker's count stays exact.
@@ -18,13 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import ranges, storage
+from ..order import ranges
+from .. import storage
 from ..decode import decoder, packed_from
 from ..errors import FIND_BAD, SKIP_BAD, CorruptShardError, FieldError, ShardkitError, describe
-from ..prefetch import Prefetcher
+from .prefetch import Prefetcher
 from ..storage.fetch import CONNECTIONS
 from .counters import Meter, Slot
-from .samples import SampleSource
+from .sources import SampleSource
 from .spec import ReadSpec, Transform
 
 log = logging.getLogger("shardkit")

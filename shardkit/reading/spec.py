@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import blockplan, partition
+from ..order import blockplan, partition
 from ..storage import RangeReader, StorageOptions
 from ..storage.cache import RangeCache
 

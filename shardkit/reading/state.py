@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import checks
-from ..partition import Progress
+from ..order.partition import Progress
 
 MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
 EPOCH, WORLD_SIZE, NUM_WORKERS, BATCH = "epoch", "world_size", "num_workers", "batch"

@@ -16,7 +16,7 @@ few percent of requests late (hundreds of ms to seconds). So:
   they are known, a range is one GET (reading ramps up from one request: measured here, a
   first range cut in four cost the first batch more on a loaded machine than it saved). The pieces of a range run on the engine's threads
   (`connections` of them), first in, first out: the range the consumer needs next is ahead
-  of those after it. How many ranges are in flight stays the read-ahead's (prefetch.py:
+  of those after it. How many ranges are in flight stays the read-ahead's (reading/prefetch.py:
   Little's law on the range's whole fetch time, AIMD on throttling); a store that throttles
   also halves how many pieces a range may take (and each range without one adds one back).
 - Hedges: a GET whose first byte has not come after about the p95 of first-byte latencies

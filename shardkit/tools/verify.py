@@ -16,7 +16,7 @@ from ..packing import images
 from ..errors import ShardkitError
 from ..formats import lmdb as lmdb_format
 from ..index import Index, ShardInfo
-from ..sources import local_lmdb, shard_digest, shard_problem
+from ..index.resolve import local_lmdb, shard_digest, shard_problem
 from ..storage import StorageOptions
 
 

@@ -33,7 +33,7 @@ import orjson
 from PIL import Image, UnidentifiedImageError
 
 from . import jpeg
-from .errors import FieldError, describe
+from ..errors import FieldError, describe
 
 MODES = ("raw", "pil", "rgb8", "tensor")
 IMAGE, EXT = "image", "__ext__"  # a decoded sample's image, whatever its extension, and the field it came from

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from . import storage
-from .errors import CorruptShardError, ShardkitError
-from .storage import StorageOptions
+from .. import storage
+from ..errors import CorruptShardError, ShardkitError
+from ..storage import StorageOptions
 
 PATTERN = re.compile(r"^offsets-[0-9a-f]{16}\.npy$")
 DTYPE = np.dtype("<i8")

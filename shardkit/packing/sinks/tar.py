@@ -12,15 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from .. import index, sidecar, storage
-from ..errors import SourceError
-from ..formats import lmdb as lmdb_format
-from ..formats.tar import BLOCK, RECORD, TarWriter
-from ..index import Index, ShardInfo, Skipped
-from ..storage import StorageOptions
-from . import samples
-from .commit import SHARD_RE, TMP_RE, JobResult, Sink, left_out_damage, refuse_to_replace
-from .plan import Job
+from ... import index, storage
+from ...index import offsets
+from ...errors import SourceError
+from ...formats import lmdb as lmdb_format
+from ...formats.tar import BLOCK, RECORD, TarWriter
+from ...index import Index, ShardInfo, Skipped
+from ...storage import StorageOptions
+from .. import jobs
+from ..commit import SHARD_RE, TMP_RE, JobResult, Sink, left_out_damage, refuse_to_replace
+from ..plan import Job
 
 STARTED = "started"  # in the progress folder, written first: even an object store then shows the pack unfinished
 
@@ -35,7 +36,7 @@ def write_shard(job: Job) -> JobResult:
     storage.remove(_progress_url(job.dest, job.name), job.storage_options)
     with storage.atomic_writer(storage.join(job.dest, job.name), job.storage_options) as f:
         writer = TarWriter(f)
-        for got in samples.job_samples(job):
+        for got in jobs.job_samples(job):
             if isinstance(got, Skipped):
                 skipped.append(got)
             else:
@@ -50,7 +51,7 @@ def write_shard(job: Job) -> JobResult:
         "fields": result.fields,
         "skipped": [asdict(s) for s in skipped],
     }
-    table = np.asarray(writer.offsets, dtype=sidecar.DTYPE).tobytes()  # the shard's offsets, for the commit
+    table = np.asarray(writer.offsets, dtype=offsets.DTYPE).tobytes()  # the shard's offsets, for the commit
     storage.write_bytes_atomic(_table_url(job.dest, job.name), table, job.storage_options)
     storage.write_bytes_atomic(_progress_url(job.dest, job.name), json.dumps(record).encode(), job.storage_options)
     return result
@@ -69,7 +70,7 @@ def _tables(dest: str, names: Sequence[str], storage_options: StorageOptions | N
     dozen ahead (an object store answers each read in tens of ms), one batch held at a time."""
 
     def read(name: str) -> np.ndarray:
-        return np.frombuffer(storage.read_bytes(_table_url(dest, name), storage_options), dtype=sidecar.DTYPE)
+        return np.frombuffer(storage.read_bytes(_table_url(dest, name), storage_options), dtype=offsets.DTYPE)
 
     with ThreadPoolExecutor(16, thread_name_prefix="shardkit-commit") as pool:
         for at in range(0, len(names), 64):
@@ -121,7 +122,7 @@ class TarSink(Sink):
             for n in names
             if n not in own
             and not n.startswith(".")  # .DS_Store: hidden, as in SRC
-            and not (packed and (SHARD_RE.match(n) or sidecar.PATTERN.match(n) or TMP_RE.match(n)))
+            and not (packed and (SHARD_RE.match(n) or offsets.PATTERN.match(n) or TMP_RE.match(n)))
         ]
         if lmdb_format.DATA_FILE in foreign:
             raise SourceError(f"{dest}: holds an LMDB dataset: pack tar shards into another folder")
@@ -173,7 +174,7 @@ class TarSink(Sink):
         skipped = tuple(Skipped(**s) for s in record["skipped"])
         if storage.size(storage.join(self.dest, name), opts) != info.bytes or left_out_damage(plan, skipped):
             return None
-        if storage.size(_table_url(self.dest, name), opts) != (info.samples + 1) * sidecar.DTYPE.itemsize:
+        if storage.size(_table_url(self.dest, name), opts) != (info.samples + 1) * offsets.DTYPE.itemsize:
             return None  # a record of shardkit 0.1 (its offsets inside), or a table gone
         return JobResult(info, tuple(record["fields"]), skipped)
 
@@ -181,7 +182,7 @@ class TarSink(Sink):
         return result  # the worker wrote the shard and its progress record
 
     def make_index(self, results: Sequence[JobResult], base: dict[str, Any]) -> Index:
-        """The index, its shards' offsets streamed from the jobs' tables into its sidecar."""
+        """The index, its shards' offsets streamed from the jobs' tables into its offsets."""
         idx = Index(shards=tuple(r.info for r in results), **base)
         return index.with_sidecar(
             idx, self.dest, _tables(self.dest, self.plan.names, self.storage_options), self.storage_options

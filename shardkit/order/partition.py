@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from . import blockplan, checks
+from . import blockplan
+from .. import checks
 
 REMAINDERS = ("repeat", "drop")
 CHUNK = 1 << 16  # positions of a worker's stream planned at a time (~6 MB of plan at ~88 B a position)

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from ..formats import FORMATS
-from .commit import Sink
-from .lmdb_sink import LmdbSink
-from .tar_sink import TarSink
+from ...formats import FORMATS
+from ..commit import Sink
+from .lmdb import LmdbSink
+from .tar import TarSink
 
 SINKS: dict[str, type[Sink]] = {sink.name: sink for sink in (TarSink, LmdbSink)}
 

@@ -7,7 +7,7 @@ totals, field names, class names and the files the packer skipped. Versioned: a 
 refuses an index from a newer format loudly instead of misreading it.
 
 - Version 2 (written since shardkit 0.2): a tar dataset's per-sample byte offsets live in a
-  binary sidecar beside index.json (sidecar.py), named under "offsets", so index.json grows
+  binary sidecar beside index.json (offsets.py), named under "offsets", so index.json grows
   with the shards only (~150 bytes a shard) and reading it never touches a sample.
 - Version 1: each shard entry holds its "offsets" list. Still read; `shardkit index
   --upgrade` rewrites it as version 2.
@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import builtins
 import json
-import os
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import orjson
 
-from . import formats, sidecar, storage
-from .errors import CorruptShardError, DatasetNotFoundError, IndexVersionError, ShardkitError, UnfinishedPackError
-from .formats.lmdb import DATA_FILE as LMDB_DATA_FILE  # noqa: F401  (re-exported: the name other modules use)
-from .storage import StorageOptions
+from .. import formats
+from ..errors import CorruptShardError, IndexVersionError
+from . import offsets
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # tar shards in a folder, by name (gzip is told by its first bytes)
 INDEX_NAME = "index.json"
@@ -115,15 +113,6 @@ def _version(found: Any, name: str) -> dict[str, Any] | None:
     ):
         raise CorruptShardError(f'{name}: index lists version {found!r}, not one mark such as {{"etag": ...}}')
     return found
-
-
-def pinned(index: Index, url: str, storage_options: StorageOptions | None = None) -> Index:
-    """`index` with each shard's current version (one listing of the dataset's folder), for
-    readers to check; a tar index only (an LMDB is read from a local copy)."""
-    if not formats.get(index.kind).sharded:
-        return index
-    found = storage.pins(url, [s.name for s in index.shards], storage_options)
-    return replace(index, shards=tuple(replace(s, version=v) for s, v in zip(index.shards, found)))
 
 
 def _check_offsets(name: str, table: np.ndarray, size: int | None) -> None:
@@ -256,7 +245,7 @@ class Index:
             if isinstance(e, CorruptShardError):  # a shard entry that contradicts itself
                 raise CorruptShardError(f"{where}: {e}") from None
             raise CorruptShardError(f"{where}: malformed index ({type(e).__name__}: {e})") from None
-        _check_names(index, where)
+        check_names(index, where)
         if doc.get("samples") is not None and doc["samples"] != index.samples:
             raise CorruptShardError(f"{where}: total {doc['samples']} samples but shards add up to {index.samples}")
         if not formats.get(kind).sharded:
@@ -274,12 +263,12 @@ def _sidecar(doc: dict[str, Any], where: str) -> Sidecar | None:
     if any(s.get("offsets") is not None for s in doc["shards"]):
         raise CorruptShardError(f"{where}: lists sample offsets both in its shards and in {entry.get('file')!r}")
     name, sha = entry["file"], entry["sha256"]
-    if not (isinstance(name, str) and sidecar.PATTERN.match(name) and isinstance(sha, str)):
+    if not (isinstance(name, str) and offsets.PATTERN.match(name) and isinstance(sha, str)):
         raise CorruptShardError(f'{where}: "offsets" names {name!r}, not a shardkit offsets file of the folder')
     return Sidecar(name, sha)
 
 
-def _check_names(index: Index, where: str) -> None:
+def check_names(index: Index, where: str) -> None:
     """Shards are files of the dataset's folder, each listed once: a name with a folder in it
     (`../x.tar`) would be read from elsewhere, a name listed twice read twice."""
     names = [s.name for s in index.shards]
@@ -317,108 +306,3 @@ def _check_keyed(index: Index, where: str) -> None:
     bad = next((i for i, n in enumerate(sizes or ()) if type(n) is not int or n < 0), None)
     if bad is not None and sizes is not None:
         raise CorruptShardError(f"{where}: LMDB size {bad} is {sizes[bad]!r}, not a size in bytes")
-
-
-def find(url: str, storage_options: StorageOptions | None = None) -> Index | None:
-    """DATASET/index.json, or None where there is none (an unfinished pack raises)."""
-    where = storage.join(url, INDEX_NAME)
-    try:
-        text = storage.read_bytes(where, storage_options)
-    except FileNotFoundError:
-        check_finished(url, storage_options)
-        return None
-    except NotADirectoryError:
-        raise DatasetNotFoundError(f"{url}: not a folder (give the dataset folder, which holds {INDEX_NAME})") from None
-    index = Index.from_json(text, where)
-    return replace(index, sidecar=replace(index.sidecar, folder=url)) if index.sidecar else index
-
-
-def load(url: str, storage_options: StorageOptions | None = None) -> Index:
-    """Read DATASET/index.json; where there is none, say what the folder may be instead."""
-    found = find(url, storage_options)
-    if found is None and storage.is_local(url) and not os.path.isdir(storage.local_path(url)):
-        raise DatasetNotFoundError(f"{url}: no such folder")  # the readers' words for it
-    if found is None:
-        raise DatasetNotFoundError(f"{storage.join(url, INDEX_NAME)}: no such index ({_guess(url, storage_options)})")
-    return found
-
-
-def check_finished(url: str, storage_options: StorageOptions | None = None) -> None:
-    """Raise UnfinishedPackError where a pack into `url` has started and not finished: its
-    shards must not be read (or indexed) as if they were a dataset."""
-    if storage.exists(storage.join(url, PROGRESS_DIR), storage_options):
-        raise UnfinishedPackError(
-            f"{storage.join(url, INDEX_NAME)}: not written yet: a pack into "
-            f"{storage.display(url)} has not finished (rerun the same `shardkit pack` to finish it)"
-        )
-
-
-def _guess(url: str, storage_options: StorageOptions | None) -> str:
-    """What a folder without index.json may be, by its listing (asked only on that failure)."""
-    try:
-        names = storage.listdir(url, storage_options)
-    except (OSError, ShardkitError):
-        names = []
-    if LMDB_DATA_FILE in names:
-        return "an LMDB pack that has not finished, or whose index.json was removed: rerun the same `shardkit pack`"
-    if any(n.endswith(SHARD_SUFFIXES) for n in names):
-        return f"tar shards from another tool: `shardkit index {storage.display(url)}` writes one"
-    return "not a shardkit dataset?"
-
-
-def save(index: Index, url: str, storage_options: StorageOptions | None = None) -> Index:
-    """Write DATASET/index.json atomically (one that a reader would refuse is refused here),
-    after the sidecar of the offsets its tar shards carry; then remove other sidecars.
-    Returns the index as saved."""
-    _check_names(index, storage.join(url, INDEX_NAME))
-    if formats.get(index.kind).sharded and index.sidecar is None:
-        tables = [s.offsets for s in index.shards]
-        if any(t is None for t in tables):
-            raise ShardkitError(f"{storage.join(url, INDEX_NAME)}: not saved: shards without sample offsets")
-        index = with_sidecar(index, url, tables, storage_options)
-    storage.write_bytes_atomic(storage.join(url, INDEX_NAME), index.to_json().encode(), storage_options)
-    keep = index.sidecar.file if index.sidecar else None
-    for name in storage.listdir(url, storage_options):
-        if sidecar.PATTERN.match(name) and name != keep:
-            storage.remove(storage.join(url, name), storage_options)
-    return index
-
-
-def with_sidecar(index: Index, url: str, tables: Iterable[Any], storage_options: StorageOptions | None = None) -> Index:
-    """`index`, its shards' offset `tables` (one per shard, in order; a generator holds
-    one at a time) written to its sidecar in the folder `url`, without them in the shards."""
-    name = sidecar.name_for((s.name, s.samples, s.bytes, s.sha256) for s in index.shards)
-    sha = sidecar.write(storage.join(url, name), tables, index.samples + len(index.shards), storage_options)
-    return replace(index, shards=tuple(replace(s, offsets=None) for s in index.shards), sidecar=Sidecar(name, sha, url))
-
-
-def sample_offsets(
-    index: Index, storage_options: StorageOptions | None = None, cache_dir: str | None = None
-) -> np.ndarray | sidecar.Offsets:
-    """Every shard's offset table back to back (see sidecar.py): the sidecar mapped into
-    memory (version 2), or the tables of the index's own shards (version 1, shards scanned)."""
-    if index.sidecar is not None:
-        return _open_sidecar(index, index.sidecar, storage_options, cache_dir)
-    tables = [s.offsets for s in index.shards]
-    lacking = next((s.name for s in index.shards if s.offsets is None), None)
-    if lacking is not None:
-        raise ShardkitError(f"{lacking}: the index lists no sample offsets; rebuild it with `shardkit index`")
-    return np.concatenate([np.asarray(t, dtype=np.int64) for t in tables] or [np.empty(0, np.int64)])
-
-
-def with_offsets(index: Index, storage_options: StorageOptions | None = None) -> Index:
-    """`index` with each shard's offset table in its entry (tools that compare or copy
-    shards one by one; a reader maps the sidecar instead)."""
-    if index.sidecar is None:
-        return index
-    table = _open_sidecar(index, index.sidecar, storage_options, None).array
-    each = [array("q", t.tobytes()) for t in sidecar.tables(table, [s.samples for s in index.shards])]
-    return replace(index, shards=tuple(replace(s, offsets=t) for s, t in zip(index.shards, each)), sidecar=None)
-
-
-def _open_sidecar(
-    index: Index, side: Sidecar, storage_options: StorageOptions | None, cache_dir: str | None
-) -> sidecar.Offsets:
-    return sidecar.open_table(
-        side.folder, side.file, side.sha256, index.samples + len(index.shards), storage_options, cache_dir
-    )

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .. import storage
-from ..errors import CorruptShardError
-from ..formats.gzip import Fetch, Ranges
-from ..index import ShardInfo
+from ... import storage
+from ...errors import CorruptShardError
+from ...formats.gzip import Fetch, Ranges
+from ...index import ShardInfo
 
 CHUNK = 8 << 20  # compressed bytes a fetch asks for: a few requests a shard, each a cacheable block
 

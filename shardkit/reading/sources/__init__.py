@@ -11,17 +11,19 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import blockplan, formats, index, ranges, sidecar, storage
-from ..decode import sample_dict
-from ..errors import CorruptShardError
-from ..formats import lmdb as lmdb_format
-from ..formats.gzip import MAX_MEMBER, inflate_fields, is_gzip_field
-from ..formats.tar import ReadAt, buffer_reader, read_sample
-from ..index import Index
+from ...order import blockplan, ranges
+from ... import formats, index, storage
+from ...index import offsets
+from ...decode import sample_dict
+from ...errors import CorruptShardError
+from ...formats import lmdb as lmdb_format
+from ...formats.gzip import MAX_MEMBER, inflate_fields, is_gzip_field
+from ...formats.tar import ReadAt, buffer_reader, read_sample
+from ...index import Index
 from ..prefetch import Prefetcher
-from ..sources import local_lmdb
-from ..storage import StorageOptions
-from ..storage.streams import Arriving, Stalls
+from ...index.resolve import local_lmdb
+from ...storage import StorageOptions
+from ...storage.streams import Arriving, Stalls
 from . import compressed
 from .compressed import CompressedShards
 
@@ -122,7 +124,7 @@ class TarSamples:
     def offsets(self) -> np.ndarray:
         """Every shard's offset table back to back (the sidecar mapped in this process)."""
         table = self._table
-        return table.array if isinstance(table, sidecar.Offsets) else table
+        return table.array if isinstance(table, offsets.Offsets) else table
 
     def reads(
         self,

@@ -12,15 +12,15 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .. import index, storage
-from ..errors import SourceError
-from ..formats import lmdb as lmdb_format
-from ..index import Index, ShardInfo, Skipped
-from ..storage import StorageOptions
-from ..units import parse_size
-from . import samples
-from .commit import TMP_RE, JobResult, Sink, left_out_damage, refuse_to_replace
-from .plan import Job, Plan
+from ... import index, storage
+from ...errors import SourceError
+from ...formats import lmdb as lmdb_format
+from ...index import Index, ShardInfo, Skipped
+from ...storage import StorageOptions
+from ...units import parse_size
+from .. import jobs
+from ..commit import TMP_RE, JobResult, Sink, left_out_damage, refuse_to_replace
+from ..plan import Job, Plan
 
 JOB_BYTES = parse_size("64MB")  # an LMDB pack's most bytes per job (one transaction, held in memory)
 _FILES = (index.INDEX_NAME, lmdb_format.DATA_FILE, lmdb_format.LOCK_FILE)  # removal order: the index first
@@ -30,7 +30,7 @@ def read_chunk(job: Job) -> JobResult:
     """Read and check one job's samples for the LMDB writer."""
     got: list[tuple[str, dict[str, bytes]]] = []
     skipped: list[Skipped] = []
-    for sample in samples.job_samples(job, lmdb_format.check_keys):
+    for sample in jobs.job_samples(job, lmdb_format.check_keys):
         if isinstance(sample, Skipped):
             skipped.append(sample)
         else:

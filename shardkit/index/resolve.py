@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import BinaryIO
 
-from . import checks, formats, index, storage
-from .errors import (
+from .. import checks, formats, index, storage
+from ..errors import (
     AccessDeniedError,
     BadRequestError,
     CorruptShardError,
@@ -21,10 +21,10 @@ from .errors import (
     ShardkitError,
     UnfinishedPackError,
 )
-from .formats import gzip, tar
-from .formats import lmdb as lmdb_format
-from .index import Index, ShardInfo
-from .storage import StorageOptions
+from ..formats import gzip, tar
+from ..formats import lmdb as lmdb_format
+from .model import Index, ShardInfo
+from ..storage import StorageOptions
 
 
 class _Hashing:

@@ -19,7 +19,7 @@ from ..formats import gzip
 from ..formats import lmdb as lmdb_format
 from ..formats.tar import check_key, parse_sample
 from ..index import Skipped
-from ..sources import shard_problem
+from ..index.resolve import shard_problem
 from ..units import format_size
 from . import executors, images, sidecars
 from .executors import tick
