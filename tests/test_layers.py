@@ -120,6 +120,7 @@ INNER: dict[str, list[set[str]]] = {
     "order": [{"blockplan", "digest", "turns"}, {"partition", "globalbatch", "ranges"}],
     "decode": [{"jpeg"}],
     "reading.sources": [{"compressed"}],
+    "cli": [{"options"}, {"pack", "read", "bench"}, {"__main__"}],
     "packing.sinks": [{"tar", "lmdb"}],
     "storage.stores": [
         {"base", "forks"},
