@@ -110,6 +110,8 @@ INNER: dict[str, list[set[str]]] = {
         {"urls", "descriptors", "cache", "seqwrite", "streams", "latencies", "fingerprint"},
         {"patience"},
         {"retry", "clients"},
+        {"s3_signer", "s3_connections"},
+        {"s3_presignable"},
         {"s3_http"},
         {"s3_config"},
         {"stores"},
