@@ -118,6 +118,12 @@ INNER: dict[str, list[set[str]]] = {
         {"files", "atomic", "fetch"},
         {"range_reader"},
     ],
+    "formats": [
+        {"tar", "lmdb_records"},
+        {"gzip", "tar_writer", "tar_sample", "lmdb_envs", "lmdb_cold_reads"},
+        {"lmdb_writer"},
+        {"lmdb"},
+    ],
     "index": [{"offsets"}, {"model"}, {"io"}, {"resolve"}],
     "order": [{"blockplan", "digest", "turns"}, {"partition", "globalbatch", "ranges"}],
     "decode": [{"jpeg"}],
