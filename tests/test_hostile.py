@@ -603,7 +603,7 @@ def test_two_packs_taking_over_one_stale_lock_never_both_win(conditional: tuple[
     """Both read the stale lock, then both replace it conditionally on the version read: one
     succeeds, the other finds the winner's lock and is refused. (Not run on moto: its server
     checks a condition and writes in two steps, not atomically; S3 itself is atomic.)"""
-    from shardkit.packing.lock import Lease
+    from shardkit.packing.lock_lease import Lease
     from shardkit.storage.stores import store_for
 
     folder, opts = conditional
