@@ -107,7 +107,7 @@ INNER: dict[str, list[set[str]]] = {
         {"dataset"},
     ],
     "storage": [
-        {"urls", "descriptors", "cache", "seqwrite", "streams", "latencies", "fingerprint"},
+        {"urls", "descriptors", "cache", "seqwrite", "streams", "latencies", "fingerprint", "daemon_threads"},
         {"patience"},
         {"retry", "clients"},
         {"s3_signer", "s3_connections"},
