@@ -87,7 +87,7 @@ def test_a_size_field_that_is_not_octal_digits_is_a_corrupt_shard(tmp_path: Path
     from click.testing import CliRunner
 
     from shardkit.cli import main
-    from shardkit.formats.tar import TarWriter
+    from shardkit.formats.tar_writer import TarWriter
 
     buf = io.BytesIO()
     writer = TarWriter(buf)
@@ -147,7 +147,7 @@ def test_names_and_pax_records_are_held_to_their_limits(tmp_path: Path) -> None:
     field named 'jpg\\n'); a 100 MB GNU long name became a 100 MB key. A record must end in a
     newline where its length says, and a name may take formats.tar.MAX_NAME bytes; the writer
     refuses what the readers would."""
-    from shardkit.formats import tar
+    from shardkit.formats import tar, tar_writer
 
     def member(kind: bytes, data: bytes) -> bytes:
         return tar.header("././@PaxHeader", len(data), kind) + data + bytes(-len(data) % 512)
@@ -170,7 +170,7 @@ def test_names_and_pax_records_are_held_to_their_limits(tmp_path: Path) -> None:
     with pytest.raises(CorruptShardError, match=r"gnu\.tar, member at byte 0: a member name of 4097 bytes, over"):
         shardkit.build_index(str(gnu / "gnu.tar"))
     with pytest.raises(ValueError, match=r"tar member name of 4101 bytes, over 4096"):
-        tar.TarWriter(io.BytesIO()).write("k" * 4097, {"jpg": b""})
+        tar_writer.TarWriter(io.BytesIO()).write("k" * 4097, {"jpg": b""})
     fine = member(b"x", b"14 path=k.jpg\n") + image + bytes(1024)  # the record as tarfile writes it
     assert [s["__key__"] for s in StreamingDataset(str(_indexed(tmp_path / "ok", "ok.tar", fine, [0, 2048])))] == ["k"]
 
@@ -603,7 +603,7 @@ def test_two_packs_taking_over_one_stale_lock_never_both_win(conditional: tuple[
     """Both read the stale lock, then both replace it conditionally on the version read: one
     succeeds, the other finds the winner's lock and is refused. (Not run on moto: its server
     checks a condition and writes in two steps, not atomically; S3 itself is atomic.)"""
-    from shardkit.packing.lock import Lease
+    from shardkit.packing.lock_lease import Lease
     from shardkit.storage.stores import store_for
 
     folder, opts = conditional

@@ -21,6 +21,7 @@ import shardkit
 from shardkit import LMDBDataset, StreamingDataset
 from shardkit.errors import CorruptShardError, DatasetNotFoundError, ShardkitError
 from shardkit.formats import lmdb as lmdb_format
+from shardkit.formats import lmdb_cold_reads, lmdb_envs, lmdb_records, lmdb_writer
 
 from conftest import ROOT, make_folder
 from readers import loader_of
@@ -98,7 +99,7 @@ def test_conversions_keep_the_list_of_skipped_files(photos: Path, tmp_path: Path
 
 
 def test_map_grows_instead_of_failing(photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lmdb_format, "_INITIAL_MAP", 64 << 10)  # far smaller than the data
+    monkeypatch.setattr(lmdb_writer, "_INITIAL_MAP", 64 << 10)  # far smaller than the data
     idx = shardkit.pack(str(photos), str(tmp_path / "db"), format="lmdb", workers=1, progress=False)
     assert idx.samples == 30 and len(LMDBDataset(str(tmp_path / "db"))) == 30
 
@@ -199,8 +200,8 @@ def test_a_batch_is_read_on_threads_and_comes_back_in_order(
     come back in the batch's order, exactly as one at a time; the process you train in never
     starts threads."""
     # every read waits for the disk when `cold` (slow, with a major fault), none otherwise
-    monkeypatch.setattr(lmdb_format, "COLD_READ_S", -1.0 if cold else 60.0)
-    monkeypatch.setattr(lmdb_format, "major_faults", itertools.count().__next__)
+    monkeypatch.setattr(lmdb_cold_reads, "COLD_READ_S", -1.0 if cold else 60.0)
+    monkeypatch.setattr(lmdb_cold_reads, "major_faults", itertools.count().__next__)
     log = tmp_path / "touched"
     note_touches(monkeypatch, log)
     ds = LMDBDataset(str(lmdb_pack), read_threads=8)
@@ -265,7 +266,7 @@ def test_subclasses_and_workers_after_a_read_in_the_main_process(lmdb_pack: Path
 
 
 def own_environment(sample: dict) -> bool:
-    return bool(lmdb_format._ENVS) and all(e.pid == os.getpid() for e in lmdb_format._ENVS)
+    return bool(lmdb_envs._ENVS) and all(e.pid == os.getpid() for e in lmdb_envs._ENVS)
 
 
 def test_streaming_over_lmdb_from_a_cold_cache_reads_on_threads(
@@ -279,8 +280,8 @@ def test_streaming_over_lmdb_from_a_cold_cache_reads_on_threads(
         return [(s["__key__"], s["jpg"]) for w in (0, 2) for s in DataLoader(ds, batch_size=None, num_workers=w)]
 
     serial = stream(prefetch=0)
-    monkeypatch.setattr(lmdb_format, "COLD_READ_S", -1.0)
-    monkeypatch.setattr(lmdb_format, "major_faults", itertools.count().__next__)
+    monkeypatch.setattr(lmdb_cold_reads, "COLD_READ_S", -1.0)
+    monkeypatch.setattr(lmdb_cold_reads, "major_faults", itertools.count().__next__)
     assert stream(prefetch=4) == serial and len(serial) == 60
     log = tmp_path / "touched"
     note_touches(monkeypatch, log)
@@ -423,7 +424,7 @@ def test_an_inode_number_of_a_deleted_copy_coming_back(
     new = tmp_path / "new"
     shutil.copytree(lmdb_pack, new)
     assert len(LMDBDataset(str(new))) == 30 and refused
-    assert not any(e.path == str(old) for e in lmdb_format._ENVS)  # the deleted copy's was closed
+    assert not any(e.path == str(old) for e in lmdb_envs._ENVS)  # the deleted copy's was closed
 
 
 def test_keys_beyond_ascii(photos: Path, tmp_path: Path) -> None:
@@ -754,7 +755,7 @@ def test_a_key_that_prefixes_a_folder_reads_only_its_own_records(tmp_path: Path)
     assert shardkit.verify(str(tmp_path / "db")) == []
     env = lmdb_format.open_reader(str(tmp_path / "db"))
     with env.begin(buffers=True) as txn, txn.cursor() as cur:  # what reads and touches walk (not a whole folder)
-        assert list(lmdb_format._members(cur, b"v1.")) == [b"v1.cls", b"v1.txt"]
+        assert list(lmdb_records.members(cur, b"v1.")) == [b"v1.cls", b"v1.txt"]
 
 
 def test_a_member_without_extension_keeps_its_name(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ ALLOWED = {
     "formats/tar.py",
     "formats/gzip.py",
     "formats/lmdb.py",
+    "formats/lmdb_envs.py",
     "packing/sinks/__init__.py",
     "packing/sinks/tar.py",
     "packing/sinks/lmdb.py",

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import shardkit
-from shardkit.formats.tar import TarWriter
+from shardkit.formats.tar_writer import TarWriter
 
 SHARDS = 2000
 

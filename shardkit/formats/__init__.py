@@ -3,9 +3,10 @@ place a format's name is looked up. Everything else asks the `Format` what it ne
 
 Each format module works on files or environments it is handed and never imports storage:
 
-- tar.py: WebDataset tar shards. `TarWriter` writes a shard deterministically (a sample's
-  members adjacent, fixed headers) and records each sample's offset; `iter_samples`, `scan`
-  and `read_sample` read a whole shard or one sample's byte range.
+- tar.py: WebDataset tar shards: the header layout, the readers' limits, and `iter_samples`
+  and `scan`, which read a whole shard. tar_writer.py's `TarWriter` writes a shard
+  deterministically (a sample's members adjacent, fixed headers) and records each sample's
+  offset; tar_sample.py's `read_sample` reads one sample's byte range.
 - lmdb.py: one LMDB, one record per member (key `KEY.EXT`), the index stored inside.
   `Writer` commits a job's samples and its progress in one transaction; `read_one` reads a
   sample by key.

@@ -1,20 +1,19 @@
-"""WebDataset-compatible tar shards: a deterministic writer and a streaming reader.
+"""WebDataset-compatible tar shards: the header layout, the limits on what a reader takes in,
+and the streaming reader (a whole shard, member by member, from its start).
 
-Both work on plain binary file objects (never on paths or URLs), so they are testable on
-io.BytesIO and storage stays in storage/. Headers are POSIX ustar with every variable
-field fixed (mtime 0, uid/gid 0, no user names, mode 0644): the same samples give the same
-bytes. The reader also understands what other writers emit: pax extended headers (Python's
-tarfile default, used by webdataset's ShardWriter), GNU long names, directories.
+Everything here works on plain binary file objects (never on paths or URLs), so it is
+testable on io.BytesIO and storage stays in storage/. Headers are POSIX ustar with every
+variable field fixed (mtime 0, uid/gid 0, no user names, mode 0644): the same samples give
+the same bytes (tar_writer.py writes them). The reader also understands what other writers
+emit: pax extended headers (Python's tarfile default, used by webdataset's ShardWriter), GNU
+long names, directories. One sample read out of its byte range is tar_sample.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, overload
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 from ..errors import CorruptShardError
 
@@ -31,9 +30,9 @@ MAX_NAME = 4096
 """The most bytes a member's name may take (Linux's PATH_MAX: `tar x` could not make a longer one)."""
 _EXTENDED = {b"x": "pax extended header", b"g": "pax global header", b"L": "GNU long name", b"K": "GNU long link name"}
 
-_EMPTY = bytes(BLOCK)
+EMPTY_BLOCK = bytes(BLOCK)
 _USTAR_MAGIC = b"ustar\x0000"
-_POSIX, _GNU = b"ustar\x00", b"ustar "  # magics of POSIX ustar/pax and of GNU tar's own format
+POSIX_MAGIC, GNU_MAGIC = b"ustar\x00", b"ustar "  # magics of POSIX ustar/pax and of GNU tar's own format
 
 
 class Readable(Protocol):
@@ -75,27 +74,7 @@ def header(name: str, size: int, kind: bytes = b"0") -> bytes:
     return bytes(head)
 
 
-def _pax_record(name: str) -> bytes:
-    """A pax extended header's body carrying `name` as the next member's path:
-    "LEN path=NAME\n", where LEN counts the whole record, its own digits included."""
-    body = f" path={name}\n".encode("utf-8")
-    length = len(body) + len(str(len(body)))
-    length = len(body) + len(str(length))  # one more digit, when adding the digits made one
-    return str(length).encode() + body
-
-
-def check_key(key: str) -> None:
-    """A sample key as WebDataset reads it back: the part of a member's path before the
-    first dot of its base name. So no dot in the base name; folders are allowed (`train/0001`)
-    but not absolute paths or `..`, which would escape a folder when a shard is extracted."""
-    base = key.rpartition("/")[2]
-    if not base or "." in base or key.startswith("/") or ".." in key.split("/"):
-        raise ValueError(
-            f"sample key must have a non-empty base name with no '.', and no '/' at the start or '..' part: {key!r}"
-        )
-
-
-def _padding(size: int) -> int:
+def padding(size: int) -> int:
     return -size % BLOCK
 
 
@@ -109,54 +88,7 @@ def member_size(size: Any) -> Any:
     return BLOCK + size + (-size % BLOCK)
 
 
-class TarWriter:
-    """Writes samples as adjacent `KEY.EXT` members and hashes the bytes as they go out.
-
-    `offsets` holds the byte offset of every sample's first header plus the end of the
-    last sample, so a reader can fetch sample i as bytes [offsets[i], offsets[i+1]).
-    """
-
-    def __init__(self, fileobj: BinaryIO):
-        self._f = fileobj
-        self._sha = hashlib.sha256()
-        self.offsets: list[int] = [0]
-        self.size = 0
-
-    def _write(self, data: bytes) -> None:
-        self._f.write(data)
-        self._sha.update(data)
-        self.size += len(data)
-
-    def write(self, key: str, fields: Mapping[str, bytes]) -> None:
-        """Add one sample; fields are written in sorted order of their extension."""
-        check_key(key)
-        for ext in sorted(fields):
-            data = fields[ext]
-            name = f"{key}.{ext}" if ext else key  # a member without extension (LICENSE) keeps its name
-            length = len(name.encode("utf-8"))
-            if length > MAX_NAME:  # what a reader would refuse
-                raise ValueError(f"tar member name of {length} bytes, over {MAX_NAME} (tar.MAX_NAME): {name[:60]!r}...")
-            if length > 100:  # too long for ustar: a pax header names it
-                record = _pax_record(name)
-                self._member(header("././@PaxHeader", len(record), b"x"), record)
-            self._member(header(name, len(data)), data)
-        self.offsets.append(self.size)
-
-    def _member(self, head: bytes, data: bytes) -> None:
-        self._write(head)
-        self._write(data)
-        pad = _padding(len(data))
-        if pad:
-            self._write(_EMPTY[:pad])
-
-    def close(self) -> str:
-        """Write the end-of-archive blocks and record padding; return the sha256 hex digest."""
-        end = self.size + 2 * BLOCK
-        self._write(bytes(2 * BLOCK + (-end % RECORD)))
-        return self._sha.hexdigest()
-
-
-def _octal(field: bytes) -> int | None:
+def octal(field: bytes) -> int | None:
     """A header's number: octal digits, maybe space-led, ended by NULs or spaces; GNU's
     base-256 (a first byte 0x80) for sizes of 8 GiB and more. None where it is no such
     number: `int` alone would take a sign (`-7777777777`, a negative size), `_` or spaces."""
@@ -173,8 +105,8 @@ def _octal(field: bytes) -> int | None:
         return None
 
 
-def _parse_octal(field: bytes, where: str, what: str = "size") -> int:
-    number = _octal(field)
+def parse_octal(field: bytes, where: str, what: str = "size") -> int:
+    number = octal(field)
     if number is None:
         raise CorruptShardError(
             f"{where}: its {what} field {bytes(field).rstrip(bytes(1))!r} is not a number in octal "
@@ -183,7 +115,7 @@ def _parse_octal(field: bytes, where: str, what: str = "size") -> int:
     return number
 
 
-def _check_extended(kind: bytes, size: int, where: object) -> None:
+def check_extended(kind: bytes, size: int, where: object) -> None:
     """Refuse an extended header (pax, GNU long name) larger than MAX_HEADER before reading it."""
     if kind in _EXTENDED and size > MAX_HEADER:
         raise CorruptShardError(
@@ -201,7 +133,7 @@ def _check_name(name: str | bytes, where: str) -> None:
 
 
 def _check_header(head: bytes, where: str) -> None:
-    stored = _parse_octal(head[148:156], where, "checksum")
+    stored = parse_octal(head[148:156], where, "checksum")
     if stored != sum(head) - sum(head[148:156]) + 8 * 32:  # the field itself counts as spaces
         raise CorruptShardError(f"{where}: tar header checksum mismatch (not a tar file, or corrupt)")
 
@@ -244,16 +176,16 @@ def iter_members(
     long_name: str | None = None
     while limit is None or consumed < limit:
         head = f.read(BLOCK)
-        if not head or head == _EMPTY:
+        if not head or head == EMPTY_BLOCK:
             return
         member = f"{where}, member at byte {base + consumed}"
         if len(head) < BLOCK:
             raise CorruptShardError(f"{member}: truncated tar header")
         _check_header(head, member)
-        size = _parse_octal(head[124:136], member)
+        size = parse_octal(head[124:136], member)
         kind = head[156:157]
-        _check_extended(kind, size, member)
-        pad = _padding(size)
+        check_extended(kind, size, member)
+        pad = padding(size)
         got, data = _member_data(f, size, keep or kind in (b"L", b"x"))
         padded = len(f.read(pad)) if pad and got == size else 0
         if got < size or padded < pad:
@@ -279,7 +211,7 @@ def iter_members(
         if name is None:
             name = _utf8(head[:100].split(b"\x00", 1)[0], member)
             prefix = _utf8(head[345:500].split(b"\x00", 1)[0], member)
-            if prefix and head[257:263] == _POSIX:  # GNU's format keeps other fields there
+            if prefix and head[257:263] == POSIX_MAGIC:  # GNU's format keeps other fields there
                 name = f"{prefix}/{name}"
         if kind in (b"0", b"\x00", b"7"):  # regular file (and contiguous file)
             yield start, consumed, name, data
@@ -373,142 +305,3 @@ def scan(f: Readable, where: str) -> Scan:
         check(out.keys[-1], out.offsets[-1])
     out.offsets.append(end)
     return out
-
-
-# name, size (11 octal digits), type flag, magic and (POSIX ustar) name prefix of a header, in one call
-_FIELDS = struct.Struct("100s24x11s21xc100x6s82x155s")  # prefix: bytes 345-500
-_REGULAR = (b"0", b"\x00")
-_HEAD = 4 * BLOCK  # a sample's first read: its first headers and small members, in one call
-
-ReadAt = Callable[[int, int], bytes]
-"""`read_at(size, offset) -> bytes`, os.pread's order: fewer bytes only where the shard ends."""
-
-
-def read_sample(read_at: ReadAt, start: int, stop: int, where: object) -> tuple[str, dict[str, bytes]]:
-    """The one sample in bytes [start, stop) of a shard (its range from the index).
-
-    Small members come out of one read of the sample's first `_HEAD` bytes (or the next
-    headers'); a member that does not fit is read on its own, straight into its bytes
-    object: every image byte is copied once, from the page cache to the sample.
-
-    `where` names the sample in error messages: a string, or any object whose str() does
-    (built only when an error is raised: this runs once per sample).
-
-    The fast path covers plain ustar members, which is all shardkit writes; anything else
-    (pax or GNU long-name headers) goes through the general reader. Header checksums are
-    left to `verify` (the shard's sha256 covers them): here the ustar magic, the member
-    sizes against the range and one key per range catch an index that does not match.
-    """
-    key: str | None = None
-    fields: dict[str, bytes] = {}
-    unpack = _FIELDS.unpack_from
-    pos = at = start  # next header; where `buf` begins
-    buf = b""
-    while pos + BLOCK <= stop:
-        h = pos - at
-        if h + BLOCK > len(buf):
-            want = min(_HEAD, stop - pos)
-            buf, at, h = read_at(want, pos), pos, 0
-            if len(buf) < want:  # the shard ends before this sample does
-                raise _cut_off(where, pos, len(buf), _member_cut(buf))
-        name, size_field, kind, magic, prefix = unpack(buf, h)
-        if kind not in _REGULAR or (magic != _POSIX and magic != _GNU):
-            if buf[h : h + BLOCK] == _EMPTY:
-                break
-            _check_extended(kind, _octal(buf[h + 124 : h + 136]) or 0, where)  # before reading the range
-            return _parse_general(_read_exactly(read_at, start, stop, where), where, start)
-        size = _member_size(size_field, buf[h + 124 : h + 136], where)
-        begin = pos + BLOCK
-        pos = begin + size
-        if pos > stop:
-            raise CorruptShardError(
-                f"{where}: the member at byte {begin - BLOCK - start} of the sample runs past the sample's end"
-            )
-        text = _member_name(name, prefix if magic == _POSIX else b"", where, begin - BLOCK - start)
-        dot = text.find(".", text.rfind("/") + 1)  # split_name, inlined
-        k, ext = (text, "") if dot < 0 else (text[:dot], text[dot + 1 :])
-        if key is None:
-            key = k
-        elif k != key:
-            raise CorruptShardError(f"{where}: members of two samples ({key!r}, {k!r}) in one sample's range")
-        if pos - at <= len(buf):
-            fields[ext] = buf[begin - at : pos - at]
-        else:
-            fields[ext] = _read_exactly(read_at, begin, pos, where, text)
-        pos += -size % BLOCK
-    if key is None:
-        raise CorruptShardError(f"{where}: no tar member in the sample's byte range")
-    return key, fields
-
-
-def _member_size(digits: bytes, field: bytes, where: object) -> int:
-    """A ustar header's member size: plain octal digits at once, anything else (spaces, NULs,
-    base-256) by the general parser, which names a bad field."""
-    try:
-        if not digits.isdigit():  # `int` would take a sign: a negative size
-            raise ValueError
-        return int(digits, 8)
-    except ValueError:
-        return _parse_octal(field, str(where))
-
-
-def _member_name(name: bytes, prefix: bytes, where: object, offset: int) -> str:
-    """A ustar header's member name, its `prefix` (a long path's folders) joined in front."""
-    try:
-        text = name.split(b"\x00", 1)[0].decode("utf-8")
-        if prefix[:1] not in (b"", b"\x00"):
-            text = prefix.split(b"\x00", 1)[0].decode("utf-8") + "/" + text
-    except UnicodeDecodeError:
-        raise CorruptShardError(
-            f"{where}: the member at byte {offset} of the sample has a name "
-            f"that is not UTF-8 ({name.rstrip(bytes(1))!r})"
-        ) from None
-    return text
-
-
-def buffer_reader(buf: bytes | memoryview, base: int = 0) -> ReadAt:
-    """`read_at` over bytes [base, base + len(buf)) of a shard, held in memory."""
-    view = memoryview(buf)
-    return lambda size, offset: view[offset - base : offset - base + size].tobytes()
-
-
-def parse_sample(buf: bytes | memoryview, where: object, base: int = 0) -> tuple[str, dict[str, bytes]]:
-    """`read_sample` over a sample's bytes already in memory, bytes [base, base + len(buf))
-    of its shard."""
-    return read_sample(buffer_reader(buf, base), base, base + len(buf), where)
-
-
-def _read_exactly(read_at: ReadAt, start: int, stop: int, where: object, member: str | None = None) -> bytes:
-    data = read_at(stop - start, start)
-    if len(data) < stop - start:
-        raise _cut_off(where, start, len(data), member)
-    return data
-
-
-def _member_cut(buf: bytes) -> str | None:
-    """The name of the member whose bytes a short read `buf` (from a header on) ends in."""
-    h = 0
-    while h + BLOCK <= len(buf):
-        name, size_field, _, _, _ = _FIELDS.unpack_from(buf, h)
-        size = _octal(size_field)
-        if size is None:
-            return None
-        if h + BLOCK + size > len(buf):
-            return bytes(name).split(b"\x00", 1)[0].decode("utf-8", "replace")
-        h += BLOCK + size + _padding(size)
-    return None
-
-
-def _cut_off(where: object, offset: int, got: int, member: str | None = None) -> CorruptShardError:
-    """A read at `offset` (of `member`, where known) that got only `got` bytes: the shard
-    ends there (or before, if none)."""
-    end = f"at byte {offset + got}" if got else f"at or before byte {offset}"
-    named = f" in member {member!r}" if member is not None else ""
-    return CorruptShardError(f"{where}: cut off{named}, the shard ends {end} (truncated or replaced)")
-
-
-def _parse_general(buf: bytes, where: object, base: int) -> tuple[str, dict[str, bytes]]:
-    samples = list(iter_samples(io.BytesIO(buf), str(where), base=base))
-    if len(samples) != 1:
-        raise CorruptShardError(f"{where}: {len(samples)} samples in one sample's byte range")
-    return samples[0]

@@ -17,7 +17,8 @@ from .. import formats, storage
 from ..errors import CorruptShardError, ShardkitError, SourceError, about_the_file, name_file, one_line, shown_name
 from ..formats import gzip
 from ..formats import lmdb as lmdb_format
-from ..formats.tar import check_key, parse_sample
+from ..formats.tar_sample import parse_sample
+from ..formats.tar_writer import check_key
 from ..index import Skipped
 from ..index.resolve import shard_problem
 from ..units import format_size

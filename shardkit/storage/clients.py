@@ -1,5 +1,16 @@
 """fsspec clients: the only place that imports fsspec. One instance per process, protocol
-and options, with timeouts set and install hints for missing backends."""
+and options, with timeouts set and install hints for missing backends.
+
+Private API of the backends, kept here rather than in their stores (stores/*, which hold
+the rest): it is applied as each client is made, to every client `filesystem` hands out,
+including those of callers that are no store (atomic.py's uploads, the packer's listings),
+and stores/ sits above this module. Written against fsspec 2026.9 (WebHDFS's `session`,
+`url` and `_apply_proxy`, for a deadline per request and a datanode's errors: `_harden`),
+gcsfs 2026.10 (`fs.base`, its endpoint: `_resolve_once`), s3fs 2026.9 (the `retries` class
+attribute) and adlfs 2026.8 with azure-storage-blob 12.31 (`fs.service_client._config`:
+`_azure_retries_off`), the last two for `client_retries=False`, which makes a client of
+shardkit's own with its retries off. fsspec's own `_get_kwargs_from_urls` and
+`_strip_protocol`, which every backend has, are used as fsspec.core uses them."""
 
 from __future__ import annotations
 
@@ -102,7 +113,7 @@ def _harden(fs: Any, protocol: str, timeout_s: float) -> None:
     session._shardkit = timeout_s  # type: ignore[attr-defined]  # a mark of our own on the client's session
     for prefix in ("http://", "https://"):
         session.mount(prefix, _timeout_adapter(timeout_s))
-    if protocol in WEBHDFS and not hooked:
+    if protocol in WEBHDFS and not hooked:  # fsspec 2026.9's WebHDFS: its namenode URL, through its proxy
         session.hooks["response"].append(functools.partial(_datanode_errors, netloc(fs._apply_proxy(fs.url))))
 
 
@@ -231,7 +242,7 @@ def _new_filesystem(cls: Any, kwargs: dict[str, Any], url: str, protocol: str, t
     if protocol in GCS:
         _resolve_once(url, fs)
     if ours and protocol in S3:
-        fs.retries = 1  # a class attribute of s3fs, not an option
+        fs.retries = 1  # a class attribute of s3fs (2026.9), not an option
     elif ours:
         _azure_retries_off(fs)
     return fs

@@ -38,20 +38,17 @@ duplicate a byte; a failed piece is retried from where its bytes stopped by the 
 from __future__ import annotations
 
 import functools
-import heapq
-import itertools
 import math
-import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 from ..errors import ShardkitError
 from . import latencies
 from .clients import origin
+from .daemon_threads import DaemonThreads, DaemonTimer
 from .stores import Store
 from .streams import Piece
 
@@ -93,72 +90,6 @@ class _Claim:
             if self.by is None:
                 self.by = me
             return self.by == me
-
-
-class _Threads:
-    """Daemon threads running what is submitted, in order (interpreter exit does not wait
-    for a GET stuck on a stalled connection)."""
-
-    def __init__(self, n: int, name: str):
-        self._n = n
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
-        for i in range(n):
-            threading.Thread(target=self._work, name=f"shardkit-{name}_{i}", daemon=True).start()
-
-    def submit(self, fn: Callable[[], Any], fut: Future[Any] | None = None) -> Future[Any]:
-        fut = fut if fut is not None else Future()
-        self._jobs.put((fut, fn))
-        return fut
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fut, fn = job
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - the waiter raises it
-                fut.set_exception(e)
-
-    def shutdown(self) -> None:
-        for _ in range(self._n):
-            self._jobs.put(None)
-
-
-class _Timer:
-    """One thread that calls each function handed to `at` at its time, unless cancelled first."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, list[Callable[[], None] | None]]] = []
-        self._cond = threading.Condition()
-        self._count = itertools.count()
-        self._closed = False
-        threading.Thread(target=self._run, name="shardkit-hedge-timer", daemon=True).start()
-
-    def at(self, when: float, fn: Callable[[], None]) -> list[Callable[[], None] | None]:
-        """Call `fn` at `when` (perf_counter); the handle's [0] = None cancels it."""
-        handle: list[Callable[[], None] | None] = [fn]
-        with self._cond:
-            heapq.heappush(self._heap, (when, next(self._count), handle))
-            self._cond.notify()
-        return handle
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and (not self._heap or self._heap[0][0] > time.perf_counter()):
-                    self._cond.wait(self._heap[0][0] - time.perf_counter() if self._heap else None)
-                if self._closed:
-                    return
-                _, _, handle = heapq.heappop(self._heap)
-            fn = handle[0]
-            if fn is not None:
-                fn()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
 
 
 class _Attempt:
@@ -207,9 +138,9 @@ class FetchEngine:
         self._pressed = 0
         # the consumer's own rate (bytes/s) and the share of its time it waits for bytes (set by the reader's user)
         self.wanted: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0)
-        self._pool: _Threads | None = None  # the pieces of ranges after their first
-        self._attempts: _Threads | None = None  # the GETs, hedges included
-        self._timer: _Timer | None = None
+        self._pool: DaemonThreads | None = None  # the pieces of ranges after their first
+        self._attempts: DaemonThreads | None = None  # the GETs, hedges included
+        self._timer: DaemonTimer | None = None
 
     # measurements, from the GETs' threads
     def first_byte(self, seconds: float) -> None:
@@ -339,14 +270,14 @@ class FetchEngine:
             self.hedges += 1
         send()
 
-    def _threads(self) -> tuple[_Threads, _Threads, _Timer]:
+    def _threads(self) -> tuple[DaemonThreads, DaemonThreads, DaemonTimer]:
         """(the pieces' threads, the GETs' threads, the hedges' timer), made at first use:
         room for every connection's GET and as many hedged or waiting for a late answer."""
         with self._lock:
             if self._pool is None or self._attempts is None or self._timer is None:
-                self._pool = _Threads(self.connections, "fetch")
-                self._attempts = _Threads(2 * self.connections, "get")
-                self._timer = _Timer()
+                self._pool = DaemonThreads(self.connections, "fetch")
+                self._attempts = DaemonThreads(2 * self.connections, "get")
+                self._timer = DaemonTimer()
             return self._pool, self._attempts, self._timer
 
     def close(self) -> None:

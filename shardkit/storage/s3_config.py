@@ -10,6 +10,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from . import s3_http
+from .s3_presignable import presignable
 from .clients import endpoint, env_endpoint, s3_compatible
 from .urls import StorageOptions
 
@@ -24,7 +25,7 @@ def decisions(url: str, storage_options: StorageOptions | None) -> dict[str, str
     given, from_env = endpoint(opts), env_endpoint()
     target = given or from_env
     aws = not target or (urlsplit(target).hostname or "").endswith((".amazonaws.com", ".amazonaws.com.cn"))
-    decided = s3_http.decided(opts) if s3_http.presignable(url) else _not_presignable(url)
+    decided = s3_http.decided(opts) if presignable(url) else _not_presignable(url)
     region = _region(opts, client, config, decided, aws)
     if given:
         where = _bare(given)

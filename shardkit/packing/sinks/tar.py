@@ -16,7 +16,8 @@ from ... import index, storage
 from ...index import offsets
 from ...errors import SourceError
 from ...formats import lmdb as lmdb_format
-from ...formats.tar import BLOCK, RECORD, TarWriter
+from ...formats.tar import BLOCK, RECORD
+from ...formats.tar_writer import TarWriter
 from ...index import Index, ShardInfo, Skipped
 from ...storage import StorageOptions
 from .. import jobs

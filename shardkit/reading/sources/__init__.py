@@ -18,7 +18,7 @@ from ...decode import sample_dict
 from ...errors import CorruptShardError
 from ...formats import lmdb as lmdb_format
 from ...formats.gzip import MAX_MEMBER, inflate_fields, is_gzip_field
-from ...formats.tar import ReadAt, buffer_reader, read_sample
+from ...formats.tar_sample import ReadAt, buffer_reader, read_sample
 from ...index import Index
 from ..prefetch import Prefetcher
 from ...index.resolve import local_lmdb

@@ -21,7 +21,7 @@ import importlib.util
 from typing import Any
 
 from ...errors import BadRequestError, ShardkitError
-from .. import s3_http
+from .. import s3_http, s3_presignable
 from ..patience import CLIENT
 from ..urls import GCS, S3, StorageOptions, display, scheme
 from .fsspec import GcsStore
@@ -73,8 +73,8 @@ def s3_store(
         return S3fsStore(opts, patient, instances)
     if direct is None:  # the options or the URL need botocore's own client: only s3fs has it
         cannot = (
-            s3_http.unapplied(opts or {})
-            if s3_http.presignable(url)
+            s3_presignable.unapplied(opts or {})
+            if s3_presignable.presignable(url)
             else "this bucket (an access point or a directory bucket)"
         )
         raise BadRequestError(

@@ -4,7 +4,7 @@
 - `PresignedS3Store`: a GET presigned by botocore's signer alone, read on blocking HTTP
   straight into the caller's buffer (s3_http.py: no s3fs, aiobotocore or event loop in a
   worker, a third of the CPU per MB of s3fs's reads). Used wherever the options and the
-  environment leave nothing for botocore's own client to apply (see s3_http._resolve).
+  environment leave nothing for botocore's own client to apply (see s3_presignable.resolve).
 - `S3fsStore`: s3fs for everything else, and for listings and removals always.
 
 Both make every ranged read conditional on the ETag pinned at pack time (If-Match), so a
