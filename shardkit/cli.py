@@ -535,7 +535,7 @@ def _transform(ctx: click.Context, param: click.Parameter, value: str | None) ->
     """Import --transform now, so a wrong name is a usage error before anything starts."""
     if value is None:
         return None
-    from .tools.bench import Transform
+    from .bench.transforms import Transform
 
     try:
         return Transform(value)
@@ -652,7 +652,8 @@ def bench(
         raise click.UsageError("vary one setting at a time: --workers or --prefetch may be a list, not both")
     if workers is None:
         workers = [2] if prefetch is not None and len(prefetch) > 1 else [0, 1, 2]
-    from .tools.bench import format_report, run_bench, write_plot
+    from .bench.loader import run_bench
+    from .bench.report import format_report, write_plot
 
     def progress(setting: dict[str, Any]) -> None:
         click.echo(report.bench_progress(setting), err=True)

@@ -20,6 +20,7 @@ LAYERS: list[dict[str, str]] = [
     {"storage": "storage"},
     {"index": "index"},
     {"packing": "packing", "reading": "reading"},
+    {"bench": "bench"},
     {"tools": "tools"},
     {"cli": "cli", "__init__": "__init__"},
     {"__main__": "__main__"},
@@ -119,6 +120,7 @@ INNER: dict[str, list[set[str]]] = {
     "index": [{"offsets"}, {"model"}, {"io"}, {"resolve"}],
     "order": [{"blockplan", "digest", "turns"}, {"partition", "globalbatch", "ranges"}],
     "decode": [{"jpeg"}],
+    "bench": [{"harness", "memory", "transforms", "report"}, {"loader"}],
     "reading.sources": [{"compressed"}],
     "packing.sinks": [{"tar", "lmdb"}],
     "storage.stores": [
