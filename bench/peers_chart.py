@@ -1,11 +1,11 @@
 """The README's "How it compares" table and docs/peers.png, both drawn from one summary JSON.
 
-bench_peers.py writes the summary (bench-out/peers-summary.json) beside its full results;
+bench/peers.py writes the summary (bench-out/peers-summary.json) beside its full results;
 docs/peers.json is the one behind the README, so the chart is redrawn from the recorded
 figures without rerunning the benchmark, and tests/test_docs.py checks that the README's
 table is the one this renders:
 
-    python scripts/peers_chart.py docs/peers.json docs/peers.png   # the chart, and the table on stdout
+    python -m bench.peers_chart docs/peers.json docs/peers.png   # the chart, and the table on stdout
 
 Summary: {"command", "date", "images", "workers", "batch", "decode_limit": {median, min, max},
 "rows": [{"label", "shardkit" (bold in the table), "pack" (images/s or null),

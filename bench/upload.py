@@ -1,9 +1,9 @@
 """Packing into a bucket behind a bandwidth-limited link: `shardkit pack` straight into S3
-(moto on loopback) through scripts/latency_proxy.py at 50 ms and 20 MB/s a connection (both
+(moto on loopback) through tests/servers/latency_proxy.py at 50 ms and 20 MB/s a connection (both
 directions), against the upstream ceiling: the same shards uploaded by curl, every one at
 once (one PUT each, presigned), through the same proxy. Interleaved rounds, medians.
 
-    python scripts/bench_upload.py --images 2000 --rounds 3
+    python -m bench.upload --images 2000 --rounds 3
 
 Reported: MB/s of shard bytes into the bucket (pack: from its start, listing and encoding
 included, to its index written), the share of the ceiling, and the connections the proxy
@@ -23,10 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_remote import BUCKET, options, proxy_command, start_moto, start_proxy  # noqa: E402
-from bench_stats import median, spread  # noqa: E402
+from bench.s3 import BUCKET, options, proxy_command, start_moto, start_proxy
+from shardkit.bench.harness import median, spread
 
 SHARD = "24MB"
 
@@ -87,7 +85,7 @@ def main() -> None:
     import fsspec.core
 
     import shardkit
-    from make_images import make_image_folder
+    from scripts.make_images import make_image_folder
 
     root = Path(args.dir)
     photos, shards = root / f"photos-{args.images}", root / f"upload-shards-{args.images}-{SHARD}"
@@ -114,7 +112,7 @@ def main() -> None:
                 print(f"round {r + 1} {name}: {size / took / 1e6:.1f} MB/s, {peak} connections", file=sys.stderr)
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         print(
-            f"\n{when}, `python scripts/bench_upload.py --images {args.images} --rounds {args.rounds}`: "
+            f"\n{when}, `python -m bench.upload --images {args.images} --rounds {args.rounds}`: "
             f"{len(tars)} shards, {size / 1e6:.0f} MB, into moto through 50 ms and {args.conn_mbps:g} MB/s a "
             f"connection; median (min-max) of {args.rounds} interleaved rounds\n"
         )
@@ -129,8 +127,7 @@ def main() -> None:
             )
     finally:
         for p in (proxy, moto):
-            p.terminate()
-            p.wait(5)
+            p.stop()
 
 
 if __name__ == "__main__":

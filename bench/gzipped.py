@@ -4,7 +4,7 @@ process (raw: images undecoded), interleaved round after round, each in a fresh 
 page cache warm. Also: how much gzip saves on JPEG shards, what one sample in the middle of
 a shard costs without random access (inflating everything before it), and inflating alone.
 
-    python scripts/bench_gzip.py --images 5000 --rounds 3
+    python -m bench.gzipped --images 5000 --rounds 3
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ import argparse
 import gzip
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shardkit.bench.harness import median, rotate
 
 
 def raw_pass(source: str) -> dict:
@@ -77,7 +76,7 @@ def main() -> None:
         print(json.dumps((inflate if kind == "inflate" else RUNS[kind])(source)))
         return
 
-    from make_images import make_image_folder
+    from scripts.make_images import make_image_folder
 
     import shardkit
 
@@ -99,10 +98,13 @@ def main() -> None:
     jobs = [(kind, name, str(source)) for kind in RUNS for name, source in (("plain", plain), ("gzip", packed))]
     jobs.append(("inflate", "gzip", first_gz))
     for r in range(args.rounds):
-        for kind, name, source in jobs[r % len(jobs) :] + jobs[: r % len(jobs)]:
+        for kind, name, source in rotate(jobs, r):
             subprocess.run(f"cat {plain}/*.tar {packed}/*.tar.gz > /dev/null", shell=True, check=True)
             out = subprocess.run(
-                [sys.executable, __file__, "--run", kind, source], capture_output=True, text=True, check=True
+                [sys.executable, "-m", "bench.gzipped", "--run", kind, source],
+                capture_output=True,
+                text=True,
+                check=True,
             ).stdout
             results.setdefault((kind, name), []).append(json.loads(out.strip().splitlines()[-1]))
         print(f"round {r + 1} done", file=sys.stderr)
@@ -111,7 +113,7 @@ def main() -> None:
         def num(v: float) -> str:
             return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
-        return f"{num(statistics.median(values))} ({num(min(values))}-{num(max(values))})"
+        return f"{num(median(values))} ({num(min(values))}-{num(max(values))})"
 
     print(
         f"\n{args.images} images: plain shards {sizes[0] / 1e6:.1f} MB, gzipped {sizes[1] / 1e6:.1f} MB "

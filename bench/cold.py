@@ -1,21 +1,20 @@
 """Random access on a cold page cache: LMDBDataset against the plain files.
 
-The warm-cache numbers (bench_read.py) leave storage out: every byte is in memory. Here the
+The warm-cache numbers (bench/read.py) leave storage out: every byte is in memory. Here the
 page cache is emptied of the dataset before each contestant (`sync`, then
 posix_fadvise(DONTNEED) on every file: no root needed), and each reads the same random
 `--samples` of the same images through DataLoader(num_workers=2, batch_size=64), raw (the
-bytes only) and decoded (the same decode + resize to 224 as bench_read.py); the streaming
+bytes only) and decoded (the same decode + resize to 224 as bench/read.py); the streaming
 rows read the first `--samples` of a shuffled epoch instead. Contestants interleaved,
 medians with min-max, ratios against the plain files.
 
-    python scripts/bench_cold.py --samples 3000 --rounds 3      # after bench_read.py made the data
+    python -m bench.cold --samples 3000 --rounds 3      # after bench/read.py made the data
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -24,11 +23,9 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_read import BATCH, WORKERS, Files, shardkit_transform  # noqa: E402
-
-import shardkit  # noqa: E402
+import shardkit
+from bench.readers import BATCH, WORKERS, Files, ranged, shardkit_transform
+from shardkit.bench.harness import median
 
 STREAM = "StreamingDataset over the LMDB"  # shuffled: the first --samples of an epoch
 STREAM_SERIAL = "StreamingDataset over the LMDB, prefetch=0"
@@ -93,7 +90,7 @@ def measure(name: str, decoded: bool, photos: Path, lmdb: Path, picks: list[int]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--images", type=int, default=20000, help="which bench_read.py data set")
+    ap.add_argument("--images", type=int, default=20000, help="which bench/read.py data set")
     ap.add_argument("--samples", type=int, default=3000, help="random samples read per measurement")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
@@ -101,7 +98,7 @@ def main() -> None:
     root = Path(args.dir)
     photos, lmdb = root / f"photos-{args.images}", root / f"shards-{args.images}.lmdb"
     if not (lmdb / "data.mdb").exists():
-        raise SystemExit(f"{lmdb}: run scripts/bench_read.py --images {args.images} first (it makes the data)")
+        raise SystemExit(f"{lmdb}: run python -m bench.read --images {args.images} first (it makes the data)")
     files = sorted(photos.rglob("*.jpg")) + [lmdb / "data.mdb"]
     results: dict[tuple[str, bool], list[float]] = {}
     for r in range(args.rounds):
@@ -111,7 +108,7 @@ def main() -> None:
                 evict(files)
                 results.setdefault((name, decoded), []).append(measure(name, decoded, photos, lmdb, picks, r))
                 print(f"round {r + 1}: {'decoded' if decoded else 'raw'} {name} done", file=sys.stderr)
-    base = {d: statistics.median(results[("plain files (ImageFolder-like)", d)]) for d in (False, True)}
+    base = {d: median(results[("plain files (ImageFolder-like)", d)]) for d in (False, True)}
     print(
         f"| cold page cache, {args.samples} random samples, DataLoader(num_workers={WORKERS}) "
         "| raw samples/s | vs plain files | decoded images/s | vs plain files |"
@@ -121,8 +118,7 @@ def main() -> None:
         cells = []
         for decoded in (False, True):
             values = results[(name, decoded)]
-            med = statistics.median(values)
-            cells += [f"{med:,.0f} ({min(values):,.0f}-{max(values):,.0f})", f"{med / base[decoded]:.2f}x"]
+            cells += [ranged(values), f"{median(values) / base[decoded]:.2f}x"]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

@@ -1,6 +1,6 @@
 """A WebHDFS-protocol server over a local directory (stdlib only, own process), for tests.
 
-    python scripts/webhdfs_server.py ROOT --port 0 --data-port 0     # prints "ready NN_PORT DN_PORT"
+    python tests/servers/webhdfs_server.py ROOT --port 0 --data-port 0     # prints "ready NN_PORT DN_PORT"
 
 The namenode port answers GETFILESTATUS, LISTSTATUS, GETCONTENTSUMMARY, GETHOMEDIRECTORY, MKDIRS,
 RENAME, DELETE, and redirects CREATE, APPEND and OPEN (307) to the datanode port, which moves the

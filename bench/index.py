@@ -10,28 +10,29 @@ written once under --dir; no shard exists and none is read). Every measurement r
 fresh process, the sizes interleaved round after round; each worker-side measurement in a
 child forked from the rank that built the dataset, as a DataLoader worker is. Medians.
 
-    python scripts/bench_index.py --samples 10000 1000000 10000000 100000000 1000000000
-    python scripts/bench_index.py --samples 10000000 --version 1   # the same dataset, index of version 1
-    python scripts/bench_index.py --samples --parts 100 1000       # mixtures of 1M samples in 100, 1000 parts
+    python -m bench.index --samples 10000 1000000 10000000 100000000 1000000000
+    python -m bench.index --samples 10000000 --version 1   # the same dataset, index of version 1
+    python -m bench.index --samples --parts 100 1000       # mixtures of 1M samples in 100, 1000 parts
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from shardkit.bench.harness import median
+
 MEASURE = r"""
 import gc, json, multiprocessing, os, pickle, resource, sys, time, tracemalloc
 import torch  # imported before the baseline, as in a training script
 from shardkit import StreamingDataset
 from shardkit.order import ranges
-from shardkit.tools.bench import rss
+from shardkit.bench.memory import rss
 
 WORKERS = 8
 
@@ -138,7 +139,6 @@ def shard_counts(samples: int, shards: int) -> np.ndarray:
 
 def write_dataset(folder: Path, samples: int, shards: int, version: int) -> None:
     """index.json and its sidecar: samples of ~110 KB (ImageNet-like), real offsets."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from shardkit.index import offsets
 
     counts = shard_counts(samples, shards)
@@ -182,7 +182,7 @@ def measure(folder: Path, global_batch: int) -> dict[str, float]:
 
 
 def row(samples: int, shards: int, size: int, runs: list[dict[str, float]]) -> str:
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    med = {k: median(r[k] for r in runs) for k in runs[0]}
     mb = 1e6
     return (
         f"| {samples:,} | {shards:,} | {size / mb:,.1f} | {med['build_s']:.3f} | {med['build_peak'] / mb:,.0f} | "
@@ -212,7 +212,7 @@ def mixtures(counts: list[int], rounds: int, root: Path) -> None:
     print("| parts | 1 rank x 2 workers | 512 ranks x 2 workers |")
     print("|---|---|---|")
     for parts in counts:
-        med = {k: statistics.median(r[k] for r in runs[parts]) for k in runs[parts][0]}
+        med = {k: median(r[k] for r in runs[parts]) for k in runs[parts][0]}
         print(
             f"| {parts:,} | {med['s_1']:.3f} / {med['peak_1'] / 1e6:.1f} | {med['s_512']:.3f} / "
             f"{med['peak_512'] / 1e6:.2f} |"

@@ -8,7 +8,7 @@ With --resize N it also packs with `--resize N --quality 90` (JPEGs decoded by t
 docs/decoding.md) and, as the baseline, the same pack decoding every image with PIL (the fast
 path switched off in that process): the same bytes come out, the time differs.
 
-    python scripts/bench_pack.py --images 20000 --rounds 5 [--resize 256] [--max-count 667]
+    python -m bench.pack --images 20000 --rounds 5 [--resize 256] [--max-count 667]
 
 --max-count cuts shardkit's shards by count (2,000 images into 3 shards on 2 workers: the
 third one's work runs on the cores the first two leave, docs/decoding.md).
@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_images import make_image_folder  # noqa: E402
+from scripts.make_images import make_image_folder
+from shardkit.bench.harness import median, ratio_spread
 
 WDS_WRITER = """
 import os, sys, webdataset as wds
@@ -133,7 +132,7 @@ def main() -> None:
             times.setdefault(name, []).append(run(cmd))
     shutil.rmtree(out, ignore_errors=True)
 
-    med = {name: statistics.median(t) for name, t in times.items()}
+    med = {name: median(t) for name, t in times.items()}
     print("\n| packer | images/s | MB/s | seconds (median, min-max) |")
     print("|---|---|---|---|")
     for name, t in times.items():
@@ -151,11 +150,8 @@ def main() -> None:
             next(n for n in med if n.startswith(f"shardkit --resize {args.resize}") and n.endswith(end))
             for end in ("workers)", "PIL decoding")
         )
-        speedups = [p / f for f, p in zip(times[fast], times[pil])]
-        print(
-            f"--resize {args.resize}, fast path / PIL decoding: {statistics.median(speedups):.2f}x "
-            f"({min(speedups):.2f}-{max(speedups):.2f}, by round)"
-        )
+        speedups = ratio_spread(times[pil], times[fast], ".2f", "x")
+        print(f"--resize {args.resize}, fast path / PIL decoding: {speedups[:-1]}, by round)")
 
 
 if __name__ == "__main__":

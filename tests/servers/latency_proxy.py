@@ -1,6 +1,6 @@
 """A TCP proxy that delays, caps, resets, stalls or throttles traffic (stdlib only, own process).
 
-    python scripts/latency_proxy.py --upstream 127.0.0.1:9000 --latency-ms 50 --conn-mbps 20
+    python tests/servers/latency_proxy.py --upstream 127.0.0.1:9000 --latency-ms 50 --conn-mbps 20
 
 Each upstream chunk is released ``latency_ms`` after it arrives: a pipelined delay line (first byte
 late, throughput kept; it buffers without bound).  A response starts at the first upstream byte
