@@ -33,7 +33,8 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read by g
 import pytest
 
 from .moto import serve_moto
-from .process import BIN, BUCKET, Server, free_port, http, serve_http
+from . import process
+from .process import BIN, BUCKET, free_port, http, serve_http
 from .proxy import PROXY_OPTIONS, ProxyControl, start_proxy
 from .threaded import recording, self_signed, serving
 
@@ -45,6 +46,20 @@ __all__ += ["fail_test", "recording", "self_signed", "serving"]
 def fail_test(message: str) -> NoReturn:
     """A server's failure, as a test failure that shows the message (its log's tail) alone."""
     pytest.fail(message, pytrace=False)
+
+
+class Server(process.Server):
+    """A server process whose failures fail the test (process.Server's, for the tests)."""
+
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        log: Path,
+        read_stdout: bool = False,
+        on_failure: Callable[[str], NoReturn] = fail_test,
+    ) -> None:
+        super().__init__(name, cmd, log, read_stdout, on_failure)
 
 
 @pytest.fixture(scope="session")
