@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 import shardkit
 from bench.readers import BATCH, WORKERS, Files, ranged, shardkit_transform
-from shardkit.bench.harness import median
+from shardkit.bench.harness import markdown_table, median
 
 STREAM = "StreamingDataset over the LMDB"  # shuffled: the first --samples of an epoch
 STREAM_SERIAL = "StreamingDataset over the LMDB, prefetch=0"
@@ -109,17 +109,15 @@ def main() -> None:
                 results.setdefault((name, decoded), []).append(measure(name, decoded, photos, lmdb, picks, r))
                 print(f"round {r + 1}: {'decoded' if decoded else 'raw'} {name} done", file=sys.stderr)
     base = {d: median(results[("plain files (ImageFolder-like)", d)]) for d in (False, True)}
-    print(
-        f"| cold page cache, {args.samples} random samples, DataLoader(num_workers={WORKERS}) "
-        "| raw samples/s | vs plain files | decoded images/s | vs plain files |"
-    )
-    print("|---|---|---|---|---|")
+    head = f"cold page cache, {args.samples} random samples, DataLoader(num_workers={WORKERS})"
+    rows = []
     for name in CONTESTANTS:
-        cells = []
+        cells = [name]
         for decoded in (False, True):
             values = results[(name, decoded)]
             cells += [ranged(values), f"{median(values) / base[decoded]:.2f}x"]
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        rows.append(cells)
+    print(markdown_table([head, "raw samples/s", "vs plain files", "decoded images/s", "vs plain files"], rows))
 
 
 if __name__ == "__main__":

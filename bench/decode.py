@@ -3,7 +3,7 @@ beats PIL in every process that runs it.
 
 Photos preloaded as bytes, no loader; each step timed over all photos, the steps taking turns
 10 photos at a time (the order turning), round after round; medians with min-max in ms per
-photo, and each step's images/s against the PIL decode limit's code (bench_read.decode_resize)
+photo, and each step's images/s against the PIL decode limit's code (bench/readers.py decode_resize)
 in the same round.
 
 Settings, one table row each, image_transform(256, crop=224) against the PIL code, timed in

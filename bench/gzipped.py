@@ -22,7 +22,7 @@ from shardkit.bench.harness import median, rotate
 
 
 def raw_pass(source: str) -> dict:
-    from bench_read import start_clock
+    from bench.readers import start_clock
 
     from shardkit import StreamingDataset
 
@@ -38,7 +38,7 @@ def middle_sample(source: str) -> dict:
     """One sample halfway through the first shard, from a fresh reader: a ranged read of a
     plain shard, inflating half the shard of a compressed one (StreamingDataset's own
     stand-in read, as TarDataset would need)."""
-    from bench_read import start_clock
+    from bench.readers import start_clock
 
     from shardkit import StreamingDataset, storage
 

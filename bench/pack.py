@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from scripts.make_images import make_image_folder
-from shardkit.bench.harness import median, ratio_spread
+from shardkit.bench.harness import markdown_table, median, ratio_spread, spread
 
 WDS_WRITER = """
 import os, sys, webdataset as wds
@@ -133,13 +133,16 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
 
     med = {name: median(t) for name, t in times.items()}
-    print("\n| packer | images/s | MB/s | seconds (median, min-max) |")
-    print("|---|---|---|---|")
-    for name, t in times.items():
-        print(
-            f"| {name} | {len(files) / med[name]:,.0f} | {total_bytes / med[name] / 1e6:,.0f} | "
-            f"{med[name]:.2f} ({min(t):.2f}-{max(t):.2f}) |"
-        )
+    rows = [
+        [
+            name,
+            f"{len(files) / med[name]:,.0f}",
+            f"{total_bytes / med[name] / 1e6:,.0f}",
+            spread(t, 2, range_of_one=True),
+        ]
+        for name, t in times.items()
+    ]
+    print("\n" + markdown_table(["packer", "images/s", "MB/s", "seconds (median, min-max)"], rows))
     ours = next(n for n in med if n.startswith("shardkit"))
     print(
         f"\nshardkit / webdataset: {med['webdataset ShardWriter'] / med[ours]:.2f}x   "

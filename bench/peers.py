@@ -4,7 +4,7 @@ One run on one generated image folder, page cache warm. Each round packs with ev
 then reads every packed dataset raw, then through a DataLoader; contestants are interleaved
 (their order rotates each round) and every measurement is a fresh process, timed after its
 imports and one full garbage collection (bench/readers.py start_clock). Medians with min-max; a ratio to a limit is the median over rounds of the ratio
-to the limit measured in the same round (bench_read.ratio):
+to the limit measured in the same round (shardkit.bench.harness.ratio_spread):
 
 - pack: seconds and images/s, against `tar` of the image folder; shardkit with 2 workers,
   webdataset's ShardWriter (one process, it has no parallel writer), one MDSWriter per process

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))  # make_images
 
 # real S3, GCS, WebHDFS and Azure servers on loopback (tests/servers/)
-pytest_plugins = ["servers", "servers.seaweed", "servers.fakegcs", "servers.azurite"]
+pytest_plugins = ["servers.fixtures", "servers.store_fixtures", "servers.azurite"]
 
 CLASSES = ("circle", "square", "triangle")
 

@@ -281,7 +281,7 @@ def test_webhdfs_through_proxies(webhdfs: dict, webhdfs_server, latency_proxy) -
 
 
 def test_a_server_that_dies_fails_clearly(tmp_path) -> None:
-    from servers import Server  # not at the top: pytest_plugins must import it first (assert rewriting)
+    from servers.fixtures import Server  # not at the top: pytest_plugins must import it first (assert rewriting)
 
     cmd = [sys.executable, "-c", "import sys; sys.exit('boom: port in use')"]
     server = Server("doomed", cmd, tmp_path / "doomed.log", read_stdout=True)

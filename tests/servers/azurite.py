@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from .fixtures import fail_test
 from .process import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,8 +46,6 @@ def azurite_blob() -> str | None:
 @pytest.fixture(scope="session")
 def azure_server(_server_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The endpoint (http://127.0.0.1:PORT) of an Azurite Blob service, one per session."""
-    from . import fail_test
-
     exe = azurite_blob()
     if exe is None:
         why = "Azurite is not installed (scripts/_setup.sh installs it with npm into .azurite/; it needs node and npm)"

