@@ -16,7 +16,7 @@ import botocore.exceptions
 import fsspec
 import pytest
 
-pytest_plugins = ["servers"]  # also loaded by conftest.py or `-p servers`; registering twice is a no-op
+pytest_plugins = ["servers.fixtures"]  # also loaded by conftest.py or `-p servers.fixtures`; registering twice is a no-op
 
 MiB = 1 << 20
 
