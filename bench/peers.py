@@ -572,7 +572,7 @@ def main() -> None:
             indent=1,
         )
     )
-    import peers_chart
+    from bench import peers_chart
 
     try:
         (out / "peers-summary.json").write_text(json.dumps(summary(args, results, failures), indent=1))

@@ -233,11 +233,11 @@ def _shuffled(name: str, shards: str, photos: str) -> dict:
 
     order = np.random.default_rng(0).permutation(sample_count(shards)).tolist()
     if name == RANDOM_FLOOR:
-        idx = json.loads((Path(shards) / "index.json").read_text())
+        idx = shardkit.index.with_offsets(shardkit.index.load(shards))  # the sidecar's (index version 2)
         spans = [
-            (os.path.join(shards, s["name"]), a, b)
-            for s in idx["shards"]
-            for a, b in zip(s["offsets"], s["offsets"][1:])
+            (os.path.join(shards, s.name), a, b)
+            for s in idx.shards
+            for a, b in zip(s.offsets.tolist(), s.offsets.tolist()[1:])
         ]
         fds = {path: os.open(path, os.O_RDONLY) for path, _, _ in spans}
         start, size = start_clock(), 0

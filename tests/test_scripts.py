@@ -45,8 +45,10 @@ def test_the_demo_runs_both_modes(tmp_path: Path) -> None:
 BENCH = ROOT / "bench"
 # what a benchmark may import from the repository: shardkit's public modules (the harness among
 # them), the bench package's shared modules, the test servers' start-ups and the image maker
-SHARED = {"bench.readers", "bench.s3", "bench.mosaic", "bench.remote_peers"}
-OURS = ("shardkit", "bench", "tests", "scripts")
+SHARED = {"bench.readers", "bench.s3", "bench.mosaic", "bench.remote_peers", "bench.peers_chart"}
+# a module of bench/ or scripts/ imported by its bare name: through a changed sys.path
+BARE = {p.stem for folder in ("bench", "scripts") for p in (ROOT / folder).glob("*.py")}
+OURS = ("shardkit", "bench", "tests", "scripts", *BARE)
 
 
 def _repository_imports(path: Path) -> list[str]:
@@ -69,6 +71,7 @@ def test_a_benchmark_imports_no_other_benchmark_and_no_private(path: Path) -> No
     text = path.read_text()
     assert "sys.path" not in text, f"{path.name} changes sys.path"
     for name in _repository_imports(path):
+        assert name.split(".")[0] not in BARE, f"{path.name} imports {name} by a bare name"
         assert not any(part.startswith("_") for part in name.split(".")), f"{path.name} imports {name}"
         if name.startswith("bench."):
             assert name in SHARED or (path.stem, name) == ("remote", "bench.remote_peers_run"), (

@@ -1,4 +1,4 @@
-"""The loopback storage servers (tests/servers.py) work end to end with plain fsspec."""
+"""The loopback storage servers (tests/servers/) work end to end with plain fsspec."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import botocore.exceptions
 import fsspec
 import pytest
 
-pytest_plugins = ["servers.fixtures"]  # also loaded by conftest.py or `-p servers.fixtures`; registering twice is a no-op
+pytest_plugins = [
+    "servers.fixtures"
+]  # also loaded by conftest.py or `-p servers.fixtures`; registering twice is a no-op
 
 MiB = 1 << 20
 

@@ -172,7 +172,7 @@ def webhdfs(webhdfs_server: WebHDFSServer) -> dict:
 
 
 # -- all of them ---------------------------------------------------------------------------------
-@pytest.fixture(params=["s3", "gcs", "webhdfs", "seaweedfs", "fakegcs", "azure"])  # seaweed.py, fakegcs.py, azurite.py
+@pytest.fixture(params=["s3", "gcs", "webhdfs", "seaweedfs", "fakegcs", "azure"])  # store_fixtures.py, azurite.py
 def remote(request: pytest.FixtureRequest) -> dict:
     """Each of s3, gcs, webhdfs, SeaweedFS's S3, fake-gcs-server and azure (Azurite) in turn:
     {"url": ..., "storage_options": {...}}."""
