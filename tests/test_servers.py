@@ -16,9 +16,8 @@ import botocore.exceptions
 import fsspec
 import pytest
 
-pytest_plugins = [
-    "servers.fixtures"
-]  # also loaded by conftest.py or `-p servers.fixtures`; registering twice is a no-op
+# also loaded by conftest.py or `-p servers.fixtures`; registering twice is a no-op
+pytest_plugins = ["servers.fixtures"]
 
 MiB = 1 << 20
 
