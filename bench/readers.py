@@ -11,7 +11,9 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -113,118 +115,163 @@ def cpu_seconds() -> float:
 
 
 def run_contestant(name: str, shards: str, photos: str) -> dict:
+    """One measurement of contestant `name` (a key of ADAPTERS) in this process."""
+    import torch.utils.data  # noqa: F401 - every contestant's process has torch loaded, as a training script would
+
+    if name not in ADAPTERS:
+        raise SystemExit(f"unknown contestant {name}")
+    return ADAPTERS[name](name, shards, photos)
+
+
+def _limit(name: str, shards: str, photos: str) -> dict:
+    """A limit: its per-image work alone on WORKERS processes, the photos in memory first."""
+    import multiprocessing as mp
+
+    files = [str(p) for p in sorted(Path(photos).rglob("*.jpg"))]
+    halves = [(name, files[i::WORKERS]) for i in range(WORKERS)]
+    with mp.get_context("fork").Pool(WORKERS) as pool:
+        blobs = pool.map(_read_all, halves)  # bytes in memory before the clock starts
+        del blobs
+        start = start_clock()
+        counts = pool.map(_decode_all, halves)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "items": sum(n for n, _ in counts), "cpu": sum(c for _, c in counts), "first": None}
+
+
+def _cat(name: str, shards: str, photos: str) -> dict:
+    start = start_clock()
+    subprocess.run(f"cat {shards}/*.tar > /dev/null", shell=True, check=True)
+    size = sum(p.stat().st_size for p in Path(shards).glob("*.tar"))
+    return {"seconds": time.perf_counter() - start, "items": sample_count(shards), "bytes": size, "first": None}
+
+
+def _pread_members(name: str, shards: str, photos: str) -> dict:
+    """One pread per tar member into a fresh bytes, every offset known in advance."""
+    import tarfile
+
+    members = []
+    for url in shard_urls(shards):
+        with tarfile.open(url) as tar:
+            members.append((url, [(m.offset_data, m.size) for m in tar.getmembers()]))
+    start = start_clock()
+    for url, spans in members:
+        fd = os.open(url, os.O_RDONLY)
+        try:
+            for offset, size in spans:
+                os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
+    return {
+        "seconds": time.perf_counter() - start,
+        "items": sample_count(shards),
+        "bytes": shard_bytes(shards),
+        "first": None,
+    }
+
+
+def _shardkit_raw(name: str, shards: str, photos: str) -> dict:
+    from shardkit import StreamingDataset
+
+    start = start_clock()
+    n = size = 0
+    for sample in StreamingDataset(shards):
+        n += 1
+        size += len(sample["jpg"]) + len(sample["json"])
+    return {"seconds": time.perf_counter() - start, "items": n, "bytes": shard_bytes(shards), "first": None}
+
+
+def _webdataset_raw(name: str, shards: str, photos: str) -> dict:
+    import webdataset as wds
+
+    start = start_clock()
+    n = 0
+    for _ in wds.WebDataset(shard_urls(shards), shardshuffle=False, empty_check=False):
+        n += 1
+    return {"seconds": time.perf_counter() - start, "items": n, "bytes": shard_bytes(shards), "first": None}
+
+
+def _in_a_loader(build: Callable[[str, str, str], Any]) -> Callable[[str, str, str], dict]:
+    """The adapter of a contestant that is a DataLoader: `build` makes it, one pass is timed."""
+
+    def run(name: str, shards: str, photos: str) -> dict:
+        first, seconds, n, cpu = loader_pass(build(name, shards, photos))
+        return {"seconds": seconds, "items": n, "cpu": cpu, "first": first}
+
+    return run
+
+
+def _shardkit_loader(name: str, shards: str, photos: str) -> Any:
     from torch.utils.data import DataLoader
 
-    if name in LIMITS:
-        files = [str(p) for p in sorted(Path(photos).rglob("*.jpg"))]
-        halves = [(name, files[i::WORKERS]) for i in range(WORKERS)]
-        import multiprocessing as mp
+    from shardkit import StreamingDataset
 
-        with mp.get_context("fork").Pool(WORKERS) as pool:
-            blobs = pool.map(_read_all, halves)  # bytes in memory before the clock starts
-            del blobs
-            start = start_clock()
-            counts = pool.map(_decode_all, halves)
-        seconds = time.perf_counter() - start
-        return {"seconds": seconds, "items": sum(n for n, _ in counts), "cpu": sum(c for _, c in counts), "first": None}
-    if name == "cat (limit)":
-        start = start_clock()
-        subprocess.run(f"cat {shards}/*.tar > /dev/null", shell=True, check=True)
-        size = sum(p.stat().st_size for p in Path(shards).glob("*.tar"))
-        return {"seconds": time.perf_counter() - start, "items": sample_count(shards), "bytes": size, "first": None}
-    if name == PREAD_FLOOR:
-        import tarfile
-
-        members = []
-        for url in shard_urls(shards):
-            with tarfile.open(url) as tar:
-                members.append((url, [(m.offset_data, m.size) for m in tar.getmembers()]))
-        start = start_clock()
-        for url, spans in members:
-            fd = os.open(url, os.O_RDONLY)
-            try:
-                for offset, size in spans:
-                    os.pread(fd, size, offset)
-            finally:
-                os.close(fd)
-        return {
-            "seconds": time.perf_counter() - start,
-            "items": sample_count(shards),
-            "bytes": shard_bytes(shards),
-            "first": None,
-        }
-    if name in RANDOM:
-        return _shuffled(name, shards, photos)
-    if name == "shardkit raw":
-        from shardkit import StreamingDataset
-
-        start = start_clock()
-        n = size = 0
-        for sample in StreamingDataset(shards):
-            n += 1
-            size += len(sample["jpg"]) + len(sample["json"])
-        return {"seconds": time.perf_counter() - start, "items": n, "bytes": shard_bytes(shards), "first": None}
-    if name == "webdataset raw":
-        import webdataset as wds
-
-        start = start_clock()
-        n = 0
-        for _ in wds.WebDataset(shard_urls(shards), shardshuffle=False, empty_check=False):
-            n += 1
-        return {"seconds": time.perf_counter() - start, "items": n, "bytes": shard_bytes(shards), "first": None}
-    if name == "shardkit":
-        from shardkit import StreamingDataset
-
-        ds = StreamingDataset(shards, shuffle=True, transform=shardkit_transform)
-        loader = DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
-    elif name == BATCHED:
-        from shardkit import StreamingDataset
-
+    if name == BATCHED:
         ds = StreamingDataset(shards, shuffle=True, transform=shardkit_transform, batch_size=BATCH)
-        loader = DataLoader(ds, batch_size=None, num_workers=WORKERS)
-    elif name in ("LMDB random access", LMDB_FAST):
-        import shardkit
+        return DataLoader(ds, batch_size=None, num_workers=WORKERS)
+    ds = StreamingDataset(shards, shuffle=True, transform=shardkit_transform)
+    return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
-        ds = shardkit.LMDBDataset(shards + ".lmdb", transform=shardkit_transform)
-        collate = shardkit.collate if name == LMDB_FAST else None
-        loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=WORKERS, collate_fn=collate)
-    elif name == TAR_MAP:
-        import shardkit
 
-        ds = shardkit.TarDataset(shards, transform=shardkit_transform)
-        loader = DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=WORKERS)
-    elif name in ("plain files", FILES_FAST):
-        import shardkit
+def _lmdb_loader(name: str, shards: str, photos: str) -> Any:
+    from torch.utils.data import DataLoader
 
-        collate = shardkit.collate if name == FILES_FAST else None
-        loader = DataLoader(Files(photos), batch_size=BATCH, shuffle=True, num_workers=WORKERS, collate_fn=collate)
-    elif name in (FAST, FAST_BATCHED):
-        from shardkit import StreamingDataset
+    import shardkit
 
-        batched = name == FAST_BATCHED
-        ds = StreamingDataset(
-            shards, shuffle=True, decode="raw", transform=fast_transform(), batch_size=BATCH if batched else None
-        )
-        loader = DataLoader(ds, batch_size=None if batched else BATCH, num_workers=WORKERS)
-    elif name in (MAIN_PIL, MAIN_FAST):
-        from shardkit import StreamingDataset
+    ds = shardkit.LMDBDataset(shards + ".lmdb", transform=shardkit_transform)
+    collate = shardkit.collate if name == LMDB_FAST else None
+    return DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=WORKERS, collate_fn=collate)
 
-        fast = name == MAIN_FAST
-        ds = StreamingDataset(
-            shards, shuffle=True, decode="raw", transform=fast_transform() if fast else shardkit_transform
-        )
-        import shardkit  # torch's threads as the process has them
 
-        loader = DataLoader(ds, batch_size=BATCH, num_workers=0, collate_fn=shardkit.collate)
-    elif name == "webdataset":
-        import webdataset as wds
+def _tar_map_loader(name: str, shards: str, photos: str) -> Any:
+    from torch.utils.data import DataLoader
 
-        ds = wds.WebDataset(shard_urls(shards), shardshuffle=100, empty_check=False).shuffle(1000).map(wds_transform)
-        loader = DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
-    else:
-        raise SystemExit(f"unknown contestant {name}")
-    first, seconds, n, cpu = loader_pass(loader)
-    return {"seconds": seconds, "items": n, "cpu": cpu, "first": first}
+    import shardkit
+
+    ds = shardkit.TarDataset(shards, transform=shardkit_transform)
+    return DataLoader(ds, batch_size=BATCH, shuffle=True, num_workers=WORKERS)
+
+
+def _files_loader(name: str, shards: str, photos: str) -> Any:
+    from torch.utils.data import DataLoader
+
+    import shardkit
+
+    collate = shardkit.collate if name == FILES_FAST else None
+    return DataLoader(Files(photos), batch_size=BATCH, shuffle=True, num_workers=WORKERS, collate_fn=collate)
+
+
+def _fast_loader(name: str, shards: str, photos: str) -> Any:
+    from torch.utils.data import DataLoader
+
+    from shardkit import StreamingDataset
+
+    batched = name == FAST_BATCHED
+    ds = StreamingDataset(
+        shards, shuffle=True, decode="raw", transform=fast_transform(), batch_size=BATCH if batched else None
+    )
+    return DataLoader(ds, batch_size=None if batched else BATCH, num_workers=WORKERS)
+
+
+def _main_process_loader(name: str, shards: str, photos: str) -> Any:
+    from torch.utils.data import DataLoader
+
+    from shardkit import StreamingDataset
+
+    fast = name == MAIN_FAST
+    ds = StreamingDataset(
+        shards, shuffle=True, decode="raw", transform=fast_transform() if fast else shardkit_transform
+    )
+    import shardkit  # torch's threads as the process has them
+
+    return DataLoader(ds, batch_size=BATCH, num_workers=0, collate_fn=shardkit.collate)
+
+
+def _webdataset_loader(name: str, shards: str, photos: str) -> Any:
+    import webdataset as wds
+    from torch.utils.data import DataLoader
+
+    ds = wds.WebDataset(shard_urls(shards), shardshuffle=100, empty_check=False).shuffle(1000).map(wds_transform)
+    return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
 
 def _shuffled(name: str, shards: str, photos: str) -> dict:
@@ -300,6 +347,23 @@ LIMITS = {
 
 
 _BLOBS: list[bytes] = []
+
+# a contestant's name -> its adapter (name, shards, photos) -> one measurement
+ADAPTERS: dict[str, Callable[[str, str, str], dict]] = {
+    **dict.fromkeys(LIMITS, _limit),
+    "cat (limit)": _cat,
+    PREAD_FLOOR: _pread_members,
+    **dict.fromkeys(RANDOM, _shuffled),
+    "shardkit raw": _shardkit_raw,
+    "webdataset raw": _webdataset_raw,
+    **dict.fromkeys(["shardkit", BATCHED], _in_a_loader(_shardkit_loader)),
+    **dict.fromkeys(["LMDB random access", LMDB_FAST], _in_a_loader(_lmdb_loader)),
+    TAR_MAP: _in_a_loader(_tar_map_loader),
+    **dict.fromkeys(["plain files", FILES_FAST], _in_a_loader(_files_loader)),
+    **dict.fromkeys([FAST, FAST_BATCHED], _in_a_loader(_fast_loader)),
+    **dict.fromkeys([MAIN_PIL, MAIN_FAST], _in_a_loader(_main_process_loader)),
+    "webdataset": _in_a_loader(_webdataset_loader),
+}
 
 
 def shard_urls(shards: str) -> list[str]:
