@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates and fills .venv-peers, the virtualenv that scripts/bench_peers.py runs in: shardkit
+# Creates and fills .venv-peers, the virtualenv that bench/peers.py runs in: shardkit
 # beside the peers it is compared with (webdataset, mosaicml-streaming, litdata, and AWS
 # s3torchconnector for the remote benchmark), all on the
 # CPU build of torch 2.13.0. Kept apart from .venv because mosaicml-streaming pins
@@ -63,21 +63,21 @@ peer() {
         return
     fi
     echo "$out" >>"$log"
-    if ! out=$("$py" -c "import sys; sys.path.insert(0, 'scripts'); $check" 2>&1); then
+    if ! out=$("$py" -c "$check" 2>&1); then  # in the repository's root: bench/ imports
         echo "$out" >>"$log"
         echo "$name: import: $(tail -n1 <<<"$out")" >>"$failed"
     fi
 }
 
 peer webdataset webdataset "import webdataset" webdataset
-# mosaicml-streaming imports torchvision at package import: bench_peers.py registers stand-ins.
-peer mosaicml-streaming mosaicml-streaming==0.13.0 "import bench_peers; bench_peers._import_streaming()" \
+# mosaicml-streaming imports torchvision at package import: bench/mosaic.py registers stand-ins.
+peer mosaicml-streaming mosaicml-streaming==0.13.0 "from bench.mosaic import import_streaming; import_streaming()" \
     boto3 Brotli 'google-cloud-storage>=2.9,<3.3' matplotlib 'paramiko<4' 'python-snappy<1' \
     'transformers<5' 'xxhash<4' 'zstd<2' 'oci<3' 'azure-storage-blob<13' 'azure-storage-file-datalake<13' \
     azure-identity 'catalogue>=2,<3' numpy
 peer litdata litdata==0.2.76 "import litdata" \
     lightning-utilities filelock requests tifffile obstore boto3 numpy
-# AWS's connector (bench_remote.py --peers): its CRT client comes as s3torchconnectorclient, a wheel.
+# AWS's connector (bench/remote.py --peers): its CRT client comes as s3torchconnectorclient, a wheel.
 peer s3torchconnector s3torchconnector==1.5.0 "import s3torchconnector" s3torchconnectorclient==1.5.0
 
 # torchvision is declared by both peers and left out on purpose; anything else is worth a look.

@@ -13,9 +13,10 @@ import pytest
 from PIL import Image, ImageDraw
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts"))  # make_images
 
-pytest_plugins = ["servers", "seaweed", "fakegcs", "azurite"]  # real S3, GCS, WebHDFS and Azure servers on loopback
+# real S3, GCS, WebHDFS and Azure servers on loopback (tests/servers/)
+pytest_plugins = ["servers.fixtures", "servers.store_fixtures", "servers.azurite"]
 
 CLASSES = ("circle", "square", "triangle")
 

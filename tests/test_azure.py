@@ -21,7 +21,7 @@ from shardkit import StreamingDataset, index
 from shardkit.errors import AccessDeniedError, CorruptShardError, ShardkitError, redact
 from shardkit.storage.stores import store_for
 
-from azurite import ACCOUNT, connection_string
+from servers.azurite import ACCOUNT, connection_string
 
 pytest.importorskip("adlfs", reason="adlfs is not installed (pip install '.[azure]'): the Azure tests are skipped")
 

@@ -174,11 +174,11 @@ def test_try_s3_locally_runs_as_written(tmp_path: Path) -> None:
 
 
 def test_readme_peers_table_and_chart_show_docs_peers_json() -> None:
-    """The README's "How it compares" table is the one scripts/peers_chart.py renders from
+    """The README's "How it compares" table is the one bench/peers_chart.py renders from
     docs/peers.json, and docs/peers.png was drawn from that same file."""
     from PIL import Image
 
-    import peers_chart
+    from bench import peers_chart
 
     summary = peers_chart.load(ROOT / "docs" / "peers.json")
     assert peers_chart.table(summary) in README
@@ -187,12 +187,12 @@ def test_readme_peers_table_and_chart_show_docs_peers_json() -> None:
     with Image.open(ROOT / "docs" / "peers.png") as png:
         drawn_from = png.text.get(peers_chart.DIGEST_KEY)
     assert drawn_from == peers_chart.digest(ROOT / "docs" / "peers.json"), (
-        "docs/peers.png is not drawn from docs/peers.json: python scripts/peers_chart.py docs/peers.json docs/peers.png"
+        "docs/peers.png is not drawn from docs/peers.json: python -m bench.peers_chart docs/peers.json docs/peers.png"
     )
 
 
 def test_the_peers_chart_has_a_bar_for_each_readme_row_and_no_other(tmp_path: Path) -> None:
-    import peers_chart
+    from bench import peers_chart
 
     table = README.split(peers_chart.HEADER, 1)[1].split("\n\n", 1)[0]
     rows = [[c.strip().strip("*").replace("`", "") for c in line.strip("|").split("|")] for line in table.splitlines()]

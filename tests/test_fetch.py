@@ -23,7 +23,7 @@ from shardkit.storage.fetch import FetchEngine
 from shardkit.storage.stores import Sink, Store
 from shardkit.storage.streams import Arriving
 
-from latency_proxy import BURST  # (scripts/, on the path by conftest)
+from servers.latency_proxy import BURST
 
 MB = 1 << 20
 

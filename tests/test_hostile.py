@@ -441,7 +441,7 @@ def test_two_packs_into_one_dest_at_once_never_both_succeed(tmp_path: Path) -> N
 @pytest.fixture(params=["local", "s3", "gcs", "azure"])
 def conditional(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict | None]:
     """(folder URL, storage options) on each store with conditional writes; GCS through a gate
-    of GCS's precondition rules (servers._Preconditions), which the emulator ignores."""
+    of GCS's precondition rules (servers/gate.py), which the emulator ignores."""
     if request.param == "local":
         return str(tmp_path / "dest"), None
     remote = request.getfixturevalue("gcs_conditional" if request.param == "gcs" else request.param)

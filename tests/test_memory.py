@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardkit import StreamingDataset
-from shardkit.tools.bench import rss
+from shardkit.bench.memory import rss
 from shardkit.index import Index, ShardInfo, save
 
 
@@ -83,7 +83,7 @@ def test_loading_a_large_index_gives_its_parse_memory_back(tmp_path: Path) -> No
     code = (
         "import gc, os, sys, torch\n"
         "from shardkit import StreamingDataset\n"
-        "from shardkit.tools.bench import rss\n"
+        "from shardkit.bench.memory import rss\n"
         "before = rss(os.getpid()); ds = StreamingDataset(sys.argv[1]); gc.collect()\n"
         "print(len(ds), rss(os.getpid()) - before)\n"
     )

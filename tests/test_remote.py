@@ -1,5 +1,5 @@
 """Remote storage against real servers on loopback: moto's S3 server, the GCS emulator and
-a WebHDFS server (tests/servers.py starts them). Nothing here mocks a storage client."""
+a WebHDFS server (tests/servers/ starts them). Nothing here mocks a storage client."""
 
 from __future__ import annotations
 

@@ -40,3 +40,51 @@ def test_the_demo_runs_both_modes(tmp_path: Path) -> None:
         line for line in proc.stderr.splitlines() if "moto-api" in line or line.startswith(("+ sleep", "+ kill -0"))
     ]
     assert not polling and "+ waiting for moto_server" in proc.stderr, proc.stderr  # set -x off while it polls
+
+
+BENCH = ROOT / "bench"
+# what a benchmark may import from the repository: shardkit's public modules (the harness among
+# them), the bench package's shared modules, the test servers' start-ups and the image maker
+SHARED = {"bench.readers", "bench.s3", "bench.mosaic", "bench.remote_peers", "bench.peers_chart"}
+# a module of bench/ or scripts/ imported by its bare name: through a changed sys.path
+BARE = {p.stem for folder in ("bench", "scripts") for p in (ROOT / folder).glob("*.py")}
+OURS = ("shardkit", "bench", "tests", "scripts", *BARE)
+
+
+def _repository_imports(path: Path) -> list[str]:
+    """The modules of this repository that `path` imports, anywhere in it (inside functions too)."""
+    import ast
+
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names if node.module == "bench"]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return [n for n in names if n.split(".")[0] in OURS]
+
+
+@pytest.mark.parametrize("path", sorted(BENCH.glob("*.py")), ids=lambda p: p.name)
+def test_a_benchmark_imports_no_other_benchmark_and_no_private(path: Path) -> None:
+    """bench/ modules import shardkit's public names, the harness, the shared modules and the
+    servers' start-ups (tests/servers/), never another benchmark, a `_private` or sys.path."""
+    text = path.read_text()
+    assert "sys.path" not in text, f"{path.name} changes sys.path"
+    for name in _repository_imports(path):
+        assert name.split(".")[0] not in BARE, f"{path.name} imports {name} by a bare name"
+        assert not any(part.startswith("_") for part in name.split(".")), f"{path.name} imports {name}"
+        if name.startswith("bench."):
+            assert name in SHARED or (path.stem, name) == ("remote", "bench.remote_peers_run"), (
+                f"{path.name} imports the benchmark {name}"
+            )
+        assert not name.startswith("tests.") or name.startswith("tests.servers."), f"{path.name} imports {name}"
+        assert not name.startswith("scripts.") or name == "scripts.make_images", f"{path.name} imports {name}"
+
+
+def test_the_benchmarks_and_servers_stay_out_of_the_wheel_and_the_harness_in() -> None:
+    import tomllib
+
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert found["include"] == ["shardkit*"]  # bench/ and tests/ are not shardkit*
+    assert (ROOT / "shardkit" / "bench" / "harness.py").is_file()
+    assert "prune bench" in (ROOT / "MANIFEST.in").read_text().splitlines()

@@ -1,4 +1,4 @@
-"""The loopback storage servers (tests/servers.py) work end to end with plain fsspec."""
+"""The loopback storage servers (tests/servers/) work end to end with plain fsspec."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import botocore.exceptions
 import fsspec
 import pytest
 
-pytest_plugins = ["servers"]  # also loaded by conftest.py or `-p servers`; registering twice is a no-op
+# also loaded by conftest.py or `-p servers.fixtures`; registering twice is a no-op
+pytest_plugins = ["servers.fixtures"]
 
 MiB = 1 << 20
 
@@ -281,7 +282,7 @@ def test_webhdfs_through_proxies(webhdfs: dict, webhdfs_server, latency_proxy) -
 
 
 def test_a_server_that_dies_fails_clearly(tmp_path) -> None:
-    from servers import Server  # not at the top: pytest_plugins must import it first (assert rewriting)
+    from servers.fixtures import Server  # not at the top: pytest_plugins must import it first (assert rewriting)
 
     cmd = [sys.executable, "-c", "import sys; sys.exit('boom: port in use')"]
     server = Server("doomed", cmd, tmp_path / "doomed.log", read_stdout=True)

@@ -1,4 +1,4 @@
-"""Storage failures against real servers on loopback (tests/servers.py): a failed upload
+"""Storage failures against real servers on loopback (tests/servers/): a failed upload
 leaves nothing behind, every failure is one line naming the URL without its credentials,
 errors no retry can fix fail at once, and a truncated shard is bad data, not a store failure."""
 

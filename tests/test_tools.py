@@ -229,7 +229,8 @@ def test_bench_in_process_runs_on_one_torch_thread_as_a_worker_would(packed: Pat
     main process look several times slower on a busy machine: one thread, then restored."""
     import torch
 
-    from shardkit.tools.bench import ResizeTransform, bench_setting
+    from shardkit.bench.loader import bench_setting
+    from shardkit.bench.transforms import ResizeTransform
 
     seen: list[int] = []
     resize = ResizeTransform(32)
@@ -283,7 +284,7 @@ def test_peak_memory_counts_rss_per_process_and_pages_in_use_once() -> None:
     import subprocess
     import time
 
-    from shardkit.tools.bench import PeakRss
+    from shardkit.bench.memory import PeakRss
 
     class Counted(PeakRss):
         samples = 0

@@ -141,7 +141,8 @@ def bench(
         raise click.UsageError("vary one setting at a time: --workers or --prefetch may be a list, not both")
     if workers is None:
         workers = [2] if prefetch is not None and len(prefetch) > 1 else [0, 1, 2]
-    from ..tools.bench import format_report, run_bench, write_plot
+    from ..bench.loader import run_bench
+    from ..bench.report import format_report, write_plot
 
     def progress(setting: dict[str, Any]) -> None:
         click.echo(report.bench_progress(setting), err=True)

@@ -114,7 +114,7 @@ def _transform(ctx: click.Context, param: click.Parameter, value: str | None) ->
     """Import --transform now, so a wrong name is a usage error before anything starts."""
     if value is None:
         return None
-    from ..tools.bench import Transform
+    from ..bench.transforms import Transform
 
     try:
         return Transform(value)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
-from .bench import Transform
+from ..bench.transforms import Transform
 from ..decode import image_field, open_image, packed_from, to_rgb
 from ..errors import FieldError, ShardkitError, describe
 from ..storage import StorageOptions
