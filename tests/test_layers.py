@@ -119,7 +119,7 @@ INNER: dict[str, list[set[str]]] = {
     "index": [{"offsets"}, {"model"}, {"io"}, {"resolve"}],
     "order": [{"blockplan", "digest", "turns"}, {"partition", "globalbatch", "ranges"}],
     "decode": [{"jpeg"}],
-    "reading.sources": [{"compressed"}],
+    "reading.sources": [{"base"}, {"compressed"}, {"tar", "lmdb"}],
     "packing.sinks": [{"tar", "lmdb"}],
     "storage.stores": [
         {"base", "forks"},

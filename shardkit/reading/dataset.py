@@ -27,7 +27,8 @@ from .epoch_stream import EpochStream
 from .epochs import EpochDataset, distinct
 from .mix import MixedDataset, check_parts
 from .pass_ import Pass
-from .sources import SampleSource, source_for
+from .sources import source_for
+from .sources.base import SampleSource
 from .spec import ReadSpec, SampleOrder
 
 
