@@ -118,7 +118,7 @@ INNER: dict[str, list[set[str]]] = {
     ],
     "index": [{"offsets"}, {"model"}, {"io"}, {"resolve"}],
     "order": [{"blockplan", "digest", "turns"}, {"partition", "globalbatch", "ranges"}],
-    "decode": [{"jpeg"}],
+    "decode": [{"jpeg"}, {"fields"}, {"transforms"}],
     "reading.sources": [{"base"}, {"compressed"}, {"tar", "lmdb"}],
     "packing.sinks": [{"tar", "lmdb"}],
     "storage.stores": [
