@@ -100,7 +100,7 @@ def test_every_format_has_a_sink_named_as_it() -> None:
 INNER: dict[str, list[set[str]]] = {
     "reading": [
         {"worker", "prefetch", "counters", "state", "ordering"},
-        {"spec", "segments", "batch_layout", "shared_batch", "batching", "epoch_stream", "sources"},
+        {"spec", "segments", "batch_layout", "shared_batch", "batching", "epoch_stream", "sources", "resume"},
         {"pass_", "epochs", "map_records"},
         {"mix", "map_dataset"},
         {"tar_dataset", "lmdb_dataset"},

@@ -140,15 +140,17 @@ class Ordering:
         saved = found.get(state.DIGEST)
         if saved is None:
             return
-        if not isinstance(saved, dict) or not isinstance(saved.get("rank"), int) or "sums" not in saved:
+        if not isinstance(saved, dict) or not isinstance(saved.get(state.RANK), int) or state.SUMS not in saved:
             raise ValueError(f"not a valid shardkit state ({state.DIGEST} must hold a rank and sums)")
         world, workers, w = int(found[state.WORLD_SIZE]), int(found[state.NUM_WORKERS]), int(found[state.WORKER])
         k = int(found[state.YIELDED])
         progress = Progress(
             world, workers, tuple(k if i == w else 0 for i in range(workers)), int(found.get(state.BATCH, 1))
         )
-        rank = saved["rank"]
-        if not 0 <= rank < world or digest.parse(saved["sums"]) != self.fingerprint(epoch, history, progress, rank, w):
+        rank = saved[state.RANK]
+        if not 0 <= rank < world or digest.parse(saved[state.SUMS]) != self.fingerprint(
+            epoch, history, progress, rank, w
+        ):
             full = self.worker_sizes(epoch, history, world, workers)
             a, z = self.delivered(
                 epoch, history, Progress(world, workers, tuple(full), progress.batch), rank % world, w

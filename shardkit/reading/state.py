@@ -27,7 +27,12 @@ MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
 EPOCH, WORLD_SIZE, NUM_WORKERS, BATCH = "epoch", "world_size", "num_workers", "batch"
 WORKER, YIELDED, WORKERS, ORDER, HISTORY = "worker", "yielded", "workers", "order", "history"
 DIGEST = "digest"  # a fingerprint of what was delivered (digest.py): a worker's, or a history segment's
+RANK, SUMS = "rank", "sums"  # a DIGEST's: the rank that delivered, and digest.text of what it did
 SHUFFLE_VERSION_KEY = "shuffle_version"
+# torchdata's StatefulDataLoader's own keys, read to place our states in its checkpoint
+LOADER_FINISHED, LOADER_LAG = "_iterator_finished", "_steps_since_snapshot"
+LOADER_SNAPSHOT, MAIN_SNAPSHOT = "_snapshot", "_main_snapshot"
+BATCHES_YIELDED, SAMPLER_STATE, SAMPLES_YIELDED = "_sampler_iter_yielded", "_sampler_iter_state", "samples_yielded"
 
 MAX_EPOCH = 2**32 - 1  # far past any run; a mixture counts epoch x samples of a part in 64 bits
 # The shuffled orders' generation: 2 since shardkit 0.2 (blocks permuted by a Feistel network, windows
@@ -83,6 +88,11 @@ def loader_state(
     }
 
 
+def digest_entry(rank: int, sums: str) -> dict[str, Any]:
+    """A DIGEST: what `rank`'s worker delivered, as digest.text writes it."""
+    return {RANK: rank, SUMS: sums}
+
+
 def is_worker(s: dict[str, Any]) -> bool:
     """Whether a state found by `find_states` is one worker's progress (else an epoch state)."""
     return WORKER in s
@@ -126,7 +136,7 @@ def _dicts(state: Any) -> Iterator[dict[str, Any]]:
 def find_loader(state: Any) -> dict[str, Any]:
     """The StatefulDataLoader state dict inside `state` (a training checkpoint may nest
     it), or {}."""
-    loaders = [d for d in _dicts(state) if "_iterator_finished" in d or "_steps_since_snapshot" in d]
+    loaders = [d for d in _dicts(state) if LOADER_FINISHED in d or LOADER_LAG in d]
     if len(loaders) > 1:
         raise ValueError(
             f"this state holds the states of {len(loaders)} DataLoaders: pass the state of this dataset's loader only"
