@@ -29,7 +29,7 @@ from .mix import MixedDataset, check_parts
 from .pass_ import Pass
 from .sources import source_for
 from .sources.base import SampleSource
-from .spec import ReadSpec, SampleOrder
+from .spec import ReadAhead, ReadSpec, SampleOrder
 
 
 class StreamingDataset(EpochDataset):
@@ -247,9 +247,7 @@ class StreamingDataset(EpochDataset):
             self.transform,
             self.on_error,
             self.verify,
-            self.block,
-            self.prefetch,
-            self.prefetch_bytes,
+            ReadAhead(self.block, self.prefetch, self.prefetch_bytes),
             self.cache_dir,
             self.cache_limit,
             bool(self.global_batch_size),

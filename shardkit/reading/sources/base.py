@@ -12,21 +12,17 @@ from ... import storage
 from ...formats.gzip import is_gzip_field
 from ...index import Index
 from ..prefetch import Prefetcher
+from ..spec import ReadAhead
 
 Read = tuple[int, int, Any]  # (shard, start, the sample's bytes or the error of its range)
 
 
 class Settings(Protocol):
-    """What a source's reads follow: the read-ahead options (a ReadSpec's)."""
+    """What a source's reads follow (a ReadSpec's): the read-ahead, and whether the samples
+    are pieces of global batches."""
 
     @property
-    def block(self) -> int: ...
-
-    @property
-    def prefetch(self) -> int: ...
-
-    @property
-    def prefetch_bytes(self) -> int: ...
+    def read_ahead(self) -> ReadAhead: ...
 
     @property
     def global_batches(self) -> bool: ...

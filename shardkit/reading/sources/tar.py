@@ -3,7 +3,7 @@ merged ranges (advised locally, streamed remotely), compressed shards through th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ from ...order import blockplan, ranges
 from ...storage import StorageOptions
 from ...storage.streams import Arriving, Stalls
 from ..prefetch import Prefetcher
+from ..spec import ReadAhead
 from . import compressed
 from .base import Read, Settings, gz_fields
 from .compressed import CompressedShards
@@ -90,17 +91,13 @@ class TarSamples:
         opts: Settings,
         window: int,
     ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
+        ahead = opts.read_ahead
         shard_of, starts, ends = ranges.bounds(ids, self.first, self.offsets)
         self._check(shard_of, starts, ends)
         local = all(map(storage.is_local, self.urls))  # one remote shard: its ranges go through the budget
-        if local or opts.global_batches:  # a global batch's pieces: their own samples, not whole blocks
-            plan, range_of = ranges.coalesce(shard_of, starts, ends, max_bytes=RANGE_BYTES)
-        else:  # a block's samples come within block + 2 windows of each other: further apart, a new use,
-            # read again rather than held, unless the whole dataset fits in the read-ahead budget
-            gap = None if self.bytes <= opts.prefetch_bytes else opts.block + 2 * window
-            plan, range_of = ranges.blocks(ids, self.first, self.offsets, opts.block, gap, max_bytes=RANGE_BYTES)
+        plan, range_of = self._plan(ids, (shard_of, starts, ends), local or opts.global_batches, ahead, window)
         # compressed shards: reads within a shuffle window (and a block each side) come out of order
-        streams = self._streams(reader, window + 2 * opts.block, self.sample_bytes)
+        streams = self._streams(reader, window + 2 * ahead.block, self.sample_bytes)
 
         def inflated(r: ranges.Range) -> ReadAt | CorruptShardError:
             """A compressed shard's range: inflated from where its stream is up to the range."""
@@ -121,7 +118,7 @@ class TarSamples:
                     return e
 
             prefetcher: Prefetcher[ranges.Range, Any] = Prefetcher(
-                plan, advise, lambda r: r.size, depth=opts.prefetch, budget=opts.prefetch_bytes, threads=False
+                plan, advise, lambda r: r.size, depth=ahead.prefetch, budget=ahead.prefetch_bytes, threads=False
             )
         else:
             stalls = Stalls()
@@ -136,13 +133,13 @@ class TarSamples:
 
             # a shuffled stream's first window takes its samples from every range it spans, in turn
             first = len(np.unique(range_of[: blockplan.ramp(window)[1] if window > 1 else 1]))
-            depth = opts.prefetch * (2 if opts.global_batches else 1)  # a global batch's ranges are half blocks
+            depth = ahead.prefetch * (2 if opts.global_batches else 1)  # a global batch's ranges are half blocks
             prefetcher = Prefetcher(
                 plan,
                 stream,
                 lambda r: r.size,
                 depth=depth,
-                budget=opts.prefetch_bytes,
+                budget=ahead.prefetch_bytes,
                 streaming=True,
                 pressure=lambda: reader.throttled,
                 start=first,
@@ -150,6 +147,24 @@ class TarSamples:
             )
             reader.engine.wanted = lambda: (prefetcher.rate, prefetcher.waiting)  # what a range's pieces must carry
         return _in_order(prefetcher, range_of, shard_of, starts, ends), prefetcher
+
+    def _plan(
+        self,
+        ids: np.ndarray,
+        bounds: tuple[np.ndarray, np.ndarray, np.ndarray],
+        own_bytes: bool,
+        ahead: ReadAhead,
+        window: int,
+    ) -> tuple[Iterator[ranges.Range], np.ndarray]:
+        """(the ranges to read, in order; the range of each sample): with `own_bytes` (local
+        shards, or a global batch's pieces) each sample's own bytes, merged with its
+        neighbours'; else whole blocks."""
+        if own_bytes:  # a global batch's pieces: their own samples, not whole blocks
+            return ranges.coalesce(*bounds, max_bytes=RANGE_BYTES)
+        # a block's samples come within block + 2 windows of each other: further apart, a new use,
+        # read again rather than held, unless the whole dataset fits in the read-ahead budget
+        gap = None if self.bytes <= ahead.prefetch_bytes else ahead.block + 2 * window
+        return ranges.blocks(ids, self.first, self.offsets, ahead.block, gap, max_bytes=RANGE_BYTES)
 
     def _check(self, shard_of: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
         """Offsets that cannot be the samples of their shard (a sidecar replaced or damaged:
