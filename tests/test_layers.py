@@ -117,7 +117,7 @@ INNER: dict[str, list[set[str]]] = {
         {"range_reader"},
     ],
     "index": [{"offsets"}, {"model"}, {"io"}, {"resolve"}],
-    "order": [{"blockplan", "digest", "turns"}, {"partition", "globalbatch", "ranges"}],
+    "order": [{"blockplan", "digest", "turns"}, {"partition", "globalbatch", "ranges"}, {"progress"}],
     "decode": [{"jpeg"}, {"fields"}, {"transforms"}],
     "reading.sources": [{"base"}, {"compressed"}, {"tar", "lmdb"}],
     "packing.sinks": [{"tar", "lmdb"}],

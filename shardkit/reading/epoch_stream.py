@@ -16,7 +16,7 @@ import numpy as np
 import torch.utils.data
 
 from ..order import digest, globalbatch, partition
-from ..order.partition import Progress
+from ..order.progress import Progress
 from . import state, worker
 from .counters import Shared
 from .ordering import Ordering, where

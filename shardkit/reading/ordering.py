@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 
 from ..order import digest, globalbatch, partition
-from ..order.partition import Layout, Progress
+from ..order.partition import Layout
+from ..order.progress import Progress, Segments, wrapped
+from ..order.progress import delivered as delivered_spans
 from . import state
 
 
@@ -108,7 +110,7 @@ class Ordering:
         if not left.left:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
         layout = self.segment(epoch, progress.world_size, progress.num_workers, len(history), progress.batch)
-        a, z = partition.wrapped(*partition.delivered(left.left, layout, progress, rank, worker_id), left.left)
+        a, z = wrapped(*delivered_spans(left.left, layout, progress, rank, worker_id), left.left)
         return left.base_spans(a, z)
 
     def record(self, epoch: int, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -176,9 +178,9 @@ class Ordering:
             world, workers, self.seed, epoch, self.shuffle, self.shuffle_window, self.remainder, segment, batch
         )
 
-    def left(self, epoch: int, history: Sequence[dict[str, Any]]) -> partition.Segments:
+    def left(self, epoch: int, history: Sequence[dict[str, Any]]) -> Segments:
         """The epoch's sequence minus what the interrupted segments in `history` delivered."""
-        left = partition.Segments(self.total)
+        left = Segments(self.total)
         for segment, done in enumerate(history):
             p = Progress.from_json(done)
             left = left.after(self.segment(epoch, p.world_size, p.num_workers, segment, p.batch), p)

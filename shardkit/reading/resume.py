@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..order import digest, partition, turns
+from ..order import digest, turns
+from ..order.progress import Progress
 from . import state
 from .ordering import Ordering
 
@@ -96,7 +97,7 @@ def loader_state(
     saved = state.loader_state(epoch, world, workers, batch, ordering.key, history, yielded)
     rank = min(rank_of(), world - 1)
     for w, entry in enumerate(saved[state.WORKERS]):  # what a worker's own state would say it delivered
-        one = partition.Progress(world, workers, tuple(k * (i == w) for i, k in enumerate(yielded)), batch)
+        one = Progress(world, workers, tuple(k * (i == w) for i, k in enumerate(yielded)), batch)
         entry[state.DIGEST] = state.digest_entry(rank, digest.text(ordering.fingerprint(epoch, history, one, rank, w)))
     return saved
 

@@ -10,7 +10,7 @@ Three shapes, all marked ``{MARK: 1}``:
 - a loader state, ``resume_state(...)`` for a plain DataLoader: the worker state's keys
   but WORKER and YIELDED, plus ``WORKERS``: ``[{WORKER, YIELDED}, ...]``.
 
-HISTORY lists the earlier interrupted segments of the epoch (partition.Progress as JSON),
+HISTORY lists the earlier interrupted segments of the epoch (progress.Progress as JSON),
 ORDER what the epoch's order depends on (a state saved under another order would resume
 the wrong samples).
 """
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import checks
-from ..order.partition import Progress
+from ..order.progress import Progress
 
 MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
 EPOCH, WORLD_SIZE, NUM_WORKERS, BATCH = "epoch", "world_size", "num_workers", "batch"
