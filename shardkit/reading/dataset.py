@@ -41,7 +41,7 @@ class StreamingDataset(EpochDataset):
     CHW uint8 torch), ``cls`` as int, ``json`` as dict. Decoded, the image is under
     ``"image"`` whatever its extension, which ``"__ext__"`` keeps (``s["jpg"]`` still reads
     it), so the default collate batches mixed formats. JPEG decodes by libjpeg-turbo's fast
-    path to PIL's very pixels unless ``backend="pil"`` (see decode.py). `transform(sample)`
+    path to PIL's very pixels unless ``backend="pil"`` (see shardkit.decode). `transform(sample)`
     runs in the worker and its result is what the DataLoader receives.
 
     Every rank yields ``len(ds)`` samples per epoch. With ``remainder="repeat"`` (default)
