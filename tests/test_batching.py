@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import shardkit
-from shardkit.reading import batching
+from shardkit.reading import batching, segments, shared_batch
 from shardkit.reading.dataset import StreamingDataset
 
 from readers import ALL_KEYS, loader_of
@@ -91,7 +91,7 @@ def test_kept_batches_and_views_are_never_overwritten(packed: Path) -> None:
     ds = StreamingDataset(str(packed), decode="tensor", transform=to_pair, batch_size=4, shuffle=True)
     kept, views = [], []
     for images, labels in DataLoader(ds, batch_size=None, num_workers=2):
-        if len(kept) < batching.MAX_SEGMENTS + 4:
+        if len(kept) < segments.MAX_SEGMENTS + 4:
             kept.append((images, labels))
         else:
             views.append((images[1:3], labels[1:3].clone()))  # the batch itself is dropped here
@@ -113,7 +113,7 @@ def _keys(ref: dict[str, tuple[torch.Tensor, int]], images: torch.Tensor) -> lis
 
 
 def test_segments_are_reused_once_freed(packed: Path) -> None:
-    pool = batching._process_pool()
+    pool = segments.process_pool()
     pool.segments.clear()
     ds = StreamingDataset(str(packed), decode="tensor", transform=to_pair, batch_size=8)
     for batch in DataLoader(ds, batch_size=None):
@@ -135,7 +135,7 @@ def test_segments_are_reused_once_freed(packed: Path) -> None:
 @pytest.mark.parametrize("proc", [True, False])
 def test_both_ways_of_opening_a_workers_segment(packed: Path, monkeypatch: pytest.MonkeyPatch, proc: bool) -> None:
     """The /proc path (Linux), and multiprocessing's descriptor passing (elsewhere)."""
-    monkeypatch.setattr(batching, "_PROC_FD", proc)
+    monkeypatch.setattr(shared_batch, "_PROC_FD", proc)
     ref = reference(packed)
     ds = StreamingDataset(str(packed), decode="tensor", transform=to_pair, batch_size=16)
     kept = list(DataLoader(ds, batch_size=None, num_workers=2))
@@ -323,7 +323,7 @@ def test_a_batch_unpickled_twice_keeps_its_buffer_until_both_are_freed() -> None
     import pickle
 
     monkey = pytest.MonkeyPatch()
-    monkey.setattr(batching, "_PROC_FD", True)
+    monkey.setattr(shared_batch, "_PROC_FD", True)
     try:
         samples = [torch.full((4,), i) for i in range(3)]
         layout_batch = batching.Batches(iter(samples), 3)

@@ -251,11 +251,12 @@ def test_a_member_without_an_extension_leaves_its_sample_readable() -> None:
 
 def test_running_out_of_memory_is_not_bad_data(monkeypatch: pytest.MonkeyPatch, packed: Path) -> None:
     from shardkit import decode
+    from shardkit.decode import fields
 
     def no_memory(data: bytes) -> None:
         raise MemoryError
 
-    monkeypatch.setitem(decode._IMAGE, "pil", no_memory)
+    monkeypatch.setitem(fields._IMAGE, "pil", no_memory)
     with pytest.raises(MemoryError):
         decode.decoder("pil")({"jpg": b"..."})
     with pytest.raises(MemoryError):  # not skipped as a bad sample

@@ -59,6 +59,9 @@ class HeldStore(Store):
     def open(self, url: str, what: str = "") -> BinaryIO:
         raise NotImplementedError
 
+    def writer(self, url: str) -> Any:
+        raise NotImplementedError  # the engine only reads
+
     def info(self, url: str, what: str = "") -> dict[str, Any]:
         return {"size": len(self.data)}
 

@@ -101,7 +101,7 @@ def test_every_format_has_a_sink_named_as_it() -> None:
 INNER: dict[str, list[set[str]]] = {
     "reading": [
         {"worker", "prefetch", "counters", "state", "ordering"},
-        {"spec", "batching", "epoch_stream", "sources"},
+        {"spec", "segments", "batch_layout", "shared_batch", "batching", "epoch_stream", "sources", "resume"},
         {"pass_", "epochs", "map_records"},
         {"mix", "map_dataset"},
         {"tar_dataset", "lmdb_dataset"},
@@ -126,10 +126,10 @@ INNER: dict[str, list[set[str]]] = {
         {"lmdb"},
     ],
     "index": [{"offsets"}, {"model"}, {"io"}, {"resolve"}],
-    "order": [{"blockplan", "digest", "turns"}, {"partition", "globalbatch", "ranges"}],
-    "decode": [{"jpeg"}],
+    "order": [{"blockplan", "digest", "turns"}, {"partition", "globalbatch", "ranges"}, {"progress"}],
+    "decode": [{"jpeg"}, {"fields"}, {"transforms"}],
     "bench": [{"harness", "memory", "transforms", "report"}, {"loader"}],
-    "reading.sources": [{"compressed"}],
+    "reading.sources": [{"base"}, {"compressed"}, {"tar", "lmdb"}],
     "cli": [{"options"}, {"pack", "read", "bench"}, {"__main__"}],
     "packing.sinks": [{"tar", "lmdb"}],
     "storage.stores": [

@@ -11,7 +11,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from shardkit.order import partition, turns
-from shardkit.order.partition import Layout, Progress
+from shardkit.order.partition import Layout
+from shardkit.order.progress import Progress, Segments
+from shardkit.order.progress import remaining as remaining_spans
 
 # 3 workers on a 2-core runner is deliberate: torch warns, and warnings are errors here
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -57,7 +59,7 @@ def worker_stream(sequence: np.ndarray, lay: Layout, rank: int, worker: int) -> 
 
 def remaining(sequence: np.ndarray, lay: Layout, progress: Progress) -> np.ndarray:
     """The ids of `sequence` that `progress` has not delivered, in order."""
-    spans = partition.remaining(len(sequence), lay, progress)
+    spans = remaining_spans(len(sequence), lay, progress)
     return np.concatenate([sequence[a:b] for a, b in spans.tolist()] or [np.empty(0, np.int64)])
 
 
@@ -285,7 +287,7 @@ def test_chained_resumes_deliver_every_sample() -> None:
     total = sum(counts)
     seq = global_sequence(counts, seed=9, epoch=2, shuffle=True, block=8)
     epoch = seq
-    left = partition.Segments(total)  # what the dataset keeps: spans, not ids
+    left = Segments(total)  # what the dataset keeps: spans, not ids
     seen: list[int] = []
     segments = [((3, 2), 4, 5), ((2, 5), 3, 2), ((4, 1), 6, 1)]
     for segment, ((world, workers), batch, k) in enumerate(segments):

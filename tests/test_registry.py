@@ -24,6 +24,8 @@ ALLOWED = {
     "packing/sinks/lmdb.py",
     "reading/sources/__init__.py",
     "reading/sources/compressed.py",
+    "reading/sources/tar.py",
+    "reading/sources/lmdb.py",
     "index/resolve.py",
 }
 

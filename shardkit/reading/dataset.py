@@ -27,8 +27,9 @@ from .epoch_stream import EpochStream
 from .epochs import EpochDataset, distinct
 from .mix import MixedDataset, check_parts
 from .pass_ import Pass
-from .sources import SampleSource, source_for
-from .spec import ReadSpec, SampleOrder
+from .sources import source_for
+from .sources.base import SampleSource
+from .spec import ReadAhead, ReadSpec, SampleOrder
 
 
 class StreamingDataset(EpochDataset):
@@ -40,7 +41,7 @@ class StreamingDataset(EpochDataset):
     CHW uint8 torch), ``cls`` as int, ``json`` as dict. Decoded, the image is under
     ``"image"`` whatever its extension, which ``"__ext__"`` keeps (``s["jpg"]`` still reads
     it), so the default collate batches mixed formats. JPEG decodes by libjpeg-turbo's fast
-    path to PIL's very pixels unless ``backend="pil"`` (see decode.py). `transform(sample)`
+    path to PIL's very pixels unless ``backend="pil"`` (see shardkit.decode). `transform(sample)`
     runs in the worker and its result is what the DataLoader receives.
 
     Every rank yields ``len(ds)`` samples per epoch. With ``remainder="repeat"`` (default)
@@ -246,9 +247,7 @@ class StreamingDataset(EpochDataset):
             self.transform,
             self.on_error,
             self.verify,
-            self.block,
-            self.prefetch,
-            self.prefetch_bytes,
+            ReadAhead(self.block, self.prefetch, self.prefetch_bytes),
             self.cache_dir,
             self.cache_limit,
             bool(self.global_batch_size),

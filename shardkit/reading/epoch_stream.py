@@ -16,7 +16,7 @@ import numpy as np
 import torch.utils.data
 
 from ..order import digest, globalbatch, partition
-from ..order.partition import Progress
+from ..order.progress import Progress
 from . import state, worker
 from .counters import Shared
 from .ordering import Ordering, where
@@ -110,7 +110,7 @@ class EpochStream:
             self.ordering.key,
             self.history,
         )
-        saved[state.DIGEST] = {"rank": self.rank, "sums": digest.text(self._delivered())}
+        saved[state.DIGEST] = state.digest_entry(self.rank, digest.text(self._delivered()))
         return saved
 
     def _delivered(self) -> digest.Digest:
@@ -156,7 +156,7 @@ class EpochStream:
         self.ordering.check_worker(self.epoch, self.history, found)
         self.skip = int(found[state.YIELDED])
         if state.DIGEST in found:
-            self._done = digest.parse(found[state.DIGEST]["sums"])
+            self._done = digest.parse(found[state.DIGEST][state.SUMS])
         elif self.skip:  # an earlier version's state: what it delivered is taken as its count says
             self._done = self.ordering.fingerprint(
                 self.epoch,

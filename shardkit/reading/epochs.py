@@ -2,9 +2,9 @@
 
 An `EpochDataset` knows its rank and world, the epoch (set by `set_epoch` or advanced by
 each pass), how many samples a rank yields, and how to save and restore progress (the
-state's schema is state.py's). Each pass of a worker is an `EpochStream`
-(epoch_stream.py), made by `_epoch_stream` from the dataset's frozen `Ordering`; a
-subclass says, by the `run` it gives, how positions of the sequence become samples.
+state's schema is state.py's; reading a saved one and writing a resume state, resume.py's).
+Each pass of a worker is an `EpochStream` (epoch_stream.py), made by `_epoch_stream` from
+the dataset's frozen `Ordering`; a subclass says, by the `run` it gives, how positions of the sequence become samples.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import torch.utils.data
 
 from .. import checks
-from ..order import digest, globalbatch, partition, turns
-from . import state
+from ..order import globalbatch, partition
+from . import resume, state
 from .batching import Batches
 from .counters import MAX_WORKERS, Shared
 from .epoch_stream import EpochStream, Run, Samples
@@ -206,47 +206,16 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         saved epoch.
         """
         found = state.find_states(saved)
-        workers = [s for s in found if state.is_worker(s)]
         if not found:
             raise ValueError("not a shardkit state dict")
         state.check_order(found, self.order_key())
         if torch.utils.data.get_worker_info() is not None:
             return  # inside a worker the iterator restores itself; the dataset has nothing to add
-        if not workers:
+        epoch, history = resume.loaded(saved, found, self._ordering, self.batch_size)
+        if history is None:
             self._drop_resume()
-            self._shared.set_epoch(int(found[0][state.EPOCH]))
-            return
-        loader = state.find_loader(saved)
-        epoch = int(workers[0][state.EPOCH])
-        state.check_layout(workers)
-        if loader.get("_iterator_finished"):  # StatefulDataLoader, after a whole pass
-            self._drop_resume()
-            self._shared.set_epoch(epoch + 1)
-            return
-        lag = loader.get("_steps_since_snapshot", 0)
-        if lag:  # the workers' counts are `lag` batches old, and which worker made each is not recorded
-            raise ValueError(
-                f"this StatefulDataLoader state was taken {lag} step(s) after its last snapshot of the workers "
-                "(snapshot_every_n_steps > 1): resume it under the same layout with the loader's own "
-                "load_state_dict, or checkpoint with snapshot_every_n_steps=1 to resume under a new layout "
-                "(a loader with in_order=False gives such states too, and no resume of it is exact: "
-                "checkpoint with in_order=True, the default)"
-            )
-        ordering = self._ordering()
-        earlier = list(workers[0].get(state.HISTORY, []))
-        ordering.check_history(epoch, earlier)
-        for s in workers:
-            ordering.check_worker(epoch, earlier, s)
-        _check_snapshot(
-            loader,
-            workers,
-            ordering.worker_sizes(
-                epoch, earlier, int(workers[0][state.WORLD_SIZE]), int(workers[0][state.NUM_WORKERS])
-            ),
-            self.batch_size,
-        )
-        history = ordering.record(epoch, state.history_of(workers))
-        self._resume = {"epoch": epoch, "history": history, "token": self._shared.new_resume()}
+        else:
+            self._resume = {"epoch": epoch, "history": history, "token": self._shared.new_resume()}
         self._shared.set_epoch(epoch)
 
     def resume_state(
@@ -287,75 +256,18 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
                 f"batch_size={batch_size}: under global_batch_size={self.global_batch_size} over {world} "
                 f"ranks the DataLoader's batch_size is {self._local_batch(world)}"
             )
-        ordering = self._ordering()
-        history: list[dict[str, Any]] = []
-        if resumed_from is not None:
-            earlier = [s for s in state.find_states(resumed_from) if state.is_worker(s)]
-            if not earlier or any(s[state.EPOCH] != epoch for s in earlier):
-                raise ValueError(f"resumed_from is not a resume state of epoch {epoch}")
-            state.check_order(earlier, ordering.key)
-            before = list(earlier[0].get(state.HISTORY, []))
-            ordering.check_history(epoch, before)
-            for s in earlier:
-                ordering.check_worker(epoch, before, s)
-            history = ordering.record(epoch, state.history_of(earlier))
-            if (
-                self._resume is not None
-                and self._resume["epoch"] == epoch
-                and _plain(self._resume["history"]) != _plain(history)
-            ):
-                raise ValueError(
-                    f"resumed_from is not the state this dataset resumed epoch {epoch} from (a stale "
-                    "checkpoint?): the new state would count from other progress and repeat or skip "
-                    "samples; pass the state given to load_state_dict"
-                )
-        elif self._resume is not None and self._resume["epoch"] == epoch:
-            raise ValueError("this epoch was itself resumed from a partial state: pass that state as resumed_from")
-        workers = max(num_workers, 1)
-        sizes = ordering.worker_sizes(epoch, history, world, workers)
-        yielded = turns.yielded_after(sizes, batch_size, samples_seen, drop_last)
-        if samples_seen == turns.pass_length(sizes, batch_size, drop_last):
-            yielded = tuple(sizes)  # a whole pass: what drop_last dropped is done with too
-        saved = state.loader_state(epoch, world, workers, self._batch, ordering.key, history, yielded)
-        rank = min(self._rank_world()[0], world - 1)
-        for w, entry in enumerate(saved[state.WORKERS]):  # what a worker's own state would say it delivered
-            one = partition.Progress(world, workers, tuple(k * (i == w) for i, k in enumerate(yielded)), self._batch)
-            entry[state.DIGEST] = {
-                "rank": rank,
-                "sums": digest.text(ordering.fingerprint(epoch, history, one, rank, w)),
-            }
-        return saved
-
-
-def _plain(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A history's progress, fingerprints aside (an earlier version's states have none)."""
-    return [{k: v for k, v in h.items() if k != state.DIGEST} for h in history]
-
-
-def _check_snapshot(
-    loader: dict[str, Any], workers: list[dict[str, Any]], sizes: list[int], batch_size: int | None
-) -> None:
-    """Refuse a StatefulDataLoader state whose worker snapshots are not those of the batch
-    its own count says it is at (a worker's snapshot from another checkpoint: its samples
-    since would come again, or never)."""
-    main = loader.get("_snapshot", {}).get("_main_snapshot", {})
-    batches = main.get("_sampler_iter_yielded")
-    seen = (main.get("_sampler_iter_state") or {}).get("samples_yielded")
-    if not isinstance(batches, int) or not isinstance(seen, int) or batches <= 0 or loader.get("_steps_since_snapshot"):
-        return
-    size = batch_size or seen // batches  # items of a DataLoader batch: a batching dataset's batch is one item
-    counts = [0] * len(sizes)
-    for s in workers:
-        counts[int(s[state.WORKER])] = int(s[state.YIELDED])
-    want = turns.taken_after(sizes, size, batches)
-    # a worker at its end may have read a short last batch that drop_last dropped
-    off = [w for w, (a, b) in enumerate(zip(counts, want)) if a != b and not (a == sizes[w] and b > a - size)]
-    if off:
-        w = off[0]
-        raise ValueError(
-            f"this StatefulDataLoader state is at its batch {batches}, but its snapshot of worker {w} "
-            f"counts {counts[w]} samples, not {want[w]} (a stale or mixed-up state): resuming from it "
-            "would repeat or skip that worker's samples"
+        return resume.loader_state(
+            self._ordering(),
+            epoch=epoch,
+            samples_seen=samples_seen,
+            num_workers=num_workers,
+            batch_size=batch_size,
+            batch=self._batch,
+            world=world,
+            rank_of=lambda: self._rank_world()[0],
+            drop_last=drop_last,
+            resumed_from=resumed_from,
+            resumed=self._resume,
         )
 
 

@@ -24,7 +24,8 @@ from ..index import Index
 from ..index.resolve import lmdb_index, local_lmdb, resolve
 from ..storage import StorageOptions
 from ..storage.cache import RangeCache
-from .sources import TarSamples, gz_fields
+from .sources.base import gz_fields
+from .sources.tar import TarSamples
 
 Pool = Callable[[], Executor]  # this process's reading threads, made on first use
 

@@ -29,7 +29,7 @@ from .epoch_stream import EpochStream
 from .epochs import EpochDataset, distinct, stats_summary
 from .pass_ import Pass
 from ..storage.fetch import per_worker
-from .sources import SampleSource
+from .sources.base import SampleSource
 from .spec import ReadSpec
 
 

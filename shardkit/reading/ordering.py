@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 
 from ..order import digest, globalbatch, partition
-from ..order.partition import Layout, Progress
+from ..order.partition import Layout
+from ..order.progress import Progress, Segments, wrapped
+from ..order.progress import delivered as delivered_spans
 from . import state
 
 
@@ -108,7 +110,7 @@ class Ordering:
         if not left.left:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
         layout = self.segment(epoch, progress.world_size, progress.num_workers, len(history), progress.batch)
-        a, z = partition.wrapped(*partition.delivered(left.left, layout, progress, rank, worker_id), left.left)
+        a, z = wrapped(*delivered_spans(left.left, layout, progress, rank, worker_id), left.left)
         return left.base_spans(a, z)
 
     def record(self, epoch: int, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -140,15 +142,17 @@ class Ordering:
         saved = found.get(state.DIGEST)
         if saved is None:
             return
-        if not isinstance(saved, dict) or not isinstance(saved.get("rank"), int) or "sums" not in saved:
+        if not isinstance(saved, dict) or not isinstance(saved.get(state.RANK), int) or state.SUMS not in saved:
             raise ValueError(f"not a valid shardkit state ({state.DIGEST} must hold a rank and sums)")
         world, workers, w = int(found[state.WORLD_SIZE]), int(found[state.NUM_WORKERS]), int(found[state.WORKER])
         k = int(found[state.YIELDED])
         progress = Progress(
             world, workers, tuple(k if i == w else 0 for i in range(workers)), int(found.get(state.BATCH, 1))
         )
-        rank = saved["rank"]
-        if not 0 <= rank < world or digest.parse(saved["sums"]) != self.fingerprint(epoch, history, progress, rank, w):
+        rank = saved[state.RANK]
+        if not 0 <= rank < world or digest.parse(saved[state.SUMS]) != self.fingerprint(
+            epoch, history, progress, rank, w
+        ):
             full = self.worker_sizes(epoch, history, world, workers)
             a, z = self.delivered(
                 epoch, history, Progress(world, workers, tuple(full), progress.batch), rank % world, w
@@ -174,9 +178,9 @@ class Ordering:
             world, workers, self.seed, epoch, self.shuffle, self.shuffle_window, self.remainder, segment, batch
         )
 
-    def left(self, epoch: int, history: Sequence[dict[str, Any]]) -> partition.Segments:
+    def left(self, epoch: int, history: Sequence[dict[str, Any]]) -> Segments:
         """The epoch's sequence minus what the interrupted segments in `history` delivered."""
-        left = partition.Segments(self.total)
+        left = Segments(self.total)
         for segment, done in enumerate(history):
             p = Progress.from_json(done)
             left = left.after(self.segment(epoch, p.world_size, p.num_workers, segment, p.batch), p)

@@ -25,7 +25,7 @@ from ..errors import FIND_BAD, SKIP_BAD, CorruptShardError, FieldError, Shardkit
 from .prefetch import Prefetcher
 from ..storage.fetch import CONNECTIONS
 from .counters import Meter, Slot
-from .sources import SampleSource
+from .sources.base import SampleSource
 from .spec import ReadSpec, Transform
 
 log = logging.getLogger("shardkit")

@@ -50,11 +50,22 @@ class SampleOrder:
             yield order.ids(piece)
 
 
+@dataclass(frozen=True)
+class ReadAhead:
+    """How far a pass reads ahead of the samples it hands out, what the sample sources plan
+    their reads by: `block` samples a block (the shuffle's unit, read as one range where its
+    samples lie together), at most `prefetch` reads in flight, at most `prefetch_bytes` held."""
+
+    block: int = 64
+    prefetch: int = 8
+    prefetch_bytes: int = 256 << 20
+
+
 @dataclass(frozen=True, eq=False)
 class ReadSpec:
     """How one dataset's samples are read, checked, decoded and transformed in a pass.
-    `block`, `prefetch` and `prefetch_bytes` are the read-ahead's settings (sample
-    sources read them); `versions` the shards' sha256s, `pins` their store versions."""
+    `read_ahead` is what the sample sources read by; `versions` the shards' sha256s, `pins`
+    their store versions."""
 
     urls: tuple[str, ...] = field(repr=False)  # a presigned URL carries its signature: never in a repr
     storage_options: StorageOptions | None = field(repr=False)  # nor credentials
@@ -66,9 +77,7 @@ class ReadSpec:
     transform: Transform | None = None
     on_error: str = "raise"
     verify: bool = False
-    block: int = 64
-    prefetch: int = 8
-    prefetch_bytes: int = 256 << 20
+    read_ahead: ReadAhead = ReadAhead()
     cache_dir: str | None = None
     cache_limit: int = 20 << 30
     # a slice of global batches (globalbatch.py): a block's other pieces are other ranks', so

@@ -10,7 +10,7 @@ Three shapes, all marked ``{MARK: 1}``:
 - a loader state, ``resume_state(...)`` for a plain DataLoader: the worker state's keys
   but WORKER and YIELDED, plus ``WORKERS``: ``[{WORKER, YIELDED}, ...]``.
 
-HISTORY lists the earlier interrupted segments of the epoch (partition.Progress as JSON),
+HISTORY lists the earlier interrupted segments of the epoch (progress.Progress as JSON),
 ORDER what the epoch's order depends on (a state saved under another order would resume
 the wrong samples).
 """
@@ -21,13 +21,18 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import checks
-from ..order.partition import Progress
+from ..order.progress import Progress
 
 MARK = "shardkit"  # identifies our state inside a StatefulDataLoader state dict
 EPOCH, WORLD_SIZE, NUM_WORKERS, BATCH = "epoch", "world_size", "num_workers", "batch"
 WORKER, YIELDED, WORKERS, ORDER, HISTORY = "worker", "yielded", "workers", "order", "history"
 DIGEST = "digest"  # a fingerprint of what was delivered (digest.py): a worker's, or a history segment's
+RANK, SUMS = "rank", "sums"  # a DIGEST's: the rank that delivered, and digest.text of what it did
 SHUFFLE_VERSION_KEY = "shuffle_version"
+# torchdata's StatefulDataLoader's own keys, read to place our states in its checkpoint
+LOADER_FINISHED, LOADER_LAG = "_iterator_finished", "_steps_since_snapshot"
+LOADER_SNAPSHOT, MAIN_SNAPSHOT = "_snapshot", "_main_snapshot"
+BATCHES_YIELDED, SAMPLER_STATE, SAMPLES_YIELDED = "_sampler_iter_yielded", "_sampler_iter_state", "samples_yielded"
 
 MAX_EPOCH = 2**32 - 1  # far past any run; a mixture counts epoch x samples of a part in 64 bits
 # The shuffled orders' generation: 2 since shardkit 0.2 (blocks permuted by a Feistel network, windows
@@ -83,6 +88,11 @@ def loader_state(
     }
 
 
+def digest_entry(rank: int, sums: str) -> dict[str, Any]:
+    """A DIGEST: what `rank`'s worker delivered, as digest.text writes it."""
+    return {RANK: rank, SUMS: sums}
+
+
 def is_worker(s: dict[str, Any]) -> bool:
     """Whether a state found by `find_states` is one worker's progress (else an epoch state)."""
     return WORKER in s
@@ -126,7 +136,7 @@ def _dicts(state: Any) -> Iterator[dict[str, Any]]:
 def find_loader(state: Any) -> dict[str, Any]:
     """The StatefulDataLoader state dict inside `state` (a training checkpoint may nest
     it), or {}."""
-    loaders = [d for d in _dicts(state) if "_iterator_finished" in d or "_steps_since_snapshot" in d]
+    loaders = [d for d in _dicts(state) if LOADER_FINISHED in d or LOADER_LAG in d]
     if len(loaders) > 1:
         raise ValueError(
             f"this state holds the states of {len(loaders)} DataLoaders: pass the state of this dataset's loader only"

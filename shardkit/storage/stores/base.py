@@ -3,8 +3,9 @@
 A store reads a range (`get`: one request, its bytes handed to a sink as they arrive, for
 the caller's retries, hedges and parallel pieces), opens an object for reading, tells an
 object's details (size, and the version marks that change when it is replaced), lists,
-removes, and makes or removes folders. Atomic writes are atomic.py's, over the same
-stores' clients. URLs are the user's fsspec URLs, whole; storage options reach the client
+removes, makes or removes folders, and writes an object atomically (`writer`: locally a
+temporary file renamed into place, on object stores an upload that appears only complete,
+on S3 its parts sent several at once). URLs are the user's fsspec URLs, whole; storage options reach the client
 unchanged.
 
 Stores with `conditional_writes` (S3, GCS, Azure, local disk) also write small objects only
@@ -27,11 +28,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, BinaryIO, ClassVar, Protocol
 
 from ..patience import patience_for
 from ..retry import retrying
 from ..urls import StorageOptions, display
+
+
+TMP_MARK = ".tmp-"  # what a file written aside is named with, before its rename into place
 
 
 class Sink(Protocol):
@@ -80,6 +85,12 @@ class Store(ABC):
         """One request for bytes [start, stop), handed to `sink` as they arrive (fewer where
         the object ends); the object's size where the answer tells it. Conditional stores
         send `pin` with it (a replaced object answers 412). Not retried: errors are raw."""
+
+    @abstractmethod
+    def writer(self, url: str) -> AbstractContextManager[BinaryIO]:
+        """A file whose bytes appear under `url` only once it is complete and closed without
+        error (an atomic put: a reader sees the old object or the whole new one, never half);
+        an error inside the block leaves nothing new behind."""
 
     @abstractmethod
     def size_now(self, url: str) -> int:

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import uuid
+from collections.abc import Iterator
 from typing import Any, BinaryIO, cast
 from urllib.parse import quote
 
 from ...errors import BadRequestError, ShardkitError
 from ..clients import filesystem
-from ..retry import root_cause, status_of
+from ..retry import retrying, root_cause, status_of
 from ..urls import OBJECT_STORES, StorageOptions, display, scheme
-from .base import Sink, Store
+from .base import TMP_MARK, Sink, Store
 
 
 class FsspecStore(Store):
@@ -72,6 +74,28 @@ class FsspecStore(Store):
                 "supports them (nginx, S3, GCS) or copy them to local disk"
             )
         return data
+
+    @contextlib.contextmanager
+    def writer(self, url: str) -> Iterator[BinaryIO]:
+        """On an object store an upload is visible only once complete: written in place, an
+        error discards it. Elsewhere (HDFS: visible while written) written aside and renamed
+        into place. Through a client with its own retries on: only it can retry an upload."""
+        fs, path = filesystem(url, self.options)
+        what = display(url)
+        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+        target = path if protocols & OBJECT_STORES else f"{path}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+        remote = retrying(what, lambda: fs.open(target, "wb"), 1)  # once: the client retries, a write is not idempotent
+        try:
+            yield cast(BinaryIO, Upload(remote, what))
+            retrying(what, remote.close, 1)
+            if target != path:
+                retrying(what, lambda: _rename_into_place(fs, target, path, what), 1)
+        except BaseException:
+            _abandon(remote)
+            if target != path:
+                with contextlib.suppress(Exception):
+                    fs.rm_file(target)
+            raise
 
     def size_now(self, url: str) -> int:
         fs, path = self.client(url)
@@ -218,3 +242,32 @@ class RetriedFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Upload:
+    """The file an upload is written through (`write` only): a client's failure becomes one
+    line naming the URL."""
+
+    def __init__(self, f: Any, what: str):
+        self._f, self._what = f, what
+
+    def write(self, data: bytes) -> int:
+        return cast(int, retrying(self._what, lambda: self._f.write(data), 1))
+
+
+def _abandon(f: Any) -> None:
+    """Throw an unfinished upload away: nothing may appear under its name, now or later (a
+    discarded fsspec file still open would upload what it holds when garbage-collected)."""
+    with contextlib.suppress(Exception):  # the error that stopped the upload is the one to report
+        f.discard()
+    with contextlib.suppress(AttributeError):  # files other than fsspec's buffered ones hold nothing back
+        f.closed = True
+
+
+def _rename_into_place(fs: Any, target: str, path: str, what: str) -> None:
+    if fs.exists(path):  # a rename onto an existing file fails on HDFS
+        fs.rm_file(path)
+    fs.mv(target, path)
+    fs.invalidate_cache(path)
+    if not fs.exists(path):  # WebHDFS reports a refused RENAME as `false`, not an error
+        raise ShardkitError(f"{what}: could not rename the finished upload into place")

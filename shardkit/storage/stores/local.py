@@ -13,11 +13,12 @@ import fcntl
 import os
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ...errors import name_file
+from ..seqwrite import SequentialWriter
 from ..urls import local_path
-from .base import Sink, Store
+from .base import TMP_MARK, Sink, Store
 
 
 class LocalStore(Store):
@@ -37,6 +38,28 @@ class LocalStore(Store):
             return os.fstat(fd).st_size
         finally:
             os.close(fd)
+
+    @contextlib.contextmanager
+    def writer(self, url: str) -> Iterator[BinaryIO]:
+        """`url.tmp-<random>` (direct I/O where the file system allows it, seqwrite.py),
+        flushed, renamed into place and the rename made durable; on error removed."""
+        path = local_path(url)
+        tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+        f = SequentialWriter(tmp)
+        try:
+            try:
+                yield cast(BinaryIO, f)  # it writes as a binary file does
+                f.finish()
+            finally:
+                f.close()
+            os.replace(tmp, path)
+            _sync_folder(os.path.dirname(path) or ".")
+        except BaseException as e:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+            if isinstance(e, OSError):  # a full disk, an I/O error: say where
+                name_file(e, path)
+            raise
 
     def size_now(self, url: str) -> int:
         return os.stat(local_path(url)).st_size
@@ -169,5 +192,18 @@ def _locked_at(path: str, version: str) -> Iterator[bool]:
             return
         mine = os.fstat(fd)
         yield (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino) and _version(mine) == version
+    finally:
+        os.close(fd)
+
+
+def _sync_folder(path: str) -> None:
+    """Make a rename in `path` durable: after a power loss the new name is there, or the old."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # a platform without directory handles (Windows)
+        return
+    try:
+        with contextlib.suppress(OSError):  # some file systems refuse fsync on a folder: nothing more to do there
+            os.fsync(fd)
     finally:
         os.close(fd)

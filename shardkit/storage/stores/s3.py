@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterator
 from typing import Any, BinaryIO, cast
 
 from .. import s3_config, s3_http
-from ..retry import root_cause, status_of
-from ..urls import StorageOptions
+from ..clients import filesystem
+from ..retry import retrying, root_cause, status_of
+from ..urls import StorageOptions, display
 from .base import Sink
-from .fsspec import FsspecStore, RetriedFile
+from .fsspec import FsspecStore, RetriedFile, Upload
 
 CHUNK = 1 << 20  # the most bytes asked of the socket at once (it gives what has come, often less)
 
@@ -121,6 +123,20 @@ class S3fsStore(FsspecStore):
 
     def remove_if(self, url: str, version: str) -> bool:
         return self._call(url, "delete_object", IfMatch=version) is not _REFUSED
+
+    @contextlib.contextmanager
+    def writer(self, url: str) -> Iterator[BinaryIO]:
+        """A multipart upload whose parts go up several at once (a capped connection is not
+        the limit), completed at the end, aborted on error."""
+        fs, path = filesystem(url, self.options)  # the client's own retries on: only it can retry a part
+        what = display(url)
+        upload = MultipartUpload(fs, path)
+        try:
+            yield cast(BinaryIO, Upload(upload, what))
+            retrying(what, upload.close, 1)
+        except BaseException:
+            upload.abort()
+            raise
 
 
 def _code(e: BaseException) -> str | None:
