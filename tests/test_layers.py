@@ -120,6 +120,17 @@ INNER: dict[str, list[set[str]]] = {
     "order": [{"blockplan", "digest", "turns"}, {"partition", "globalbatch", "ranges"}],
     "decode": [{"jpeg"}],
     "reading.sources": [{"compressed"}],
+    "packing": [
+        {"listing", "images", "lock", "executors"},
+        {"sidecars"},
+        {"inputs"},
+        {"plan"},
+        {"jobs"},
+        {"commit"},
+        {"sinks"},
+        {"pack"},
+    ],
+    "packing.inputs": [{"kind"}, {"folder", "manifest", "dataset"}],
     "packing.sinks": [{"tar", "lmdb"}],
     "storage.stores": [
         {"base", "forks"},

@@ -131,7 +131,7 @@ def test_an_overwrite_in_a_bucket_is_never_read_half_done(
 def test_a_local_tree_and_its_copy_in_a_bucket_scan_alike(s3: dict, tmp_path: Path) -> None:
     import fsspec.core
 
-    from shardkit.packing.scan import scan_folder
+    from shardkit.packing.inputs.folder import scan_folder
 
     tree = tmp_path / "tree"
     for rel in (

@@ -215,6 +215,16 @@ def _tar_index(folder: str, storage_options: StorageOptions | None) -> Index | N
     return index.with_offsets(idx, storage_options) if idx is not None and formats.get(idx.kind).sharded else None
 
 
+def dataset_index(src: str, storage_options: StorageOptions | None = None) -> Index | None:
+    """The index of the shardkit dataset at `src`: its index.json, or the one a local LMDB
+    holds inside (None: neither, so no dataset of ours)."""
+    if storage.exists(storage.join(src, index.INDEX_NAME), storage_options):
+        return index.load(src, storage_options)
+    if storage.is_local(src) and lmdb_format.is_lmdb(storage.local_path(src)):
+        return lmdb_index(src)
+    return None
+
+
 def lmdb_index(path: str, readahead: bool = False) -> Index:
     """The index stored inside a local LMDB dataset (opening it with `readahead`)."""
     env = lmdb_format.open_reader(storage.local_path(path), readahead, fresh=True)

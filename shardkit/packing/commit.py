@@ -25,7 +25,7 @@ from ..storage import StorageOptions
 from . import executors, lock
 from .plan import Job, JobList, Plan
 from .jobs import DAMAGED
-from .scan import HIDDEN
+from .inputs.folder import HIDDEN
 
 
 SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")

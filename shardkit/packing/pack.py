@@ -18,15 +18,13 @@ from typing import Any
 
 from .. import checks, storage
 from ..errors import SourceError, shown_name
-from ..formats import DEFAULT, FORMATS
-from ..formats import get as format_of
+from ..formats import DEFAULT
 from ..index import Index
-from ..index.resolve import local_lmdb
 from ..storage import StorageOptions
 from . import commit, executors, sinks
 from .commit import Sink
 from .plan import DEFAULT_MAX_FILE_SIZE, DEFAULT_MAX_SIZE, Options, Plan, make_plan
-from .scan import HIDDEN, LAYOUTS, source_kind
+from .inputs.folder import HIDDEN, LAYOUTS
 
 
 def pack(
@@ -176,12 +174,6 @@ def _planned(
     fields: Sequence[str],
 ) -> Plan:
     """The pack's plan; under on_error="raise", the first unusable input stops it here, before any write."""
-    if (
-        not storage.is_local(src)
-        and (kind := source_kind(src, storage_options)) in FORMATS
-        and format_of(kind).local_only
-    ):
-        src = local_lmdb(src, storage_options, None)  # an LMDB is read from a whole local copy
     plan = make_plan(
         src,
         dest,

@@ -42,7 +42,7 @@ def in_cli_words(text: str) -> str:
 
 def sort_skipped(skipped: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """(files left out as unusable, hidden entries left alone): .DS_Store is no bad input."""
-    from ..packing.scan import HIDDEN
+    from ..packing.inputs.folder import HIDDEN
 
     return [s for s in skipped if s.reason != HIDDEN], [s for s in skipped if s.reason == HIDDEN]
 
@@ -63,7 +63,7 @@ def hidden_note(hidden: Sequence[Any]) -> str:
 
 def layout_hint(unusable: Sequence[Any], samples: int) -> str:
     """A hint to pack with --layout flat where most files sat outside any class folder."""
-    from ..packing.scan import OUTSIDE_CLASSES
+    from ..packing.inputs.folder import OUTSIDE_CLASSES
 
     outside = sum(s.reason == OUTSIDE_CLASSES for s in unusable)
     if outside <= samples:
