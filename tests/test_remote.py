@@ -183,9 +183,9 @@ def test_workers_cache_and_second_epoch_from_disk(s3: dict, packed: Path, tmp_pa
     assert after_first["fetched_bytes"] > 0 and after_first["cache_hits"] == 0
     assert after_second["fetched_bytes"] == after_first["fetched_bytes"]  # epoch 2: nothing downloaded
     assert after_second["cache_hits"] > 0
-    names = [p.name for p in (tmp_path / "cache").iterdir()]
+    names = [p.name for p in (tmp_path / "cache" / "blocks").iterdir()]
     assert names and all("shardkit-test" not in n and "testing" not in n for n in names)
-    block = tmp_path / "cache" / names[0]  # a block damaged on disk: fetched again, never handed out
+    block = tmp_path / "cache" / "blocks" / names[0]  # a block damaged on disk: fetched again, never handed out
     damaged = bytearray(block.read_bytes())
     damaged[len(damaged) // 2] ^= 0xFF
     block.write_bytes(damaged)

@@ -22,7 +22,6 @@ import json
 import mmap
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from .. import storage
 from ..errors import CorruptShardError, ShardkitError
-from ..storage import StorageOptions
+from ..storage import StorageOptions, cache
 
 PATTERN = re.compile(r"^offsets-[0-9a-f]{16}\.npy$")
 DTYPE = np.dtype("<i8")
@@ -142,7 +141,7 @@ def _fetch(url: str, sha256: str, storage_options: StorageOptions | None, cache_
     so a copy found is a copy to use."""
     import fcntl
 
-    folder = os.path.join(cache_dir or os.path.join(tempfile.gettempdir(), "shardkit-cache"), "offsets")
+    folder = cache.folder(cache.OFFSETS, cache_dir)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{sha256[:24]}.npy")
     with open(os.path.join(folder, ".lock"), "a") as lock:
