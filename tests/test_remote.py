@@ -38,7 +38,7 @@ def test_pack_to_remote_then_stream_it(remote: dict, photos: Path, tmp_path: Pat
     assert all(s.version and list(s.version) == ["fingerprint"] for s in local.shards)
     assert shardkit.verify(url, opts) == []
     assert sorted(shardkit.storage.listdir(url, opts)) == sorted(
-        ["index.json", idx.sidecar.file, *(s.name for s in idx.shards)]
+        ["index.json", idx.offsets_file.file, *(s.name for s in idx.shards)]
     )
     expected = read_shards(tmp_path / "local")
     ds = StreamingDataset(url, storage_options=opts, prefetch=4)
@@ -64,10 +64,10 @@ def test_a_remote_sidecar_is_copied_once_and_checked(s3: dict, photos: Path, tmp
     assert copy.stat().st_mtime_ns == made and first._samples._table.path == second._samples._table.path == str(copy)
     assert len(keys(second, workers=2)) == 30
     fs, root = fsspec.core.url_to_fs(url, **opts)
-    data = bytearray(fs.cat_file(f"{root}/{idx.sidecar.file}"))
+    data = bytearray(fs.cat_file(f"{root}/{idx.offsets_file.file}"))
     data[-8:] = bytes(8)
-    fs.pipe_file(f"{root}/{idx.sidecar.file}", bytes(data))
-    with pytest.raises(CorruptShardError, match=rf"{idx.sidecar.file}: sha256 mismatch with index.json"):
+    fs.pipe_file(f"{root}/{idx.offsets_file.file}", bytes(data))
+    with pytest.raises(CorruptShardError, match=rf"{idx.offsets_file.file}: sha256 mismatch with index.json"):
         StreamingDataset(url, storage_options=opts, cache_dir=str(tmp_path / "other"))
 
 

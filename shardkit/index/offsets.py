@@ -62,7 +62,7 @@ def write(url: str, tables: Iterable[np.ndarray], entries: int, storage_options:
 
 
 class Offsets:
-    """A sidecar mapped into memory, read-only (`array`). It maps itself at first use in
+    """An offsets file mapped into memory, read-only (`array`). It maps itself at first use in
     each process and pickles as its path (never its contents)."""
 
     def __init__(self, path: str, entries: int, where: str):
@@ -123,7 +123,7 @@ def open_table(
     storage_options: StorageOptions | None = None,
     cache_dir: str | None = None,
 ) -> Offsets:
-    """The sidecar `name` of the dataset at `folder`, checked for its length (local) or
+    """The offsets file `name` of the dataset at `folder`, checked for its length (local) or
     copied to `cache_dir` and checked for its sha256 (remote)."""
     url = storage.join(folder, name)
     if storage.is_local(url):
@@ -136,7 +136,7 @@ def open_table(
 
 
 def _fetch(url: str, sha256: str, storage_options: StorageOptions | None, cache_dir: str | None) -> str:
-    """A local copy of the remote sidecar `url`: one download per machine, the processes of
+    """A local copy of the remote offsets file `url`: one download per machine, the processes of
     a machine waiting on a file lock for the first one's. Its name never changes its bytes,
     so a copy found is a copy to use."""
     import fcntl

@@ -33,7 +33,7 @@ TMP_RE = re.compile(
     rf"^({SHARD_RE.pattern[1:-1]}|{offsets.PATTERN.pattern[1:-1]}|{re.escape(index.INDEX_NAME)})"
     rf"{re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$"
 )
-"""What an interrupted pack leaves: a shard's, the sidecar's or the index's temporary file
+"""What an interrupted pack leaves: a shard's, the offsets file's or the index's temporary file
 (storage.atomic_writer's names)."""
 
 

@@ -186,7 +186,7 @@ def versions_recorded(idx: Any) -> str:
 def nothing_to_upgrade(idx: Any, index_name: str) -> str | None:
     """Why an index needs no upgrade (None: it does): it is an LMDB's, or of version 2 already."""
     fmt = formats.get(idx.kind)
-    if fmt.sharded and idx.sidecar is None:
+    if fmt.sharded and idx.offsets_file is None:
         return None
     what = "of version 2 already" if fmt.sharded else f"{fmt.noun}'s index (its keys stay inside it)"
     return f"{index_name} is {what}: nothing to upgrade"
@@ -195,7 +195,7 @@ def nothing_to_upgrade(idx: Any, index_name: str) -> str | None:
 def upgraded(idx: Any, saved: Any, index_name: str, version: int) -> str:
     return (
         f"upgraded {index_name} to version {version}: the offsets of {plural(idx.samples, 'sample')} "
-        f"are in {saved.sidecar.file}"
+        f"are in {saved.offsets_file.file}"
     )
 
 

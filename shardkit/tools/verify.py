@@ -71,14 +71,14 @@ def verify(
 
 def _sidecar_problem(idx: Index, storage_options: StorageOptions | None) -> list[str]:
     """The sidecar of sample offsets against the sha256 index.json records for it."""
-    if idx.sidecar is None:
+    if idx.offsets_file is None:
         return []
-    url = storage.join(idx.sidecar.folder, idx.sidecar.file)
+    url = storage.join(idx.offsets_file.folder, idx.offsets_file.file)
     try:
         _, sha = shard_digest(url, storage_options)
     except FileNotFoundError:
         return [f"{storage.display(url)}: missing (index.json names it for its sample offsets)"]
-    if sha != idx.sidecar.sha256:
+    if sha != idx.offsets_file.sha256:
         return [f"{storage.display(url)}: sha256 mismatch with the index (sample offsets changed or corrupt)"]
     return []
 
