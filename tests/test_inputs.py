@@ -29,7 +29,7 @@ def test_a_converted_dataset_keeps_its_order_and_index(tmp_path: Path) -> None:
     src = make_folder(tmp_path / "src", per_class=3)
     idx = shardkit.pack(str(src), str(tmp_path / "tar"), workers=1, progress=False)
     scanned = INPUTS["dataset"].scan(str(tmp_path / "tar"), None, "classes", ())
-    assert scanned.converted is not None and scanned.source == "tar"
+    assert scanned.converted is not None and scanned.input_kind == "tar"
     assert scanned.classes == idx.classes and len(scanned.listing) == idx.samples
     with pytest.raises(shardkit.SourceError, match="layout and fields describe an image folder"):
         make_plan(str(tmp_path / "tar"), str(tmp_path / "out"), layout="flat")

@@ -10,7 +10,7 @@ from ...index import Index, Skipped
 from ...storage import StorageOptions
 from ..listing import Listing
 
-IMAGES = "folder"  # a plan's `source` for images to pack (a folder's or a manifest's), else a format's name
+IMAGES = "folder"  # a plan's `input_kind` for images to pack (a folder's or a manifest's), else a format's name
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,8 @@ class Scanned:
     converted: Index | None = None
 
     @property
-    def source(self) -> str:
-        """The plan's `source`: IMAGES, or the format of the dataset converted."""
+    def input_kind(self) -> str:
+        """The plan's `input_kind`: IMAGES, or the format of the dataset converted."""
         return IMAGES if self.converted is None else self.converted.kind
 
 
