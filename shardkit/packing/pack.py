@@ -1,8 +1,8 @@
 """Pack an ImageFolder tree (or convert a shardkit dataset) into tar shards or an LMDB:
 plan -> jobs -> write -> commit.
 
-- plan (plan.py): scan SRC once, sort, optionally shuffle with a seed, cut into shards by
-  count and size. Every shard is an independent job with a fingerprint of its inputs.
+- plan (plan.py): scan SRC once (by the input kind that claims it: inputs/), sort,
+  optionally shuffle with a seed, cut into shards by count and size. Every shard is an independent job with a fingerprint of its inputs.
 - read (jobs.py): each job's samples, read, checked and optionally re-encoded.
 - write and commit (commit.py, with sinks/tar.py or sinks/lmdb.py): the one resume/commit
   mechanism; index.json is written last, and a rerun after a crash keeps every job whose
