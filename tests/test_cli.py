@@ -351,7 +351,7 @@ def test_index_upgrade_writes_version_2_from_version_1_reading_no_shard(
     assert run("index", out, "--upgrade", "--force").exit_code == 2
     result = run("index", out, "--upgrade")
     assert result.exit_code == 0, result.output
-    side = shardkit.index.load(str(packed)).sidecar.file
+    side = shardkit.index.load(str(packed)).offsets_file.file
     assert result.output == f"upgraded index.json to version 2: the offsets of 120 samples are in {side}\n"
     assert (out / side).read_bytes() == (packed / side).read_bytes()
     new = json.loads((out / "index.json").read_text())

@@ -131,6 +131,17 @@ INNER: dict[str, list[set[str]]] = {
     "bench": [{"harness", "memory", "transforms", "report"}, {"loader"}],
     "reading.sources": [{"base"}, {"compressed"}, {"tar", "lmdb"}],
     "cli": [{"options"}, {"pack", "read", "bench"}, {"__main__"}],
+    "packing": [
+        {"listing", "images", "lock_flock", "lock_lease", "executors"},
+        {"lock", "sidecars"},
+        {"inputs"},
+        {"plan"},
+        {"jobs"},
+        {"commit"},
+        {"sinks"},
+        {"pack"},
+    ],
+    "packing.inputs": [{"kind"}, {"folder", "manifest", "dataset"}],
     "packing.sinks": [{"tar", "lmdb"}],
     "storage.stores": [
         {"base", "forks"},

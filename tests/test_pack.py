@@ -623,7 +623,7 @@ def test_changed_options_replace_a_dataset_only_with_overwrite(photos: Path, tmp
     if fmt == "tar":
         assert sorted(p.name for p in out.iterdir()) == [
             "index.json",
-            idx.sidecar.file,
+            idx.offsets_file.file,
             "shard-000000.tar",
             "shard-000001.tar",
         ]  # the old sidecar gone too
@@ -1063,9 +1063,9 @@ def test_index_json_keeps_its_version_through_a_round_trip(packed: Path, packed_
     out.mkdir()
     saved = shardkit.index.save(shardkit.index.load(str(packed_v1)), str(out))
     assert (out / "index.json").read_text() == (packed / "index.json").read_text()
-    assert (out / saved.sidecar.file).read_bytes() == (packed / saved.sidecar.file).read_bytes()
+    assert (out / saved.offsets_file.file).read_bytes() == (packed / saved.offsets_file.file).read_bytes()
     with pytest.raises(shardkit.ShardkitError, match="not saved: shards without sample offsets"):
-        shardkit.index.save(replace(shardkit.index.load(str(packed_v1)).slim(), sidecar=None), str(out))
+        shardkit.index.save(replace(shardkit.index.load(str(packed_v1)).slim(), offsets_file=None), str(out))
 
 
 def test_a_newer_index_version_is_refused_by_name(tmp_path: Path) -> None:
@@ -1267,7 +1267,7 @@ def test_a_rerun_after_a_crash_in_the_cleanup_finishes_it(
     idx = shardkit.pack(str(photos), str(out), max_count=20, workers=1, progress=False)
     assert sorted(p.name for p in out.iterdir()) == [
         "index.json",
-        idx.sidecar.file,
+        idx.offsets_file.file,
         "shard-000000.tar",
         "shard-000001.tar",
     ]
@@ -1336,3 +1336,14 @@ def test_images_every_reader_would_refuse_are_skipped_at_pack_time(
         assert idx.samples == 2 and sorted(reasons) == ["a/bad.ppm", "a/cut.jpg", "a/huge.jpg", "a/huge.png"], options
         assert "decompression bomb" in reasons["a/huge.png"].lower() and reasons["a/cut.jpg"] == "truncated image"
     assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # the caller's setting, as it was
+
+
+def test_index_sidecar_is_the_offsets_files_old_name(tmp_path: Path) -> None:
+    """An image's companion files are its sidecars; the index's file of offsets is its
+    offsets file, still read under its old name, with a warning."""
+    from conftest import make_folder
+
+    idx = shardkit.pack(str(make_folder(tmp_path / "src", per_class=2)), str(tmp_path / "out"), progress=False)
+    assert idx.offsets_file is not None and (tmp_path / "out" / idx.offsets_file.file).is_file()
+    with pytest.warns(DeprecationWarning, match="use Index.offsets_file"):
+        assert idx.sidecar == idx.offsets_file

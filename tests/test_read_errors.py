@@ -80,7 +80,7 @@ def test_offsets_that_do_not_fit_their_shard_fail_naming_it(packed: Path, tmp_pa
     """A sidecar is mapped, not read whole: offsets that cannot be their shard's (a file
     damaged or replaced) fail before the first read, in the pass that would use them."""
     clone = Path(shutil.copytree(packed, tmp_path / "clone"))
-    side = clone / shardkit.index.load(str(clone)).sidecar.file
+    side = clone / shardkit.index.load(str(clone)).offsets_file.file
     table = np.load(side)
     table[3 * 8 + 2] = 10**9  # shard 3's sample 2 ends far past its shard (each shard: 7 samples, 8 offsets)
     np.save(side, table)

@@ -38,7 +38,7 @@ def test_pack_to_remote_then_stream_it(remote: dict, photos: Path, tmp_path: Pat
     assert all(s.version and list(s.version) == ["fingerprint"] for s in local.shards)
     assert shardkit.verify(url, opts) == []
     assert sorted(shardkit.storage.listdir(url, opts)) == sorted(
-        ["index.json", idx.sidecar.file, *(s.name for s in idx.shards)]
+        ["index.json", idx.offsets_file.file, *(s.name for s in idx.shards)]
     )
     expected = read_shards(tmp_path / "local")
     ds = StreamingDataset(url, storage_options=opts, prefetch=4)
@@ -64,10 +64,10 @@ def test_a_remote_sidecar_is_copied_once_and_checked(s3: dict, photos: Path, tmp
     assert copy.stat().st_mtime_ns == made and first._samples._table.path == second._samples._table.path == str(copy)
     assert len(keys(second, workers=2)) == 30
     fs, root = fsspec.core.url_to_fs(url, **opts)
-    data = bytearray(fs.cat_file(f"{root}/{idx.sidecar.file}"))
+    data = bytearray(fs.cat_file(f"{root}/{idx.offsets_file.file}"))
     data[-8:] = bytes(8)
-    fs.pipe_file(f"{root}/{idx.sidecar.file}", bytes(data))
-    with pytest.raises(CorruptShardError, match=rf"{idx.sidecar.file}: sha256 mismatch with index.json"):
+    fs.pipe_file(f"{root}/{idx.offsets_file.file}", bytes(data))
+    with pytest.raises(CorruptShardError, match=rf"{idx.offsets_file.file}: sha256 mismatch with index.json"):
         StreamingDataset(url, storage_options=opts, cache_dir=str(tmp_path / "other"))
 
 
@@ -131,7 +131,7 @@ def test_an_overwrite_in_a_bucket_is_never_read_half_done(
 def test_a_local_tree_and_its_copy_in_a_bucket_scan_alike(s3: dict, tmp_path: Path) -> None:
     import fsspec.core
 
-    from shardkit.packing.scan import scan_folder
+    from shardkit.packing.inputs.folder import scan_folder
 
     tree = tmp_path / "tree"
     for rel in (
@@ -183,9 +183,9 @@ def test_workers_cache_and_second_epoch_from_disk(s3: dict, packed: Path, tmp_pa
     assert after_first["fetched_bytes"] > 0 and after_first["cache_hits"] == 0
     assert after_second["fetched_bytes"] == after_first["fetched_bytes"]  # epoch 2: nothing downloaded
     assert after_second["cache_hits"] > 0
-    names = [p.name for p in (tmp_path / "cache").iterdir()]
+    names = [p.name for p in (tmp_path / "cache" / "blocks").iterdir()]
     assert names and all("shardkit-test" not in n and "testing" not in n for n in names)
-    block = tmp_path / "cache" / names[0]  # a block damaged on disk: fetched again, never handed out
+    block = tmp_path / "cache" / "blocks" / names[0]  # a block damaged on disk: fetched again, never handed out
     damaged = bytearray(block.read_bytes())
     damaged[len(damaged) // 2] ^= 0xFF
     block.write_bytes(damaged)

@@ -74,7 +74,7 @@ def test_construction_and_len_need_only_the_index(packed: Path, tmp_path: Path) 
     only_index = tmp_path / "only-index"
     only_index.mkdir()
     shutil.copy(packed / "index.json", only_index / "index.json")
-    side = shardkit.index.load(str(packed)).sidecar.file
+    side = shardkit.index.load(str(packed)).offsets_file.file
     with pytest.raises(CorruptShardError, match=rf"only-index/{side}: no such file, and index.json names it"):
         StreamingDataset(str(only_index))
     shutil.copy(packed / side, only_index / side)

@@ -206,7 +206,7 @@ def _upgrade(url: str, opts: dict[str, Any] | None) -> None:
         click.echo(already)
         return
     saved = index.save(idx, url, opts)
-    assert saved.sidecar is not None
+    assert saved.offsets_file is not None
     click.echo(report.upgraded(idx, saved, index.INDEX_NAME, index.VERSION))
 
 

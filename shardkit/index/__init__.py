@@ -1,11 +1,11 @@
 """The dataset's index: index.json, what a reader needs before it touches a shard.
 
 model.py is the document (shards, versions, to and from JSON, checks), offsets.py the binary
-sidecar of a tar dataset's sample offsets, io.py reading and writing them in a folder,
+offsets file of a tar dataset's sample offsets, io.py reading and writing them in a folder,
 resolve.py what a user points at turned into shard URLs and an Index."""
 
 from ..formats.lmdb import DATA_FILE as LMDB_DATA_FILE
-from .io import check_finished, find, load, pinned, sample_offsets, save, with_offsets, with_sidecar
+from .io import check_finished, find, load, pinned, sample_offsets, save, with_offsets, with_offsets_file
 from .model import (
     FORMAT,
     INDEX_NAME,
@@ -15,7 +15,7 @@ from .model import (
     VERSION,
     Index,
     ShardInfo,
-    Sidecar,
+    OffsetsFile,
     Skipped,
 )
 
@@ -29,7 +29,7 @@ __all__ = [
     "VERSION",
     "Index",
     "ShardInfo",
-    "Sidecar",
+    "OffsetsFile",
     "Skipped",
     "check_finished",
     "find",
@@ -38,5 +38,5 @@ __all__ = [
     "sample_offsets",
     "save",
     "with_offsets",
-    "with_sidecar",
+    "with_offsets_file",
 ]

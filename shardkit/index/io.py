@@ -1,5 +1,5 @@
 """index.json in a dataset's folder: finding, loading and saving it (with its offsets
-sidecar), and the shards' current versions."""
+file), and the shards' current versions."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..errors import DatasetNotFoundError, ShardkitError, UnfinishedPackError
 from ..formats.lmdb import DATA_FILE as LMDB_DATA_FILE
 from ..storage import StorageOptions
 from . import offsets
-from .model import INDEX_NAME, PROGRESS_DIR, SHARD_SUFFIXES, Index, Sidecar, check_names
+from .model import INDEX_NAME, PROGRESS_DIR, SHARD_SUFFIXES, Index, OffsetsFile, check_names
 
 
 def pinned(index: Index, url: str, storage_options: StorageOptions | None = None) -> Index:
@@ -39,7 +39,7 @@ def find(url: str, storage_options: StorageOptions | None = None) -> Index | Non
     except NotADirectoryError:
         raise DatasetNotFoundError(f"{url}: not a folder (give the dataset folder, which holds {INDEX_NAME})") from None
     index = Index.from_json(text, where)
-    return replace(index, sidecar=replace(index.sidecar, folder=url)) if index.sidecar else index
+    return replace(index, offsets_file=replace(index.offsets_file, folder=url)) if index.offsets_file else index
 
 
 def load(url: str, storage_options: StorageOptions | None = None) -> Index:
@@ -77,37 +77,41 @@ def _guess(url: str, storage_options: StorageOptions | None) -> str:
 
 def save(index: Index, url: str, storage_options: StorageOptions | None = None) -> Index:
     """Write DATASET/index.json atomically (one that a reader would refuse is refused here),
-    after the sidecar of the offsets its tar shards carry; then remove other sidecars.
+    after the offsets file of its tar shards; then remove other offsets files.
     Returns the index as saved."""
     check_names(index, storage.join(url, INDEX_NAME))
-    if formats.get(index.kind).sharded and index.sidecar is None:
+    if formats.get(index.kind).sharded and index.offsets_file is None:
         tables = [s.offsets for s in index.shards]
         if any(t is None for t in tables):
             raise ShardkitError(f"{storage.join(url, INDEX_NAME)}: not saved: shards without sample offsets")
-        index = with_sidecar(index, url, tables, storage_options)
+        index = with_offsets_file(index, url, tables, storage_options)
     storage.write_bytes_atomic(storage.join(url, INDEX_NAME), index.to_json().encode(), storage_options)
-    keep = index.sidecar.file if index.sidecar else None
+    keep = index.offsets_file.file if index.offsets_file else None
     for name in storage.listdir(url, storage_options):
         if offsets.PATTERN.match(name) and name != keep:
             storage.remove(storage.join(url, name), storage_options)
     return index
 
 
-def with_sidecar(index: Index, url: str, tables: Iterable[Any], storage_options: StorageOptions | None = None) -> Index:
+def with_offsets_file(
+    index: Index, url: str, tables: Iterable[Any], storage_options: StorageOptions | None = None
+) -> Index:
     """`index`, its shards' offset `tables` (one per shard, in order; a generator holds
-    one at a time) written to its sidecar in the folder `url`, without them in the shards."""
+    one at a time) written to its offsets file in the folder `url`, without them in the shards."""
     name = offsets.name_for((s.name, s.samples, s.bytes, s.sha256) for s in index.shards)
     sha = offsets.write(storage.join(url, name), tables, index.samples + len(index.shards), storage_options)
-    return replace(index, shards=tuple(replace(s, offsets=None) for s in index.shards), sidecar=Sidecar(name, sha, url))
+    return replace(
+        index, shards=tuple(replace(s, offsets=None) for s in index.shards), offsets_file=OffsetsFile(name, sha, url)
+    )
 
 
 def sample_offsets(
     index: Index, storage_options: StorageOptions | None = None, cache_dir: str | None = None
 ) -> np.ndarray | offsets.Offsets:
-    """Every shard's offset table back to back (see offsets.py): the sidecar mapped into
+    """Every shard's offset table back to back (see offsets.py): the offsets file mapped into
     memory (version 2), or the tables of the index's own shards (version 1, shards scanned)."""
-    if index.sidecar is not None:
-        return _open_sidecar(index, index.sidecar, storage_options, cache_dir)
+    if index.offsets_file is not None:
+        return _open_offsets_file(index, index.offsets_file, storage_options, cache_dir)
     tables = [s.offsets for s in index.shards]
     lacking = next((s.name for s in index.shards if s.offsets is None), None)
     if lacking is not None:
@@ -117,16 +121,16 @@ def sample_offsets(
 
 def with_offsets(index: Index, storage_options: StorageOptions | None = None) -> Index:
     """`index` with each shard's offset table in its entry (tools that compare or copy
-    shards one by one; a reader maps the sidecar instead)."""
-    if index.sidecar is None:
+    shards one by one; a reader maps the offsets file instead)."""
+    if index.offsets_file is None:
         return index
-    table = _open_sidecar(index, index.sidecar, storage_options, None).array
+    table = _open_offsets_file(index, index.offsets_file, storage_options, None).array
     each = [array("q", t.tobytes()) for t in offsets.tables(table, [s.samples for s in index.shards])]
-    return replace(index, shards=tuple(replace(s, offsets=t) for s, t in zip(index.shards, each)), sidecar=None)
+    return replace(index, shards=tuple(replace(s, offsets=t) for s, t in zip(index.shards, each)), offsets_file=None)
 
 
-def _open_sidecar(
-    index: Index, side: Sidecar, storage_options: StorageOptions | None, cache_dir: str | None
+def _open_offsets_file(
+    index: Index, side: OffsetsFile, storage_options: StorageOptions | None, cache_dir: str | None
 ) -> offsets.Offsets:
     return offsets.open_table(
         side.folder, side.file, side.sha256, index.samples + len(index.shards), storage_options, cache_dir

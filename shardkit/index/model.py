@@ -1,4 +1,4 @@
-"""index.json: the manifest a reader needs before it touches a shard.
+"""index.json: the list of shards a reader needs before it touches one.
 
 It lists every shard with its sample count, byte size, sha256 and (optionally) its version:
 what the store changes when the object is replaced (S3's ETag, GCS's generation), which
@@ -7,7 +7,7 @@ totals, field names, class names and the files the packer skipped. Versioned: a 
 refuses an index from a newer format loudly instead of misreading it.
 
 - Version 2 (written since shardkit 0.2): a tar dataset's per-sample byte offsets live in a
-  binary sidecar beside index.json (offsets.py), named under "offsets", so index.json grows
+  binary offsets file beside index.json (offsets.py), named under "offsets", so index.json grows
   with the shards only (~150 bytes a shard) and reading it never touches a sample.
 - Version 1: each shard entry holds its "offsets" list. Still read; `shardkit index
   --upgrade` rewrites it as version 2.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import warnings
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -138,7 +139,7 @@ class Skipped:
 
 
 @dataclass(frozen=True)
-class Sidecar:
+class OffsetsFile:
     """Where an index of version 2 keeps its sample offsets: a file of the dataset's folder
     (`folder`: where the index was read from, not saved)."""
 
@@ -156,7 +157,13 @@ class Index:
     skipped: tuple[Skipped, ...] = ()
     plan: str | None = None  # fingerprint of the pack plan: a rerun with the same plan is a no-op
     extra: dict[str, Any] = field(default_factory=dict)
-    sidecar: Sidecar | None = None  # version 2: the file of the shards' offsets (else in the shards, or none)
+    offsets_file: OffsetsFile | None = None  # version 2: the file of the shards' offsets (else in the shards, or none)
+
+    @property
+    def sidecar(self) -> OffsetsFile | None:
+        """The old name of `offsets_file` (a "sidecar" is now an image's companion file)."""
+        warnings.warn("Index.sidecar is deprecated: use Index.offsets_file", DeprecationWarning, stacklevel=2)
+        return self.offsets_file
 
     @property
     def samples(self) -> int:
@@ -175,9 +182,9 @@ class Index:
         return replace(self, shards=shards, extra={k: v for k, v in self.extra.items() if k not in _PER_SAMPLE})
 
     def to_json(self) -> str:
-        """index.json's text: version 2 (the shards' offsets in the sidecar, see `save`), or
+        """index.json's text: version 2 (the shards' offsets in the offsets file, see `save`), or
         version 1 for an index whose shards carry their offsets (read from one, or scanned)."""
-        inline = self.sidecar is None and any(s.offsets is not None for s in self.shards)
+        inline = self.offsets_file is None and any(s.offsets is not None for s in self.shards)
         doc = {
             "format": FORMAT,
             "version": 1 if inline else VERSION,
@@ -189,7 +196,11 @@ class Index:
             "plan": self.plan,
             "skipped": [{"path": s.path, "reason": s.reason} for s in self.skipped],
             **self.extra,
-            **({"offsets": {"file": self.sidecar.file, "sha256": self.sidecar.sha256}} if self.sidecar else {}),
+            **(
+                {"offsets": {"file": self.offsets_file.file, "sha256": self.offsets_file.sha256}}
+                if self.offsets_file
+                else {}
+            ),
             "shards": [s.to_json(inline) for s in self.shards],
         }
         return json.dumps(doc, ensure_ascii=False, separators=(",", ":")) + "\n"
@@ -239,7 +250,7 @@ class Index:
                 skipped=tuple(Skipped(s["path"], s["reason"]) for s in doc.get("skipped", ())),
                 plan=doc.get("plan"),
                 extra={k: v for k, v in doc.items() if k not in known},
-                sidecar=_sidecar(doc, where) if version >= 2 else None,
+                offsets_file=_offsets_file(doc, where) if version >= 2 else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             if isinstance(e, CorruptShardError):  # a shard entry that contradicts itself
@@ -253,7 +264,7 @@ class Index:
         return index
 
 
-def _sidecar(doc: dict[str, Any], where: str) -> Sidecar | None:
+def _offsets_file(doc: dict[str, Any], where: str) -> OffsetsFile | None:
     """The "offsets" entry of a version 2 index: a file of the dataset's folder."""
     entry = doc.get("offsets")
     if entry is None:
@@ -265,7 +276,7 @@ def _sidecar(doc: dict[str, Any], where: str) -> Sidecar | None:
     name, sha = entry["file"], entry["sha256"]
     if not (isinstance(name, str) and offsets.PATTERN.match(name) and isinstance(sha, str)):
         raise CorruptShardError(f'{where}: "offsets" names {name!r}, not a shardkit offsets file of the folder')
-    return Sidecar(name, sha)
+    return OffsetsFile(name, sha)
 
 
 def check_names(index: Index, where: str) -> None:

@@ -22,7 +22,6 @@ import json
 import mmap
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from .. import storage
 from ..errors import CorruptShardError, ShardkitError
-from ..storage import StorageOptions
+from ..storage import StorageOptions, cache
 
 PATTERN = re.compile(r"^offsets-[0-9a-f]{16}\.npy$")
 DTYPE = np.dtype("<i8")
@@ -63,7 +62,7 @@ def write(url: str, tables: Iterable[np.ndarray], entries: int, storage_options:
 
 
 class Offsets:
-    """A sidecar mapped into memory, read-only (`array`). It maps itself at first use in
+    """An offsets file mapped into memory, read-only (`array`). It maps itself at first use in
     each process and pickles as its path (never its contents)."""
 
     def __init__(self, path: str, entries: int, where: str):
@@ -124,7 +123,7 @@ def open_table(
     storage_options: StorageOptions | None = None,
     cache_dir: str | None = None,
 ) -> Offsets:
-    """The sidecar `name` of the dataset at `folder`, checked for its length (local) or
+    """The offsets file `name` of the dataset at `folder`, checked for its length (local) or
     copied to `cache_dir` and checked for its sha256 (remote)."""
     url = storage.join(folder, name)
     if storage.is_local(url):
@@ -137,12 +136,12 @@ def open_table(
 
 
 def _fetch(url: str, sha256: str, storage_options: StorageOptions | None, cache_dir: str | None) -> str:
-    """A local copy of the remote sidecar `url`: one download per machine, the processes of
+    """A local copy of the remote offsets file `url`: one download per machine, the processes of
     a machine waiting on a file lock for the first one's. Its name never changes its bytes,
     so a copy found is a copy to use."""
     import fcntl
 
-    folder = os.path.join(cache_dir or os.path.join(tempfile.gettempdir(), "shardkit-cache"), "offsets")
+    folder = cache.folder(cache.OFFSETS, cache_dir)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{sha256[:24]}.npy")
     with open(os.path.join(folder, ".lock"), "a") as lock:

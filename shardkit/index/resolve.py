@@ -24,7 +24,7 @@ from ..errors import (
 from ..formats import gzip, tar
 from ..formats import lmdb as lmdb_format
 from .model import Index, ShardInfo
-from ..storage import StorageOptions
+from ..storage import StorageOptions, cache
 
 
 class _Hashing:
@@ -215,6 +215,16 @@ def _tar_index(folder: str, storage_options: StorageOptions | None) -> Index | N
     return index.with_offsets(idx, storage_options) if idx is not None and formats.get(idx.kind).sharded else None
 
 
+def dataset_index(src: str, storage_options: StorageOptions | None = None) -> Index | None:
+    """The index of the shardkit dataset at `src`: its index.json, or the one a local LMDB
+    holds inside (None: neither, so no dataset of ours)."""
+    if storage.exists(storage.join(src, index.INDEX_NAME), storage_options):
+        return index.load(src, storage_options)
+    if storage.is_local(src) and lmdb_format.is_lmdb(storage.local_path(src)):
+        return lmdb_index(src)
+    return None
+
+
 def lmdb_index(path: str, readahead: bool = False) -> Index:
     """The index stored inside a local LMDB dataset (opening it with `readahead`)."""
     env = lmdb_format.open_reader(storage.local_path(path), readahead, fresh=True)
@@ -225,25 +235,20 @@ def local_lmdb(
     url: str, storage_options: StorageOptions | None, cache_dir: str | None, cache_limit: int | None = None
 ) -> str:
     """A local path for the LMDB dataset at `url`: itself when local, else a copy of its
-    data.mdb downloaded (with a progress bar) into `cache_dir` (default: a temp folder),
+    data.mdb downloaded (with a progress bar) into the cache's LMDB folder (storage/cache.py),
     renamed into place when complete and reused while the remote one is unchanged. Copies
     are named by the URL, the endpoint and the object's size and version (ETag, generation
     or modification time): a dataset replaced under its URL is fetched again, and the copy
     of the old one removed. One larger than `cache_limit` is refused."""
     if storage.is_local(url):
         return storage.local_path(url)
-    import tempfile
-
     remote = storage.join(url, "data.mdb")
     size, version = storage.version(remote, storage_options)
-    folder = os.path.join(
-        cache_dir or os.path.join(tempfile.gettempdir(), "shardkit-cache"),
-        "lmdb-" + _digest(url, storage.endpoint(storage_options)),
-    )
+    folder = cache.lmdb_copies(cache_dir, _digest(url, storage.endpoint(storage_options)))
     root = os.path.join(folder, _digest(str(size), version))
     if os.path.isfile(os.path.join(root, "data.mdb")):
         return root
-    if cache_limit is not None and size > cache_limit:
+    if not cache.whole_copy_fits(size, cache_limit):
         raise ShardkitError(
             f"{storage.display(remote)}: {size} bytes do not fit in cache_limit ({cache_limit} bytes), "
             "and an LMDB is read from a whole local copy: raise cache_limit"

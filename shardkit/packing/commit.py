@@ -25,7 +25,7 @@ from ..storage import StorageOptions
 from . import executors, lock
 from .plan import Job, JobList, Plan
 from .jobs import DAMAGED
-from .scan import HIDDEN
+from .inputs.folder import HIDDEN
 
 
 SHARD_RE = re.compile(r"^shard-\d{6,}\.tar$")
@@ -33,7 +33,7 @@ TMP_RE = re.compile(
     rf"^({SHARD_RE.pattern[1:-1]}|{offsets.PATTERN.pattern[1:-1]}|{re.escape(index.INDEX_NAME)})"
     rf"{re.escape(storage.TMP_MARK)}[0-9a-f]{{12}}$"
 )
-"""What an interrupted pack leaves: a shard's, the sidecar's or the index's temporary file
+"""What an interrupted pack leaves: a shard's, the offsets file's or the index's temporary file
 (storage.atomic_writer's names)."""
 
 

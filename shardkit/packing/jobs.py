@@ -25,6 +25,7 @@ from ..units import format_size
 from . import executors, images, sidecars
 from .executors import tick
 from .listing import Item
+from .inputs import IMAGES
 from .plan import Job, sample_meta
 
 DAMAGED = "source shard "  # how a skip for a converted shard that does not match its index begins
@@ -38,7 +39,7 @@ def _sample(job: Job, item: Item, cores: contextlib.AbstractContextManager[Any] 
     """(key, fields) of one item, read, checked and optionally re-encoded (holding `cores`
     meanwhile): an image with its class, shardkit's record of it and its sidecars and values,
     or a converted sample."""
-    if job.source != "folder":
+    if job.input_kind != IMAGES:
         key, fields = _converted(job, item)
         bad = next(images.bad_images(fields), None) if job.options.decode_check else None
         if bad is not None:
@@ -87,7 +88,7 @@ def _sidecar(job: Job, field: str, path: str) -> bytes:
 
 def _converted(job: Job, item: Item) -> tuple[str, dict[str, bytes]]:
     """(key, fields) of one sample of the dataset being converted, as its source holds it."""
-    if formats.get(job.source).sharded:
+    if formats.get(job.input_kind).sharded:
         shard, _, span = item.path.rpartition("@")
         start, stop = (int(x) for x in span.split(":"))
         _check_source_shard(job, shard)
@@ -300,7 +301,7 @@ def _made(job: Job) -> Iterator[tuple[Item, Callable[[], Sample]]]:
     from a bucket REMOTE_READS at a time (its first-byte latency hidden) and AHEAD_BYTES
     ahead at most, decoded there still on no more threads than those cores (a camera photo
     decodes to tens of MB). The same samples, in the same order, sooner."""
-    if job.source != "folder":  # a converted shard is read front to back, one sample at a time
+    if job.input_kind != IMAGES:  # a converted shard is read front to back, one sample at a time
         for item in job.items:
             yield item, functools.partial(_sample, job, item)
         return

@@ -1,8 +1,8 @@
 """Pack an ImageFolder tree (or convert a shardkit dataset) into tar shards or an LMDB:
 plan -> jobs -> write -> commit.
 
-- plan (plan.py): scan SRC once, sort, optionally shuffle with a seed, cut into shards by
-  count and size. Every shard is an independent job with a fingerprint of its inputs.
+- plan (plan.py): scan SRC once (by the input kind that claims it: inputs/), sort,
+  optionally shuffle with a seed, cut into shards by count and size. Every shard is an independent job with a fingerprint of its inputs.
 - read (jobs.py): each job's samples, read, checked and optionally re-encoded.
 - write and commit (commit.py, with sinks/tar.py or sinks/lmdb.py): the one resume/commit
   mechanism; index.json is written last, and a rerun after a crash keeps every job whose
@@ -18,15 +18,13 @@ from typing import Any
 
 from .. import checks, storage
 from ..errors import SourceError, shown_name
-from ..formats import DEFAULT, FORMATS
-from ..formats import get as format_of
+from ..formats import DEFAULT
 from ..index import Index
-from ..index.resolve import local_lmdb
 from ..storage import StorageOptions
 from . import commit, executors, sinks
 from .commit import Sink
 from .plan import DEFAULT_MAX_FILE_SIZE, DEFAULT_MAX_SIZE, Options, Plan, make_plan
-from .scan import HIDDEN, LAYOUTS, source_kind
+from .inputs.folder import HIDDEN, LAYOUTS
 
 
 def pack(
@@ -176,12 +174,6 @@ def _planned(
     fields: Sequence[str],
 ) -> Plan:
     """The pack's plan; under on_error="raise", the first unusable input stops it here, before any write."""
-    if (
-        not storage.is_local(src)
-        and (kind := source_kind(src, storage_options)) in FORMATS
-        and format_of(kind).local_only
-    ):
-        src = local_lmdb(src, storage_options, None)  # an LMDB is read from a whole local copy
     plan = make_plan(
         src,
         dest,

@@ -22,10 +22,11 @@ from .. import formats, storage
 from ..errors import SourceError
 from ..formats.tar import BLOCK, member_size
 from ..index import ShardInfo, Skipped
-from . import manifest, sidecars
-from .listing import Item, Listing
-from .scan import HIDDEN, converted, scan_dataset, scan_folder, source_kind
 from ..storage import StorageOptions
+from . import sidecars
+from .inputs import IMAGES, Scanned, identify
+from .inputs.folder import HIDDEN
+from .listing import Item, Listing
 from ..units import parse_size
 
 DEFAULT_MAX_SIZE = "256MB"
@@ -55,7 +56,7 @@ class Job:
     options: Options
     fingerprint: str
     storage_options: StorageOptions | None = field(default=None, repr=False)  # credentials: never shown
-    source: str = "folder"  # or "tar", "lmdb": a dataset being converted
+    input_kind: str = IMAGES  # or a format's name: a dataset being converted
     shards: tuple[ShardInfo, ...] = ()  # a tar source's index entries of the shards the items come from
     run: str = ""  # this pack call's id: what a worker learns about source shards holds for one run
     meta: str = META  # the field of shardkit's record of a sample's class and path
@@ -69,7 +70,7 @@ class Plan:
 
     src: str
     dest: str
-    source: str
+    input_kind: str
     classes: tuple[str, ...]
     skipped: tuple[Skipped, ...]
     listing: Listing
@@ -91,9 +92,9 @@ class Plan:
         out = []
         for position in range(lo, hi):
             item = self.listing.item(int(self.order[position]))
-            if self.source == "folder":  # a new sample number; conversions keep their keys
+            if self.input_kind == IMAGES:  # a new sample number; conversions keep their keys
                 item = item._replace(key=f"{position:0{width}d}")
-            elif (fmt := converted(self.source)) and not fmt.sharded:  # the path is its key
+            elif (fmt := _converted(self.input_kind)) and not fmt.sharded:  # the path is its key
                 item = item._replace(key=item.path)
             out.append(item)
         return tuple(out)
@@ -105,7 +106,7 @@ class Plan:
         items = self.items(i)
         shards: tuple[ShardInfo, ...] = ()
         goes_on = False
-        if (fmt := converted(self.source)) and fmt.sharded:
+        if (fmt := _converted(self.input_kind)) and fmt.sharded:
             names = dict.fromkeys(_shard_of(it) for it in items)
             shards = tuple(
                 replace(s, offsets=None) if s.sha256 else s  # a hash checks them
@@ -122,7 +123,7 @@ class Plan:
             self.options,
             fp,
             self.storage_options,
-            self.source,
+            self.input_kind,
             shards,
             self.run,
             self.meta,
@@ -228,43 +229,35 @@ def make_plan(
     and keys (shuffle applies to image folders and manifests only, whose samples are
     numbered anew). `layout` and `fields` (sidecar fields besides the defaults) are an image
     folder's; a manifest's items are read from its folder."""
-    fields = sidecars.check_fields(fields)
-    source = source_kind(src, storage_options)
-    skipped: list[Skipped] = []
-    inherited: tuple[Skipped, ...] = ()
-    shards: tuple[ShardInfo, ...] = ()
-    if source != "folder" and (layout != "classes" or set(fields) != set(sidecars.DEFAULT_FIELDS)):
-        raise SourceError(f"{storage.display(src)}: a {source}: layout and fields describe an image folder")
-    if source in ("folder", "manifest"):
-        if source == "folder":
-            classes, listing, skipped = scan_folder(src, storage_options, layout, fields)
-        else:
-            (classes, listing, skipped), src = manifest.scan_manifest(src, storage_options), manifest.root(src)
-        source = "folder"
+    scanned = _scanned(src, storage_options, options, layout, sidecars.check_fields(fields))
+    src, input_kind, classes, listing, skipped = (
+        scanned.src,
+        scanned.input_kind,
+        scanned.classes,
+        scanned.listing,
+        scanned.skipped,
+    )
+    idx = scanned.converted  # a dataset converted keeps its order
+    if idx is None:
         order = np.random.default_rng(seed).permutation(len(listing)) if shuffle else np.arange(len(listing))
-        source_id = None
     else:
-        if options.resize or options.quality:
-            raise SourceError(
-                f"{storage.display(src)}: a {source} dataset, converted byte for byte; resize and "
-                "quality re-encode the images of an image folder (pack the folder itself)"
-            )
-        idx, listing = scan_dataset(src, source, storage_options)
-        classes, source_id, order = idx.classes, _fingerprint(idx.to_json()), np.arange(len(listing))
-        inherited, shards = idx.skipped, idx.shards if formats.get(source).sharded else ()
+        order = np.arange(len(listing))
+    converted_id = None if idx is None else _fingerprint(idx.to_json())
+    inherited = () if idx is None else idx.skipped
+    shards = idx.shards if idx is not None and formats.get(input_kind).sharded else ()
     limit = parse_size(max_size) if max_size is not None else None
     if limit is not None:  # the members' share of a job's bytes (the format's own overhead aside)
         limit = payload(limit)
-    needs = _needs(listing, source, classes)[order]
+    needs = _needs(listing, input_kind, classes)[order]
     bounds = _even_cuts(needs, max_count, limit)
     names = tuple(job_name.format(i) for i in range(len(bounds)))
     meta = META_ASIDE if META in listing.extra_fields else META
     plan = Plan(
         src,
         dest,
-        source,
+        input_kind,
         classes,
-        tuple(skipped),
+        skipped,
         listing,
         order,
         tuple(bounds),
@@ -273,7 +266,7 @@ def make_plan(
         storage_options,
         meta=meta,
     )
-    fingerprints = tuple(_job_fingerprint(plan, i, source_id) for i in range(len(bounds)))
+    fingerprints = tuple(_job_fingerprint(plan, i, converted_id) for i in range(len(bounds)))
     # what the scan left out is part of the index, so of what makes this pack the same as
     # another; hidden entries (.DS_Store) are not, and with nothing else left out the
     # fingerprint is what it was before it counted them, so older packs still match
@@ -289,9 +282,29 @@ def make_plan(
     )
 
 
-def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarray:
+def _scanned(
+    src: str, storage_options: StorageOptions | None, options: Options, layout: str, fields: tuple[str, ...]
+) -> Scanned:
+    """SRC scanned by the input kind that claims it, once the options are known to apply to it."""
+    kind, named = identify(src, storage_options)
+    if not kind.shaped and (layout != "classes" or set(fields) != set(sidecars.DEFAULT_FIELDS)):
+        raise SourceError(f"{storage.display(src)}: a {named}: layout and fields describe an image folder")
+    if kind.converts and (options.resize or options.quality):
+        raise SourceError(
+            f"{storage.display(src)}: a {named} dataset, converted byte for byte; resize and "
+            "quality re-encode the images of an image folder (pack the folder itself)"
+        )
+    return kind.scan(src, storage_options, layout, fields)
+
+
+def _converted(input_kind: str) -> formats.Format | None:
+    """The format of the dataset a plan converts (None: images to pack)."""
+    return None if input_kind == IMAGES else formats.get(input_kind)
+
+
+def _needs(listing: Listing, input_kind: str, classes: tuple[str, ...]) -> np.ndarray:
     """The bytes each item takes in a tar shard, from the listing's arrays."""
-    if (fmt := converted(source)) is not None:
+    if (fmt := _converted(input_kind)) is not None:
         if fmt.sharded:  # a sample's whole byte range
             return listing.sizes
         return listing.sizes + 6 * BLOCK  # member payloads: add the tar headers and padding
@@ -315,7 +328,7 @@ def _needs(listing: Listing, source: str, classes: tuple[str, ...]) -> np.ndarra
 _JSON_ESCAPED = re.compile(rb'["\\\x00-\x1f]')  # what json escapes in a str: quote, backslash, controls
 
 
-def _job_fingerprint(plan: Plan, i: int, source_id: str | None) -> str:
+def _job_fingerprint(plan: Plan, i: int, converted_id: str | None) -> str:
     """What job i's shard is made of: its name, keys, options, and every item's path, class,
     size and modification time. A rerun reuses the shard only if all of them are unchanged."""
     lo, hi = plan.bounds[i]
@@ -329,7 +342,9 @@ def _job_fingerprint(plan: Plan, i: int, source_id: str | None) -> str:
     if options["max_file_size"] == DEFAULT_MAX_FILE_SIZE:  # absent at its default, as for decode_check
         del options["max_file_size"]
     h = hashlib.sha256(
-        json.dumps([plan.names[i], plan.source, plan.classes, options, source_id, lo, hi, len(plan.order)]).encode()
+        json.dumps(
+            [plan.names[i], plan.input_kind, plan.classes, options, converted_id, lo, hi, len(plan.order)]
+        ).encode()
     )
     for column in (ids, listing.labels[ids], listing.sizes[ids], listing.mtimes[ids]):
         h.update(np.ascontiguousarray(column, "<i8").tobytes())

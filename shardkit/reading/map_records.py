@@ -23,7 +23,7 @@ from ..formats.gzip import inflate_fields
 from ..index import Index
 from ..index.resolve import lmdb_index, local_lmdb, resolve
 from ..storage import StorageOptions
-from ..storage.cache import RangeCache
+from ..storage.cache import range_cache
 from .sources.base import gz_fields
 from .sources.tar import TarSamples
 
@@ -103,7 +103,7 @@ class TarRecords:
         """This process's reader (one inherited through fork is another process's: never used)."""
         if self._open is None or self._open[0] != os.getpid():
             s = self._settings
-            cache = RangeCache(s.cache_dir, s.cache_limit) if s.cache_dir is not None else None
+            cache = range_cache(s.cache_dir, s.cache_limit)
             # the index was read (or the shards scanned) there: the store was reachable
             reader = storage.RangeReader(
                 self.urls, s.storage_options, self._versions, cache, patient=True, pins=self._pins

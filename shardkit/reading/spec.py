@@ -16,7 +16,7 @@ import numpy as np
 
 from ..order import blockplan, partition
 from ..storage import RangeReader, StorageOptions
-from ..storage.cache import RangeCache
+from ..storage.cache import RangeCache, range_cache
 
 Transform = Callable[[dict[str, Any]], Any]
 
@@ -86,7 +86,7 @@ class ReadSpec:
     global_batches: bool = False
 
     def cache(self) -> RangeCache | None:
-        return RangeCache(self.cache_dir, self.cache_limit) if self.cache_dir is not None else None
+        return range_cache(self.cache_dir, self.cache_limit)
 
     def reader(self, cache: RangeCache | None, connections: int) -> RangeReader:
         """This pass's reader of the shards (made where it is used: it holds files and threads),

@@ -1,5 +1,22 @@
-"""A local disk cache of byte ranges of remote shards, shared by every worker and rank on
-a machine, capped in bytes.
+"""shardkit's local copies of remote data, and the one place that says where they go.
+
+Under the cache root (`cache_dir`, see `root`), one folder per kind:
+
+- `blocks/`: byte ranges of remote shards read once (RangeCache, below), kept only where a
+  `cache_dir` is given, and capped by `cache_limit` (least recently used blocks go first).
+- `lmdb/`: a whole copy of each remote LMDB read (an LMDB opens local files only), the
+  latest version of each URL; without a `cache_dir`, under the default root. `cache_limit`
+  refuses one larger than it (`whole_copy_fits`); the copies do not count towards the
+  blocks' cap.
+- `offsets/`: a copy of each remote tar dataset's offsets file (8 bytes a sample), named by
+  its sha256; without a `cache_dir`, under the default root; never evicted.
+
+A pack's copies of remote source shards are no cache: temporary files in TMPDIR, gone with
+the job. Files of the earlier layout (blocks at the top of `cache_dir`, LMDB copies in
+`lmdb-<digest>/`) are moved into place when met, so they are still found.
+
+The block cache: byte ranges of remote shards, shared by every worker and rank on a
+machine, capped in bytes.
 
 Entries are filled from the bytes a read already downloaded (no second download), written
 to a temporary name and renamed into place (a reader never sees a torn file), led by a
@@ -20,11 +37,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
+import tempfile
 import time
 import uuid
 import zlib
 
+BLOCKS, LMDB, OFFSETS = "blocks", "lmdb", "offsets"  # the kinds of copy, each a folder under the root
+DEFAULT_ROOT = "shardkit-cache"  # in the temporary folder, for the copies a read cannot do without
 SUFFIX = ".blk"
+_OLD_BLOCK = re.compile(r"[0-9a-f]{40}\.blk")  # a block at the top of the root, where they were kept before blocks/
 _CRC = 4  # bytes of the CRC-32 (big-endian) that leads each entry
 TMP = ".tmp-"
 STALE_S = 600.0
@@ -112,3 +134,46 @@ class RangeCache:
                 with contextlib.suppress(OSError):
                     os.remove(path)
                 total -= size
+
+
+def root(cache_dir: str | None) -> str:
+    """The cache root: `cache_dir`, or (None) `DEFAULT_ROOT` in the temporary folder (TMPDIR)."""
+    return cache_dir if cache_dir is not None else os.path.join(tempfile.gettempdir(), DEFAULT_ROOT)
+
+
+def folder(kind: str, cache_dir: str | None) -> str:
+    """Where copies of `kind` (BLOCKS, LMDB, OFFSETS) go under the cache root."""
+    return os.path.join(root(cache_dir), kind)
+
+
+def range_cache(cache_dir: str | None, limit: int) -> RangeCache | None:
+    """The block cache under `cache_dir`, capped at `limit` bytes (None: no `cache_dir`, no
+    block cache). Blocks the earlier layout kept at the top of `cache_dir` are moved in."""
+    if cache_dir is None:
+        return None
+    blocks = folder(BLOCKS, cache_dir)
+    with contextlib.suppress(OSError):  # no such folder yet, or another user's: nothing to move
+        old = [e.name for e in os.scandir(cache_dir) if _OLD_BLOCK.fullmatch(e.name)]
+        if old:
+            os.makedirs(blocks, exist_ok=True)
+        for name in old:
+            with contextlib.suppress(OSError):  # moved by another process meanwhile
+                os.replace(os.path.join(cache_dir, name), os.path.join(blocks, name))
+    return RangeCache(blocks, limit)
+
+
+def lmdb_copies(cache_dir: str | None, name: str) -> str:
+    """The folder of the copies of one remote LMDB (`name`: a digest of its URL), its earlier
+    place (`lmdb-<name>` at the top of the root) moved here when found."""
+    here, before = folder(LMDB, cache_dir), os.path.join(root(cache_dir), f"lmdb-{name}")
+    if os.path.isdir(before):
+        with contextlib.suppress(OSError):  # moved by another process meanwhile: a copy is fetched at worst
+            os.makedirs(here, exist_ok=True)
+            os.rename(before, os.path.join(here, name))
+    return os.path.join(here, name)
+
+
+def whole_copy_fits(size: int, limit: int | None) -> bool:
+    """Whether a whole copy of `size` bytes (an LMDB's) may be made: `cache_limit` bounds each
+    one (None: no bound), apart from the blocks' cap."""
+    return limit is None or size <= limit

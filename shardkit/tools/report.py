@@ -42,7 +42,7 @@ def in_cli_words(text: str) -> str:
 
 def sort_skipped(skipped: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """(files left out as unusable, hidden entries left alone): .DS_Store is no bad input."""
-    from ..packing.scan import HIDDEN
+    from ..packing.inputs.folder import HIDDEN
 
     return [s for s in skipped if s.reason != HIDDEN], [s for s in skipped if s.reason == HIDDEN]
 
@@ -63,7 +63,7 @@ def hidden_note(hidden: Sequence[Any]) -> str:
 
 def layout_hint(unusable: Sequence[Any], samples: int) -> str:
     """A hint to pack with --layout flat where most files sat outside any class folder."""
-    from ..packing.scan import OUTSIDE_CLASSES
+    from ..packing.inputs.folder import OUTSIDE_CLASSES
 
     outside = sum(s.reason == OUTSIDE_CLASSES for s in unusable)
     if outside <= samples:
@@ -186,7 +186,7 @@ def versions_recorded(idx: Any) -> str:
 def nothing_to_upgrade(idx: Any, index_name: str) -> str | None:
     """Why an index needs no upgrade (None: it does): it is an LMDB's, or of version 2 already."""
     fmt = formats.get(idx.kind)
-    if fmt.sharded and idx.sidecar is None:
+    if fmt.sharded and idx.offsets_file is None:
         return None
     what = "of version 2 already" if fmt.sharded else f"{fmt.noun}'s index (its keys stay inside it)"
     return f"{index_name} is {what}: nothing to upgrade"
@@ -195,7 +195,7 @@ def nothing_to_upgrade(idx: Any, index_name: str) -> str | None:
 def upgraded(idx: Any, saved: Any, index_name: str, version: int) -> str:
     return (
         f"upgraded {index_name} to version {version}: the offsets of {plural(idx.samples, 'sample')} "
-        f"are in {saved.sidecar.file}"
+        f"are in {saved.offsets_file.file}"
     )
 
 

@@ -43,7 +43,7 @@ def verify(
         if on_shard:
             on_shard(idx.shards[0], problem)
         return [problem] if problem else []
-    problems = _sidecar_problem(idx, storage_options)
+    problems = _offsets_file_problem(idx, storage_options)
     try:
         idx = index.with_offsets(idx, storage_options)
     except ShardkitError as e:  # the offsets cannot be read: the shards' bytes can still be checked
@@ -69,16 +69,16 @@ def verify(
     return problems + _unlisted(url, idx, storage_options)
 
 
-def _sidecar_problem(idx: Index, storage_options: StorageOptions | None) -> list[str]:
-    """The sidecar of sample offsets against the sha256 index.json records for it."""
-    if idx.sidecar is None:
+def _offsets_file_problem(idx: Index, storage_options: StorageOptions | None) -> list[str]:
+    """The offsets file against the sha256 index.json records for it."""
+    if idx.offsets_file is None:
         return []
-    url = storage.join(idx.sidecar.folder, idx.sidecar.file)
+    url = storage.join(idx.offsets_file.folder, idx.offsets_file.file)
     try:
         _, sha = shard_digest(url, storage_options)
     except FileNotFoundError:
         return [f"{storage.display(url)}: missing (index.json names it for its sample offsets)"]
-    if sha != idx.sidecar.sha256:
+    if sha != idx.offsets_file.sha256:
         return [f"{storage.display(url)}: sha256 mismatch with the index (sample offsets changed or corrupt)"]
     return []
 

@@ -132,7 +132,7 @@ class TarSink(Sink):
                 f"{dest}: destination is not empty and holds files `shardkit pack` did not write (found {foreign[0]!r})"
             )
         if existing is not None and existing.plan == plan.fingerprint:
-            whole = existing.sidecar is None or existing.sidecar.file in names
+            whole = existing.offsets_file is None or existing.offsets_file.file in names
             if (
                 whole
                 and not left_out_damage(plan, existing.skipped)
@@ -185,7 +185,7 @@ class TarSink(Sink):
     def make_index(self, results: Sequence[JobResult], base: dict[str, Any]) -> Index:
         """The index, its shards' offsets streamed from the jobs' tables into its offsets."""
         idx = Index(shards=tuple(r.info for r in results), **base)
-        return index.with_sidecar(
+        return index.with_offsets_file(
             idx, self.dest, _tables(self.dest, self.plan.names, self.storage_options), self.storage_options
         )
 

@@ -24,13 +24,14 @@ import stat
 from collections.abc import Iterator
 from typing import Any
 
-from .. import storage
-from ..errors import SourceError, about_the_file
-from ..formats.tar import member_size
-from ..index import Skipped
-from ..storage import StorageOptions
-from . import images, sidecars
-from .listing import Listing, ListingBuilder, change_marker
+from ... import storage
+from ...errors import SourceError, about_the_file
+from ...formats.tar import member_size
+from ...index import Skipped
+from ...storage import StorageOptions
+from .. import images, sidecars
+from ..listing import Listing, ListingBuilder, change_marker
+from .kind import Kind, Scanned
 
 SUFFIXES = (".csv", ".jsonl")
 IMAGE_KEYS = ("path", "file_name")
@@ -40,8 +41,15 @@ CAPTION_KEYS = ("caption", "text", "txt")
 Row = tuple[int, str, Any, list[tuple[str, str]]]  # line, image path, label (None: none), (field, text)s
 
 
-def is_manifest(src: str) -> bool:
-    return src.lower().endswith(SUFFIXES)
+def claims(src: str, storage_options: StorageOptions | None = None) -> str | None:
+    """A `.csv` or `.jsonl` file is a manifest, by its name alone."""
+    return "manifest" if src.lower().endswith(SUFFIXES) else None
+
+
+def scan(src: str, storage_options: StorageOptions | None, layout: str, fields: tuple[str, ...]) -> Scanned:
+    """The manifest's items, read from its folder (`layout` and `fields` are an image folder's)."""
+    classes, listing, skipped = scan_manifest(src, storage_options)
+    return Scanned(root(src), classes, listing, tuple(skipped))
 
 
 def root(src: str) -> str:
@@ -214,3 +222,6 @@ class _Files:
                 else f"cannot stat ({e.strerror})"
             )
         return (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else "not a file"
+
+
+KIND = Kind(claims, scan)

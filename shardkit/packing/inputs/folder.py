@@ -1,7 +1,6 @@
-"""What a pack reads: an image folder (classes in folders, or `layout="flat"`; images with
-their sidecars, see sidecars.py), a manifest (manifest.py), or an existing shardkit dataset
-(tar or LMDB) to convert. Either way the result is a Listing (listing.py) of items in a
-deterministic order; nothing here reads image bytes.
+"""An image folder: classes in folders (`SRC/<class>/<image>`), or images anywhere under SRC
+(`layout="flat"`), each with its sidecars (see packing/sidecars.py). Nothing here reads
+image bytes; the result is a Listing in a deterministic order (by whole path).
 """
 
 from __future__ import annotations
@@ -9,13 +8,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 
-from . import manifest, sidecars
-from .. import formats, index, storage
-from ..errors import SourceError, about_the_file
-from ..formats import lmdb as lmdb_format
-from ..index import Index, Skipped
-from ..storage import StorageOptions
-from .listing import Listing, ListingBuilder, change_marker
+from ... import index, storage
+from ...errors import SourceError, about_the_file
+from ...index import Skipped
+from ...storage import StorageOptions
+from .. import sidecars
+from ..listing import Listing, ListingBuilder, change_marker
+from .kind import Kind, Scanned
 
 LAYOUTS = ("classes", "flat")
 
@@ -191,43 +190,15 @@ def _scan_remote(
     return classes, _built(found, src, "an image folder" if flat else _folders(len(classes))), skipped
 
 
-def source_kind(src: str, storage_options: StorageOptions | None = None) -> str:
-    """ "tar" or "lmdb" for a shardkit dataset, "manifest" for a .csv or .jsonl file, "folder"
-    for anything else."""
-    if manifest.is_manifest(src):
-        return "manifest"
-    if storage.exists(storage.join(src, index.INDEX_NAME), storage_options):
-        return index.load(src, storage_options).kind
-    if storage.is_local(src) and lmdb_format.is_lmdb(storage.local_path(src)):
-        return "lmdb"
-    index.check_finished(src, storage_options)  # an unfinished pack is no image folder either
+def claims(src: str, storage_options: StorageOptions | None = None) -> str:
+    """Anything no other kind claims is an image folder, but an unfinished pack is none either."""
+    index.check_finished(src, storage_options)
     return "folder"
 
 
-def converted(source: str) -> formats.Format | None:
-    """The format of the shardkit dataset a plan converts (`source_kind`'s answer; None: an
-    image folder or a manifest)."""
-    return formats.REGISTRY.get(source)
+def scan(src: str, storage_options: StorageOptions | None, layout: str, fields: tuple[str, ...]) -> Scanned:
+    classes, listing, skipped = scan_folder(src, storage_options, layout, fields)
+    return Scanned(src, classes, listing, tuple(skipped))
 
 
-def scan_dataset(src: str, kind: str, storage_options: StorageOptions | None = None) -> tuple[Index, Listing]:
-    """The samples of a shardkit dataset, in its order, as items to copy byte for byte: for
-    LMDB the path is the sample key, for tar "SHARD@START:END"."""
-    found = ListingBuilder()
-    if not formats.get(kind).sharded:
-        from ..index.resolve import lmdb_index
-
-        idx = (
-            index.load(src, storage_options) if storage.exists(storage.join(src, index.INDEX_NAME)) else lmdb_index(src)
-        )
-        keys = idx.extra.get("keys", [])
-        for key, size in zip(keys, idx.extra.get("sizes") or [0] * len(keys)):
-            found.add(key, -1, size, 0)
-        return idx, found.build()
-    idx = index.with_offsets(index.load(src, storage_options), storage_options)
-    for shard in idx.shards:
-        if shard.offsets is None:
-            raise SourceError(f"{storage.join(src, shard.name)}: index lacks sample offsets (run `shardkit index`)")
-        for a, b in zip(shard.offsets, shard.offsets[1:]):
-            found.add(f"{shard.name}@{a}:{b}", -1, b - a, 0)
-    return idx, found.build()
+KIND = Kind(claims, scan, shaped=True)
