@@ -202,6 +202,8 @@ def test_breaking_out_of_the_loop_frees_the_read_ahead(s3: dict, packed: Path, b
 
     import fsspec.core
 
+    from shardkit.reading.spec import REMOTE_DEPTH
+
     url, opts = s3["url"] + "/breaks", s3["storage_options"]
     fs, root = fsspec.core.url_to_fs(url, **opts)
     fs.put(str(packed), root, recursive=True)
@@ -216,7 +218,7 @@ def test_breaking_out_of_the_loop_frees_the_read_ahead(s3: dict, packed: Path, b
             for j, _ in enumerate(DataLoader(ds, batch_size=None)):
                 if j == 2:
                     break
-        assert prefetching() <= 8  # at most the last pool's threads, winding down
+        assert prefetching() <= REMOTE_DEPTH  # at most the last pool's threads, winding down
         gc.collect()
     finally:
         gc.enable()

@@ -83,7 +83,9 @@ class StreamingDataset(EpochDataset):
         on_error: ``"raise"`` stops at a bad sample, naming it; ``"skip"`` skips it (a good one
             stands in, so every rank's count stays exact) and counts it in ``stats()``.
         verify: check each shard's sha256 against the index before reading it.
-        prefetch: read-ahead depth: blocks in flight per worker (0: no background reads).
+        prefetch: read-ahead depth: the most blocks in flight per worker (0: no background reads;
+            None: 8 from local disk, 32 from a store, where the read-ahead keeps as many as the
+            link needs below it, within prefetch_bytes).
         prefetch_bytes: the most bytes read ahead per worker (``"256MB"`` or an int).
         cache_dir: a local folder that keeps remote blocks read once (None: no cache).
         cache_limit: the cache's size cap; least recently used blocks go first.
@@ -117,7 +119,7 @@ class StreamingDataset(EpochDataset):
         block: int = 64,
         on_error: str = "raise",
         verify: bool = False,
-        prefetch: int = 8,
+        prefetch: int | None = None,
         prefetch_bytes: int | str = "256MB",
         cache_dir: str | None = None,
         cache_limit: int | str = "20GB",
@@ -137,7 +139,8 @@ class StreamingDataset(EpochDataset):
             global_batch_size=global_batch_size,
         )
         on_error = checks.on_error(on_error)
-        self.block, self.prefetch = checks.integer("block", block, 1), checks.integer("prefetch", prefetch)
+        self.block = checks.integer("block", block, 1)
+        self.prefetch = None if prefetch is None else checks.integer("prefetch", prefetch)
         decoder(decode, backend)  # validate early, in the main process
         self.urls, self.index = resolve(source, checks.mapping("storage_options", storage_options))
         self.decode, self.backend, self.on_error = decode, backend, on_error

@@ -48,29 +48,39 @@ _ALPHA = 0.2  # weight of the newest observation in the moving averages
 
 
 class _Threads:
-    """Daemon threads running what is submitted, in order. Unlike ThreadPoolExecutor's
-    threads, interpreter exit does not wait for them (a fetch stuck on a stalled connection
-    would hold it up)."""
+    """Daemon threads running what is submitted, in order: started as the work needs them (a
+    fetch waiting and none idle), `n` at most. Unlike ThreadPoolExecutor's threads,
+    interpreter exit does not wait for them (a fetch stuck on a stalled connection would hold
+    it up)."""
 
     def __init__(self, n: int):
-        self._n = n
+        self._n, self._started, self._idle = n, 0, 0
+        self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], None]] | None] = queue.SimpleQueue()
-        for i in range(n):
-            threading.Thread(target=self._work, name=f"shardkit-prefetch_{i}", daemon=True).start()
 
     def run(self, fut: Future[Any], fn: Callable[[], None]) -> None:
         """Run `fn` (which settles `fut` and raises nothing) unless `fut` is cancelled first."""
+        with self._lock:
+            grow = self._idle == 0 and self._started < self._n
+            if grow:
+                self._started += 1
+            else:
+                self._idle -= 1  # this job takes an idle thread (or queues behind the busy ones)
         self._jobs.put((fut, fn))
+        if grow:
+            threading.Thread(target=self._work, name=f"shardkit-prefetch_{self._started - 1}", daemon=True).start()
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             fut, fn = job
             if fut.set_running_or_notify_cancel():  # False: cancelled while queued
                 fn()
+            with self._lock:
+                self._idle += 1
 
     def shutdown(self) -> None:
         """Let the threads end once they are done with what they run now."""
-        for _ in range(self._n):
+        for _ in range(self._started):
             self._jobs.put(None)
 
 

@@ -62,7 +62,7 @@ class LmdbSamples:
         opts: Settings,
         window: int,
     ) -> tuple[Generator[Read, None, None], Prefetcher[Any, Any] | None]:
-        return self._reads(ids, opts.read_ahead.prefetch), None
+        return self._reads(ids, opts.read_ahead.depth(local=True)), None
 
     def _reads(self, ids: np.ndarray, threads: int) -> Generator[Read, None, None]:
         """(0, sample id, (key, fields) or the record's error) from the environment, opened in

@@ -117,8 +117,9 @@ class TarSamples:
                 except CorruptShardError as e:  # each sample of the range raises it in turn: skipped or raised
                     return e
 
+            depth = ahead.depth(local=True)
             prefetcher: Prefetcher[ranges.Range, Any] = Prefetcher(
-                plan, advise, lambda r: r.size, depth=ahead.prefetch, budget=ahead.prefetch_bytes, threads=False
+                plan, advise, lambda r: r.size, depth=depth, budget=ahead.prefetch_bytes, threads=False
             )
         else:
             stalls = Stalls()
@@ -133,7 +134,8 @@ class TarSamples:
 
             # a shuffled stream's first window takes its samples from every range it spans, in turn
             first = len(np.unique(range_of[: blockplan.ramp(window)[1] if window > 1 else 1]))
-            depth = ahead.prefetch * (2 if opts.global_batches else 1)  # a global batch's ranges are half blocks
+            # a global batch's ranges are half blocks
+            depth = ahead.depth(local=False) * (2 if opts.global_batches else 1)
             prefetcher = Prefetcher(
                 plan,
                 stream,
