@@ -30,7 +30,7 @@ class Format:
     """What the rest of shardkit may ask about a format, instead of its name.
 
     sharded: the dataset is shard files in its folder, each sample a byte range of one (its
-      offsets in the index's sidecar, each file's version pinned); else it is one database
+      offsets in the index's offsets file, each file's version pinned); else it is one database
       whose samples are records found by key (the index lists a key and a size for each).
     local_only: written and read on a local file system only (a remote one is copied whole).
     noun: how a report names one dataset of this format ("an LMDB"); `plural` its shards.

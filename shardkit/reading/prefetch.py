@@ -63,12 +63,13 @@ class _Threads:
         with self._lock:
             grow = self._idle == 0 and self._started < self._n
             if grow:
+                name = f"shardkit-prefetch_{self._started}"
                 self._started += 1
             else:
                 self._idle -= 1  # this job takes an idle thread (or queues behind the busy ones)
         self._jobs.put((fut, fn))
         if grow:
-            threading.Thread(target=self._work, name=f"shardkit-prefetch_{self._started - 1}", daemon=True).start()
+            threading.Thread(target=self._work, name=name, daemon=True).start()
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:

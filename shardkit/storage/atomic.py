@@ -3,8 +3,7 @@ store writes its own way (stores/: `Store.writer`); this is the one door to them
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import BinaryIO
 
 from .stores import store_for
@@ -14,13 +13,11 @@ from .urls import StorageOptions
 __all__ = ["TMP_MARK", "atomic_writer", "write_bytes_atomic"]
 
 
-@contextlib.contextmanager
-def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> Iterator[BinaryIO]:
+def atomic_writer(url: str, storage_options: StorageOptions | None = None) -> AbstractContextManager[BinaryIO]:
     """A file that appears under `url` only once it is complete: locally written aside,
     flushed and renamed into place; on object stores an upload that becomes visible when it
     completes (on S3 its parts sent several at once). On error nothing new is left."""
-    with store_for(url, storage_options).writer(url) as f:
-        yield f
+    return store_for(url, storage_options).writer(url)
 
 
 def write_bytes_atomic(url: str, data: bytes, storage_options: StorageOptions | None = None) -> None:

@@ -27,7 +27,7 @@ RANGE_BYTES = 16 << 20  # the most bytes one read merges (AWS: 8-16 MB requests 
 
 
 class TarSamples:
-    """Tar shards: each sample's byte range, from the index's offsets (the sidecar mapped
+    """Tar shards: each sample's byte range, from the index's offsets (the offsets file mapped
     into memory, or a version 1 index's tables)."""
 
     format = "tar"
@@ -80,7 +80,7 @@ class TarSamples:
 
     @property
     def offsets(self) -> np.ndarray:
-        """Every shard's offset table back to back (the sidecar mapped in this process)."""
+        """Every shard's offset table back to back (the offsets file mapped in this process)."""
         table = self._table
         return table.array if isinstance(table, offsets.Offsets) else table
 
@@ -169,7 +169,7 @@ class TarSamples:
         return ranges.blocks(ids, self.first, self.offsets, ahead.block, gap, max_bytes=RANGE_BYTES)
 
     def _check(self, shard_of: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
-        """Offsets that cannot be the samples of their shard (a sidecar replaced or damaged:
+        """Offsets that cannot be the samples of their shard (an offsets file replaced or damaged:
         it is mapped, not read whole) fail before the first read, naming the shard."""
         sizes = self.shard_bytes[shard_of]
         bad = np.flatnonzero((starts < 0) | (ends <= starts) | (ends > sizes))
