@@ -156,6 +156,12 @@ def main() -> None:
         help="the S3 server on loopback: moto (an emulator for AWS's SDK tests) or seaweedfs (a store "
         "people run), so a figure can be told apart from the server's cost",
     )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="with --peers: every timed epoch's requests as the proxy saw them, a JSON line each, in "
+        "bench-out/traces/ROUND-CONDITION-CONTESTANT.jsonl (wall-clock times; the run's 'began' in the JSON)",
+    )
     ap.add_argument("--timeout", type=float, default=600, help="seconds one contestant's epoch may take")
     ap.add_argument(
         "--conditions",
@@ -174,8 +180,8 @@ def main() -> None:
         from bench import remote_peers_run
 
         remote_peers_run.check_choices(ap, args)  # before minutes of setup
-    elif args.conditions or args.contestants:
-        ap.error("--conditions and --contestants go with --peers")
+    elif args.conditions or args.contestants or args.trace:
+        ap.error("--conditions, --contestants and --trace go with --peers")
 
     import shardkit
     from scripts.make_images import make_image_folder

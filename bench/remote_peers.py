@@ -259,12 +259,13 @@ PEERS_VENV = {"mosaic", "litdata", "s3torch"}  # run in .venv-peers; the rest in
 INSTALLED_AS = {"mosaic": "mosaicml-streaming", "litdata": "litdata", "s3torch": "s3torchconnector"}  # peers_setup.sh
 
 
+SHARDKIT = ("shardkit", "shardkit.reading.dataset")  # `from shardkit import StreamingDataset` (a lazy name)
 IMPORTS = {  # what each one imports before its clock starts (as a training script has it imported)
-    "shardkit": ("shardkit",),
-    "shardkit-off": ("shardkit",),
-    "shardkit-presigned": ("shardkit",),
-    "shardkit-obstore": ("shardkit",),
-    "shardkit-s3fs": ("shardkit",),
+    "shardkit": SHARDKIT,
+    "shardkit-off": SHARDKIT,
+    "shardkit-presigned": SHARDKIT,
+    "shardkit-obstore": SHARDKIT,
+    "shardkit-s3fs": SHARDKIT,
     "webdataset": ("webdataset", "boto3"),
     "mosaic": (),
     "litdata": ("litdata", "litdata.streaming.downloader"),
@@ -316,7 +317,7 @@ def run(key: str, endpoint: str, bucket: str) -> dict:
     setup_cpu = _tree_cpu()
     if key == CEILING:
         return {**_ceiling(endpoint, bucket), "setup_cpu_s": setup_cpu, "cpu_s": _tree_cpu() - setup_cpu}
-    start = time.perf_counter()
+    start, began = time.perf_counter(), time.time()
     loader = LOADERS[key][1](endpoint, bucket)
     first, keys = None, []
     for batch in loader:
@@ -325,6 +326,7 @@ def run(key: str, endpoint: str, bucket: str) -> dict:
         keys += _keys(batch)
     took = time.perf_counter() - start
     res = {
+        "began": began,  # wall clock, for bench/timeline.py
         "first_s": first,
         "seconds": took,
         "samples": len(keys),

@@ -127,9 +127,17 @@ def prepare(photos: Path, root: Path, names: list[str]) -> tuple[Path, dict[str,
     return out, missing
 
 
-def measure(key: str, endpoint: str, control: int, server_pid: int, timeout: float, images: int) -> dict:
-    """One epoch of `key` in a fresh process, through the proxy at `endpoint`."""
+def measure(
+    key: str, endpoint: str, control: int, server_pid: int, timeout: float, images: int, trace: Path | None = None
+) -> dict:
+    """One epoch of `key` in a fresh process, through the proxy at `endpoint`; with `trace`, the
+    proxy writes each of its requests there (a JSON line each, wall-clock times: the run's
+    `began` is on the same clock)."""
     python = str(PEERS_PYTHON) if key in PEERS_VENV else sys.executable
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.unlink(missing_ok=True)
+        s3.proxy_command(control, f"trace {trace}")
     before, server0, kids0 = json.loads(s3.proxy_command(control, "stats")), cpu_seconds(server_pid), children_cpu()
     env = {**os.environ, **CREDENTIALS, "PYTHONPATH": str(REPO), "PYTHONPYCACHEPREFIX": str(PYCACHE)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # imports from cached bytecode, as on a user's machine
@@ -154,6 +162,8 @@ def measure(key: str, endpoint: str, control: int, server_pid: int, timeout: flo
         out, err = proc.communicate()
     wall = time.perf_counter() - t0
     tree = children_cpu() - kids0
+    if trace is not None:
+        s3.proxy_command(control, "trace off")
     after = json.loads(s3.proxy_command(control, "stats"))
     res: dict = {k: after[k] - before[k] for k in ("requests", "bytes", "resets", "tailed", "throttled")}
     res.update(server_cpu_s=cpu_seconds(server_pid) - server0, wall_s=wall, tree_cpu_s=tree)
@@ -419,7 +429,8 @@ def main(args: argparse.Namespace, photos: Path, shards: Path) -> None:
             order = names[r % len(names) :] + names[: r % len(names)] if names else []
             for c in conds:
                 for name in order:
-                    res = measure(name, *proxies[c], server.proc.pid, args.timeout, args.images)
+                    trace = OUT / "traces" / f"{r + 1}-{c}-{name}.jsonl" if args.trace else None
+                    res = measure(name, *proxies[c], server.proc.pid, args.timeout, args.images, trace)
                     runs.append({"contestant": name, "condition": c, "round": r + 1, **res})
                     if "failed" in res:
                         failures.append(runs[-1])

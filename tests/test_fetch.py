@@ -185,6 +185,70 @@ def test_a_late_get_of_read_ahead_is_hedged_once_its_reader_waits() -> None:
     engine.close()
 
 
+def test_a_get_sent_before_any_latency_was_seen_is_hedged_once_one_is() -> None:
+    """No history when the GET went out (a fresh process's first): no bar then; the bar is
+    read anew while it waits, so once quick answers have been seen it is hedged."""
+    data = b"f" * MB
+    store = HeldStore(data)
+    late = store.hold[0] = threading.Event()
+    engine = _seasoned(FetchEngine(4))
+    engine._seen.clear()
+    into = Arriving(0, len(data))
+    fetching = threading.Thread(target=lambda: engine.get(store, "held://x", into.pieces[0], None))
+    fetching.start()
+    reading = threading.Thread(target=into.read_at, args=(len(data), 0))
+    reading.start()
+    time.sleep(0.2)
+    assert (engine.hedges, store.calls) == (0, 1)  # nothing seen: nothing to hedge by
+    for _ in range(fetch.P95_SEEN):
+        engine.first_byte(0.001)
+    reading.join(5)
+    assert (engine.hedges, engine.hedge_wins, store.calls) == (1, 1, 2) and into.data() == data
+    late.set()
+    fetching.join(10)
+    engine.close()
+
+
+def test_a_hedge_in_the_tail_too_gets_one_more() -> None:
+    """The GET and its hedge both late: a third attempt answers, and no more are sent."""
+    data = b"t" * MB
+    store = HeldStore(data)
+    late = store.hold[0] = store.hold[1] = threading.Event()
+    engine = _seasoned(FetchEngine(4))
+    into = _fill(engine, store, data)
+    assert into.data() == data
+    assert (engine.hedges, engine.hedge_wins, store.calls) == (2, 1, fetch.ATTEMPTS)
+    late.set()
+    engine.close()
+
+
+def test_a_small_read_is_hedged_and_counted() -> None:
+    """fetch.first_answer: a whole small read with no answer after the bar is sent again; the
+    first answer wins, counted in small_read_hedges(); an error only once all attempts failed."""
+    _seasoned(FetchEngine(4), first_byte_s=0.01).close()  # the process has seen quick answers of the store
+    store = HeldStore(b"")
+    held, calls = threading.Event(), []
+
+    def call() -> bytes:
+        calls.append(1)
+        if len(calls) == 1:
+            held.wait(10)
+            return b"late"
+        return b"hedge"
+
+    before = fetch.small_read_hedges()
+    assert fetch.first_answer(store, "held://x", call) == b"hedge"  # the first is held until the end
+    after = fetch.small_read_hedges()
+    assert (after["hedges"] - before["hedges"], after["hedge_wins"] - before["hedge_wins"]) == (1, 1)
+    held.set()
+
+    def fails() -> bytes:
+        raise OSError("refused")
+
+    with pytest.raises(OSError, match="refused"):
+        fetch.first_answer(store, "held://x", fails)
+
+
 def test_a_first_answer_in_time_is_not_hedged() -> None:
     data = b"x" * MB
     store = HeldStore(data)
@@ -196,7 +260,7 @@ def test_a_first_answer_in_time_is_not_hedged() -> None:
 
 
 def test_hedges_stay_within_their_share_of_requests() -> None:
-    """Every GET late: hedges stop at HEDGE_SHARE of the requests (and one)."""
+    """Every GET late: hedges stop at HEDGE_SHARE of the requests (and HEDGE_BURST)."""
     data = b"y" * 4096
     store = HeldStore(data)
     engine = _seasoned(FetchEngine(4), requests=0)
@@ -210,7 +274,7 @@ def test_hedges_stay_within_their_share_of_requests() -> None:
     release.set()
     for t in threads:
         t.join(10)
-    assert 0 < engine.hedges <= fetch.HEDGE_SHARE * engine.requests + 1
+    assert 0 < engine.hedges <= fetch.HEDGE_SHARE * engine.requests + fetch.HEDGE_BURST
     engine.close()
 
 
@@ -367,8 +431,40 @@ def test_hedges_beat_the_latency_tail_and_lose_no_sample(
     stats = ds.stats()
     assert control.stats()["tailed"] > 0
     assert stats["hedges"] > 0 and 0 < stats["hedge_wins"] <= stats["hedges"]
-    assert stats["hedges"] <= 0.5 * stats["requests"] + 2  # the share, and one a worker
+    # the share, a burst a worker, and the open's two small reads (index, offsets file)
+    assert stats["hedges"] <= 0.5 * stats["requests"] + 2 * fetch.HEDGE_BURST + 2 * (fetch.ATTEMPTS - 1)
     assert stats["store"] == "s3 (presigned)"
+
+
+def test_a_datasets_open_is_hedged_against_the_tail(
+    s3: dict,
+    s3_server: str,
+    packed: Path,
+    latency_proxy,  # type: ignore[no-untyped-def]
+) -> None:
+    """index.json's first answer held 20 s: a fresh process (no latency seen) sends it again
+    after FIRST_HEDGE_S; the dataset opens in about that, the hedge counted in stats()."""
+    from shardkit.storage import latencies
+
+    url = f"{s3['url']}/open-tail"
+    fs, root = fsspec.core.url_to_fs(url, **s3["storage_options"])
+    fs.put(str(packed), root, recursive=True)
+    proxied, control = latency_proxy(s3_server, tail_prob=1.0, tail_ms=20_000)
+    latencies.history("s3 (presigned)", proxied).clear()
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    opened: list[StreamingDataset] = []
+    started = time.perf_counter()
+    opening = threading.Thread(target=lambda: opened.append(StreamingDataset(url, storage_options=opts)))
+    opening.start()
+    while not control.stats()["tailed"]:  # the index's first answer is in the tail: the rest not
+        time.sleep(0.005)
+    control.set("tail_prob", 0)
+    opening.join(10)
+    took = time.perf_counter() - started
+    assert opened and took < 5, took
+    assert len(list(opened[0])) == 120
+    stats = opened[0].stats()
+    assert stats["hedges"] >= 1 and stats["hedge_wins"] >= 1
 
 
 def test_resets_throttling_and_hedges_together_cost_no_sample(

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -500,3 +501,44 @@ def test_read_ahead_without_threads_runs_fetches_early_in_place() -> None:
     me = threading.current_thread().name
     assert log[:4] == [f"fetch 0 in {me}", f"fetch 1 in {me}", f"fetch 2 in {me}", "use 0"]
     assert [x for x in log if x.startswith("use")] == [f"use {i}" for i in range(6)]
+
+
+def test_a_waiting_consumer_doubles_the_reads_in_flight_while_they_bring_more() -> None:
+    """Slow start by round trips while the consumer waits for its first range's bytes: each
+    round that brought a quarter more bytes a second than the best before doubles the reads
+    in flight; a round that did not (the link is full) leaves them as they are."""
+    started: list[int] = []
+    release = threading.Event()
+
+    def fetch(req: int, hand_over: Any) -> int:
+        started.append(req)
+        hand_over(req)
+        release.wait(10)
+        return req
+
+    arrived = [0]
+    prefetcher = Prefetcher(
+        range(100),
+        fetch,
+        lambda r: 1,
+        depth=32,
+        budget=1000,
+        streaming=True,
+        round_trip=lambda: 0.03,
+        arrived=lambda: arrived[0],
+    )
+    it = iter(prefetcher)
+    next(it)  # the first range, alone, taken: the consumer now waits for its bytes
+    targets = []
+    for brought in (100, 300, 900, 2700, 1000):
+        time.sleep(0.04)
+        arrived[0] += brought
+        prefetcher.stalling()
+        targets.append(prefetcher.target)
+    assert targets == [2, 4, 8, 16, 16]
+    deadline = time.monotonic() + 5
+    while len(started) < 16 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(started) == 16  # as many sent as the target allows, at once
+    release.set()
+    it.close()

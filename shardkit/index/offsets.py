@@ -22,7 +22,7 @@ import json
 import mmap
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from ..storage import StorageOptions, cache
 
 PATTERN = re.compile(r"^offsets-[0-9a-f]{16}\.npy$")
 DTYPE = np.dtype("<i8")
+SMALL_FILE = 4 << 20  # an offsets file up to this size is fetched in one hedged read
 
 
 def name_for(shards: Iterable[tuple[str, int, int, str | None]]) -> str:
@@ -129,16 +130,17 @@ def open_table(
     if storage.is_local(url):
         path = storage.local_path(url)
     else:
-        path = _fetch(url, sha256, storage_options, cache_dir)
+        path = _fetch(url, sha256, storage_options, cache_dir, small=entries * DTYPE.itemsize <= SMALL_FILE)
     table = Offsets(path, entries, storage.display(url))
     table.array  # noqa: B018 - fail here, in the main process, not in a worker
     return table
 
 
-def _fetch(url: str, sha256: str, storage_options: StorageOptions | None, cache_dir: str | None) -> str:
+def _fetch(url: str, sha256: str, storage_options: StorageOptions | None, cache_dir: str | None, small: bool) -> str:
     """A local copy of the remote offsets file `url`: one download per machine, the processes of
     a machine waiting on a file lock for the first one's. Its name never changes its bytes,
-    so a copy found is a copy to use."""
+    so a copy found is a copy to use. A `small` one is one hedged read (storage.read_bytes:
+    it is on the way to an epoch's first batch), a large one streamed to disk."""
     import fcntl
 
     folder = cache.folder(cache.OFFSETS, cache_dir)
@@ -151,8 +153,8 @@ def _fetch(url: str, sha256: str, storage_options: StorageOptions | None, cache_
         tmp = f"{path}{storage.TMP_MARK}{os.getpid()}"
         sha = hashlib.sha256()
         try:
-            with storage.open_read(url, storage_options) as src, open(tmp, "wb") as dst:
-                while chunk := src.read(8 << 20):
+            with open(tmp, "wb") as dst:
+                for chunk in _chunks(url, storage_options, small):
                     sha.update(chunk)
                     dst.write(chunk)
             if sha.hexdigest() != sha256:
@@ -164,6 +166,15 @@ def _fetch(url: str, sha256: str, storage_options: StorageOptions | None, cache_
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
     return path
+
+
+def _chunks(url: str, storage_options: StorageOptions | None, small: bool) -> Iterator[bytes]:
+    if small:
+        yield storage.read_bytes(url, storage_options)
+        return
+    with storage.open_read(url, storage_options) as src:
+        while chunk := src.read(8 << 20):
+            yield chunk
 
 
 def tables(offsets: np.ndarray, samples: Sequence[int]) -> list[np.ndarray]:

@@ -52,6 +52,7 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         self.batch_size = checks.optional("batch_size", batch_size, 1)
         self.global_batch_size = checks.optional("global_batch_size", global_batch_size, 1)
         self._shared = Shared()
+        self._opened = {"hedges": 0, "hedge_wins": 0}  # the hedges of the small reads that opened it (stats())
         self._resume: dict[str, Any] | None = None
         if self.global_batch_size:  # a world size known now (given, or torchrun's) must split it
             self._local_batch(self._rank_world()[1])
@@ -108,10 +109,14 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         downloaded, cache hits, `throttled` (the store's answers asking for fewer requests,
         503 SlowDown or 429: each one halved a worker's reads in flight and was retried after
         a backoff), `requests` (ranged GETs sent, hedges aside), `hedges` (GETs sent again
-        because their first byte was late) and `hedge_wins` (those that answered first), the
+        because their first byte was late, the dataset's opening reads of its index and offsets
+        file included) and `hedge_wins` (those that answered first), the
         read-ahead's depth and fetch latency, `store`: which client reads the shards, and
         `store_config`: what was decided for each store (`store_config()`)."""
-        return {**stats_summary(self._shared.totals()), "store": self.store_name(), "store_config": self.store_config()}
+        total = self._shared.totals()
+        for name, n in self._opened.items():
+            total[name] += n
+        return {**stats_summary(total), "store": self.store_name(), "store_config": self.store_config()}
 
     def store_name(self) -> str:
         """The client that reads this dataset's shards ("local", "s3 (presigned)", "s3fs", ...)."""

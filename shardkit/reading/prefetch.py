@@ -9,7 +9,14 @@ How many reads are in flight adapts, so that read-ahead never costs the consumer
   consumer needs several before it can begin: a shuffled stream's first window draws its
   samples from every range it spans, and these go out together, one round trip for all.)
 - From there it ramps up, doubling with each range taken (TCP's slow start: a short epoch
-  or a resume must not spend its first blocks at depth 1), towards what Little's law asks for:
+  or a resume must not spend its first blocks at depth 1), and, while the consumer waits
+  for a streaming range's bytes, with each round trip it waits, as long as the last
+  doubling brought a quarter more bytes a second than the best round before (`stalling`:
+  BBR's start-up; the reads in flight do not carry the consumer's rate; on a link that caps
+  each connection only more of them do, and waiting for the range to be taken first cost
+  a 20 MB/s-a-connection link half a second of six connections at an epoch's start; where
+  the link or the store is what is full, more reads would only queue), towards what
+  Little's law asks for:
   in flight = arrival rate x latency, the arrival rate being how fast the consumer would
   take ranges on its own (its waits for bytes not counted: they are what read-ahead failed
   to hide) and the latency how long a fetch takes (moving averages). A slow store gets more
@@ -45,6 +52,8 @@ D = TypeVar("D")  # what fetching it gives
 T = TypeVar("T")
 
 _ALPHA = 0.2  # weight of the newest observation in the moving averages
+MIN_ROUND_TRIP_S = 0.02  # `stalling` doubles the reads in flight at most this often...
+GROWTH = 1.25  # ...while each doubling brings this much more (BBR's start-up)
 
 
 class _Threads:
@@ -103,6 +112,9 @@ class Prefetcher(Generic[R, D]):
     out at once, before any is taken (1 unless the consumer needs several to begin).
     `stalled()`, if given, counts the seconds the consumer has waited for a streaming
     range's bytes: not its own time, so not part of the rate Little's law asks for.
+    `round_trip()`, if given, is a read's first-byte latency, how often `stalling` doubles,
+    and `arrived()` the bytes the fetches have brought so far, by which it tells whether
+    the last doubling paid.
     """
 
     def __init__(
@@ -118,12 +130,17 @@ class Prefetcher(Generic[R, D]):
         pressure: Callable[[], int] | None = None,
         start: int = 1,
         stalled: Callable[[], float] | None = None,
+        round_trip: Callable[[], float] | None = None,
+        arrived: Callable[[], int] | None = None,
     ):
         if depth < 0 or budget < 1:
             raise ValueError("depth must be >= 0 and budget >= 1")
         self._requests = iter(requests)
         self._fetch, self._size, self._streaming = fetch, size, streaming
         self._pressure, self._stalled = pressure or (lambda: 0), stalled or (lambda: 0.0)
+        self._round_trip, self._arrived = round_trip or (lambda: 0.0), arrived or (lambda: 0)
+        self._round = (0.0, 0)  # when `stalling`'s round began, and the bytes arrived by then
+        self._best = 0.0  # the most bytes a second of a round so far
         self.depth, self.budget, self.threads = depth, budget, threads
         self.target = min(depth, max(1, start))  # reads to keep in flight now (adapted)
         self.ceiling = float(depth)  # lowered when the store throttles (AIMD)
@@ -166,6 +183,7 @@ class Prefetcher(Generic[R, D]):
             yield from self._ahead_in_place()
             return
         self._pool = _Threads(self.depth)
+        self._round = (time.perf_counter(), self._arrived())  # the first reads' round
         try:
             while True:
                 self._fill()
@@ -209,6 +227,23 @@ class Prefetcher(Generic[R, D]):
         self._pressed = pressed
         wanted = math.ceil(self.latency_s / max(self.interval_s, 1e-6)) + 1 if self.latency_s else 1
         self.target = max(1, min(2 * self.target, wanted, int(self.ceiling)))  # doubling up, down at once
+
+    def stalling(self) -> None:
+        """Called from the consumer's thread while it waits for the bytes of a range it took
+        (between takes, so nothing else runs the read-ahead meanwhile): at the end of each
+        round trip (at least `MIN_ROUND_TRIP_S`), if the round brought `GROWTH` times the
+        bytes a second of the best round before, the target doubles (within the AIMD
+        ceiling) and what it allows is sent at once."""
+        now, (began, before) = time.perf_counter(), self._round
+        if self._pool is None or now - began < max(self._round_trip(), MIN_ROUND_TRIP_S):
+            return
+        arrived = self._arrived()
+        rate, self._round = (arrived - before) / (now - began), (now, arrived)
+        if rate < GROWTH * self._best:
+            return  # more reads in flight brought no more bytes: the link is full, not the reads
+        self._best = rate
+        self.target = max(self.target, min(2 * self.target, int(self.ceiling), self.depth))
+        self._fill()
 
     def _fill(self) -> None:
         """Submit requests while fewer than the target are in flight and under the byte

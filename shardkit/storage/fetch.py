@@ -21,15 +21,20 @@ few percent of requests late (hundreds of ms to seconds). So:
   also halves how many pieces a range may take (and each range without one adds one back).
 - Hedges: a GET whose first byte has not come after about the p95 of first-byte latencies
   seen so far (but no more than 4x their median, so that a tail fat enough to reach the p95
-  does not set the bar inside itself, and at least `HEDGE_FLOOR_S`; 4x the median until
-  `P95_SEEN` are known), and whose bytes a reader waits for, is sent again, at most
-  `HEDGE_SHARE` of requests. A late GET of read-ahead is hedged only once its reader comes
-  to wait for it: then at once. The latencies are the process's (latencies.py), the
-  index's read among them: a short epoch's few GETs, which a worker makes before it has
-  seen enough of its own, are hedged too. The first to answer writes the piece, and its end
-  is the GET's; the other, once its own answer comes, is closed unread (a blocking HTTP
-  read cannot be interrupted sooner), on a thread of its own that nobody waits for. Both
-  carry the same pinned version (If-Match), so a hedge never reads another object.
+  does not set the bar inside itself, and at least `HEDGE_FLOOR_S`; 4x the lower median
+  until `P95_SEEN` are known), and whose bytes a reader waits for, is sent again; a hedge
+  as late gets one more (`ATTEMPTS`: a 5% tail meets one hedge in twenty). At most
+  `HEDGE_SHARE` of requests and `HEDGE_BURST` more (a short pass's few requests meet the
+  tail's first few as often as a long one's: with one spare hedge, a worker of a
+  2,000-image epoch that met two tails waited a whole second on the second). The bar is
+  read anew while a GET waits: one sent before its process knew the store is held to what
+  it knows now. A late GET of read-ahead is hedged only once its reader comes to wait for
+  it: then at once. The latencies are the process's (latencies.py), the index's read among
+  them: a short epoch's few GETs, which a worker makes before it has seen enough of its
+  own, are hedged too. The first to answer writes the piece, and its end is the GET's; the
+  others, once their own answer comes, are closed unread (a blocking HTTP read cannot be
+  interrupted sooner), on threads of their own that nobody waits for. All carry the same
+  pinned version (If-Match), so a hedge never reads another object.
 
 Only the attempt that claimed a piece ever writes to it, so a hedge can neither lose nor
 duplicate a byte; a failed piece is retried from where its bytes stopped by the caller.
@@ -39,11 +44,12 @@ from __future__ import annotations
 
 import functools
 import math
+import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from ..errors import ShardkitError
 from . import latencies
@@ -52,20 +58,85 @@ from .daemon_threads import DaemonThreads, DaemonTimer
 from .stores import Store
 from .streams import Piece
 
+T = TypeVar("T")
+
 MIN_PIECE = 1 << 20
 HEADROOM = 1.5  # connections for the consumer's rate, and half as many again
 SPLIT_WAITING = 0.5  # ranges are cut into pieces while the consumer waits more than this share of its time
 CONNECTIONS = 16  # GETs one reader keeps open at most, hedges aside, where it is told nothing else
 RANK_CONNECTIONS = 32  # ...and a rank's DataLoader workers together: each keeps its share (`per_worker`)
-HEDGE_SHARE = 0.05  # hedges at most per request
+HEDGE_SHARE = 0.05  # hedges at most per request...
+HEDGE_BURST = 2  # ...and this many more
 HEDGE_FLOOR_S = 0.05  # never hedge a GET sooner than this
 HEDGE_POLL_S = 0.02  # a late GET of read-ahead is hedged this soon after a reader starts to wait for it
 P95_SEEN = 8  # first-byte latencies seen before their p95 sets the bar (before: 4x their median)
+FIRST_HEDGE_S = 0.5  # a process's first small read is hedged after this (S3's first bytes: ~0.1 s with TLS)
+ATTEMPTS = 3  # GETs of one piece at most: the first and two hedges (the second if the first hedge is late too)
 _ALPHA = 0.1  # weight of the newest GET in the moving averages
 
 
 def _history(store: Store, url: str) -> deque[float]:
     return latencies.history(store.name, origin(url, store.options))
+
+
+def _bar(seen: list[float]) -> float:
+    """The hedge bar of first-byte latencies `seen` (sorted, at least one)."""
+    # the lower median: of two, a tail's 1 s index read must not set a 4-s bar on the next GETs
+    p50, p95 = seen[(len(seen) - 1) // 2], seen[int(0.95 * (len(seen) - 1))]
+    return max(HEDGE_FLOOR_S, min(p95, 4 * p50) if len(seen) >= P95_SEEN else 4 * p50)
+
+
+def first_answer(store: Store, url: str, call: Callable[[], T]) -> T:
+    """`call()`, a whole read of a small object `url` (an index, an offsets file), hedged:
+    sent again while no attempt has answered after the bar (`_bar` of what the process has
+    seen of the store, `FIRST_HEDGE_S` before it has seen anything), `ATTEMPTS` in all;
+    the first answer wins, the others end unread on their own threads. An error is raised
+    once every attempt sent has failed (the first one's)."""
+    history = _history(store, url)
+    with latencies.LOCK:
+        seen = sorted(history)
+    bar = _bar(seen) if seen else FIRST_HEDGE_S
+    answers: queue.SimpleQueue[tuple[int, bool, Any]] = queue.SimpleQueue()
+
+    def attempt(me: int) -> None:
+        try:
+            answers.put((me, True, call()))
+        except BaseException as e:  # noqa: BLE001 - raised by the caller's thread
+            answers.put((me, False, e))
+
+    sent, due, errors = 0, 0.0, []
+    while True:
+        if sent < ATTEMPTS and (sent == 0 or due <= time.perf_counter()):
+            threading.Thread(target=attempt, args=(sent,), name="shardkit-small-read", daemon=True).start()
+            sent, due = sent + 1, time.perf_counter() + bar
+            if sent > 1:
+                _count_open("hedges")
+        try:
+            me, ok, value = answers.get(timeout=max(0.0, due - time.perf_counter()) if sent < ATTEMPTS else None)
+        except queue.Empty:
+            continue
+        if ok:
+            if me:
+                _count_open("hedge_wins")
+            return cast(T, value)
+        errors.append(value)
+        if len(errors) == sent:
+            raise errors[0]
+
+
+_OPENS = {"hedges": 0, "hedge_wins": 0}  # `first_answer`'s, in this process
+_OPENS_LOCK = threading.Lock()
+
+
+def _count_open(name: str) -> None:
+    with _OPENS_LOCK:
+        _OPENS[name] += 1
+
+
+def small_read_hedges() -> dict[str, int]:
+    """The hedges and hedge wins of this process's small whole reads so far (`first_answer`)."""
+    with _OPENS_LOCK:
+        return dict(_OPENS)
 
 
 def per_worker(num_workers: int) -> int:
@@ -181,14 +252,11 @@ class FetchEngine:
     def hedge_after(self) -> float | None:
         """Seconds without a first byte after which a GET is sent again (None: not yet)."""
         with self._lock:
-            if self.hedges >= HEDGE_SHARE * self.requests:
+            if not self._may_hedge():
                 return None
         with latencies.LOCK:
             seen = sorted(self._seen)
-        if not seen:
-            return None
-        p50, p95 = seen[len(seen) // 2], seen[int(0.95 * (len(seen) - 1))]
-        return max(HEDGE_FLOOR_S, min(p95, 4 * p50) if len(seen) >= P95_SEEN else 4 * p50)
+        return _bar(seen) if seen else None
 
     # running
     def run(self, pieces: list[Piece], fetch: Callable[[Piece], None]) -> None:
@@ -230,7 +298,7 @@ class FetchEngine:
             except Lost:
                 return
             except BaseException as e:  # noqa: BLE001 - the caller raises it (retried there)
-                if me == 1 and claim.by is None:
+                if me and claim.by is None:
                     return  # a hedge that failed before its first byte: the first GET is still out
                 size = e
             if claim.take(me):  # an attempt that ended before any byte claims the piece by ending
@@ -239,36 +307,47 @@ class FetchEngine:
                 outcome.append(size)
                 ended.set()
 
+        sent = time.perf_counter()
         attempts.submit(functools.partial(attempt, 0))
-        after, timer = self.hedge_after(), None
-        if after is not None:
-            send = functools.partial(attempts.submit, functools.partial(attempt, 1))
-            timer = timer_thread.at(time.perf_counter() + after, functools.partial(self._hedge, claim, send, piece))
+        after = self.hedge_after()
+        send = functools.partial(self._send, attempts, attempt)
+        timer_thread.at(sent + (after or HEDGE_POLL_S), functools.partial(self._hedge, claim, send, piece, sent))
         ended.wait()
-        if timer is not None:
-            timer[0] = None
         if isinstance(outcome[0], BaseException):
             raise outcome[0]
         return outcome[0] if isinstance(outcome[0], int) else None
 
-    def _hedge(self, claim: _Claim, send: Callable[[], Any], piece: Piece) -> None:
-        """On the timer's thread: send the GET again, unless it has answered meanwhile; while
-        no reader waits for its bytes (a read-ahead's GET), look again every `HEDGE_POLL_S`
-        instead: the hedges' share is spent on the GETs that hold a reader up, not on read-ahead
-        that is late but still ahead of its reader (measured here: at an epoch's start, GETs
-        slowed by their own number spent it before a GET in the tail came)."""
-        if claim.by is not None:
+    @staticmethod
+    def _send(attempts: DaemonThreads, attempt: Callable[[int], None], me: int) -> None:
+        attempts.submit(functools.partial(attempt, me))
+
+    def _hedge(self, claim: _Claim, send: Callable[[int], None], piece: Piece, since: float, sent: int = 1) -> None:
+        """On the timer's thread, until the GET has answered: once the bar (`hedge_after`, read
+        anew each time: a GET sent before the process knew its store's latencies is measured
+        by what it knows now) has passed since `since` and a reader waits for the piece's bytes,
+        send attempt `sent` (a hedge; a hedge that meets the tail too gets one more, up to
+        `ATTEMPTS` in all); else look again every `HEDGE_POLL_S`. The hedges' share is spent
+        on the GETs that hold a reader up, not on read-ahead that is late but still ahead of
+        its reader (measured here: at an epoch's start, GETs slowed by their own number spent
+        it before a GET in the tail came)."""
+        timer = self._timer
+        if claim.by is not None or timer is None or sent >= ATTEMPTS:
             return
-        if not piece.awaited:
-            timer = self._timer
-            if timer is not None:
-                timer.at(time.perf_counter() + HEDGE_POLL_S, functools.partial(self._hedge, claim, send, piece))
-            return
-        with self._lock:
-            if self.hedges >= HEDGE_SHARE * self.requests + 1:
-                return
-            self.hedges += 1
-        send()
+        now, after = time.perf_counter(), self.hedge_after()
+        if after is not None and now >= since + after and piece.awaited:
+            with self._lock:
+                hedge = self._may_hedge()
+                if hedge:
+                    self.hedges += 1
+            if hedge:
+                send(sent)
+                since, sent = now, sent + 1
+        wake = since + after if after is not None and now < since + after else now + HEDGE_POLL_S
+        timer.at(wake, functools.partial(self._hedge, claim, send, piece, since, sent))
+
+    def _may_hedge(self) -> bool:
+        """Whether the hedges' share has room for one more (the engine's lock held)."""
+        return self.hedges < HEDGE_SHARE * self.requests + HEDGE_BURST
 
     def _threads(self) -> tuple[DaemonThreads, DaemonThreads, DaemonTimer]:
         """(the pieces' threads, the GETs' threads, the hedges' timer), made at first use:

@@ -10,6 +10,7 @@ from typing import Any, BinaryIO
 from ..errors import CorruptShardError
 from . import fingerprint, latencies
 from .clients import origin
+from .fetch import first_answer
 from .stores import store_for
 from .urls import AZURE, GCS, HTTP, S3, WEBHDFS, StorageOptions, display, is_local, join, local_path, scheme
 from .streams import Arriving
@@ -18,11 +19,13 @@ _SMALL = 64 << 10  # an object this small takes about its first byte's latency t
 
 
 def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes:
-    """A whole (small) object; how long a small one took is a first-byte latency of its store
-    (latencies.py: a dataset's index read times its workers' first hedges)."""
+    """A whole (small) object, a remote one hedged (fetch.first_answer: a dataset's open is
+    a few such reads in a row, each a round trip in the tail's way); how long a small one took
+    is a first-byte latency of its store (latencies.py: a dataset's index read times its
+    workers' first hedges)."""
     store = store_for(url, storage_options)
     started = time.perf_counter()
-    data = store.cat(url)
+    data = store.cat(url) if is_local(url) else first_answer(store, url, lambda: store.cat(url))
     if len(data) <= _SMALL and not is_local(url):
         latencies.record(store.name, origin(url, store.options), time.perf_counter() - started)
     return data

@@ -18,10 +18,13 @@ ReadAt = Callable[[int, int], bytes]  # read_at(size, offset): a shard's bytes, 
 
 class Stalls:
     """Seconds the reader of some `Arriving` buffers spent waiting for their bytes: what
-    read-ahead did not hide (one reader thread adds to it)."""
+    read-ahead did not hide (one reader thread adds to it). With `waiting`, a reader that
+    waits calls it every `every_s` seconds of its wait, on its own thread and without the
+    buffer's lock (the read-ahead sends more reads then: reading/prefetch.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, waiting: Callable[[], None] | None = None, every_s: float = 0.01) -> None:
         self.seconds = 0.0
+        self.waiting, self.every_s = waiting, every_s
 
 
 class Piece:
@@ -129,13 +132,19 @@ class Arriving:
         lo = offset - self.start
         hi = min(lo + size, self._end - self.start)
         if self.filled < hi:
-            began = time.perf_counter()
+            began, stalls = time.perf_counter(), self._stalls
+            waiting = stalls.waiting if stalls is not None else None
             with self._cond:
                 while self.filled < hi and not self._done:
                     self._wanted = hi if self._wanted < 0 else min(self._wanted, hi)
-                    self._cond.wait()
-                if self._stalls is not None:
-                    self._stalls.seconds += time.perf_counter() - began
+                    if not self._cond.wait(stalls.every_s if waiting and stalls else None) and waiting:
+                        self._cond.release()
+                        try:
+                            waiting()
+                        finally:
+                            self._cond.acquire()
+                if stalls is not None:
+                    stalls.seconds += time.perf_counter() - began
                 hi = min(hi, self._end - self.start)
                 if self.filled < hi:
                     assert self._error is not None

@@ -16,9 +16,12 @@ a GET or HEAD is not forwarded: the proxy answers it itself, ``throttle_status``
 Prints ``ready PORT CONTROL_PORT``; the control port takes one line per connection: ``set NAME VALUE``
 for any setting below (``set latency_ms 100``, ``set conn_mbps 20``, ``set tail_prob 0.05``; live
 connections follow at once), ``storm SECONDS PROB`` (throttle_prob PROB for SECONDS, then back),
-``reset_all`` or ``stats`` (JSON: the settings and counters, ``requests`` begun by clients,
+``reset_all``, ``stats`` (JSON: the settings and counters, ``requests`` begun by clients,
 ``responses`` begun by the upstream, ``tailed`` of them, ``bytes`` to clients, ``bytes_up`` to the
-upstream).  Exits on SIGTERM/SIGINT or when its parent dies.
+upstream) or ``trace PATH`` (from now on a JSON line a request to PATH, ``trace off`` stops: its
+connection, request line and Range, wall-clock times of the request, its first and last byte to the
+client, its bytes, whether it was in the tail; a request's line is written when the next begins on
+its connection or the connection ends).  Exits on SIGTERM/SIGINT or when its parent dies.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import random
 import signal
 import socket
 import struct
+import time
 from collections.abc import Callable
+from typing import IO
 
 SETTINGS = {  # name: (type, --help); each is also `set NAME VALUE` on the control port
     "latency_ms": (float, "hold each server->client chunk this many ms (a delay line)"),
@@ -83,6 +88,27 @@ class Proxy:
             "bytes_up": 0,
         }
         self.storm_ends, self.calm = 0.0, 0.0  # loop time the current storm ends, throttle_prob after it
+        self.trace: IO[str] | None = None  # `trace PATH`: a JSON line a request
+
+    def traced(self, state: dict, data: bytes | None = None) -> None:
+        """With a trace on: write the connection's request that is over, and begin one for `data`
+        (a request's first bytes) if given."""
+        if self.trace is not None and (done := state.pop("record", None)) is not None:
+            self.trace.write(json.dumps(done) + "\n")
+            self.trace.flush()
+        if self.trace is not None and data is not None:
+            head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+            ranged = [line.split(":", 1)[1].strip() for line in head[1:] if line.lower().startswith("range:")]
+            state["record"] = {
+                "conn": state["conn"],
+                "line": head[0][:200],
+                "range": ranged[0] if ranged else None,
+                "t": time.time(),
+                "first": None,
+                "last": None,
+                "bytes": 0,
+                "tailed": False,
+            }
 
     def conn_rate(self) -> float:
         """Bytes/s a connection may move each way; read at each chunk, so `set conn_mbps` applies at once."""
@@ -98,17 +124,18 @@ class Proxy:
 
     async def handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         self.stats["connections"] += 1
+        conn = self.stats["connections"]
         try:
             ureader, uwriter = await asyncio.open_connection(*self.upstream)
         except OSError:  # upstream refused: the client sees an RST
             return self.rst(cwriter)
         self.live.add(cwriter)
         # turn: the client spoke since the last response began; fresh: a request may begin now
-        state = {"turn": True, "fresh": True, "stalled": False}
+        state = {"turn": True, "fresh": True, "stalled": False, "conn": conn}
         queue: asyncio.Queue = asyncio.Queue()
         down = asyncio.create_task(self.upstream_to_queue(ureader, queue, state))
         up = asyncio.create_task(self.client_to_upstream(creader, uwriter, state, queue, Bucket(self.conn_rate)))
-        deliver = asyncio.create_task(self.queue_to_client(queue, cwriter, Bucket(self.conn_rate)))
+        deliver = asyncio.create_task(self.queue_to_client(queue, cwriter, Bucket(self.conn_rate), state))
         try:
             await asyncio.wait([up, deliver], return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -118,6 +145,7 @@ class Proxy:
             uwriter.transport.abort()
             cwriter.close()
             self.live.discard(cwriter)
+            self.traced(state)
 
     async def client_to_upstream(self, creader, uwriter, state, queue, bucket: Bucket) -> None:
         """Forward requests undelayed (or answer one throttled); returns, ending the connection,
@@ -128,6 +156,7 @@ class Proxy:
                 if state["fresh"] and not state["stalled"]:
                     state["fresh"] = False
                     self.stats["requests"] += 1
+                    self.traced(state, data)
                     if data.startswith((b"GET ", b"HEAD ")) and self.rng.random() < self.settings["throttle_prob"]:
                         state["stalled"] = True  # nothing more goes upstream: the answer is ours
                         self.stats["throttled"] += 1
@@ -174,10 +203,12 @@ class Proxy:
         # drawn only with a tail asked for, so a seed gives the resets and stalls it gave without tails
         if s["tail_prob"] > 0 and rng.random() < s["tail_prob"] and not state["stalled"]:
             self.stats["tailed"] += 1
+            if "record" in state:
+                state["record"]["tailed"] = True
             return left, s["tail_ms"] / 1000
         return left, s["latency_ms"] / 1000
 
-    async def queue_to_client(self, queue, cwriter, bucket: Bucket) -> None:
+    async def queue_to_client(self, queue, cwriter, bucket: Bucket, state: dict) -> None:
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -191,6 +222,9 @@ class Proxy:
                     await bucket.take(len(item))
                     cwriter.write(item)
                     self.stats["bytes"] += len(item)
+                    if (record := state.get("record")) is not None:
+                        record["first"] = record["first"] or time.time()
+                        record["last"], record["bytes"] = time.time(), record["bytes"] + len(item)
                     await cwriter.drain()
         except OSError:  # the client went away
             return
@@ -241,6 +275,16 @@ class Proxy:
                 return "ok"
             case ["stats"]:
                 return json.dumps({**self.stats, "active": len(self.live), **self.settings})
+            case ["trace", "off"]:
+                if self.trace is not None:
+                    self.trace.close()
+                self.trace = None
+                return "ok"
+            case ["trace", path]:
+                if self.trace is not None:
+                    self.trace.close()
+                self.trace = open(path, "a")  # noqa: SIM115 - kept open until `trace off`
+                return "ok"
             case ["reset_all"]:
                 for writer in list(self.live):
                     self.rst(writer)

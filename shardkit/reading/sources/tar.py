@@ -136,17 +136,7 @@ class TarSamples:
             first = len(np.unique(range_of[: blockplan.ramp(window)[1] if window > 1 else 1]))
             # a global batch's ranges are half blocks
             depth = ahead.depth(local=False) * (2 if opts.global_batches else 1)
-            prefetcher = Prefetcher(
-                plan,
-                stream,
-                lambda r: r.size,
-                depth=depth,
-                budget=ahead.prefetch_bytes,
-                streaming=True,
-                pressure=lambda: reader.throttled,
-                start=first,
-                stalled=lambda: stalls.seconds,
-            )
+            prefetcher = _streaming(plan, stream, stalls, reader, ahead.prefetch_bytes, depth, first)
             reader.engine.wanted = lambda: (prefetcher.rate, prefetcher.waiting)  # what a range's pieces must carry
         return _in_order(prefetcher, range_of, shard_of, starts, ends), prefetcher
 
@@ -202,6 +192,35 @@ class TarSamples:
         else:
             read_at = buffer_reader(reader.read(shard, start, end), start)
         return self.parse((end, read_at), self.urls[shard], start)[0]
+
+
+def _streaming(
+    plan: Iterator[ranges.Range],
+    stream: Callable[..., Any],
+    stalls: Stalls,
+    reader: storage.RangeReader,
+    budget: int,
+    depth: int,
+    first: int,
+) -> Prefetcher[ranges.Range, Any]:
+    """The read-ahead of remote ranges, streamed: told of the store's throttling, of the
+    worker's waits for bytes (and called while it waits: more reads then) and of the reader's
+    round trips and bytes."""
+    prefetcher = Prefetcher(
+        plan,
+        stream,
+        lambda r: r.size,
+        depth=depth,
+        budget=budget,
+        streaming=True,
+        pressure=lambda: reader.throttled,
+        start=first,
+        stalled=lambda: stalls.seconds,
+        round_trip=lambda: reader.engine.latency_s,
+        arrived=lambda: reader.fetched_bytes,
+    )
+    stalls.waiting = prefetcher.stalling
+    return prefetcher
 
 
 def _in_order(
