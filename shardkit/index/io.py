@@ -32,7 +32,7 @@ def find(url: str, storage_options: StorageOptions | None = None) -> Index | Non
     """DATASET/index.json, or None where there is none (an unfinished pack raises)."""
     where = storage.join(url, INDEX_NAME)
     try:
-        text = storage.read_bytes(where, storage_options)
+        text = storage.read_hedged(where, storage_options)
     except FileNotFoundError:
         check_finished(url, storage_options)
         return None

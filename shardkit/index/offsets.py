@@ -139,7 +139,7 @@ def open_table(
 def _fetch(url: str, sha256: str, storage_options: StorageOptions | None, cache_dir: str | None, small: bool) -> str:
     """A local copy of the remote offsets file `url`: one download per machine, the processes of
     a machine waiting on a file lock for the first one's. Its name never changes its bytes,
-    so a copy found is a copy to use. A `small` one is one hedged read (storage.read_bytes:
+    so a copy found is a copy to use. A `small` one is one hedged read (storage.read_hedged:
     it is on the way to an epoch's first batch), a large one streamed to disk."""
     import fcntl
 
@@ -170,7 +170,7 @@ def _fetch(url: str, sha256: str, storage_options: StorageOptions | None, cache_
 
 def _chunks(url: str, storage_options: StorageOptions | None, small: bool) -> Iterator[bytes]:
     if small:
-        yield storage.read_bytes(url, storage_options)
+        yield storage.read_hedged(url, storage_options)
         return
     with storage.open_read(url, storage_options) as src:
         while chunk := src.read(8 << 20):

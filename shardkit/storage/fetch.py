@@ -79,8 +79,12 @@ def _history(store: Store, url: str) -> deque[float]:
     return latencies.history(store.name, origin(url, store.options))
 
 
-def _bar(seen: list[float]) -> float:
-    """The hedge bar of first-byte latencies `seen` (sorted, at least one)."""
+def _bar(history: deque[float]) -> float | None:
+    """The hedge bar of the first-byte latencies in `history` (None: none seen yet)."""
+    with latencies.LOCK:
+        seen = sorted(history)
+    if not seen:
+        return None
     # the lower median: of two, a tail's 1 s index read must not set a 4-s bar on the next GETs
     p50, p95 = seen[(len(seen) - 1) // 2], seen[int(0.95 * (len(seen) - 1))]
     return max(HEDGE_FLOOR_S, min(p95, 4 * p50) if len(seen) >= P95_SEEN else 4 * p50)
@@ -92,10 +96,7 @@ def first_answer(store: Store, url: str, call: Callable[[], T]) -> T:
     seen of the store, `FIRST_HEDGE_S` before it has seen anything), `ATTEMPTS` in all;
     the first answer wins, the others end unread on their own threads. An error is raised
     once every attempt sent has failed (the first one's)."""
-    history = _history(store, url)
-    with latencies.LOCK:
-        seen = sorted(history)
-    bar = _bar(seen) if seen else FIRST_HEDGE_S
+    bar = _bar(_history(store, url)) or FIRST_HEDGE_S
     answers: queue.SimpleQueue[tuple[int, bool, Any]] = queue.SimpleQueue()
 
     def attempt(me: int) -> None:
@@ -254,9 +255,7 @@ class FetchEngine:
         with self._lock:
             if not self._may_hedge():
                 return None
-        with latencies.LOCK:
-            seen = sorted(self._seen)
-        return _bar(seen) if seen else None
+        return _bar(self._seen)
 
     # running
     def run(self, pieces: list[Piece], fetch: Callable[[Piece], None]) -> None:
@@ -307,41 +306,38 @@ class FetchEngine:
                 outcome.append(size)
                 ended.set()
 
+        def send(me: int) -> None:
+            attempts.submit(functools.partial(attempt, me))
+
         sent = time.perf_counter()
-        attempts.submit(functools.partial(attempt, 0))
+        send(0)
         after = self.hedge_after()
-        send = functools.partial(self._send, attempts, attempt)
         timer_thread.at(sent + (after or HEDGE_POLL_S), functools.partial(self._hedge, claim, send, piece, sent))
         ended.wait()
         if isinstance(outcome[0], BaseException):
             raise outcome[0]
         return outcome[0] if isinstance(outcome[0], int) else None
 
-    @staticmethod
-    def _send(attempts: DaemonThreads, attempt: Callable[[int], None], me: int) -> None:
-        attempts.submit(functools.partial(attempt, me))
-
     def _hedge(self, claim: _Claim, send: Callable[[int], None], piece: Piece, since: float, sent: int = 1) -> None:
-        """On the timer's thread, until the GET has answered: once the bar (`hedge_after`, read
-        anew each time: a GET sent before the process knew its store's latencies is measured
-        by what it knows now) has passed since `since` and a reader waits for the piece's bytes,
+        """On the timer's thread, until the GET has answered: once the bar (`_bar`, read anew
+        each time: a GET sent before the process knew its store's latencies is measured by
+        what it knows now) has passed since `since` and a reader waits for the piece's bytes,
         send attempt `sent` (a hedge; a hedge that meets the tail too gets one more, up to
-        `ATTEMPTS` in all); else look again every `HEDGE_POLL_S`. The hedges' share is spent
-        on the GETs that hold a reader up, not on read-ahead that is late but still ahead of
-        its reader (measured here: at an epoch's start, GETs slowed by their own number spent
-        it before a GET in the tail came)."""
+        `ATTEMPTS` in all), or stop if the hedges' share is spent; else look again every
+        `HEDGE_POLL_S`. The share is spent on the GETs that hold a reader up, not on
+        read-ahead that is late but still ahead of its reader (measured here: at an epoch's
+        start, GETs slowed by their own number spent it before a GET in the tail came)."""
         timer = self._timer
         if claim.by is not None or timer is None or sent >= ATTEMPTS:
             return
-        now, after = time.perf_counter(), self.hedge_after()
+        now, after = time.perf_counter(), _bar(self._seen)
         if after is not None and now >= since + after and piece.awaited:
             with self._lock:
-                hedge = self._may_hedge()
-                if hedge:
-                    self.hedges += 1
-            if hedge:
-                send(sent)
-                since, sent = now, sent + 1
+                if not self._may_hedge():
+                    return  # no polling on: the GET waits for its own answer
+                self.hedges += 1
+            send(sent)
+            since, sent = now, sent + 1
         wake = since + after if after is not None and now < since + after else now + HEDGE_POLL_S
         timer.at(wake, functools.partial(self._hedge, claim, send, piece, since, sent))
 

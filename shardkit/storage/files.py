@@ -19,13 +19,22 @@ _SMALL = 64 << 10  # an object this small takes about its first byte's latency t
 
 
 def read_bytes(url: str, storage_options: StorageOptions | None = None) -> bytes:
-    """A whole (small) object, a remote one hedged (fetch.first_answer: a dataset's open is
-    a few such reads in a row, each a round trip in the tail's way); how long a small one took
-    is a first-byte latency of its store (latencies.py: a dataset's index read times its
-    workers' first hedges)."""
+    """A whole (small) object; how long a small one took is a first-byte latency of its store
+    (latencies.py: a dataset's index read times its workers' first hedges)."""
+    return _whole(url, storage_options, hedged=False)
+
+
+def read_hedged(url: str, storage_options: StorageOptions | None = None) -> bytes:
+    """`read_bytes`, a remote object's read hedged (fetch.first_answer): for the few small
+    reads in a row that open a dataset (its index, its offsets file), each a round trip in
+    the latency tail's way before the first batch."""
+    return _whole(url, storage_options, hedged=True)
+
+
+def _whole(url: str, storage_options: StorageOptions | None, hedged: bool) -> bytes:
     store = store_for(url, storage_options)
     started = time.perf_counter()
-    data = store.cat(url) if is_local(url) else first_answer(store, url, lambda: store.cat(url))
+    data = first_answer(store, url, lambda: store.cat(url)) if hedged and not is_local(url) else store.cat(url)
     if len(data) <= _SMALL and not is_local(url):
         latencies.record(store.name, origin(url, store.options), time.perf_counter() - started)
     return data
