@@ -17,6 +17,7 @@ import pytest
 from servers import serving
 from shardkit import StreamingDataset, storage
 from shardkit.errors import BadRequestError, ShardkitError
+from shardkit.storage import fetch
 from shardkit.storage.stores import store_for
 
 
@@ -108,7 +109,8 @@ def test_a_stalled_s3_store_fails_a_read_after_three_timeouts_not_ten(
 
 
 def test_the_cli_sets_timeout_and_attempts(s3: dict, s3_server: str, packed: Path, latency_proxy: Any) -> None:
-    """`-o timeout=1 -o attempts=2`: two silent tries of one second each, then one line."""
+    """`-o timeout=1 -o attempts=2`: two silent tries of one second each, then one line. The
+    index is an opening read, hedged (fetch.first_answer): each of its copies tries twice."""
     fs, root = fsspec.core.url_to_fs(s3["url"] + "/stall-cli", **s3["storage_options"])
     fs.put(str(packed), root, recursive=True)
     proxied, control = latency_proxy(s3_server)
@@ -133,7 +135,7 @@ def test_the_cli_sets_timeout_and_attempts(s3: dict, s3_server: str, packed: Pat
     control.set("stall_prob", 0.0)
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
     assert "index.json" in out.stderr and "gave up after 2 attempts" in out.stderr
-    assert control.stats()["stalls"] == 2
+    assert 2 <= control.stats()["stalls"] <= 2 * fetch.ATTEMPTS
 
 
 class _Trickle(http.server.BaseHTTPRequestHandler):
