@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read by gcsfs at import
 
@@ -43,6 +45,18 @@ def make_folder(root: Path, per_class: int = 10, classes: tuple[str, ...] = CLAS
         for i in range(per_class):
             draw(root / name / f"img_{i:04d}.jpg", label, seed=label * 100_000 + i)
     return root
+
+
+def run_ranks(fn: Callable[..., None], args: tuple[Any, ...], world: int) -> None:
+    """`fn(rank, *args)` for each rank in `world` real processes, joined. Each is forked from
+    a forkserver that imported torch once, not spawned: a spawned rank pays ~2.5 CPU s for
+    torch alone (19 ranks in test_elastic_batches), and no rank inherits this process's state."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])  # for a forkserver not yet started
+    mp.start_processes(fn, args=args, nprocs=world, join=True, start_method="forkserver")
 
 
 @pytest.fixture(autouse=True)

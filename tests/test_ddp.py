@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
+
+from conftest import run_ranks
 
 WORLD = 2
 # pass 2, without set_epoch, must advance the epoch on every rank alike; pass 3 runs spawned
@@ -50,7 +51,7 @@ def _rank_main(rank: int, port: int, dataset: str, out: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_ranks_from_process_group_split_the_epoch(packed: Path, tmp_path: Path) -> None:
-    mp.spawn(_rank_main, args=(_free_port(), str(packed), str(tmp_path)), nprocs=WORLD, join=True)
+    run_ranks(_rank_main, (_free_port(), str(packed), str(tmp_path)), WORLD)
     gathered = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert gathered[0] == gathered[1]  # all_gather_object gave both ranks the same view
     ranks = gathered[0]

@@ -13,10 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
-from conftest import make_folder
+from conftest import make_folder, run_ranks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
@@ -109,12 +108,7 @@ def test_preempted_four_times_under_new_layouts_the_batches_of_one_rank(larger: 
     for i, ((world, workers), stop) in enumerate(zip(STAGES, stops)):
         out = tmp_path / f"stage{i}.json"
         stateful = i % 2 == 0
-        mp.spawn(
-            _rank_main,
-            args=(world, _free_port(), str(larger), workers, stop, stateful, resumed_from, str(out)),
-            nprocs=world,
-            join=True,
-        )
+        run_ranks(_rank_main, (world, _free_port(), str(larger), workers, stop, stateful, resumed_from, str(out)), world)
         ranks = json.loads(out.read_text())
         # the same but for the fingerprints, each its own rank's
         ours = [
