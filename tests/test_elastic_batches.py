@@ -108,7 +108,9 @@ def test_preempted_four_times_under_new_layouts_the_batches_of_one_rank(larger: 
     for i, ((world, workers), stop) in enumerate(zip(STAGES, stops)):
         out = tmp_path / f"stage{i}.json"
         stateful = i % 2 == 0
-        run_ranks(_rank_main, (world, _free_port(), str(larger), workers, stop, stateful, resumed_from, str(out)), world)
+        run_ranks(
+            _rank_main, (world, _free_port(), str(larger), workers, stop, stateful, resumed_from, str(out)), world
+        )
         ranks = json.loads(out.read_text())
         # the same but for the fingerprints, each its own rank's
         ours = [
