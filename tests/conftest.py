@@ -170,6 +170,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 # first so that none of them starts last and leaves the other processes idle at the end:
 # node id prefixes, slowest first. A test not named here keeps its place after them.
 SLOW_FIRST = (
+    "tests/test_elastic_batches.py",
     "tests/test_lint.py::test_mypy",
     "tests/test_remote.py::test_a_stalled_connection_fails_in_bounded_time",
     "tests/test_examples.py",

@@ -74,41 +74,6 @@ def test_stream_demo_takes_another_tools_label_field(other_formats: Path, tmp_pa
     assert "classes: {0: 6, 1: 6, 2: 6}" in out
 
 
-@pytest.mark.timeout(120)
-def test_train_s3_second_epoch_from_the_cache(s3: dict, packed: Path, tmp_path: Path) -> None:
-    import fsspec.core
-
-    url = s3["url"] + "/ds"
-    fs, root = fsspec.core.url_to_fs(url, **s3["storage_options"])
-    fs.put(str(packed), root, recursive=True)
-    endpoint = s3["storage_options"]["client_kwargs"]["endpoint_url"]
-    credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-    out = run(
-        example(
-            "train_s3.py",
-            url,
-            "--endpoint-url",
-            endpoint,
-            "--cache-dir",
-            tmp_path / "cache",
-            "--epochs",
-            2,
-            "--workers",
-            2,
-            "--batch-size",
-            16,
-        ),
-        tmp_path,
-        env=credentials,
-    )
-    assert f"{url}: 120 samples per epoch, 3 classes" in out
-    first = re.search(r"epoch 0: \d+ samples/s, downloaded ([\d.]+) MB, (\d+) cache hits", out)
-    second = re.search(r"epoch 1: \d+ samples/s, downloaded ([\d.]+) MB, (\d+) cache hits", out)
-    assert first and second, out
-    assert float(first[1]) > 0 and int(first[2]) == 0
-    assert float(second[1]) == 0 and int(second[2]) > 0  # epoch 2 read from the cache
-
-
 WITHOUT_SKIMAGE = (
     "import runpy, sys; sys.modules['skimage'] = None; sys.argv = sys.argv[1:]; "  # as if not installed
     "runpy.run_path(sys.argv[0], run_name='__main__')"
