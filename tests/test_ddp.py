@@ -4,7 +4,6 @@ torch.distributed (no rank arguments) and every rank yields the same number of b
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,17 +11,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from conftest import run_ranks
+from servers import free_port
 
 WORLD = 2
 # pass 2, without set_epoch, must advance the epoch on every rank alike; pass 3 runs spawned
 # workers, which have no process group: they rely on the rank the dataset pinned when pickled
 PASSES = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, port: int, dataset: str, out: str) -> None:
@@ -51,7 +45,7 @@ def _rank_main(rank: int, port: int, dataset: str, out: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_ranks_from_process_group_split_the_epoch(packed: Path, tmp_path: Path) -> None:
-    run_ranks(_rank_main, (_free_port(), str(packed), str(tmp_path)), WORLD)
+    run_ranks(_rank_main, (free_port(), str(packed), str(tmp_path)), WORLD)
     gathered = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert gathered[0] == gathered[1]  # all_gather_object gave both ranks the same view
     ranks = gathered[0]

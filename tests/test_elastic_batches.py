@@ -6,7 +6,6 @@ between StatefulDataLoader's state and a plain DataLoader's `resume_state`."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from conftest import make_folder, run_ranks
+from servers import free_port
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
@@ -24,12 +24,6 @@ pytestmark = [
 B = 24
 OPTIONS: dict[str, Any] = {"shuffle": True, "seed": 9, "global_batch_size": B, "block": 4, "shuffle_window": 48}
 STAGES = [(4, 2), (2, 3), (8, 1), (3, 2), (2, 1)]  # (world size, num_workers); the last one reads to the end
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +102,7 @@ def test_preempted_four_times_under_new_layouts_the_batches_of_one_rank(larger: 
     for i, ((world, workers), stop) in enumerate(zip(STAGES, stops)):
         out = tmp_path / f"stage{i}.json"
         stateful = i % 2 == 0
-        run_ranks(
-            _rank_main, (world, _free_port(), str(larger), workers, stop, stateful, resumed_from, str(out)), world
-        )
+        run_ranks(_rank_main, (world, free_port(), str(larger), workers, stop, stateful, resumed_from, str(out)), world)
         ranks = json.loads(out.read_text())
         # the same but for the fingerprints, each its own rank's
         ours = [
