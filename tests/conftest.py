@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,22 @@ def run_ranks(fn: Callable[..., None], args: tuple[Any, ...], world: int) -> Non
 
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])  # for a forkserver not yet started
     mp.start_processes(fn, args=args, nprocs=world, join=True, start_method="forkserver")
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL `proc`'s process group (started with start_new_session=True) and wait until
+    every process of it is gone, not only `proc`: a pool worker still dying holds what it
+    inherited (a pack's lock), and a rerun at once would find the pack still running."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process group {proc.pid} still alive 30 s after SIGKILL")
 
 
 @pytest.fixture(autouse=True)

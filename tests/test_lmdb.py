@@ -6,7 +6,6 @@ import itertools
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from shardkit.errors import CorruptShardError, DatasetNotFoundError, ShardkitErr
 from shardkit.formats import lmdb as lmdb_format
 from shardkit.formats import lmdb_cold_reads, lmdb_envs, lmdb_records, lmdb_writer
 
-from conftest import ROOT, make_folder
+from conftest import ROOT, kill_group, make_folder
 from readers import loader_of
 from resume import check_save_load, into_dataset, resume_state
 from test_pack import read_shards
@@ -128,8 +127,7 @@ def test_kill_then_rerun_finishes_the_same_database(tmp_path: Path) -> None:
     while proc.poll() is None and not (out / "data.mdb").exists():
         time.sleep(0.001)
     time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_group(proc)
     total = json.loads(records(ref)[b"__index__"])["samples"]
     kept = 0
     if (out / "data.mdb").exists():

@@ -26,7 +26,7 @@ from shardkit.packing import executors
 from shardkit.errors import ShardkitError, SourceError
 from shardkit.formats.tar import iter_samples
 
-from conftest import draw, make_folder, shard_offsets, webdataset_samples
+from conftest import draw, kill_group, make_folder, shard_offsets, webdataset_samples
 
 
 def read_shards(dest: Path) -> dict[str, dict[str, bytes]]:
@@ -647,8 +647,7 @@ def test_kill_at_any_moment_then_rerun(tmp_path: Path) -> None:
         proc = subprocess.Popen(cmd, start_new_session=True)
         while proc.poll() is None and len(list(out.glob("shard-*.tar"))) < target:
             time.sleep(0.001)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_group(proc)
         interrupted += not (out / "index.json").exists()
     assert interrupted >= 2  # the kills really landed mid-run
     subprocess.run(cmd, check=True)
