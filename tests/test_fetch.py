@@ -224,7 +224,7 @@ def test_a_hedge_in_the_tail_too_gets_one_more() -> None:
 
 def test_a_small_read_is_hedged_and_counted() -> None:
     """fetch.first_answer: a whole small read with no answer after the bar is sent again; the
-    first answer wins, counted in small_read_hedges(); an error only once all attempts failed."""
+    first answer wins, counted in opening_counts(); an error only once all attempts failed."""
     _seasoned(FetchEngine(4), first_byte_s=0.01).close()  # the process has seen quick answers of the store
     store = HeldStore(b"")
     held, calls = threading.Event(), []
@@ -236,9 +236,9 @@ def test_a_small_read_is_hedged_and_counted() -> None:
             return b"late"
         return b"hedge"
 
-    before = fetch.small_read_hedges()
+    before = fetch.opening_counts()
     assert fetch.first_answer(store, "held://x", call) == b"hedge"  # the first is held until the end
-    after = fetch.small_read_hedges()
+    after = fetch.opening_counts()
     assert (after["hedges"] - before["hedges"], after["hedge_wins"] - before["hedge_wins"]) == (1, 1)
     held.set()
 

@@ -61,6 +61,25 @@ def test_throttling_and_resets_cost_no_sample(
     assert ds.stats()["throttled"] > 0
 
 
+def test_throttled_opening_reads_count_in_stats(
+    s3: dict,
+    s3_server: str,
+    packed: Path,
+    latency_proxy,  # type: ignore[no-untyped-def]
+) -> None:
+    """A store that throttles the reads that open a dataset (its index, its offsets file):
+    opened all the same, and those answers counted in stats() before any sample is read
+    (only the ranged reads' throttling used to be)."""
+    fs, root = fsspec.core.url_to_fs(s3["url"] + "/ds", **s3["storage_options"])
+    fs.put(str(packed), root, recursive=True)
+    proxied, control = latency_proxy(s3_server, seed=4)
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    control.storm(2, 1.0)  # every request for 2 s: the first opening read at least
+    ds = StreamingDataset(s3["url"] + "/ds", storage_options=opts)
+    assert control.stats()["throttled"] > 0 and ds.stats()["throttled"] > 0
+    assert len(keys(ds)) == 120
+
+
 @pytest.mark.parametrize("store", ["s3", "s3 client", "seaweedfs", "gcs", "fakegcs", "azure"])
 def test_a_shard_replaced_under_its_name_is_caught_at_its_first_read(
     store: str, request: pytest.FixtureRequest, photos: Path

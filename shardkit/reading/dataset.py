@@ -18,7 +18,7 @@ from .. import checks
 from ..decode import decoder
 from ..formats.gzip import MAX_MEMBER
 from ..index.resolve import resolve
-from ..storage import StorageOptions, small_read_hedges
+from ..storage import StorageOptions, opening_counts
 from ..storage.fetch import per_worker
 from ..storage.stores import store_for
 from .sources import compressed
@@ -142,7 +142,7 @@ class StreamingDataset(EpochDataset):
         self.block = checks.integer("block", block, 1)
         self.prefetch = None if prefetch is None else checks.integer("prefetch", prefetch)
         decoder(decode, backend)  # validate early, in the main process
-        hedged = small_read_hedges()
+        before = opening_counts()
         self.urls, self.index = resolve(source, checks.mapping("storage_options", storage_options))
         self.decode, self.backend, self.on_error = decode, backend, on_error
         self.transform = checks.function("transform", transform)
@@ -161,7 +161,7 @@ class StreamingDataset(EpochDataset):
         self._samples = source_for(
             self.index, self.urls, storage_options, cache_dir, self.cache_limit, self.max_member_size
         )
-        self._opened = {name: n - hedged[name] for name, n in small_read_hedges().items()}
+        self._opened = {name: n - before[name] for name, n in opening_counts().items()}
         self._blocks = compressed.blocks(self.index.shards, self.block)
         self.index = self.index.slim()  # the per-sample tables live on in the source's arrays only
         # made once: a worker building them again from the shards touches every shard's objects,

@@ -52,7 +52,7 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         self.batch_size = checks.optional("batch_size", batch_size, 1)
         self.global_batch_size = checks.optional("global_batch_size", global_batch_size, 1)
         self._shared = Shared()
-        self._opened = {"hedges": 0, "hedge_wins": 0}  # the hedges of the small reads that opened it (stats())
+        self._opened = {"hedges": 0, "hedge_wins": 0, "throttled": 0}  # what opening it counted (stats())
         self._resume: dict[str, Any] | None = None
         if self.global_batch_size:  # a world size known now (given, or torchrun's) must split it
             self._local_batch(self._rank_world()[1])

@@ -15,7 +15,7 @@ clients.py only) with the caller's storage options passed through unchanged.
 
 from .atomic import TMP_MARK, atomic_writer, write_bytes_atomic
 from .clients import endpoint, filesystem
-from .fetch import small_read_hedges
+from .fetch import opening_counts
 from .files import (
     exists,
     find,
@@ -65,7 +65,7 @@ __all__ = [
     "remove_dir",
     "retrying",
     "size",
-    "small_read_hedges",
+    "opening_counts",
     "stop_when",
     "version",
     "write_bytes_atomic",

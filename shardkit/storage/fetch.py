@@ -55,6 +55,7 @@ from ..errors import ShardkitError
 from . import latencies
 from .clients import origin
 from .daemon_threads import DaemonThreads, DaemonTimer
+from .retry import throttled_answers
 from .stores import Store
 from .streams import Piece
 
@@ -134,10 +135,11 @@ def _count_open(name: str) -> None:
         _OPENS[name] += 1
 
 
-def small_read_hedges() -> dict[str, int]:
-    """The hedges and hedge wins of this process's small whole reads so far (`first_answer`)."""
+def opening_counts() -> dict[str, int]:
+    """This process's counts so far that a dataset's opening adds to its stats(): the hedges
+    and hedge wins of small whole reads (`first_answer`) and every request's throttled answers."""
     with _OPENS_LOCK:
-        return dict(_OPENS)
+        return {**_OPENS, "throttled": throttled_answers()}
 
 
 def per_worker(num_workers: int) -> int:

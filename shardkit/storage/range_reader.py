@@ -178,7 +178,7 @@ class RangeReader:
                 size = store.size_now(url)
             return fingerprint.mismatch(expected, size, lambda start, stop: head[start:stop])
 
-        found: str | None = handle.retried_get(url, " (fingerprint)", remote)
+        found: str | None = handle.retried_get(url, " (fingerprint)", remote, throttled=self._throttle)
         return found
 
     def _replaced(self, shard: int, how: str) -> CorruptShardError:

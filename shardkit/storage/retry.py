@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -29,6 +30,13 @@ def _never() -> None:
 
 
 _before_wait: Callable[[], None] = _never
+_throttled_answers = 0  # this process's, every request's (a dataset's opening reads are counted by this)
+_throttled_lock = threading.Lock()
+
+
+def throttled_answers() -> int:
+    """How many 503 SlowDown / 429 answers this process's retried requests have had so far."""
+    return _throttled_answers
 
 
 def stop_when(check: Callable[[], None]) -> None:
@@ -73,11 +81,19 @@ def retrying(
         if failure is not None:
             raise failure from cause
         _before_wait()  # a pack given up (Ctrl-C) tries no more: an attempt can take a minute
-        if slow_down and throttled is not None:
-            throttled()
+        if slow_down:
+            _count_throttled()
+            if throttled is not None:
+                throttled()
         base = max(base_s, THROTTLED_BASE_S) if slow_down else base_s
         time.sleep(random.uniform(0, min(cap_s, base * 2 ** (attempt - 1))))
     raise AssertionError("unreachable")
+
+
+def _count_throttled() -> None:
+    global _throttled_answers
+    with _throttled_lock:
+        _throttled_answers += 1
 
 
 def _failure(e: Exception, what: str, attempt: int, attempts: int) -> ShardkitError | None:
