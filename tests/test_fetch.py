@@ -543,6 +543,63 @@ def test_an_upload_sends_its_parts_in_parallel(s3: dict, s3_server: str, latency
     assert not fs.exists(s3["url"].removeprefix("s3://") + "/broken.bin")
 
 
+def test_a_packs_processes_share_one_budget_of_parts_in_flight(s3: dict) -> None:
+    """A pack's pool tells each process how many share the uploads (executors.init_worker):
+    each upload then keeps PARTS_IN_FLIGHT / processes parts in flight (2 to UPLOADS), so
+    that 8 processes a core hold no more memory in parts than 8 did."""
+    from shardkit.storage import filesystem, share_uploads
+    from shardkit.storage.stores import s3 as s3_store
+
+    fs, path = filesystem(s3["url"] + "/x.bin", s3["storage_options"])
+    try:
+        for processes, parts in ((1, s3_store.UPLOADS), (16, 4), (64, 2)):
+            share_uploads(processes)
+            upload = s3_store.MultipartUpload(fs, path)
+            assert upload._uploads == parts and upload._uploads * processes <= max(
+                s3_store.PARTS_IN_FLIGHT, 2 * processes
+            )
+            upload.abort()
+    finally:
+        share_uploads(1)
+
+
+def test_puts_send_their_bodies_without_waiting_for_a_go_ahead(
+    s3: dict,
+    s3_server: str,
+    latency_proxy,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """No `Expect: 100-continue` (botocore's default for a body): a small PUT and each part
+    of an upload send their bytes with their headers, one round trip each, not two. Through
+    the proxy's trace, which logs what a client sends after an answer began as a request
+    of its own: a body sent after a go-ahead would be logged as a line that is no request."""
+    import json
+
+    from shardkit.storage import atomic_writer, write_bytes_atomic
+    from shardkit.storage.stores import s3 as s3_store
+
+    proxied, control = latency_proxy(s3_server, latency_ms=5)
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    trace = tmp_path / "trace.jsonl"
+    control.send(f"trace {trace}")
+    for i in range(4):
+        write_bytes_atomic(f"{s3['url']}/small-{i}.json", b"{}", opts)
+    with atomic_writer(s3["url"] + "/parts.bin", opts) as f:
+        f.write(b"x" * (2 * s3_store.PART + 1))
+    write_bytes_atomic(f"{s3['url']}/last.json", b"{}", opts)
+    control.reset_all()  # every connection ends: the last request of each is written (while tracing)
+
+    def lines() -> list[str]:
+        return [json.loads(row)["line"] for row in trace.read_text().splitlines()] if trace.exists() else []
+
+    deadline = time.monotonic() + 30  # 5 small PUTs and 3 parts, each written once its connection ended
+    while sum(line.startswith("PUT ") for line in lines()) < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    control.send("trace off")
+    assert sum(line.startswith("PUT ") for line in lines()) >= 8, lines()
+    assert all(line.split(" ", 1)[0] in {"GET", "HEAD", "PUT", "POST", "DELETE"} for line in lines()), lines()
+
+
 def test_each_web_server_keeps_a_latency_history_of_its_own() -> None:
     """Hedges are timed by the latencies of the host a GET goes to: two web servers are two
     stores; an S3 or GCS dataset's is its endpoint's."""

@@ -39,6 +39,7 @@ def init_worker(counter: Any, stop: Any = None, workers: int = 1, processes: int
     global _counter, _stop, _workers, _processes, _load
     _counter, _stop, _workers, _processes, _load = counter, stop, workers, processes, load
     storage.stop_when(stop_point)  # retries give up with the pack
+    storage.share_uploads(processes)  # the pool's uploads share one budget of parts in flight
 
 
 def threads() -> int:
@@ -145,8 +146,8 @@ def tick(n: int) -> None:
             _counter.value += n
 
 
-UPLOADING = 4  # processes a core where the jobs write into an object store...
-MOST_UPLOADING = 64  # ...and no more than this many in all (each holds up to 8 parts of 8 MB in flight)
+UPLOADING = 8  # processes a core where the jobs write into an object store...
+MOST_UPLOADING = 64  # ...and no more than this many in all (their uploads share 64 parts of 8 MB in flight)
 
 
 def local(workers: int, uploading: bool = False) -> Runner[Any, Any]:
@@ -154,9 +155,11 @@ def local(workers: int, uploading: bool = False) -> Runner[Any, Any]:
     shards go to an object store) and more than one, four times as many processes (at most
     MOST_UPLOADING): a job there spends most of its time waiting on the network (its parts
     going up at a connection's capped rate, the upload's start and end, its progress
-    record), which other jobs' CPU fills. Measured with scripts/bench_upload.py (9 shards of
-    24 MB behind 50 ms and 20 MB/s a connection, workers=2): 30.6 MB/s with a process a
-    core, 43 with 2, 52 with 4, against curl's 136 with every shard at once."""
+    record), which other jobs' CPU fills; their uploads share one budget of parts in flight
+    (storage.share_uploads), so more processes cost no more memory. Measured with
+    `python -m bench.upload` (9 shards of 24 MB behind 50 ms and 20 MB/s a connection,
+    workers=2): 30.6 MB/s with a process a core, 43 with 2, 52 with 4, against curl's 136
+    with every shard at once; with 8 (all 9 shards at once) see docs/measurements.md."""
     processes = max(workers, min(workers * UPLOADING, MOST_UPLOADING)) if uploading and workers > 1 else workers
     return functools.partial(_run_local, workers=workers, processes=processes)
 

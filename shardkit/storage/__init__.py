@@ -35,6 +35,7 @@ from .files import (
 from .range_reader import RangeReader
 from .patience import RETRIES, TIMEOUT_S, patience_for
 from .retry import retrying, stop_when
+from .stores.s3 import share_uploads
 from .urls import StorageOptions, display, is_local, join, local_path
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "remove",
     "remove_dir",
     "retrying",
+    "share_uploads",
     "size",
     "opening_counts",
     "stop_when",

@@ -155,10 +155,18 @@ def _aio_session() -> Any:
     """One botocore session for every S3 client of this process and the processes it forks:
     a new client made from it skips loading S3's service model and endpoint rules, which
     makes a DataLoader worker's first request ~0.3 s sooner (0.6 s -> 0.25-0.3 s measured).
-    It holds no connection: each client opens its own."""
+    It holds no connection: each client opens its own. Its PUTs (an upload's parts, a
+    progress record, an index) go without `Expect: 100-continue`, which botocore sends
+    with every file-like body: each would wait a round trip for the server's go-ahead
+    before its first byte (measured through 50 ms: a small PUT 110 ms -> 55). The
+    go-ahead only spares the body of a request the server refuses, which is retried
+    whole either way."""
     import aiobotocore.session
+    from botocore.handlers import add_expect_header
 
-    return aiobotocore.session.AioSession()
+    session = aiobotocore.session.AioSession()
+    session.unregister("before-call.s3", add_expect_header)
+    return session
 
 
 def filesystem(

@@ -53,8 +53,10 @@ def write_shard(job: Job) -> JobResult:
         "skipped": [asdict(s) for s in skipped],
     }
     table = np.asarray(writer.offsets, dtype=offsets.DTYPE).tobytes()  # the shard's offsets, for the commit
-    storage.write_bytes_atomic(_table_url(job.dest, job.name), table, job.storage_options)
-    storage.write_bytes_atomic(_progress_url(job.dest, job.name), json.dumps(record).encode(), job.storage_options)
+    # both at once (a store's round trip each): a record found without its table is not kept (`_done`)
+    writes = {_table_url(job.dest, job.name): table, _progress_url(job.dest, job.name): json.dumps(record).encode()}
+    with ThreadPoolExecutor(2, thread_name_prefix="shardkit-record") as pool:
+        list(pool.map(lambda url: storage.write_bytes_atomic(url, writes[url], job.storage_options), writes))
     return result
 
 
@@ -208,6 +210,6 @@ def cleanup(dest: str, keep: set[str], storage_options: StorageOptions | None) -
         return
     gone = [storage.join(dest, name) for name in names if SHARD_RE.match(name) and name not in keep]
     gone += [storage.join(progress, name) for name in storage.listdir(progress, storage_options)]
-    with ThreadPoolExecutor(16, thread_name_prefix="shardkit-commit") as pool:  # a store's round trips, at once
+    with ThreadPoolExecutor(32, thread_name_prefix="shardkit-commit") as pool:  # a store's round trips, at once
         list(pool.map(lambda url: storage.remove(url, storage_options), gone))
     storage.remove_dir(progress, storage_options)

@@ -181,28 +181,39 @@ class PresignedS3Store(S3fsStore):
 
 
 PART = 8 << 20  # a multipart upload's part (S3 wants 5 MiB at least, but for the last)
-UPLOADS = 8  # parts of one upload in flight at once: a capped connection's rate, eight times
+UPLOADS = 8  # parts of one upload in flight at once: a capped connection's rate, eight times...
+PARTS_IN_FLIGHT = 64  # ...and of all the uploads of a pack's processes together (512 MB), see `share_uploads`
+_uploads = UPLOADS
+
+
+def share_uploads(processes: int) -> None:
+    """This process is one of `processes` uploading at once (a pack's pool): each of its
+    uploads keeps `PARTS_IN_FLIGHT / processes` parts in flight (2 at least, `UPLOADS` at
+    most), so that more processes take more connections, not more memory."""
+    global _uploads
+    _uploads = max(2, min(UPLOADS, PARTS_IN_FLIGHT // max(1, processes)))
 
 
 class MultipartUpload:
-    """An S3 object written as a multipart upload whose parts go up `UPLOADS` at a time on
-    threads of their own (s3fs's file uploads its parts one after the other: one connection,
-    which a store's per-connection cap holds to tens of MB/s). The object appears only when
-    `close` completes the upload; `abort` throws it away. Memory: at most `UPLOADS` parts in
+    """An S3 object written as a multipart upload whose parts go up `UPLOADS` at a time
+    (fewer in each of a pack's many processes: `share_uploads`) on threads of their own
+    (s3fs's file uploads its parts one after the other: one connection, which a store's
+    per-connection cap holds to tens of MB/s). The object appears only when `close`
+    completes the upload; `abort` throws it away. Memory: at most that many parts in
     flight and one filling. A file smaller than a part is one PUT. Each part, an idempotent
     request, is retried by the client; the caller's errors name the URL.
 
     Through s3fs's public `call_s3` (its client, its credentials and endpoint)."""
 
-    def __init__(self, fs: Any, path: str, uploads: int = UPLOADS):
+    def __init__(self, fs: Any, path: str, uploads: int | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
-        self._fs, self._uploads = fs, uploads
+        self._fs, self._uploads = fs, uploads or _uploads
         self._bucket, self._key, _ = fs.split_path(path)
         self._buffer = bytearray()
         self._parts: list[Any] = []  # futures of the parts sent, in order
         self._upload_id: str | None = None
-        self._pool = ThreadPoolExecutor(uploads, thread_name_prefix="shardkit-upload")
+        self._pool = ThreadPoolExecutor(self._uploads, thread_name_prefix="shardkit-upload")
 
     def write(self, data: bytes) -> int:
         self._buffer += data
