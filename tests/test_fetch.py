@@ -600,6 +600,38 @@ def test_puts_send_their_bodies_without_waiting_for_a_go_ahead(
     assert all(line.split(" ", 1)[0] in {"GET", "HEAD", "PUT", "POST", "DELETE"} for line in lines()), lines()
 
 
+def test_a_pack_into_a_fresh_bucket_prefix_removes_no_record_before_its_shards(
+    s3: dict,
+    s3_server: str,
+    latency_proxy,
+    photos: Path,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """A DEST that held no progress records: its jobs skip removing an earlier record (a round
+    trip before each shard) and nothing lists them; the records go only after the index."""
+    import json
+
+    proxied, control = latency_proxy(s3_server)
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    trace = tmp_path / "trace.jsonl"
+    control.send(f"trace {trace}")
+    idx = shardkit.pack(
+        str(photos), s3["url"] + "/fresh", max_count=10, workers=2, progress=False, storage_options=opts
+    )
+    control.reset_all()
+    deadline = time.monotonic() + 30
+    while not (trace.exists() and "DELETE /shardkit-test/fresh/.shardkit-lock" in trace.read_text()):
+        assert time.monotonic() < deadline, "the trace written"
+        time.sleep(0.05)
+    control.send("trace off")
+    lines = [json.loads(row)["line"] for row in trace.read_text().splitlines()]
+    index_put = next(i for i, line in enumerate(lines) if line.startswith("PUT /shardkit-test/fresh/index.json"))
+    removed = [i for i, line in enumerate(lines) if line.startswith("DELETE /shardkit-test/fresh/.shardkit-progress/")]
+    assert len(idx.shards) == 3 and removed and min(removed) > index_put, lines
+    listed = [line for line in lines if "prefix=fresh%2F.shardkit-progress%2F&delimiter" in line]
+    assert len(listed) == 1, listed  # the cleanup's listing only (and its emptiness probe, max-keys=1)
+
+
 def test_each_web_server_keeps_a_latency_history_of_its_own() -> None:
     """Hedges are timed by the latencies of the host a GET goes to: two web servers are two
     stores; an S3 or GCS dataset's is its endpoint's."""

@@ -480,12 +480,12 @@ def bucket(request: pytest.FixtureRequest) -> tuple[str, dict]:
 _PAUSED = """import json, sys
 import shardkit
 from shardkit import index
-pinned = index.pinned
+with_pins = index.with_pins
 def paused(*args, **kwargs):
     print("paused", flush=True)
     sys.stdin.readline()
-    return pinned(*args, **kwargs)
-index.pinned = paused
+    return with_pins(*args, **kwargs)
+index.with_pins = paused
 shardkit.pack(sys.argv[1], sys.argv[2], max_count=4, workers=1, progress=False, storage_options=json.loads(sys.argv[3]))
 print("packed", flush=True)
 """

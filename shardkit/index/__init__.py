@@ -5,7 +5,7 @@ offsets file of a tar dataset's sample offsets, io.py reading and writing them i
 resolve.py what a user points at turned into shard URLs and an Index."""
 
 from ..formats.lmdb import DATA_FILE as LMDB_DATA_FILE
-from .io import check_finished, find, load, pinned, sample_offsets, save, with_offsets, with_offsets_file
+from .io import check_finished, find, load, pinned, sample_offsets, save, with_offsets, with_offsets_file, with_pins
 from .model import (
     FORMAT,
     INDEX_NAME,
@@ -39,4 +39,5 @@ __all__ = [
     "save",
     "with_offsets",
     "with_offsets_file",
+    "with_pins",
 ]

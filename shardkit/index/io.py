@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -24,7 +24,11 @@ def pinned(index: Index, url: str, storage_options: StorageOptions | None = None
     readers to check; a tar index only (an LMDB is read from a local copy)."""
     if not formats.get(index.kind).sharded:
         return index
-    found = storage.pins(url, [s.name for s in index.shards], storage_options)
+    return with_pins(index, storage.pins(url, [s.name for s in index.shards], storage_options))
+
+
+def with_pins(index: Index, found: Sequence[dict[str, Any] | None]) -> Index:
+    """`index` with its shards' versions `found` (storage.pins, in the shards' order)."""
     return replace(index, shards=tuple(replace(s, version=v) for s, v in zip(index.shards, found)))
 
 

@@ -11,13 +11,14 @@ job whose record matches its fingerprint, so it ends with what an uninterrupted 
 from __future__ import annotations
 
 import re
-from abc import ABC, abstractmethod
 import sys
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import index, storage
+from .. import formats, index, storage
 from ..index import offsets
 from ..errors import SourceError, shown_name
 from ..index import Index, ShardInfo, Skipped
@@ -163,12 +164,24 @@ def _run(
             "skipped": skipped,
             "plan": plan.fingerprint,
         }
-        idx = index.pinned(sink.make_index(ordered, base), plan.dest, plan.storage_options)  # shards are in place
+        idx = _made_and_pinned(sink, ordered, base)
         holding.confirm()  # still this pack's DEST, for a lease to come
         sink.commit(idx, fresh=True)
         return idx
     finally:
         sink.close()
+
+
+def _made_and_pinned(sink: Sink, results: Sequence[JobResult], base: dict[str, Any]) -> Index:
+    """The sink's index with its shards' versions (they are in place): the one listing that
+    finds those runs while the offsets file is made (a store's round trip each)."""
+    plan = sink.plan
+    if not formats.get(sink.name).sharded:
+        return sink.make_index(results, base)
+    with ThreadPoolExecutor(1, thread_name_prefix="shardkit-commit") as pool:
+        pins = pool.submit(storage.pins, plan.dest, list(plan.names), plan.storage_options)
+        made = sink.make_index(results, base)
+    return index.with_pins(made, pins.result())
 
 
 def left_out_damage(plan: Plan, skipped: Sequence[Skipped]) -> bool:

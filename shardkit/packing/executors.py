@@ -140,6 +140,10 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _apply(fn: Callable[[J], R], job: J) -> R:
+    return fn(job)
+
+
 def tick(n: int) -> None:
     if _counter is not None and n:
         with _counter.get_lock():
@@ -231,7 +235,7 @@ def ray(address: str | None = None, sizes: Callable[[Any], int] = lambda job: 1)
             raise ShardkitError("the Ray executor needs Ray (pip install ray)") from None
         if not ray_module.is_initialized():
             ray_module.init(address=address, include_dashboard=False, log_to_driver=False)
-        task = ray_module.remote(fn)
+        task: Any = ray_module.remote(_apply)  # `fn` may be a partial, which ray.remote refuses
         slots = max(2, 2 * int(ray_module.cluster_resources().get("CPU", 1)))  # type: ignore[no-untyped-call]  # ray's own hints lack it
         queued = iter(jobs)
         running: deque[tuple[Any, Any]] = deque()
@@ -239,7 +243,7 @@ def ray(address: str | None = None, sizes: Callable[[Any], int] = lambda job: 1)
         try:
             while True:
                 while len(running) < slots and (job := next(queued, None)) is not None:
-                    running.append((job, task.remote(job)))
+                    running.append((job, task.remote(fn, job)))
                 if not running:
                     return
                 job, ref = running.popleft()

@@ -4,6 +4,7 @@ DEST/.shardkit-progress/; index.json is written last, and the records dropped af
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,14 +28,17 @@ from ..plan import Job
 STARTED = "started"  # in the progress folder, written first: even an object store then shows the pack unfinished
 
 
-def write_shard(job: Job) -> JobResult:
+def write_shard(job: Job, earlier: bool = True) -> JobResult:
     """Write one shard atomically; bad inputs are skipped (or raise under on_error='raise').
     An earlier run's progress record goes first (only this shard's: another plan's records
     of shards this run does not reach stay good): left beside this run's shard by a crash
-    before the new record, it would vouch for bytes it does not describe."""
+    before the new record, it would vouch for bytes it does not describe. Not `earlier`:
+    DEST held no progress records when this pack began, so there is none to remove (a
+    store's round trip saved before each shard)."""
     skipped: list[Skipped] = []
     fields: set[str] = set()
-    storage.remove(_progress_url(job.dest, job.name), job.storage_options)
+    if earlier:
+        storage.remove(_progress_url(job.dest, job.name), job.storage_options)
     with storage.atomic_writer(storage.join(job.dest, job.name), job.storage_options) as f:
         writer = TarWriter(f)
         for got in jobs.job_samples(job):
@@ -93,6 +97,7 @@ class TarSink(Sink):
 
     min_size = RECORD
     min_size_note = "10KiB for tar shards (the smallest tar file)"
+    fresh = False  # DEST held no progress records as this pack began (`prepare`)
 
     @staticmethod
     def job_limit(max_size: int | None) -> int | None:
@@ -147,6 +152,9 @@ class TarSink(Sink):
             if TMP_RE.match(name):
                 storage.remove(storage.join(dest, name), opts)
         progress = storage.join(dest, index.PROGRESS_DIR)
+        self.fresh = index.PROGRESS_DIR not in names  # no earlier run's records to keep or remove
+        if self.fresh:
+            self.work = functools.partial(write_shard, earlier=False)
         storage.makedirs(progress, opts)
         storage.write_bytes_atomic(storage.join(progress, STARTED), plan.fingerprint.encode(), opts)
         if index.INDEX_NAME in names:  # an older dataset (or a damaged copy of this one) is being replaced:
@@ -157,6 +165,8 @@ class TarSink(Sink):
     def kept(self) -> dict[int, JobResult]:
         """The jobs an earlier run finished: the progress records listed once, those there
         read on threads (a store answers each in tens of ms; a fresh DEST has none to read)."""
+        if self.fresh:
+            return {}
         listed = set(storage.listdir(storage.join(self.dest, index.PROGRESS_DIR), self.storage_options))
         there = [i for i, name in enumerate(self.plan.names) if name + ".json" in listed]
         with ThreadPoolExecutor(16, thread_name_prefix="shardkit-commit") as pool:

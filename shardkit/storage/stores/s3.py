@@ -210,17 +210,27 @@ class MultipartUpload:
 
         self._fs, self._uploads = fs, uploads or _uploads
         self._bucket, self._key, _ = fs.split_path(path)
-        self._buffer = bytearray()
+        self._filling: list[bytes] = []  # the next part's bytes as written, joined once it is whole
+        self._filled = 0
         self._parts: list[Any] = []  # futures of the parts sent, in order
         self._upload_id: str | None = None
         self._pool = ThreadPoolExecutor(self._uploads, thread_name_prefix="shardkit-upload")
 
     def write(self, data: bytes) -> int:
-        self._buffer += data
-        while len(self._buffer) >= PART:
-            self._send(bytes(self._buffer[:PART]))
-            del self._buffer[:PART]
-        return len(data)
+        view, n = memoryview(data), len(data)
+        while self._filled + len(view) >= PART:  # a part is whole: its bytes copied once, into it
+            room = PART - self._filled
+            self._send(b"".join([*self._filling, view[:room]]))
+            self._filling, self._filled, view = [], 0, view[room:]
+        if view:
+            self._filling.append(bytes(view))  # the caller may reuse its buffer
+            self._filled += len(view)
+        return n
+
+    def _rest(self) -> bytes:
+        rest = b"".join(self._filling)
+        self._filling, self._filled = [], 0
+        return rest
 
     def _send(self, part: bytes) -> None:
         if self._upload_id is None:
@@ -246,11 +256,10 @@ class MultipartUpload:
         """Send what is left and complete the upload: the object appears, whole."""
         try:
             if self._upload_id is None:
-                self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._buffer))
+                self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=self._rest())
                 return
-            if self._buffer:
-                self._send(bytes(self._buffer))
-                self._buffer.clear()
+            if self._filled:
+                self._send(self._rest())
             parts = [{"PartNumber": n, "ETag": f.result()["ETag"]} for n, f in enumerate(self._parts, 1)]
             self._fs.call_s3(
                 "complete_multipart_upload",
