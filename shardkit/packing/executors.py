@@ -156,7 +156,7 @@ MOST_UPLOADING = 64  # ...and no more than this many in all (their uploads share
 
 def local(workers: int, uploading: bool = False) -> Runner[Any, Any]:
     """A process pool of `workers` (inline, without a pool, for one); `uploading` (the
-    shards go to an object store) and more than one, four times as many processes (at most
+    shards go to an object store) and more than one, eight times as many processes (at most
     MOST_UPLOADING): a job there spends most of its time waiting on the network (its parts
     going up at a connection's capped rate, the upload's start and end, its progress
     record), which other jobs' CPU fills; their uploads share one budget of parts in flight
