@@ -4,6 +4,10 @@ directions), against the upstream ceiling: the same shards uploaded by curl, eve
 once (one PUT each, presigned), through the same proxy. Interleaved rounds, medians.
 
     python -m bench.upload --images 2000 --rounds 3
+    python -m bench.upload --images 2000 --rounds 3 --server seaweedfs
+
+(--server seaweedfs: SeaweedFS's S3 gateway instead of moto, whose CompleteMultipartUpload copies
+every part into the object again, a metadata write on S3.)
 
 Reported: MB/s of shard bytes into the bucket (pack: from its start, listing and encoding
 included, to its index written), the share of the ceiling, and the connections the proxy
@@ -23,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.s3 import BUCKET, options, proxy_command, start_moto, start_proxy
+from bench.s3 import BUCKET, SERVERS, options, proxy_command, start_proxy, start_server
 from shardkit.bench.harness import median, spread
 
 SHARD = "24MB"
@@ -58,17 +62,27 @@ def pack_up(photos: Path, url: str, opts: dict) -> None:
 
 def curl_up(shards: list[Path], proxied: str, endpoint: str, prefix: str) -> None:
     """Every shard PUT at once by its own curl, presigned for the upstream and sent through
-    the proxy (the signature covers the path, not the host's port: moto does not check it)."""
+    the proxy with the upstream's Host header (the one the signature covers)."""
+    from urllib.parse import urlsplit
+
     import boto3
 
+    creds = options(endpoint)
     s3 = boto3.client(
-        "s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench", region_name="us-east-1"
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=creds["key"],
+        aws_secret_access_key=creds["secret"],
+        region_name="us-east-1",
     )
+    host = f"Host: {urlsplit(endpoint).netloc}"
     procs = []
     for shard in shards:
         signed = s3.generate_presigned_url("put_object", Params={"Bucket": BUCKET, "Key": f"{prefix}/{shard.name}"})
         procs.append(
-            subprocess.Popen(["curl", "-sf", "-o", "/dev/null", "-T", str(shard), signed.replace(endpoint, proxied)])
+            subprocess.Popen(
+                ["curl", "-sf", "-o", "/dev/null", "-H", host, "-T", str(shard), signed.replace(endpoint, proxied)]
+            )
         )
     if any(p.wait() for p in procs):
         raise SystemExit("a curl upload failed")
@@ -80,9 +94,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/shardkit-bench")
     ap.add_argument("--conn-mbps", type=float, default=20)
+    ap.add_argument("--server", choices=SERVERS, default="moto", help="the S3 server behind the proxy")
     args = ap.parse_args()
-
-    import fsspec.core
 
     import shardkit
     from scripts.make_images import make_image_folder
@@ -95,11 +108,9 @@ def main() -> None:
         shardkit.pack(str(photos), str(shards), max_size=SHARD, progress=False)
     tars = sorted(shards.glob("*.tar"))
     size = sum(p.stat().st_size for p in tars)
-    moto, endpoint = start_moto()
+    server, endpoint = start_server(args.server, root)  # the bucket made
     proxy, proxied, control = start_proxy(endpoint, 50, conn_mbps=args.conn_mbps)
     try:
-        fs, _ = fsspec.core.url_to_fs(f"s3://{BUCKET}", **options(endpoint))
-        fs.mkdir(BUCKET)
         runs: dict[str, list[tuple[float, int]]] = {"shardkit pack": [], "ceiling: curl, every shard at once": []}
         for r in range(args.rounds):
             for name in runs:
@@ -112,8 +123,8 @@ def main() -> None:
                 print(f"round {r + 1} {name}: {size / took / 1e6:.1f} MB/s, {peak} connections", file=sys.stderr)
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         print(
-            f"\n{when}, `python -m bench.upload --images {args.images} --rounds {args.rounds}`: "
-            f"{len(tars)} shards, {size / 1e6:.0f} MB, into moto through 50 ms and {args.conn_mbps:g} MB/s a "
+            f"\n{when}, `python -m bench.upload --images {args.images} --rounds {args.rounds} --server {args.server}`: "
+            f"{len(tars)} shards, {size / 1e6:.0f} MB, into {args.server} through 50 ms and {args.conn_mbps:g} MB/s a "
             f"connection; median (min-max) of {args.rounds} interleaved rounds\n"
         )
         print("| MB/s into the bucket | MB/s | share of the ceiling | connections at once |")
@@ -126,7 +137,7 @@ def main() -> None:
                 f"{median([p for _, p in values]):.0f} |"
             )
     finally:
-        for p in (proxy, moto):
+        for p in (proxy, server):
             p.stop()
 
 
