@@ -79,9 +79,9 @@ def _guess(url: str, storage_options: StorageOptions | None) -> str:
     return "not a shardkit dataset?"
 
 
-def save(index: Index, url: str, storage_options: StorageOptions | None = None) -> Index:
+def save(index: Index, url: str, storage_options: StorageOptions | None = None, tidy: bool = True) -> Index:
     """Write DATASET/index.json atomically (one that a reader would refuse is refused here),
-    after the offsets file of its tar shards; then remove other offsets files.
+    after the offsets file of its tar shards; then (`tidy`) remove other offsets files.
     Returns the index as saved."""
     check_names(index, storage.join(url, INDEX_NAME))
     if formats.get(index.kind).sharded and index.offsets_file is None:
@@ -91,7 +91,7 @@ def save(index: Index, url: str, storage_options: StorageOptions | None = None) 
         index = with_offsets_file(index, url, tables, storage_options)
     storage.write_bytes_atomic(storage.join(url, INDEX_NAME), index.to_json().encode(), storage_options)
     keep = index.offsets_file.file if index.offsets_file else None
-    for name in storage.listdir(url, storage_options):
+    for name in storage.listdir(url, storage_options) if tidy else ():
         if offsets.PATTERN.match(name) and name != keep:
             storage.remove(storage.join(url, name), storage_options)
     return index

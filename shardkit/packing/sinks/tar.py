@@ -33,7 +33,7 @@ def write_shard(job: Job, earlier: bool = True) -> JobResult:
     An earlier run's progress record goes first (only this shard's: another plan's records
     of shards this run does not reach stay good): left beside this run's shard by a crash
     before the new record, it would vouch for bytes it does not describe. Not `earlier`:
-    DEST held no progress records when this pack began, so there is none to remove (a
+    DEST held nothing of shardkit's when this pack began, so there is no record to remove (a
     store's round trip saved before each shard)."""
     skipped: list[Skipped] = []
     fields: set[str] = set()
@@ -97,7 +97,7 @@ class TarSink(Sink):
 
     min_size = RECORD
     min_size_note = "10KiB for tar shards (the smallest tar file)"
-    fresh = False  # DEST held no progress records as this pack began (`prepare`)
+    fresh = False  # DEST held nothing of shardkit's as this pack began (`prepare`)
 
     @staticmethod
     def job_limit(max_size: int | None) -> int | None:
@@ -152,7 +152,11 @@ class TarSink(Sink):
             if TMP_RE.match(name):
                 storage.remove(storage.join(dest, name), opts)
         progress = storage.join(dest, index.PROGRESS_DIR)
-        self.fresh = index.PROGRESS_DIR not in names  # no earlier run's records to keep or remove
+        # nothing of shardkit's here (no earlier run's records, shards, offsets file or index):
+        # nothing to keep, remove or find again after the commit
+        self.fresh = not any(
+            n in own or SHARD_RE.match(n) or offsets.PATTERN.match(n) or TMP_RE.match(n) for n in names
+        )
         if self.fresh:
             self.work = functools.partial(write_shard, earlier=False)
         storage.makedirs(progress, opts)
@@ -202,9 +206,16 @@ class TarSink(Sink):
         )
 
     def commit(self, idx: Index, fresh: bool) -> None:
+        """Into a DEST that held nothing of shardkit's as this pack began (`self.fresh`) there
+        is no other offsets file, shard or record to find: this run's records are removed by
+        name, with no listing (a store's round trip each)."""
         if fresh:
-            index.save(idx, self.dest, self.storage_options)
-        cleanup(self.dest, set(self.plan.names), self.storage_options)
+            index.save(idx, self.dest, self.storage_options, tidy=not self.fresh)
+        if fresh and self.fresh:
+            records = [STARTED, *(f"{n}{end}" for n in self.plan.names for end in (".json", ".offsets"))]
+            remove_records(self.dest, records, self.storage_options)
+        else:
+            cleanup(self.dest, set(self.plan.names), self.storage_options)
 
     def abandon(self) -> None:
         cleanup(self.dest, set(), self.storage_options)
@@ -218,8 +229,21 @@ def cleanup(dest: str, keep: set[str], storage_options: StorageOptions | None) -
     names = storage.listdir(dest, storage_options)
     if index.PROGRESS_DIR not in names:
         return
-    gone = [storage.join(dest, name) for name in names if SHARD_RE.match(name) and name not in keep]
-    gone += [storage.join(progress, name) for name in storage.listdir(progress, storage_options)]
-    with ThreadPoolExecutor(32, thread_name_prefix="shardkit-commit") as pool:  # a store's round trips, at once
-        list(pool.map(lambda url: storage.remove(url, storage_options), gone))
+    _remove(
+        [storage.join(dest, name) for name in names if SHARD_RE.match(name) and name not in keep]
+        + [storage.join(progress, name) for name in storage.listdir(progress, storage_options)],
+        storage_options,
+    )
     storage.remove_dir(progress, storage_options)
+
+
+def remove_records(dest: str, records: Sequence[str], storage_options: StorageOptions | None) -> None:
+    """Remove the progress records `records` (names in the progress folder), then the folder."""
+    progress = storage.join(dest, index.PROGRESS_DIR)
+    _remove([storage.join(progress, name) for name in records], storage_options)
+    storage.remove_dir(progress, storage_options)
+
+
+def _remove(urls: Sequence[str], storage_options: StorageOptions | None) -> None:
+    with ThreadPoolExecutor(32, thread_name_prefix="shardkit-commit") as pool:  # a store's round trips, at once
+        list(pool.map(lambda url: storage.remove(url, storage_options), urls))
