@@ -15,7 +15,9 @@ the same S3 server through the same proxy, as each library documents it:
   bytes to /dev/null; a transfer cut short goes on with a Range from where it stopped).
 
 Every loader: DataLoader(num_workers=2, batch_size=64) (litdata's own StreamingDataLoader), raw
-bytes, shuffled (s3torchconnector: the order of its objects only; it has no sample shuffle),
+image bytes and the label as an int, batched into a tensor as a training step takes it (the
+tars' `cls` member, bytes, is turned into an int for webdataset and s3torchconnector, as
+shardkit's sample dict, MDS and litdata give it), shuffled (s3torchconnector: the order of its objects only; it has no sample shuffle),
 timed from building the dataset (after the imports: torch and the library) to the last batch; each checks that it saw
 every sample exactly once. The ceiling is timed from its first curl to its last and checks that
 every byte of every shard came. Prints one JSON line, with `cpu_s` (the CPU seconds of this
@@ -121,7 +123,7 @@ def _webdataset(endpoint: str, bucket: str):  # type: ignore[no-untyped-def]
 
     s3, names = _shard_names(endpoint, bucket)
     urls = _presigned(s3, bucket, names)
-    ds = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False).shuffle(1000)
+    ds = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False).shuffle(1000).map(_int_label)
     return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
 
@@ -155,8 +157,21 @@ def _litdata(endpoint: str, bucket: str):  # type: ignore[no-untyped-def]
 
 def _lit_collate(items: list[dict]) -> dict:
     """litdata hands out views into its memory-mapped chunks, which default_collate takes for
-    sequences: copied to bytes (as a training step would use them) and listed."""
-    return {"key": [i["key"] for i in items], "jpg": [bytes(i["jpg"]) for i in items], "cls": [i["cls"] for i in items]}
+    sequences: copied to bytes (as a training step would use them) and listed; the labels as
+    a tensor, as default_collate makes them for the others."""
+    import torch
+
+    return {
+        "key": [i["key"] for i in items],
+        "jpg": [bytes(i["jpg"]) for i in items],
+        "cls": torch.tensor([i["cls"] for i in items]),
+    }
+
+
+def _int_label(sample: dict) -> dict:
+    """The tar's `cls` member (its bytes) as an int, what a training step takes."""
+    sample["cls"] = int(sample["cls"])
+    return sample
 
 
 def _tar_samples(reader) -> Iterator[dict]:  # type: ignore[no-untyped-def]
@@ -201,7 +216,7 @@ def _s3torch(endpoint: str, bucket: str):  # type: ignore[no-untyped-def]
     class TarSamples(IterableDataset):  # inherited by the forked workers, not pickled
         def __iter__(self) -> Iterator[dict]:
             for reader in objects:  # this worker's objects (enable_sharding)
-                yield from _tar_samples(reader)
+                yield from map(_int_label, _tar_samples(reader))
 
     return DataLoader(TarSamples(), batch_size=BATCH, num_workers=WORKERS)
 
