@@ -2,7 +2,8 @@
 the same S3 server through the same proxy, as each library documents it:
 
 - shardkit: StreamingDataset(s3://..., storage_options=...), defaults, or prefetch=0, or each S3
-  client by name (storage_options["client"]: presigned, obstore, crt, s3fs);
+  client by name (storage_options["client"]: presigned, obstore, crt, s3fs), or its batches built
+  in the worker (`shardkit-batched`: batch_size=64 on the dataset, DataLoader(batch_size=None));
 - webdataset: its documented http(s) URLs (presigned GETs), which it reads through `curl`;
 - MosaicML Streaming: StreamingDataset(remote="s3://...", local=a fresh folder), S3_ENDPOINT_URL;
 - litdata: StreamingDataset("s3://...", storage_options={endpoint_url...}), a fresh cache; patched
@@ -87,7 +88,9 @@ def _keys(batch: object) -> list[str]:
     return list(batch["__key__"] if "__key__" in batch else batch["key"])  # type: ignore[index, operator]
 
 
-def _shardkit(endpoint: str, bucket: str, prefetch: int | None, client: str | None = None):  # type: ignore[no-untyped-def]
+def _shardkit(  # type: ignore[no-untyped-def]
+    endpoint: str, bucket: str, prefetch: int | None, client: str | None = None, batched: bool = False
+):
     from torch.utils.data import DataLoader
 
     from shardkit import StreamingDataset
@@ -96,6 +99,9 @@ def _shardkit(endpoint: str, bucket: str, prefetch: int | None, client: str | No
     if client is not None:  # the S3 client of its shards' reads (storage/stores/choice.py)
         opts["client"] = client
     extra = {} if prefetch is None else {"prefetch": prefetch}
+    if batched:  # batches built in the worker, in shared memory (reading/batching.py)
+        ds = StreamingDataset(f"s3://{bucket}/shardkit", storage_options=opts, shuffle=True, batch_size=BATCH, **extra)
+        return DataLoader(ds, batch_size=None, num_workers=WORKERS)
     ds = StreamingDataset(f"s3://{bucket}/shardkit", storage_options=opts, shuffle=True, **extra)
     return DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
 
@@ -259,6 +265,7 @@ def _ceiling(endpoint: str, bucket: str) -> dict:
 
 LOADERS = {  # key: (its label in the tables, what builds its loader)
     "shardkit": ("shardkit", lambda e, b: _shardkit(e, b, None)),
+    "shardkit-batched": ("shardkit, batches in the worker", lambda e, b: _shardkit(e, b, None, batched=True)),
     "shardkit-off": ("shardkit, read-ahead off", lambda e, b: _shardkit(e, b, 0)),
     "shardkit-presigned": ("shardkit, client presigned", lambda e, b: _shardkit(e, b, None, "presigned")),
     "shardkit-obstore": ("shardkit, client obstore", lambda e, b: _shardkit(e, b, None, "obstore")),
@@ -277,6 +284,7 @@ INSTALLED_AS = {"mosaic": "mosaicml-streaming", "litdata": "litdata", "s3torch":
 SHARDKIT = ("shardkit", "shardkit.reading.dataset")  # `from shardkit import StreamingDataset` (a lazy name)
 IMPORTS = {  # what each one imports before its clock starts (as a training script has it imported)
     "shardkit": SHARDKIT,
+    "shardkit-batched": SHARDKIT,
     "shardkit-off": SHARDKIT,
     "shardkit-presigned": SHARDKIT,
     "shardkit-obstore": SHARDKIT,
