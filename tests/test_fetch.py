@@ -608,8 +608,8 @@ def test_a_pack_into_a_fresh_bucket_prefix_removes_no_record_before_its_shards(
     tmp_path: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     """A DEST that held no progress records: its jobs skip removing an earlier record (a round
-    trip before each shard), nothing lists them, and after the index they are removed by
-    name (no listing of DEST or of the records: there is nothing else of shardkit's to find)."""
+    trip before each shard), nothing lists them before the index, and after it only the
+    progress folder is listed, not DEST (there is nothing else of shardkit's to find)."""
     import json
 
     proxied, control = latency_proxy(s3_server)
@@ -630,7 +630,7 @@ def test_a_pack_into_a_fresh_bucket_prefix_removes_no_record_before_its_shards(
     removed = [i for i, line in enumerate(lines) if line.startswith("DELETE /shardkit-test/fresh/.shardkit-progress/")]
     assert len(idx.shards) == 3 and removed and min(removed) > index_put, lines
     listed = [line for line in lines if "list-type=2" in line and "max-keys=1" not in line]
-    assert len(listed) == 2, listed  # DEST's before the pack, and the pins'; the records are removed by name
+    assert len(listed) == 3, listed  # DEST's before the pack, the pins', the progress folder's after the index
     assert sum(line.startswith("DELETE /shardkit-test/fresh/.shardkit-progress/shard-") for line in lines) == 6
 
 

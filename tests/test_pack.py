@@ -782,6 +782,7 @@ def test_a_pack_given_up_tries_a_failing_read_no_more(monkeypatch: pytest.Monkey
         raise ConnectionResetError("connection reset by peer")
 
     monkeypatch.setattr(executors, "_stop", multiprocessing.RawValue("b", 1))
+    storage.stop_when(executors.stop_point)  # as a pool worker's start (init_worker) has it
     with pytest.raises(executors.Stopped):
         storage.retrying("s3://b/x", reset)
     assert len(attempts) == 1
@@ -1179,6 +1180,42 @@ def test_a_crash_between_a_shard_and_its_record_leaves_no_stale_record(
     shardkit.pack(str(src), str(out), max_count=5, workers=1, progress=False, stats=stats)
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
     assert stats["written"] == 5  # seed 0's record of shard 0 went before seed 1 wrote over it
+
+
+def test_a_record_that_landed_before_its_table_never_vouches_for_an_earlier_table(
+    photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard's offsets table and its record are written at once: where the record lands
+    and the table does not (a crash between), the earlier run's table of the same size must
+    not be taken for this run's. Seed 0 stops before its commit (its records and tables
+    stay); seed 1 dies writing its first table once its first record is in place; its rerun
+    ends as a clean pack of seed 1 does (images of many sizes: the two seeds' tables differ)."""
+    from shardkit import storage
+
+    src, out = photos, tmp_path / "out"
+    shardkit.pack(str(src), str(tmp_path / "clean"), max_count=5, seed=1, workers=1, progress=False)
+    with monkeypatch.context() as m:
+        m.setattr(shardkit.index, "save", _crash)
+        with pytest.raises(RuntimeError):
+            shardkit.pack(str(src), str(out), max_count=5, workers=1, progress=False)
+    record = out / ".shardkit-progress" / "shard-000000.tar.json"
+    write = storage.write_bytes_atomic
+
+    def table_dies_after_the_record(url: str, *args: object) -> None:
+        if url.endswith("shard-000000.tar.offsets"):
+            deadline = time.monotonic() + 10
+            while not record.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise RuntimeError("killed")
+        write(url, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(storage, "write_bytes_atomic", table_dies_after_the_record)
+        with pytest.raises(RuntimeError):
+            shardkit.pack(str(src), str(out), max_count=5, seed=1, workers=1, progress=False)
+    assert record.exists()  # seed 1's record, beside no table of seed 1's
+    shardkit.pack(str(src), str(out), max_count=5, seed=1, workers=1, progress=False)
+    assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
 
 
 def test_shard_names_of_another_tool_are_not_taken_for_its_own(photos: Path, tmp_path: Path) -> None:

@@ -37,8 +37,10 @@ def write_shard(job: Job, earlier: bool = True) -> JobResult:
     store's round trip saved before each shard)."""
     skipped: list[Skipped] = []
     fields: set[str] = set()
-    if earlier:
-        storage.remove(_progress_url(job.dest, job.name), job.storage_options)
+    if earlier:  # its table too: a record of this run found beside an old table would vouch for it
+        with ThreadPoolExecutor(2, thread_name_prefix="shardkit-record") as pool:
+            gone = (_progress_url(job.dest, job.name), _table_url(job.dest, job.name))
+            list(pool.map(lambda url: storage.remove(url, job.storage_options), gone))
     with storage.atomic_writer(storage.join(job.dest, job.name), job.storage_options) as f:
         writer = TarWriter(f)
         for got in jobs.job_samples(job):
@@ -57,7 +59,8 @@ def write_shard(job: Job, earlier: bool = True) -> JobResult:
         "skipped": [asdict(s) for s in skipped],
     }
     table = np.asarray(writer.offsets, dtype=offsets.DTYPE).tobytes()  # the shard's offsets, for the commit
-    # both at once (a store's round trip each): a record found without its table is not kept (`_done`)
+    # both at once (a store's round trip each): a record found without its table (the earlier
+    # one was removed above) is not kept (`_done`)
     writes = {_table_url(job.dest, job.name): table, _progress_url(job.dest, job.name): json.dumps(record).encode()}
     with ThreadPoolExecutor(2, thread_name_prefix="shardkit-record") as pool:
         list(pool.map(lambda url: storage.write_bytes_atomic(url, writes[url], job.storage_options), writes))
@@ -207,13 +210,13 @@ class TarSink(Sink):
 
     def commit(self, idx: Index, fresh: bool) -> None:
         """Into a DEST that held nothing of shardkit's as this pack began (`self.fresh`) there
-        is no other offsets file, shard or record to find: this run's records are removed by
-        name, with no listing (a store's round trip each)."""
+        is no other offsets file or shard to find: only the progress folder is listed (what
+        is in it goes, a temporary file a killed attempt left included), not DEST (a store's
+        round trip each)."""
         if fresh:
             index.save(idx, self.dest, self.storage_options, tidy=not self.fresh)
         if fresh and self.fresh:
-            records = [STARTED, *(f"{n}{end}" for n in self.plan.names for end in (".json", ".offsets"))]
-            remove_records(self.dest, records, self.storage_options)
+            remove_progress(self.dest, self.storage_options)
         else:
             cleanup(self.dest, set(self.plan.names), self.storage_options)
 
@@ -237,10 +240,10 @@ def cleanup(dest: str, keep: set[str], storage_options: StorageOptions | None) -
     storage.remove_dir(progress, storage_options)
 
 
-def remove_records(dest: str, records: Sequence[str], storage_options: StorageOptions | None) -> None:
-    """Remove the progress records `records` (names in the progress folder), then the folder."""
+def remove_progress(dest: str, storage_options: StorageOptions | None) -> None:
+    """Remove what is in the progress folder, then the folder."""
     progress = storage.join(dest, index.PROGRESS_DIR)
-    _remove([storage.join(progress, name) for name in records], storage_options)
+    _remove([storage.join(progress, name) for name in storage.listdir(progress, storage_options)], storage_options)
     storage.remove_dir(progress, storage_options)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from concurrent.futures import FIRST_COMPLETED, wait
 from collections.abc import Iterator
 from typing import Any, BinaryIO, cast
 
@@ -182,7 +183,7 @@ class PresignedS3Store(S3fsStore):
 
 PART = 8 << 20  # a multipart upload's part (S3 wants 5 MiB at least, but for the last)
 UPLOADS = 8  # parts of one upload in flight at once: a capped connection's rate, eight times...
-PARTS_IN_FLIGHT = 64  # ...and of all the uploads of a pack's processes together (512 MB), see `share_uploads`
+PARTS_IN_FLIGHT = 64  # ...and of all the uploads of a pack's processes together (512 MB; 2 a process at least)
 _uploads = UPLOADS
 
 
@@ -217,7 +218,8 @@ class MultipartUpload:
         self._pool = ThreadPoolExecutor(self._uploads, thread_name_prefix="shardkit-upload")
 
     def write(self, data: bytes) -> int:
-        view, n = memoryview(data), len(data)
+        view = memoryview(data).cast("B")  # bytes, whatever the buffer's items
+        n = len(view)
         while self._filled + len(view) >= PART:  # a part is whole: its bytes copied once, into it
             room = PART - self._filled
             self._send(b"".join([*self._filling, view[:room]]))
@@ -237,8 +239,8 @@ class MultipartUpload:
             self._upload_id = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)[
                 "UploadId"
             ]
-        while sum(not f.done() for f in self._parts) >= self._uploads:  # bounded: wait for the oldest in flight
-            next(f for f in self._parts if not f.done()).result()
+        while len(pending := [f for f in self._parts if not f.done()]) >= self._uploads:  # bounded
+            wait(pending, return_when=FIRST_COMPLETED)
         number = len(self._parts) + 1
         self._parts.append(
             self._pool.submit(
