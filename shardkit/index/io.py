@@ -90,10 +90,11 @@ def save(index: Index, url: str, storage_options: StorageOptions | None = None, 
             raise ShardkitError(f"{storage.join(url, INDEX_NAME)}: not saved: shards without sample offsets")
         index = with_offsets_file(index, url, tables, storage_options)
     storage.write_bytes_atomic(storage.join(url, INDEX_NAME), index.to_json().encode(), storage_options)
-    keep = index.offsets_file.file if index.offsets_file else None
-    for name in storage.listdir(url, storage_options) if tidy else ():
-        if offsets.PATTERN.match(name) and name != keep:
-            storage.remove(storage.join(url, name), storage_options)
+    if tidy:
+        keep = index.offsets_file.file if index.offsets_file else None
+        for name in storage.listdir(url, storage_options):
+            if offsets.PATTERN.match(name) and name != keep:
+                storage.remove(storage.join(url, name), storage_options)
     return index
 
 

@@ -151,9 +151,7 @@ def tick(n: int) -> None:
 
 
 UPLOADING = 8  # processes a core where the jobs write into an object store...
-MOST_UPLOADING = (
-    64  # ...and no more than this many in all (their uploads share 64 parts of 8 MB in flight, 2 each at least)
-)
+MOST_UPLOADING = 64  # ...and no more than this many in all (their uploads share a budget of parts in flight)
 
 
 def local(workers: int, uploading: bool = False) -> Runner[Any, Any]:

@@ -108,9 +108,10 @@ class EpochDataset(torch.utils.data.IterableDataset[Any]):
         for data), decoding and in the transform, skipped samples, `read_fraction`, bytes
         downloaded, cache hits, `throttled` (the store's answers asking for fewer requests,
         503 SlowDown or 429, the opening reads' included: each was retried after a backoff,
-        and each a ranged read met halved its worker's reads in flight), `requests` (ranged GETs sent, hedges aside), `hedges` (GETs sent again
-        because their first byte was late, the dataset's opening reads of its index and offsets
-        file included) and `hedge_wins` (those that answered first), the
+        and each a ranged read met halved its worker's reads in flight), `requests` (ranged
+        GETs sent, hedges aside), `hedges` (GETs sent again because their first byte was
+        late, the dataset's opening reads of its index and offsets file included) and
+        `hedge_wins` (those that answered first), the
         read-ahead's depth and fetch latency, `store`: which client reads the shards, and
         `store_config`: what was decided for each store (`store_config()`)."""
         total = self._shared.totals()

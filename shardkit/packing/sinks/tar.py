@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -25,6 +25,8 @@ from .. import jobs
 from ..commit import SHARD_RE, TMP_RE, JobResult, Sink, left_out_damage, refuse_to_replace
 from ..plan import Job
 
+T = TypeVar("T")
+R = TypeVar("R")
 STARTED = "started"  # in the progress folder, written first: even an object store then shows the pack unfinished
 
 
@@ -38,9 +40,7 @@ def write_shard(job: Job, earlier: bool = True) -> JobResult:
     skipped: list[Skipped] = []
     fields: set[str] = set()
     if earlier:  # its table too: a record of this run found beside an old table would vouch for it
-        with ThreadPoolExecutor(2, thread_name_prefix="shardkit-record") as pool:
-            gone = (_progress_url(job.dest, job.name), _table_url(job.dest, job.name))
-            list(pool.map(lambda url: storage.remove(url, job.storage_options), gone))
+        _remove([_progress_url(job.dest, job.name), _table_url(job.dest, job.name)], job.storage_options)
     with storage.atomic_writer(storage.join(job.dest, job.name), job.storage_options) as f:
         writer = TarWriter(f)
         for got in jobs.job_samples(job):
@@ -62,8 +62,7 @@ def write_shard(job: Job, earlier: bool = True) -> JobResult:
     # both at once (a store's round trip each): a record found without its table (the earlier
     # one was removed above) is not kept (`_done`)
     writes = {_table_url(job.dest, job.name): table, _progress_url(job.dest, job.name): json.dumps(record).encode()}
-    with ThreadPoolExecutor(2, thread_name_prefix="shardkit-record") as pool:
-        list(pool.map(lambda url: storage.write_bytes_atomic(url, writes[url], job.storage_options), writes))
+    _at_once(lambda url: storage.write_bytes_atomic(url, writes[url], job.storage_options), list(writes))
     return result
 
 
@@ -176,8 +175,7 @@ class TarSink(Sink):
             return {}
         listed = set(storage.listdir(storage.join(self.dest, index.PROGRESS_DIR), self.storage_options))
         there = [i for i, name in enumerate(self.plan.names) if name + ".json" in listed]
-        with ThreadPoolExecutor(16, thread_name_prefix="shardkit-commit") as pool:
-            done = dict(zip(there, pool.map(self._done, there)))
+        done = dict(zip(there, _at_once(self._done, there)))
         return {i: result for i, result in done.items() if result is not None}
 
     def _done(self, i: int) -> JobResult | None:
@@ -228,25 +226,27 @@ def cleanup(dest: str, keep: set[str], storage_options: StorageOptions | None) -
     """After commit: drop the shards not named in `keep` (an earlier, different plan's) and
     the progress records (the folder last: a rerun after a crash in between finds it and
     cleans up again)."""
-    progress = storage.join(dest, index.PROGRESS_DIR)
     names = storage.listdir(dest, storage_options)
-    if index.PROGRESS_DIR not in names:
-        return
-    _remove(
-        [storage.join(dest, name) for name in names if SHARD_RE.match(name) and name not in keep]
-        + [storage.join(progress, name) for name in storage.listdir(progress, storage_options)],
-        storage_options,
-    )
-    storage.remove_dir(progress, storage_options)
+    if index.PROGRESS_DIR in names:
+        stale = [storage.join(dest, name) for name in names if SHARD_RE.match(name) and name not in keep]
+        remove_progress(dest, storage_options, stale)
 
 
-def remove_progress(dest: str, storage_options: StorageOptions | None) -> None:
-    """Remove what is in the progress folder, then the folder."""
+def remove_progress(dest: str, storage_options: StorageOptions | None, also: Sequence[str] = ()) -> None:
+    """Remove the URLs `also` and what is in the progress folder, then the folder."""
     progress = storage.join(dest, index.PROGRESS_DIR)
-    _remove([storage.join(progress, name) for name in storage.listdir(progress, storage_options)], storage_options)
+    listed = [storage.join(progress, name) for name in storage.listdir(progress, storage_options)]
+    _remove([*also, *listed], storage_options)
     storage.remove_dir(progress, storage_options)
 
 
 def _remove(urls: Sequence[str], storage_options: StorageOptions | None) -> None:
-    with ThreadPoolExecutor(32, thread_name_prefix="shardkit-commit") as pool:  # a store's round trips, at once
-        list(pool.map(lambda url: storage.remove(url, storage_options), urls))
+    _at_once(lambda url: storage.remove(url, storage_options), urls)
+
+
+def _at_once(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """`fn` of each item on threads (a store's round trip each, at once), results in order."""
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(min(32, len(items)), thread_name_prefix="shardkit-commit") as pool:
+        return list(pool.map(fn, items))

@@ -240,7 +240,9 @@ class MultipartUpload:
                 "UploadId"
             ]
         while len(pending := [f for f in self._parts if not f.done()]) >= self._uploads:  # bounded
-            wait(pending, return_when=FIRST_COMPLETED)
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                f.result()  # a failed part ends the upload now, not at its close
         number = len(self._parts) + 1
         self._parts.append(
             self._pool.submit(
