@@ -259,6 +259,54 @@ def test_a_stream_through_buffer_gives_bytes_as_they_arrive() -> None:
         failed.read_at(4, 0)
 
 
+def test_a_read_buffer_is_reused_once_its_writer_and_its_reader_are_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A range's memory goes to the next range only after it is finished and released (a
+    writer or a reader could still touch it before), and the next never reads its bytes."""
+    from shardkit.storage import streams
+
+    pool = streams.Buffers()
+    monkeypatch.setattr(streams, "BUFFERS", pool)
+    pool.opening()
+    size = 3 << 20
+    first = streams.Arriving(0, size)
+    mapping = first._buf
+    first.write(b"a" * size)
+    first.release()  # read, but not finished: a piece may still be written
+    assert streams.Arriving(0, size)._buf is not mapping
+    first.finish()
+    second = streams.Arriving(10, 10 + size)
+    assert second._buf is mapping  # the same class (4 MB), taken from the pool
+    second.write(b"b" * 5)
+    second.finish(end=15)
+    assert second.read_at(100, 10) == b"b" * 5  # its own bytes only, not the first range's
+    assert first.read_at(5, 0) == b""  # a released buffer gives nothing, never another range's bytes
+    never_read = streams.Arriving(0, size)
+    never_read.finish(error=OSError("reset"))  # finished, not released: kept by its reader
+    assert streams.Arriving(0, size)._buf is not never_read._buf
+    pool.closing()  # the last reader closed: nothing kept
+    second.release()
+    assert streams.Arriving(0, size)._buf is not mapping
+
+
+def test_a_forked_child_keeps_none_of_its_parents_read_buffers() -> None:
+    """A child writing into a mapping its parent kept would copy it page by page (copy on
+    write): a child starts with an empty pool."""
+    from shardkit.storage import streams
+
+    streams.BUFFERS.opening()
+    try:
+        held = streams.Arriving(0, 2 << 20)
+        held.finish()
+        held.release()
+        assert streams.BUFFERS._kept
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only with an empty pool
+            os._exit(0 if streams.BUFFERS._kept == 0 and not streams.BUFFERS._free else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        streams.BUFFERS.closing()
+
+
 def test_coalesce_merges_back_to_back_samples_only() -> None:
     shard = np.array([0, 0, 0, 1, 1, 0])
     starts = np.array([0, 10, 20, 0, 10, 40])

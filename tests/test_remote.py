@@ -193,6 +193,29 @@ def test_workers_cache_and_second_epoch_from_disk(s3: dict, packed: Path, tmp_pa
     assert ds.stats()["fetched_bytes"] > after_second["fetched_bytes"]
 
 
+def test_read_buffers_reused_range_after_range_give_every_sample_its_own_bytes(
+    s3: dict, packed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streamed ranges' memory goes from range to range (streams.Buffers: here every range
+    pooled, however small); samples come out as a local read gives them."""
+    import fsspec.core
+
+    from shardkit.storage import streams
+
+    url, opts = s3["url"] + "/pooled", s3["storage_options"]
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    fs.put(str(packed), root, recursive=True)
+    monkeypatch.setattr(streams.Buffers, "POOLED", 1)
+    taken: list[Any] = []  # held, so that no two mappings are told apart by a reused id()
+    take = streams.BUFFERS.take
+    monkeypatch.setattr(streams.BUFFERS, "take", lambda size: taken.append(take(size)) or taken[-1])
+    ds = StreamingDataset(url, storage_options=opts, block=4, prefetch_bytes="64KB")
+    got = [(s["__key__"], s["jpg"]) for s in ds]
+    assert got == [(s["__key__"], s["jpg"]) for s in StreamingDataset(str(packed))]
+    reused = sum(any(m is t for t in taken[:i]) for i, m in enumerate(taken))
+    assert reused > len(taken) / 2  # most ranges in memory an earlier range had
+
+
 @pytest.mark.parametrize("batch_size", [None, 4])
 def test_breaking_out_of_the_loop_frees_the_read_ahead(s3: dict, packed: Path, batch_size: int | None) -> None:
     """Leaving a pass halfway stops its read-ahead threads at once, not at the next full

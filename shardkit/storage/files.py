@@ -45,7 +45,9 @@ def read_range(url: str, start: int, stop: int, storage_options: StorageOptions 
     store = store_for(url, storage_options)
     into = Arriving(start, stop)
     store.retried_get(url, "", lambda: store.get(url, start, stop, into, None))
+    into.finish()
     data = into.data()
+    into.release()
     if len(data) != stop - start:
         raise CorruptShardError(f"{display(url)}: {len(data)} bytes at offset {start}, expected {stop - start}")
     return data

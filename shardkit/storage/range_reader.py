@@ -19,7 +19,7 @@ from .files import pin_of
 from .patience import patience_for
 from .retry import retrying, root_cause, status_of
 from .stores import Store, store_for
-from .streams import Arriving, Piece, ReadAt
+from .streams import BUFFERS, Arriving, Piece, ReadAt
 from .urls import StorageOptions, display, is_local, local_path
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ class RangeReader:
         self.fetched_bytes = 0  # downloaded from remote storage, sha256 checks included (cache hits excluded)
         self.throttled = 0  # answers of the store asking for fewer requests (503 SlowDown, 429)
         self.engine = FetchEngine(connections)  # pieces and hedges of the remote ranges (fetch.py)
+        BUFFERS.opening()  # the process's buffers are kept while a reader is open
 
     def _handle(self, shard: int) -> Any:
         handle = self._handles.get(shard)
@@ -170,7 +171,10 @@ class RangeReader:
                 if status_of(root_cause(e)) != 416:  # 416: the object ends before `start` (an emptied shard)
                     raise
                 return b"", None
-            return into.data(), size
+            into.finish()
+            data = into.data()
+            into.release()
+            return data, size
 
         def remote() -> str | None:  # one ranged GET: the size comes with it where the answer tells it
             head, size = read(0, fingerprint.HEAD)
@@ -286,6 +290,7 @@ class RangeReader:
             arrived = Arriving(start, stop)
             self._fill(shard, start, stop, arrived)
             data = arrived.data()
+            arrived.release()
         if len(data) < stop - start and not partial:
             raise self._short(shard, start, stop, len(data))
         return data
@@ -339,9 +344,9 @@ class RangeReader:
 
         into.counted = self._fetched  # counted as they come: a pass that ends at its last byte has them all
         self.engine.run(pieces, fetch)
-        into.finish(end=start + into.filled)
-        if cache is not None and into.filled == stop - start:  # after the consumer has its bytes
+        if cache is not None and into.filled == stop - start:  # its readers have every byte already
             cache.put(url, version, start, stop, into.data())
+        into.finish(end=start + into.filled)  # after it, a released buffer is reused
 
     def _short(self, shard: int, start: int, stop: int, got: int) -> CorruptShardError:
         return CorruptShardError(
@@ -352,9 +357,11 @@ class RangeReader:
     def close(self) -> None:
         """Close the files. Reads still running on read-ahead threads fail cleanly after this."""
         with self._lock:
-            self._closed = True
+            was, self._closed = self._closed, True
             self._handles.clear()
         FILES.forget(self._number)
+        if not was:
+            BUFFERS.closing()
         self.engine.close()
 
 

@@ -3,17 +3,80 @@
 `Arriving` is the buffer a read-ahead thread fills and the worker reads from: a read of
 bytes that have not come yet waits for them (or for the error that stopped them), so a
 sample is parsed as soon as its own bytes are in, not when its whole block is.
-The stores (stores/) fill them, each by its own client.
+The stores (stores/) fill them, each by its own client. Their memory is the process's
+`BUFFERS`, kept for the next range once a range has been read (`Arriving.release`).
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
 
 ReadAt = Callable[[int, int], bytes]  # read_at(size, offset): a shard's bytes, as formats.tar reads them
+
+
+class Buffers:
+    """Memory for `Arriving` buffers: private anonymous mappings, each kept for the next
+    buffer once its range has been read. The kernel zeroes a mapping's pages as they are
+    first written, a fault a page: measured here (16 MB written in 256-KB chunks, as a
+    socket fills it), 1.25 CPU s a GB for mmap's default shared mapping, 0.7 for a private
+    one, 0.04 for one written before; huge pages (madvise) cost more than they saved, the
+    kernel compacting memory to find them. Sizes are powers of two from `POOLED` (a buffer
+    holds at most twice its bytes); at most `KEEP` bytes are kept free (fewer than a
+    worker's read-ahead holds at its peak), none once the process's last reader has closed
+    (`closing`), and a forked child keeps none of its parent's."""
+
+    POOLED = 1 << 20  # smaller buffers (a fingerprint's 512 bytes) are mapped each time
+    KEEP = 256 << 20  # the read-ahead's default budget (prefetch_bytes)
+
+    def __init__(self) -> None:
+        self._after_fork()
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._kept = self._readers = 0
+
+    def take(self, size: int) -> mmap.mmap:
+        """A mapping of at least `size` bytes, kept or new."""
+        if size < self.POOLED:
+            return _mapping(size)
+        cls = 1 << (size - 1).bit_length()
+        with self._lock:
+            if free := self._free.get(cls):
+                self._kept -= cls
+                return free.pop()
+        return _mapping(cls)
+
+    def give(self, buf: mmap.mmap) -> None:
+        """`buf` back for the next `take`, or let go (unmapped once its views are gone)."""
+        cls = len(buf)
+        with self._lock:
+            if self.POOLED <= cls and self._readers and self._kept + cls <= self.KEEP:
+                self._free.setdefault(cls, []).append(buf)
+                self._kept += cls
+
+    def opening(self) -> None:
+        with self._lock:
+            self._readers += 1
+
+    def closing(self) -> None:
+        with self._lock:
+            self._readers -= 1
+            if not self._readers:
+                self._free.clear()
+                self._kept = 0
+
+
+def _mapping(size: int) -> mmap.mmap:
+    return mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+BUFFERS = Buffers()
 
 
 class Stalls:
@@ -62,15 +125,16 @@ class Arriving:
     `Piece` of it (parallel ranged GETs: `split`), then `finish`ed; read by others with
     `read_at(size, offset)`, as `formats.tar` reads: a read waits for its bytes (counted in
     `stalls`); fewer come back only where the shard ends (`finish(end=...)`). `filled` is
-    the bytes in from `start` without a gap."""
+    the bytes in from `start` without a gap. Calling it is `read_at`. Once finished and
+    `release`d by its reader, its memory goes back to `BUFFERS`."""
 
     def __init__(self, start: int, stop: int, stalls: Stalls | None = None):
         self.start, self.stop, self._stalls = start, stop, stalls
         self.filled = 0  # bytes in from `start`, without a gap
-        # anonymous memory: its pages are zeroed by the kernel as they are first written, where a
-        # bytearray is zeroed up front (a second pass over every byte: ~10% of a worker's read CPU)
-        self._buf = mmap.mmap(-1, max(stop - start, 1))
+        # anonymous memory, zeroed by the kernel as it is first written (a bytearray is zeroed up front)
+        self._buf: mmap.mmap | None = BUFFERS.take(stop - start)
         self._view = memoryview(self._buf)[: stop - start]
+        self._released = False
         self._end = stop  # where the shard ends, if before `stop`
         self._done = False
         self._error: BaseException | None = None
@@ -119,6 +183,7 @@ class Arriving:
             self._end = min(self._end, self.start + self.filled)
             self._done = True
             self._cond.notify_all()
+            self._recycle(written=False)
 
     def finish(self, error: BaseException | None = None, end: int | None = None) -> None:
         """No more bytes: all of them, the shard ended at `end`, or `error` stopped them."""
@@ -127,6 +192,22 @@ class Arriving:
             if end is not None:
                 self._end = min(self._end, end)
             self._cond.notify_all()
+            self._recycle()
+
+    def release(self) -> None:
+        """Its reader is done with it: once finished (no writer left), its memory is reused."""
+        with self._cond:
+            self._released = True
+            self._recycle()
+
+    def _recycle(self, written: bool = True) -> None:
+        """The buffer back to BUFFERS once nobody may touch it (the lock held): no writer
+        (finished) and no reader (released), or never written (`adopt`)."""
+        if self._buf is not None and self._done and (self._released or not written):
+            buf, self._buf, self.pieces = self._buf, None, []
+            if written:
+                self._view = memoryview(b"")
+            BUFFERS.give(buf)
 
     def read_at(self, size: int, offset: int) -> bytes:
         lo = offset - self.start
@@ -150,6 +231,8 @@ class Arriving:
                     assert self._error is not None
                     raise self._error
         return bytes(self._view[lo : max(lo, hi)])
+
+    __call__ = read_at
 
     def data(self) -> bytes:
         """The bytes in, once finished without an error (for the cache)."""

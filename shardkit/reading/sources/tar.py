@@ -128,9 +128,9 @@ class TarSamples:
                 if r.shard in streams:
                     return inflated(r)
                 arriving = Arriving(r.start, r.stop, stalls)
-                hand_over(arriving.read_at)  # samples are parsed as their bytes arrive
+                hand_over(arriving)  # samples are parsed as their bytes arrive
                 reader.stream(r.shard, r.start, r.stop, arriving)  # an error: raised by the samples it concerns
-                return arriving.read_at
+                return arriving
 
             # a shuffled stream's first window takes its samples from every range it spans, in turn
             first = len(np.unique(range_of[: blockplan.ramp(window)[1] if window > 1 else 1]))
@@ -231,7 +231,8 @@ def _in_order(
     ends: np.ndarray,
 ) -> Generator[Read, None, None]:
     """(shard, start, (stop, read_at)) for each planned sample, its range's read_at held
-    until its last sample is out; the range's error in place of (stop, read_at)."""
+    until its last sample is out (a streamed range's buffer then released for the next);
+    the range's error in place of (stop, read_at)."""
     fetched = iter(prefetcher)
     held: dict[int, tuple[Any, list[int]]] = {}  # range index -> its read_at (or error), samples left
     for r, shard, start, end in ranges.rows(range_of, shard_of, starts, ends):
@@ -243,6 +244,8 @@ def _in_order(
         left[0] -= 1
         if not left[0]:
             del held[r]
+            if isinstance(read_at, Arriving):
+                read_at.release()
 
 
 class _Where:
