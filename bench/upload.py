@@ -10,8 +10,10 @@ once (one PUT each, presigned), through the same proxy. Interleaved rounds, medi
 every part into the object again, a metadata write on S3.)
 
 Reported: MB/s of shard bytes into the bucket (pack: from its start, listing and encoding
-included, to its index written), the share of the ceiling, and the connections the proxy
-saw at once at most.
+included, to its index written), the share of the ceiling, the connections the proxy saw at
+once at most, and the CPU seconds a round took of the uploader (the pack's processes, or
+the curls), the server and the proxy: on a machine of few cores they share it, and what
+the uploader takes the proxy and the server do not get.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -39,11 +43,25 @@ def watch_connections(control: int, stop: threading.Event, peak: list[int]) -> N
         time.sleep(0.05)
 
 
-def timed(control: int, fn: Callable[[], None]) -> tuple[float, int]:
-    """(seconds `fn()` took, most connections open through the proxy at once meanwhile)."""
+def cpu_of(pid: int) -> float:
+    """CPU seconds process `pid` has used (its threads; not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process and of its children that have ended (a pack's pool, curls)."""
+    used = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return sum(u.ru_utime + u.ru_stime for u in used)
+
+
+def timed(control: int, fn: Callable[[], None], server: int, proxy: int) -> tuple[float, int, tuple[float, ...]]:
+    """(seconds `fn()` took, most connections open through the proxy at once meanwhile, CPU
+    seconds of the uploader, the server process and the proxy process meanwhile)."""
     stop, peak = threading.Event(), [0]
     watcher = threading.Thread(target=watch_connections, args=(control, stop, peak))
     watcher.start()
+    before = own_cpu(), cpu_of(server), cpu_of(proxy)
     t0 = time.perf_counter()
     try:
         fn()
@@ -51,7 +69,8 @@ def timed(control: int, fn: Callable[[], None]) -> tuple[float, int]:
         took = time.perf_counter() - t0
         stop.set()
         watcher.join()
-    return took, peak[0]
+    after = own_cpu(), cpu_of(server), cpu_of(proxy)
+    return took, peak[0], tuple(b - a for a, b in zip(before, after))
 
 
 def pack_up(photos: Path, url: str, opts: dict) -> None:
@@ -111,30 +130,42 @@ def main() -> None:
     server, endpoint = start_server(args.server, root)  # the bucket made
     proxy, proxied, control = start_proxy(endpoint, 50, conn_mbps=args.conn_mbps)
     try:
-        runs: dict[str, list[tuple[float, int]]] = {"shardkit pack": [], "ceiling: curl, every shard at once": []}
+        runs: dict[str, list[tuple[float, int, tuple[float, ...]]]] = {
+            "shardkit pack": [],
+            "ceiling: curl, every shard at once": [],
+        }
         for r in range(args.rounds):
             for name in runs:
                 if name == "shardkit pack":
                     run = functools.partial(pack_up, photos, f"s3://{BUCKET}/pack-{r}", options(proxied))
                 else:
                     run = functools.partial(curl_up, tars, proxied, endpoint, f"curl-{r}")
-                runs[name].append(timed(control, run))
-                took, peak = runs[name][-1]
-                print(f"round {r + 1} {name}: {size / took / 1e6:.1f} MB/s, {peak} connections", file=sys.stderr)
+                runs[name].append(timed(control, run, server.proc.pid, proxy.proc.pid))
+                took, peak, cpu = runs[name][-1]
+                print(
+                    f"round {r + 1} {name}: {size / took / 1e6:.1f} MB/s, {peak} connections, CPU s "
+                    f"{' / '.join(f'{c:.1f}' for c in cpu)} (uploader / server / proxy) in {took:.1f} s",
+                    file=sys.stderr,
+                )
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         print(
             f"\n{when}, `python -m bench.upload --images {args.images} --rounds {args.rounds} --server {args.server}`: "
             f"{len(tars)} shards, {size / 1e6:.0f} MB, into {args.server} through 50 ms and {args.conn_mbps:g} MB/s a "
             f"connection; median (min-max) of {args.rounds} interleaved rounds\n"
         )
-        print("| MB/s into the bucket | MB/s | share of the ceiling | connections at once |")
-        print("|---|---|---|---|")
-        ceiling = median([size / t / 1e6 for t, _ in runs["ceiling: curl, every shard at once"]])
+        print(
+            "| MB/s into the bucket | MB/s | share of the ceiling | connections at once "
+            f"| CPU s a round: uploader / server / proxy (of {os.cpu_count()} cores x seconds) |"
+        )
+        print("|---|---|---|---|---|")
+        ceiling = median([size / t / 1e6 for t, _, _ in runs["ceiling: curl, every shard at once"]])
         for name, values in runs.items():
-            rates = [size / t / 1e6 for t, _ in values]
+            rates = [size / t / 1e6 for t, _, _ in values]
+            cpu = " / ".join(f"{median([c[i] for _, _, c in values]):.1f}" for i in range(3))
             print(
                 f"| {name} | {spread(rates, digits=1)} | {median(rates) / ceiling:.0%} | "
-                f"{median([p for _, p in values]):.0f} |"
+                f"{median([p for _, p, _ in values]):.0f} | {cpu} (of {os.cpu_count()} x "
+                f"{median([t for t, _, _ in values]):.1f}) |"
             )
     finally:
         for p in (proxy, server):

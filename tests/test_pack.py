@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -713,6 +715,28 @@ def test_a_failed_job_ends_the_jobs_in_flight() -> None:
     with pytest.raises(SourceError, match="job 0 failed"):
         executors.local(2)(_job_that_fails_or_waits, list(range(6)), lambda r: None, lambda n: None)
     assert time.monotonic() - start < 30  # (a pool's start included; the jobs in flight would never end)
+
+
+_ALONGSIDE: Any = None  # the barrier the next test's jobs meet at (inherited by the pool's forked processes)
+
+
+def _job_that_meets_the_others(job: int) -> int:
+    _ALONGSIDE.wait(timeout=30)  # BrokenBarrierError unless as many jobs run at once
+    return os.getpid()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("jobs", "together"), [(9, 9), (40, 8)])
+def test_an_upload_runs_a_small_packs_jobs_at_once_a_large_ones_four_a_core(jobs: int, together: int) -> None:
+    """Into an object store, 2 workers: 9 shards all at once (a last wave of one would have
+    the link to itself), 40 in waves of 8 (4 a core: more contend, measured)."""
+    global _ALONGSIDE
+    assert executors.uploading_processes(2, jobs) == together
+    assert executors.uploading_processes(32, 10_000) == executors.MOST_UPLOADING
+    _ALONGSIDE = multiprocessing.get_context("fork").Barrier(together)
+    pids: list[int] = []
+    executors.local(2, uploading=True)(_job_that_meets_the_others, list(range(jobs)), pids.append, lambda n: None)
+    assert len(pids) == jobs and len(set(pids)) == together  # that many processes, no more
 
 
 _INTERRUPTED_POOL = """

@@ -150,22 +150,32 @@ def tick(n: int) -> None:
             _counter.value += n
 
 
-UPLOADING = 8  # processes a core where the jobs write into an object store...
+UPLOADING = 4  # processes a core where the jobs write into an object store...
+ALL_AT_ONCE = 8  # ...or as many as the jobs, up to this many a core: a pack's every shard at once
 MOST_UPLOADING = 64  # ...and no more than this many in all (their uploads share a budget of parts in flight)
 
 
 def local(workers: int, uploading: bool = False) -> Runner[Any, Any]:
     """A process pool of `workers` (inline, without a pool, for one); `uploading` (the
-    shards go to an object store) and more than one, eight times as many processes (at most
-    MOST_UPLOADING): a job there spends most of its time waiting on the network (its parts
-    going up at a connection's capped rate, the upload's start and end, its progress
-    record), which other jobs' CPU fills; their uploads share one budget of parts in flight
-    (storage.share_uploads), so more processes cost no more memory. Measured with
-    `python -m bench.upload` (9 shards of 24 MB behind 50 ms and 20 MB/s a connection,
-    workers=2): 30.6 MB/s with a process a core, 43 with 2, 52 with 4, against curl's 136
-    with every shard at once; with 8 (all 9 shards at once) see docs/measurements.md."""
-    processes = max(workers, min(workers * UPLOADING, MOST_UPLOADING)) if uploading and workers > 1 else workers
-    return functools.partial(_run_local, workers=workers, processes=processes)
+    shards go to an object store) and more than one, more processes (`uploading_processes`):
+    a job there spends most of its time waiting on the network (its parts going up at a
+    connection's capped rate, the upload's start and end, its progress record), which other
+    jobs' CPU fills; their uploads share one budget of parts in flight
+    (storage.share_uploads), so more processes cost no more memory."""
+    return functools.partial(_run_local, workers=workers, uploading=uploading and workers > 1)
+
+
+def uploading_processes(workers: int, jobs: int) -> int:
+    """A pack's processes into an object store: every job at once where they are at most
+    `ALL_AT_ONCE` a core (a last wave of one or two shards would leave the link to them),
+    else `UPLOADING` a core; `MOST_UPLOADING` at most. Measured with `python -m bench.upload`
+    into SeaweedFS behind 50 ms and 20 MB/s a connection, 2 cores (2026-12-03, medians): 1
+    GB in 42 shards, 47 / 73 / 92 / 73 MB/s with 1 / 2 / 4 / 8 processes a core (8 cost the
+    uploader 9-13 CPU s, 4 cost 5-6: 16 processes on 2 cores, 64 parts at once, contend
+    with one another and with the server); 201 MB in 9 shards, 41 / 56 / 59 / 64 MB/s (all
+    nine at once with 8)."""
+    every = jobs if jobs <= workers * ALL_AT_ONCE else workers * UPLOADING
+    return max(1, min(every, MOST_UPLOADING))
 
 
 def _run_local(
@@ -175,15 +185,15 @@ def _run_local(
     on_progress: Callable[[int], None],
     *,
     workers: int,
-    processes: int | None = None,
+    uploading: bool = False,
 ) -> None:
-    """Run `fn` over jobs on a pool of `processes` (default: `workers`; inline for one),
-    handing results to `on_done` in job order as they complete, with at most 2 x processes
-    jobs in flight (their results can be large); report images done so far. Cores that no
-    job keeps busy (fewer jobs than workers, or the last jobs of a run) are lent to the jobs
-    running (`threads`)."""
+    """Run `fn` over jobs on a pool of `workers` processes (`uploading`: of
+    `uploading_processes`; inline for one), handing results to `on_done` in job order as
+    they complete, with at most 2 x processes jobs in flight (their results can be large);
+    report images done so far. Cores that no job keeps busy (fewer jobs than workers, or the
+    last jobs of a run) are lent to the jobs running (`threads`)."""
     counter = multiprocessing.Value("q", 0)
-    processes = max(1, min(processes or workers, len(jobs)))
+    processes = max(1, min(uploading_processes(workers, len(jobs)) if uploading else workers, len(jobs)))
     if processes == 1:
         init_worker(counter, workers=workers)
         try:
