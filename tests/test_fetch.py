@@ -506,17 +506,36 @@ def test_a_replaced_shard_is_caught_under_hedging(
         list(ds)
 
 
-def test_an_upload_sends_its_parts_in_parallel(s3: dict, s3_server: str, latency_proxy) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("chosen", "presigned_parts"),
+    [
+        ({}, True),
+        ({"client": "s3fs"}, False),
+        ({"config_kwargs": {"request_checksum_calculation": "when_supported"}}, False),  # botocore's CRC32s
+    ],
+)
+def test_an_upload_sends_its_parts_in_parallel(
+    s3: dict,
+    s3_server: str,
+    latency_proxy,  # type: ignore[no-untyped-def]
+    chosen: dict,
+    presigned_parts: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """24 MB into a bucket behind 4 MB/s a connection: its parts go up on several
-    connections at once, the object is the bytes written, and an upload that fails leaves
-    nothing under its name."""
+    connections at once (presigned PUTs from the parts' buffers, or s3fs's client where it
+    reads, or where checksums are asked for), the object is the bytes written, and an
+    upload that fails leaves nothing under its name."""
     import os
 
-    from shardkit.storage import atomic_writer
+    from shardkit.storage import atomic_writer, s3_http
     from shardkit.storage.stores import s3 as s3_store
 
+    presigned: list[int] = []
+    put_part = s3_http.Direct.put_part
+    monkeypatch.setattr(s3_http.Direct, "put_part", lambda self, *a: presigned.append(a[2]) or put_part(self, *a))
     proxied, control = latency_proxy(s3_server, latency_ms=5, conn_mbps=4)
-    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}, **chosen}
     data = os.urandom(3 * s3_store.PART)
     peak, stop = [0], threading.Event()
 
@@ -537,10 +556,33 @@ def test_an_upload_sends_its_parts_in_parallel(s3: dict, s3_server: str, latency
     fs = fsspec.filesystem("s3", **s3["storage_options"])
     assert fs.cat_file(s3["url"].removeprefix("s3://") + "/big.bin") == data
     assert peak[0] >= 2  # parts on several connections at once
+    assert sorted(presigned) == ([1, 2, 3] if presigned_parts else [])
     with pytest.raises(RuntimeError), atomic_writer(s3["url"] + "/broken.bin", opts) as f:
         f.write(data[: 2 * s3_store.PART])
         raise RuntimeError("the writer fails")
     assert not fs.exists(s3["url"].removeprefix("s3://") + "/broken.bin")
+
+
+def test_presigned_parts_cut_by_resets_are_sent_again_whole(s3: dict, s3_server: str, latency_proxy) -> None:  # type: ignore[no-untyped-def]
+    """A part PUT whose answer is reset is sent again (an idempotent request) from its kept
+    buffer: the object is the bytes written, each once; so is the next upload, whose parts
+    are written into the buffers the first one's gave back."""
+    import os
+
+    from shardkit.storage import atomic_writer
+    from shardkit.storage.stores import s3 as s3_store
+
+    proxied, control = latency_proxy(s3_server, latency_ms=2, seed=3)
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    fs = fsspec.filesystem("s3", **s3["storage_options"])
+    data = os.urandom(3 * s3_store.PART + 12345)
+    control.set("reset_prob", 0.3)
+    for name in ("a.bin", "b.bin"):
+        with atomic_writer(f"{s3['url']}/{name}", opts) as f:
+            for at in range(0, len(data), 3 << 20):
+                f.write(data[at : at + (3 << 20)])
+        assert fs.cat_file(f"{s3['url'].removeprefix('s3://')}/{name}") == data
+    assert control.stats()["resets"] > 0
 
 
 def test_a_packs_processes_share_one_budget_of_parts_in_flight(s3: dict) -> None:

@@ -48,7 +48,11 @@ def decisions(url: str, storage_options: StorageOptions | None) -> dict[str, str
     else:
         checksums = "botocore's default (CRC32 on uploads, since botocore 1.36)"
     if isinstance(decided, s3_http.Direct):
-        reader = "presigned GETs on plain HTTP (botocore's signer; listings and writes through s3fs)"
+        parts = "presigned" if made.get("request_checksum_calculation") == "when_required" else "through s3fs"
+        reader = (
+            "presigned GETs on plain HTTP (botocore's signer; listings and writes through s3fs, "
+            f"multipart uploads' parts {parts})"
+        )
     else:
         reader = f"s3fs ({decided})"
     return {"endpoint": where, "addressing": addressing, "region": region, "checksums": checksums, "client": reader}

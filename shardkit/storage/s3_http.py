@@ -1,4 +1,5 @@
-"""S3 GETs on blocking HTTP, presigned by botocore's signer alone, straight into a read-ahead buffer.
+"""S3 GETs on blocking HTTP, presigned by botocore's signer alone, straight into a read-ahead
+buffer; and a multipart upload's part PUTs the same way, straight from the part's buffer.
 
 s3fs reads a body through aiohttp on its event loop: every chunk becomes a bytes object,
 crosses threads and is copied again, which made most of a worker's CPU per MB (profiled with
@@ -167,6 +168,40 @@ class Direct(Presigner):
             else resp.getheader("Content-Length") or ""
         )
         return int(total) if total.isdigit() else None
+
+    def put_part(self, path: str, upload_id: str, number: int, body: memoryview) -> str:
+        """PUT `body` as part `number` of multipart upload `upload_id` of `path`, straight
+        from the caller's buffer (no copy, no payload hash: botocore's path copied each part
+        twice and hashed it, ~3 CPU s a GB against ~0.7 here, measured); its ETag. An answer
+        that names another region for the bucket is asked again there. Raises HTTPStatusError
+        for any answer but 200 (the caller retries)."""
+        for _ in range(2):
+            url, signed_for = self._part_url(path, upload_id, number)
+            u = urlsplit(url)
+            for fresh in (False, True):  # a kept connection the server has closed meanwhile: once more, anew
+                conn = self._connections.kept(u.scheme, u.netloc, fresh)
+                try:
+                    conn.request("PUT", f"{u.path}?{u.query}", body=body, headers={"Content-Length": str(len(body))})
+                    resp = conn.getresponse()
+                    said = resp.read(_ERROR_BODY) if resp.status != 200 else b""
+                    break
+                except BaseException as e:
+                    conn.close()  # reopened by its next request
+                    if fresh or not isinstance(e, (ConnectionError, http.client.HTTPException)):
+                        raise
+            if resp.status == 200:
+                resp.read()
+                if resp.will_close:
+                    conn.close()
+                return str(resp.getheader("ETag"))
+            close(conn, resp)
+            region = resp.getheader("x-amz-bucket-region")
+            if resp.status in (301, 307, 400) and region and region != signed_for:
+                with self._lock:
+                    self._regions[path.partition("/")[0]] = region
+                continue
+            raise HTTPStatusError(resp.status, _said(said))
+        raise HTTPStatusError(resp.status, _said(said))
 
     def cat(self, path: str) -> bytes:
         """The whole object, in one GET."""

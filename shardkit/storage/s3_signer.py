@@ -1,5 +1,5 @@
-"""Presigned URLs of S3 GETs, by botocore's signer alone (SigV4 query auth, `botocore.auth`):
-the credentials (the options', then AWS_* variables, then botocore's own chain: profiles,
+"""Presigned URLs of S3 GETs and of multipart uploads' part PUTs, by botocore's signer alone
+(SigV4 query auth, `botocore.auth`): the credentials (the options', then AWS_* variables, then botocore's own chain: profiles,
 SSO, instance roles, resolved once a process), the region each bucket is signed for, and
 the URL a GET of an object goes to (path or virtual-hosted addressing, as botocore's)."""
 
@@ -10,7 +10,7 @@ import re
 import threading
 import time
 from typing import Any, NamedTuple
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 PRESIGN_TTL_S = 300.0  # a presigned URL is used this long (it is valid for an hour)
 _SIGNED_KEPT = 4096  # presigned URLs kept a process (~1 KB each): past this, the stale ones go
@@ -113,16 +113,28 @@ class Presigner:
         signed = self._signed.get(path)
         if signed is not None and now - signed[0] <= PRESIGN_TTL_S and signed[1] == region:
             return signed[2], region
-        url = self._object_url(bucket, key, region)
-        if not self._anon:
-            from botocore.auth import S3SigV4QueryAuth
-            from botocore.awsrequest import AWSRequest
-
-            request = AWSRequest(method="GET", url=url)
-            S3SigV4QueryAuth(self._credentials(), "s3", region, expires=int(PRESIGN_TTL_S * 12)).add_auth(request)
-            url = request.url
+        url = self._sign("GET", self._object_url(bucket, key, region), region)
         with self._lock:
             if len(self._signed) >= _SIGNED_KEPT:
                 self._signed = {p: s for p, s in self._signed.items() if now - s[0] <= PRESIGN_TTL_S}
             self._signed[path] = (now, region, url)
         return url, region
+
+    def _sign(self, method: str, url: str, region: str) -> str:
+        """`url` presigned for `method` (SigV4 query auth: the payload unsigned), or as it is (anon)."""
+        if self._anon:
+            return url
+        from botocore.auth import S3SigV4QueryAuth
+        from botocore.awsrequest import AWSRequest
+
+        request = AWSRequest(method=method, url=url)
+        S3SigV4QueryAuth(self._credentials(), "s3", region, expires=int(PRESIGN_TTL_S * 12)).add_auth(request)
+        return str(request.url)
+
+    def _part_url(self, path: str, upload_id: str, number: int) -> tuple[str, str]:
+        """A presigned URL for the PUT of part `number` of multipart upload `upload_id` of
+        `path`, and the region it is signed for (not kept: each part is signed once)."""
+        bucket, _, key = path.partition("/")
+        region = self._region(bucket)
+        query = urlencode({"partNumber": number, "uploadId": upload_id}, quote_via=quote)
+        return self._sign("PUT", f"{self._object_url(bucket, key, region)}?{query}", region), region

@@ -9,7 +9,8 @@
 The choice is shardkit's, not the client's: the key is taken out of the options before they
 reach any client, a name not listed here is refused, and so is a choice the options or the
 URL cannot honour (no silent fallback); the store that reads says its name in `stats()`.
-Listings, writes and the main process's reads (the index) stay with presigned GETs and s3fs
+Listings, writes (with presigned PUTs of a multipart upload's parts, stores/s3.py) and the
+main process's reads (the index) stay with presigned GETs and s3fs
 (gcsfs on GCS) whatever the choice, so no Rust runtime starts before DataLoader forks its workers.
 docs/design.md says why presigned (and gcsfs) is the default and what the others are kept for (measured:
 docs/measurements.md; s3torchconnector's CRT client was measured too, and dropped).

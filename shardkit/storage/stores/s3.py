@@ -4,7 +4,8 @@
 - `PresignedS3Store`: a GET presigned by botocore's signer alone, read on blocking HTTP
   straight into the caller's buffer (s3_http.py: no s3fs, aiobotocore or event loop in a
   worker, a third of the CPU per MB of s3fs's reads). Used wherever the options and the
-  environment leave nothing for botocore's own client to apply (see s3_presignable.resolve).
+  environment leave nothing for botocore's own client to apply (see s3_presignable.resolve);
+  a multipart upload's parts PUT presigned the same way where no checksum goes with them.
 - `S3fsStore`: s3fs for everything else, and for listings and removals always.
 
 Both make every ranged read conditional on the ETag pinned at pack time (If-Match), so a
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import threading
 from concurrent.futures import FIRST_COMPLETED, wait
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, cast
 
 from .. import s3_config, s3_http
-from ..clients import filesystem
+from ..clients import filesystem, s3_compatible
 from ..retry import retrying, root_cause, status_of
 from ..urls import StorageOptions, display
 from .base import Sink
@@ -131,13 +134,17 @@ class S3fsStore(FsspecStore):
         the limit), completed at the end, aborted on error."""
         fs, path = filesystem(url, self.options)  # the client's own retries on: only it can retry a part
         what = display(url)
-        upload = MultipartUpload(fs, path)
+        upload = MultipartUpload(fs, path, put_part=self.part_putter(url))
         try:
             yield cast(BinaryIO, Upload(upload, what))
             retrying(what, upload.close, 1)
         except BaseException:
             upload.abort()
             raise
+
+    def part_putter(self, url: str) -> PutPart | None:
+        """How a multipart upload of `url` sends its parts, where not through s3fs's client."""
+        return None
 
 
 def _code(e: BaseException) -> str | None:
@@ -180,6 +187,22 @@ class PresignedS3Store(S3fsStore):
         body = self.retried(url, what, lambda: self.direct.open(s3_http.path_of(url)))
         return cast(BinaryIO, RetriedFile(body, url, self, what))
 
+    def part_putter(self, url: str) -> PutPart | None:
+        """Parts PUT presigned, straight from their buffers (s3_http.Direct.put_part), retried
+        here: where botocore's client would send no checksum with them either (an endpoint
+        not AWS's, or the options' `request_checksum_calculation="when_required"`); on AWS
+        botocore's CRC32 of each part is kept, through s3fs."""
+        if s3_compatible(self.options or {}).get("request_checksum_calculation") != "when_required":
+            return None
+        path = s3_http.path_of(url)
+
+        def put(upload_id: str, number: int, body: memoryview) -> str:
+            return cast(
+                str, self.retried(url, f" (part {number})", lambda: self.direct.put_part(path, upload_id, number, body))
+            )
+
+        return put
+
 
 PART = 8 << 20  # a multipart upload's part (S3 wants 5 MiB at least, but for the last)
 UPLOADS = 8  # parts of one upload in flight at once: a capped connection's rate, eight times...
@@ -195,46 +218,80 @@ def share_uploads(processes: int) -> None:
     _uploads = max(2, min(UPLOADS, PARTS_IN_FLIGHT // max(1, processes)))
 
 
+PutPart = Callable[[str, int, memoryview], str]  # (upload id, part number, its bytes) -> its ETag, retried
+
+
+class _SpareParts:
+    """Part buffers kept for the next parts of this process's uploads: a fresh 8-MB buffer is
+    zeroed by the kernel a page fault at a time as it is written (streams.Buffers says what
+    that costs); at most a process's parts in flight and one filling are kept, none
+    inherited by a forked process."""
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._lock, self._free = threading.Lock(), list[bytearray]()
+
+    def take(self) -> bytearray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return bytearray(PART)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            if len(self._free) <= _uploads:
+                self._free.append(buf)
+
+
+_SPARE_PARTS = _SpareParts()
+
+
 class MultipartUpload:
     """An S3 object written as a multipart upload whose parts go up `UPLOADS` at a time
     (fewer in each of a pack's many processes: `share_uploads`) on threads of their own
     (s3fs's file uploads its parts one after the other: one connection, which a store's
     per-connection cap holds to tens of MB/s). The object appears only when `close`
     completes the upload; `abort` throws it away. Memory: at most that many parts in
-    flight and one filling. A file smaller than a part is one PUT. Each part, an idempotent
-    request, is retried by the client; the caller's errors name the URL.
+    flight and one filling, each written into a kept buffer. A file smaller than a part is
+    one PUT. Each part, an idempotent request, is retried: by `put_part` where it is given
+    (a presigned PUT straight from the part's buffer), else by s3fs's client; the caller's
+    errors name the URL.
 
     Through s3fs's public `call_s3` (its client, its credentials and endpoint)."""
 
-    def __init__(self, fs: Any, path: str, uploads: int | None = None):
+    def __init__(self, fs: Any, path: str, uploads: int | None = None, put_part: PutPart | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
-        self._fs, self._uploads = fs, uploads or _uploads
+        self._fs, self._uploads, self._put_part = fs, uploads or _uploads, put_part
         self._bucket, self._key, _ = fs.split_path(path)
-        self._filling: list[bytes] = []  # the next part's bytes as written, joined once it is whole
+        self._part: bytearray | None = None  # the next part's bytes as written
         self._filled = 0
-        self._parts: list[Any] = []  # futures of the parts sent, in order
+        self._parts: list[Any] = []  # futures of the parts sent (their ETags), in order
         self._upload_id: str | None = None
         self._pool = ThreadPoolExecutor(self._uploads, thread_name_prefix="shardkit-upload")
 
     def write(self, data: bytes) -> int:
         view = memoryview(data).cast("B")  # bytes, whatever the buffer's items
         n = len(view)
-        while self._filled + len(view) >= PART:  # a part is whole: its bytes copied once, into it
-            room = PART - self._filled
-            self._send(b"".join([*self._filling, view[:room]]))
-            self._filling, self._filled, view = [], 0, view[room:]
-        if view:
-            self._filling.append(bytes(view))  # the caller may reuse its buffer
-            self._filled += len(view)
+        while view:
+            if self._part is None:
+                self._part = _SPARE_PARTS.take()
+            room = min(PART - self._filled, len(view))
+            self._part[self._filled : self._filled + room] = view[:room]  # the caller may reuse its buffer
+            self._filled += room
+            view = view[room:]
+            if self._filled == PART:
+                self._send()
         return n
 
-    def _rest(self) -> bytes:
-        rest = b"".join(self._filling)
-        self._filling, self._filled = [], 0
-        return rest
-
-    def _send(self, part: bytes) -> None:
+    def _send(self) -> None:
+        """The part written so far, sent on a thread of its own (at most `_uploads` at once)."""
+        part, size = self._part, self._filled
+        assert part is not None
+        self._part, self._filled = None, 0
         if self._upload_id is None:
             self._upload_id = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)[
                 "UploadId"
@@ -243,18 +300,30 @@ class MultipartUpload:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for f in done:
                 f.result()  # a failed part ends the upload now, not at its close
-        number = len(self._parts) + 1
-        self._parts.append(
-            self._pool.submit(
-                self._fs.call_s3,
-                "upload_part",
-                Bucket=self._bucket,
-                Key=self._key,
-                UploadId=self._upload_id,
-                PartNumber=number,
-                Body=part,
+        upload_id, number, put_part = self._upload_id, len(self._parts) + 1, self._put_part
+
+        def put() -> str:
+            try:
+                if put_part is not None:
+                    return put_part(upload_id, number, memoryview(part)[:size])
+                body = bytes(memoryview(part)[:size])
+            finally:
+                _SPARE_PARTS.give(part)  # sent, or copied for s3fs's client (which may keep it a while)
+            return str(
+                self._fs.call_s3(
+                    "upload_part", Bucket=self._bucket, Key=self._key, UploadId=upload_id, PartNumber=number, Body=body
+                )["ETag"]
             )
-        )
+
+        self._parts.append(self._pool.submit(put))
+
+    def _rest(self) -> bytes:
+        """What is written and not sent (an object smaller than a part)."""
+        rest = bytes(memoryview(self._part)[: self._filled]) if self._part is not None else b""
+        if self._part is not None:
+            _SPARE_PARTS.give(self._part)
+        self._part, self._filled = None, 0
+        return rest
 
     def close(self) -> None:
         """Send what is left and complete the upload: the object appears, whole."""
@@ -263,8 +332,8 @@ class MultipartUpload:
                 self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=self._rest())
                 return
             if self._filled:
-                self._send(self._rest())
-            parts = [{"PartNumber": n, "ETag": f.result()["ETag"]} for n, f in enumerate(self._parts, 1)]
+                self._send()
+            parts = [{"PartNumber": n, "ETag": f.result()} for n, f in enumerate(self._parts, 1)]
             self._fs.call_s3(
                 "complete_multipart_upload",
                 Bucket=self._bucket,
