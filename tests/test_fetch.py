@@ -585,6 +585,42 @@ def test_presigned_parts_cut_by_resets_are_sent_again_whole(s3: dict, s3_server:
     assert control.stats()["resets"] > 0
 
 
+def test_a_ranged_read_cut_short_is_read_again_whole(s3: dict, s3_server: str, latency_proxy) -> None:  # type: ignore[no-untyped-def]
+    """storage.read_range (a pack's read of an image in a bucket) retried after a body cut
+    short asks for the whole range again into a buffer of its own: the bytes, not the
+    range's start again after what came."""
+    import os
+
+    data = os.urandom(1 << 20)
+    fs = fsspec.filesystem("s3", **s3["storage_options"])
+    fs.pipe(s3["url"].removeprefix("s3://") + "/image.jpg", data)
+    proxied, control = latency_proxy(s3_server, seed=5, conn_mbps=5)  # paced: bytes come before the RST
+    opts = {**s3["storage_options"], "client_kwargs": {"endpoint_url": proxied}}
+    control.set("reset_prob", 0.3)
+    control.set("reset_max_bytes", 800_000)  # past a first 256-KB read
+    for start, stop in ((0, len(data)), (1000, 900_000)) * 4:
+        assert shardkit.storage.read_range(s3["url"] + "/image.jpg", start, stop, opts) == data[start:stop]
+    assert control.stats()["resets"] > 0
+
+
+def test_a_part_refused_early_fails_with_its_status(seaweedfs: dict) -> None:
+    """A part's PUT for an upload the store does not know fails with the store's answer (404
+    NoSuchUpload), at once: not retried, nor taken for a reset. (A server that answers before
+    the body is in and closes, as S3 may, is read the same way, `s3_http._early_answer`;
+    SeaweedFS here reads the 8 MB first.)"""
+    import os
+
+    from shardkit.storage import s3_http
+    from shardkit.storage.stores import s3 as s3_store
+
+    direct = s3_http.direct(seaweedfs["storage_options"])
+    assert direct is not None
+    path = seaweedfs["url"].removeprefix("s3://") + "/never-begun.bin"
+    with pytest.raises(s3_http.HTTPStatusError) as refused:
+        direct.put_part(path, "no-such-upload", 1, memoryview(os.urandom(s3_store.PART)))
+    assert refused.value.status == 404
+
+
 def test_a_packs_processes_share_one_budget_of_parts_in_flight(s3: dict) -> None:
     """A pack's pool tells each process how many share the uploads (executors.init_worker):
     each upload then keeps PARTS_IN_FLIGHT / processes parts in flight (2 to UPLOADS), so

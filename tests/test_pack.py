@@ -732,7 +732,8 @@ def test_an_upload_runs_a_small_packs_jobs_at_once_a_large_ones_four_a_core(jobs
     the link to itself), 40 in waves of 8 (4 a core: more contend, measured)."""
     global _ALONGSIDE
     assert executors.uploading_processes(2, jobs) == together
-    assert executors.uploading_processes(32, 10_000) == executors.MOST_UPLOADING
+    assert executors.uploading_processes(16, 10_000) == executors.MOST_UPLOADING
+    assert executors.uploading_processes(96, 10_000) == 96  # never fewer than a local pack's
     _ALONGSIDE = multiprocessing.get_context("fork").Barrier(together)
     pids: list[int] = []
     executors.local(2, uploading=True)(_job_that_meets_the_others, list(range(jobs)), pids.append, lambda n: None)

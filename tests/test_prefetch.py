@@ -279,7 +279,8 @@ def test_a_read_buffer_is_reused_once_its_writer_and_its_reader_are_done(monkeyp
     second.write(b"b" * 5)
     second.finish(end=15)
     assert second.read_at(100, 10) == b"b" * 5  # its own bytes only, not the first range's
-    assert first.read_at(5, 0) == b""  # a released buffer gives nothing, never another range's bytes
+    with pytest.raises(RuntimeError, match="released"):  # never another range's bytes, nor a short read
+        first.read_at(5, 0)
     never_read = streams.Arriving(0, size)
     never_read.finish(error=OSError("reset"))  # finished, not released: kept by its reader
     assert streams.Arriving(0, size)._buf is not never_read._buf
@@ -299,10 +300,15 @@ def test_a_forked_child_keeps_none_of_its_parents_read_buffers() -> None:
         held.finish()
         held.release()
         assert streams.BUFFERS._kept
+        inherited = storage.RangeReader([])
         pid = os.fork()
-        if pid == 0:  # the child: exit status 0 only with an empty pool
-            os._exit(0 if streams.BUFFERS._kept == 0 and not streams.BUFFERS._free else 1)
+        if pid == 0:  # the child: exit status 0 only with an empty pool, and its own reader counted
+            empty = streams.BUFFERS._kept == 0 and not streams.BUFFERS._free
+            storage.RangeReader([])  # its own, open
+            inherited.close()  # the parent's reader: not one of the child's
+            os._exit(0 if empty and streams.BUFFERS._readers == 1 else 1)
         assert os.waitpid(pid, 0)[1] == 0
+        inherited.close()
     finally:
         streams.BUFFERS.closing()
 

@@ -175,7 +175,7 @@ def uploading_processes(workers: int, jobs: int) -> int:
     with one another and with the server); 201 MB in 9 shards, 41 / 56 / 59 / 64 MB/s (all
     nine at once with 8)."""
     every = jobs if jobs <= workers * ALL_AT_ONCE else workers * UPLOADING
-    return max(1, min(every, MOST_UPLOADING))
+    return max(1, min(workers, jobs), min(every, MOST_UPLOADING))  # never fewer than a local pack's
 
 
 def _run_local(

@@ -43,11 +43,16 @@ def _whole(url: str, storage_options: StorageOptions | None, hedged: bool) -> by
 def read_range(url: str, start: int, stop: int, storage_options: StorageOptions | None = None) -> bytes:
     """Bytes [start, stop) of a file."""
     store = store_for(url, storage_options)
-    into = Arriving(start, stop)
-    store.retried_get(url, "", lambda: store.get(url, start, stop, into, None))
-    into.finish()
-    data = into.data()
-    into.release()
+
+    def attempt() -> bytes:  # each into a buffer of its own: a retry asks for the whole range again
+        into = Arriving(start, stop)
+        store.get(url, start, stop, into, None)
+        into.finish()
+        data = into.data()
+        into.release()
+        return data
+
+    data: bytes = store.retried_get(url, "", attempt)
     if len(data) != stop - start:
         raise CorruptShardError(f"{display(url)}: {len(data)} bytes at offset {start}, expected {stop - start}")
     return data

@@ -74,6 +74,7 @@ class RangeReader:
         self.fetched_bytes = 0  # downloaded from remote storage, sha256 checks included (cache hits excluded)
         self.throttled = 0  # answers of the store asking for fewer requests (503 SlowDown, 429)
         self.engine = FetchEngine(connections)  # pieces and hedges of the remote ranges (fetch.py)
+        self._pid = os.getpid()  # a reader inherited by a forked child is not one of the child's
         BUFFERS.opening()  # the process's buffers are kept while a reader is open
 
     def _handle(self, shard: int) -> Any:
@@ -360,7 +361,7 @@ class RangeReader:
             was, self._closed = self._closed, True
             self._handles.clear()
         FILES.forget(self._number)
-        if not was:
+        if not was and self._pid == os.getpid():
             BUFFERS.closing()
         self.engine.close()
 

@@ -181,8 +181,15 @@ class Direct(Presigner):
             for fresh in (False, True):  # a kept connection the server has closed meanwhile: once more, anew
                 conn = self._connections.kept(u.scheme, u.netloc, fresh)
                 try:
-                    conn.request("PUT", f"{u.path}?{u.query}", body=body, headers={"Content-Length": str(len(body))})
-                    resp = conn.getresponse()
+                    early = None
+                    try:
+                        conn.request(
+                            "PUT", f"{u.path}?{u.query}", body=body, headers={"Content-Length": str(len(body))}
+                        )
+                    except ConnectionError:  # a server that refuses early (403, 503...) answers, then closes
+                        if (early := _early_answer(conn)) is None:
+                            raise
+                    resp = early or conn.getresponse()
                     said = resp.read(_ERROR_BODY) if resp.status != 200 else b""
                     break
                 except BaseException as e:
@@ -193,7 +200,10 @@ class Direct(Presigner):
                 resp.read()
                 if resp.will_close:
                     conn.close()
-                return str(resp.getheader("ETag"))
+                etag = resp.getheader("ETag")
+                if not etag:  # the upload could not be completed without it
+                    raise HTTPStatusError(502, f"no ETag in the answer to part {number}'s PUT")
+                return etag
             close(conn, resp)
             region = resp.getheader("x-amz-bucket-region")
             if resp.status in (301, 307, 400) and region and region != signed_for:
@@ -261,6 +271,14 @@ class Body:
         if self._answered is not None:
             close(*self._answered)
             self._answered = None
+
+
+def _early_answer(conn: http.client.HTTPConnection) -> http.client.HTTPResponse | None:
+    """The answer a server sent before it stopped reading a request's body, if it came."""
+    try:
+        return conn.getresponse()
+    except (OSError, http.client.HTTPException):
+        return None
 
 
 def _said(body: bytes) -> str:

@@ -65,8 +65,9 @@ class Buffers:
             self._readers += 1
 
     def closing(self) -> None:
+        """A reader opened in this process (`opening`) has closed."""
         with self._lock:
-            self._readers -= 1
+            self._readers = max(0, self._readers - 1)
             if not self._readers:
                 self._free.clear()
                 self._kept = 0
@@ -77,6 +78,7 @@ def _mapping(size: int) -> mmap.mmap:
 
 
 BUFFERS = Buffers()
+_RELEASED = memoryview(b"")  # a released buffer's view: reading it is an error
 
 
 class Stalls:
@@ -206,7 +208,7 @@ class Arriving:
         if self._buf is not None and self._done and (self._released or not written):
             buf, self._buf, self.pieces = self._buf, None, []
             if written:
-                self._view = memoryview(b"")
+                self._view = _RELEASED
             BUFFERS.give(buf)
 
     def read_at(self, size: int, offset: int) -> bytes:
@@ -230,6 +232,8 @@ class Arriving:
                 if self.filled < hi:
                     assert self._error is not None
                     raise self._error
+        if self._view is _RELEASED:  # never bad data: a bug of the reader's, not the shard's
+            raise RuntimeError(f"a read of bytes {offset}-{offset + size} after their buffer was released")
         return bytes(self._view[lo : max(lo, hi)])
 
     __call__ = read_at
