@@ -486,6 +486,26 @@ def test_resets_throttling_and_hedges_together_cost_no_sample(
     assert stats["throttled"] > 0 and stats["resets"] > 0 and stats["tailed"] > 0
 
 
+def test_every_throttled_answer_is_counted_hedges_included(
+    s3: dict,
+    s3_server: str,
+    packed: Path,
+    latency_proxy,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hedge the store throttles, or a GET throttled after its hedge answered, is no
+    request that anything retries: its 503 is counted all the same, so `stats()` says as
+    many as the store gave (one went uncounted in a benchmark's fault run)."""
+    monkeypatch.setattr(shardkit.storage.patience, "OUTAGE_RETRIES", 10)  # a storm of a quarter: no give-up
+    url, opts, control = _behind_a_tail(s3, s3_server, packed, latency_proxy, monkeypatch, "counted", 13)
+    ds = StreamingDataset(url, storage_options=opts, shuffle=True, block=3)
+    control.storm(600, 0.25)  # after the opening: its reads' hedges may still retry as the epoch ends
+    got = [s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=2)]
+    assert sorted(got) == sorted(set(got)) and len(got) == 120
+    stats = ds.stats()
+    assert stats["hedges"] > 0 and stats["throttled"] == control.stats()["throttled"] > 0
+
+
 def test_a_replaced_shard_is_caught_under_hedging(
     s3: dict,
     s3_server: str,

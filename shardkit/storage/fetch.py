@@ -55,7 +55,7 @@ from ..errors import ShardkitError
 from . import latencies
 from .clients import origin
 from .daemon_threads import DaemonThreads, DaemonTimer
-from .retry import throttled_answers
+from .retry import THROTTLED, count_throttled, root_cause, status_of, throttled_answers
 from .stores import Store
 from .streams import Piece
 
@@ -212,6 +212,7 @@ class FetchEngine:
         self._pressed = 0
         # the consumer's own rate (bytes/s) and the share of its time it waits for bytes (set by the reader's user)
         self.wanted: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0)
+        self.throttled: Callable[[], None] | None = None  # told of a hedge's throttled answer (the reader's count)
         self._pool: DaemonThreads | None = None  # the pieces of ranges after their first
         self._attempts: DaemonThreads | None = None  # the GETs, hedges included
         self._timer: DaemonTimer | None = None
@@ -299,14 +300,17 @@ class FetchEngine:
             except Lost:
                 return
             except BaseException as e:  # noqa: BLE001 - the caller raises it (retried there)
-                if me and claim.by is None:
-                    return  # a hedge that failed before its first byte: the first GET is still out
+                if me and claim.by is None:  # a hedge that failed before its first byte: the first GET is still out
+                    self._dropped(e)
+                    return
                 size = e
             if claim.take(me):  # an attempt that ended before any byte claims the piece by ending
                 if not isinstance(size, BaseException):
                     sink.done()
                 outcome.append(size)
                 ended.set()
+            elif isinstance(size, BaseException):  # the other attempt answered first
+                self._dropped(size)
 
         def send(me: int) -> None:
             attempts.submit(functools.partial(attempt, me))
@@ -342,6 +346,12 @@ class FetchEngine:
             since, sent = now, sent + 1
         wake = since + after if after is not None and now < since + after else now + HEDGE_POLL_S
         timer.at(wake, functools.partial(self._hedge, claim, send, piece, since, sent))
+
+    def _dropped(self, error: BaseException) -> None:
+        """An attempt's error that no retry sees (another attempt is the GET's): a throttled
+        answer is counted all the same, in the process's count and the reader's."""
+        if status_of(root_cause(error)) in THROTTLED:
+            count_throttled(self.throttled)
 
     def _may_hedge(self) -> bool:
         """Whether the hedges' share has room for one more (the engine's lock held)."""

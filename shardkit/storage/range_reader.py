@@ -74,6 +74,7 @@ class RangeReader:
         self.fetched_bytes = 0  # downloaded from remote storage, sha256 checks included (cache hits excluded)
         self.throttled = 0  # answers of the store asking for fewer requests (503 SlowDown, 429)
         self.engine = FetchEngine(connections)  # pieces and hedges of the remote ranges (fetch.py)
+        self.engine.throttled = self._throttle
         self._pid = os.getpid()  # a reader inherited by a forked child is not one of the child's
         BUFFERS.opening()  # the process's buffers are kept while a reader is open
 

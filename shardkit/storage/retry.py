@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 
 _TRANSIENT_4XX = {408, 409, 425, 429}  # timeout, conflict, too early, throttled: worth another attempt
-_THROTTLED = {429, 503}  # the store asks for fewer requests (S3's SlowDown is a 503)
+THROTTLED = {429, 503}  # the store asks for fewer requests (S3's SlowDown is a 503)
 THROTTLED_BASE_S = 1.0  # ...so the backoff starts at a second: 5 attempts span up to ~15 s, not ~3 s (10: ~65 s)
 _SAY = {NotFoundError: "not found (no such object, or no such bucket)", AccessDeniedError: "access denied"}
 _BY_STATUS = {401: AccessDeniedError, 403: AccessDeniedError, 404: NotFoundError, 410: NotFoundError}
@@ -74,7 +74,7 @@ def retrying(
             last = attempts if stalls is None or stalled < stalls else attempt
             failure = _failure(e, what, attempt, last)
             cause = redacted(e) if failure is not None else None
-            slow_down = status_of(root_cause(e)) in _THROTTLED
+            slow_down = status_of(root_cause(e)) in THROTTLED
         # raised here, out of the except block, so that the client's own error (its message
         # may hold a presigned URL) is no __context__ either, of this or of a stop: only its
         # redacted copy is the cause
@@ -82,18 +82,19 @@ def retrying(
             raise failure from cause
         _before_wait()  # a pack given up (Ctrl-C) tries no more: an attempt can take a minute
         if slow_down:
-            _count_throttled()
-            if throttled is not None:
-                throttled()
+            count_throttled(throttled)
         base = max(base_s, THROTTLED_BASE_S) if slow_down else base_s
         time.sleep(random.uniform(0, min(cap_s, base * 2 ** (attempt - 1))))
     raise AssertionError("unreachable")
 
 
-def _count_throttled() -> None:
+def count_throttled(throttled: Callable[[], None] | None = None) -> None:
+    """One more throttled answer: this process's count, and the caller's `throttled()`."""
     global _throttled_answers
     with _throttled_lock:
         _throttled_answers += 1
+    if throttled is not None:
+        throttled()
 
 
 def _failure(e: Exception, what: str, attempt: int, attempts: int) -> ShardkitError | None:
