@@ -24,7 +24,7 @@ import re
 import threading
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from .patience import patience_for
 from .s3_connections import ThreadConnections, close
@@ -103,42 +103,68 @@ class Direct(Presigner):
     def _answer(
         self, path: str, headers: dict[str, str], own: bool = False
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        """Send a GET of `path` and read its status; an answer that names another region for
-        the bucket (S3's 301 or 400) is asked again there, signed for it; the whole object
-        (200) for a range that starts past its first byte is refused. `own`: on a new
-        connection, not one of this thread's kept ones (a body read over many calls)."""
+        """Send a GET of `path` and read its status (`_send`); the whole object (200) for a
+        range that starts past its first byte is refused. `own`: on a new connection, not one
+        of this thread's kept ones (a body read over many calls)."""
+        conn, resp = self._send("GET", path, lambda: self._url(path), headers, own=own)
+        if resp.status == 200 and not headers["Range"].startswith("bytes=0-"):
+            close(conn, resp)  # the whole object, not the range: its first bytes would come twice
+            raise HTTPStatusError(400, f"the server ignored the range {headers['Range']}")
+        return conn, resp
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        sign: Callable[[], tuple[str, str]],
+        headers: dict[str, str],
+        body: memoryview | None = None,
+        own: bool = False,
+        ok: tuple[int, ...] = (200, 206),
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send `method` to the presigned URL `sign()` gives (and the region it is signed for)
+        and read its status: an answer in `ok` is returned; one that names another region for
+        the bucket (S3's 301 or 400) is asked again there, signed for it; any other raises
+        HTTPStatusError."""
         for _ in range(2):
-            url, signed_for = self._url(path)
+            url, signed_for = sign()
             u = urlsplit(url)
-            target = f"{u.path}?{u.query}" if u.query else u.path
-            for fresh in (False, True):  # a kept connection the server has closed meanwhile: once more, anew
-                conn = (
-                    self._connections.new(u.scheme, u.netloc)
-                    if own
-                    else self._connections.kept(u.scheme, u.netloc, fresh)
-                )
-                try:
-                    conn.request("GET", target, headers=headers)
-                    resp = conn.getresponse()
-                    break
-                except BaseException as e:
-                    conn.close()  # reopened by its next request
-                    if fresh or not isinstance(e, (ConnectionError, http.client.HTTPException)):
-                        raise
-            if resp.status == 200 and not headers["Range"].startswith("bytes=0-"):
-                close(conn, resp)  # the whole object, not the range: its first bytes would come twice
-                raise HTTPStatusError(400, f"the server ignored the range {headers['Range']}")
-            if resp.status in (200, 206):
+            conn, resp = self._request(u, method, f"{u.path}?{u.query}" if u.query else u.path, headers, body, own)
+            if resp.status in ok:
                 return conn, resp
             said = _said(resp.read(_ERROR_BODY))
             close(conn, resp)
             region = resp.getheader("x-amz-bucket-region")
             if resp.status in (301, 307, 400) and region and region != signed_for:
                 with self._lock:
-                    self._regions[path.partition("/")[0]] = region  # what _url signs for from now on
+                    self._regions[path.partition("/")[0]] = region  # what the URLs are signed for from now on
                 continue
             raise HTTPStatusError(resp.status, said)
         raise HTTPStatusError(resp.status, said)
+
+    def _request(
+        self, u: SplitResult, method: str, target: str, headers: dict[str, str], body: memoryview | None, own: bool
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """One request and its status line, on a kept connection (one the server has closed
+        meanwhile: once more, anew) or, with `own`, a new one. A server that refuses a body
+        early (403, 503...) answers, then closes: that answer is read, not taken for a reset."""
+        for fresh in (False, True):
+            conn = (
+                self._connections.new(u.scheme, u.netloc) if own else self._connections.kept(u.scheme, u.netloc, fresh)
+            )
+            early = None
+            try:
+                try:
+                    conn.request(method, target, body=body, headers=headers)
+                except ConnectionError:
+                    if body is None or (early := _early_answer(conn)) is None:
+                        raise
+                return conn, early or conn.getresponse()
+            except BaseException as e:
+                conn.close()  # reopened by its next request
+                if fresh or not isinstance(e, (ConnectionError, http.client.HTTPException)):
+                    raise
+        raise AssertionError("unreachable")
 
     def get(
         self,
@@ -172,46 +198,23 @@ class Direct(Presigner):
     def put_part(self, path: str, upload_id: str, number: int, body: memoryview) -> str:
         """PUT `body` as part `number` of multipart upload `upload_id` of `path`, straight
         from the caller's buffer (no copy, no payload hash: botocore's path copied each part
-        twice and hashed it, ~3 CPU s a GB against ~0.7 here, measured); its ETag. An answer
-        that names another region for the bucket is asked again there. Raises HTTPStatusError
-        for any answer but 200 (the caller retries)."""
-        for _ in range(2):
-            url, signed_for = self._part_url(path, upload_id, number)
-            u = urlsplit(url)
-            for fresh in (False, True):  # a kept connection the server has closed meanwhile: once more, anew
-                conn = self._connections.kept(u.scheme, u.netloc, fresh)
-                try:
-                    early = None
-                    try:
-                        conn.request(
-                            "PUT", f"{u.path}?{u.query}", body=body, headers={"Content-Length": str(len(body))}
-                        )
-                    except ConnectionError:  # a server that refuses early (403, 503...) answers, then closes
-                        if (early := _early_answer(conn)) is None:
-                            raise
-                    resp = early or conn.getresponse()
-                    said = resp.read(_ERROR_BODY) if resp.status != 200 else b""
-                    break
-                except BaseException as e:
-                    conn.close()  # reopened by its next request
-                    if fresh or not isinstance(e, (ConnectionError, http.client.HTTPException)):
-                        raise
-            if resp.status == 200:
-                resp.read()
-                if resp.will_close:
-                    conn.close()
-                etag = resp.getheader("ETag")
-                if not etag:  # the upload could not be completed without it
-                    raise HTTPStatusError(502, f"no ETag in the answer to part {number}'s PUT")
-                return etag
-            close(conn, resp)
-            region = resp.getheader("x-amz-bucket-region")
-            if resp.status in (301, 307, 400) and region and region != signed_for:
-                with self._lock:
-                    self._regions[path.partition("/")[0]] = region
-                continue
-            raise HTTPStatusError(resp.status, _said(said))
-        raise HTTPStatusError(resp.status, _said(said))
+        twice and hashed it, ~3 CPU s a GB against ~0.7 here, measured); its ETag. Raises
+        HTTPStatusError for any answer but 200 (the caller retries)."""
+        conn, resp = self._send(
+            "PUT",
+            path,
+            lambda: self._part_url(path, upload_id, number),
+            {"Content-Length": str(len(body))},
+            body,
+            ok=(200,),
+        )
+        resp.read()
+        if resp.will_close:
+            conn.close()
+        etag = resp.getheader("ETag")
+        if not etag:  # the upload could not be completed without it
+            raise HTTPStatusError(502, f"no ETag in the answer to part {number}'s PUT")
+        return etag
 
     def cat(self, path: str) -> bytes:
         """The whole object, in one GET."""
