@@ -31,7 +31,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.remote_peers_run import children_cpu, cpu_seconds
 from bench.s3 import BUCKET, SERVERS, options, proxy_command, start_proxy, start_server
 from shardkit.bench.harness import median, spread
 
@@ -44,10 +43,16 @@ def watch_connections(control: int, stop: threading.Event, peak: list[int]) -> N
         time.sleep(0.05)
 
 
+def cpu_of(pid: int) -> float:
+    """CPU seconds process `pid` has used (its threads; not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def own_cpu() -> float:
     """CPU seconds of this process and of its children that have ended (a pack's pool, curls)."""
-    used = resource.getrusage(resource.RUSAGE_SELF)
-    return used.ru_utime + used.ru_stime + children_cpu()
+    used = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return sum(u.ru_utime + u.ru_stime for u in used)
 
 
 def timed(control: int, fn: Callable[[], None], server: int, proxy: int) -> tuple[float, int, tuple[float, ...]]:
@@ -56,7 +61,7 @@ def timed(control: int, fn: Callable[[], None], server: int, proxy: int) -> tupl
     stop, peak = threading.Event(), [0]
     watcher = threading.Thread(target=watch_connections, args=(control, stop, peak))
     watcher.start()
-    before = own_cpu(), cpu_seconds(server), cpu_seconds(proxy)
+    before = own_cpu(), cpu_of(server), cpu_of(proxy)
     t0 = time.perf_counter()
     try:
         fn()
@@ -64,7 +69,7 @@ def timed(control: int, fn: Callable[[], None], server: int, proxy: int) -> tupl
         took = time.perf_counter() - t0
         stop.set()
         watcher.join()
-    after = own_cpu(), cpu_seconds(server), cpu_seconds(proxy)
+    after = own_cpu(), cpu_of(server), cpu_of(proxy)
     return took, peak[0], tuple(b - a for a, b in zip(before, after))
 
 
